@@ -1,0 +1,93 @@
+"""KernelSpec and ModelDims: what one compiled kernel specialization is, and the model dims it reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("tvm_ffi", "triton")
+DTYPES = ("float32", "bfloat16")
+
+ParamValue = int | str
+
+
+def is_valid_target(target: str) -> bool:
+    """Return True for ``cpu`` or a CUDA arch name such as ``sm_90``, ``sm_90a`` or ``sm_100``."""
+    if target == "cpu":
+        return True
+    arch = target.removeprefix("sm_").removesuffix("a")
+    return target.startswith("sm_") and arch.isdigit() and int(arch) >= 75
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Model dimensions the kernel families specialize on (illustrative defaults, DESIGN.md)."""
+
+    head_dim: int = 128
+    rope_dim: int = 64
+    num_q_heads: int = 16
+    num_kv_heads: int = 1
+    compress_ratios: tuple[int, ...] = (4, 128)
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel specialization: the unit that is compiled, cached, loaded and dispatched.
+
+    ``params`` are stored sorted by name, so two specs with the same values are equal and hash alike
+    whatever order they were given in.
+
+    Examples
+    --------
+    >>> s = KernelSpec("plan", "tvm_ffi", "cpu", {"ratio": 4, "threads": 128})
+    >>> s.id
+    'plan/tvm_ffi/cpu/ratio=4,threads=128'
+    >>> KernelSpec.from_json(s.to_json()) == s
+    True
+    """
+
+    family: str
+    backend: str
+    target: str
+    params: tuple[tuple[str, ParamValue], ...] = field(default=())
+
+    def __init__(self, family: str, backend: str, target: str,
+                 params: Mapping[str, ParamValue] | tuple[tuple[str, ParamValue], ...] = ()) -> None:
+        items = params.items() if isinstance(params, Mapping) else params
+        for name, value in items:
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise TypeError(f"spec param {name}={value!r} must be an int or a str")
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "params", tuple(sorted(items)))
+
+    def __getitem__(self, name: str) -> ParamValue:
+        """Return the value of param ``name``."""
+        for key, value in self.params:
+            if key == name:
+                return value
+        raise KeyError(f"{self.family} spec has no param {name!r}")
+
+    @property
+    def params_dict(self) -> dict[str, ParamValue]:
+        """The params as a plain dict."""
+        return dict(self.params)
+
+    @property
+    def id(self) -> str:
+        """Stable readable identifier: ``family/backend/target/k=v,...``."""
+        args = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.family}/{self.backend}/{self.target}/{args}"
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-able dict; :meth:`from_json` inverts it."""
+        return {"family": self.family, "backend": self.backend, "target": self.target,
+                "params": self.params_dict}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> KernelSpec:
+        """Rebuild a spec from :meth:`to_json` output."""
+        return cls(data["family"], data["backend"], data["target"], dict(data["params"]))

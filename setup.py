@@ -1,0 +1,31 @@
+"""Packaging for jitwarm: three top-level folders installed under the ``jitwarm`` namespace."""
+from setuptools import setup
+
+PACKAGES = {
+    "jitwarm.precompile": "precompile",
+    "jitwarm.kernels": "kernels",
+    "jitwarm.cache": "cache",
+}
+
+setup(
+    name="jitwarm",
+    version="0.1.0",
+    description="JIT-kernel warmup and precompile service for CUDA-graph capture in LLM servers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={"jitwarm.kernels": ["csrc/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4,<3",
+        "apache-tvm-ffi>=0.1.15,<0.2",
+        "triton>=3.4,<4",
+        "filelock>=3.20,<5",
+        "numpy>=1.26",
+        "tomli>=2.0; python_version < '3.11'",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"]},
+)
