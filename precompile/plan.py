@@ -1,0 +1,80 @@
+"""WarmPlan: every kernel spec a serving config's capture ladder needs, in first-needed order."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from jitwarm.kernels import FAMILIES, KernelSpec
+from jitwarm.precompile.config import ServingConfig
+from jitwarm.precompile.shapes import CaptureShape, capture_shapes
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    """The unique kernel specs of a capture ladder and which shapes need each.
+
+    ``specs`` are in the order capture first needs them (largest batch first), so warming in that order
+    readies the first graphs first. ``plan_id`` hashes the sorted spec set: two configs that need the
+    same kernels share a plan id and a completion record.
+
+    Examples
+    --------
+    >>> cfg = ServingConfig(cuda_graph_max_bs=128, speculative_num_draft_tokens=6,
+    ...                     ragged_verify_mode="compact", targets=("cpu",))
+    >>> plan = WarmPlan.build(cfg)
+    >>> len(plan.shapes), len(plan.specs)
+    (35, 30)
+    """
+
+    config: ServingConfig | None
+    shapes: tuple[CaptureShape, ...]
+    specs: tuple[KernelSpec, ...]
+    needed_by: dict[KernelSpec, tuple[int, ...]]
+    introduced: dict[int, tuple[KernelSpec, ...]]
+
+    @classmethod
+    def build(cls, config: ServingConfig) -> WarmPlan:
+        """Map every capture shape of ``config`` to its specs, for each backend and target."""
+        shapes = tuple(capture_shapes(config))
+        needed: dict[KernelSpec, list[int]] = {}
+        introduced: dict[int, tuple[KernelSpec, ...]] = {}
+        for shape in shapes:
+            new = []
+            for spec in _specs_of_shape(shape, config):
+                if spec not in needed:
+                    needed[spec] = []
+                    new.append(spec)
+                needed[spec].append(shape.bs)
+            introduced[shape.bs] = tuple(new)
+        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced)
+
+    @property
+    def plan_id(self) -> str:
+        """Stable id: the first 16 hex digits of sha256 over the sorted spec ids."""
+        text = "\n".join(sorted(s.id for s in self.specs))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def by_family(self) -> dict[str, int]:
+        """Spec count per family, in :data:`FAMILIES` order."""
+        return {name: sum(1 for s in self.specs if s.family == name) for name in FAMILIES}
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the plan as ``jitwarm plan --json`` prints it."""
+        return {
+            "plan_id": self.plan_id,
+            "shapes": [{"bs": sh.bs, "num_tokens": sh.num_tokens, "slots": sh.layout.slots,
+                        "verify_lens": list(sh.layout.verify_lens), "uniform": sh.layout.uniform,
+                        "new_specs": [s.id for s in self.introduced[sh.bs]]} for sh in self.shapes],
+            "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],
+            "totals": {"shapes": len(self.shapes), "specs": len(self.specs), "by_family": self.by_family()},
+        }
+
+
+def _specs_of_shape(shape: CaptureShape, config: ServingConfig) -> Iterable[KernelSpec]:
+    for backend in config.backends:
+        for target in config.targets:
+            for family in FAMILIES.values():
+                yield from family.specs_for(shape.layout, config.model, backend, target)

@@ -1,0 +1,192 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jitwarm.kernels import KernelSpec, VerifyLayout, plan_threads
+from jitwarm.precompile import ServingConfig, WarmPlan, capture_batch_sizes, capture_shapes, verify_lens_for
+from jitwarm.precompile.cli import main
+
+DSPARK = dict(cuda_graph_max_bs=128, speculative_num_draft_tokens=6, ragged_verify_mode="compact")
+DSPARK_FLAGS = ["--cuda-graph-max-bs", "128", "--speculative-num-draft-tokens", "6", "--ragged-verify-mode",
+                "compact", "--target", "cpu"]
+
+
+def config(**kw):
+    kw.setdefault("targets", ("cpu",))
+    return ServingConfig(**kw)
+
+
+def test_dspark_ladder_has_35_shapes_largest_first():
+    shapes = capture_shapes(config(**DSPARK))
+    assert len(shapes) == 35
+    assert [s.bs for s in shapes] == sorted((s.bs for s in shapes), reverse=True)
+    assert shapes[0].bs == 128 and shapes[-1].bs == 1
+
+
+def test_bs60_is_the_incident_layout():
+    shape = next(s for s in capture_shapes(config(**DSPARK)) if s.bs == 60)
+    assert shape.layout.verify_lens == (3,) * 104 + (2,) * 24
+    assert shape.layout.run_length() == "[3]*104+[2]*24"
+    assert (shape.num_tokens, shape.layout.slots, shape.layout.max_len) == (360, 128, 3)
+
+
+def test_uniform_shapes_are_128_64_and_small():
+    uniform = {s.bs for s in capture_shapes(config(**DSPARK)) if s.layout.uniform}
+    ladder = set(capture_batch_sizes(config(**DSPARK)))
+    assert uniform == {128, 64} | {b for b in ladder if b <= 20}
+
+
+def test_every_compact_layout_conserves_tokens():
+    cfg = config(**DSPARK)
+    for bs in capture_batch_sizes(cfg):
+        lens = verify_lens_for(cfg, bs)
+        assert sum(lens) == bs * 6 and len(lens) == min(bs * 6, 128)
+        assert min(lens) >= 1 and max(lens) - min(lens) <= 1
+        assert list(lens) == sorted(lens, reverse=True)
+
+
+def test_sglang_dspark_ladder_for_max_bs_80():
+    expected = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 81, 8)]
+    assert capture_batch_sizes(config(cuda_graph_max_bs=80, speculative_num_draft_tokens=6)) == expected
+
+
+def test_plain_ladder_without_speculation():
+    expected = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, 601, 32), 600]
+    assert capture_batch_sizes(config(cuda_graph_max_bs=600)) == expected
+    assert all(s.layout.verify_lens == (1,) * s.bs for s in capture_shapes(config(cuda_graph_max_bs=64)))
+
+
+def test_max_bs_is_appended_when_off_the_ladder():
+    assert capture_batch_sizes(config(cuda_graph_max_bs=100, speculative_num_draft_tokens=2))[-3:] == [88, 96, 100]
+
+
+def test_no_padding_ladder_and_explicit_list():
+    assert capture_batch_sizes(config(cuda_graph_max_bs=12, disable_cuda_graph_padding=True)) == list(range(1, 13))
+    assert capture_batch_sizes(config(cuda_graph_bs=(16, 2, 2, 7))) == [2, 7, 16]
+
+
+def test_max_running_requests_cuts_the_ladder():
+    sizes = capture_batch_sizes(config(cuda_graph_max_bs=128, max_running_requests=50,
+                                       speculative_num_draft_tokens=6))
+    assert max(sizes) == 50 and 48 in sizes and 52 not in sizes
+
+
+@pytest.mark.parametrize("mode", ["static", "cap-accept"])
+def test_static_modes_verify_full_blocks(mode):
+    cfg = config(cuda_graph_max_bs=128, speculative_num_draft_tokens=6, ragged_verify_mode=mode)
+    assert all(s.layout.verify_lens == (6,) * s.bs for s in capture_shapes(cfg))
+    assert len(WarmPlan.build(cfg).specs) == 9
+
+
+def test_dspark_plan_has_30_specs():
+    plan = WarmPlan.build(config(**DSPARK))
+    assert plan.by_family() == {"norm_rope": 8, "compressor": 16, "plan": 6}
+    norm = {(s["uniform"], s["max_len"]) for s in plan.specs if s.family == "norm_rope"}
+    assert norm == {(1, 6), (1, 3), (1, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2)}
+    assert {(s["ratio"], s["threads"]) for s in plan.specs if s.family == "plan"} == {
+        (r, t) for r in (4, 128) for t in (32, 64, 128)}
+    assert len(set(plan.specs)) == len(plan.specs)
+
+
+def test_bs60_introduces_new_compressor_and_norm_rope_specs():
+    plan = WarmPlan.build(config(**DSPARK))
+    new = plan.introduced[60]
+    assert {s.family for s in new} == {"compressor", "norm_rope"}
+    assert all(s["max_len"] == 3 and s["uniform"] == 0 for s in new)
+    assert all(60 in plan.needed_by[s] for s in new)
+
+
+def test_every_shape_is_covered_and_first_needed_order():
+    plan = WarmPlan.build(config(**DSPARK))
+    seen = []
+    for shape in plan.shapes:
+        seen.extend(plan.introduced[shape.bs])
+    assert tuple(seen) == plan.specs
+    for spec, sizes in plan.needed_by.items():
+        assert list(sizes) == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("field, values", [("targets", ("cpu", "sm_90")), ("backends", ("tvm_ffi", "triton"))])
+def test_two_targets_or_backends_double_the_specs(field, values):
+    one = WarmPlan.build(config(**DSPARK))
+    two = WarmPlan.build(config(**DSPARK, **{field: values}))
+    assert len(two.specs) == 2 * len(one.specs)
+    strip = lambda s: (s.family, s.params)  # noqa: E731
+    attr = field[:-1]
+    for value in values:
+        subset = [s for s in two.specs if getattr(s, attr) == value]
+        assert [strip(s) for s in subset] == [strip(s) for s in one.specs]
+    assert two.plan_id != one.plan_id
+
+
+def test_plan_id_is_stable_and_order_free():
+    a = WarmPlan.build(config(**DSPARK))
+    b = WarmPlan.build(config(**DSPARK, compress_ratios=(128, 4)))
+    assert a.plan_id == b.plan_id and len(a.plan_id) == 16
+
+
+def test_plan_threads_rule():
+    assert [plan_threads(n) for n in (1, 6, 32, 33, 64, 65, 128, 1000, 5000)] == [
+        32, 32, 32, 64, 64, 128, 128, 1024, 1024]
+
+
+def test_kernel_spec_json_round_trip_and_hash():
+    spec = KernelSpec("compressor", "tvm_ffi", "sm_90", {"ratio": 4, "dtype": "bfloat16", "max_len": 3})
+    again = KernelSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert again == spec and hash(again) == hash(spec)
+    assert KernelSpec("plan", "tvm_ffi", "cpu", {"threads": 32, "ratio": 4}) == KernelSpec(
+        "plan", "tvm_ffi", "cpu", {"ratio": 4, "threads": 32})
+    with pytest.raises(TypeError):
+        KernelSpec("plan", "tvm_ffi", "cpu", {"ratio": 4.0})
+
+
+def test_verify_layout_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="below 1"):
+        VerifyLayout((2, 0))
+    with pytest.raises(ValueError, match="empty"):
+        VerifyLayout(())
+
+
+def test_plan_json_output(capsys):
+    assert main(["plan", "--json", *DSPARK_FLAGS]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["totals"] == {"shapes": 35, "specs": 30,
+                              "by_family": {"norm_rope": 8, "compressor": 16, "plan": 6}}
+    bs60 = next(s for s in data["shapes"] if s["bs"] == 60)
+    assert bs60["verify_lens"] == [3] * 104 + [2] * 24 and bs60["uniform"] is False
+    assert bs60["num_tokens"] == 360 and bs60["slots"] == 128
+    ids = {s["id"] for s in data["specs"]}
+    assert set(bs60["new_specs"]) <= ids
+    spec = data["specs"][0]
+    assert set(spec) == {"id", "family", "backend", "target", "params", "needed_by_bs"}
+    assert KernelSpec.from_json(spec).id == spec["id"]
+
+
+def test_plan_table_output(capsys):
+    assert main(["plan", *DSPARK_FLAGS]) == 0
+    out = capsys.readouterr().out
+    row60 = next(line for line in out.splitlines() if line.split()[:1] == ["60"])
+    assert "[3]*104+[2]*24" in row60 and "compressor(" in row60 and "norm_rope(" in row60
+    assert "30 specs for 35 shapes (norm_rope 8, compressor 16, plan 6)" in out
+
+
+def test_plan_cli_imports_no_heavy_modules_and_is_fast(tmp_path):
+    code = ("import sys, time; t=time.perf_counter(); from jitwarm.precompile.cli import main; "
+            "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()): rc = main(sys.argv[1:])\n"
+            "heavy = [m for m in ('torch', 'triton', 'tvm_ffi', 'numpy') if m in sys.modules]\n"
+            "print(rc, time.perf_counter() - t, heavy)")
+    before = set(tmp_path.iterdir())
+    out = subprocess.run([sys.executable, "-c", code, "plan", *DSPARK_FLAGS], capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout.split(maxsplit=2)
+    assert out[0] == "0" and out[2].strip() == "[]"
+    assert float(out[1]) < 0.5
+    assert set(tmp_path.iterdir()) == before
+
+
+def test_plan_runs_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile", "plan", "--json", *DSPARK_FLAGS],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["totals"]["specs"] == 30
