@@ -1,0 +1,268 @@
+"""Cache entries: the ``entry.json`` manifest, sealing a staging directory, and verification."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from jitwarm.cache.durable import fsync_tree, write_atomic
+from jitwarm.cache.errors import CacheError, CorruptEntry
+from jitwarm.cache.keys import FORMAT_VERSION, hash_preimage, is_key
+from jitwarm.cache.trust import check_trusted
+
+#: The manifest of an entry; written last, so an entry without it was never published.
+MANIFEST = "entry.json"
+_MAX_MANIFEST_BYTES = 16 << 20
+_CHUNK = 1 << 20
+
+#: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file, as seen when verified.
+Signature = tuple[tuple[str, int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One artifact file of an entry: its path relative to the entry, size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A published, verified cache entry.
+
+    Attributes
+    ----------
+    key : str
+        The sha256 key.
+    path : Path
+        The entry directory; artifact files are ``path / name`` for ``name`` in ``files``.
+    files : tuple of str
+        Relative POSIX paths of the artifact files (``entry.json`` excluded), sorted.
+    description : dict
+        The description the key was made from (as plain JSON: tuples read back as lists).
+    preimage : dict
+        The full key preimage ``{"format": ..., "description": ...}``, to explain a miss.
+    records : tuple of FileRecord
+        Size and sha256 of each file, in ``files`` order.
+    created : float
+        When the entry was sealed (``time.time()`` of the builder).
+    read_only : bool
+        True when served from a read-only layer or a read-only cache.
+
+    """
+
+    key: str
+    path: Path
+    files: tuple[str, ...]
+    description: dict[str, Any] = field(compare=False, repr=False)
+    preimage: dict[str, Any] = field(compare=False, repr=False)
+    records: tuple[FileRecord, ...] = field(repr=False)
+    created: float = field(repr=False)
+    read_only: bool = field(default=False, compare=False)
+
+    def file(self, name: str) -> Path:
+        """Return the path of artifact ``name``; KeyError if the entry has no such file."""
+        if name not in self.files:
+            raise KeyError(f"cache entry {self.key} has no file {name!r}; it has {list(self.files)}")
+        return self.path / name
+
+    @property
+    def size_bytes(self) -> int:
+        """Total size of the artifact files."""
+        return sum(r.size for r in self.records)
+
+
+def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> dict[str, Any]:
+    """Turn a finished build directory into a complete entry, ready to be renamed into place.
+
+    Makes files read-only (``0o444``, or ``0o555`` when executable) and removes write access for other
+    users (and for the group, unless ``shared``) from directories, hashes every file, writes
+    ``entry.json`` last and fsyncs the whole tree, so that after the rename no reader (or crash) can
+    see a partial entry.
+
+    Returns
+    -------
+    dict
+        The manifest written.
+
+    Raises
+    ------
+    CacheError
+        The build wrote no files, a symlink or special file, or a file named ``entry.json``.
+
+    """
+    records = []
+    for rel, st in _walk_files(staging, error=CacheError):
+        if rel == MANIFEST:
+            raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
+        path = staging / rel
+        path.chmod(0o555 if st.st_mode & 0o111 else 0o444)
+        records.append({"path": rel, "size": st.st_size, "sha256": _sha256(path)})
+    if not records:
+        # Never publish an empty artifact (FlashInfer PR #4136 checks for a non-empty cubin for the same reason).
+        raise CacheError("the build wrote no files into its staging directory")
+    strip = 0o002 if shared else 0o022
+    for dirpath, _dirs, _files in os.walk(staging):
+        Path(dirpath).chmod(stat.S_IMODE(os.lstat(dirpath).st_mode) & ~strip | 0o700)
+    manifest = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
+                "files": sorted(records, key=lambda r: r["path"])}
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode("ascii")
+    write_atomic(staging / MANIFEST, data, durable=False, mode=0o444)
+    fsync_tree(staging)
+    return manifest
+
+
+def verify_entry(path: Path, key: str, *, allow_shared: bool,
+                 read_only: bool = False) -> tuple[Entry, Signature]:
+    """Fully verify the entry directory at ``path`` for ``key`` and return it.
+
+    Checks, in order: the directory and every file pass the trust check; ``entry.json`` parses, has
+    this format and key, and its preimage hashes to the key; the set of files on disk is exactly the
+    set listed (no extras, no symlinks or special files); each file's size and sha256 match.
+
+    Returns
+    -------
+    (Entry, Signature)
+        The entry, and the stat signature that :func:`signature` compares against later.
+
+    Raises
+    ------
+    FileNotFoundError
+        There is no directory at ``path`` (a miss, not corruption).
+    CorruptEntry
+        Anything else is wrong with the content; the message says what.
+    CacheError
+        The directory or a file in it is writable by other users (see :mod:`jitwarm.cache.trust`).
+
+    """
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptEntry(f"{path} is not a directory")
+    check_trusted(path, "cache entry", allow_shared=allow_shared, st=st)
+    doc, records = _read_manifest(path, key)
+    listed = {r.path: r for r in records}
+    on_disk = dict(_walk_files(path, error=CorruptEntry))
+    for rel, fst in on_disk.items():
+        check_trusted(path / rel, "cache entry file", allow_shared=allow_shared, st=fst)
+    on_disk_files = set(on_disk) - {MANIFEST}
+    if MANIFEST not in on_disk:
+        raise CorruptEntry(f"{path} has no {MANIFEST}")
+    if on_disk_files != set(listed):
+        missing, extra = sorted(set(listed) - on_disk_files), sorted(on_disk_files - set(listed))
+        raise CorruptEntry(f"{path}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+    for rel, rec in listed.items():
+        if on_disk[rel].st_size != rec.size:
+            raise CorruptEntry(f"{path / rel}: size {on_disk[rel].st_size}, {MANIFEST} says {rec.size}")
+        if _sha256(path / rel) != rec.sha256:
+            raise CorruptEntry(f"{path / rel}: sha256 does not match {MANIFEST}")
+    entry = Entry(key=key, path=path, files=tuple(sorted(listed)), description=doc["preimage"]["description"],
+                  preimage=doc["preimage"], records=tuple(listed[n] for n in sorted(listed)),
+                  created=float(doc.get("created", 0.0)), read_only=read_only)
+    sig = tuple(_sig_item(n, on_disk[n]) for n in sorted(on_disk))
+    return entry, sig
+
+
+def signature(entry: Entry) -> Signature | None:
+    """Stat the manifest and files of a verified entry now; None if any is gone.
+
+    Compared with the signature taken at verification, it detects truncation, deletion, replacement
+    and (on filesystems with fine mtimes) rewrites without hashing again.
+    """
+    names = sorted((*entry.files, MANIFEST))
+    try:
+        return tuple(_sig_item(n, os.lstat(entry.path / n)) for n in names)
+    except OSError:
+        return None
+
+
+def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
+    """One element of a Signature."""
+    return (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _read_manifest(path: Path, key: str) -> tuple[dict[str, Any], list[FileRecord]]:
+    """Parse and check ``entry.json`` of the entry at ``path``; CorruptEntry on any defect."""
+    try:
+        mst = os.lstat(path / MANIFEST)
+    except FileNotFoundError:
+        raise CorruptEntry(f"{path} has no {MANIFEST}") from None
+    if not stat.S_ISREG(mst.st_mode) or mst.st_size > _MAX_MANIFEST_BYTES:
+        raise CorruptEntry(f"{path / MANIFEST} is not a regular file of sane size")
+    try:
+        doc = json.loads((path / MANIFEST).read_bytes())
+        if not isinstance(doc, dict) or not isinstance(doc["preimage"], dict):
+            raise TypeError("not an object")
+        fmt, stored_key, preimage, files = doc["format"], doc["key"], doc["preimage"], doc["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptEntry(f"{path / MANIFEST} is not a valid manifest: {exc!r}") from None
+    if fmt != FORMAT_VERSION:
+        raise CorruptEntry(f"{path / MANIFEST} has format {fmt!r}, expected {FORMAT_VERSION}")
+    if stored_key != key:
+        raise CorruptEntry(f"{path / MANIFEST} is for key {stored_key!r}, not {key}")
+    try:
+        if hash_preimage(preimage) != key:
+            raise CorruptEntry(f"{path / MANIFEST}: the stored preimage does not hash to the key")
+    except TypeError:
+        raise CorruptEntry(f"{path / MANIFEST}: the stored preimage is not plain JSON") from None
+    if not isinstance(files, list) or not files:
+        raise CorruptEntry(f"{path / MANIFEST} lists no files")
+    records = []
+    for item in files:
+        try:
+            rec = FileRecord(path=item["path"], size=item["size"], sha256=item["sha256"])
+        except (KeyError, TypeError):
+            raise CorruptEntry(f"{path / MANIFEST}: malformed file record {item!r}") from None
+        size_ok = isinstance(rec.size, int) and not isinstance(rec.size, bool) and rec.size >= 0
+        if not (is_safe_relpath(rec.path) and size_ok and is_key(rec.sha256)):
+            raise CorruptEntry(f"{path / MANIFEST}: bad file record {item!r}")
+        records.append(rec)
+    if len({r.path for r in records}) != len(records) or any(r.path == MANIFEST for r in records):
+        raise CorruptEntry(f"{path / MANIFEST}: duplicate or reserved file names")
+    return doc, records
+
+
+def is_safe_relpath(rel: object) -> bool:
+    """Return True for a normalized relative POSIX path without ``..``.
+
+    Manifests and bundles hold relative paths only, so an entry is valid wherever its root is mounted
+    (Triton's group files store absolute paths, so a moved Triton cache misses).
+    """
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
+        return False
+    parts = rel.split("/")
+    return all(p not in ("", ".", "..") for p in parts) and str(PurePosixPath(rel)) == rel
+
+
+def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.stat_result]]:
+    """List regular files under ``root`` as (relative POSIX path, lstat); ``error`` on links or specials."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            full = Path(dirpath, name)
+            st = full.lstat()
+            rel = full.relative_to(root).as_posix()
+            if stat.S_ISLNK(st.st_mode):
+                raise error(f"{full} is a symlink; cache entries hold regular files only")
+            if stat.S_ISREG(st.st_mode):
+                found.append((rel, st))
+            elif not stat.S_ISDIR(st.st_mode):
+                raise error(f"{full} is not a regular file or directory")
+    return sorted(found)
+
+
+def _sha256(path: Path) -> str:
+    """Hash a file in chunks, without following a symlink."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

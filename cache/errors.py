@@ -1,0 +1,67 @@
+"""Exceptions raised by the kernel cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jitwarm.cache.locks import LockHolder
+
+
+class CacheError(Exception):
+    """Base class of every error the cache raises on purpose.
+
+    Raised for misuse of a read-only cache, an untrusted root or entry, an invalid bundle, a lock
+    directory without working ``flock``, and (as subclasses) lock timeouts and failed builds.
+    """
+
+
+class LockTimeout(CacheError):
+    """Waiting for another process's build of a key passed its deadline.
+
+    Attributes
+    ----------
+    key : str
+        The cache key whose lock (or entry) was awaited.
+    holder : LockHolder or None
+        Who held the lock at the deadline, when it wrote its holder record.
+    timeout_s : float
+        The deadline that passed, in seconds.
+
+    """
+
+    def __init__(self, key: str, holder: LockHolder | None, timeout_s: float) -> None:
+        self.key = key
+        self.holder = holder
+        self.timeout_s = timeout_s
+        who = holder.describe() if holder is not None else "no holder recorded"
+        super().__init__(f"timed out after {timeout_s:.1f} s waiting for cache key {key}: {who}")
+
+    def __reduce__(self) -> tuple[type[LockTimeout], tuple[str, LockHolder | None, float]]:
+        return (type(self), (self.key, self.holder, self.timeout_s))
+
+
+class BuildError(CacheError):
+    """The build callable raised, or produced no usable artifact.
+
+    The original exception is chained as ``__cause__``. Nothing was published for the key, its staging
+    directory is gone and its lock is released, so a later call may retry.
+
+    Attributes
+    ----------
+    key : str
+        The cache key that failed to build.
+
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"build of cache key {key} failed: {reason}")
+
+    def __reduce__(self) -> tuple[type[BuildError], tuple[str, str]]:
+        return (type(self), (self.key, self.reason))
+
+
+class CorruptEntry(CacheError):
+    """An entry failed verification (internal: lookups turn it into a miss and quarantine)."""

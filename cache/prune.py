@@ -1,0 +1,121 @@
+"""Pruning: least-recently-used entries by size or age, and staging dirs abandoned by dead builders."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+from jitwarm.cache.durable import directory_size, remove_tree
+from jitwarm.cache.layout import RootLayout
+from jitwarm.cache.locks import KeyLock, pid_alive, this_host
+from jitwarm.cache.reports import PruneReport
+
+log = logging.getLogger("jitwarm.cache")
+
+
+def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None) -> list[str]:
+    """Remove staging dirs left by dead processes of this host; return their names.
+
+    A staging dir is removed only when its name says this host, its pid is not alive (zombies count as
+    dead) and, when it belongs to a key, nobody holds that key's lock. With ``only_key`` the caller
+    holds that key's lock, and only that key's dirs are considered. Dirs of other hosts are never
+    touched: their pids mean nothing here.
+    """
+    host = this_host()
+    removed = []
+    for name, path in layout.iter_staging():
+        if name is None or name.host != host or pid_alive(name.pid):
+            continue
+        if only_key is not None and name.key != only_key:
+            continue
+        lock = KeyLock(lock_dir, name.key) if name.key is not None and only_key is None else None
+        if lock is not None and not lock.try_acquire():
+            continue
+        try:
+            if remove_tree(path):
+                removed.append(path.name)
+                log.info("removed staging dir %s of dead process %d", path, name.pid)
+        finally:
+            if lock is not None:
+                lock.release()
+    return removed
+
+
+def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
+               older_than_s: float | None) -> PruneReport:
+    """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
+
+    Last use is the entry directory's mtime, which lookups refresh: it works on ``noatime`` mounts. Each
+    removal takes the key's lock without waiting (a held lock means a build or import is in progress, so
+    the entry is kept) and renames the entry into staging before deleting it, so a reader sees the whole
+    entry or none of it.
+    """
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
+    staging_removed = sweep_staging(layout, lock_dir)
+    now = time.time()
+    candidates = []
+    for key, path in layout.iter_entry_dirs():
+        with contextlib.suppress(FileNotFoundError):
+            candidates.append((os.lstat(path).st_mtime, key, path, directory_size(path)))
+    candidates.sort()
+    total = sum(size for *_rest, size in candidates)
+    removed, skipped, freed = [], [], 0
+    for mtime, key, path, size in candidates:
+        too_old = older_than_s is not None and now - mtime > older_than_s
+        too_big = max_bytes is not None and total > max_bytes
+        if not (too_old or too_big):
+            continue
+        if _remove_entry(layout, lock_dir, key, path):
+            removed.append(key)
+            freed += size
+            total -= size
+        else:
+            skipped.append(key)
+    quarantine_removed = _prune_quarantine(layout, now - older_than_s) if older_than_s is not None else []
+    return PruneReport(removed=tuple(removed), freed_bytes=freed, skipped_locked=tuple(skipped),
+                       staging_removed=tuple(staging_removed), quarantine_removed=tuple(quarantine_removed),
+                       remaining_bytes=total)
+
+
+def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path) -> bool:
+    """Move one entry out under its lock and delete it; False if its lock is held."""
+    lock = KeyLock(lock_dir, key)
+    if not lock.try_acquire():
+        log.info("prune: keeping %s, its lock is held", key)
+        return False
+    trash = layout.new_staging_dir(key)
+    try:
+        layout.ensure(layout.staging)
+        path.rename(trash)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:  # e.g. another user's entry in a shared root
+        log.warning("prune: cannot remove %s: %s", path, exc)
+        return False
+    finally:
+        lock.release()
+    remove_tree(trash)
+    return True
+
+
+def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:
+    """Delete quarantined copies (and their .reason notes) last modified before ``cutoff``."""
+    removed = []
+    try:
+        items = sorted(os.scandir(layout.quarantine), key=lambda e: e.name)
+    except FileNotFoundError:
+        return removed
+    for item in items:
+        with contextlib.suppress(OSError):
+            if item.stat(follow_symlinks=False).st_mtime >= cutoff:
+                continue
+            if item.is_dir(follow_symlinks=False):
+                remove_tree(Path(item.path))
+            else:
+                Path(item.path).unlink()
+            removed.append(item.name)
+    return removed

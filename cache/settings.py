@@ -1,0 +1,195 @@
+"""Every ``JITWARM_*`` environment variable of jitwarm, read lazily through one typed place.
+
+Nothing here runs at import. :func:`settings` reads ``os.environ`` on every call, so a changed environment
+is seen at once; :func:`override` scopes changes for tests (and for child processes, which inherit them).
+
+Examples
+--------
+>>> from jitwarm.cache.settings import override, settings
+>>> with override(jobs=3, strict=True):
+...     (settings().jobs, settings().strict)
+(3, True)
+
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+#: Field of :class:`Settings` -> the environment variable it is read from.
+ENV_VARS: Mapping[str, str] = {
+    "cache_dir": "JITWARM_CACHE_DIR",
+    "cache_path": "JITWARM_CACHE_PATH",
+    "lock_dir": "JITWARM_LOCK_DIR",
+    "allow_shared": "JITWARM_ALLOW_SHARED",
+    "jobs": "JITWARM_JOBS",
+    "strict": "JITWARM_STRICT",
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A snapshot of jitwarm's environment knobs, already parsed and defaulted.
+
+    Attributes
+    ----------
+    cache_dir : Path
+        Writable cache root: ``$JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else
+        ``~/.cache/jitwarm``.
+    cache_path : tuple of Path
+        Read-only layers searched after the root: ``$JITWARM_CACHE_PATH``, colon-separated.
+    lock_dir : Path or None
+        Where per-key lock files live (``$JITWARM_LOCK_DIR``); None means ``<cache_dir>/v1/locks``.
+        Put it on node-local storage such as ``/dev/shm`` when the root is on NFS.
+    allow_shared : bool
+        ``$JITWARM_ALLOW_SHARED``: accept roots and entries other users can write.
+    jobs : int
+        ``$JITWARM_JOBS``: parallel builds for ``warm``; defaults to the number of CPUs.
+    strict : bool
+        ``$JITWARM_STRICT``: never compile at run time; a cache miss is an error.
+
+    """
+
+    cache_dir: Path
+    cache_path: tuple[Path, ...]
+    lock_dir: Path | None
+    allow_shared: bool
+    jobs: int
+    strict: bool
+
+
+def settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read and parse every ``JITWARM_*`` variable now.
+
+    Parameters
+    ----------
+    environ : Mapping, optional
+        The environment to read; ``os.environ`` by default.
+
+    Returns
+    -------
+    Settings
+        The parsed values, defaults filled in.
+
+    Raises
+    ------
+    ValueError
+        A variable has a value that does not parse; the one-line message names the variable.
+
+    """
+    env = os.environ if environ is None else environ
+    return Settings(
+        cache_dir=_cache_dir(env),
+        cache_path=tuple(_path(p) for p in env.get("JITWARM_CACHE_PATH", "").split(":") if p.strip()),
+        lock_dir=_path(env["JITWARM_LOCK_DIR"]) if env.get("JITWARM_LOCK_DIR", "").strip() else None,
+        allow_shared=_bool(env, "JITWARM_ALLOW_SHARED"),
+        jobs=_jobs(env),
+        strict=_bool(env, "JITWARM_STRICT"),
+    )
+
+
+@contextmanager
+def override(**values: object) -> Iterator[Settings]:
+    """Set some knobs for the duration of a ``with`` block, then restore the environment.
+
+    Values are written to ``os.environ`` (so subprocesses see them too); ``None`` unsets a variable.
+    Not thread-safe: it changes the process environment.
+
+    Parameters
+    ----------
+    **values
+        :class:`Settings` field names and their values (paths, a sequence of paths for ``cache_path``,
+        bools, ints).
+
+    Yields
+    ------
+    Settings
+        The settings in force inside the block.
+
+    Raises
+    ------
+    TypeError
+        An unknown field name.
+    ValueError
+        A value that the parser rejects (the environment is restored first).
+
+    """
+    known = {f.name for f in fields(Settings)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
+    saved = {ENV_VARS[name]: os.environ.get(ENV_VARS[name]) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(ENV_VARS[name], None)
+            else:
+                os.environ[ENV_VARS[name]] = _format(value)
+        yield settings()
+    finally:
+        for var, old in saved.items():
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
+
+
+def _cache_dir(env: Mapping[str, str]) -> Path:
+    """Resolve the writable root: JITWARM_CACHE_DIR, then XDG_CACHE_HOME, then ~/.cache."""
+    if env.get("JITWARM_CACHE_DIR", "").strip():
+        return _path(env["JITWARM_CACHE_DIR"])
+    if env.get("XDG_CACHE_HOME", "").strip():
+        return _path(env["XDG_CACHE_HOME"]) / "jitwarm"
+    return Path("~").expanduser() / ".cache" / "jitwarm"
+
+
+def _path(text: str) -> Path:
+    """Parse a path variable: strip blanks, then as :func:`absolute_path`."""
+    return absolute_path(text.strip())
+
+
+def absolute_path(path: str | os.PathLike[str]) -> Path:
+    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem."""
+    return Path(os.path.normpath(Path(path).expanduser().absolute()))
+
+
+def _bool(env: Mapping[str, str], var: str) -> bool:
+    """Parse a boolean variable (1/0, true/false, yes/no, on/off; unset is False)."""
+    text = env.get(var, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{var}={env[var]!r} is not a boolean (use 1 or 0)")
+
+
+def _jobs(env: Mapping[str, str]) -> int:
+    """Parse JITWARM_JOBS, a positive int defaulting to the CPU count."""
+    text = env.get("JITWARM_JOBS", "").strip()
+    if not text:
+        return os.cpu_count() or 1
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise ValueError(f"JITWARM_JOBS={text!r} is not an integer") from None
+    if jobs < 1:
+        raise ValueError(f"JITWARM_JOBS={text!r} must be at least 1")
+    return jobs
+
+
+def _format(value: object) -> str:
+    """Render an override value the way the parser reads it back."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (str, int, os.PathLike)):
+        return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if isinstance(value, (list, tuple)):
+        return ":".join(_format(v) for v in value)
+    raise TypeError(f"cannot put {type(value).__name__} into an environment variable")

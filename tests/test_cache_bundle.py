@@ -1,0 +1,124 @@
+"""Relocatable bundles: export, import elsewhere, and rejection of unsafe or corrupt archives."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+from workers.cache_harness import artifact_bytes, cache_for, desc, make_builder
+
+from jitwarm.cache import CacheError
+
+
+@pytest.fixture
+def exported(tmp_path):
+    """A cache with three entries, and a gzip'd bundle of two of them."""
+    src = cache_for(tmp_path / "build-box" / "cache")
+    entries = [src.get_or_build(desc(n), make_builder(tmp_path / "c", n)) for n in range(3)]
+    bundle = src.export_bundle([entries[0].key, entries[2].key], tmp_path / "plan.tar.gz")
+    return entries, bundle
+
+
+def test_bundle_imports_at_another_path_and_verifies(tmp_path, exported):
+    entries, bundle = exported
+    with tarfile.open(bundle) as tar:
+        names = tar.getnames()
+    assert names[0] == "bundle.json"
+    assert all(not n.startswith("/") and ".." not in n.split("/") for n in names)
+    assert str(tmp_path) not in bundle.read_bytes().decode("latin-1")
+
+    dest = cache_for(tmp_path / "gpu-box" / "somewhere" / "else")
+    report = dest.import_bundle(bundle)
+    assert report.imported == tuple(sorted([entries[0].key, entries[2].key])) and report.present == ()
+    verified = dest.verify()
+    assert verified.clean and verified.ok == report.imported
+    got = dest.lookup(entries[2].key)
+    assert got.path.is_relative_to(tmp_path / "gpu-box")
+    assert got.file("kernel.bin").read_bytes() == artifact_bytes(2)
+    assert dest.lookup(entries[1].key) is None
+    assert list((tmp_path / "gpu-box" / "somewhere" / "else" / "v1" / "staging").iterdir()) == []
+    # Importing again finds everything present.
+    assert dest.import_bundle(bundle).present == report.imported
+
+
+def test_plain_tar_bundle(tmp_path, exported):
+    entries, _ = exported
+    src = cache_for(tmp_path / "build-box" / "cache")
+    plain = src.export_bundle([entries[1].key], tmp_path / "one.tar")
+    assert cache_for(tmp_path / "other").import_bundle(plain).imported == (entries[1].key,)
+
+
+def test_export_of_missing_key_fails_and_writes_nothing(tmp_path, exported):
+    src = cache_for(tmp_path / "build-box" / "cache")
+    with pytest.raises(CacheError, match="not in the cache"):
+        src.export_bundle([src.key(desc(9))], tmp_path / "missing.tar")
+    assert not (tmp_path / "missing.tar").exists()
+
+
+def _rewrite(bundle, out, mutate):
+    """Copy a bundle member by member through ``mutate(info, data) -> [(info, data), ...]``."""
+    with tarfile.open(bundle) as src, tarfile.open(out, "w:gz") as dst:
+        for info in src.getmembers():
+            data = src.extractfile(info).read() if info.isreg() else b""
+            for new_info, new_data in mutate(info, data):
+                dst.addfile(new_info, io.BytesIO(new_data) if new_info.isreg() else None)
+    return out
+
+
+def _extra(name, kind=tarfile.REGTYPE, data=b"evil", linkname=""):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, linkname, 0o644
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    return info, data
+
+
+BAD_ARCHIVES = {
+    "absolute_path": ("absolute path", lambda key: [_extra("/tmp/jitwarm-evil")]),
+    "dotdot": ("'..'", lambda key: [_extra(f"entries/{key[:2]}/{key}/../../../../evil")]),
+    "symlink": ("symbolic link", lambda key: [
+        _extra(f"entries/{key[:2]}/{key}/link.so", tarfile.SYMTYPE, linkname="/etc/passwd")]),
+    "hardlink": ("hard link", lambda key: [
+        _extra(f"entries/{key[:2]}/{key}/hard.so", tarfile.LNKTYPE, linkname="bundle.json")]),
+    "device": ("device", lambda key: [_extra(f"entries/{key[:2]}/{key}/null", tarfile.CHRTYPE)]),
+    "stray_file": ("neither", lambda key: [_extra("README")]),
+}
+
+
+@pytest.mark.parametrize("kind", [*BAD_ARCHIVES, "corrupted_file", "truncated", "entry_dropped"])
+def test_unsafe_or_corrupt_bundle_imports_nothing(tmp_path, exported, kind):
+    entries, bundle = exported
+    key = entries[0].key
+    bad = tmp_path / "bad.tar.gz"
+    if kind == "corrupted_file":
+        expect = "does not verify"
+
+        def flip(info, data):
+            if info.name.endswith(f"{key}/kernel.bin"):
+                data = data[:-1] + bytes([data[-1] ^ 1])
+            return [(info, data)]
+
+        _rewrite(bundle, bad, flip)
+    elif kind == "entry_dropped":
+        expect = "incomplete"
+        _rewrite(bundle, bad, lambda info, data: [] if f"/{entries[2].key}/" in info.name else [(info, data)])
+    elif kind == "truncated":
+        expect = "cannot read bundle"
+        bad.write_bytes(bundle.read_bytes()[: bundle.stat().st_size // 2])
+    else:
+        expect, extra = BAD_ARCHIVES[kind]
+        def add(info, data):
+            return [(info, data), *(extra(key) if info.name == "bundle.json" else [])]
+
+        _rewrite(bundle, bad, add)
+
+    dest_root = tmp_path / "dest"
+    dest = cache_for(dest_root)
+    with pytest.raises(CacheError, match=expect):
+        dest.import_bundle(bad)
+    assert not list((dest_root / "v1" / "entries").rglob("*"))
+    assert not list((dest_root / "v1" / "staging").iterdir())
+    assert dest.lookup(key) is None and dest.lookup(entries[2].key) is None
+    assert not (tmp_path / "evil").exists() and not (tmp_path.parent / "evil").exists()
+    assert not Path("/tmp/jitwarm-evil").exists()

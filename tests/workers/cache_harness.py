@@ -1,0 +1,114 @@
+"""Helpers shared by the cache tests: run cache_worker.py processes, start them together, count builds."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jitwarm.cache import KernelCache
+
+WORKER = Path(__file__).with_name("cache_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+
+from cache_worker import artifact_bytes, desc  # noqa: E402
+
+__all__ = ["WORKER", "Workers", "artifact_bytes", "build_counts", "cache_for", "desc", "make_builder",
+           "wait_for_file"]
+
+
+def make_builder(counter: Path, n: int, *, sleep: float = 0.0, extra: dict[str, bytes] | None = None):
+    """Return an in-process build callable for artifact ``n`` that logs each call to ``counter``."""
+
+    def build(staging: Path) -> None:
+        fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{n} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        time.sleep(sleep)
+        (staging / "kernel.bin").write_bytes(artifact_bytes(n))
+        (staging / "meta").mkdir()
+        (staging / "meta" / "info.json").write_text(json.dumps({"n": n}))
+        for name, data in (extra or {}).items():
+            (staging / name).write_bytes(data)
+
+    return build
+
+
+def build_counts(counter: Path) -> collections.Counter:
+    """Return how many builds of each artifact number the counter file records."""
+    if not counter.exists():
+        return collections.Counter()
+    return collections.Counter(int(line.split()[0]) for line in counter.read_text().splitlines() if line)
+
+
+def wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    """Block until ``path`` exists."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+
+
+class Workers:
+    """A set of cache_worker.py processes against one root, optionally started at the same instant."""
+
+    def __init__(self, tmp: Path, root: Path, *, lock_dir: Path | None = None) -> None:
+        self.tmp, self.root, self.lock_dir = tmp, root, lock_dir
+        self.counter = tmp / "builds.log"
+        self.go = tmp / "go"
+        self.ready = tmp / "ready"
+        self.ready.mkdir(exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, mode: str, n: int, *, sleep: float = 0.0, timeout: float = 60.0, together: bool = False,
+              lock_dir: Path | None = None, **flags: object) -> subprocess.Popen:
+        """Start one worker; ``flags`` become ``--name value`` options (in_build, on_wait, rendezvous)."""
+        cmd = [sys.executable, str(WORKER), str(self.root), mode, str(n), "--counter", str(self.counter),
+               "--sleep", str(sleep), "--timeout", str(timeout)]
+        if (lock_dir or self.lock_dir) is not None:
+            cmd += ["--lock-dir", str(lock_dir or self.lock_dir)]
+        if together:
+            cmd += ["--go", str(self.go), "--ready-dir", str(self.ready)]
+        for name, value in flags.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def start_together(self, count: int, timeout: float = 30.0) -> None:
+        """Wait until ``count`` workers spawned with ``together`` are ready, then let them all go."""
+        deadline = time.monotonic() + timeout
+        while len(list(self.ready.iterdir())) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not get ready")
+            time.sleep(0.01)
+        self.go.touch()
+
+    def results(self, procs: list[subprocess.Popen] | None = None, timeout: float = 60.0) -> list[dict]:
+        """Wait for ``procs`` (default: all) and return their JSON results; fail on a non-zero exit."""
+        out = []
+        for proc in procs if procs is not None else self.procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{stdout}\n{stderr}"
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+        return out
+
+    def kill_all(self) -> None:
+        """SIGKILL and reap every worker still running (test cleanup)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def cache_for(root: Path, **kwargs) -> KernelCache:
+    """Return a KernelCache on ``root`` that ignores any layers set in the environment."""
+    kwargs.setdefault("layers", ())
+    return KernelCache(root=root, **kwargs)
