@@ -23,6 +23,7 @@ class VerifyLayout:
     >>> layout = VerifyLayout((3,) * 104 + (2,) * 24)
     >>> layout.uniform, layout.max_len, layout.num_tokens, layout.slots
     (False, 3, 360, 128)
+
     """
 
     verify_lens: tuple[int, ...]

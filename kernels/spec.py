@@ -46,6 +46,7 @@ class KernelSpec:
     'plan/tvm_ffi/cpu/ratio=4,threads=128'
     >>> KernelSpec.from_json(s.to_json()) == s
     True
+
     """
 
     family: str

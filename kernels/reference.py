@@ -1,0 +1,158 @@
+"""Torch reference of the three kernel families: the definition every backend is tested against.
+
+Plain torch, any device, written for clarity. Arithmetic is float32 whatever the input dtype; results
+are rounded once to the output dtype (round to nearest even for bfloat16).
+
+Rotary angles, the one place where bit-level agreement matters (at positions near ``2**20`` one ulp of
+``inv_freq`` moves the angle by about 0.06 rad): ``inv_freq[i]`` is ``theta ** (-2 i / rope_dim)``
+evaluated in float64 and rounded once to float32, and ``angle = float32(pos) * inv_freq[i]`` is one
+float32 multiply. Every backend computes both the same way, so angles agree exactly and only the float32
+``cos``/``sin`` (about 1 ulp) differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jitwarm.kernels.layout import VerifyLayout
+from jitwarm.kernels.verify_plan import Plan
+
+__all__ = ["Plan", "compress", "norm_rope", "plan", "rope_inv_freq"]
+
+
+def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int) -> Plan:
+    """Plan a ragged verify batch: token offsets, positions and compressed output rows.
+
+    Parameters
+    ----------
+    layout
+        Host-side layout; ``num_tokens`` sizes the per-token outputs.
+    verify_lens, prefix_lens
+        ``int32[R]``: tokens verified per request and tokens already in its context.
+    ratio
+        Positions per compressed block.
+
+    Returns
+    -------
+    Plan
+        int32 tensors on ``verify_lens.device`` (see :class:`~jitwarm.kernels.verify_plan.Plan`).
+
+    """
+    dev = verify_lens.device
+    lens = verify_lens.long()
+    prefix = prefix_lens.long()
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.long, device=dev)
+    cu[1:] = torch.cumsum(lens, 0)
+    token_req = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens)
+    token_pos = prefix[token_req] + torch.arange(int(cu[-1]), device=dev) - cu[token_req]
+    closes = (token_pos + 1) % ratio == 0
+    token_out_row = torch.where(closes, torch.cumsum(closes.long(), 0) - 1, -1)
+    if token_req.numel() != layout.num_tokens:
+        raise ValueError(f"verify_lens: sums to {token_req.numel()} tokens, the layout has "
+                         f"{layout.num_tokens}")
+
+    def i32(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.int32).reshape(-1)
+
+    return Plan(i32(cu), i32(token_req), i32(token_pos), i32(token_out_row), i32(closes.sum()),
+                i32(lens.min() == lens.max()))
+
+
+def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Plan, state: torch.Tensor,
+             out: torch.Tensor, ratio: int) -> None:
+    """Fold each request's tokens into its online-softmax state; write every block the plan closes.
+
+    Per request and channel the state is (running max ``m``, running sum ``s``, running weighted sum
+    ``a``), fresh ``(-inf, 0, 0)``. A token ``(x, score)`` folds in as::
+
+        m' = max(m, score); c = exp(m - m'); w = exp(score - m')
+        s' = s * c + w;     a' = a * c + x * w          (c = 1, w = 0 when m' is -inf)
+
+    When the token's ``token_out_row`` is not -1, ``a' / s'`` goes to that row of ``out`` (in out's
+    dtype) and the state resets, so a partial block carries over to the next call.
+
+    Parameters
+    ----------
+    layout
+        Host-side layout of the batch.
+    kv, score
+        ``[N, D]`` float32 or bfloat16.
+    p
+        The batch's plan (``cu_lens`` and ``token_out_row`` are read).
+    state
+        ``float32[R, 3, D]``, updated in place.
+    out
+        ``[rows, D]``, dtype of ``kv``; only the rows the plan names are written.
+    ratio
+        Positions per block (the plan already encodes it).
+
+    """
+    cu = p.cu_lens.long()
+    lens = cu[1:] - cu[:-1]
+    m, s, a = (state[:, i].clone() for i in range(3))
+    max_len = int(lens.max()) if lens.numel() else 0
+    for j in range(max_len):
+        active = torch.nonzero(lens > j).squeeze(1)
+        t = cu[active] + j
+        x, sc = kv[t].float(), score[t].float()
+        m0, s0, a0 = m[active], s[active], a[active]
+        m_new = torch.maximum(m0, sc)
+        live = m_new != float("-inf")
+        c = torch.where(live, torch.exp(m0 - m_new), 1.0)
+        w = torch.where(live, torch.exp(sc - m_new), 0.0)
+        s0 = s0 * c + w
+        a0 = a0 * c + x * w
+        m0 = m_new
+        rows = p.token_out_row[t].long()
+        close = rows >= 0
+        out[rows[close]] = (a0[close] / s0[close]).to(out.dtype)
+        m0[close], s0[close], a0[close] = float("-inf"), 0.0, 0.0
+        m[active], s[active], a[active] = m0, s0, a0
+    state[:, 0], state[:, 1], state[:, 2] = m, s, a
+
+
+def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Return ``float32[rope_dim // 2]``: ``theta ** (-2 i / rope_dim)`` in float64, rounded once."""
+    vals = [theta ** ((-2.0 * i) / rope_dim) for i in range(rope_dim // 2)]
+    return torch.tensor(vals, dtype=torch.float64).to(torch.float32).to(device)
+
+
+def _norm_rope_(x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, rope_dim: int, eps: float,
+                theta: float) -> None:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    half = rope_dim // 2
+    angle = positions.float()[:, None] * rope_inv_freq(rope_dim, theta, x.device)[None, :]
+    cos, sin = torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
+    x0, x1 = y[..., :half].clone(), y[..., half:rope_dim].clone()
+    y[..., :half] = x0 * cos - x1 * sin
+    y[..., half:rope_dim] = x1 * cos + x0 * sin
+    x.copy_(y.to(x.dtype))
+
+
+def norm_rope(layout: VerifyLayout, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+              q_weight: torch.Tensor, k_weight: torch.Tensor, rope_dim: int = 64, eps: float = 1e-6,
+              theta: float = 10000.0) -> None:
+    """RMSNorm over the head dim, then NeoX rotary embedding of the first ``rope_dim`` dims, in place.
+
+    Per token ``t`` and head: ``y = x * rsqrt(mean(x**2) + eps) * weight``; for ``i < rope_dim/2``,
+    ``(y_i, y_{i+h}) -> (y_i cos - y_{i+h} sin, y_{i+h} cos + y_i sin)`` with ``h = rope_dim/2`` and
+    angle ``positions[t] * inv_freq[i]`` (see the module docstring); dims at and past ``rope_dim`` are
+    only normed.
+
+    Parameters
+    ----------
+    layout
+        Host-side layout of the batch (``num_tokens`` rows of q and k).
+    q, k
+        ``[N, Hq, D]`` and ``[N, Hk, D]``, float32 or bfloat16, updated in place.
+    positions
+        ``int32[N]``: the plan's ``token_pos``.
+    q_weight, k_weight
+        ``[D]``, dtype of ``q``.
+    rope_dim, eps, theta
+        Rotated dims (even, at most D), RMSNorm epsilon and rotary base.
+
+    """
+    _norm_rope_(q, positions, q_weight, rope_dim, eps, theta)
+    _norm_rope_(k, positions, k_weight, rope_dim, eps, theta)
