@@ -1,0 +1,371 @@
+"""The Triton backend: cache description, ahead-of-time build to a cubin, load and launch of one spec.
+
+The same three-function contract as ``tvm_backend``, so the dispatcher can use either:
+
+``description(spec) -> dict``
+    What the artifact is, as plain JSON for the cache key: family, backend, target, params, the sha256 of
+    ``triton_kernels.py``, the kernel signature and compile options, and the toolchain (Triton version
+    and ``triton_key()`` digest, the ``ptxas --version`` of the ptxas Triton uses for that arch, the
+    cubin arch and Triton's cache-invalidating env vars). No paths, host names or device presence.
+``build(spec, staging_dir) -> None``
+    For an ``sm_XX`` target: ``triton.compile`` with an explicit signature, constexprs, attrs and
+    ``GPUTarget("cuda", XX, 32)`` (no GPU or driver needed), then writes ``<kernel>.cubin``,
+    ``<kernel>.json`` (Triton's own metadata, paths reduced to file names) and ``launch.json``. For
+    ``cpu``: writes ``launch.json`` only. Raises on a compile error. Triton's own cache is pointed at a
+    private directory inside ``staging_dir``, removed before returning; only ptxas's scratch files go
+    to the system temp directory.
+``load(spec, entry) -> LoadedKernel``
+    Reads ``launch.json`` (ValueError if it is for another spec or format) and returns a kernel with
+    ``.spec``, ``.preload() -> int`` and ``.run(*args)`` (argument order: ``dispatch``'s docstring and
+    ``triton_launch.RUN_ARGS``). Loading touches no device: ``preload()`` does that.
+
+Target ``cpu`` runs the very same kernels under Triton's interpreter (``TRITON_INTERPRET``), for
+correctness checks on machines without a GPU; it is slow (numpy per program) and not for serving. The
+interpreter flag is read when ``@triton.jit`` decorates, so the interpreter copy is a second import of
+``triton_kernels.py`` under its own module name with the flag scoped to that import: the normal module
+and every other Triton kernel in the process stay compiled kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from jitwarm.kernels.spec import KernelSpec, is_valid_target
+from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
+
+#: Layout of this backend's artifacts; part of every description, so a change orphans old entries.
+FORMAT = "jitwarm-triton/1"
+LAUNCH_JSON = "launch.json"
+WARP_SIZE = 32
+
+_KERNELS_PY = Path(__file__).with_name("triton_kernels.py")
+_INTERPRETED = "jitwarm.kernels._triton_kernels_interpreted"
+_interpreted_lock = threading.Lock()
+_compile_lock = threading.Lock()
+
+
+def cuda_arch(target: str) -> int | None:
+    """Return the CUDA arch number of ``target`` (``sm_90`` and ``sm_90a`` -> 90), None for ``cpu``.
+
+    Raises
+    ------
+    ValueError
+        ``target`` is neither ``cpu`` nor an ``sm_XX`` name.
+
+    """
+    if not is_valid_target(target):
+        raise ValueError(f"triton backend: target must be 'cpu' or an sm_XX arch such as 'sm_90', "
+                         f"got {target!r}")
+    return None if target == "cpu" else int(target.removeprefix("sm_").removesuffix("a"))
+
+
+def description(spec: KernelSpec) -> dict[str, Any]:
+    """Return the JSON-able cache description of ``spec`` (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        ``spec`` is not a triton spec, or its target, family or dtype is unsupported.
+
+    """
+    sig = _signature(spec)
+    arch = cuda_arch(spec.target)
+    toolchain: dict[str, Any] = dict(_triton_identity())
+    if arch is None:
+        toolchain["mode"] = "interpreter"
+    else:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        toolchain.update(_ptxas(arch))
+        toolchain["cubin_arch"] = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # Triton's own choice
+        toolchain["warp_size"] = WARP_SIZE
+        toolchain["env"] = dict(sorted(get_cache_invalidating_env_vars().items()))
+    return {"format": FORMAT, "family": spec.family, "backend": spec.backend, "target": spec.target,
+            "params": spec.params_dict, "source": {_KERNELS_PY.name: _source_digest()},
+            "kernel": sig.to_json(), "toolchain": toolchain}
+
+
+def build(spec: KernelSpec, staging_dir: Path) -> None:
+    """Compile ``spec`` ahead of time into ``staging_dir`` (see the module docstring).
+
+    Examples
+    --------
+    >>> build(KernelSpec("plan", "triton", "sm_90", {"ratio": 4, "threads": 128}), tmp)  # doctest: +SKIP
+    >>> sorted(p.name for p in tmp.iterdir())  # doctest: +SKIP
+    ['launch.json', 'plan_kernel.cubin', 'plan_kernel.json']
+
+    """
+    sig = _signature(spec)
+    arch = cuda_arch(spec.target)
+    staging_dir = Path(staging_dir)
+    launch: dict[str, Any] = {"format": FORMAT, "spec": spec.to_json(), **sig.to_json(),
+                              "triton_version": _triton_identity()["triton"]}
+    if arch is None:
+        launch["mode"] = "interpreter"
+        _write_json(staging_dir / LAUNCH_JSON, launch)
+        return
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    fn = _kernel_fn(spec, _compiled_kernels())
+    # Triton's knobs are process-global: one knob-scoped compile at a time in this process.
+    with _compile_lock, tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, \
+            knobs.cache.scope(), knobs.compilation.scope():
+        # A private Triton cache, removed before the entry is sealed: every build is a real compile
+        # (never a stale ~/.triton hit), and Triton's group files, which hold absolute paths, never
+        # reach the entry.
+        knobs.cache.dir = tmp
+        knobs.compilation.override = False  # TRITON_KERNEL_OVERRIDE would swap in foreign IR
+        knobs.compilation.dump_ir = False
+        # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two
+        # boxes would differ byte for byte (the cost: profilers show no source lines).
+        knobs.compilation.disable_line_info = True
+        src = triton.compiler.ASTSource(fn, dict(sig.types), dict(sig.constexprs), sig.attrs())
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, WARP_SIZE), options=sig.options())
+        name = compiled.metadata.name
+        metadata = json.loads(Path(compiled.metadata_group[f"{name}.json"]).read_text())
+        cubin = compiled.asm["cubin"]
+    (staging_dir / f"{name}.cubin").write_bytes(cubin)
+    _write_json(staging_dir / f"{name}.json", _without_dirs(metadata))
+    launch.update(name=name, cubin=f"{name}.cubin", metadata=f"{name}.json", hash=metadata["hash"],
+                  num_warps=metadata["num_warps"], num_ctas=metadata.get("num_ctas", 1),
+                  shared=metadata["shared"], target={"backend": "cuda", "arch": arch, "warp_size": WARP_SIZE})
+    _write_json(staging_dir / LAUNCH_JSON, launch)
+
+
+def load(spec: KernelSpec, entry: Any) -> LoadedKernel:
+    """Return the kernel of ``entry`` (a cache ``Entry``: ``.path`` and ``.files``) ready to preload.
+
+    Raises
+    ------
+    ValueError
+        The entry's ``launch.json`` is missing, of another format, or for another spec.
+
+    """
+    root = Path(entry.path)
+    files = set(getattr(entry, "files", ()) or ())
+    if files and LAUNCH_JSON not in files:
+        raise ValueError(f"{spec.id}: cache entry {root} has no {LAUNCH_JSON}; it is not a triton build")
+    launch = json.loads((root / LAUNCH_JSON).read_text())
+    if launch.get("format") != FORMAT:
+        raise ValueError(f"{spec.id}: entry {root} has format {launch.get('format')!r}, want {FORMAT!r}")
+    if KernelSpec.from_json(launch["spec"]) != spec:
+        raise ValueError(f"{spec.id}: entry {root} was built for {KernelSpec.from_json(launch['spec']).id}")
+    if cuda_arch(spec.target) is None:
+        return InterpretedKernel(spec)
+    return CudaKernel(spec, root, launch)
+
+
+class LoadedKernel:
+    """A loaded kernel of one spec.
+
+    ``preload()`` puts the kernel on the current device (a module load, so never call it inside CUDA
+    graph capture) and returns how many kernels it forced onto a device (0 for target cpu); it is
+    idempotent. ``run(*args)`` launches on the current stream of the tensors'
+    device, with the family's argument order (``triton_launch.RUN_ARGS``), and raises ValueError on
+    arguments that do not fit the spec (dtype, shape, device, contiguity, 16-byte alignment).
+    """
+
+    def __init__(self, spec: KernelSpec) -> None:
+        self.spec = spec
+
+    def preload(self) -> int:
+        """Make the first ``run()`` do no module load; return the number of kernels put on a device."""
+        raise NotImplementedError
+
+    def run(self, *args: Any) -> None:
+        """Launch the kernel on ``args``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec.id})"
+
+
+class CudaKernel(LoadedKernel):
+    """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel``.
+
+    One module per device, created by ``preload()`` (Triton's ``_init_handles``: ``cuModuleLoadData``
+    and the launcher) on the current device. A ``run()`` on a device that was not preloaded loads it
+    first, except while the stream is capturing, where that load would break the capture: it raises.
+    """
+
+    def __init__(self, spec: KernelSpec, root: Path, launch: dict[str, Any]) -> None:
+        super().__init__(spec)
+        self._root = root
+        self._launch = launch
+        self._arch = int(launch["target"]["arch"])
+        self._by_device: dict[int, Any] = {}
+
+    def preload(self) -> int:
+        """Load the cubin on the current CUDA device; RuntimeError without one or on another arch."""
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{self.spec.id}: preload needs a CUDA device (this build is for "
+                               f"sm_{self._arch}; use target 'cpu' to run under the interpreter)")
+        self._load(torch.cuda.current_device())
+        return 1
+
+    def _load(self, device: int) -> Any:
+        import torch
+        from triton.compiler import ASTSource, CompiledKernel
+
+        if device in self._by_device:
+            return self._by_device[device]
+        major, minor = torch.cuda.get_device_capability(device)
+        if major * 10 + minor != self._arch:
+            raise RuntimeError(f"{self.spec.id}: built for sm_{self._arch}, but cuda:{device} is "
+                               f"sm_{major}{minor}; warm a plan for target sm_{major}{minor}")
+        sig = _signature(self.spec)
+        src = ASTSource(_kernel_fn(self.spec, _compiled_kernels()), dict(sig.types), dict(sig.constexprs),
+                        sig.attrs())
+        group = {name: str(self._root / name) for name in (self._launch["metadata"], self._launch["cubin"])}
+        kernel = CompiledKernel(src, group, self._launch["hash"])
+        with torch.cuda.device(device):
+            kernel._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the first launch
+        self._by_device[device] = kernel
+        return kernel
+
+    def run(self, *args: Any) -> None:
+        """Launch on ``torch.cuda.current_stream()`` of the tensors' device."""
+        import torch
+
+        grid, kernel_args = bind(self.spec, args)
+        device = args[0].device
+        if device.type != "cuda":
+            raise ValueError(f"{self.spec.id}: tensors are on {device}, this kernel runs on CUDA")
+        if grid[0] == 0:
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kernel = self._by_device.get(index)
+        if kernel is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.spec.id} is not preloaded on cuda:{index}; loading it inside "
+                                   f"CUDA graph capture would break the capture: preload() it first")
+            kernel = self._load(index)
+        stream = torch.cuda.current_stream(index).cuda_stream
+        if torch.cuda.current_device() == index:
+            kernel[grid](*kernel_args, stream=stream)
+        else:  # the module was loaded in that device's context: launch from it
+            with torch.cuda.device(index):
+                kernel[grid](*kernel_args, stream=stream)
+
+
+class InterpretedKernel(LoadedKernel):
+    """The spec's kernel run by Triton's interpreter on CPU tensors (target ``cpu``)."""
+
+    def __init__(self, spec: KernelSpec) -> None:
+        super().__init__(spec)
+        self._fn: Any = None
+
+    def preload(self) -> int:
+        """Import the interpreter copy of the kernels (once per process); no device is involved."""
+        if self._fn is None:
+            self._fn = _kernel_fn(self.spec, interpreted_kernels())
+        return 0
+
+    def run(self, *args: Any) -> None:
+        """Run on CPU tensors; results land in the output tensors as on a GPU."""
+        grid, kernel_args = bind(self.spec, args)
+        if args[0].device.type != "cpu":
+            raise ValueError(f"{self.spec.id}: target cpu runs on CPU tensors, got {args[0].device}")
+        self.preload()
+        if grid[0]:
+            self._fn[grid](*kernel_args)
+
+
+def interpreted_kernels() -> ModuleType:
+    """Return ``triton_kernels`` imported a second time, decorated in interpreter mode.
+
+    ``TRITON_INTERPRET`` is read when ``@triton.jit`` runs, so the flag is set (through Triton's knobs,
+    which also restore the environment) around this one import only.
+    """
+    with _interpreted_lock:
+        module = sys.modules.get(_INTERPRETED)
+        if module is None:
+            from triton import knobs
+
+            spec = importlib.util.spec_from_file_location(_INTERPRETED, _KERNELS_PY)
+            module = importlib.util.module_from_spec(spec)
+            with knobs.runtime.scope():
+                knobs.runtime.interpret = True
+                spec.loader.exec_module(module)
+            sys.modules[_INTERPRETED] = module
+        return module
+
+
+def _compiled_kernels() -> ModuleType:
+    from jitwarm.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
+    fn = module.KERNELS[spec.family]
+    names = tuple(getattr(fn, "arg_names", ()))
+    want = kernel_signature(spec).arg_names
+    if names != want:  # triton_kernels.py and triton_launch.py disagree: a bug here, not a user error
+        raise RuntimeError(f"{fn.__name__} takes {names}, triton_launch expects {want}")
+    return fn
+
+
+def _signature(spec: KernelSpec) -> KernelSignature:
+    if spec.backend != "triton":
+        raise ValueError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
+    cuda_arch(spec.target)
+    return kernel_signature(spec)
+
+
+def _source_digest() -> str:
+    """sha256 of ``triton_kernels.py`` (content, not path; Triton also keys on line numbers)."""
+    return hashlib.sha256(_KERNELS_PY.read_bytes()).hexdigest()
+
+
+@functools.cache
+def _triton_identity() -> dict[str, str]:
+    """Triton's version and a digest of ``triton_key()`` (its compiler, backends and libtriton)."""
+    import triton
+    from triton.runtime.cache import triton_key
+
+    return {"triton": triton.__version__, "triton_key": hashlib.sha256(triton_key().encode()).hexdigest()}
+
+
+@functools.cache
+def _ptxas(arch: int) -> dict[str, str]:
+    """Return the ptxas Triton uses for ``arch`` (``ptxas-blackwell`` for arch >= 90) and its version."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(arch)
+    except ImportError:  # Triton before the arch-dependent ptxas choice
+        from triton import knobs
+
+        tool = knobs.nvidia.ptxas
+    out = subprocess.run([tool.path, "--version"], capture_output=True, text=True, check=True).stdout
+    return {"ptxas": Path(tool.path).name, "ptxas_version": out.strip()}
+
+
+def _without_dirs(value: Any) -> Any:
+    """Replace absolute paths (e.g. ``extern_libs``' libdevice) by file names: entries are relocatable."""
+    if isinstance(value, dict):
+        return {k: _without_dirs(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_dirs(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        return Path(value).name
+    return value
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
