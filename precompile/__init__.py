@@ -1,10 +1,31 @@
-"""What to build and when: serving config, capture shapes, warm plan, warm, capture hook and CLI."""
+"""What to build and when: serving config, capture shapes, warm plan, warm, capture hook and CLI.
+
+The planning half (``ServingConfig``, ``WarmPlan``, shapes) is imported eagerly and imports no torch; the
+warm service, the hook and the guard are loaded on first access.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from jitwarm.precompile.config import ConfigError, ServingConfig
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.shapes import CaptureShape, capture_batch_sizes, capture_shapes, verify_lens_for
 
-__all__ = ["CaptureShape", "ConfigError", "ServingConfig", "WarmPlan", "capture_batch_sizes",
-           "capture_shapes", "verify_lens_for"]
+_LAZY = {
+    "warm": "warming", "warm_specs": "warming", "start_warm": "warming", "WarmReport": "warming",
+    "WarmHandle": "warming", "SpecResult": "warming",
+    "CaptureHook": "hook", "HookReport": "hook", "capture_ladder": "hook", "KernelsNotReady": "hook",
+    "WarmTimeout": "hook", "TorchDevice": "hook",
+    "capture_guard": "guard", "CompileDuringCaptureError": "guard", "ThirdPartySeal": "guard",
+}
+
+__all__ = ["CaptureShape", "ConfigError", "ServingConfig", "WarmPlan", "capture_batch_sizes", "capture_shapes",
+           "verify_lens_for", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"jitwarm.precompile.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'jitwarm.precompile' has no attribute {name!r}")

@@ -7,6 +7,7 @@ Exit codes (DESIGN.md): 0 ok; 1 a build failed; 2 bad usage or config; 3 timed o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ def render_plan(plan: WarmPlan) -> str:
         rows.append((str(sh.bs), str(sh.num_tokens), str(sh.layout.slots), sh.layout.run_length(),
                      "yes" if sh.layout.uniform else "no", new))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join([c.rjust(w) if i < 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+    lines = ["  ".join([c.rjust(w) if i < 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))]
                        + [r[5]]).rstrip() for r in rows]
     fams = ", ".join(f"{name} {n}" for name, n in plan.by_family().items())
     targets = ", ".join(f"{b}:{t}" for b in plan.config.backends for t in plan.config.targets)
@@ -63,9 +64,201 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
+def _cache(args: argparse.Namespace):
+    from jitwarm.cache import KernelCache
+
+    return KernelCache(root=args.cache_dir) if args.cache_dir else KernelCache()
+
+
+def _print_warm(args: argparse.Namespace, report) -> None:
+    if args.json:
+        print(json.dumps(report.to_json()))
+        return
+    for r in report.results:
+        if r.outcome == "failed":
+            print(f"jitwarm: failed: {r.spec.id}: {r.error}", file=sys.stderr)
+    print(f"jitwarm: plan {report.plan_id}: {len(report.results)} specs: {report.built} built, "
+          f"{report.hits} hit, {report.waited} waited, {report.failed} failed in {report.seconds:.1f}s")
+
+
+def _warm_exit(report) -> int:
+    failed = [r for r in report.results if r.outcome == "failed"]
+    if not failed:
+        return EXIT_OK
+    return EXIT_TIMEOUT if all("LockTimeout" in (r.error or "") for r in failed) else EXIT_BUILD_FAILED
+
+
+def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Build every missing spec of the plan in parallel and write the plan's completion record."""
+    from jitwarm.precompile.warming import warm
+
+    progress = False if args.json else None
+    report = warm(plan, cache=_cache(args), jobs=args.jobs, progress=progress, timeout_s=args.timeout)
+    _print_warm(args, report)
+    return _warm_exit(report)
+
+
+def plan_coverage(plan: WarmPlan, cache) -> dict[str, list[str]]:
+    """Sort the plan's specs into present, missing and corrupt (corrupt entries are quarantined)."""
+    from jitwarm.precompile.warming import describe
+
+    keys = {spec.id: cache.key(describe(spec)) for spec in plan.specs}
+    report = cache.verify(list(keys.values()))
+    state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
+        k: "missing" for k in report.missing}
+    coverage: dict[str, list[str]] = {"present": [], "missing": [], "corrupt": []}
+    for spec_id, key in keys.items():
+        coverage[state.get(key, "missing")].append(spec_id)
+    return coverage
+
+
+def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Show how much of the plan the cache holds, and the cache's size."""
+    cache = _cache(args)
+    coverage = plan_coverage(plan, cache)
+    record = cache.read_plan_record(plan.plan_id)
+    data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
+            "complete": bool(record and record.get("complete")) and not coverage["missing"],
+            **{k: len(v) for k, v in coverage.items()}, "specs": coverage}
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(f"plan {plan.plan_id}: {data['present']}/{len(plan.specs)} present, {data['missing']} missing, "
+              f"{data['corrupt']} corrupt; cache {cache.root} holds {data['size_bytes'] / 2**20:.1f} MiB")
+        for state in ("missing", "corrupt"):
+            for spec_id in coverage[state]:
+                print(f"  {state}: {spec_id}")
+    return EXIT_CORRUPT if coverage["corrupt"] else EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Check every file of the plan's entries (``--all``: every entry); exit 4 on any corrupt one."""
+    cache = _cache(args)
+    if args.all:
+        report = cache.verify(None)
+        corrupt, ok = list(report.corrupt), list(report.ok)
+        missing: list[str] = []
+    else:
+        coverage = plan_coverage(plan, cache)
+        ok, corrupt, missing = coverage["present"], coverage["corrupt"], coverage["missing"]
+    if args.json:
+        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing}))
+    else:
+        for item in corrupt:
+            print(f"jitwarm: corrupt (quarantined): {item}", file=sys.stderr)
+        print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
+    return EXIT_CORRUPT if corrupt else EXIT_OK
+
+
+def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Import a bundle (``--bundle``), warm, verify the plan's entries, and print the ready line."""
+    import time
+
+    from jitwarm.precompile.warming import warm
+
+    start = time.perf_counter()
+    cache = _cache(args)
+    if args.bundle:
+        _import_bundle(cache, args.bundle)
+    report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
+                  timeout_s=args.timeout)
+    if not report.ok:
+        _print_warm(args, report)
+        return _warm_exit(report)
+    coverage = plan_coverage(plan, cache)
+    if coverage["corrupt"] or coverage["missing"]:
+        print(f"jitwarm: error: after warm, {len(coverage['corrupt'])} corrupt and {len(coverage['missing'])} "
+              "missing entries", file=sys.stderr)
+        return EXIT_CORRUPT
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({**report.to_json(), "ready": True, "seconds": round(seconds, 3)}))
+    else:
+        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
+              f"verified in {seconds:.1f}s ({report.built} built, {report.hits} hit, {report.waited} waited)")
+    return EXIT_OK
+
+
+def _import_bundle(cache, path: str):
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise UsageError(f"bundle {path} does not exist or is not a file")
+    return cache.import_bundle(path)
+
+
+def cmd_prune(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Remove least recently used entries down to ``--max-bytes`` and entries unused for ``--older-than``."""
+    cache = _cache(args)
+    if args.max_bytes is None and args.older_than is None:
+        raise UsageError("prune needs --max-bytes SIZE and/or --older-than AGE")
+    report = cache.prune(max_bytes=args.max_bytes, older_than_s=args.older_than)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    else:
+        kept = f"; kept {len(report.skipped_locked)} in use (locked)" if report.skipped_locked else ""
+        print(f"jitwarm: pruned {len(report.removed)} entries ({report.freed_bytes / 2**20:.1f} MiB) and "
+              f"{len(report.staging_removed)} abandoned builds; {report.remaining_bytes / 2**20:.1f} MiB left{kept}")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Write the plan's entries to one relocatable bundle."""
+    from jitwarm.precompile.warming import describe
+
+    cache = _cache(args)
+    coverage = plan_coverage(plan, cache)
+    if coverage["missing"] or coverage["corrupt"]:
+        raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
+                         f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
+    keys = [cache.key(describe(spec)) for spec in plan.specs]
+    cache.export_bundle(keys, args.path)
+    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Import a bundle: every member checked, every file verified, each entry published atomically."""
+    cache = _cache(args)
+    report = _import_bundle(cache, args.path)
+    if args.json:
+        print(json.dumps({"imported": list(report.imported), "present": list(report.present)}))
+    else:
+        print(f"jitwarm: imported {len(report.imported)} entries from {args.path} into {cache.root} "
+              f"({len(report.present)} already present)")
+    return EXIT_OK
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 500M, 20G)") from None
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    unit = t[-1] if t and t[-1] in units else "s"
+    try:
+        return float(t.rstrip("smhd")) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (e.g. 90s, 30m, 7d)") from None
+
+
 Command = Callable[[argparse.Namespace, WarmPlan], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", cmd_plan),
+    "warm": ("build every missing kernel of the plan into the cache, in parallel", cmd_warm),
+    "status": ("show the plan's coverage in the cache (present, missing, corrupt) and the cache size", cmd_status),
+    "verify": ("check sizes and sha256 of the plan's entries; exit 4 on a corrupt one", cmd_verify),
+    "prestart": ("import a bundle, warm, verify: the init-container step", cmd_prestart),
+    "prune": ("remove least recently used entries by size or age", cmd_prune),
+    "export": ("write the plan's entries to one relocatable bundle", cmd_export),
+    "import": ("import a bundle into the cache, verifying every file", cmd_import),
 }
 
 
@@ -77,22 +270,54 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_serving_flags(p)
         p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "plan":
+            continue
+        c = p.add_argument_group("cache")
+        c.add_argument("--cache-dir", metavar="DIR", help="writable cache root (env JITWARM_CACHE_DIR)")
+        c.add_argument("--jobs", type=int, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
+        c.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                       help="deadline for waiting on another process's build (default 900)")
+        if name == "prestart":
+            c.add_argument("--bundle", metavar="FILE", help="import this bundle first")
+        elif name == "verify":
+            c.add_argument("--all", action="store_true", help="verify every entry of the cache, not only the plan's")
+        elif name == "prune":
+            c.add_argument("--max-bytes", type=_size, metavar="SIZE", help="shrink the cache to this size (500M, 20G)")
+            c.add_argument("--older-than", type=_duration, metavar="AGE", help="remove entries unused this long (7d)")
+        elif name in ("export", "import"):
+            p.add_argument("path", metavar="BUNDLE", help="bundle file (.tar or .tar.gz)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (also the console script's entry point)."""
+    from jitwarm.cache import CacheError, LockTimeout
+
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
+        if getattr(args, "jobs", None) is not None and args.jobs < 1:
+            raise UsageError(f"--jobs must be a positive integer, got {args.jobs}")
         plan = WarmPlan.build(from_namespace(args))
         return COMMANDS[args.command][1](args, plan)
     except (ConfigError, UsageError) as exc:
-        print(f"jitwarm: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(exc, EXIT_USAGE)
+    except LockTimeout as exc:
+        return _fail(exc, EXIT_TIMEOUT)
+    except CacheError as exc:
+        return _fail(exc, EXIT_CORRUPT if args.command in ("import", "prestart", "verify") else EXIT_BUILD_FAILED)
+    except ValueError as exc:  # a bad JITWARM_* value from the environment
+        return _fail(exc, EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _fail(exc: object, code: int) -> int:
+    print(f"jitwarm: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

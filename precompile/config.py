@@ -59,6 +59,7 @@ class ServingConfig:
     ...                     ragged_verify_mode="compact", targets=("cpu",))
     >>> cfg.max_bs, cfg.model.compress_ratios
     (128, (4, 128))
+
     """
 
     cuda_graph_max_bs: int = 128

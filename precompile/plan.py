@@ -27,6 +27,7 @@ class WarmPlan:
     >>> plan = WarmPlan.build(cfg)
     >>> len(plan.shapes), len(plan.specs)
     (35, 30)
+
     """
 
     config: ServingConfig | None

@@ -9,7 +9,19 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))  # fixture modules beside the tests (kernel_fixtures, ...)
+sys.path.insert(0, str(TESTS))  # fixture modules beside the tests (kernel_fixtures, precompile_fixtures)
+
+import precompile_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prestarted(tmp_path_factory):
+    """A cache root filled by `jitwarm prestart` with the SMALL plan (built once per session)."""
+    root = tmp_path_factory.mktemp("prestarted") / "cache"
+    proc = precompile_fixtures.jitwarm("prestart", *precompile_fixtures.SMALL, "--cache-dir", str(root),
+                                       "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr
+    return root, proc
 
 
 @pytest.fixture(autouse=True)

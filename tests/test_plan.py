@@ -104,7 +104,7 @@ def test_every_shape_is_covered_and_first_needed_order():
     for shape in plan.shapes:
         seen.extend(plan.introduced[shape.bs])
     assert tuple(seen) == plan.specs
-    for spec, sizes in plan.needed_by.items():
+    for sizes in plan.needed_by.values():
         assert list(sizes) == sorted(sizes, reverse=True)
 
 

@@ -1,0 +1,174 @@
+"""The capture guard: a kernel compile or module load inside CUDA-graph capture becomes a clear error.
+
+Without it, a JIT compile that lands in capture issues driver calls (``cuModuleLoadData``) into the
+capturing stream and the server dies later with ``CUDA_ERROR_ILLEGAL_ADDRESS`` (sglang #33356, #33795).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from jitwarm.kernels import KernelSpec
+
+
+class CompileDuringCaptureError(RuntimeError):
+    """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing."""
+
+    def __init__(self, what: str, detail: str = "") -> None:
+        self.what = what
+        super().__init__(
+            f"{what} would be compiled or loaded during CUDA-graph capture{detail}. Add it to the warm plan "
+            "(capture flags that produce this shape, or --cuda-graph-bs with this batch size), run "
+            "`jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
+
+
+_lock = threading.Lock()
+_armed = 0
+_installed = False
+
+
+def is_armed() -> bool:
+    """True while a CaptureHook has armed the guard or a ``capture_guard`` block is active."""
+    return _armed > 0
+
+
+def stream_is_capturing() -> bool:
+    """True when torch is loaded, CUDA is available and the current stream is capturing."""
+    import sys
+
+    torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
+    if torch is None or not torch.cuda.is_available():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def _describe(spec: KernelSpec, shape: Any) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in spec.params)
+    where = f" for shape {shape!r}" if shape is not None else ""
+    return f"kernel {spec.family} [{spec.backend}, {spec.target}] ({params}){where}"
+
+
+def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
+    """Raise :class:`CompileDuringCaptureError` if a dispatch miss happens while armed or capturing."""
+    if is_armed() or stream_is_capturing():
+        state = " (the guard is armed)" if is_armed() else " (the current stream is capturing)"
+        raise CompileDuringCaptureError(_describe(spec, shape), state)
+
+
+def install() -> None:
+    """Register :func:`check_dispatch_miss` with the kernel dispatcher (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from jitwarm.kernels import dispatch
+
+        dispatch.add_miss_hook(check_dispatch_miss)
+        _installed = True
+
+
+def arm() -> None:
+    """Arm the guard until a matching :func:`disarm`; nesting counts."""
+    global _armed
+    install()
+    with _lock:
+        _armed += 1
+
+
+def disarm() -> None:
+    """Undo one :func:`arm`."""
+    global _armed
+    with _lock:
+        _armed = max(0, _armed - 1)
+
+
+@contextlib.contextmanager
+def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
+    """Arm the guard for the block: any dispatch miss inside raises :class:`CompileDuringCaptureError`.
+
+    Parameters
+    ----------
+    seal_third_party
+        Also make Triton's JIT and tvm-ffi's build/load entry points raise inside the block.
+
+    Examples
+    --------
+    >>> with capture_guard():          # doctest: +SKIP
+    ...     graph.capture(forward)
+
+    """
+    arm()
+    seal = ThirdPartySeal() if seal_third_party else None
+    if seal:
+        seal.install()
+    try:
+        yield
+    finally:
+        if seal:
+            seal.remove()
+        disarm()
+
+
+class ThirdPartySeal:
+    """Make Triton's JIT compile and module load, and tvm-ffi's build and load, raise while armed.
+
+    Off by default: it patches other libraries' process-wide hooks. Only guards while
+    :func:`is_armed` or :func:`stream_is_capturing`; outside capture those calls go through untouched.
+    """
+
+    def __init__(self) -> None:
+        self._undo: list[Any] = []
+
+    def install(self) -> None:
+        """Install the seals for whichever of triton and tvm_ffi can be imported."""
+        self._seal_triton()
+        self._seal_tvm_ffi()
+
+    def remove(self) -> None:
+        """Restore every patched hook and function."""
+        while self._undo:
+            self._undo.pop()()
+
+    def _seal_triton(self) -> None:
+        try:
+            import triton
+        except ImportError:
+            return
+        runtime = triton.knobs.runtime
+        previous = runtime.jit_cache_hook
+
+        def jit_cache_hook(*, key: str, repr: str, **kwargs: Any) -> Any:
+            if is_armed() or stream_is_capturing():
+                raise CompileDuringCaptureError(f"Triton kernel {repr}")
+            return previous(key=key, repr=repr, **kwargs) if previous else None
+
+        runtime.jit_cache_hook = jit_cache_hook
+        self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
+
+    def _seal_tvm_ffi(self) -> None:
+        try:
+            import tvm_ffi
+            import tvm_ffi.cpp
+        except ImportError:
+            return
+        for owner, name in ((tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
+                            (tvm_ffi.cpp, "build"), (tvm_ffi.cpp, "load"), (tvm_ffi, "load_module")):
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+            self._undo.append(lambda o=owner, n=name, f=original: setattr(o, n, f))
+            setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
+
+
+def _sealed(fn: Any, label: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if is_armed() or stream_is_capturing():
+            name = kwargs.get("name") or (args[0] if args else "?")
+            raise CompileDuringCaptureError(f"{label}({name!r})")
+        return fn(*args, **kwargs)
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call

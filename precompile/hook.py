@@ -1,0 +1,285 @@
+"""CaptureHook: returns only when every kernel of the plan is built, loaded, on the device, and all ranks met.
+
+The order is the point (sglang PR #33795, #34286): wait for every key, load every module, force every
+kernel onto the device, drain the device, meet the other TP ranks, then arm the guard — all after the
+last warmup and before ``torch.cuda.CUDAGraph()`` is created.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from jitwarm.cache import KernelCache, LockTimeout
+from jitwarm.cache.settings import settings
+from jitwarm.kernels import KernelSpec
+from jitwarm.precompile import guard
+from jitwarm.precompile.plan import WarmPlan
+from jitwarm.precompile.warming import WarmHandle, describe, warm_specs
+
+POLICIES = ("build", "wait", "strict")
+
+
+class KernelsNotReady(RuntimeError):
+    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss)."""
+
+
+class WarmTimeout(KernelsNotReady):
+    """The hook's deadline passed while waiting for kernels (CLI exit code 3)."""
+
+
+class Device(Protocol):
+    """What the hook needs of a device: its build target and a way to drain it."""
+
+    target: str
+
+    def synchronize(self) -> None:
+        """Block until all work queued on the device is done."""
+
+
+class TorchDevice:
+    """A torch device: ``cuda`` (the current one) when available, else ``cpu``."""
+
+    def __init__(self, device: Any = None) -> None:
+        import torch
+
+        from jitwarm.kernels import dispatch
+
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.target = dispatch.target_of(self.device)
+
+    def synchronize(self) -> None:
+        """``torch.cuda.synchronize`` on CUDA; nothing to drain on the CPU."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+def default_barrier() -> Callable[[], None] | None:
+    """torch.distributed's default-group barrier when it is initialised, else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.barrier
+    return None
+
+
+@dataclass
+class HookReport:
+    """What a hook call did. ``first`` is False for the cheap repeat calls (sync and barrier only)."""
+
+    target: str
+    first: bool
+    built: int = 0
+    waited: int = 0
+    hits: int = 0
+    loaded: int = 0
+    seconds: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+class CaptureHook:
+    """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
+
+    The first call (1) waits until every key of the plan for this device's target is in the cache —
+    building what is missing (``policy="build"``), waiting for another process to build it (``"wait"``), or
+    failing at once (``"strict"``, also forced by ``JITWARM_STRICT=1``) — with a deadline; (2) loads every
+    module into this process; (3) forces every kernel onto the device; (4) synchronizes the device; (5)
+    meets the other TP ranks at the barrier; then arms the guard. Later calls only synchronize and meet
+    at the barrier, so the hook fits sglang's ``post_warmup_hook`` slot.
+
+    Parameters
+    ----------
+    plan
+        The warm plan; only specs whose target matches the device are loaded.
+    cache
+        The cache (default ``KernelCache()``).
+    barrier
+        A callable all TP ranks call (default: torch.distributed's barrier when initialised, else none).
+    device
+        A torch device, or any object with ``target`` and ``synchronize()`` (default: the current CUDA
+        device, else cpu).
+    timeout_s
+        Deadline for step (1).
+    policy
+        ``build``, ``wait`` or ``strict``.
+    warm
+        A :class:`~jitwarm.precompile.warming.WarmHandle` from ``start_warm`` to join first.
+
+    Raises
+    ------
+    KernelsNotReady
+        A spec failed to build, or ``strict`` found one missing; the message names the specs.
+    WarmTimeout
+        The deadline passed.
+
+    """
+
+    def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
+                 device: Any = None, timeout_s: float = 900.0, policy: str = "build",
+                 warm: WarmHandle | None = None, jobs: int | None = None, seal_third_party: bool = False) -> None:
+        if settings().strict:
+            policy = "strict"
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.plan, self.policy, self.timeout_s, self.jobs = plan, policy, timeout_s, jobs
+        self.cache = cache or KernelCache()
+        self.device = device if hasattr(device, "synchronize") and hasattr(device, "target") else TorchDevice(device)
+        self.barrier = barrier if barrier is not None else default_barrier()
+        self.warm_handle = warm
+        self.seal = guard.ThirdPartySeal() if seal_third_party else None
+        self.ready = False
+        guard.install()  # a dispatch miss while any stream captures raises, even before the first call
+
+    def specs(self) -> list[KernelSpec]:
+        """The plan's specs for this device's target."""
+        return [s for s in self.plan.specs if s.target == self.device.target]
+
+    def __call__(self) -> HookReport:
+        """Run the steps (all five the first time, sync and barrier after); see the class docstring."""
+        start = time.perf_counter()
+        if self.ready:
+            report = HookReport(self.device.target, first=False)
+            self._drain_and_meet(report)
+            report.seconds = time.perf_counter() - start
+            return report
+        specs = self.specs()
+        if not specs:
+            targets = sorted({s.target for s in self.plan.specs})
+            raise KernelsNotReady(f"plan {self.plan.plan_id} has no specs for this device's target "
+                                  f"{self.device.target} (its targets: {', '.join(targets)}); "
+                                  f"warm with --target {self.device.target}")
+        report = HookReport(self.device.target, first=True)
+        deadline = start + self.timeout_s
+        self._step(report, "present", lambda: self._make_present(specs, deadline, report))
+        loaded = self._step(report, "load", lambda: self._load(specs))
+        report.loaded = len(loaded)
+        self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
+        self._drain_and_meet(report)
+        guard.arm()
+        if self.seal:
+            self.seal.install()
+        self.ready = True
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def close(self) -> None:
+        """Disarm the guard (and remove third-party seals) armed by the first call."""
+        if self.ready:
+            if self.seal:
+                self.seal.remove()
+            guard.disarm()
+            self.ready = False
+
+    def _step(self, report: HookReport, name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        result = fn()
+        report.steps[name] = time.perf_counter() - t0
+        return result
+
+    def _drain_and_meet(self, report: HookReport) -> None:
+        self._step(report, "synchronize", self.device.synchronize)
+        if self.barrier is not None:
+            self._step(report, "barrier", self.barrier)
+
+    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> None:
+        if self.warm_handle is not None:
+            try:
+                self.warm_handle.join(max(0.0, deadline - time.perf_counter()))
+            except TimeoutError as exc:
+                raise WarmTimeout(str(exc)) from None
+        keys = {spec: self.cache.key(describe(spec)) for spec in specs}
+        missing = [s for s in specs if self.cache.lookup(keys[s]) is None]
+        report.hits = len(specs) - len(missing)
+        if not missing:
+            return
+        names = ", ".join(s.id for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        if self.policy == "strict":
+            raise KernelsNotReady(f"strict policy: {len(missing)} spec(s) of plan {self.plan.plan_id} are not "
+                                  f"in the cache: {names}; run `jitwarm warm` with the same flags first")
+        if self.policy == "wait":
+            for spec in missing:
+                try:
+                    self.cache.wait_for(keys[spec], max(0.0, deadline - time.perf_counter()))
+                except LockTimeout as exc:
+                    raise WarmTimeout(f"timed out after {self.timeout_s:.0f}s waiting for {spec.id}: {exc}") from None
+            report.waited = len(missing)
+            return
+        result = warm_specs(missing, self.plan.plan_id, self.cache, self.jobs, progress=False,
+                            timeout_s=max(1.0, deadline - time.perf_counter()))
+        failed = [r for r in result.results if r.outcome == "failed"]
+        if failed:
+            detail = "; ".join(f"{r.spec.id}: {r.error}" for r in failed[:3])
+            timed_out = all("LockTimeout" in (r.error or "") for r in failed)
+            raise (WarmTimeout if timed_out else KernelsNotReady)(
+                f"{len(failed)} spec(s) of plan {self.plan.plan_id} failed to build: {detail}")
+        report.built, report.waited = result.built, result.waited
+        report.hits += result.hits
+
+    def _load(self, specs: list[KernelSpec]) -> list[Any]:
+        from jitwarm.kernels import dispatch
+
+        return [dispatch.ensure_loaded(spec, cache=self.cache) for spec in specs]
+
+
+def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,
+                   warmups: int = 2, graph_factory: Callable[[], Any] | None = None,
+                   capture: Callable[[Any], Any] | None = None) -> dict[int, tuple[Any, Any]]:
+    """Capture one graph per shape, largest batch first, the way sglang's ``capture_one`` does.
+
+    For each shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then create
+    the graph and capture ``forward(shape)`` into it. The hook is also called once before the ladder, so
+    the warmups themselves find every kernel loaded.
+
+    Parameters
+    ----------
+    plan
+        The warm plan whose ``shapes`` are captured.
+    forward
+        ``forward(shape)`` runs one batch of that shape and returns its outputs.
+    hook
+        The capture hook (default ``CaptureHook(plan)``); its device and barrier are used for the warmups.
+    warmups
+        Warmup forwards per shape before its capture (sglang runs two).
+    graph_factory, capture
+        ``torch.cuda.CUDAGraph`` and ``lambda g: torch.cuda.graph(g, pool=<shared pool>)`` by default;
+        tests pass recording fakes.
+
+    Returns
+    -------
+    dict
+        ``{bs: (graph, outputs)}``.
+
+    """
+    hook = hook or CaptureHook(plan)
+    if graph_factory is None or capture is None:
+        import torch
+
+        pool = torch.cuda.graph_pool_handle()  # one memory pool for the whole ladder, as sglang shares
+
+        def default_capture(graph: Any) -> Any:
+            return torch.cuda.graph(graph, pool=pool)
+
+        graph_factory = graph_factory or torch.cuda.CUDAGraph
+        capture = capture or default_capture
+    hook()
+    graphs: dict[int, tuple[Any, Any]] = {}
+    for shape in plan.shapes:
+        if shape.bs in graphs:
+            continue
+        for _ in range(warmups):
+            hook.device.synchronize()
+            if hook.barrier is not None:
+                hook.barrier()
+            forward(shape)
+            hook()
+        graph = graph_factory()
+        with capture(graph):
+            outputs = forward(shape)
+        graphs[shape.bs] = (graph, outputs)
+    return graphs

@@ -1,0 +1,262 @@
+"""warm: build every missing spec of a plan in parallel, each exactly once, through the shared cache."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from jitwarm.cache import KernelCache
+from jitwarm.cache.settings import settings
+from jitwarm.kernels import KernelSpec
+from jitwarm.precompile.plan import WarmPlan
+
+Outcome = str  # "hit" | "built" | "waited" | "failed"
+
+
+@dataclass
+class SpecResult:
+    """What warming one spec did: ``outcome`` is hit, built, waited (another process built it) or failed."""
+
+    spec: KernelSpec
+    outcome: Outcome
+    seconds: float = 0.0
+    key: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-able dict (the spec as its id)."""
+        return {**asdict(self), "spec": self.spec.id}
+
+
+@dataclass
+class WarmReport:
+    """The result of :func:`warm`: one :class:`SpecResult` per spec of the plan, and totals."""
+
+    plan_id: str
+    results: list[SpecResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def count(self, outcome: Outcome) -> int:
+        """Number of specs with this outcome."""
+        return sum(1 for r in self.results if r.outcome == outcome)
+
+    built = property(lambda self: self.count("built"), doc="Specs compiled by this run.")
+    hits = property(lambda self: self.count("hit"), doc="Specs already in the cache.")
+    waited = property(lambda self: self.count("waited"), doc="Specs another process built while we waited.")
+    failed = property(lambda self: self.count("failed"), doc="Specs that could not be built.")
+
+    @property
+    def ok(self) -> bool:
+        """True when every spec of the plan is in the cache."""
+        return self.failed == 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as ``jitwarm warm --json`` prints it."""
+        return {"plan_id": self.plan_id, "ok": self.ok, "seconds": round(self.seconds, 3),
+                "totals": {o: self.count(o) for o in ("built", "hit", "waited", "failed")},
+                "specs": [r.to_json() for r in self.results]}
+
+
+def describe(spec: KernelSpec) -> dict[str, Any]:
+    """The cache description of ``spec``: what its key is made of (its backend decides)."""
+    from jitwarm.kernels import dispatch
+
+    return dispatch.backend_module(spec.backend).description(spec)
+
+
+def _cache_args(cache: KernelCache) -> dict[str, Any]:
+    return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
+            "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared}
+
+
+def build_spec(spec_json: dict[str, Any], cache_args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Get or build one spec in this process; returns a :class:`SpecResult` as a dict (picklable)."""
+    from jitwarm.kernels import dispatch
+
+    spec = KernelSpec.from_json(spec_json)
+    cache = KernelCache(**cache_args)
+    start = time.perf_counter()
+    try:
+        backend = dispatch.backend_module(spec.backend)
+        result = cache.get_or_build_ex(backend.description(spec), lambda staging: backend.build(spec, staging),
+                                       timeout_s=timeout_s)
+    except Exception as exc:  # reported per spec: one bad spec must not fail the others
+        return {"outcome": "failed", "seconds": time.perf_counter() - start,
+                "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    return {"outcome": result.outcome, "seconds": time.perf_counter() - start, "key": result.entry.key}
+
+
+class Progress:
+    """Progress on a stream: a redrawn bar on a terminal, one plain line per spec otherwise."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
+        self.total, self.done = total, 0
+        self.stream = stream or sys.stderr
+        self.bar = self.stream.isatty() if bar is None else bar
+        self.counts: dict[str, int] = {}
+        self.start = time.perf_counter()
+
+    def update(self, result: SpecResult) -> None:
+        """Report one finished spec."""
+        self.done += 1
+        self.counts[result.outcome] = self.counts.get(result.outcome, 0) + 1
+        if self.bar:
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            counts = "  ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+            self.stream.write(f"\rjitwarm: [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+                              f"  {counts}  {time.perf_counter() - self.start:.1f}s")
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            error = f"  {result.error}" if result.error else ""
+            self.stream.write(f"jitwarm: [{self.done}/{self.total}] {result.outcome:<6} {result.spec.id}"
+                              f"  {result.seconds:.2f}s{error}\n")
+        self.stream.flush()
+
+
+def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = None,
+         progress: bool | None = None, timeout_s: float = 900.0,
+         on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
+    """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
+
+    Every build runs in a worker process through ``KernelCache.get_or_build``, so concurrent warms (other
+    ranks, a prestart container) build each spec once in total, and a crashing compiler fails its spec,
+    not the run. When every spec is present the plan's completion record is written.
+
+    Parameters
+    ----------
+    plan
+        The plan to warm.
+    cache
+        The cache (default: ``KernelCache()`` from the environment).
+    jobs
+        Parallel builds (default ``JITWARM_JOBS``, else the core count).
+    progress
+        True for progress output on stderr, False for none, None for a bar on a terminal and nothing
+        otherwise.
+    timeout_s
+        Per-spec deadline for waiting on another process's lock.
+    on_result
+        Called with each :class:`SpecResult` as it finishes.
+
+    Returns
+    -------
+    WarmReport
+        Never raises for a failed build: check ``report.ok`` / ``report.failed``.
+
+    """
+    cache = cache or KernelCache()
+    report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
+    if report.ok:
+        cache.write_plan_record(plan.plan_id, {
+            "plan_id": plan.plan_id, "complete": True, "keys": [r.key for r in report.results],
+            "specs": [r.spec.id for r in report.results], "finished": time.time()})
+    return report
+
+
+def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jobs: int | None = None,
+               progress: bool | None = None, timeout_s: float = 900.0,
+               on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
+    """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``."""
+    jobs = max(1, jobs or settings().jobs)
+    start = time.perf_counter()
+    report = WarmReport(plan_id)
+    show = Progress(len(specs)) if progress or (progress is None and sys.stderr.isatty()) else None
+
+    def record(result: SpecResult) -> None:
+        report.results.append(result)
+        if show:
+            show.update(result)
+        if on_result:
+            on_result(result)
+
+    missing = []
+    for spec in specs:  # lock-free lookups first: a warm cache costs no worker process
+        t0 = time.perf_counter()
+        try:
+            key = cache.key(describe(spec))
+        except Exception as exc:
+            record(SpecResult(spec, "failed", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        if cache.lookup(key) is not None:
+            record(SpecResult(spec, "hit", time.perf_counter() - t0, key))
+        else:
+            missing.append(spec)
+    for result in _build_all(missing, _cache_args(cache), jobs, timeout_s):
+        record(result)
+    order = {s: i for i, s in enumerate(specs)}
+    report.results.sort(key=lambda r: order[r.spec])
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _build_all(specs: list[KernelSpec], cache_args: dict[str, Any], jobs: int,
+               timeout_s: float) -> Iterable[SpecResult]:
+    """Yield a result per spec; a worker that dies is retried alone once, then its spec fails."""
+    if not specs:
+        return
+    suspects = yield from _run_pool(specs, cache_args, min(jobs, len(specs)), timeout_s)
+    for spec in suspects:  # a crash breaks the whole pool: find which spec did it
+        again = yield from _run_pool([spec], cache_args, 1, timeout_s)
+        if again:
+            yield SpecResult(spec, "failed", error="the build process died (compiler or loader crash)")
+
+
+def _run_pool(specs: list[KernelSpec], cache_args: dict[str, Any], jobs: int, timeout_s: float):
+    broken: list[KernelSpec] = []
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(build_spec, s.to_json(), cache_args, timeout_s): s for s in specs}
+        for future in cf.as_completed(futures):
+            spec = futures[future]
+            try:
+                data = future.result()
+            except cf.process.BrokenProcessPool:
+                broken.append(spec)
+                continue
+            yield SpecResult(spec, **data)
+    return broken
+
+
+class WarmHandle:
+    """A warm running in a background thread (builds still run in worker processes)."""
+
+    def __init__(self, plan: WarmPlan, **kwargs: Any) -> None:
+        self.plan = plan
+        self._report: WarmReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, kwargs=kwargs, name="jitwarm-warm", daemon=True)
+        self._thread.start()
+
+    def _run(self, **kwargs: Any) -> None:
+        try:
+            self._report = warm(self.plan, **kwargs)
+        except BaseException as exc:  # re-raised in the joiner's thread
+            self._error = exc
+
+    def done(self) -> bool:
+        """True once the warm has finished."""
+        return not self._thread.is_alive()
+
+    def join(self, timeout_s: float | None = None) -> WarmReport:
+        """Wait for the warm and return its report; raise TimeoutError past ``timeout_s``."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"background warm of plan {self.plan.plan_id} still running after {timeout_s}s")
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+
+def start_warm(plan: WarmPlan, **kwargs: Any) -> WarmHandle:
+    """Start :func:`warm` in the background (so compiles overlap model loading); the hook joins it."""
+    kwargs.setdefault("progress", False)
+    return WarmHandle(plan, **kwargs)

@@ -1,0 +1,132 @@
+"""The jitwarm CLI end to end in subprocesses: exit codes, repair, bundles, one-line errors."""
+
+import json
+import shutil
+
+import pytest
+from precompile_fixtures import SMALL, TINY, jitwarm, json_out
+
+
+@pytest.fixture
+def cache_copy(prestarted, tmp_path):
+    root, _ = prestarted
+    copy = tmp_path / "cache"
+    shutil.copytree(root, copy)
+    return copy
+
+
+def so_files(root):
+    return sorted(root.glob("v1/entries/*/*/*.so"))
+
+
+def test_status_of_a_complete_plan(prestarted):
+    root, _ = prestarted
+    proc = jitwarm("status", *SMALL, "--cache-dir", str(root), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["present"], data["missing"], data["corrupt"], data["complete"]) == (7, 0, 0, True)
+    assert data["size_bytes"] > 0
+
+
+def test_status_of_an_empty_cache_lists_missing(tmp_path):
+    proc = jitwarm("status", *TINY, "--cache-dir", str(tmp_path / "c"))
+    assert proc.returncode == 0
+    assert "0/3 present, 3 missing" in proc.stdout and proc.stdout.count("  missing: ") == 3
+
+
+def test_verify_exits_4_on_corruption_and_warm_repairs(cache_copy):
+    victim = so_files(cache_copy)[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    proc = jitwarm("verify", *SMALL, "--cache-dir", str(cache_copy))
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "1 corrupt" in proc.stdout and "corrupt (quarantined)" in proc.stderr
+    assert list(cache_copy.glob("v1/quarantine/*"))
+    repaired = jitwarm("warm", *SMALL, "--cache-dir", str(cache_copy), "--json")
+    assert repaired.returncode == 0, repaired.stderr
+    assert json.loads(repaired.stdout)["totals"] == {"built": 1, "hit": 6, "waited": 0, "failed": 0}
+    assert jitwarm("verify", *SMALL, "--cache-dir", str(cache_copy)).returncode == 0
+
+
+def test_verify_all_checks_every_entry(cache_copy):
+    so_files(cache_copy)[-1].write_bytes(b"truncated")
+    proc = jitwarm("verify", *TINY, "--all", "--cache-dir", str(cache_copy), "--json")
+    assert proc.returncode == 4
+    data = json.loads(proc.stdout)
+    assert data["ok"] == 6 and len(data["corrupt"]) == 1
+
+
+def test_export_then_prestart_from_bundle_builds_nothing(prestarted, tmp_path):
+    root, _ = prestarted
+    bundle = tmp_path / "kernels.tar"
+    proc = jitwarm("export", *SMALL, "--cache-dir", str(root), str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    assert "exported 7 entries" in proc.stdout
+    fresh = tmp_path / "elsewhere" / "cache"
+    ready = jitwarm("prestart", *SMALL, "--cache-dir", str(fresh), "--bundle", str(bundle), "--json")
+    assert ready.returncode == 0, ready.stderr
+    data = json_out(ready)
+    assert data["ready"] and data["totals"] == {"built": 0, "hit": 7, "waited": 0, "failed": 0}
+
+
+def test_import_command_and_corrupt_bundle_exit_4(prestarted, tmp_path):
+    root, _ = prestarted
+    bundle = tmp_path / "k.tar"
+    assert jitwarm("export", *SMALL, "--cache-dir", str(root), str(bundle)).returncode == 0
+    proc = jitwarm("import", str(bundle), "--cache-dir", str(tmp_path / "a"), "--json")
+    assert proc.returncode == 0 and len(json.loads(proc.stdout)["imported"]) == 7
+    data = bytearray(bundle.read_bytes())
+    at = data.index(b"\x7fELF") + 4000  # inside the first shared library's bytes
+    data[at] ^= 0xFF
+    bundle.write_bytes(bytes(data))
+    bad = jitwarm("import", str(bundle), "--cache-dir", str(tmp_path / "b"))
+    assert bad.returncode == 4 and bad.stderr.startswith("jitwarm: error: ") and bad.stderr.count("\n") == 1
+    assert not list((tmp_path / "b").glob("v1/entries/*/*"))
+
+
+def test_prune_by_size(cache_copy):
+    proc = jitwarm("prune", "--max-bytes", "1", "--cache-dir", str(cache_copy), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["removed"]) == 7
+    assert not so_files(cache_copy)
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["warm", *TINY, "--jobs", "0"], 2, "--jobs must be a positive integer"),
+    (["import", "/no/such/bundle.tar"], 2, "bundle /no/such/bundle.tar does not exist"),
+    (["prune"], 2, "prune needs --max-bytes"),
+    (["prune", "--max-bytes", "lots"], 2, "invalid size 'lots'"),
+    (["export", *TINY, "out.tar"], 2, "is not complete"),
+    (["warm", "--cuda-graph-max-bs", "-1"], 2, "--cuda-graph-max-bs must be a positive integer"),
+    (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+])
+def test_user_errors_are_one_line_with_exit_code(tmp_path, argv, code, message):
+    proc = jitwarm(*argv, "--cache-dir", str(tmp_path / "c")) if argv[0] != "frobnicate" else jitwarm(*argv)
+    assert proc.returncode == code
+    assert proc.stderr.startswith("jitwarm: error: ") and proc.stderr.count("\n") == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_environment_value_is_a_usage_error(tmp_path):
+    proc = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path), env={"JITWARM_JOBS": "many"})
+    assert proc.returncode == 2 and "JITWARM_JOBS" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_warm_progress_lines_and_bar():
+    import io
+
+    from precompile_fixtures import plan_of
+
+    from jitwarm.precompile.warming import Progress, SpecResult
+
+    stream = io.StringIO()
+    progress = Progress(3, stream=stream, bar=False)
+    for spec in plan_of(TINY).specs:
+        progress.update(SpecResult(spec, "built", 1.5))
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("jitwarm: [1/3] built ") and lines[-1].startswith("jitwarm: [3/3]")
+    bar = io.StringIO()
+    progress = Progress(2, stream=bar, bar=True)
+    progress.update(SpecResult(plan_of(TINY).specs[0], "hit"))
+    assert "\r" in bar.getvalue() and "1/2" in bar.getvalue()
