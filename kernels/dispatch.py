@@ -125,7 +125,7 @@ def ensure_built(spec: KernelSpec, cache: Any = None) -> Any:
     return cache.get_or_build(backend.description(spec), build)
 
 
-def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None) -> Any:
+def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None) -> Any:
     """Return the loaded module of ``spec``, loading it (and building it if needed) on first use.
 
     Parameters
@@ -136,6 +136,9 @@ def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None) -> Any
         Cache to build or find it in (default :func:`get_cache`); unused on a table hit.
     shape
         What asked for the spec (a ``VerifyLayout`` from ``ops``), passed to miss hooks for their message.
+    entry
+        The spec's verified cache entry when the caller already holds it (the capture hook does): it is
+        loaded as is, without a second lookup.
 
     Raises
     ------
@@ -153,7 +156,8 @@ def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None) -> Any
         _counts["misses"] += 1
         for hook in list(_miss_hooks):
             hook(spec, shape)
-        entry = ensure_built(spec, cache)
+        if entry is None:
+            entry = ensure_built(spec, cache)
         kernel = backend_module(spec.backend).load(spec, entry)
         _loaded[spec] = kernel
         _counts["loads"] += 1

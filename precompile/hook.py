@@ -155,9 +155,14 @@ class CaptureHook:
                                   f"{self.device.target} (its targets: {', '.join(targets)}); "
                                   f"warm with --target {self.device.target}")
         report = HookReport(self.device.target, first=True)
+        self._first_call(specs, start, report)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _first_call(self, specs: list[KernelSpec], start: float, report: HookReport) -> None:
         deadline = start + self.timeout_s
-        self._step(report, "present", lambda: self._make_present(specs, deadline, report))
-        loaded = self._step(report, "load", lambda: self._load(specs))
+        entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report))
+        loaded = self._step(report, "load", lambda: self._load(specs, entries))
         report.loaded = len(loaded)
         self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
         self._drain_and_meet(report)
@@ -165,8 +170,6 @@ class CaptureHook:
         if self.seal:
             self.seal.install()
         self.ready = True
-        report.seconds = time.perf_counter() - start
-        return report
 
     def close(self) -> None:
         """Disarm the guard (and remove third-party seals) armed by the first call."""
@@ -187,17 +190,20 @@ class CaptureHook:
         if self.barrier is not None:
             self._step(report, "barrier", self.barrier)
 
-    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> None:
+    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport
+                      ) -> dict[KernelSpec, Any]:
+        """Step (1): return each spec's verified entry (None where it was just built by a worker)."""
         if self.warm_handle is not None:
             try:
                 self.warm_handle.join(max(0.0, deadline - time.perf_counter()))
             except TimeoutError as exc:
                 raise WarmTimeout(str(exc)) from None
         keys = {spec: self.cache.key(describe(spec)) for spec in specs}
-        missing = [s for s in specs if self.cache.lookup(keys[s]) is None]
+        entries = {spec: self.cache.lookup(keys[spec]) for spec in specs}
+        missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:
-            return
+            return entries
         names = ", ".join(s.id for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
         if self.policy == "strict":
             raise KernelsNotReady(f"strict policy: {len(missing)} spec(s) of plan {self.plan.plan_id} are not "
@@ -205,11 +211,11 @@ class CaptureHook:
         if self.policy == "wait":
             for spec in missing:
                 try:
-                    self.cache.wait_for(keys[spec], max(0.0, deadline - time.perf_counter()))
+                    entries[spec] = self.cache.wait_for(keys[spec], max(0.0, deadline - time.perf_counter()))
                 except LockTimeout as exc:
                     raise WarmTimeout(f"timed out after {self.timeout_s:.0f}s waiting for {spec.id}: {exc}") from None
             report.waited = len(missing)
-            return
+            return entries
         result = warm_specs(missing, self.plan.plan_id, self.cache, self.jobs, progress=False,
                             timeout_s=max(1.0, deadline - time.perf_counter()))
         failed = [r for r in result.results if r.outcome == "failed"]
@@ -220,11 +226,12 @@ class CaptureHook:
                 f"{len(failed)} spec(s) of plan {self.plan.plan_id} failed to build: {detail}")
         report.built, report.waited = result.built, result.waited
         report.hits += result.hits
+        return entries  # the ones just built are None here: loading looks them up
 
-    def _load(self, specs: list[KernelSpec]) -> list[Any]:
+    def _load(self, specs: list[KernelSpec], entries: dict[KernelSpec, Any]) -> list[Any]:
         from jitwarm.kernels import dispatch
 
-        return [dispatch.ensure_loaded(spec, cache=self.cache) for spec in specs]
+        return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec)) for spec in specs]
 
 
 def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,
