@@ -17,12 +17,14 @@ from jitwarm.kernels import KernelSpec
 class CompileDuringCaptureError(RuntimeError):
     """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing."""
 
-    def __init__(self, what: str, detail: str = "") -> None:
+    PLAN_HINT = ("Add it to the warm plan (capture flags that produce this shape, or --cuda-graph-bs with this "
+                 "batch size), run `jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
+    THIRD_PARTY_HINT = ("Run this kernel once for this shape before capture (in the warmup, before the hook), so "
+                        "its compile and module load happen outside the graph.")
+
+    def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
         self.what = what
-        super().__init__(
-            f"{what} would be compiled or loaded during CUDA-graph capture{detail}. Add it to the warm plan "
-            "(capture flags that produce this shape, or --cuda-graph-bs with this batch size), run "
-            "`jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
+        super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}. {hint}")
 
 
 _lock = threading.Lock()
@@ -142,7 +144,8 @@ class ThirdPartySeal:
 
         def jit_cache_hook(*, key: str, repr: str, **kwargs: Any) -> Any:
             if is_armed() or stream_is_capturing():
-                raise CompileDuringCaptureError(f"Triton kernel {repr}")
+                raise CompileDuringCaptureError(f"Triton kernel {repr}",
+                                                hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
             return previous(key=key, repr=repr, **kwargs) if previous else None
 
         runtime.jit_cache_hook = jit_cache_hook
@@ -167,7 +170,7 @@ def _sealed(fn: Any, label: str) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         if is_armed() or stream_is_capturing():
             name = kwargs.get("name") or (args[0] if args else "?")
-            raise CompileDuringCaptureError(f"{label}({name!r})")
+            raise CompileDuringCaptureError(f"{label}({name!r})", hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
         return fn(*args, **kwargs)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]

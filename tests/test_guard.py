@@ -1,0 +1,62 @@
+"""The capture guard and the third-party seals (Triton's JIT, tvm-ffi's build and load): no GPU needed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tvm_ffi
+import tvm_ffi.cpp
+from precompile_fixtures import WORKERS
+
+from jitwarm.precompile import CompileDuringCaptureError, capture_guard
+from jitwarm.precompile import guard as guard_module
+
+
+def test_guard_arms_only_inside_the_block():
+    assert not guard_module.is_armed()
+    with capture_guard():
+        assert guard_module.is_armed()
+        with capture_guard():
+            assert guard_module.is_armed()
+        assert guard_module.is_armed()
+    assert not guard_module.is_armed()
+
+
+def test_guard_disarms_when_the_block_raises():
+    with pytest.raises(KeyError), capture_guard():
+        raise KeyError("boom")
+    assert not guard_module.is_armed()
+
+
+@pytest.mark.parametrize("owner, name", [(tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
+                                         (tvm_ffi, "load_module")])
+def test_tvm_ffi_seal_raises_inside_and_restores_after(owner, name, tmp_path):
+    original = getattr(owner, name)
+    with capture_guard(seal_third_party=True), pytest.raises(CompileDuringCaptureError) as info:
+        getattr(owner, name)("late_kernel", cpp_sources="void f() {}") if name != "load_module" else \
+            getattr(owner, name)(str(tmp_path / "late_kernel.so"))
+    assert "late_kernel" in str(info.value) and f"{name}(" in str(info.value)
+    assert "Run this kernel once for this shape before capture" in str(info.value)
+    assert getattr(owner, name) is original
+
+
+def test_tvm_ffi_seal_lets_calls_through_outside_capture(tmp_path):
+    seal = guard_module.ThirdPartySeal()
+    seal.install()
+    try:
+        with pytest.raises(RuntimeError, match="cannot open shared object file"):
+            tvm_ffi.load_module(str(tmp_path / "missing.so"))  # reaches tvm-ffi itself: not our error
+    finally:
+        seal.remove()
+
+
+def test_triton_seal_stops_a_jit_compile_and_is_removed_after():
+    proc = subprocess.run([sys.executable, str(WORKERS / "triton_seal.py")], capture_output=True, text=True,
+                          timeout=300, env={"TRITON_DEFAULT_FP_FUSION": "1", **os.environ})
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["outcome"] == "CompileDuringCaptureError"
+    assert result["message"].startswith("Triton kernel add_one[")
+    assert result["hook_restored"] and result["after"] == "compiled"
