@@ -68,12 +68,12 @@ class ServingConfig:
     speculative_num_draft_tokens: int = 0
     max_running_requests: int | None = None
     ragged_verify_mode: str | None = None
-    head_dim: int = 128
-    rope_dim: int = 64
-    num_q_heads: int = 16
-    num_kv_heads: int = 1
-    compress_ratios: tuple[int, ...] = (4, 128)
-    dtype: str = "bfloat16"
+    head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (one place for them)
+    rope_dim: int = ModelDims.rope_dim
+    num_q_heads: int = ModelDims.num_q_heads
+    num_kv_heads: int = ModelDims.num_kv_heads
+    compress_ratios: tuple[int, ...] = ModelDims.compress_ratios
+    dtype: str = ModelDims.dtype
     backends: tuple[str, ...] = ("tvm_ffi",)
     targets: tuple[str, ...] | None = None
     mode_from_env: bool = field(default=False, compare=False, repr=False)
