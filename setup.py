@@ -23,6 +23,7 @@ setup(
         "apache-tvm-ffi>=0.1.15,<0.2",
         "triton>=3.4,<4",
         "filelock>=3.20,<5",
+        "redis>=5.0,<9",
         "numpy>=1.26",
         "tomli>=2.0; python_version < '3.11'",
     ],

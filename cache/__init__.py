@@ -1,4 +1,4 @@
-"""The shared kernel cache: content-addressed entries, per-key file locks, exactly-once builds.
+"""The shared kernel cache: content-addressed entries, per-key file locks, exactly-once builds, a remote tier.
 
 See docs/cache.md for the on-disk layout and the publish protocol. Environment knobs are read through
 :mod:`jitwarm.cache.settings`. Importing this package reads no environment and touches no file.
@@ -7,12 +7,12 @@ See docs/cache.md for the on-disk layout and the publish protocol. Environment k
 from __future__ import annotations
 
 from jitwarm.cache.entry import Entry, FileRecord
-from jitwarm.cache.errors import BuildError, CacheError, LockTimeout
+from jitwarm.cache.errors import BuildError, CacheError, LockTimeout, RemoteUnavailable
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import LockHolder
-from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, VerifyReport
+from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, RemoteReport, VerifyReport
 from jitwarm.cache.store import CacheResult, KernelCache, Outcome
 
 __all__ = ["FORMAT_VERSION", "BuildError", "CacheError", "CacheResult", "CacheStats", "Entry", "FileRecord",
-           "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport",
-           "VerifyReport"]
+           "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport", "RemoteReport",
+           "RemoteUnavailable", "VerifyReport"]

@@ -7,11 +7,12 @@ import json
 import os
 import stat
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from jitwarm.cache.durable import fsync_tree, write_atomic
+from jitwarm.cache.durable import fsync_tree, make_dirs, write_atomic
 from jitwarm.cache.errors import CacheError, CorruptEntry
 from jitwarm.cache.keys import FORMAT_VERSION, hash_preimage, is_key
 from jitwarm.cache.trust import check_trusted
@@ -109,15 +110,20 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
     if not records:
         # Never publish an empty artifact (FlashInfer PR #4136 checks for a non-empty cubin for the same reason).
         raise CacheError("the build wrote no files into its staging directory")
-    strip = 0o002 if shared else 0o022
-    for dirpath, _dirs, _files in os.walk(staging):
-        Path(dirpath).chmod(stat.S_IMODE(os.lstat(dirpath).st_mode) & ~strip | 0o700)
+    _seal_dirs(staging, shared)
     manifest = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
                 "files": sorted(records, key=lambda r: r["path"])}
     data = json.dumps(manifest, indent=1, sort_keys=True).encode("ascii")
     write_atomic(staging / MANIFEST, data, durable=False, mode=0o444)
     fsync_tree(staging)
     return manifest
+
+
+def _seal_dirs(staging: Path, shared: bool) -> None:
+    """Take write access for other users (and the group, unless ``shared``) off every directory."""
+    strip = 0o002 if shared else 0o022
+    for dirpath, _dirs, _files in os.walk(staging):
+        Path(dirpath).chmod(stat.S_IMODE(os.lstat(dirpath).st_mode) & ~strip | 0o700)
 
 
 def verify_entry(path: Path, key: str, *, allow_shared: bool,
@@ -189,44 +195,102 @@ def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
 
 
 def _read_manifest(path: Path, key: str) -> tuple[dict[str, Any], list[FileRecord]]:
-    """Parse and check ``entry.json`` of the entry at ``path``; CorruptEntry on any defect."""
+    """Read and check ``entry.json`` of the entry at ``path``; CorruptEntry on any defect."""
     try:
         mst = os.lstat(path / MANIFEST)
     except FileNotFoundError:
         raise CorruptEntry(f"{path} has no {MANIFEST}") from None
     if not stat.S_ISREG(mst.st_mode) or mst.st_size > _MAX_MANIFEST_BYTES:
         raise CorruptEntry(f"{path / MANIFEST} is not a regular file of sane size")
+    return parse_manifest((path / MANIFEST).read_bytes(), key, str(path / MANIFEST))
+
+
+def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], list[FileRecord]]:
+    """Parse and check the bytes of a manifest for ``key``; ``where`` names it in errors.
+
+    Returns
+    -------
+    (dict, list of FileRecord)
+        The document and its file records.
+
+    Raises
+    ------
+    CorruptEntry
+        Not a valid manifest of this format for ``key`` (including a preimage that does not hash to it).
+
+    """
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise CorruptEntry(f"{where} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
-        doc = json.loads((path / MANIFEST).read_bytes())
+        doc = json.loads(data)
         if not isinstance(doc, dict) or not isinstance(doc["preimage"], dict):
             raise TypeError("not an object")
         fmt, stored_key, preimage, files = doc["format"], doc["key"], doc["preimage"], doc["files"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptEntry(f"{path / MANIFEST} is not a valid manifest: {exc!r}") from None
+        raise CorruptEntry(f"{where} is not a valid manifest: {exc!r}") from None
     if fmt != FORMAT_VERSION:
-        raise CorruptEntry(f"{path / MANIFEST} has format {fmt!r}, expected {FORMAT_VERSION}")
+        raise CorruptEntry(f"{where} has format {fmt!r}, expected {FORMAT_VERSION}")
     if stored_key != key:
-        raise CorruptEntry(f"{path / MANIFEST} is for key {stored_key!r}, not {key}")
+        raise CorruptEntry(f"{where} is for key {stored_key!r}, not {key}")
     try:
         if hash_preimage(preimage) != key:
-            raise CorruptEntry(f"{path / MANIFEST}: the stored preimage does not hash to the key")
+            raise CorruptEntry(f"{where}: the stored preimage does not hash to the key")
     except TypeError:
-        raise CorruptEntry(f"{path / MANIFEST}: the stored preimage is not plain JSON") from None
+        raise CorruptEntry(f"{where}: the stored preimage is not plain JSON") from None
     if not isinstance(files, list) or not files:
-        raise CorruptEntry(f"{path / MANIFEST} lists no files")
+        raise CorruptEntry(f"{where} lists no files")
     records = []
     for item in files:
         try:
             rec = FileRecord(path=item["path"], size=item["size"], sha256=item["sha256"])
         except (KeyError, TypeError):
-            raise CorruptEntry(f"{path / MANIFEST}: malformed file record {item!r}") from None
+            raise CorruptEntry(f"{where}: malformed file record {item!r}") from None
         size_ok = isinstance(rec.size, int) and not isinstance(rec.size, bool) and rec.size >= 0
         if not (is_safe_relpath(rec.path) and size_ok and is_key(rec.sha256)):
-            raise CorruptEntry(f"{path / MANIFEST}: bad file record {item!r}")
+            raise CorruptEntry(f"{where}: bad file record {item!r}")
         records.append(rec)
     if len({r.path for r in records}) != len(records) or any(r.path == MANIFEST for r in records):
-        raise CorruptEntry(f"{path / MANIFEST}: duplicate or reserved file names")
+        raise CorruptEntry(f"{where}: duplicate or reserved file names")
     return doc, records
+
+
+def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, bytes],
+                 executable: Collection[str] = (), *, shared: bool = False) -> None:
+    """Write an entry received as bytes (from the remote tier) into the new directory ``staging``.
+
+    Every byte is checked before anything is written: the manifest as :func:`verify_entry` checks it,
+    the file names exactly those listed, each size and sha256 as listed. Then the files are written
+    read-only, the manifest last, and the tree is fsync'd, as :func:`seal` leaves a build.
+
+    Raises
+    ------
+    CorruptEntry
+        The bytes do not match their manifest; ``staging`` was not created.
+
+    """
+    where = f"remote entry {key}"
+    _doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
+    listed = {r.path: r for r in records}
+    if set(files) != set(listed):
+        missing, extra = sorted(set(listed) - set(files)), sorted(set(files) - set(listed))
+        raise CorruptEntry(f"{where}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+    for rel, rec in listed.items():
+        if len(files[rel]) != rec.size:
+            raise CorruptEntry(f"{where}: {rel} has size {len(files[rel])}, {MANIFEST} says {rec.size}")
+        if hashlib.sha256(files[rel]).hexdigest() != rec.sha256:
+            raise CorruptEntry(f"{where}: {rel}: sha256 does not match {MANIFEST}")
+    dir_mode = 0o777 if shared else 0o755
+    staging.mkdir(mode=dir_mode)
+    for rel in sorted(listed):
+        dest = staging / rel
+        make_dirs(dest.parent, dir_mode)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(files[rel])
+        dest.chmod(0o555 if rel in executable else 0o444)
+    _seal_dirs(staging, shared)
+    write_atomic(staging / MANIFEST, manifest, durable=False, mode=0o444)
+    fsync_tree(staging)
 
 
 def is_safe_relpath(rel: object) -> bool:

@@ -63,5 +63,30 @@ class BuildError(CacheError):
         return (type(self), (self.key, self.reason))
 
 
+class RemoteUnavailable(CacheError):
+    """The remote tier failed (unreachable, or an error mid-way) and it is required.
+
+    Raised only with ``remote_required`` (``--remote-required``, ``JITWARM_REMOTE_REQUIRED=1``); without
+    it the cache logs the failure once and continues with the local tier.
+
+    Attributes
+    ----------
+    url : str
+        The remote's URL, password removed.
+    reason : str
+        What failed, e.g. ``"ConnectionError: Error 111 connecting to 127.0.0.1:6390"``.
+
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"remote cache {url} is unavailable ({reason}) and it is required "
+                         "(--remote-required / JITWARM_REMOTE_REQUIRED=1)")
+
+    def __reduce__(self) -> tuple[type[RemoteUnavailable], tuple[str, str]]:
+        return (type(self), (self.url, self.reason))
+
+
 class CorruptEntry(CacheError):
     """An entry failed verification (internal: lookups turn it into a miss and quarantine)."""

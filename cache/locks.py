@@ -87,6 +87,10 @@ class LockHolder:
         return asdict(self)
 
 
+#: ``on_wait(holder)``: called once when a call has to wait for another process (holder None if unknown).
+OnWait = Callable[[LockHolder | None], None]
+
+
 class KeyLock:
     """The build lock of one cache key: ``<lock_dir>/<key>.lock`` plus ``<key>.holder``.
 

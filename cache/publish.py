@@ -9,16 +9,19 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jitwarm.cache import prune
 from jitwarm.cache.durable import fsync_dir, remove_tree
 from jitwarm.cache.entry import Entry, seal, verify_entry
-from jitwarm.cache.errors import BuildError, CacheError
+from jitwarm.cache.errors import BuildError, CacheError, LockTimeout
 from jitwarm.cache.index import EntryIndex
 from jitwarm.cache.layout import RootLayout
-from jitwarm.cache.locks import KeyLock
+from jitwarm.cache.locks import WAIT_LOG_AFTER_S, KeyLock, LockHolder, OnWait
 from jitwarm.cache.reports import ImportReport, StatsCounter
+
+if TYPE_CHECKING:
+    from jitwarm.cache.fleet import FleetBuilder
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -31,8 +34,8 @@ NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 class Publisher:
     """Publishes entries into the writable root.
 
-    Every method expects the caller to hold the key's lock, except :meth:`import_staged`, which takes
-    each lock itself.
+    Every method expects the caller to hold the key's lock, except :meth:`get_or_build`,
+    :meth:`wait_published` and :meth:`import_staged`, which take (or only read) each lock themselves.
     """
 
     def __init__(self, layout: RootLayout, index: EntryIndex, lock_dir: Path, *, allow_shared: bool,
@@ -53,6 +56,73 @@ class Publisher:
             if entry is not None:
                 break
         return entry
+
+    def get_or_build(self, key: str, preimage: dict[str, Any], build: BuildFn, timeout_s: float,
+                     on_wait: OnWait | None, fleet: FleetBuilder | None) -> tuple[Entry, str]:
+        """Steps 2-7 of the protocol after a lock-free miss: lock, look again, then build (or ask ``fleet``).
+
+        Returns ``(entry, outcome)``; takes and releases the key's lock itself. See
+        :meth:`KernelCache.get_or_build` for what it raises.
+        """
+        waited = False
+
+        def note_wait(holder: LockHolder | None) -> None:
+            nonlocal waited
+            waited = True
+            self._stats.add("waits")
+            if on_wait is not None:
+                on_wait(holder)
+
+        found: list[Entry] = []
+
+        def published() -> bool:
+            # Waiters need not queue on the lock once the holder's entry is visible.
+            entry = self.index.find(key)
+            found.extend([entry] if entry is not None else [])
+            return entry is not None
+
+        lock = KeyLock(self.lock_dir, key)
+        start = time.monotonic()
+        try:
+            acquired = lock.acquire(timeout_s, on_wait=note_wait, give_up=published)
+        finally:
+            if waited:
+                self._stats.add("lock_wait_s", time.monotonic() - start)
+        if not acquired:
+            return found[0], "waited"
+        try:
+            entry = self.find_fresh(key, retry=waited)
+            if entry is not None:
+                if not waited:
+                    self._stats.add("hits")
+                return entry, "waited" if waited else "hit"
+            if fleet is not None:  # the second level: one download or build per key per fleet
+                left = max(0.0, timeout_s - (time.monotonic() - start))
+                return fleet.get_or_build(key, preimage, build, left, on_wait if on_wait and not waited else None)
+            return self.build(key, preimage, build), "built"
+        finally:
+            lock.release()
+
+    def wait_published(self, key: str, timeout_s: float) -> Entry:
+        """Poll for ``key`` with a backoff from 20 ms to 0.5 s until it is published; see ``KernelCache.wait_for``."""
+        lock = KeyLock(self.lock_dir, key)  # only read: its holder record
+        start = time.monotonic()
+        delay, logged = 0.02, False
+        try:
+            while True:
+                elapsed = time.monotonic() - start
+                if not logged and elapsed >= WAIT_LOG_AFTER_S:
+                    logged = lock.log_wait()
+                if elapsed >= timeout_s:
+                    raise LockTimeout(key, lock.read_holder(), timeout_s)
+                time.sleep(min(delay, timeout_s - elapsed))
+                delay = min(delay * 1.5, 0.5)
+                refresh_dir(self.layout.entry_dir(key).parent)
+                entry = self.index.find(key)
+                if entry is not None:
+                    return entry
+        finally:
+            self._stats.add("lock_wait_s", time.monotonic() - start)
 
     def build(self, key: str, preimage: dict[str, Any], build: BuildFn) -> Entry:
         """Run ``build`` into a fresh staging dir, seal it and publish it.

@@ -25,6 +25,18 @@ class CacheStats:
         Seconds spent waiting for other processes.
     corrupt : int
         Entries that failed verification when this cache looked at them.
+    remote_hits : int
+        Entries downloaded from the remote tier, verified and published into the local root.
+    remote_misses : int
+        ``get_or_build`` calls that found the key neither locally nor on the remote.
+    remote_uploads : int
+        Entries this cache built and uploaded to the remote tier.
+    lease_waits : int
+        Calls that found another node holding the key's fleet lease and waited for it.
+    remote_rejected : int
+        Remote entries that failed the size and sha256 check against their manifest (never loaded).
+    remote_errors : int
+        Failures talking to the remote (each one turned the remote off for a while, or raised).
 
     """
 
@@ -34,6 +46,12 @@ class CacheStats:
     waits: int = 0
     lock_wait_s: float = 0.0
     corrupt: int = 0
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_uploads: int = 0
+    lease_waits: int = 0
+    remote_rejected: int = 0
+    remote_errors: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """Return the counters as a JSON-able dict."""
@@ -144,6 +162,39 @@ class ImportReport:
     def keys(self) -> tuple[str, ...]:
         """Every key of the bundle."""
         return tuple(sorted((*self.imported, *self.present)))
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RemoteReport:
+    """Result of :meth:`KernelCache.remote_report`: which keys the remote tier holds.
+
+    Attributes
+    ----------
+    url : str
+        The remote's URL, password removed.
+    prefix : str
+        The key namespace on that server.
+    available : bool
+        False when the remote could not be asked; ``present`` and ``missing`` are then empty.
+    error : str or None
+        Why it is not available.
+    present : tuple of str
+        Keys whose entry (manifest and files) is on the remote.
+    missing : tuple of str
+        Keys the remote does not hold.
+
+    """
+
+    url: str
+    prefix: str
+    available: bool
+    error: str | None = None
+    present: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """Return the report as a JSON-able dict."""

@@ -15,10 +15,12 @@ Examples
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 #: Field of :class:`Settings` -> the environment variable it is read from.
 ENV_VARS: Mapping[str, str] = {
@@ -28,7 +30,16 @@ ENV_VARS: Mapping[str, str] = {
     "allow_shared": "JITWARM_ALLOW_SHARED",
     "jobs": "JITWARM_JOBS",
     "strict": "JITWARM_STRICT",
+    "remote": "JITWARM_REMOTE",
+    "remote_prefix": "JITWARM_REMOTE_PREFIX",
+    "remote_required": "JITWARM_REMOTE_REQUIRED",
+    "remote_lease_s": "JITWARM_REMOTE_LEASE_S",
+    "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES",
 }
+
+#: URL schemes the remote tier accepts (redis-py's own URL forms).
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._:{}-]{1,64}")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -54,6 +65,18 @@ class Settings:
         ``$JITWARM_JOBS``: parallel builds for ``warm``; defaults to the number of CPUs.
     strict : bool
         ``$JITWARM_STRICT``: never compile at run time; a cache miss is an error.
+    remote : str or None
+        ``$JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``,
+        ``rediss://`` for TLS, ``unix://``); None means no remote tier.
+    remote_prefix : str
+        ``$JITWARM_REMOTE_PREFIX``: namespace of this fleet's keys on that server (default ``jitwarm``).
+    remote_required : bool
+        ``$JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down.
+    remote_lease_s : float
+        ``$JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30);
+        a dead builder's lease runs out after this long.
+    remote_max_bytes : int
+        ``$JITWARM_REMOTE_MAX_BYTES``: larger entries are not uploaded (default 256 MiB).
 
     """
 
@@ -63,6 +86,11 @@ class Settings:
     allow_shared: bool
     jobs: int
     strict: bool
+    remote: str | None = None
+    remote_prefix: str = "jitwarm"
+    remote_required: bool = False
+    remote_lease_s: float = 30.0
+    remote_max_bytes: int = 256 << 20
 
 
 def settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -92,7 +120,32 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         allow_shared=_bool(env, "JITWARM_ALLOW_SHARED"),
         jobs=_jobs(env),
         strict=_bool(env, "JITWARM_STRICT"),
+        remote=check_remote_url(env["JITWARM_REMOTE"].strip(), "JITWARM_REMOTE")
+        if env.get("JITWARM_REMOTE", "").strip() else None,
+        remote_prefix=check_remote_prefix(env.get("JITWARM_REMOTE_PREFIX", "").strip() or "jitwarm",
+                                          "JITWARM_REMOTE_PREFIX"),
+        remote_required=_bool(env, "JITWARM_REMOTE_REQUIRED"),
+        remote_lease_s=_number(env, "JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5),
+        remote_max_bytes=_number(env, "JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0),
     )
+
+
+def check_remote_url(url: str, what: str = "remote") -> str:
+    """Return ``url`` if it is a Redis URL redis-py understands, else raise ValueError naming ``what``.
+
+    The message never repeats the URL itself: it may hold a password.
+    """
+    if not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES) or len(url) <= len("unix://"):
+        scheme = url.split("://", 1)[0] + "://" if isinstance(url, str) and "://" in url else "no scheme"
+        raise ValueError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {scheme}")
+    return url
+
+
+def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
+    """Return ``prefix`` if it is a safe key namespace (1-64 of ``[A-Za-z0-9._:{}-]``), else ValueError."""
+    if not isinstance(prefix, str) or _PREFIX_RE.fullmatch(prefix) is None:
+        raise ValueError(f"{what}={prefix!r}: use 1-64 characters from [A-Za-z0-9._:{{}}-]")
+    return prefix
 
 
 @contextmanager
@@ -184,11 +237,25 @@ def _jobs(env: Mapping[str, str]) -> int:
     return jobs
 
 
+def _number(env: Mapping[str, str], var: str, kind: type, default: float, *, minimum: float) -> Any:
+    """Parse an int or float variable with a lower bound; unset or blank gives ``default``."""
+    text = env.get(var, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{var}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not value >= minimum:  # also rejects nan
+        raise ValueError(f"{var}={text!r} must be at least {minimum}")
+    return value
+
+
 def _format(value: object) -> str:
     """Render an override value the way the parser reads it back."""
     if isinstance(value, bool):
         return "1" if value else "0"
-    if isinstance(value, (str, int, os.PathLike)):
+    if isinstance(value, (str, int, float, os.PathLike)):
         return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
     if isinstance(value, (list, tuple)):
         return ":".join(_format(v) for v in value)

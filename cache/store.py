@@ -3,32 +3,33 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from jitwarm.cache import bundle, plans, prune
 from jitwarm.cache.durable import directory_size, make_dirs, remove_tree
 from jitwarm.cache.entry import Entry
-from jitwarm.cache.errors import CacheError, LockTimeout
+from jitwarm.cache.errors import CacheError
+from jitwarm.cache.fleet import FleetBuilder
 from jitwarm.cache.index import EntryIndex
 from jitwarm.cache.keys import check_key, hash_preimage, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout
-from jitwarm.cache.locks import WAIT_LOG_AFTER_S, KeyLock, LockHolder
-from jitwarm.cache.publish import BuildFn, Publisher, refresh_dir
-from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, StatsCounter, VerifyReport
-from jitwarm.cache.settings import absolute_path, settings
+from jitwarm.cache.locks import OnWait
+from jitwarm.cache.publish import BuildFn, Publisher
+from jitwarm.cache.remote import RemoteStore, redact
+from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, RemoteReport, StatsCounter, VerifyReport
+from jitwarm.cache.settings import absolute_path, check_remote_prefix, check_remote_url, settings
 
-Outcome = Literal["hit", "built", "waited"]
-OnWait = Callable[[LockHolder | None], None]
+Outcome = Literal["hit", "built", "waited", "downloaded"]
 
 
 class CacheResult(NamedTuple):
     """What :meth:`KernelCache.get_or_build_ex` returns: the entry and how this call got it.
 
-    ``outcome`` is ``"hit"`` (already published, no wait), ``"built"`` (this call ran ``build``) or
-    ``"waited"`` (another process held the key's lock and this call used its result).
+    ``outcome`` is ``"hit"`` (already published, no wait), ``"built"`` (this call ran ``build``),
+    ``"waited"`` (another process of this host held the key's lock and this call used its result) or
+    ``"downloaded"`` (the remote tier had it: checked and published into the local root).
     """
 
     entry: Entry
@@ -52,11 +53,21 @@ class KernelCache:
         ``get_or_build`` raises on a miss.
     allow_shared : bool
         Accept roots and entries other users can write (also ``JITWARM_ALLOW_SHARED=1``).
+    remote : str, optional
+        The fleet's shared Redis, the second level after the local root and layers (``redis://``,
+        ``rediss://``, with password and db); None means ``$JITWARM_REMOTE``, ``""`` none. See
+        docs/cache.md, "Remote tier".
+    remote_prefix : str, optional
+        Key namespace on that server; ``$JITWARM_REMOTE_PREFIX``, else ``"jitwarm"``.
+    remote_required : bool, optional
+        Raise ``RemoteUnavailable`` instead of continuing locally when the remote fails;
+        ``$JITWARM_REMOTE_REQUIRED`` when None.
 
     Raises
     ------
     ValueError
-        A ``JITWARM_*`` variable does not parse (see :mod:`jitwarm.cache.settings`).
+        A ``JITWARM_*`` variable, ``remote`` or ``remote_prefix`` does not parse (see
+        :mod:`jitwarm.cache.settings`).
 
     Notes
     -----
@@ -68,13 +79,17 @@ class KernelCache:
     in a read-only cache. Every returned entry was verified (size and sha256 of every file) the first
     time this instance saw it, and its files' stat signature is re-checked on every later lookup.
     Instances are thread-safe; two threads of one process exclude each other like two processes.
+    With a remote, a ``get_or_build`` miss asks it next (under the key's lock), and ``build`` runs at
+    most once per key per fleet; a remote failure is logged once and the call goes on locally, or
+    raises ``RemoteUnavailable`` with ``remote_required``. ``lookup`` and ``wait_for`` stay local.
 
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None,
                  layers: Sequence[str | os.PathLike[str]] | None = None,
                  lock_dir: str | os.PathLike[str] | None = None,
-                 read_only: bool = False, allow_shared: bool = False) -> None:
+                 read_only: bool = False, allow_shared: bool = False, remote: str | None = None,
+                 remote_prefix: str | None = None, remote_required: bool | None = None) -> None:
         env = settings()
         self.root = absolute_path(root) if root is not None else env.cache_dir
         self.layers = tuple(absolute_path(p) for p in (env.cache_path if layers is None else layers))
@@ -91,9 +106,18 @@ class KernelCache:
                                  stats=self._stats)
         self._publisher = Publisher(self._layout, self._index, self.lock_dir, allow_shared=self.allow_shared,
                                     stats=self._stats)
+        self.remote = env.remote if remote is None else (check_remote_url(remote) if remote else None)
+        self.remote_prefix = check_remote_prefix(remote_prefix) if remote_prefix else env.remote_prefix
+        self.remote_required = env.remote_required if remote_required is None else bool(remote_required)
+        self._remote = self._fleet = None
+        if self.remote is not None:
+            self._remote = RemoteStore(self.remote, prefix=self.remote_prefix, required=self.remote_required,
+                                       max_bytes=env.remote_max_bytes, shared=self.allow_shared, stats=self._stats)
+            self._fleet = FleetBuilder(self._remote, self._publisher, lease_s=env.remote_lease_s, stats=self._stats)
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
+        mode += f", remote={redact(self.remote)!r}" if self.remote else ""
         return f"KernelCache(root={str(self.root)!r}, layers={[str(p) for p in self.layers]}{mode})"
 
     # -- keys -------------------------------------------------------------------------------------
@@ -143,9 +167,11 @@ class KernelCache:
             JSON-able description of the artifact; its key is :meth:`key`.
         build : callable
             ``build(staging_dir: Path) -> None`` writes the artifact files (regular files, any subfolders;
-            no symlinks, no ``entry.json``). Called under the key's lock, at most once per key per host.
+            no symlinks, no ``entry.json``). Called under the key's lock, at most once per key per host
+            (per fleet with a remote, under the key's fleet lease too).
         timeout_s : float
-            How long to wait for another process that holds the key's lock. Our own build is not bounded.
+            How long to wait for another process that holds the key's lock (or another node its fleet
+            lease). Our own build is not bounded.
         on_wait : callable, optional
             Called once, with the holder's :class:`LockHolder` (None if not yet recorded), when this call
             has to wait for another holder.
@@ -158,7 +184,8 @@ class KernelCache:
         Raises
         ------
         CacheError
-            Miss in a read-only cache; untrusted root or entry; unusable lock dir.
+            Miss in a read-only cache; untrusted root or entry; unusable lock dir; ``RemoteUnavailable``
+            when a required remote fails.
         LockTimeout
             Another holder kept the lock past ``timeout_s`` (names the key and the holder).
         BuildError
@@ -171,8 +198,8 @@ class KernelCache:
                         on_wait: OnWait | None = None) -> CacheResult:
         """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
 
-        ``outcome`` is ``"hit"``, ``"built"`` or ``"waited"`` (see :class:`CacheResult`), e.g. for a
-        warm report that counts compiled versus waited kernels.
+        ``outcome`` is ``"hit"``, ``"built"``, ``"waited"`` or ``"downloaded"`` (see :class:`CacheResult`),
+        e.g. for a warm report that counts compiled versus waited kernels.
         """
         preimage = key_preimage(description)
         key = hash_preimage(preimage)
@@ -185,41 +212,7 @@ class KernelCache:
                              "writable cache (jitwarm warm) or import a bundle")
         self._stats.add("misses")
         self._prepare_root()
-        waited = False
-
-        def note_wait(holder: LockHolder | None) -> None:
-            nonlocal waited
-            waited = True
-            self._stats.add("waits")
-            if on_wait is not None:
-                on_wait(holder)
-
-        found: list[Entry] = []
-
-        def published() -> bool:
-            # Waiters need not queue on the lock once the holder's entry is visible.
-            entry = self._index.find(key)
-            found.extend([entry] if entry is not None else [])
-            return entry is not None
-
-        lock = KeyLock(self.lock_dir, key)
-        start = time.monotonic()
-        try:
-            acquired = lock.acquire(timeout_s, on_wait=note_wait, give_up=published)
-        finally:
-            if waited:
-                self._stats.add("lock_wait_s", time.monotonic() - start)
-        if not acquired:
-            return CacheResult(found[0], "waited")
-        try:
-            entry = self._publisher.find_fresh(key, retry=waited)
-            if entry is not None:
-                if not waited:
-                    self._stats.add("hits")
-                return CacheResult(entry, "waited" if waited else "hit")
-            return CacheResult(self._publisher.build(key, preimage, build), "built")
-        finally:
-            lock.release()
+        return CacheResult(*self._publisher.get_or_build(key, preimage, build, timeout_s, on_wait, self._fleet))
 
     def _prepare_root(self) -> None:
         """Create the root's top directories (nothing is created before the first write) and check them."""
@@ -253,24 +246,7 @@ class KernelCache:
             return entry
         self._stats.add("misses")
         self._stats.add("waits")
-        lock = KeyLock(self.lock_dir, key)  # only read: its holder record
-        start = time.monotonic()
-        delay, logged = 0.02, False
-        try:
-            while True:
-                elapsed = time.monotonic() - start
-                if not logged and elapsed >= WAIT_LOG_AFTER_S:
-                    logged = lock.log_wait()
-                if elapsed >= timeout_s:
-                    raise LockTimeout(key, lock.read_holder(), timeout_s)
-                time.sleep(min(delay, timeout_s - elapsed))
-                delay = min(delay * 1.5, 0.5)
-                refresh_dir(self._layout.entry_dir(key).parent)
-                entry = self.lookup(key)
-                if entry is not None:
-                    return entry
-        finally:
-            self._stats.add("lock_wait_s", time.monotonic() - start)
+        return self._publisher.wait_published(key, timeout_s)
 
     # -- maintenance ------------------------------------------------------------------------------
 
@@ -321,8 +297,30 @@ class KernelCache:
         return sum(directory_size(path) for _key, path in self._layout.iter_entry_dirs())
 
     def stats(self) -> CacheStats:
-        """Return this instance's counters: hits, misses, builds, waits, lock-wait seconds, corrupt."""
+        """Return this instance's counters: hits, misses, builds, waits, lock-wait seconds, corrupt, remote."""
         return self._stats.snapshot()
+
+    # -- remote tier ------------------------------------------------------------------------------
+
+    def check_remote(self) -> str | None:
+        """Ask the remote tier whether it answers: None if it does (or none is set), else why not.
+
+        A failure counts as in ``get_or_build``: logged once, the remote is skipped for a while, and with
+        ``remote_required`` it raises ``RemoteUnavailable`` instead.
+        """
+        return None if self._remote is None else self._remote.check()
+
+    @property
+    def remote_error(self) -> str | None:
+        """Why this process is running without the remote tier right now (None: it is fine, or unset)."""
+        return None if self._remote is None else self._remote.error
+
+    def remote_report(self, keys: Iterable[str]) -> RemoteReport | None:
+        """Return which of ``keys`` the remote holds (None without a remote); nothing is downloaded.
+
+        An unreachable remote gives ``available=False``, or raises ``RemoteUnavailable`` when required.
+        """
+        return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
     # -- bundles ----------------------------------------------------------------------------------
 

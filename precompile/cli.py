@@ -1,7 +1,8 @@
 """The ``jitwarm`` command line: plan, warm, status, verify, prestart, prune, export, import.
 
-Exit codes (DESIGN.md): 0 ok; 1 a build failed; 2 bad usage or config; 3 timed out waiting;
-4 verification found corrupt entries. User errors print one line on stderr, never a traceback.
+Exit codes (DESIGN.md): 0 ok; 1 a build failed (or a required remote tier is down); 2 bad usage or
+config; 3 timed out waiting; 4 verification found corrupt entries. User errors print one line on stderr,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -64,21 +65,48 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
+_REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
+
+
 def _cache(args: argparse.Namespace):
     from jitwarm.cache import KernelCache
+    from jitwarm.cache.settings import settings
 
-    return KernelCache(root=args.cache_dir) if args.cache_dir else KernelCache()
+    remote = getattr(args, "remote", None)
+    if remote == _REMOTE_FROM_ENV:
+        remote = settings().remote
+        if remote is None:
+            raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
+    if remote is not None:
+        from jitwarm.cache.settings import check_remote_url
+
+        remote = check_remote_url(remote, "--remote")
+    return KernelCache(root=args.cache_dir or None, remote=remote, remote_prefix=getattr(args, "remote_prefix", None),
+                       remote_required=True if getattr(args, "remote_required", False) else None)
 
 
 def _print_warm(args: argparse.Namespace, report) -> None:
     if args.json:
         print(json.dumps(report.to_json()))
         return
+    unavailable = _remote_unavailable(report)
     for r in report.results:
-        if r.outcome == "failed":
+        if r.outcome == "failed" and not (unavailable and r.error == unavailable):
             print(f"jitwarm: failed: {r.spec.id}: {r.error}", file=sys.stderr)
-    print(f"jitwarm: plan {report.plan_id}: {len(report.results)} specs: {report.built} built, "
+    if unavailable:
+        print(f"jitwarm: error: {unavailable.removeprefix('RemoteUnavailable: ')}", file=sys.stderr)
+    elif report.remote_error:
+        print(f"jitwarm: remote cache {report.remote} unavailable ({report.remote_error}): warmed with the local "
+              "cache only", file=sys.stderr)
+    downloaded = f"{report.downloaded} downloaded, " if report.remote else ""
+    print(f"jitwarm: plan {report.plan_id}: {len(report.results)} specs: {report.built} built, {downloaded}"
           f"{report.hits} hit, {report.waited} waited, {report.failed} failed in {report.seconds:.1f}s")
+
+
+def _remote_unavailable(report) -> str | None:
+    """The error of specs that failed because a required remote was down (one message for all), or None."""
+    return next((r.error for r in report.results if r.outcome == "failed"
+                 and (r.error or "").startswith("RemoteUnavailable")), None)
 
 
 def _warm_exit(report) -> int:
@@ -113,13 +141,15 @@ def plan_coverage(plan: WarmPlan, cache) -> dict[str, list[str]]:
 
 
 def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Show how much of the plan the cache holds, and the cache's size."""
+    """Show how much of the plan the cache holds (and, with a remote, what the remote holds) and its size."""
     cache = _cache(args)
     coverage = plan_coverage(plan, cache)
     record = cache.read_plan_record(plan.plan_id)
     data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
             "complete": bool(record and record.get("complete")) and not coverage["missing"],
             **{k: len(v) for k, v in coverage.items()}, "specs": coverage}
+    if cache.remote:
+        data["remote"] = remote_coverage(plan, cache)
     if args.json:
         print(json.dumps(data))
     else:
@@ -128,7 +158,29 @@ def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
         for state in ("missing", "corrupt"):
             for spec_id in coverage[state]:
                 print(f"  {state}: {spec_id}")
+        if cache.remote:
+            remote = data["remote"]
+            if not remote["available"]:
+                print(f"remote {remote['url']} (prefix {remote['prefix']}): unavailable ({remote['error']})")
+            else:
+                print(f"remote {remote['url']} (prefix {remote['prefix']}): {remote['present']}/{len(plan.specs)} "
+                      f"present on remote, {remote['missing']} missing")
+                for spec_id in remote["specs"]["missing"]:
+                    print(f"  missing on remote: {spec_id}")
     return EXIT_CORRUPT if coverage["corrupt"] else EXIT_OK
+
+
+def remote_coverage(plan: WarmPlan, cache) -> dict:
+    """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
+    from jitwarm.precompile.warming import describe
+
+    keys = {spec.id: cache.key(describe(spec)) for spec in plan.specs}
+    report = cache.remote_report(keys.values())
+    present = set(report.present)
+    specs = {"present": [s for s, k in keys.items() if k in present],
+             "missing": [s for s, k in keys.items() if k not in present]} if report.available else {}
+    return {"url": report.url, "prefix": report.prefix, "available": report.available, "error": report.error,
+            "present": len(specs.get("present", ())), "missing": len(specs.get("missing", ())), "specs": specs}
 
 
 def cmd_verify(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -277,6 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--jobs", type=int, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         c.add_argument("--timeout", type=float, default=900.0, metavar="S",
                        help="deadline for waiting on another process's build (default 900)")
+        r = p.add_argument_group("remote tier (one compile per spec across a fleet)")
+        r.add_argument("--remote", nargs="?", const=_REMOTE_FROM_ENV, metavar="URL",
+                       help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://... "
+                            "(env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
+        r.add_argument("--remote-prefix", metavar="PREFIX",
+                       help="key namespace on that server (env JITWARM_REMOTE_PREFIX; default jitwarm)")
+        r.add_argument("--remote-required", action="store_true",
+                       help="fail (exit 1) instead of continuing locally when the remote is down "
+                            "(env JITWARM_REMOTE_REQUIRED=1)")
         if name == "prestart":
             c.add_argument("--bundle", metavar="FILE", help="import this bundle first")
         elif name == "verify":
@@ -291,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (also the console script's entry point)."""
-    from jitwarm.cache import CacheError, LockTimeout
+    from jitwarm.cache import CacheError, LockTimeout, RemoteUnavailable
 
     parser = build_parser()
     try:
@@ -307,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(exc, EXIT_USAGE)
     except LockTimeout as exc:
         return _fail(exc, EXIT_TIMEOUT)
+    except RemoteUnavailable as exc:
+        return _fail(exc, EXIT_BUILD_FAILED)
     except CacheError as exc:
         return _fail(exc, EXIT_CORRUPT if args.command in ("import", "prestart", "verify") else EXIT_BUILD_FAILED)
     except ValueError as exc:  # a bad JITWARM_* value from the environment

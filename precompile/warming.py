@@ -12,26 +12,34 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from jitwarm.cache import KernelCache
+from jitwarm.cache.remote import redact
 from jitwarm.cache.settings import settings
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.plan import WarmPlan
 
-Outcome = str  # "hit" | "built" | "waited" | "failed"
+Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
 
 
 @dataclass
 class SpecResult:
-    """What warming one spec did: ``outcome`` is hit, built, waited (another process built it) or failed."""
+    """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
+
+    ``downloaded``: fetched from the remote tier. ``remote_error``: why the remote tier failed, if it did.
+    """
 
     spec: KernelSpec
     outcome: Outcome
     seconds: float = 0.0
     key: str | None = None
     error: str | None = None
+    remote_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-able dict (the spec as its id)."""
-        return {**asdict(self), "spec": self.spec.id}
+        """Return a JSON-able dict (the spec as its id; ``remote_error`` only when set)."""
+        data = {**asdict(self), "spec": self.spec.id}
+        if data["remote_error"] is None:
+            del data["remote_error"]
+        return data
 
 
 @dataclass
@@ -41,6 +49,8 @@ class WarmReport:
     plan_id: str
     results: list[SpecResult] = field(default_factory=list)
     seconds: float = 0.0
+    remote: str | None = None  # the remote tier's URL (no password), when one is set
+    remote_error: str | None = None  # why the warm ran (partly) without it
 
     def count(self, outcome: Outcome) -> int:
         """Number of specs with this outcome."""
@@ -50,6 +60,7 @@ class WarmReport:
     hits = property(lambda self: self.count("hit"), doc="Specs already in the cache.")
     waited = property(lambda self: self.count("waited"), doc="Specs another process built while we waited.")
     failed = property(lambda self: self.count("failed"), doc="Specs that could not be built.")
+    downloaded = property(lambda self: self.count("downloaded"), doc="Specs fetched from the remote tier.")
 
     @property
     def ok(self) -> bool:
@@ -57,10 +68,13 @@ class WarmReport:
         return self.failed == 0
 
     def to_json(self) -> dict[str, Any]:
-        """Return the report as ``jitwarm warm --json`` prints it."""
-        return {"plan_id": self.plan_id, "ok": self.ok, "seconds": round(self.seconds, 3),
-                "totals": {o: self.count(o) for o in ("built", "hit", "waited", "failed")},
-                "specs": [r.to_json() for r in self.results]}
+        """Return the report as ``jitwarm warm --json`` prints it (``downloaded`` and ``remote`` with a remote)."""
+        outcomes = ("built", "hit", "waited", "failed") + (("downloaded",) if self.remote else ())
+        data = {"plan_id": self.plan_id, "ok": self.ok, "seconds": round(self.seconds, 3),
+                "totals": {o: self.count(o) for o in outcomes}, "specs": [r.to_json() for r in self.results]}
+        if self.remote:
+            data["remote"] = {"url": self.remote, "available": self.remote_error is None, "error": self.remote_error}
+        return data
 
 
 def describe(spec: KernelSpec) -> dict[str, Any]:
@@ -70,9 +84,12 @@ def describe(spec: KernelSpec) -> dict[str, Any]:
     return dispatch.backend_module(spec.backend).description(spec)
 
 
-def _cache_args(cache: KernelCache) -> dict[str, Any]:
+def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``cache`` in a worker process (``remote=False``: local only)."""
     return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
-            "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared}
+            "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared,
+            "remote": (cache.remote or "") if remote else "", "remote_prefix": cache.remote_prefix,
+            "remote_required": cache.remote_required}
 
 
 def build_spec(spec_json: dict[str, Any], cache_args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -88,8 +105,9 @@ def build_spec(spec_json: dict[str, Any], cache_args: dict[str, Any], timeout_s:
                                        timeout_s=timeout_s)
     except Exception as exc:  # reported per spec: one bad spec must not fail the others
         return {"outcome": "failed", "seconds": time.perf_counter() - start,
-                "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-    return {"outcome": result.outcome, "seconds": time.perf_counter() - start, "key": result.entry.key}
+                "error": f"{type(exc).__name__}: {exc}".splitlines()[0], "remote_error": cache.remote_error}
+    return {"outcome": result.outcome, "seconds": time.perf_counter() - start, "key": result.entry.key,
+            "remote_error": cache.remote_error}
 
 
 class Progress:
@@ -164,10 +182,15 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
 def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jobs: int | None = None,
                progress: bool | None = None, timeout_s: float = 900.0,
                on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
-    """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``."""
+    """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
+
+    With a remote tier, it is asked once here before any worker starts: if it does not answer, the
+    workers run local-only and the report says why (or, when it is required, ``RemoteUnavailable``
+    is raised).
+    """
     jobs = max(1, jobs or settings().jobs)
     start = time.perf_counter()
-    report = WarmReport(plan_id)
+    report = WarmReport(plan_id, remote=redact(cache.remote) if cache.remote else None)
     show = Progress(len(specs)) if progress or (progress is None and sys.stderr.isatty()) else None
 
     def record(result: SpecResult) -> None:
@@ -189,7 +212,10 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
             record(SpecResult(spec, "hit", time.perf_counter() - t0, key))
         else:
             missing.append(spec)
-    for result in _build_all(missing, _cache_args(cache), jobs, timeout_s):
+    if missing and cache.remote:
+        report.remote_error = cache.check_remote()
+    for result in _build_all(missing, _cache_args(cache, remote=report.remote_error is None), jobs, timeout_s):
+        report.remote_error = report.remote_error or result.remote_error
         record(result)
     order = {s: i for i, s in enumerate(specs)}
     report.results.sort(key=lambda r: order[r.spec])

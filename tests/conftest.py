@@ -12,6 +12,10 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # fixture modules beside the tests (kernel_fixtures, precompile_fixtures)
 
 import precompile_fixtures  # noqa: E402
+import remote_fixtures  # noqa: E402
+
+# Read before any test runs: _isolated_env drops every JITWARM_* variable from each test's environment.
+TEST_REDIS_URL = os.environ.get("JITWARM_TEST_REDIS_URL", "").strip() or None
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +35,30 @@ def _isolated_env(monkeypatch, tmp_path_factory):
         if name.startswith("JITWARM_") or name == "SGLANG_RAGGED_VERIFY_MODE":
             monkeypatch.delenv(name)
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """URL of the Redis the remote-tier tests share: $JITWARM_TEST_REDIS_URL, else a redis-server of our own."""
+    if TEST_REDIS_URL:
+        yield TEST_REDIS_URL
+        return
+    if remote_fixtures.redis_server_binary() is None:
+        pytest.skip(remote_fixtures.SKIP_REASON)
+    server = remote_fixtures.RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def remote(redis_url):
+    """This test's namespace on the shared Redis; the process-wide remote health starts fresh."""
+    from jitwarm.cache import remote as remote_module
+
+    for client in remote_module._CLIENTS.values():
+        client.close()
+    remote_module._HEALTH.clear()
+    remote_module._CLIENTS.clear()
+    return remote_fixtures.Remote(redis_url)

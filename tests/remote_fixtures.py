@@ -1,0 +1,110 @@
+"""Helpers for the remote-tier tests: a real redis-server on a free loopback port, and remote "nodes"."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from jitwarm.cache import KernelCache
+
+WORKER = Path(__file__).with_name("workers") / "remote_worker.py"
+SKIP_REASON = ("needs Redis: set JITWARM_TEST_REDIS_URL=redis://HOST:PORT/DB or put redis-server on PATH "
+               "(apt-get install -y redis-server)")
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str | None:
+    """Return the path of redis-server, or None."""
+    return shutil.which("redis-server")
+
+
+class RedisServer:
+    """A redis-server process of our own on 127.0.0.1 (no persistence), for one session or one test."""
+
+    def __init__(self, workdir: Path, *extra: str) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError(SKIP_REASON)
+        self.port = free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / f"redis-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--logfile", str(self.log), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.password = extra[extra.index("--requirepass") + 1] if "--requirepass" in extra else None
+        self._wait_ready()
+
+    def url(self, db: int = 0) -> str:
+        """Return the redis:// URL of database ``db`` (with the password, if any)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    def _wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}); see {self.log}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not listen on port {self.port} within {timeout} s")
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: as abrupt as a crashed cache node) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+class Remote:
+    """One test's view of the shared Redis: its URL and a namespace (key prefix) no other test uses."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.prefix = f"jwtest-{uuid.uuid4().hex[:12]}"
+
+    def client(self):
+        """A redis-py client on the same server (for inspecting or tampering with entries)."""
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+    def cache(self, root: Path, **kwargs) -> KernelCache:
+        """A "node": a KernelCache on its own ``root`` that shares this remote."""
+        kwargs.setdefault("layers", ())
+        return KernelCache(root=root, remote=self.url, remote_prefix=self.prefix, **kwargs)
+
+    def entry_name(self, key: str) -> str:
+        """The Redis key of the entry hash of ``key``."""
+        return f"{self.prefix}:v1:entry:{key}"
+
+    def lease_name(self, key: str) -> str:
+        """The Redis key of the fleet lease of ``key``."""
+        return f"{self.prefix}:v1:lease:{key}"
+
+    def flags(self) -> list[str]:
+        """The jitwarm CLI flags that point at this remote."""
+        return ["--remote", self.url, "--remote-prefix", self.prefix]
+
+    def spawn(self, root: Path, n: int, *, env: dict[str, str] | None = None, **flags: object) -> subprocess.Popen:
+        """Start a remote_worker.py node on ``root`` for artifact ``n``; ``flags`` become ``--name value``."""
+        cmd = [sys.executable, str(WORKER), str(root), self.url, self.prefix, str(n)]
+        for name, value in flags.items():
+            opt = f"--{name.replace('_', '-')}"
+            cmd += [opt] if value is True else [opt, str(value)]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **(env or {})})

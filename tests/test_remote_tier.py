@@ -1,0 +1,242 @@
+"""The remote tier in one process: download instead of build, checks, rejection, size cap, failures, settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from remote_fixtures import RedisServer, free_port, redis_server_binary
+from workers.cache_harness import artifact_bytes, build_counts, desc, make_builder
+
+from jitwarm.cache import CacheError, KernelCache, LockTimeout, RemoteUnavailable
+from jitwarm.cache.lease import FleetLease
+from jitwarm.cache.settings import override, settings
+
+
+def test_second_node_downloads_instead_of_building(remote, tmp_path):
+    counter = tmp_path / "builds.log"
+    a, b = remote.cache(tmp_path / "a"), remote.cache(tmp_path / "b")
+    built = a.get_or_build_ex(desc(0), make_builder(counter, 0))
+    got = b.get_or_build_ex(desc(0), make_builder(counter, 0))
+    assert (built.outcome, got.outcome) == ("built", "downloaded")
+    assert build_counts(counter) == {0: 1}
+    assert got.entry.path.is_relative_to(tmp_path / "b") and not got.entry.read_only
+    assert got.entry.files == ("kernel.bin", "meta/info.json") and got.entry.records == built.entry.records
+    assert got.entry.file("kernel.bin").read_bytes() == artifact_bytes(0)
+    assert (a.stats().remote_uploads, a.stats().remote_misses, a.stats().builds) == (1, 1, 1)
+    assert (b.stats().remote_hits, b.stats().builds, b.stats().remote_uploads) == (1, 0, 0)
+    assert b.verify([got.entry.key]).ok == (got.entry.key,)  # published locally, fully verifiable
+    assert b.get_or_build_ex(desc(0), make_builder(counter, 0)).outcome == "hit"  # local first from now on
+    report = b.remote_report([got.entry.key, "0" * 64])
+    assert report.available and report.present == (got.entry.key,) and report.missing == ("0" * 64,)
+
+
+def test_prefix_separates_fleets_on_one_server(remote, tmp_path):
+    counter = tmp_path / "builds.log"
+    remote.cache(tmp_path / "a").get_or_build(desc(1), make_builder(counter, 1))
+    other = KernelCache(root=tmp_path / "b", layers=(), remote=remote.url, remote_prefix=remote.prefix + "-other")
+    assert other.get_or_build_ex(desc(1), make_builder(counter, 1)).outcome == "built"
+    assert build_counts(counter) == {1: 2}
+
+
+def _tamper(kind: str, client, name: str) -> None:
+    """Damage the remote entry hash ``name`` in one way."""
+    if kind == "blob altered":
+        data = bytearray(client.hget(name, "file:kernel.bin"))
+        data[10] ^= 0xFF
+        client.hset(name, "file:kernel.bin", bytes(data))
+    elif kind == "blob truncated":
+        client.hset(name, "file:kernel.bin", client.hget(name, "file:kernel.bin")[:-1])
+    elif kind == "file missing":
+        client.hdel(name, "file:meta/info.json")
+    elif kind == "file added":
+        client.hset(name, "file:evil.so", b"\x7fELF")
+    elif kind == "manifest for another key":
+        doc = json.loads(client.hget(name, "manifest"))
+        doc["preimage"]["description"]["n"] = 99
+        client.hset(name, "manifest", json.dumps(doc))
+    elif kind == "manifest garbage":
+        client.hset(name, "manifest", b"{not json")
+
+
+@pytest.mark.parametrize("kind", ["blob altered", "blob truncated", "file missing", "file added",
+                                  "manifest for another key", "manifest garbage"])
+def test_damaged_remote_entry_is_rejected_reported_and_replaced(remote, tmp_path, caplog, kind):
+    counter = tmp_path / "builds.log"
+    key = remote.cache(tmp_path / "a").get_or_build(desc(2), make_builder(counter, 2)).key
+    _tamper(kind, remote.client(), remote.entry_name(key))
+    reader = remote.cache(tmp_path / "b")
+    with caplog.at_level(logging.WARNING, logger="jitwarm.cache"):
+        result = reader.get_or_build_ex(desc(2), make_builder(counter, 2))
+    assert result.outcome == "built" and build_counts(counter) == {2: 2}  # never loaded: rebuilt
+    assert result.entry.file("kernel.bin").read_bytes() == artifact_bytes(2)
+    assert (reader.stats().remote_rejected, reader.stats().remote_uploads) == (1, 1)
+    assert any(f"rejected remote entry {key}" in m for m in caplog.messages)
+    again = remote.cache(tmp_path / "c").get_or_build_ex(desc(2), make_builder(counter, 2))
+    assert again.outcome == "downloaded" and build_counts(counter) == {2: 2}  # the rebuild replaced it
+
+
+def test_uploader_that_dies_before_commit_leaves_nothing(remote, tmp_path):
+    # An upload is one MULTI/EXEC: a connection that drops before EXEC applies nothing.
+    host, port = remote.url.split("//")[1].split("/")[0].rsplit("@", 1)[-1].split(":")
+    key = remote.cache(tmp_path / "x").key(desc(3))
+    with socket.create_connection((host, int(port))) as s:
+        name = remote.entry_name(key).encode()
+        cmds = [[b"MULTI"], [b"HSET", name, b"manifest", b"{}", b"file:kernel.bin", b"partial"]]
+        s.sendall(b"".join(b"*%d\r\n" % len(c) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in c) for c in cmds))
+        time.sleep(0.1)
+    counter = tmp_path / "builds.log"
+    assert remote.cache(tmp_path / "b").get_or_build_ex(desc(3), make_builder(counter, 3)).outcome == "built"
+
+
+def test_entries_over_the_size_cap_are_not_uploaded(remote, tmp_path, monkeypatch):
+    monkeypatch.setenv("JITWARM_REMOTE_MAX_BYTES", "100")
+    counter = tmp_path / "builds.log"
+    cache = remote.cache(tmp_path / "a")
+    key = cache.get_or_build(desc(4), make_builder(counter, 4)).key
+    assert cache.stats().remote_uploads == 0 and cache.remote_report([key]).missing == (key,)
+
+
+def test_unreachable_remote_warns_once_and_builds_locally(remote, tmp_path, caplog):
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    counter = tmp_path / "builds.log"
+    cache = KernelCache(root=tmp_path / "a", layers=(), remote=url)
+    with caplog.at_level(logging.DEBUG, logger="jitwarm.cache"):
+        outcomes = [cache.get_or_build_ex(desc(n), make_builder(counter, n)).outcome for n in (5, 6)]
+        assert KernelCache(root=tmp_path / "b", layers=(), remote=url).get_or_build_ex(
+            desc(5), make_builder(counter, 5)).outcome == "built"
+    assert outcomes == ["built", "built"] and build_counts(counter) == {5: 2, 6: 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "continuing with the local cache only" in warnings[0]
+    assert "hunter2" not in caplog.text and ":***@" in warnings[0]
+    assert cache.stats().remote_errors == 1 and "ConnectionError" in cache.remote_error
+
+
+def test_required_remote_fails_clearly(remote, tmp_path):
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    cache = KernelCache(root=tmp_path / "a", layers=(), remote=url, remote_required=True)
+    with pytest.raises(RemoteUnavailable) as info:
+        cache.get_or_build(desc(7), make_builder(tmp_path / "builds.log", 7))
+    assert isinstance(info.value, CacheError) and "required" in str(info.value) and "hunter2" not in str(info.value)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+    with pytest.raises(RemoteUnavailable):
+        cache.remote_report([cache.key(desc(7))])
+    lenient = KernelCache(root=tmp_path / "b", layers=(), remote=url)
+    report = lenient.remote_report([lenient.key(desc(7))])
+    assert not report.available and "ConnectionError" in report.error and lenient.check_remote() is not None
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server on PATH")
+def test_password_and_database_in_the_url(tmp_path):
+    server = RedisServer(tmp_path / "redis", "--requirepass", "s3cret")
+    try:
+        counter = tmp_path / "builds.log"
+        url = server.url(db=3)
+        KernelCache(root=tmp_path / "a", layers=(), remote=url).get_or_build(desc(8), make_builder(counter, 8))
+        got = KernelCache(root=tmp_path / "b", layers=(), remote=url).get_or_build_ex(desc(8), make_builder(counter, 8))
+        assert got.outcome == "downloaded"
+        db0 = KernelCache(root=tmp_path / "c", layers=(), remote=server.url(db=0))
+        assert db0.remote_report([got.entry.key]).missing == (got.entry.key,)
+        wrong = KernelCache(root=tmp_path / "d", layers=(), remote=url.replace("s3cret", "nope"))
+        assert "s3cret" not in repr(wrong) and "nope" not in (wrong.check_remote() or "nope")
+    finally:
+        server.stop()
+
+
+def test_lease_is_extended_while_held_and_released_only_by_its_owner(remote, tmp_path):
+    store = remote.cache(tmp_path / "a")._remote
+    client = remote.client()
+    first = FleetLease(store, "a" * 64, ttl_s=0.6)
+    assert first.try_acquire() and not FleetLease(store, "a" * 64, ttl_s=0.6).try_acquire()
+    time.sleep(1.5)  # more than twice the lifetime: only the heartbeat keeps it
+    assert client.pttl(first.name) > 0 and not first.lost
+    holder = FleetLease(store, "a" * 64, ttl_s=0.6).holder()
+    assert holder.pid == __import__("os").getpid() and abs(holder.since - time.time()) < 5
+    client.delete(first.name)  # as if it had expired: someone else takes it
+    second = FleetLease(store, "a" * 64, ttl_s=5)
+    assert second.try_acquire()
+    first.release()  # must not delete the new holder's lease
+    assert client.get(second.name) is not None
+    second.release()
+    assert client.get(second.name) is None
+
+
+def test_waiting_on_a_live_lease_times_out_naming_the_holder(remote, tmp_path):
+    cache = remote.cache(tmp_path / "a")
+    lease = FleetLease(cache._remote, cache.key(desc(9)), ttl_s=5)
+    assert lease.try_acquire()
+    seen = []
+    try:
+        start = time.monotonic()
+        with pytest.raises(LockTimeout) as info:
+            cache.get_or_build(desc(9), make_builder(tmp_path / "builds.log", 9), timeout_s=0.8, on_wait=seen.append)
+        assert time.monotonic() - start < 5
+    finally:
+        lease.release()
+    assert info.value.holder is not None and info.value.holder.pid == __import__("os").getpid()
+    assert seen and seen[0].pid == info.value.holder.pid
+    assert cache.stats().lease_waits == 1 and cache.stats().builds == 0
+
+
+def test_remote_settings_parse_and_validate(monkeypatch):
+    for var in ("JITWARM_REMOTE", "JITWARM_REMOTE_PREFIX", "JITWARM_REMOTE_REQUIRED", "JITWARM_REMOTE_LEASE_S",
+                "JITWARM_REMOTE_MAX_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    s = settings()
+    assert (s.remote, s.remote_prefix, s.remote_required, s.remote_lease_s, s.remote_max_bytes) == (
+        None, "jitwarm", False, 30.0, 256 << 20)
+    with override(remote="rediss://:pw@cache:6380/2", remote_prefix="fleet-a", remote_required=True,
+                  remote_lease_s=2.5, remote_max_bytes=1000) as s:
+        assert (s.remote, s.remote_prefix, s.remote_required, s.remote_lease_s, s.remote_max_bytes) == (
+            "rediss://:pw@cache:6380/2", "fleet-a", True, 2.5, 1000)
+        cache = KernelCache(layers=())
+        assert (cache.remote, cache.remote_prefix, cache.remote_required) == (s.remote, "fleet-a", True)
+        assert "pw" not in repr(cache) and KernelCache(layers=(), remote="").remote is None
+    for var, value in [("JITWARM_REMOTE", "http://:pw@x"), ("JITWARM_REMOTE_PREFIX", "a b"),
+                       ("JITWARM_REMOTE_LEASE_S", "0"), ("JITWARM_REMOTE_MAX_BYTES", "lots")]:
+        monkeypatch.setenv(var, value)
+        with pytest.raises(ValueError, match=var) as info:
+            settings()
+        assert "pw" not in str(info.value)
+        monkeypatch.delenv(var)
+    with pytest.raises(ValueError):
+        KernelCache(layers=(), remote="localhost:6379")
+
+
+def test_no_remote_means_no_redis_import_and_no_change(tmp_path):
+    code = ("import sys, pathlib; from jitwarm.cache import KernelCache; c = KernelCache(root=sys.argv[1], layers=());"
+            "r = c.get_or_build_ex({'n': 1}, lambda d: (d / 'f').write_text('x'));"
+            "s = c.stats(); print(r.outcome, c.remote, s.remote_misses + s.remote_errors, 'redis' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "root")], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["built", "None", "0", "False"]
+
+
+def test_cli_remote_flags(remote, tmp_path, capsys, monkeypatch):
+    from precompile_fixtures import TINY
+
+    from jitwarm.precompile.cli import main
+
+    root = ["--cache-dir", str(tmp_path / "root")]
+    assert main(["status", *TINY, *root, *remote.flags()]) == 0
+    out = capsys.readouterr().out
+    assert f"remote {remote.url} (prefix {remote.prefix}): 0/3 present on remote, 3 missing" in out
+    assert out.count("  missing on remote: ") == 3
+    assert main(["status", *TINY, *root, "--remote"]) == 2  # no URL and no JITWARM_REMOTE
+    assert capsys.readouterr().err.strip() == ("jitwarm: error: --remote without a URL needs JITWARM_REMOTE "
+                                               "(e.g. redis://cache-host:6379/0)")
+    monkeypatch.setenv("JITWARM_REMOTE", remote.url)
+    assert main(["status", *TINY, *root, "--remote", "--remote-prefix", remote.prefix, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["remote"]["missing"] == 3
+    assert main(["warm", *TINY, *root, "--remote", "http://:pw@host/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a Redis URL" in err and "pw" not in err
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["status", *TINY, *root, "--remote", dead, "--remote-required"]) == 1
+    assert "is unavailable" in capsys.readouterr().err
