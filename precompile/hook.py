@@ -71,12 +71,17 @@ def default_barrier() -> Callable[[], None] | None:
 
 @dataclass
 class HookReport:
-    """What a hook call did. ``first`` is False for the cheap repeat calls (sync and barrier only)."""
+    """What a hook call did. ``first`` is False for the cheap repeat calls (sync and barrier only).
+
+    ``built`` specs were compiled by this call, ``waited`` ones by another process, ``downloaded`` ones came
+    from the fleet's remote tier, ``hits`` were already in the cache; ``steps`` times each step.
+    """
 
     target: str
     first: bool
     built: int = 0
     waited: int = 0
+    downloaded: int = 0
     hits: int = 0
     loaded: int = 0
     seconds: float = 0.0
@@ -224,7 +229,7 @@ class CaptureHook:
             timed_out = all("LockTimeout" in (r.error or "") for r in failed)
             raise (WarmTimeout if timed_out else KernelsNotReady)(
                 f"{len(failed)} spec(s) of plan {self.plan.plan_id} failed to build: {detail}")
-        report.built, report.waited = result.built, result.waited
+        report.built, report.waited, report.downloaded = result.built, result.waited, result.downloaded
         report.hits += result.hits
         return entries  # the ones just built are None here: loading looks them up
 
