@@ -157,8 +157,8 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
     jobs
         Parallel builds (default ``JITWARM_JOBS``, else the core count).
     progress
-        True for progress output on stderr, False for none, None for a bar on a terminal and nothing
-        otherwise.
+        Progress on stderr unless False: a redrawn bar on a terminal, one plain line per spec otherwise
+        (container logs).
     timeout_s
         Per-spec deadline for waiting on another process's lock.
     on_result
@@ -191,7 +191,7 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
     jobs = max(1, jobs or settings().jobs)
     start = time.perf_counter()
     report = WarmReport(plan_id, remote=redact(cache.remote) if cache.remote else None)
-    show = Progress(len(specs)) if progress or (progress is None and sys.stderr.isatty()) else None
+    show = Progress(len(specs)) if progress is not False else None  # a bar on a terminal, else lines
 
     def record(result: SpecResult) -> None:
         report.results.append(result)
