@@ -44,6 +44,17 @@ def _count(counter: str | None, n: int) -> None:
             os.close(fd)
 
 
+def wait_for_go(go: str, ready_dir: str, timeout_s: float = 60.0) -> bool:
+    """Say this process is ready (a file named by its pid), then wait for the GO file: a common start line."""
+    Path(ready_dir, str(os.getpid())).touch()
+    deadline = time.monotonic() + timeout_s
+    while not Path(go).exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _touch(path: str | None) -> None:
     if path:
         Path(path).write_text(str(os.getpid()))
@@ -67,13 +78,8 @@ def main() -> int:
     args = ap.parse_args()
 
     cache = KernelCache(root=args.root, layers=(), lock_dir=args.lock_dir)
-    if args.go:
-        Path(args.ready_dir, str(os.getpid())).touch()
-        deadline = time.monotonic() + 60
-        while not Path(args.go).exists():
-            if time.monotonic() > deadline:
-                return 3
-            time.sleep(0.005)
+    if args.go and not wait_for_go(args.go, args.ready_dir):
+        return 3
 
     def build(staging: Path) -> None:
         _count(args.counter, args.n)

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from cache_worker import _count, _touch, artifact_bytes, desc
+from cache_worker import _count, _touch, artifact_bytes, desc, wait_for_go
 
 from jitwarm.cache import CacheError, KernelCache
 
@@ -43,13 +43,8 @@ def main() -> int:
 
     cache = KernelCache(root=args.root, layers=(), remote=args.url, remote_prefix=args.prefix,
                         remote_required=args.required)
-    if args.go:
-        Path(args.ready_dir, str(os.getpid())).touch()
-        deadline = time.monotonic() + 60
-        while not Path(args.go).exists():
-            if time.monotonic() > deadline:
-                return 3
-            time.sleep(0.005)
+    if args.go and not wait_for_go(args.go, args.ready_dir):
+        return 3
 
     def build(staging: Path) -> None:
         _count(args.counter, args.n)
