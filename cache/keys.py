@@ -24,7 +24,7 @@ def canonical_json(value: Any) -> str:
         ``value`` is not plain JSON (see :func:`key_preimage`).
 
     """
-    _check_json(value, "description")
+    _check_json(value)
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
@@ -56,8 +56,17 @@ def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def key_of(description: Mapping[str, Any]) -> str:
-    """Return the 64-hex-digit sha256 key of ``description`` (see :func:`key_preimage`)."""
-    return hash_preimage(key_preimage(description))
+    """Return the 64-hex-digit sha256 key of ``description`` (see :func:`key_preimage`).
+
+    Equal to ``hash_preimage(key_preimage(description))`` (tuples and lists serialize alike), with one
+    check and one serialization instead of two.
+    """
+    if not isinstance(description, Mapping):
+        raise TypeError(f"a cache description must be a dict, not {type(description).__name__}")
+    _check_json(description)
+    text = json.dumps({"format": FORMAT_VERSION, "description": description}, sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def hash_preimage(preimage: Mapping[str, Any]) -> str:
@@ -77,23 +86,27 @@ def check_key(key: object) -> str:
     return key  # type: ignore[return-value]
 
 
-def _check_json(value: Any, where: str) -> None:
-    """Reject anything json.dumps would coerce or mangle, naming where it sits."""
+def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
+    """Reject anything json.dumps would coerce or mangle, naming where it sits (formatted only on error)."""
     if value is None or isinstance(value, (str, bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise TypeError(f"{where} is {value!r}: NaN and infinities are not JSON")
+            raise TypeError(f"{_where(path)} is {value!r}: NaN and infinities are not JSON")
         return
     if isinstance(value, Mapping):
         for k, v in value.items():
             # json.dumps turns 1 into "1", so {1: x} and {"1": x} would share a key.
             if not isinstance(k, str):
-                raise TypeError(f"{where} has a non-str dict key {k!r}")
-            _check_json(v, f"{where}[{k!r}]")
+                raise TypeError(f"{_where(path)} has a non-str dict key {k!r}")
+            _check_json(v, (*path, k))
         return
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            _check_json(v, f"{where}[{i}]")
+            _check_json(v, (*path, i))
         return
-    raise TypeError(f"{where} is a {type(value).__name__}, which is not JSON-able")
+    raise TypeError(f"{_where(path)} is a {type(value).__name__}, which is not JSON-able")
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    return "description" + "".join(f"[{p!r}]" for p in path)

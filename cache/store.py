@@ -13,7 +13,7 @@ from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
 from jitwarm.cache.fleet import FleetBuilder
 from jitwarm.cache.index import EntryIndex
-from jitwarm.cache.keys import check_key, hash_preimage, key_preimage
+from jitwarm.cache.keys import check_key, hash_preimage, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout
 from jitwarm.cache.locks import OnWait
 from jitwarm.cache.publish import BuildFn, Publisher
@@ -131,7 +131,7 @@ class KernelCache:
             ``description`` is not a dict of plain JSON values.
 
         """
-        return hash_preimage(key_preimage(description))
+        return key_of(description)
 
     def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
         """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses)."""
