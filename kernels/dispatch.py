@@ -23,7 +23,9 @@ arguments (tensors are contiguous; ``N`` tokens, ``R`` requests, ``D`` head dim)
 The math each one computes is :mod:`jitwarm.kernels.reference`; :mod:`jitwarm.kernels.ops` validates
 arguments before calling ``run``.
 
-Miss path. :func:`ensure_loaded` returns at once on a table hit. On a miss it first calls every hook
+Miss path. :func:`ensure_loaded` returns at once on a table hit. A miss while the current CUDA stream is
+capturing raises :class:`~jitwarm.kernels.capture.CompileDuringCaptureError` before anything is built or
+loaded. Otherwise it first calls every hook
 registered with :func:`add_miss_hook` as ``hook(spec, shape)``; a hook may raise to forbid the compile or
 load (the capture guard of :mod:`jitwarm.precompile` does), and the exception propagates unchanged.
 Then it builds through ``KernelCache.get_or_build`` (:func:`ensure_built`), loads, and records the module.
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from jitwarm.kernels import capture
 from jitwarm.kernels.spec import KernelSpec
 
 #: Backend name -> module implementing description/build/load, imported on first use.
@@ -142,8 +145,10 @@ def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None, entry:
 
     Raises
     ------
+    CompileDuringCaptureError
+        A miss while the current CUDA stream is capturing (always), or while a miss hook forbids it.
     Exception
-        A miss hook's exception (e.g. ``CompileDuringCaptureError``), or a build/load failure.
+        A miss hook's own exception, or a build/load failure.
 
     """
     kernel = _loaded.get(spec)  # lock-free hit: dict reads are atomic under the GIL
@@ -154,6 +159,9 @@ def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None, entry:
         if kernel is not None:
             return kernel
         _counts["misses"] += 1
+        if capture.stream_is_capturing():  # never compile or load into a capturing stream, guard or not
+            raise capture.CompileDuringCaptureError(capture.describe_miss(spec, shape),
+                                                    " (the current stream is capturing)")
         for hook in list(_miss_hooks):
             hook(spec, shape)
         if entry is None:

@@ -12,19 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from jitwarm.kernels import KernelSpec
+from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
 
-
-class CompileDuringCaptureError(RuntimeError):
-    """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing."""
-
-    PLAN_HINT = ("Add it to the warm plan (capture flags that produce this shape, or --cuda-graph-bs with this "
-                 "batch size), run `jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
-    THIRD_PARTY_HINT = ("Run this kernel once for this shape before capture (in the warmup, before the hook), so "
-                        "its compile and module load happen outside the graph.")
-
-    def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
-        self.what = what
-        super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}. {hint}")
+__all__ = ["CompileDuringCaptureError", "ThirdPartySeal", "arm", "capture_guard", "check_dispatch_miss", "disarm",
+           "install", "is_armed", "stream_is_capturing"]
 
 
 _lock = threading.Lock()
@@ -37,27 +28,11 @@ def is_armed() -> bool:
     return _armed > 0
 
 
-def stream_is_capturing() -> bool:
-    """True when torch is loaded, CUDA is available and the current stream is capturing."""
-    import sys
-
-    torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
-    if torch is None or not torch.cuda.is_available():
-        return False
-    return bool(torch.cuda.is_current_stream_capturing())
-
-
-def _describe(spec: KernelSpec, shape: Any) -> str:
-    params = ", ".join(f"{k}={v}" for k, v in spec.params)
-    where = f" for shape {shape!r}" if shape is not None else ""
-    return f"kernel {spec.family} [{spec.backend}, {spec.target}] ({params}){where}"
-
-
 def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
     """Raise :class:`CompileDuringCaptureError` if a dispatch miss happens while armed or capturing."""
     if is_armed() or stream_is_capturing():
         state = " (the guard is armed)" if is_armed() else " (the current stream is capturing)"
-        raise CompileDuringCaptureError(_describe(spec, shape), state)
+        raise CompileDuringCaptureError(describe_miss(spec, shape), state)
 
 
 def install() -> None:

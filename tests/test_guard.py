@@ -60,3 +60,33 @@ def test_triton_seal_stops_a_jit_compile_and_is_removed_after():
     assert result["outcome"] == "CompileDuringCaptureError"
     assert result["message"].startswith("Triton kernel add_one[")
     assert result["hook_restored"] and result["after"] == "compiled"
+
+
+def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypatch, tmp_path):
+    """Mocked GPU (the only mock): CUDA 'available' and the current stream 'capturing'.
+
+    A spec that is already loaded still runs; a miss raises before anything is built or loaded.
+    """
+    import torch
+
+    from jitwarm.cache import KernelCache
+    from jitwarm.kernels import VerifyLayout, dispatch, ops
+
+    previous = dispatch.set_cache(KernelCache(root=tmp_path / "cache"))
+    try:
+        layout = VerifyLayout((1, 1))
+        lens = torch.ones(2, dtype=torch.int32)
+        ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=5)  # loaded before capture
+        before = dispatch.counters()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert not guard_module.is_armed()
+        p = ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=5)  # a hit runs inside capture
+        assert p.token_pos.tolist() == [0, 0]
+        with pytest.raises(CompileDuringCaptureError,
+                           match=r"kernel plan \[tvm_ffi, cpu\] \(ratio=6, threads=32\)"):
+            ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=6)
+        after = dispatch.counters()
+        assert after["builds"] == before["builds"] and after["loads"] == before["loads"]
+    finally:
+        dispatch.set_cache(previous)

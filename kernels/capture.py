@@ -1,0 +1,41 @@
+"""What a kernel dispatch must know about CUDA-graph capture: whether one is running, and the error it raises.
+
+A compile or module load that lands inside capture issues driver calls (``cuModuleLoadData``) into the
+capturing stream (sglang #33356, #33795). The dispatcher therefore refuses any miss while the current stream
+captures, guard or no guard; :mod:`jitwarm.precompile.guard` adds an explicitly armed state on top.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from jitwarm.kernels.spec import KernelSpec
+
+
+class CompileDuringCaptureError(RuntimeError):
+    """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing."""
+
+    PLAN_HINT = ("Add it to the warm plan (capture flags that produce this shape, or --cuda-graph-bs with this "
+                 "batch size), run `jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
+    THIRD_PARTY_HINT = ("Run this kernel once for this shape before capture (in the warmup, before the hook), so "
+                        "its compile and module load happen outside the graph.")
+
+    def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
+        self.what = what
+        super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}. {hint}")
+
+
+def stream_is_capturing() -> bool:
+    """True when torch is loaded, CUDA is available and the current stream is capturing."""
+    torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
+    if torch is None or not torch.cuda.is_available():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def describe_miss(spec: KernelSpec, shape: Any) -> str:
+    """Name the kernel and the shape that asked for it, for the error message."""
+    params = ", ".join(f"{k}={v}" for k, v in spec.params)
+    where = f" for shape {shape!r}" if shape is not None else ""
+    return f"kernel {spec.family} [{spec.backend}, {spec.target}] ({params}){where}"
