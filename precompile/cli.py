@@ -8,7 +8,6 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -113,7 +112,7 @@ def _warm_exit(report) -> int:
     failed = [r for r in report.results if r.outcome == "failed"]
     if not failed:
         return EXIT_OK
-    return EXIT_TIMEOUT if all("LockTimeout" in (r.error or "") for r in failed) else EXIT_BUILD_FAILED
+    return EXIT_TIMEOUT if all(r.timed_out for r in failed) else EXIT_BUILD_FAILED
 
 
 def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -246,7 +245,7 @@ def cmd_prune(args: argparse.Namespace, plan: WarmPlan) -> int:
         raise UsageError("prune needs --max-bytes SIZE and/or --older-than AGE")
     report = cache.prune(max_bytes=args.max_bytes, older_than_s=args.older_than)
     if args.json:
-        print(json.dumps(dataclasses.asdict(report)))
+        print(json.dumps(report.to_json()))
     else:
         kept = f"; kept {len(report.skipped_locked)} in use (locked)" if report.skipped_locked else ""
         print(f"jitwarm: pruned {len(report.removed)} entries ({report.freed_bytes / 2**20:.1f} MiB) and "
@@ -274,7 +273,7 @@ def cmd_import(args: argparse.Namespace, plan: WarmPlan) -> int:
     cache = _cache(args)
     report = _import_bundle(cache, args.path)
     if args.json:
-        print(json.dumps({"imported": list(report.imported), "present": list(report.present)}))
+        print(json.dumps(report.to_json()))
     else:
         print(f"jitwarm: imported {len(report.imported)} entries from {args.path} into {cache.root} "
               f"({len(report.present)} already present)")

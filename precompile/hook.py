@@ -226,7 +226,7 @@ class CaptureHook:
         failed = [r for r in result.results if r.outcome == "failed"]
         if failed:
             detail = "; ".join(f"{r.spec.id}: {r.error}" for r in failed[:3])
-            timed_out = all("LockTimeout" in (r.error or "") for r in failed)
+            timed_out = all(r.timed_out for r in failed)
             raise (WarmTimeout if timed_out else KernelsNotReady)(
                 f"{len(failed)} spec(s) of plan {self.plan.plan_id} failed to build: {detail}")
         report.built, report.waited, report.downloaded = result.built, result.waited, result.downloaded

@@ -34,6 +34,11 @@ class SpecResult:
     error: str | None = None
     remote_error: str | None = None
 
+    @property
+    def timed_out(self) -> bool:
+        """True when this spec failed only because another holder kept its lock past the deadline."""
+        return self.outcome == "failed" and (self.error or "").startswith("LockTimeout")
+
     def to_json(self) -> dict[str, Any]:
         """Return a JSON-able dict (the spec as its id; ``remote_error`` only when set)."""
         data = {**asdict(self), "spec": self.spec.id}
