@@ -18,11 +18,14 @@ setup(
     package_dir=PACKAGES,
     package_data={"jitwarm.kernels": ["csrc/*"]},
     include_package_data=True,
+    # Each floor is a version the tests run against (.ci/run's floor pass installs exactly these), and low
+    # enough to install beside sglang 0.5.23 and vLLM 0.33.0: both pin apache-tvm-ffi==0.1.11, and the torch
+    # they pin (2.14.1, 2.14.0) pins triton~=3.8.0. filelock < 3.30 ignores KeyLock's preserve_lock_file.
     install_requires=[
-        "torch>=2.4,<3",
-        "apache-tvm-ffi>=0.1.15,<0.2",
-        "triton>=3.4,<4",
-        "filelock>=3.20,<5",
+        "torch>=2.13,<3",
+        "apache-tvm-ffi>=0.1.11,<0.2",
+        "triton>=3.8,<4",
+        "filelock>=3.30,<5",
         "redis>=5.0,<9",
         "numpy>=1.26",
         "tomli>=2.0; python_version < '3.11'",

@@ -206,7 +206,9 @@ def description(spec: KernelSpec) -> dict[str, Any]:
 
 
 def _command(spec: KernelSpec, source: str, output: Path, workdir: str) -> list[str]:
-    import tvm_ffi.libinfo as libinfo  # locates headers and libtvm_ffi without importing tvm_ffi
+    # Headers and libtvm_ffi. A submodule import runs tvm_ffi/__init__ (and it imports torch), on 0.1.11 as on
+    # 0.1.15: only builds pay that, description() reads the version from package metadata.
+    import tvm_ffi.libinfo as libinfo
 
     includes = [f"-I{CSRC}", *(f"-I{p}" for p in libinfo.include_paths())]
     lib_dir = str(Path(libinfo.find_libtvm_ffi()).parent)

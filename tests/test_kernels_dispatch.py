@@ -16,6 +16,9 @@ from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
 from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, dispatch, ops, reference
 from jitwarm.kernels.rules import FAMILIES
 
+# CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
+pytestmark = pytest.mark.tvm_ffi
+
 
 def test_backend_module_and_target_of():
     assert dispatch.backend_module("tvm_ffi").__name__ == "jitwarm.kernels.tvm_backend"
@@ -171,3 +174,26 @@ def test_the_c_abi_checks_its_arguments_too(use_kernel_cache):
         kernel.run(lens, lens, torch.empty(R, dtype=torch.int32), *outs[1:])
     with pytest.raises(ValueError, match="prefix_lens"):
         kernel.run(lens, lens.float(), *outs)
+
+
+def test_the_c_abi_takes_a_tensor_without_elements_whatever_its_strides(use_kernel_cache):
+    """torch (and so ops.py) calls a tensor without elements contiguous whatever its strides; so must the module.
+
+    tvm-ffi 0.1.11 (pinned by sglang 0.5.23 and vLLM 0.33.0) rejects one in TensorView::IsContiguous, 0.1.12 and
+    later accept it: csrc/common.cuh checks numel first, so every version behaves alike.
+    """
+    spec = FAMILIES["compressor"].specs_for(INCIDENT, ModelDims(dtype="float32", compress_ratios=(128,)), "tvm_ffi",
+                                            "cpu")[0]
+    kernel = dispatch.ensure_loaded(spec)
+    p = reference.plan(INCIDENT, lens_of(INCIDENT), torch.zeros(R, dtype=torch.int32), 128)
+    assert int(p.num_out) == 0  # positions 0..2 close no block of 128: no row is written
+    kv, score = torch.randn(N, 128), torch.randn(N, 128)
+    state = random_state(R, 128, torch.Generator().manual_seed(3))
+    state_ref = state.clone()
+    out = torch.empty(128, 0).t()
+    assert out.shape == (0, 128) and out.stride() == (1, 1) and out.is_contiguous()
+    kernel.run(kv, score, p.cu_lens, p.token_out_row, state, out)
+    reference.compress(INCIDENT, kv, score, p, state_ref, torch.empty(0, 128), 128)
+    torch.testing.assert_close(state, state_ref)
+    with pytest.raises(ValueError, match="out: must be contiguous"):  # with elements, strides still count
+        kernel.run(kv, score, p.cu_lens, p.token_out_row, state, torch.empty(128, 2).t())

@@ -92,6 +92,12 @@ struct DType<int32_t> {
   static DLDataType dl() { return DLDataType{kDLInt, 32, 1}; }
 };
 
+// Contiguous as torch's is_contiguous() (and so ops.py) sees it: a tensor with no elements is contiguous
+// whatever its strides. tvm-ffi's TensorView::IsContiguous says so only from 0.1.12 on; 0.1.11, the version
+// sglang 0.5.23 and vLLM 0.33.0 pin, rejects e.g. out = torch.empty(8, 0).t() (strides (1, 1)), which
+// ops.py has already accepted. For a non-empty tensor the two versions agree (size-1 dims: any stride).
+inline bool is_contiguous(const TensorView& t) { return t.numel() == 0 || t.IsContiguous(); }
+
 // Checks every tensor argument before a kernel runs (ops.py checks first; this is the C ABI's own
 // guard, so a direct call with a bad tensor raises ValueError instead of reading out of bounds).
 template <typename T>
@@ -104,7 +110,7 @@ T* checked(const TensorView& t, const char* name, int32_t ndim, int32_t device_i
       << name << ": this module is built for " << kDeviceName << " tensors";
   TVM_FFI_CHECK(t.device().device_id == device_id, ValueError)
       << name << ": on device " << t.device().device_id << ", other arguments on " << device_id;
-  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << ": must be contiguous";
+  TVM_FFI_CHECK(is_contiguous(t), ValueError) << name << ": must be contiguous";
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
