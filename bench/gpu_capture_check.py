@@ -27,7 +27,8 @@ from jitwarm.kernels.verify_plan import max_out_rows
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan, capture_ladder, warm
 
 HOOK_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "hook_worker.py"
-DSPARK = dict(cuda_graph_max_bs=128, speculative_num_draft_tokens=6, ragged_verify_mode="compact")
+DSPARK = dict(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
+              speculative_num_draft_tokens=6, ragged_verify_mode="compact")
 D, HQ, HK, ROPE = 128, 16, 1, 64
 
 
@@ -250,7 +251,8 @@ def main() -> int:
             again = warm(plan, cache=cache, jobs=args.jobs, progress=False)
             section["warm_again"] = {"built": again.built, "hits": again.hits, "seconds": again.seconds}
             proc = subprocess.run([sys.executable, str(HOOK_WORKER),
-                                   str(root), "strict", "60", "--", "--cuda-graph-max-bs", "128",
+                                   str(root), "strict", "60", "--", "--cuda-graph-max-bs-decode", "128",
+                                   "--max-running-requests", "128", "--speculative-algorithm", "DSPARK",
                                    "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact",
                                    "--backend", backend, "--target", target], capture_output=True, text=True)
             section["fresh_process_hook"] = json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr[-500:]

@@ -17,11 +17,14 @@ from pathlib import Path
 from harness import ROOT, jitwarm_cmd, report, run
 
 PLANS = {  # spec count (target cpu) -> serving flags
-    9: "--cuda-graph-max-bs 128 --speculative-num-draft-tokens 6",
-    30: "--cuda-graph-max-bs 128 --speculative-num-draft-tokens 6 --ragged-verify-mode compact",
-    91: "--cuda-graph-max-bs 256 --speculative-num-draft-tokens 8 --ragged-verify-mode compact "
-        "--compress-ratios 4 16 64 128",
-    310: "--cuda-graph-max-bs 512 --speculative-num-draft-tokens 12 --ragged-verify-mode compact "
+    9: "--cuda-graph-max-bs-decode 128 --max-running-requests 128 --speculative-algorithm EAGLE "
+       "--speculative-num-draft-tokens 6",
+    30: "--cuda-graph-max-bs-decode 128 --max-running-requests 128 --speculative-algorithm DSPARK "
+        "--speculative-num-draft-tokens 6 --ragged-verify-mode compact",
+    91: "--cuda-graph-max-bs-decode 256 --max-running-requests 256 --speculative-algorithm DSPARK "
+        "--speculative-num-draft-tokens 8 --ragged-verify-mode compact --compress-ratios 4 16 64 128",
+    310: "--cuda-graph-max-bs-decode 512 --max-running-requests 512 --speculative-algorithm DSPARK "
+         "--speculative-num-draft-tokens 12 --ragged-verify-mode compact "
          "--compress-ratios 2 3 4 6 8 12 16 24 32 48 64 96 128 256",
 }
 

@@ -42,19 +42,20 @@ def spec_labels(specs: Sequence[KernelSpec]) -> dict[KernelSpec, str]:
 def render_plan(plan: WarmPlan) -> str:
     """Render the plan as a readable table with totals per family."""
     labels = spec_labels(plan.specs)
-    rows = [("bs", "tokens", "slots", "verify_lens", "uniform", "new specs")]
+    rows = [("bs", "graph key", "tokens", "slots", "verify_lens", "uniform", "new specs")]
     for sh in plan.shapes:
         new = " ".join(labels[s] for s in plan.introduced[sh.bs]) or "-"
-        rows.append((str(sh.bs), str(sh.num_tokens), str(sh.layout.slots), sh.layout.run_length(),
+        rows.append((str(sh.bs), str(sh.graph_key), str(sh.num_tokens), str(sh.layout.slots), sh.layout.run_length(),
                      "yes" if sh.layout.uniform else "no", new))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join([c.rjust(w) if i < 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))]
-                       + [r[5]]).rstrip() for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    lines = ["  ".join([c.rjust(w) if i < 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))]
+                       + [r[6]]).rstrip() for r in rows]
     fams = ", ".join(f"{name} {n}" for name, n in plan.by_family().items())
     targets = ", ".join(f"{b}:{t}" for b in plan.config.backends for t in plan.config.targets)
     lines.append("")
     lines.append(f"{len(plan.specs)} specs for {len(plan.shapes)} shapes ({fams}) on {targets}; "
                  f"plan id {plan.plan_id}")
+    lines.append(f"ladder: {plan.ladder.source}")
     return "\n".join(lines)
 
 
@@ -238,7 +239,7 @@ def _import_bundle(cache, path: str):
     return cache.import_bundle(path)
 
 
-def cmd_prune(args: argparse.Namespace, plan: WarmPlan) -> int:
+def cmd_prune(args: argparse.Namespace, plan: WarmPlan | None) -> int:
     """Remove least recently used entries down to ``--max-bytes`` and entries unused for ``--older-than``."""
     cache = _cache(args)
     if args.max_bytes is None and args.older_than is None:
@@ -268,7 +269,7 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
-def cmd_import(args: argparse.Namespace, plan: WarmPlan) -> int:
+def cmd_import(args: argparse.Namespace, plan: WarmPlan | None) -> int:
     """Import a bundle: every member checked, every file verified, each entry published atomically."""
     cache = _cache(args)
     report = _import_bundle(cache, args.path)
@@ -300,7 +301,9 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r} (e.g. 90s, 30m, 7d)") from None
 
 
-Command = Callable[[argparse.Namespace, WarmPlan], int]
+Command = Callable[[argparse.Namespace, WarmPlan | None], int]
+#: Commands that act on the cache as a whole: they take no serving flags and build no plan.
+PLANLESS = ("prune", "import")
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", cmd_plan),
     "warm": ("build every missing kernel of the plan into the cache, in parallel", cmd_warm),
@@ -319,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_FlagParser)
     for name, (help_text, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add_serving_flags(p)
+        if name not in PLANLESS:
+            add_serving_flags(p)
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             continue
@@ -355,13 +359,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        # The server's own command line comes after `--`; argparse would take it for positionals.
+        own, server_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+        args = parser.parse_args(own)
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
         if getattr(args, "jobs", None) is not None and args.jobs < 1:
             raise UsageError(f"--jobs must be a positive integer, got {args.jobs}")
-        plan = WarmPlan.build(from_namespace(args))
+        if args.command in PLANLESS:
+            if server_argv is not None:
+                raise UsageError(f"{args.command} takes no server command line")
+            return COMMANDS[args.command][1](args, None)
+        plan = WarmPlan.build(from_namespace(args, server_argv))
         return COMMANDS[args.command][1](args, plan)
     except (ConfigError, UsageError) as exc:
         return _fail(exc, EXIT_USAGE)

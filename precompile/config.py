@@ -1,26 +1,58 @@
-"""ServingConfig: the serving flags (sglang's names) that decide which CUDA graphs get captured."""
+"""ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
+
+The capture settings carry sglang 0.5.23's own names (``--cuda-graph-max-bs-decode``, ``--tp-size``, ...) and
+come from jitwarm's flags, from the server's own command line after ``--`` (:mod:`server_args`), from a
+TOML file, or from an sglang ``ServerArgs`` object inside a server; the ladder they give is resolved by
+:mod:`jitwarm.precompile.shapes`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels import BACKENDS, DTYPES, ModelDims, is_valid_target
+from jitwarm.precompile import sglang_rules
+from jitwarm.precompile.server_args import ServerArgvError, is_server_command, parse_server_argv
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("static", "cap-accept", "compact")
+MODES = sglang_rules.VERIFY_MODES
 MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+LADDER_SOURCES = ("auto", "builtin", "sglang")
+
+#: Largest batch size, draft-token count and parallel size accepted: larger is not a real server, and a
+#: million-entry ladder would take minutes and gigabytes to enumerate.
+MAX_BATCH_SIZE = 4096
+MAX_DRAFT_TOKENS = 64
+MAX_PARALLEL = 1024
+MAX_GPU_MEMORY_MB = 16 << 20  # 16 TiB
+#: Largest TOML config file read (a real one is a few hundred bytes; /dev/zero is not one).
+MAX_CONFIG_BYTES = 1 << 20
+
+# Older jitwarm names that stay as documented aliases of sglang 0.5.23's, and sglang's own aliases.
+ALIASES = {
+    "cuda_graph_max_bs": "cuda_graph_max_bs_decode",
+    "cuda_graph_bs": "cuda_graph_bs_decode",
+    "tp": "tp_size",
+    "tensor_parallel_size": "tp_size",
+    "data_parallel_size": "dp_size",
+    "attention_data_parallel_size": "attn_dp_size",
+    "backend": "backends",
+    "target": "targets",
+}
 
 
 class ConfigError(ValueError):
@@ -31,43 +63,98 @@ class ConfigError(ValueError):
         super().__init__("; ".join(self.problems))
 
 
-def local_target() -> str:
-    """Return the local GPU's arch as ``sm_XY`` (via nvidia-smi, no torch import), else ``cpu``."""
+def _nvidia_smi(query: str) -> list[str]:
+    """Query every GPU with nvidia-smi (no torch import); an empty list without one."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return "cpu"
+        return []
     try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+        out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
-        major, minor = out.split()[0].split(".")
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def local_target() -> str:
+    """Return the local GPU's arch as ``sm_XY`` (via nvidia-smi, no torch import), else ``cpu``."""
+    try:
+        major, minor = _nvidia_smi("compute_cap")[0].split(".")
         return f"sm_{int(major)}{int(minor)}"
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except (IndexError, ValueError):
         return "cpu"
+
+
+def local_gpu_memory_mb() -> int | None:
+    """Return the smallest local GPU's memory in MiB (as sglang's ``get_device_memory_capacity``), or None."""
+    try:
+        return min(int(float(v)) for v in _nvidia_smi("memory.total")) or None
+    except ValueError:
+        return None
+
+
+# Field -> (kind, flag used in messages). Kinds: "count" a positive int; "count0" zero or positive;
+# "flag" a bool; "bs_list" a list of batch sizes.
+_CHECKS: dict[str, tuple[str, str]] = {
+    "cuda_graph_max_bs_decode": ("batch", "--cuda-graph-max-bs-decode"),
+    "cuda_graph_bs_decode": ("bs_list", "--cuda-graph-bs-decode"),
+    "disable_cuda_graph": ("flag", "--disable-cuda-graph"),
+    "disable_decode_cuda_graph": ("flag", "--disable-decode-cuda-graph"),
+    "disable_cuda_graph_padding": ("flag", "--disable-cuda-graph-padding"),
+    "speculative_num_draft_tokens": ("draft", "--speculative-num-draft-tokens"),
+    "speculative_num_steps": ("draft", "--speculative-num-steps"),
+    "speculative_eagle_topk": ("draft", "--speculative-eagle-topk"),
+    "max_running_requests": ("count", "--max-running-requests"),
+    "tp_size": ("parallel", "--tp-size"),
+    "dp_size": ("parallel", "--dp-size"),
+    "attn_dp_size": ("parallel", "--attn-dp-size"),
+    "enable_dp_attention": ("flag", "--enable-dp-attention"),
+    "gpu_memory_mb": ("memory", "--gpu-memory-mb"),
+    "head_dim": ("count", "--head-dim"),
+    "num_q_heads": ("count", "--num-q-heads"),
+    "num_kv_heads": ("count", "--num-kv-heads"),
+}
+_LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": MAX_DRAFT_TOKENS, "parallel": MAX_PARALLEL,
+           "memory": MAX_GPU_MEMORY_MB}
 
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The serving flags that decide the capture ladder, plus the model dims and build targets.
+    """The server settings that decide the capture ladder, plus the model dims and build targets.
 
-    Field names follow sglang's flags (``--cuda-graph-max-bs`` is ``cuda_graph_max_bs``). Construction
-    normalises lists (sorted, duplicates dropped) and resolves defaults; :meth:`validate` (called by
-    every constructor here) raises :class:`ConfigError` with one message per problem.
+    Capture fields are sglang 0.5.23's own (``--cuda-graph-max-bs-decode`` is ``cuda_graph_max_bs_decode``);
+    None means "not given", so sglang's default applies (the default max batch comes from the device memory,
+    ``gpu_memory_mb``, read from the local GPU when there is one). Construction normalises lists, reads
+    ``SGLANG_RAGGED_VERIFY_MODE`` when no mode is given, and validates: :class:`ConfigError` lists every
+    problem, including combinations sglang itself rejects.
 
     Examples
     --------
-    >>> cfg = ServingConfig(cuda_graph_max_bs=128, speculative_num_draft_tokens=6,
-    ...                     ragged_verify_mode="compact", targets=("cpu",))
-    >>> cfg.max_bs, cfg.model.compress_ratios
-    (128, (4, 128))
+    >>> cfg = ServingConfig(cuda_graph_max_bs_decode=128, speculative_algorithm="DSPARK",
+    ...                     speculative_num_draft_tokens=6, ragged_verify_mode="compact", targets=("cpu",))
+    >>> cfg.model.compress_ratios
+    (4, 128)
 
     """
 
-    cuda_graph_max_bs: int = 128
-    cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_max_bs_decode: int | None = None
+    cuda_graph_bs_decode: tuple[int, ...] | None = None
+    cuda_graph_config: str | None = None  # the --cuda-graph-config JSON object, as canonical JSON text
+    disable_cuda_graph: bool = False
+    disable_decode_cuda_graph: bool = False
     disable_cuda_graph_padding: bool = False
-    speculative_num_draft_tokens: int = 0
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
     max_running_requests: int | None = None
+    tp_size: int = 1
+    dp_size: int = 1
+    attn_dp_size: int = 1
+    enable_dp_attention: bool = False
+    gpu_memory_mb: int | None = None
     ragged_verify_mode: str | None = None
+    ladder_source: str = "auto"
     head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (one place for them)
     rope_dim: int = ModelDims.rope_dim
     num_q_heads: int = ModelDims.num_q_heads
@@ -82,10 +169,17 @@ class ServingConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.ragged_verify_mode is None:
             env_mode = os.environ.get(MODE_ENV)
-            set_("ragged_verify_mode", env_mode or "static")
-            set_("mode_from_env", bool(env_mode))
-        if self.cuda_graph_bs is not None:
-            set_("cuda_graph_bs", tuple(sorted(set(self.cuda_graph_bs))))
+            set_("ragged_verify_mode", env_mode if env_mode is not None else "static")
+            set_("mode_from_env", env_mode is not None)
+        problems = _check_types(self)
+        if problems:  # report the value problems of the well-typed fields with them, then stop
+            self.validate(problems)
+        if self.cuda_graph_bs_decode is not None:
+            set_("cuda_graph_bs_decode", tuple(sorted(set(self.cuda_graph_bs_decode))))
+        if isinstance(self.cuda_graph_config, Mapping):
+            set_("cuda_graph_config", json.dumps(self.cuda_graph_config, sort_keys=True))
+        if self.speculative_algorithm is not None:
+            set_("speculative_algorithm", self.speculative_algorithm.upper())
         set_("compress_ratios", tuple(sorted(set(self.compress_ratios))))
         set_("backends", tuple(dict.fromkeys(self.backends)))
         if self.targets is None:
@@ -93,52 +187,50 @@ class ServingConfig:
         set_("targets", tuple(dict.fromkeys(self.targets)))
         self.validate()
 
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` listing every problem, or return None."""
-        problems: list[str] = []
-
-        def positive(name: str, value: int | None, flag: str) -> None:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                problems.append(f"{flag} must be a positive integer, got {value!r}")
-
-        positive("cuda_graph_max_bs", self.cuda_graph_max_bs, "--cuda-graph-max-bs")
-        positive("max_running_requests", self.max_running_requests, "--max-running-requests")
-        for name in ("head_dim", "num_q_heads", "num_kv_heads"):
-            positive(name, getattr(self, name), "--" + name.replace("_", "-"))
-        if not isinstance(self.speculative_num_draft_tokens, int) or self.speculative_num_draft_tokens < 0:
-            problems.append("--speculative-num-draft-tokens must be 0 (no speculative decoding) or positive, "
-                            f"got {self.speculative_num_draft_tokens!r}")
-        if self.cuda_graph_bs is not None:
-            bad = [b for b in self.cuda_graph_bs if not isinstance(b, int) or b < 1]
-            if bad or not self.cuda_graph_bs:
-                problems.append(f"--cuda-graph-bs needs positive batch sizes, got {bad or 'an empty list'}")
-        if not isinstance(self.rope_dim, int) or self.rope_dim < 2 or self.rope_dim % 2:
+    def validate(self, problems: Sequence[str] = ()) -> None:
+        """Raise :class:`ConfigError` listing every problem (``problems`` found before, then these), or return."""
+        problems = list(problems)
+        if self.ladder_source not in LADDER_SOURCES:
+            problems.append(f"unknown --ladder-source {self.ladder_source!r}; choose from {', '.join(LADDER_SOURCES)}")
+        if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 2 \
+                or self.rope_dim % 2:
             problems.append(f"--rope-dim must be a positive even integer, got {self.rope_dim!r}")
-        elif isinstance(self.head_dim, int) and self.rope_dim > self.head_dim:
+        elif _is_int(self.head_dim) and self.rope_dim > self.head_dim:
             problems.append(f"--rope-dim {self.rope_dim} is larger than --head-dim {self.head_dim}")
-        bad_ratios = [r for r in self.compress_ratios if not isinstance(r, int) or r < 1]
-        if bad_ratios or not self.compress_ratios:
-            problems.append(f"--compress-ratios needs positive integers, got {bad_ratios or 'an empty list'}")
         if self.dtype not in DTYPES:
             problems.append(f"unknown --dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
-        for backend in self.backends:
+        backends = self.backends if _is_names(self.backends) else ()
+        targets = self.targets if _is_names(self.targets) else ()
+        if not self.backends:
+            problems.append(f"no --backend given; choose from {', '.join(BACKENDS)}")
+        for backend in backends:
             if backend not in BACKENDS:
                 problems.append(f"unknown --backend {backend!r}; choose from {', '.join(BACKENDS)}")
-        for target in self.targets:
+        if not self.targets:
+            problems.append("no --target given; use cpu or a CUDA arch such as sm_90")
+        for target in targets:
             if not is_valid_target(target):
                 problems.append(f"unknown --target {target!r}; use cpu or a CUDA arch such as sm_90 (>= sm_75)")
-        mode = self.ragged_verify_mode
         source = f" (from {MODE_ENV})" if self.mode_from_env else ""
-        if mode not in MODES:
-            problems.append(f"unknown --ragged-verify-mode {mode!r}{source}; choose from {', '.join(MODES)}")
-        elif mode != "static" and self.speculative_num_draft_tokens == 0:
-            problems.append(f"--ragged-verify-mode {mode}{source} needs speculative decoding "
-                            "(--speculative-num-draft-tokens > 0)")
-        if mode == "compact" and self.disable_cuda_graph_padding:
-            problems.append("--ragged-verify-mode compact cannot be used with --disable-cuda-graph-padding "
-                            "(sglang rejects it)")
+        if not isinstance(self.ragged_verify_mode, str):
+            pass  # reported by the type checks
+        elif self.ragged_verify_mode not in MODES and not (self.mode_from_env and not self.uses_verify_mode):
+            # sglang reads the variable only where an algorithm could use it (ragged_verify.py:19-27).
+            problems.append(f"unknown ragged verify mode {self.ragged_verify_mode!r}{source}; choose from "
+                            f"{', '.join(MODES)}")
+        elif not problems:
+            try:
+                sglang_rules.normalize_algorithm(self.speculative_algorithm)
+                sglang_rules.resolve(self.rule_inputs(gpu_memory_mb=self.gpu_memory_mb or 80 * 1024))
+            except sglang_rules.ResolutionError as exc:
+                problems.append(str(exc))
         if problems:
             raise ConfigError(problems)
+
+    @property
+    def uses_verify_mode(self) -> bool:
+        """True when sglang reads the verify mode: with any speculative algorithm (spec_info.py:249-253)."""
+        return self.speculative_algorithm is not None
 
     @property
     def model(self) -> ModelDims:
@@ -149,61 +241,221 @@ class ServingConfig:
 
     @property
     def speculative(self) -> bool:
-        """True when speculative decoding is on (draft tokens > 0)."""
-        return self.speculative_num_draft_tokens > 0
+        """True when a speculative algorithm is set (draft tokens alone do not switch sglang's ladder)."""
+        return self.speculative_algorithm is not None
 
-    @property
-    def max_bs(self) -> int:
-        """Largest captured batch size: the explicit list's max, else the max bs, cut at max running."""
-        top = max(self.cuda_graph_bs) if self.cuda_graph_bs else self.cuda_graph_max_bs
-        return min(top, self.max_running_requests or top)
+    def rule_inputs(self, gpu_memory_mb: int | None = None) -> dict[str, Any]:
+        """The raw settings :func:`jitwarm.precompile.sglang_rules.resolve` takes."""
+        inputs = {name: getattr(self, name) for name in sglang_rules.INPUT_KEYS
+                  if name not in ("kv_capacity", "gpu_memory_mb", "cuda_graph_config")}
+        inputs["kv_capacity"] = None  # profiled by the server at start-up: a plan assumes it cuts nothing
+        inputs["cuda_graph_bs_decode"] = list(self.cuda_graph_bs_decode) if self.cuda_graph_bs_decode else None
+        inputs["cuda_graph_config"] = json.loads(self.cuda_graph_config) if self.cuda_graph_config else None
+        inputs["gpu_memory_mb"] = gpu_memory_mb if gpu_memory_mb is not None else self.gpu_memory_mb
+        inputs["ragged_verify_mode"] = self.ragged_verify_mode if self.ragged_verify_mode in MODES else "static"
+        return inputs
 
     def to_json(self) -> dict[str, Any]:
-        """Return the config as a JSON-able dict (the keys a TOML config file takes)."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+        """Return the config as a JSON-able dict (the keys a TOML config file takes; unset ones omitted)."""
+        data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "mode_from_env"}
+        if data["cuda_graph_config"] is not None:
+            data["cuda_graph_config"] = json.loads(data["cuda_graph_config"])
+        return {k: v for k, v in data.items() if v is not None}
 
-    # -- construction from files and flags ---------------------------------------------------------
+    # -- construction from files, flags, command lines and sglang's own ServerArgs ---------------------
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> ServingConfig:
-        """Build from a mapping with field names (dashes or underscores); unknown keys are an error."""
-        known = {f.name for f in fields(cls)} - {"mode_from_env"}
-        values, unknown = {}, []
-        for raw_key, value in data.items():
-            key = raw_key.replace("-", "_")
-            singular = {"backend": "backends", "target": "targets"}.get(key, key)
-            if singular not in known:
-                unknown.append(raw_key)
-                continue
-            if singular in ("backends", "targets") and isinstance(value, str):
-                value = [value]
-            values[singular] = tuple(value) if isinstance(value, list) else value
-        if unknown:
-            raise ConfigError([f"{source}: unknown key {k!r}" for k in unknown])
-        return cls(**values)
+        """Build from a mapping with field names (dashes or underscores, or aliases); unknown keys are an error."""
+        return cls(**_fields_of(data, source))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServingConfig:
-        """Build from a TOML file whose top-level keys are field or flag names."""
+        """Build from a TOML file whose top-level keys (or ``[jitwarm]`` table) are field or flag names."""
+        return cls(**read_config_file(path))
+
+    @classmethod
+    def from_server_argv(cls, argv: Sequence[str], **overrides: Any) -> ServingConfig:
+        """Build from the server's own command line (with or without ``python -m sglang.launch_server``)."""
         try:
-            with Path(path).open("rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError([f"cannot read --config {path}: {exc.strerror}"]) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([f"--config {path} is not valid TOML: {exc}"]) from None
-        return cls.from_mapping(data.get("jitwarm", data), source=str(path))
+            inputs = parse_server_argv(argv)
+        except ServerArgvError as exc:
+            raise ConfigError([str(exc)]) from None
+        return cls(**{**_from_inputs(inputs), **overrides})
+
+    @classmethod
+    def from_server_args(cls, server_args: Any, **overrides: Any) -> ServingConfig:
+        """Build from an sglang ``ServerArgs`` inside the server: its raw capture settings, as given.
+
+        The verify mode is read from the environment, as sglang does; model dims, backends and targets
+        come from ``overrides`` (e.g. a jitwarm TOML file).
+        """
+        inputs = {name: getattr(server_args, name) for name in sglang_rules.INPUT_KEYS
+                  if name in SERVER_ARGS_FIELDS and hasattr(server_args, name)}
+        return cls(**{**_from_inputs(inputs), **overrides})
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServingConfig:
-        """Build from command-line flags (sglang's names); ``--config FILE`` is read first."""
+        """Build from command-line flags.
+
+        ``argv`` holds jitwarm's own flags (sglang's names), then optionally ``--`` and the server's command
+        line; an argv that is a server command line (it starts with ``python -m sglang.launch_server`` or
+        ``sglang serve``, or names ``--model-path``) is read as one. ``--config FILE`` is read first.
+        """
+        argv = list(sys.argv[1:] if argv is None else argv)
+        own, server = split_server_argv(argv)
         parser = _FlagParser(prog="jitwarm", add_help=False)
         add_serving_flags(parser)
-        ns, rest = parser.parse_known_args(argv)
+        ns, rest = parser.parse_known_args(own)
         if rest:
-            raise ConfigError([f"unrecognized arguments: {' '.join(rest)}"])
-        return from_namespace(ns)
+            raise ConfigError([f"unrecognized arguments: {' '.join(rest)} (put the server's command line "
+                               "after --)"])
+        return from_namespace(ns, server)
+
+
+#: The ServingConfig fields that are sglang ServerArgs fields of the same name (the server's capture settings).
+SERVER_ARGS_FIELDS = frozenset(sglang_rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"}
+
+
+def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Split ``argv`` into jitwarm's own flags and the server's command line (None when there is none)."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    if is_server_command(argv) or any(a in ("--model-path", "--model") or a.startswith(("--model-path=",
+                                                                                       "--model="))
+                                      for a in argv):
+        return [], argv
+    return argv, None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Return the ServingConfig fields a TOML config file sets (keys checked, values checked on construction).
+
+    Raises
+    ------
+    ConfigError
+        The file cannot be read, is not TOML, is too large, or has a key that is not a field or alias.
+
+    """
+    return _fields_of(_read_toml(path), source=str(path))
+
+
+def _from_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """ServingConfig fields from rule inputs (lists to tuples, the JSON object as is)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items() if v is not None}
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file with a size bound; ConfigError naming the file on any problem."""
+    try:
+        with Path(path).open("rb") as fh:
+            if not Path(path).is_file():
+                raise ConfigError([f"--config {path} is not a regular file"])
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError([f"cannot read --config {path}: {exc.strerror or exc}"]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"--config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a jitwarm config"])
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError([f"--config {path} is not valid TOML: {str(exc).splitlines()[0]}"]) from None
+    table = data.get("jitwarm", data)
+    if not isinstance(table, dict):
+        raise ConfigError([f"--config {path}: [jitwarm] must be a table, got {type(table).__name__}"])
+    return table
+
+
+def _fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Map config keys (dashes or underscores, aliases) to field names; unknown keys are an error."""
+    known = {f.name for f in fields(ServingConfig)} - {"mode_from_env"}
+    values, unknown = {}, []
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        key = ALIASES.get(key, key)
+        if key not in known:
+            unknown.append(raw_key)
+            continue
+        if key in ("backends", "targets") and isinstance(value, str):
+            value = [value]
+        values[key] = tuple(value) if isinstance(value, list) else value
+    if unknown:
+        raise ConfigError([f"{source}: unknown key {k!r}" for k in unknown])
+    return values
+
+
+def _check_types(cfg: ServingConfig) -> list[str]:
+    """Type and range problems of the fields, one message each (before anything else looks at them)."""
+    problems = []
+    for name, (kind, flag) in _CHECKS.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if kind == "flag":
+            if not isinstance(value, bool):
+                problems.append(f"{flag} must be true or false, got {value!r}")
+        elif kind == "bs_list":
+            if not isinstance(value, (tuple, list)) or not value:
+                problems.append(f"{flag} needs a list of positive batch sizes, got {value!r}")
+            elif len(value) > MAX_BATCH_SIZE:
+                problems.append(f"{flag} lists {len(value)} sizes; at most {MAX_BATCH_SIZE}")
+            else:
+                bad = [b for b in value if not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE]
+                if bad:
+                    problems.append(f"{flag} needs positive batch sizes up to {MAX_BATCH_SIZE}, got {bad[:5]}")
+        elif not _is_int(value) or value < 1:
+            problems.append(f"{flag} must be a positive integer, got {value!r}")
+        elif value > _LIMITS[kind]:
+            problems.append(f"{flag} {value} is larger than any real server (at most {_LIMITS[kind]})")
+    for name, flag in (("speculative_algorithm", "--speculative-algorithm"), ("ragged_verify_mode", "mode"),
+                       ("dtype", "--dtype"), ("ladder_source", "--ladder-source")):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, str):
+            problems.append(f"{flag} must be a string, got {value!r}")
+    if cfg.cuda_graph_config is not None:
+        problems.extend(_check_graph_config(cfg.cuda_graph_config))
+    ratios = cfg.compress_ratios
+    if not isinstance(ratios, (tuple, list)) or not ratios:
+        problems.append(f"--compress-ratios needs a list of positive integers, got {ratios!r}")
+    elif bad := [r for r in ratios if not _is_int(r) or r < 1]:
+        problems.append(f"--compress-ratios needs positive integers, got {bad}")
+    for name, flag in (("backends", "--backend"), ("targets", "--target")):
+        value = getattr(cfg, name)
+        if value is not None and not _is_names(value):
+            problems.append(f"{flag} needs names (strings), got {value!r}")
+    return problems
+
+
+def _check_graph_config(value: Any) -> list[str]:
+    """Problems of a --cuda-graph-config value (a JSON object, or its text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            return [f"--cuda-graph-config is not JSON: {str(exc).splitlines()[0]}"]
+    if not isinstance(value, Mapping):
+        return [f"--cuda-graph-config must be a JSON object, got {type(value).__name__}"]
+    decode = value.get("decode", {})
+    if not isinstance(decode, Mapping):
+        return ["--cuda-graph-config: decode must be an object"]
+    problems = []
+    if "max_bs" in decode and (not _is_int(decode["max_bs"]) or not 1 <= decode["max_bs"] <= MAX_BATCH_SIZE):
+        problems.append(f"--cuda-graph-config decode.max_bs must be a batch size up to {MAX_BATCH_SIZE}")
+    if "bs" in decode and (not isinstance(decode["bs"], list) or not decode["bs"] or len(decode["bs"]) > MAX_BATCH_SIZE
+                           or any(not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE for b in decode["bs"])):
+        problems.append(f"--cuda-graph-config decode.bs must be a list of batch sizes up to {MAX_BATCH_SIZE}")
+    return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
 
 
 class _FlagParser(argparse.ArgumentParser):
@@ -213,22 +465,71 @@ class _FlagParser(argparse.ArgumentParser):
         raise ConfigError([message])
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object such as '{\"decode\": {\"max_bs\": 64}}'")
+    return value
+
+
+def _finite_int(text: str) -> int:
+    try:
+        value = float(text) if "." in text or "e" in text.lower() else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+        value = int(value)
+    return value
+
+
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
-    g = parser.add_argument_group("serving (sglang's flag names)")
+    g = parser.add_argument_group("serving (sglang 0.5.23's flag names; or the server's command line after --)")
     g.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file first")
-    g.add_argument("--cuda-graph-max-bs", type=int, metavar="N")
-    g.add_argument("--cuda-graph-bs", type=int, nargs="+", metavar="BS", help="explicit capture batch sizes")
-    g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None)
-    g.add_argument("--speculative-num-draft-tokens", type=int, metavar="N", help="0: no speculative decoding")
-    g.add_argument("--max-running-requests", type=int, metavar="N")
-    g.add_argument("--ragged-verify-mode", metavar="MODE", help=f"{' | '.join(MODES)} (env {MODE_ENV})")
-    m = parser.add_argument_group("model dims")
-    m.add_argument("--head-dim", type=int)
-    m.add_argument("--rope-dim", type=int)
-    m.add_argument("--num-q-heads", type=int)
-    m.add_argument("--num-kv-heads", type=int)
-    m.add_argument("--compress-ratios", type=int, nargs="+", metavar="R")
+    g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
+                   type=_finite_int, metavar="N",
+                   help="largest decode batch captured (default: sglang's, from GPU memory and TP size)")
+    g.add_argument("--cuda-graph-bs-decode", "--cuda-graph-bs", dest="cuda_graph_bs_decode", type=_finite_int,
+                   nargs="+", metavar="BS", help="explicit decode capture batch sizes")
+    g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
+                   help="sglang's per-phase JSON, e.g. '{\"decode\": {\"max_bs\": 64}}' (wins over the flags)")
+    g.add_argument("--disable-cuda-graph", action="store_true", default=None)
+    g.add_argument("--disable-decode-cuda-graph", action="store_true", default=None)
+    g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None,
+                   help="capture every batch size up to the max")
+    g.add_argument("--speculative-algorithm", metavar="NAME",
+                   help=f"{', '.join(sglang_rules.ALGORITHMS)} (the speculative ladder needs one)")
+    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N",
+                   help="tokens verified per request")
+    g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
+                   help="EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)")
+    g.add_argument("--speculative-eagle-topk", type=_finite_int, metavar="K")
+    g.add_argument("--max-running-requests", type=_finite_int, metavar="N",
+                   help="request pool size (speculative default 48); cuts the ladder")
+    g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=_finite_int, metavar="N")
+    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=_finite_int, metavar="N")
+    g.add_argument("--attn-dp-size", type=_finite_int, metavar="N", help="attention data-parallel size")
+    g.add_argument("--enable-dp-attention", action="store_true", default=None,
+                   help="with --dp-size N: the deprecated spelling of --attn-dp-size N")
+    g.add_argument("--gpu-memory-mb", type=_finite_int, metavar="MIB",
+                   help="device memory for sglang's default max batch on a box without the GPU "
+                        "(default: read from the GPU; an H200 has 143771)")
+    g.add_argument("--ragged-verify-mode", metavar="MODE",
+                   help=f"{' | '.join(MODES)}: what {MODE_ENV} would say (default: that variable, else static)")
+    g.add_argument("--ladder-source", metavar="SOURCE",
+                   help="auto (sglang's own functions when sglang is installed, else the built-in rules) | "
+                        f"builtin (rules mirroring sglang {sglang_rules.MIRRORS}) | sglang")
+    m = parser.add_argument_group("model dims (jitwarm's kernel families)")
+    m.add_argument("--head-dim", type=_finite_int)
+    m.add_argument("--rope-dim", type=_finite_int)
+    m.add_argument("--num-q-heads", type=_finite_int)
+    m.add_argument("--num-kv-heads", type=_finite_int)
+    m.add_argument("--compress-ratios", type=_finite_int, nargs="+", metavar="R")
     m.add_argument("--dtype", metavar="DTYPE", help=" | ".join(DTYPES))
     b = parser.add_argument_group("build")
     b.add_argument("--backend", dest="backends", action="append", metavar="NAME",
@@ -237,20 +538,26 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    help="cpu | sm_90 | sm_100 | ...; repeat for several (default: the local GPU, else cpu)")
 
 
-_FLAG_FIELDS = ("cuda_graph_max_bs", "cuda_graph_bs", "disable_cuda_graph_padding",
-                "speculative_num_draft_tokens", "max_running_requests", "ragged_verify_mode", "head_dim",
+_FLAG_FIELDS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
+                "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
+                "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+                "max_running_requests", "tp_size", "dp_size", "attn_dp_size",
+                "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "head_dim",
                 "rope_dim", "num_q_heads", "num_kv_heads", "compress_ratios", "dtype", "backends", "targets")
 
 
-def from_namespace(ns: argparse.Namespace) -> ServingConfig:
-    """Build a config from parsed flags: the TOML file (if any) first, then every flag that was given."""
-    base = ServingConfig.from_toml(ns.config) if getattr(ns, "config", None) else None
+def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> ServingConfig:
+    """Build a config from parsed flags: the TOML file (if any), then the server's command line, then flags."""
+    values: dict[str, Any] = {}
+    if getattr(ns, "config", None):
+        values.update(read_config_file(ns.config))
+    if server_argv is not None:
+        try:
+            values.update(_from_inputs(parse_server_argv(server_argv)))
+        except ServerArgvError as exc:
+            raise ConfigError([str(exc)]) from None
     given = {name: getattr(ns, name) for name in _FLAG_FIELDS if getattr(ns, name, None) is not None}
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
-    if base is None:
-        return ServingConfig(**given)
-    if "ragged_verify_mode" in given:
-        given["mode_from_env"] = False
-    elif base.mode_from_env:
-        given["ragged_verify_mode"] = None  # re-resolved from the environment
-    return replace(base, **given)
+    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    return ServingConfig(**values)
+
+

@@ -9,7 +9,7 @@ from typing import Any
 
 from jitwarm.kernels import FAMILIES, KernelSpec
 from jitwarm.precompile.config import ServingConfig
-from jitwarm.precompile.shapes import CaptureShape, capture_shapes
+from jitwarm.precompile.shapes import CaptureShape, Ladder, resolve_ladder
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class WarmPlan:
 
     Examples
     --------
-    >>> cfg = ServingConfig(cuda_graph_max_bs=128, speculative_num_draft_tokens=6,
-    ...                     ragged_verify_mode="compact", targets=("cpu",))
+    >>> cfg = ServingConfig(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
+    ...                     speculative_num_draft_tokens=6, ragged_verify_mode="compact", targets=("cpu",))
     >>> plan = WarmPlan.build(cfg)
     >>> len(plan.shapes), len(plan.specs)
     (35, 30)
@@ -35,11 +35,13 @@ class WarmPlan:
     specs: tuple[KernelSpec, ...]
     needed_by: dict[KernelSpec, tuple[int, ...]]
     introduced: dict[int, tuple[KernelSpec, ...]]
+    ladder: Ladder | None = None
 
     @classmethod
     def build(cls, config: ServingConfig) -> WarmPlan:
         """Map every capture shape of ``config`` to its specs, for each backend and target."""
-        shapes = tuple(capture_shapes(config))
+        ladder = resolve_ladder(config)
+        shapes = ladder.shapes
         needed: dict[KernelSpec, list[int]] = {}
         introduced: dict[int, tuple[KernelSpec, ...]] = {}
         for shape in shapes:
@@ -50,7 +52,7 @@ class WarmPlan:
                     new.append(spec)
                 needed[spec].append(shape.bs)
             introduced[shape.bs] = tuple(new)
-        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced)
+        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced, ladder)
 
     @property
     def plan_id(self) -> str:
@@ -66,7 +68,8 @@ class WarmPlan:
         """Return the plan as ``jitwarm plan --json`` prints it."""
         return {
             "plan_id": self.plan_id,
-            "shapes": [{"bs": sh.bs, "num_tokens": sh.num_tokens, "slots": sh.layout.slots,
+            "ladder": self.ladder.to_json() if self.ladder else None,
+            "shapes": [{"bs": sh.bs, "graph_key": sh.graph_key, "num_tokens": sh.num_tokens, "slots": sh.layout.slots,
                         "verify_lens": list(sh.layout.verify_lens), "uniform": sh.layout.uniform,
                         "new_specs": [s.id for s in self.introduced[sh.bs]]} for sh in self.shapes],
             "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],

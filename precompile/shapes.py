@@ -1,20 +1,38 @@
-"""Capture shapes: sglang's batch-size ladders and the verify_lens each captured batch carries."""
+"""Capture shapes: the decode graphs sglang captures for a config, each with its graph key and verify_lens.
+
+The ladder comes from one of two sources that give the same answer for sglang 0.5.23 (the oracle test
+checks it): the built-in rules (:mod:`sglang_rules`, pure Python) or, when sglang is installed, sglang's own
+functions (:mod:`sglang_native`), run in a child process so that planning never imports torch.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 from jitwarm.kernels import VerifyLayout
-from jitwarm.precompile.config import ServingConfig
+from jitwarm.precompile import sglang_rules
+from jitwarm.precompile.config import ConfigError, ServingConfig, local_gpu_memory_mb
+
+#: Seconds the sglang child process may take (its imports are the cost: a few seconds).
+NATIVE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
 class CaptureShape:
-    """One CUDA graph the server captures: its batch size and the verify layout it is captured with."""
+    """One CUDA graph the server captures: its batch size, the key sglang stores it under, its verify layout.
+
+    ``graph_key`` is the token count (``bs * draft tokens``) for compact ragged-verify graphs, else ``bs``.
+    """
 
     bs: int
     layout: VerifyLayout
+    graph_key: int
 
     @property
     def num_tokens(self) -> int:
@@ -22,52 +40,137 @@ class CaptureShape:
         return self.layout.num_tokens
 
 
-def _ladder(top: int, tiers: list[Iterable[int]]) -> list[int]:
-    sizes = [b for tier in tiers for b in tier if b <= top]
-    if top not in sizes:
-        sizes.append(top)
-    return sorted(set(sizes))
+@dataclass(frozen=True)
+class Ladder:
+    """The resolved decode capture of a config: every shape, largest first, and where the rules came from.
 
+    Attributes
+    ----------
+    source : str
+        ``"built-in rules of sglang 0.5.23"`` or ``"sglang <version> (installed)"``.
+    shapes : tuple of CaptureShape
+        One per captured graph, in capture order (largest first); empty when decode graphs are off.
+    capture_bs : tuple of int
+        The batch sizes, ascending.
+    width : int
+        Tokens per request in a captured batch (1, or the draft tokens of a speculative verify).
+    compact : bool
+        Compact ragged-verify graphs (DSPARK with ``SGLANG_RAGGED_VERIFY_MODE=compact``).
+    max_running_requests : int or None
+        After sglang's speculative default of 48.
+    gpu_memory_mb : int or None
+        The device memory the default max batch was taken from, when it mattered.
+    disabled : str or None
+        Why there are no decode graphs (``--disable-cuda-graph``), else None.
 
-def capture_batch_sizes(config: ServingConfig) -> list[int]:
-    """Return the batch sizes sglang captures for ``config``, ascending.
-
-    Mirrors sglang's ladder generator: an explicit ``--cuda-graph-bs`` list wins; else
-    ``--disable-cuda-graph-padding`` gives every size up to the max; else the speculative or the plain
-    tiers. ``--max-running-requests`` cuts every ladder (and is appended, like the max, when missing).
     """
-    top = config.max_bs
-    if config.cuda_graph_bs is not None:
-        return sorted({b for b in config.cuda_graph_bs if b <= top} | {top})
-    if config.disable_cuda_graph_padding:
-        return list(range(1, top + 1))
-    if config.speculative:
-        tiers = [range(1, 9), range(10, 33, 2), range(40, 65, 4), range(72, 257, 8), range(272, top + 1, 16)]
-    else:
-        tiers = [(1, 2, 4, 8, 12), range(16, 257, 8), range(272, 512, 16), range(512, top + 1, 32)]
-    return _ladder(top, tiers)
+
+    source: str
+    shapes: tuple[CaptureShape, ...]
+    capture_bs: tuple[int, ...]
+    width: int
+    compact: bool
+    max_running_requests: int | None
+    gpu_memory_mb: int | None
+    disabled: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The resolution as ``jitwarm plan --json`` reports it."""
+        return {"source": self.source, "capture_bs": list(self.capture_bs), "width": self.width,
+                "compact": self.compact, "max_running_requests": self.max_running_requests,
+                "gpu_memory_mb": self.gpu_memory_mb, "disabled": self.disabled}
 
 
-def verify_lens_for(config: ServingConfig, bs: int) -> tuple[int, ...]:
-    """Return the ``verify_lens`` a batch of ``bs`` requests is captured with.
+def sglang_installed() -> bool:
+    """True when sglang can be imported here (checked without importing it)."""
+    return importlib.util.find_spec("sglang") is not None
 
-    ``static`` and ``cap-accept`` verify a full block per request; ``compact`` spreads
-    ``bs * num_draft_tokens`` tokens over ``min(tokens, max_bs)`` slots exactly as sglang's
-    ``build_capture_verify_lens`` does. Without speculative decoding each request has one token.
+
+def resolve_ladder(config: ServingConfig) -> Ladder:
+    """Resolve the decode graphs ``config``'s server captures (see the module docstring for the source).
+
+    Raises
+    ------
+    ConfigError
+        The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), sglang rejects the
+        settings, or the sglang source was asked for and cannot run.
+
     """
-    if not config.speculative:
-        return (1,) * bs
-    draft = config.speculative_num_draft_tokens
-    if config.ragged_verify_mode != "compact":
-        return (draft,) * bs
-    num_tokens = bs * draft
-    slots = min(num_tokens, config.max_bs)
-    base = num_tokens // slots
-    rem = num_tokens - base * slots
-    return (base + 1,) * rem + (base,) * (slots - rem)
+    return _resolve(config)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve(config: ServingConfig) -> Ladder:
+    inputs = config.rule_inputs()
+    if inputs["gpu_memory_mb"] is None and sglang_rules.depends_on_memory(inputs):
+        inputs["gpu_memory_mb"] = local_gpu_memory_mb()
+        if inputs["gpu_memory_mb"] is None:
+            raise ConfigError(["the capture ladder depends on the GPU's memory (sglang's default max batch) "
+                               "and there is no GPU here: give --gpu-memory-mb N (an H200 has 143771) or "
+                               "--cuda-graph-max-bs-decode N"])
+    source = config.ladder_source
+    if source == "auto":
+        source = "sglang" if sglang_installed() else "builtin"
+    try:
+        result = sglang_rules.resolve(inputs) if source == "builtin" else _native(inputs)
+    except sglang_rules.ResolutionError as exc:
+        raise ConfigError([str(exc)]) from None
+    shapes = tuple(CaptureShape(s["bs"], VerifyLayout(tuple(s["verify_lens"])), s["graph_key"])
+                   for s in result["shapes"])
+    return Ladder(source=result["source"], shapes=shapes, capture_bs=tuple(result.get("capture_bs", ())),
+                  width=result.get("width", 1), compact=result.get("compact", False),
+                  max_running_requests=result.get("max_running_requests"), gpu_memory_mb=inputs["gpu_memory_mb"],
+                  disabled=result.get("disabled"))
+
+
+def _native(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Resolve with the installed sglang's own functions, in a child process unless sglang is imported already.
+
+    Inside a server (the plugin) sglang is loaded: its functions run here. Anywhere else importing sglang
+    would import torch into the planning process, so a child process does it.
+    """
+    if "sglang" in sys.modules:
+        from jitwarm.precompile import sglang_native
+
+        try:
+            return sglang_native.resolve(inputs)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
+    try:
+        proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile.sglang_native"],
+                              input=json.dumps({"inputs": inputs}), capture_output=True, text=True,
+                              timeout=NATIVE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError([f"cannot run sglang's own ladder functions ({exc}); use --ladder-source builtin"]) from None
+    if proc.returncode == 2:
+        raise ConfigError([proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "sglang rejected it"])
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise ConfigError([f"sglang's own ladder functions failed ({last}); use --ladder-source builtin for the "
+                           f"rules mirroring sglang {sglang_rules.MIRRORS}"])
+    return json.loads(proc.stdout)
 
 
 def capture_shapes(config: ServingConfig) -> list[CaptureShape]:
     """Return every shape the server captures, in capture order (largest batch first)."""
-    return [CaptureShape(bs, VerifyLayout(verify_lens_for(config, bs)))
-            for bs in reversed(capture_batch_sizes(config))]
+    return list(resolve_ladder(config).shapes)
+
+
+def capture_batch_sizes(config: ServingConfig) -> list[int]:
+    """Return the batch sizes the server captures, ascending."""
+    return list(resolve_ladder(config).capture_bs)
+
+
+def verify_lens_for(config: ServingConfig, bs: int) -> tuple[int, ...]:
+    """Return the ``verify_lens`` the captured batch of ``bs`` requests carries.
+
+    Raises
+    ------
+    KeyError
+        ``bs`` is not a captured size of ``config``.
+
+    """
+    for shape in resolve_ladder(config).shapes:
+        if shape.bs == bs:
+            return shape.layout.verify_lens
+    raise KeyError(f"bs={bs} is not captured for this config")

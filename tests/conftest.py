@@ -38,6 +38,14 @@ def _isolated_env(monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sglang_env(tmp_path_factory):
+    """Environment (PYTHONPATH) under which a subprocess of this interpreter imports the real sglang 0.5.23 wheel."""
+    import sglang_wheel
+
+    return sglang_wheel.sglang_env(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """URL of the Redis the remote-tier tests share: $JITWARM_TEST_REDIS_URL, else a redis-server of our own."""
     if TEST_REDIS_URL:

@@ -23,7 +23,8 @@ from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, dispatch, refer
 from jitwarm.kernels.verify_plan import Plan, max_out_rows
 from jitwarm.precompile import ServingConfig, WarmPlan
 
-DSPARK = {"cuda_graph_max_bs": 128, "speculative_num_draft_tokens": 6, "ragged_verify_mode": "compact"}
+DSPARK = {"cuda_graph_max_bs_decode": 128, "max_running_requests": 128, "speculative_algorithm": "DSPARK",
+          "speculative_num_draft_tokens": 6, "ragged_verify_mode": "compact"}
 INCIDENT = VerifyLayout((3,) * 104 + (2,) * 24)
 POISON_INT = -77777
 TOL = {"float32": {"rtol": 1e-5, "atol": 1e-5}, "bfloat16": {"rtol": 2e-2, "atol": 2e-2}}

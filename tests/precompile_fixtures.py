@@ -13,7 +13,8 @@ from jitwarm.precompile import ServingConfig, WarmPlan
 WORKERS = Path(__file__).with_name("workers")
 
 # 7 specs (norm_rope 3, compressor 3, plan 1), float32, host target: ragged and uniform shapes.
-SMALL = ["--cuda-graph-max-bs", "4", "--speculative-num-draft-tokens", "2", "--ragged-verify-mode", "compact",
+SMALL = ["--cuda-graph-max-bs-decode", "4", "--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "2",
+         "--ragged-verify-mode", "compact",
          "--compress-ratios", "4", "--head-dim", "64", "--rope-dim", "32", "--num-q-heads", "2",
          "--dtype", "float32", "--target", "cpu"]
 # 3 specs (one per family): for tests that build again from nothing.

@@ -1,11 +1,10 @@
+import json
 import textwrap
 
 import pytest
 
 from jitwarm.precompile import ConfigError, ServingConfig
 from jitwarm.precompile.cli import main
-
-DSPARK = ["--cuda-graph-max-bs", "128", "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact"]
 
 
 def run_cli(capsys, argv):
@@ -15,28 +14,36 @@ def run_cli(capsys, argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be a positive integer, got 0"),
-    (["--cuda-graph-max-bs", "-4"], "--cuda-graph-max-bs must be a positive integer, got -4"),
+    (["--cuda-graph-max-bs-decode", "0"], "--cuda-graph-max-bs-decode must be a positive integer, got 0"),
+    (["--cuda-graph-max-bs", "-4"], "--cuda-graph-max-bs-decode must be a positive integer, got -4"),
+    (["--cuda-graph-max-bs-decode", "1000000"], "--cuda-graph-max-bs-decode 1000000 is larger than any real"),
     (["--max-running-requests", "0"], "--max-running-requests must be a positive integer"),
+    (["--tp-size", "0"], "--tp-size must be a positive integer"),
+    (["--gpu-memory-mb", "-1"], "--gpu-memory-mb must be a positive integer"),
+    (["--speculative-algorithm", "MEDUSA"], "unknown speculative algorithm 'MEDUSA'"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE needs --speculative-num-steps"),
+    (["--speculative-algorithm", "DSPARK"], "--speculative-algorithm DSPARK needs --speculative-num-draft-tokens"),
+    (["--cuda-graph-config", "[1]"], "must be a JSON object"),
+    (["--cuda-graph-config", "{"], "not JSON"),
     (["--head-dim", "0"], "--head-dim must be a positive integer"),
     (["--num-q-heads", "-1"], "--num-q-heads must be a positive integer"),
     (["--num-kv-heads", "0"], "--num-kv-heads must be a positive integer"),
-    (["--speculative-num-draft-tokens", "-1"], "--speculative-num-draft-tokens must be 0"),
+    (["--speculative-num-draft-tokens", "-1"], "--speculative-num-draft-tokens must be a positive integer"),
     (["--head-dim", "64", "--rope-dim", "128"], "--rope-dim 128 is larger than --head-dim 64"),
     (["--rope-dim", "63"], "--rope-dim must be a positive even integer, got 63"),
     (["--compress-ratios", "4", "0"], "--compress-ratios needs positive integers, got [0]"),
-    (["--ragged-verify-mode", "ragged"], "unknown --ragged-verify-mode 'ragged'"),
+    (["--ragged-verify-mode", "ragged"], "unknown ragged verify mode 'ragged'"),
     (["--dtype", "float16"], "unknown --dtype 'float16'"),
     (["--backend", "cutlass"], "unknown --backend 'cutlass'"),
     (["--target", "sm_70"], "unknown --target 'sm_70'"),
     (["--target", "gpu"], "unknown --target 'gpu'"),
-    (["--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact", "--disable-cuda-graph-padding"],
-     "compact cannot be used with --disable-cuda-graph-padding"),
-    (["--ragged-verify-mode", "compact"], "--ragged-verify-mode compact needs speculative decoding"),
-    (["--ragged-verify-mode", "cap-accept"], "--ragged-verify-mode cap-accept needs speculative decoding"),
-    (["--cuda-graph-bs", "0", "8"], "--cuda-graph-bs needs positive batch sizes, got [0]"),
-    (["--cuda-graph-bs", "-8", "8"], "--cuda-graph-bs needs positive batch sizes, got [-8]"),
-    (["--cuda-graph-max-bs", "many"], "argument --cuda-graph-max-bs: invalid int value: 'many'"),
+    (["--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact",
+      "--disable-cuda-graph-padding", "--cuda-graph-max-bs-decode", "8"],
+     "compact ragged verify (SGLANG_RAGGED_VERIFY_MODE=compact) cannot be used with --disable-cuda-graph-padding"),
+    (["--cuda-graph-bs", "0", "8"], "--cuda-graph-bs-decode needs positive batch sizes up to 4096, got [0]"),
+    (["--cuda-graph-bs-decode", "-8", "8"], "--cuda-graph-bs-decode needs positive batch sizes up to 4096, got [-8]"),
+    (["--cuda-graph-max-bs", "many"], "argument --cuda-graph-max-bs-decode/--cuda-graph-max-bs: invalid"),
+    (["--cuda-graph-max-bs-decode", "8", "--model-path", "x"], "unrecognized arguments: --model-path x"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_validation_exits_2_with_one_line(capsys, argv, message):
@@ -50,16 +57,19 @@ def test_validation_exits_2_with_one_line(capsys, argv, message):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        ServingConfig(cuda_graph_max_bs=0, dtype="fp8", rope_dim=3, targets=("cpu",))
+        ServingConfig(cuda_graph_max_bs_decode=0, dtype="fp8", rope_dim=3, targets=("cpu",))
     assert len(info.value.problems) == 3
 
 
 def test_mode_from_environment(monkeypatch):
     monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
-    cfg = ServingConfig(speculative_num_draft_tokens=6, targets=("cpu",))
-    assert cfg.ragged_verify_mode == "compact"
-    with pytest.raises(ConfigError, match="compact \\(from SGLANG_RAGGED_VERIFY_MODE\\) needs speculative"):
-        ServingConfig(targets=("cpu",))
+    cfg = ServingConfig(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6, targets=("cpu",))
+    assert cfg.ragged_verify_mode == "compact" and cfg.mode_from_env
+    # sglang reads the variable only for a ragged-verify algorithm: a bad value elsewhere is ignored, as there
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "ragged")
+    assert ServingConfig(cuda_graph_max_bs_decode=8, targets=("cpu",)).ragged_verify_mode == "ragged"
+    with pytest.raises(ConfigError, match="unknown ragged verify mode 'ragged' \\(from SGLANG_RAGGED_VERIFY_MODE\\)"):
+        ServingConfig(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6, targets=("cpu",))
     assert ServingConfig(ragged_verify_mode="static", targets=("cpu",)).ragged_verify_mode == "static"
 
 
@@ -68,37 +78,43 @@ def test_mode_defaults_to_static():
 
 
 def test_lists_are_normalised():
-    cfg = ServingConfig(cuda_graph_bs=(8, 1, 8, 4), compress_ratios=(128, 4, 4),
-                        backends=("triton", "tvm_ffi", "triton"), targets=("sm_90", "cpu", "sm_90"))
-    assert cfg.cuda_graph_bs == (1, 4, 8)
+    cfg = ServingConfig(cuda_graph_bs_decode=(8, 1, 8, 4), compress_ratios=(128, 4, 4),
+                        backends=("triton", "tvm_ffi", "triton"), targets=("sm_90", "cpu", "sm_90"),
+                        speculative_algorithm="dspark", speculative_num_draft_tokens=4)
+    assert cfg.cuda_graph_bs_decode == (1, 4, 8)
     assert cfg.compress_ratios == (4, 128)
     assert cfg.backends == ("triton", "tvm_ffi")
     assert cfg.targets == ("sm_90", "cpu")
+    assert cfg.speculative_algorithm == "DSPARK"
 
 
 def test_toml_file_and_flags_override_it(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text(textwrap.dedent("""
         cuda-graph-max-bs = 64
+        speculative_algorithm = "DSPARK"
         speculative_num_draft_tokens = 4
         ragged-verify-mode = "compact"
         compress_ratios = [8]
         target = "sm_90"
     """))
     from_file = ServingConfig.from_args(["--config", str(path)])
-    assert (from_file.cuda_graph_max_bs, from_file.speculative_num_draft_tokens) == (64, 4)
+    assert (from_file.cuda_graph_max_bs_decode, from_file.speculative_num_draft_tokens) == (64, 4)
     assert from_file.ragged_verify_mode == "compact" and from_file.compress_ratios == (8,)
     assert from_file.targets == ("sm_90",)
-    merged = ServingConfig.from_args(["--config", str(path), "--cuda-graph-max-bs", "32", "--target", "cpu"])
-    assert merged.cuda_graph_max_bs == 32 and merged.targets == ("cpu",)
+    merged = ServingConfig.from_args(["--config", str(path), "--cuda-graph-max-bs-decode", "32", "--target", "cpu"])
+    assert merged.cuda_graph_max_bs_decode == 32 and merged.targets == ("cpu",)
     assert merged.speculative_num_draft_tokens == 4
 
 
 def test_toml_to_json_round_trip(tmp_path):
-    cfg = ServingConfig(cuda_graph_max_bs=96, speculative_num_draft_tokens=3, ragged_verify_mode="compact",
-                        targets=("cpu", "sm_100"), backends=("tvm_ffi", "triton"))
-    lines = [f"{k} = {v!r}".replace("'", '"').replace("None", '""').replace("True", "true")
-             .replace("False", "false") for k, v in cfg.to_json().items() if v is not None]
+    cfg = ServingConfig(cuda_graph_max_bs_decode=96, speculative_algorithm="DSPARK", speculative_num_draft_tokens=3,
+                        ragged_verify_mode="compact", targets=("cpu", "sm_100"), backends=("tvm_ffi", "triton"),
+                        cuda_graph_config={"decode": {"max_bs": 64}}, tp_size=2)
+    lines = []
+    for k, v in cfg.to_json().items():
+        text = json.dumps(v)
+        lines.append(f"{k} = {text}" if not isinstance(v, dict) else f"{k} = {{ decode = {{ max_bs = 64 }} }}")
     path = tmp_path / "c.toml"
     path.write_text("\n".join(lines))
     assert ServingConfig.from_toml(path) == cfg
@@ -107,7 +123,7 @@ def test_toml_to_json_round_trip(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ("cuda_graph_max_bs = \n", "is not valid TOML"),
     ("max_batch = 3\n", "unknown key 'max_batch'"),
-    ("cuda_graph_max_bs = -1\n", "--cuda-graph-max-bs must be a positive integer, got -1"),
+    ("cuda_graph_max_bs = -1\n", "--cuda-graph-max-bs-decode must be a positive integer, got -1"),
 ])
 def test_bad_config_file_exits_2(capsys, tmp_path, content, message):
     path = tmp_path / "bad.toml"
@@ -119,3 +135,17 @@ def test_bad_config_file_exits_2(capsys, tmp_path, content, message):
 def test_missing_config_file_exits_2(capsys, tmp_path):
     code, _, err = run_cli(capsys, ["plan", "--config", str(tmp_path / "nope.toml")])
     assert code == 2 and "cannot read --config" in err
+
+
+def test_ladder_that_depends_on_memory_needs_it(capsys):
+    code, _, err = run_cli(capsys, ["plan", "--target", "cpu", "--speculative-algorithm", "EAGLE",
+                                    "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                    "--max-running-requests", "256"])
+    assert code == 2 and "--gpu-memory-mb" in err and err.count("\n") == 1
+    code, out, _ = run_cli(capsys, ["plan", "--target", "cpu", "--json", "--gpu-memory-mb", "143771"])
+    assert code == 0 and max(s["bs"] for s in json.loads(out)["shapes"]) == 256
+    # a small request pool makes every memory tier give the same ladder: no memory needed
+    code, out, _ = run_cli(capsys, ["plan", "--target", "cpu", "--json", "--max-running-requests", "4",
+                                    "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+                                    "--speculative-eagle-topk", "1"])
+    assert code == 0 and [s["bs"] for s in json.loads(out)["shapes"]] == [4, 3, 2, 1]

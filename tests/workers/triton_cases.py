@@ -25,15 +25,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def small_config(dtype: str, target: str) -> ServingConfig:
     """The small compact plan the correctness checks cover: every spec it needs is checked."""
-    return ServingConfig(cuda_graph_max_bs=16, speculative_num_draft_tokens=4, ragged_verify_mode="compact",
+    return ServingConfig(cuda_graph_max_bs_decode=16, speculative_algorithm="DSPARK", speculative_num_draft_tokens=4,
+                         ragged_verify_mode="compact",
                          head_dim=64, rope_dim=32, num_q_heads=3, num_kv_heads=1, compress_ratios=(4, 8),
                          dtype=dtype, backends=("triton",), targets=(target,))
 
 
 def dspark_config(target: str = "sm_90") -> ServingConfig:
     """The DSpark-style profile of DESIGN.md: 35 shapes, 30 specs per backend and target."""
-    return ServingConfig(cuda_graph_max_bs=128, speculative_num_draft_tokens=6, ragged_verify_mode="compact",
-                         backends=("triton",), targets=(target,))
+    return ServingConfig(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
+                         speculative_num_draft_tokens=6, ragged_verify_mode="compact", backends=("triton",),
+                         targets=(target,))
 
 
 def spec_cases(config: ServingConfig) -> list[tuple[KernelSpec, VerifyLayout]]:

@@ -1,0 +1,252 @@
+"""The server's own command line: read the settings that shape CUDA-graph capture, ignore the rest.
+
+``jitwarm plan -- python -m sglang.launch_server --model-path X --tp 4 ...`` (or ``sglang serve X ...``)
+hands the server's argv to :func:`parse_server_argv`. It parses exactly as sglang 0.5.23's argparse parser
+does, from a table of every option that parser knows (``sglang_flags.json``, generated from the wheel by
+``bench/gen_sglang_flags.py`` and checked against it in ``tests/test_sglang_oracle.py``): option values
+are consumed by their arity, ``--flag=value`` works, unique prefixes are accepted and ambiguous ones
+refused, as argparse does. Only the settings in :data:`CAPTURE_DESTS` are kept. Pure Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import PurePath
+from typing import Any
+
+from jitwarm.precompile.sglang_rules import INPUT_KEYS, MIRRORS
+
+
+class ServerArgvError(ValueError):
+    """The server command line does not parse (as sglang's own parser would refuse it)."""
+
+
+#: dest -> how its value is converted; every other option is parsed (so its values are skipped) and dropped.
+CAPTURE_DESTS = {
+    "cuda_graph_max_bs_decode": "int",
+    "cuda_graph_bs_decode": "int_list",
+    "cuda_graph_config": "json",
+    "disable_cuda_graph": "flag",
+    "disable_decode_cuda_graph": "flag",
+    "disable_cuda_graph_padding": "flag",
+    "speculative_algorithm": "str",
+    "speculative_num_draft_tokens": "int",
+    "speculative_num_steps": "int",
+    "speculative_eagle_topk": "int",
+    "speculative_dspark_block_size": "int",
+    "max_running_requests": "int",
+    "tp_size": "int",
+    "dp_size": "int",
+    "attn_dp_size": "int",
+    "enable_dp_attention": "flag",
+    "config": "str",
+}
+
+# `python -m sglang.launch_server ...`, `sglang serve ...`: the program and module or subcommand come first.
+_SERVER_MODULES = ("sglang.launch_server",)
+_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+_VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+
+
+@functools.cache
+def flag_table() -> dict[str, Any]:
+    """The option table of sglang's server parser (``sglang_flags.json``, shipped with jitwarm)."""
+    text = resources.files("jitwarm.precompile").joinpath("sglang_flags.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def strip_launcher(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Split the launcher off the server's flags: ``python -m sglang.launch_server`` or ``sglang serve``.
+
+    Leading ``NAME=value`` words (a shell's environment assignments) are returned as the second item.
+    ``sglang serve MODEL`` takes the model path as its first positional argument, and ``--model-type`` is
+    the serve command's own (sglang/cli/serve.py:30-60, 184-187): the first becomes ``--model-path MODEL``,
+    the second is dropped. An argv that starts with a flag is returned as is.
+
+    Raises
+    ------
+    ServerArgvError
+        The argv starts with a program that is not an sglang server launcher.
+
+    """
+    args = list(argv)
+    env = {}
+    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+        name, _, value = args.pop(0).partition("=")
+        env[name] = value
+    return _strip_program(args), env
+
+
+def _strip_program(args: list[str]) -> list[str]:
+    """Drop ``python [-u ...] -m sglang.launch_server`` or ``sglang serve [--model-type T] [MODEL]``."""
+    if not args or args[0].startswith("-"):
+        return args
+    program = PurePath(args[0]).name
+    if program.startswith("python"):
+        rest = args[1:]
+        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options such as -u, -X dev
+            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
+        if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _SERVER_MODULES:
+            return rest[2:]
+        raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:4])} ... (expected "
+                              "`python -m sglang.launch_server ...` or `sglang serve ...`)")
+    if program == "sglang" and len(args) >= 2 and args[1] == "serve":
+        rest, i = [], 2
+        while i < len(args):
+            if args[i] == "--model-type":
+                i += 2
+                continue
+            if not args[i].startswith("--model-type="):
+                rest.append(args[i])
+            i += 1
+        if rest and not rest[0].startswith("-"):
+            rest = ["--model-path", rest[0], *rest[1:]]
+        return rest
+    raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:3])} ... (expected "
+                          "`python -m sglang.launch_server ...` or `sglang serve ...`)")
+
+
+def is_server_command(argv: Sequence[str]) -> bool:
+    """True when ``argv`` starts (after any ``NAME=value`` words) with an sglang launcher."""
+    args = list(argv)
+    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+        args.pop(0)
+    if not args or args[0].startswith("-"):
+        return False
+    try:
+        _strip_program(args)
+    except ServerArgvError:
+        return False
+    return True
+
+
+def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """Return the capture settings of a server command line as raw inputs for :mod:`sglang_rules`.
+
+    Parameters
+    ----------
+    argv
+        The server's command line, with or without its launcher.
+
+    Returns
+    -------
+    dict
+        The keys of :data:`~jitwarm.precompile.sglang_rules.INPUT_KEYS` that the command line sets (device
+        memory and KV capacity are not the command line's; the verify mode is, when the line starts with a
+        ``SGLANG_RAGGED_VERIFY_MODE=...`` assignment), with
+        ``--dp-size N --enable-dp-attention`` kept as given (the rules resolve it) and
+        DSpark's ``--speculative-dspark-block-size G`` turned into ``speculative_num_draft_tokens = G + 1``
+        (speculative_hook.py:807-835).
+
+    Raises
+    ------
+    ServerArgvError
+        A flag sglang does not know, an ambiguous prefix, a missing or malformed value, a positional
+        argument, or a server ``--config`` file (its contents are not read).
+
+    """
+    table = flag_table()
+    options: dict[str, dict[str, Any]] = table["options"]
+    values: dict[str, Any] = {}
+    args, env = strip_launcher(argv)
+    if _VERIFY_MODE_ENV in env:  # `SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ...`
+        values["ragged_verify_mode"] = env[_VERIFY_MODE_ENV]
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("-") or token in ("-", "--"):
+            raise ServerArgvError(f"unexpected argument {token!r} in the server command line (sglang "
+                                  f"{MIRRORS} takes no positional arguments there)")
+        name, eq, inline = token.partition("=")
+        option = _match_option(name, options, allow_abbrev=table.get("allow_abbrev", True))
+        spec = options[option]
+        nargs = spec["nargs"]
+        if eq:
+            if nargs == 0:
+                raise ServerArgvError(f"argument {option}: ignored explicit argument {inline!r}")
+            given = [inline]
+        elif nargs == 0:
+            given = []
+        elif nargs in (1, "?"):
+            if i < len(args) and not _is_flag(args[i]):
+                given, i = [args[i]], i + 1
+            elif nargs == 1:
+                raise ServerArgvError(f"argument {option}: expected one argument")
+            else:
+                given = []
+        else:  # "+" or "*": every following token up to the next flag
+            start = i
+            while i < len(args) and not _is_flag(args[i]):
+                i += 1
+            given = list(args[start:i])
+            if nargs == "+" and not given:
+                raise ServerArgvError(f"argument {option}: expected at least one argument")
+        dest = spec["dest"]
+        if dest in CAPTURE_DESTS:
+            values[dest] = _convert(option, CAPTURE_DESTS[dest], given, spec)
+    return _to_inputs(values)
+
+
+def _match_option(name: str, options: dict[str, Any], *, allow_abbrev: bool) -> str:
+    """Resolve an option string as argparse does: exact match, else a unique prefix."""
+    if name in options:
+        return name
+    if allow_abbrev and name.startswith("--"):
+        candidates = sorted(o for o in options if o.startswith(name))
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            shown = ", ".join(candidates[:6]) + (" ..." if len(candidates) > 6 else "")
+            raise ServerArgvError(f"ambiguous option: {name} could match {shown} (sglang {MIRRORS} refuses it)")
+    raise ServerArgvError(f"unrecognized server argument {name} (not a flag of sglang {MIRRORS})")
+
+
+def _is_flag(token: str) -> bool:
+    """Argparse's test: a token starting with '-' is an option unless it reads as a negative number."""
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> Any:
+    """Turn the strings given to a capture flag into its value."""
+    try:
+        if kind == "flag":
+            return bool(spec.get("const", True))
+        if kind == "int":
+            return int(given[-1])
+        if kind == "int_list":
+            return [int(v) for v in given]
+        if kind == "json":
+            value = json.loads(given[-1])
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
+        return given[-1]
+    except (ValueError, IndexError) as exc:
+        raise ServerArgvError(f"argument {option}: invalid value {' '.join(given)!r} ({exc})") from None
+
+
+def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
+    """Map parsed capture flags to rule inputs."""
+    if "config" in values:
+        raise ServerArgvError(f"the server command line reads --config {values['config']}: jitwarm does not "
+                              "read server config files; put the capture flags on the command line")
+    block = values.pop("speculative_dspark_block_size", None)
+    if block is not None and str(values.get("speculative_algorithm", "")).upper() == "DSPARK":
+        draft = values.get("speculative_num_draft_tokens")
+        if draft is not None and draft != block + 1:
+            # srt/arg_groups/speculative_hook.py:823-835
+            raise ServerArgvError(f"--speculative-num-draft-tokens {draft} must equal "
+                                  f"--speculative-dspark-block-size + 1 = {block + 1} (sglang rejects it)")
+        values["speculative_num_draft_tokens"] = block + 1
+    return {k: v for k, v in values.items() if k in INPUT_KEYS}

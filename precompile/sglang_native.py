@@ -1,0 +1,459 @@
+"""sglang's decode CUDA-graph ladder computed by the installed sglang's own functions: an oracle and a plan source.
+
+:func:`resolve` takes the same raw settings as :func:`jitwarm.precompile.sglang_rules.resolve` and answers
+with the same dict, computed by calling the installed sglang (0.5.23 is the release the cited lines
+come from): the CLI parser, the resolution hooks that build ``cuda_graph_config``, the decode
+runner's batch-size cut, its capture width, its graph keys and its compact verify layouts.
+
+What stands in for what, and why: the device memory is ``get_device_memory_capacity`` patched to the given
+MiB (there is no GPU); the topology is a runtime context sglang builds from the config (no process groups
+exist); the model runner and the KV configurator are namespaces holding the few attributes the ladder
+code reads (building the real ones loads a model). Everything else is sglang's code, and the few steps
+that cannot be called in isolation are reproduced by hand where they occur, each saying so and citing
+the lines. The patches and environment variables are restored on exit; they are process-wide while a
+call runs, so do not resolve while another thread of the same process resolves server arguments.
+
+It imports sglang (and so torch) only inside functions; ``jitwarm plan`` runs it in a child process::
+
+    echo '{"argv": ["sglang", "serve", "--tp", "4"]}' | python -m jitwarm.precompile.sglang_native
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+#: The raw settings :func:`resolve` reads (every key is required) and :func:`parse_argv` returns.
+INPUT_KEYS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
+              "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
+              "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+              "max_running_requests", "tp_size", "dp_size", "attn_dp_size", "enable_dp_attention", "gpu_memory_mb",
+              "ragged_verify_mode", "kv_capacity")
+# Inputs that are not ServerArgs fields: the device (gpu_memory_mb), the environment (ragged_verify_mode)
+# and the KV pool a server profiles at start-up (kv_capacity).
+_NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
+_VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+# A test knob of sglang's (srt/environ.py:1573) that makes compact capture uniform
+# (decode_cuda_graph_runner.py:791-794); the inputs describe a real server, so it is held unset.
+_FORCE_UNIFORM_ENV = "SGLANG_TEST_RAGGED_VERIFY_FORCE_UNIFORM_CAPTURE"
+# Speculative handlers that declare max_running_requests=48 when it is not given, and the line of that
+# declaration in srt/arg_groups/speculative_hook.py (read there: the handlers need checkpoints to run;
+# tests/test_sglang_oracle.py checks this table against the installed source). _handle_uno has none.
+_DEFAULTS_48_RUNNING = {"_handle_dflash": 442, "_handle_dspark": 856, "_handle_frozen_kv_mtp": 996,
+                        "_handle_eagle_family": 1090, "_handle_ngram": 1298}
+_SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_frozen_kv_mtp",
+                  "_handle_eagle_family", "_handle_ngram")
+_LAUNCHER = re.compile(r"(.*/)?python[0-9.]*")
+_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+
+
+def installed_version() -> str | None:
+    """Return the installed sglang's version, or None when it is not installed (sglang is not imported)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the decode graphs the installed sglang captures for these raw settings, by its own functions.
+
+    Parameters
+    ----------
+    inputs
+        Every key of :data:`INPUT_KEYS`: raw server flags, ``gpu_memory_mb`` (None: sglang's
+        unknown-memory fallback), ``ragged_verify_mode`` (``SGLANG_RAGGED_VERIFY_MODE``) and
+        ``kv_capacity`` (the KV pool's token capacity; None: unbounded).
+
+    Returns
+    -------
+    dict
+        ``source``, ``max_running_requests``, ``decode_max_bs``, ``decode_bs``, ``capture_bs``, ``width``,
+        ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per graph, in capture order,
+        largest first); or ``{"source", "shapes": [], "disabled": <why>}`` when decode graphs are off.
+
+    Raises
+    ------
+    ValueError
+        Malformed inputs, or settings sglang itself rejects (its own exception's message, with its type).
+
+    """
+    cfg = _checked_inputs(inputs)
+    try:
+        with _scoped_env({_VERIFY_MODE_ENV: cfg["ragged_verify_mode"], _FORCE_UNIFORM_ENV: None}):
+            return _resolve(cfg)
+    except (ValueError, AssertionError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"sglang rejects these settings ({type(exc).__name__}): {exc}") from exc
+
+
+def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The resolution itself; the caller holds the environment scope."""
+    from unittest import mock
+
+    from sglang.srt.arg_groups import memory_hook
+    from sglang.srt.arg_groups.cuda_graph_hook import handle_cuda_graph_config
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+        ragged_verify_compact_graphs_enabled,
+    )
+    from sglang.srt.runtime_context import create_context, get_exec, get_parallel, get_schedule, get_spec, use_context
+    from sglang.srt.speculative.ragged_verify import build_capture_verify_lens
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    record = _server_args(cfg)
+    # srt/arg_groups/pipeline.py:20-109: with no model the pipeline runs its model-independent head (the
+    # --enable-dp-attention mapping among it, :42-45) and stops; the steps below are the ones that follow
+    # it in pipeline order, called one by one: :191, :218, :306.
+    record.resolve_once()
+    handle_cuda_graph_config(record)
+    with mock.patch.object(memory_hook, "get_device_memory_capacity", lambda device=None: cfg["gpu_memory_mb"]):
+        memory_hook.handle_gpu_memory_settings(record)  # the GPU, faked: its memory size in MiB
+    _speculative_defaults(record)
+
+    # sglang's own scoped context (runtime_context.py:1518-1540) carries this config to the runner code's
+    # get_exec() / get_parallel() / get_spec() reads; the process's own context is put back on exit.
+    with use_context(create_context(record, role="scheduler")):
+        decode = get_exec().graph.cuda_graph_config.decode
+        if decode.backend == Backend.DISABLED:
+            return {"source": _source(), "shapes": [], "disabled": _why_disabled(cfg)}
+        algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
+        runner = _model_runner(record, algorithm)
+        # decode_cuda_graph_runner.py:359-361: captured_req_width, from the model runner's own method.
+        width = ModelRunner.decode_num_tokens_per_req(runner, num_draft_tokens=get_spec().speculative_num_draft_tokens)
+        if width is None:
+            raise ValueError(f"--speculative-algorithm {algorithm.name} without --speculative-num-draft-tokens: "
+                             "sglang derives the count from the draft model, which is not read here")
+        max_running = get_schedule().max_running_requests
+        runner.req_to_token_pool.size = _pool_size(KVCacheConfigurator, max_running, get_parallel().attn_dp_size,
+                                                   cfg["kv_capacity"], decode.bs)
+        # decode_cuda_graph_runner.py:305-313,388-392: the alignment follows the runner's gather needs.
+        mlp_gather, attn_gather = DecodeCudaGraphRunner.decode_graph_gather_requirements(runner)
+        capture_bs, _ = get_batch_sizes_to_capture(runner, width, gathered_buffer_required=mlp_gather or attn_gather)
+        # By hand, as the runner's __init__ (which needs a model) combines them (decode_cuda_graph_runner.py:
+        # 362-367, 397-401): compact graphs need the algorithm and env, TARGET_VERIFY and a target worker.
+        compact = (ragged_verify_compact_graphs_enabled(algorithm) and algorithm.is_speculative()
+                   and not runner.is_draft_worker)
+        if compact and get_exec().graph.disable_cuda_graph_padding:
+            # decode_cuda_graph_runner.py:411-422, raised in the runner's __init__ (which needs a model).
+            raise ValueError("Compact ragged verify does not support two-batch-overlap, LoRA, or "
+                             "disable-cuda-graph-padding (bs pads to the captured tier); disable "
+                             "SGLANG_RAGGED_VERIFY_MODE or the conflicting feature.")
+        graphs = SimpleNamespace(capture_bs=capture_bs, captured_req_width=width, max_bs=max(capture_bs),
+                                 ragged_verify_mode=compact)
+        shapes = []
+        for size in reversed(capture_bs):  # capture order, largest first (decode_cuda_graph_runner.py:1324-1332)
+            # capture_one_shape (:1376-1377, key at :1481-1482): a compact graph of `num_tokens` tokens
+            # captures `slots` requests with the lengths _capture_ragged_verify_layout gives (:796-813).
+            num_tokens = size * width
+            bs = DecodeCudaGraphRunner._ragged_capture_slots(graphs, num_tokens) if compact else size
+            key = DecodeCudaGraphRunner._capture_graph_size(graphs, bs=bs, num_tokens=num_tokens)
+            if compact:
+                lens = build_capture_verify_lens(num_tokens=num_tokens, num_slots=bs, num_draft_tokens=width)
+            else:
+                lens = [width] * bs  # a uniform batch: every request verifies `width` tokens
+            shapes.append({"bs": size, "graph_key": key, "verify_lens": lens})
+        if compact:  # the keys are the runner's token buckets (:402-406, :699-702)
+            assert sorted(s["graph_key"] for s in shapes) == DecodeCudaGraphRunner._build_ragged_verify_token_buckets(
+                graphs)
+        return {"source": _source(), "max_running_requests": max_running, "decode_max_bs": decode.max_bs,
+                "decode_bs": list(decode.bs), "capture_bs": capture_bs, "width": width, "compact": compact,
+                "shapes": shapes}
+
+
+def _server_args(cfg: Mapping[str, Any]) -> Any:
+    """A ServerArgs record of these flags, with no model and no prefill graphs (they do not shape decode)."""
+    from sglang.srt.model_executor.cuda_graph_config import parse_cuda_graph_config_arg
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {key: cfg[key] for key in INPUT_KEYS if key not in _NOT_FIELDS}
+    if cfg["cuda_graph_config"] is not None:
+        # The CLI's own parser for --cuda-graph-config (exec_.py:606-612). Its prefill phase is dropped: a
+        # prefill backend needs the model to resolve (cuda_graph_hook.py:136-167) and never reaches decode.
+        parsed = parse_cuda_graph_config_arg(json.dumps(cfg["cuda_graph_config"]))
+        fields["cuda_graph_config"] = {phase: v for phase, v in parsed.items() if phase != "prefill"} or None
+    # "dummy" is sglang's no-model path (pipeline.py:105-109). An explicit mem_fraction_static and prefill
+    # max_bs keep handle_gpu_memory_settings from sizing memory by the model (memory_hook.py:233-343).
+    return ServerArgs(model_path="dummy", device="cuda", mem_fraction_static=0.9, disable_prefill_cuda_graph=True,
+                      cuda_graph_max_bs_prefill=4096, **fields)
+
+
+def _speculative_defaults(record: Any) -> None:
+    """Declare what handle_speculative_decoding decides about the algorithm name and max_running_requests.
+
+    The handler itself needs the target and draft checkpoints (speculative_hook.py:121-284), so the real
+    pieces that need none run here: the upper-casing (:135-140), the alias (:81-118, NEXTN is EAGLE), and
+    the per-algorithm dispatch (spec_info.py:235-271), run for real with the handlers swapped for a
+    recorder. Which handler defaults max_running_requests to 48 is :data:`_DEFAULTS_48_RUNNING`.
+    """
+    from unittest import mock
+
+    from sglang.srt.arg_groups import speculative_hook
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    cfg = resolving_view(record)
+    if cfg.speculative_algorithm is None:
+        return
+    name = speculative_hook._resolve_speculative_algorithm_alias(cfg.speculative_algorithm.upper(), None)
+    declare_resolution(record, "handle_speculative_decoding", speculative_algorithm=name)
+    called: list[str] = []
+    with contextlib.ExitStack() as stack:
+        for handler in _SPEC_HANDLERS:
+            stack.enter_context(mock.patch.object(speculative_hook, handler,
+                                                  lambda _args, _name=handler: called.append(_name)))
+        SpeculativeAlgorithm.from_string(name).handle_server_args(record)
+    if cfg.max_running_requests is None and any(h in _DEFAULTS_48_RUNNING for h in called):
+        declare_resolution(record, called[0], max_running_requests=48)
+    if "_handle_eagle_family" in called:
+        # By hand, as _handle_eagle_family needs the model: without --speculative-num-steps it asks the model
+        # for steps, top-k and draft tokens (speculative_hook.py:1159-1174); with top-k 1 the draft tokens
+        # become steps + 1 (:1255-1266).
+        if cfg.speculative_num_steps is None:
+            raise ValueError("_handle_eagle_family picks --speculative-num-steps from the model "
+                             "(_auto_choose_speculative_params): give it")
+        if cfg.speculative_eagle_topk is None:
+            raise ValueError("--speculative-eagle-topk is unset with --speculative-num-steps given")
+        if cfg.speculative_eagle_topk == 1:
+            declare_resolution(record, "_handle_eagle_family",
+                               speculative_num_draft_tokens=cfg.speculative_num_steps + 1)
+
+
+def _model_runner(record: Any, algorithm: Any) -> SimpleNamespace:
+    """The attributes of a target ModelRunner that the ladder code reads; the pool size is set later."""
+    return SimpleNamespace(server_args=record, spec_algorithm=algorithm, is_draft_worker=False, model_config=None,
+                           req_to_token_pool=SimpleNamespace(size=None))
+
+
+def _pool_size(configurator: type, max_running: int | None, attn_dp: int, kv_capacity: int | None,
+               decode_bs: list[int]) -> int:
+    """The request pool of one attention-DP rank: KVCacheConfigurator.resolve_max_num_reqs (:3119-3171).
+
+    ``token_capacity`` is ``kv_capacity``; unknown, it is large enough never to bind. With neither the
+    capacity nor --max-running-requests known the server sizes the pool from the model's context length
+    and the KV memory it profiles (at least 2048 requests unless the KV pool is tiny): the plan takes a
+    pool that cuts nothing, the largest ladder size. With the capacity known but no running limit, the
+    context length (the only model input) is taken as 1, which puts the estimate at its 4096 ceiling.
+    """
+    if max_running is None and kv_capacity is None:
+        return max(decode_bs)
+    kv_configurator = SimpleNamespace(attn_dp_size=attn_dp, mambaish_config=None,
+                                      model_config=SimpleNamespace(context_len=1))
+    capacity = kv_capacity if kv_capacity is not None else 2**62
+    return configurator.resolve_max_num_reqs(kv_configurator, capacity)
+
+
+def _why_disabled(cfg: Mapping[str, Any]) -> str:
+    """Name the setting that turned decode graphs off (parse_cuda_graph_config's precedence, lowest first)."""
+    backend = ((cfg["cuda_graph_config"] or {}).get("decode") or {}).get("backend")
+    if backend is not None:
+        return f"--cuda-graph-config decode backend {backend!r}"
+    return "--disable-decode-cuda-graph" if cfg["disable_decode_cuda_graph"] else "--disable-cuda-graph"
+
+
+def _source() -> str:
+    return f"sglang {installed_version()} (installed)"
+
+
+def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"inputs must be a JSON object, got {type(inputs).__name__}")
+    missing = [k for k in INPUT_KEYS if k not in inputs]
+    unknown = sorted(set(inputs) - set(INPUT_KEYS))
+    if missing or unknown:
+        raise ValueError(f"inputs: missing {missing}, unknown {unknown}")
+    return dict(inputs)
+
+
+@contextlib.contextmanager
+def _scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (None: unset) environment variables, restoring them on exit even on error.
+
+    Not sglang's ``EnvField.override``: it restores only when its block does not raise (environ.py:96-106).
+    """
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """sglang's parser with errors raised as ValueError instead of printed with a SystemExit."""
+
+    def error(self, message: str) -> None:  # noqa: D102
+        raise ValueError(message)
+
+    def print_help(self, file: Any = None) -> None:  # noqa: D102
+        pass  # --help would print the server's help on stdout, where the answer goes
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # noqa: D102
+        raise ValueError(message or "the command line asks for --help: it has no settings to read")
+
+
+def server_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Return the argument parser ``sglang serve`` and ``python -m sglang.launch_server`` parse with.
+
+    srt/server_args.py:679-680 (``prepare_server_args``): ``ArgumentParser(prog="sglang serve")`` filled by
+    ``ServerArgs.add_cli_args``; ``parser_class`` only changes how errors are reported.
+    """
+    from sglang.srt.server_args import ServerArgs
+
+    parser = parser_class(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_argv(argv: list[str]) -> dict[str, Any]:
+    """Parse a server command line with sglang's own parser and return its raw capture settings.
+
+    Parameters
+    ----------
+    argv
+        ``python -m sglang.launch_server ARGS``, ``python3 -m ...``, ``sglang serve [MODEL] ARGS`` or bare
+        ``ARGS``, optionally after ``NAME=value`` environment assignments (``SGLANG_RAGGED_VERIFY_MODE`` is
+        read from them, else from this process's environment, as the server would read it).
+
+    Returns
+    -------
+    dict
+        The :data:`INPUT_KEYS` values; ``--dp-size N --enable-dp-attention`` comes back as sglang maps it
+        (``attn_dp_size=N``, ``dp_size=1``, ``enable_dp_attention=False``). ``gpu_memory_mb`` and
+        ``kv_capacity`` are None: a command line does not say them.
+
+    Raises
+    ------
+    ValueError
+        sglang's parser rejects the command line (unknown or ambiguous option, bad value); the message is
+        argparse's.
+
+    Examples
+    --------
+    >>> parse_argv(["sglang", "serve", "m", "--tp", "4"])["tp_size"]  # doctest: +SKIP
+    4
+
+    """
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.arg_groups.parallel_hook import handle_deprecated_dp_attention
+    from sglang.srt.server_args import ServerArgs
+
+    args, env = _strip_launcher(list(argv))
+    parser = server_parser(_RaisingParser)
+    if "--config" in args:  # srt/server_args.py:683-689
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        args = ConfigArgumentMerger(parser).merge_config_with_args(args)
+    record = ServerArgs.from_cli_args(parser.parse_args(args))
+    handle_deprecated_dp_attention(record)  # srt/arg_groups/parallel_hook.py:39-61
+    cfg = resolving_view(record)
+    inputs: dict[str, Any] = {key: getattr(cfg, key) for key in INPUT_KEYS if key not in _NOT_FIELDS}
+    if isinstance(inputs["cuda_graph_config"], Mapping):
+        inputs["cuda_graph_config"] = {phase: dict(v) for phase, v in inputs["cuda_graph_config"].items()}
+    with _scoped_env({_VERIFY_MODE_ENV: env[_VERIFY_MODE_ENV]} if _VERIFY_MODE_ENV in env else {}):
+        from sglang.srt.environ import envs
+
+        mode = envs.SGLANG_RAGGED_VERIFY_MODE.get()
+    inputs.update(gpu_memory_mb=None, ragged_verify_mode=mode, kv_capacity=None)
+    return inputs
+
+
+def _strip_launcher(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split off leading ``NAME=value`` words and the launcher; return the server's own args and the env."""
+    env = {}
+    while argv and _ENV_ASSIGNMENT.fullmatch(argv[0]):
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    if argv and _LAUNCHER.fullmatch(argv[0]):
+        rest = argv[1:]
+        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options: -u, -X dev, -W x
+            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
+        if rest[:2] == ["-m", "sglang.launch_server"]:
+            return rest[2:], env  # launch_server.py:81: prepare_server_args(sys.argv[1:])
+        raise ValueError(f"not an sglang server command line: {' '.join(argv[:4])}")
+    if len(argv) >= 2 and (argv[0] == "sglang" or argv[0].endswith("/sglang")) and argv[1] == "serve":
+        # cli/serve.py:184-187: the serve command takes --model-type off and a positional model path.
+        from sglang.cli.serve import _extract_model_type_override, _normalize_positional_model_path
+
+        _, args = _extract_model_type_override(argv[2:])
+        return _normalize_positional_model_path(args)[0], env
+    return argv, env
+
+
+def flag_table() -> dict[str, Any]:
+    """Return every option string sglang's server parser accepts, with its value count and destination.
+
+    Returns
+    -------
+    dict
+        ``{"sglang": version, "prog", "allow_abbrev", "options": {option: {"nargs", "dest"[, "const"]}}}``:
+        ``nargs`` is 0 for flags (``const`` is then the value they store, where it is JSON), 1 for one
+        value, or argparse's ``"?"``, ``"*"``, ``"+"``.
+
+    """
+    parser = server_parser()
+    options = {}
+    for action in parser._actions:  # argparse keeps no public list of its actions
+        nargs = 1 if action.nargs is None else action.nargs
+        for option in action.option_strings:
+            entry: dict[str, Any] = {"nargs": nargs, "dest": action.dest}
+            if nargs == 0:
+                const = action.const
+                if isinstance(action, argparse.BooleanOptionalAction):
+                    const = not option.startswith("--no-")
+                if const is None or isinstance(const, (bool, int, float, str)):
+                    entry["const"] = const
+            options[option] = entry
+    return {"sglang": installed_version(), "prog": parser.prog, "allow_abbrev": parser.allow_abbrev,
+            "options": dict(sorted(options.items()))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read ``{"inputs": {...}}`` or ``{"argv": [...]}`` on stdin; print the resolution or the inputs.
+
+    Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with
+    one line) when sglang cannot be imported.
+    """
+    del argv  # no options: the request is on stdin
+    try:
+        request = json.loads(sys.stdin.read())
+        if not isinstance(request, dict) or len(request) != 1 or not {"inputs", "argv"} & set(request):
+            raise ValueError('expected one JSON object: {"inputs": {...}} or {"argv": [...]}')
+        if "argv" in request:
+            if not isinstance(request["argv"], list) or not all(isinstance(a, str) for a in request["argv"]):
+                raise ValueError("argv must be a list of strings")
+            answer = {"inputs": parse_argv(request["argv"])}
+        else:
+            answer = resolve(request["inputs"])
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        print(f"jitwarm.precompile.sglang_native: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"jitwarm.precompile.sglang_native: cannot import sglang: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

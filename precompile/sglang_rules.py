@@ -1,0 +1,330 @@
+"""sglang 0.5.23's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
+
+Every rule cites the file and line of the sglang 0.5.23 wheel it mirrors; ``tests/test_sglang_oracle.py``
+checks the mirror against sglang's own functions (:mod:`jitwarm.precompile.sglang_native`) over a grid of
+configs. Pure Python: no torch, no sglang import, so ``jitwarm plan`` stays fast on a box without either.
+
+The input is :data:`INPUT_KEYS`: the raw, unresolved server settings (what the command line says, plus
+the device memory and the verify-mode environment variable). The output describes the decode graphs the
+target worker's decode runner captures, largest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: The sglang release whose resolution this module mirrors.
+MIRRORS = "0.5.23"
+SOURCE = f"built-in rules of sglang {MIRRORS}"
+
+#: Raw server settings the resolution reads, with their defaults (sglang's own field names).
+INPUT_KEYS: Mapping[str, Any] = {
+    "cuda_graph_max_bs_decode": None,
+    "cuda_graph_bs_decode": None,
+    "cuda_graph_config": None,
+    "disable_cuda_graph": False,
+    "disable_decode_cuda_graph": False,
+    "disable_cuda_graph_padding": False,
+    "speculative_algorithm": None,
+    "speculative_num_draft_tokens": None,
+    "speculative_num_steps": None,
+    "speculative_eagle_topk": None,
+    "max_running_requests": None,
+    "tp_size": 1,
+    "dp_size": 1,
+    "attn_dp_size": 1,
+    "enable_dp_attention": False,
+    "gpu_memory_mb": None,
+    "ragged_verify_mode": "static",
+    "kv_capacity": None,
+}
+
+VERIFY_MODES = ("static", "cap-accept", "compact")
+
+# srt/speculative/spec_info.py:39-47 (the built-in algorithms) and :109-110 (NEXTN is EAGLE).
+ALGORITHMS = ("DFLASH", "UNO", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "STANDALONE", "NGRAM")
+ALIASES = {"NEXTN": "EAGLE"}
+# The handlers that default max_running_requests to 48 when it is not given (srt/arg_groups/
+# speculative_hook.py :442 DFLASH, :856 DSPARK, :996 FROZEN_KV_MTP, :1090 the EAGLE family, :1298 NGRAM);
+# _handle_uno sets none. They run after handle_gpu_memory_settings (srt/arg_groups/pipeline.py:218, :306),
+# so the 48 cuts the runner's pool, not the default max batch.
+DEFAULTS_48_RUNNING = ("DFLASH", "DSPARK", "FROZEN_KV_MTP", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# spec_info.py:265-266: these go through _handle_eagle_family.
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "STANDALONE")
+
+# (below MiB, max_bs below tp 4, max_bs from tp 4): srt/arg_groups/memory_hook.py:86-171.
+_MEMORY_TIERS = ((20 * 1024, 8, 8), (35 * 1024, 48, 160), (60 * 1024, 32, 160), (90 * 1024, 256, 512),
+                 (160 * 1024, 256, 512))
+_LARGEST_TIER = 512  # B200, MI300 (:163-171)
+_UNKNOWN_MEMORY_MAX_BS = 160  # gpu_mem is None (:172-180)
+#: One device memory per tier (MiB), to tell whether a config's ladder depends on the memory at all.
+MEMORY_TIER_SAMPLES = (16 * 1024, 24 * 1024, 40 * 1024, 80 * 1024, 141 * 1024, 180 * 1024)
+
+
+class ResolutionError(ValueError):
+    """The settings are ones sglang itself rejects; the message says which and why."""
+
+
+def normalize_algorithm(name: str | None) -> str | None:
+    """Upper-case ``name`` and resolve aliases (``NEXTN`` is ``EAGLE``); None stays None.
+
+    Raises
+    ------
+    ResolutionError
+        ``name`` is not a built-in sglang algorithm (sglang's ``SpeculativeAlgorithm.from_string``).
+
+    """
+    if name is None:
+        return None
+    upper = ALIASES.get(name.upper(), name.upper())
+    if upper not in ALGORITHMS:
+        raise ResolutionError(f"unknown speculative algorithm {name!r}; sglang {MIRRORS} knows "
+                              f"{', '.join(ALGORITHMS + tuple(ALIASES))}")
+    return upper
+
+
+def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the decode graphs sglang 0.5.23 captures for these raw settings.
+
+    Parameters
+    ----------
+    inputs
+        Keys of :data:`INPUT_KEYS` (missing ones take their defaults).
+
+    Returns
+    -------
+    dict
+        ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
+        ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's
+        cut), ``width`` (tokens per request in a captured batch), ``compact`` and ``shapes``: one
+        ``{"bs", "graph_key", "verify_lens"}`` per graph, largest first. With decode graphs disabled:
+        ``{"source", "disabled": <why>, "shapes": []}``.
+
+    Raises
+    ------
+    ResolutionError
+        A combination sglang rejects (compact layouts with ``--disable-cuda-graph-padding``, an unknown
+        algorithm or verify mode, a missing draft-token count).
+
+    """
+    cfg = {**INPUT_KEYS, **inputs}
+    algorithm = normalize_algorithm(cfg["speculative_algorithm"])
+    decode = _decode_graph_config(cfg)
+    if decode.get("backend") == "disabled":
+        return {"source": SOURCE, "disabled": decode["why"], "shapes": []}
+
+    max_running = cfg["max_running_requests"]
+    max_bs = decode.get("max_bs")
+    if max_bs is None:
+        max_bs = default_max_bs(cfg["gpu_memory_mb"], cfg["tp_size"])
+        # The default is capped by --max-running-requests; an explicit max is not (memory_hook.py:182-188).
+        if max_running is not None and max_bs > max_running:
+            max_bs = max_running
+    if algorithm is not None:
+        _verify_mode(cfg)  # every algorithm validates it at start-up (spec_info.py:249-253)
+    if algorithm in DEFAULTS_48_RUNNING and max_running is None:
+        max_running = SPECULATIVE_MAX_RUNNING_REQUESTS
+    bs_list = decode.get("bs")
+    if bs_list is None:
+        bs_list = decode_batch_sizes(max_bs, speculative=algorithm is not None,
+                                     no_padding=cfg["disable_cuda_graph_padding"])
+    else:
+        bs_list = list(bs_list)
+        max_bs = max(bs_list)  # memory_hook.py:199-207
+
+    width = _draft_tokens(cfg, algorithm) if algorithm is not None else 1
+    attn_dp = attention_dp_size(cfg)
+    capture_bs = runner_batch_sizes(bs_list, width, pool_size=_pool_size(max_running, attn_dp, cfg["kv_capacity"]),
+                                    alignment=cfg["tp_size"] // attn_dp if attn_dp > 1 else 1)
+    compact = algorithm == "DSPARK" and _verify_mode(cfg) == "compact"
+    if compact and cfg["disable_cuda_graph_padding"]:
+        # decode_cuda_graph_runner.py:408-418
+        raise ResolutionError("compact ragged verify (SGLANG_RAGGED_VERIFY_MODE=compact) cannot be used with "
+                              "--disable-cuda-graph-padding: sglang rejects it")
+    return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max_bs,
+            "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": compact,
+            "shapes": graph_shapes(capture_bs, width, compact)}
+
+
+def _decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode phase of ``cuda_graph_config``: legacy flags, then per-phase flags, then the JSON.
+
+    srt/arg_groups/cuda_graph_hook.py:32-101: explicit JSON > convenience flags > legacy flags > defaults.
+    """
+    decode: dict[str, Any] = {}
+    if cfg["disable_cuda_graph"]:
+        decode.update(backend="disabled", why="--disable-cuda-graph")
+    if cfg["disable_decode_cuda_graph"]:
+        decode.update(backend="disabled", why="--disable-decode-cuda-graph")
+    if cfg["cuda_graph_max_bs_decode"] is not None:
+        decode["max_bs"] = cfg["cuda_graph_max_bs_decode"]
+    if cfg["cuda_graph_bs_decode"] is not None:
+        decode["bs"] = list(cfg["cuda_graph_bs_decode"])
+    explicit = cfg["cuda_graph_config"] or {}
+    for key, value in (explicit.get("decode") or {}).items() if isinstance(explicit, Mapping) else ():
+        decode[key] = value
+        if key == "backend":
+            decode["why"] = f"--cuda-graph-config decode backend {value!r}"
+    if decode.get("backend") not in (None, "disabled"):
+        decode.pop("backend")  # full, breakable, ...: the ladder is the same for every capturing backend
+    return decode
+
+
+def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
+    """Return sglang's default decode max batch for this device memory (MiB) and TP size.
+
+    srt/arg_groups/memory_hook.py:86-180: an H200 (about 143,771 MiB) gives 256 below tp 4 and 512 from
+    tp 4; unknown memory gives 160.
+    """
+    if gpu_memory_mb is None:
+        return _UNKNOWN_MEMORY_MAX_BS
+    for below, small_tp, large_tp in _MEMORY_TIERS:
+        if gpu_memory_mb < below:
+            return small_tp if tp_size < 4 else large_tp
+    return _LARGEST_TIER
+
+
+def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> list[int]:
+    """Return sglang's decode capture ladder for ``max_bs`` (``max_bs`` appended when off the tiers).
+
+    srt/arg_groups/cuda_graph_hook.py:500-532: every size with padding off; else the plain tiers, or the
+    speculative tiers when a ``--speculative-algorithm`` is set (draft tokens alone do not switch it).
+    """
+    if no_padding:
+        sizes = list(range(1, max_bs + 1))
+    elif not speculative:
+        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    else:
+        sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8),
+                 *range(272, max_bs + 1, 16)]
+    sizes = [bs for bs in sizes if bs <= max_bs]
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sizes
+
+
+def attention_dp_size(cfg: Mapping[str, Any]) -> int:
+    """Return the attention-DP size: ``--attn-dp-size``, or ``--dp-size N --enable-dp-attention``.
+
+    srt/arg_groups/fields/parallel.py:192-194: the second spelling is the deprecated form of the first.
+    """
+    if cfg["attn_dp_size"] and cfg["attn_dp_size"] > 1:
+        return int(cfg["attn_dp_size"])
+    if cfg["enable_dp_attention"] and cfg["dp_size"] > 1:
+        return int(cfg["dp_size"])
+    return 1
+
+
+def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -> int | None:
+    """The request pool of one attention-DP rank; None when nothing bounds it at plan time.
+
+    srt/mem_cache/kv_cache_configurator.py:3119: ``min(max_running_requests // attn_dp_size,
+    kv_capacity // 2)``. Without ``--max-running-requests`` (and with no speculative default) sglang sizes
+    the pool from the KV memory it profiles at start-up; a plan assumes it cuts nothing.
+    """
+    if max_running is not None:
+        pool = max(1, max_running // attn_dp)  # kv_cache_configurator.py:3128
+        return pool if kv_capacity is None else min(pool, kv_capacity // 2)
+    if kv_capacity is None:
+        return None
+    # The server's own estimate is 2048 to 4096 requests, from the model's context length (:3122-3123); with
+    # the KV capacity known and no running limit, its ceiling is taken.
+    return min(4096, kv_capacity // 2)
+
+
+def runner_batch_sizes(bs_list: list[int], width: int, *, pool_size: int | None, alignment: int) -> list[int]:
+    """Return the sizes the decode runner captures: ``cuda_graph_config.decode.bs`` cut at the pool size.
+
+    srt/model_executor/runner/base_cuda_graph_runner.py:65-110: the pool size (padded to the alignment)
+    is appended when the ladder goes past it, sizes above it are dropped, and with DP attention sizes
+    whose ``bs * width`` tokens do not divide by the attention-TP size are dropped
+    (srt/utils/common.py:4168-4181: the alignment is the attention-TP size when attention DP gathers).
+    """
+    sizes = list(bs_list)
+    if pool_size is not None:
+        pool = -(-pool_size // alignment) * alignment
+        if max(sizes) > pool:
+            sizes.append(pool)
+        sizes = [bs for bs in sizes if bs <= pool]
+    sizes = [bs for bs in sizes if bs * width % alignment == 0]
+    if not sizes:
+        raise ResolutionError(f"no decode batch size survives the request-pool cut and the attention-TP "
+                              f"alignment of {alignment} (sglang asserts on an empty ladder)")
+    return sorted(set(sizes))
+
+
+def capture_verify_lens(num_tokens: int, num_slots: int, num_draft_tokens: int) -> list[int]:
+    """Spread ``num_tokens`` over ``num_slots`` rows of at most ``num_draft_tokens``, longest first.
+
+    srt/speculative/ragged_verify.py:198-216 (``build_capture_verify_lens``).
+    """
+    if num_slots < 1 or num_tokens < num_slots or num_tokens > num_slots * num_draft_tokens:
+        raise ResolutionError(f"cannot lay out {num_tokens} tokens in {num_slots} rows of at most "
+                              f"{num_draft_tokens}")
+    base = num_tokens // num_slots
+    rem = num_tokens - base * num_slots
+    return [base + 1] * rem + [base] * (num_slots - rem)
+
+
+def graph_shapes(capture_bs: list[int], width: int, compact: bool) -> list[dict[str, Any]]:
+    """One entry per captured graph, largest first: its bs, the key sglang stores it under, its verify_lens.
+
+    Compact graphs are keyed by token count, ``bs * width``, and lay those tokens over
+    ``min(tokens, max(capture_bs))`` rows (srt/model_executor/runner/decode_cuda_graph_runner.py:699-702,
+    737-738, 791-794); every other graph is keyed by bs, with ``width`` tokens per request.
+    """
+    top = max(capture_bs)
+    shapes = []
+    for bs in sorted(capture_bs, reverse=True):
+        if compact:
+            tokens = bs * width
+            lens = capture_verify_lens(tokens, min(tokens, top), width)
+            shapes.append({"bs": bs, "graph_key": tokens, "verify_lens": lens})
+        else:
+            shapes.append({"bs": bs, "graph_key": bs, "verify_lens": [width] * bs})
+    return shapes
+
+
+def _draft_tokens(cfg: Mapping[str, Any], algorithm: str) -> int:
+    """Tokens per request a speculative target-verify graph captures (``captured_req_width``)."""
+    draft = cfg["speculative_num_draft_tokens"]
+    if algorithm in EAGLE_FAMILY:
+        steps, topk = cfg["speculative_num_steps"], cfg["speculative_eagle_topk"]
+        if steps is None:
+            # speculative_hook.py:1159-1174: without steps sglang chooses steps, top-k and draft tokens from
+            # the model (and asserts that neither of the others was given).
+            raise ResolutionError(f"--speculative-algorithm {algorithm} needs --speculative-num-steps (and "
+                                  "--speculative-eagle-topk): sglang otherwise picks them from the model")
+        if topk is None:
+            raise ResolutionError(f"--speculative-algorithm {algorithm} with --speculative-num-steps needs "
+                                  "--speculative-eagle-topk")
+        if topk == 1:
+            return int(steps) + 1  # speculative_hook.py:1255-1266: a linear chain verifies steps + 1 tokens
+    if draft is None:
+        # sglang derives it from the draft model (DSpark's gamma, EAGLE's steps and top-k): unknown here.
+        raise ResolutionError(f"--speculative-algorithm {algorithm} needs --speculative-num-draft-tokens: sglang "
+                              "derives the default from the draft model, which a plan cannot read")
+    return int(draft)
+
+
+def _verify_mode(cfg: Mapping[str, Any]) -> str:
+    """SGLANG_RAGGED_VERIFY_MODE, matched exactly as srt/speculative/ragged_verify.py:19-27 does."""
+    mode = cfg["ragged_verify_mode"]
+    if mode not in VERIFY_MODES:
+        raise ResolutionError(f"invalid SGLANG_RAGGED_VERIFY_MODE={mode!r}; expected one of "
+                              f"{', '.join(VERIFY_MODES)}")
+    return mode
+
+
+def depends_on_memory(inputs: Mapping[str, Any]) -> bool:
+    """True when the captured graphs differ between device-memory tiers (so the memory must be known)."""
+    results = set()
+    for sample in MEMORY_TIER_SAMPLES:
+        try:
+            shapes = resolve({**inputs, "gpu_memory_mb": sample})["shapes"]
+        except ResolutionError:
+            return False  # resolve() reports it with the memory given
+        results.add(tuple(s["graph_key"] for s in shapes))
+    return len(results) > 1
