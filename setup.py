@@ -31,5 +31,6 @@ setup(
         "tomli>=2.0; python_version < '3.11'",
     ],
     extras_require={"test": ["pytest>=8"]},
-    entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"]},
+    entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"],
+                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.sglang_plugin:register"]},
 )

@@ -1,0 +1,224 @@
+"""The sglang plugin against the real sglang 0.5.23 wheel, loaded by sglang's own ``load_plugins()``.
+
+Each scenario is one real subprocess (``workers/sglang_plugin_worker.py``) with the wheel importable: sglang
+discovers the ``jitwarm`` entry point from jitwarm's installed metadata (``SGLANG_PLUGINS``), applies its hooks,
+and the worker runs ``capture_one`` of sglang's own backend classes. The ONLY fakes are what a CPU box lacks:
+the GPU device module (``synchronize``, ``graph(...)``), the TP group (``barrier``) and ``torch.cuda.CUDAGraph``
+(the CPU torch build raises on it); each records its calls, tagged ``[sglang]`` or ``[jitwarm]`` by caller.
+Not faked but not fully built either: the runner the backends are given is sglang's ``DecodeCudaGraphRunner``
+and the tc-piecewise backend is sglang's class, both made without their ``__init__`` (which needs a loaded
+model); plan mode's ``server_args`` is a namespace holding the capture fields. The scenarios run at once.
+Run with ``-rP`` (or ``-s``) to see the recorded orders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).resolve().parent / "workers" / "sglang_plugin_worker.py"
+BACKENDS = ("full", "breakable", "tc_piecewise")
+HOWS = ("keyword", "positional", "absent")  # how the server's post_warmup_hook is passed to capture_one
+SGLANG_DRAIN = ["synchronize[sglang]", "barrier[sglang]"]
+JITWARM_DRAIN = ["synchronize[jitwarm]", "barrier[jitwarm]"]
+CAPTURE = {"full": ["CUDAGraph()", "graph.enter", "forward", "graph.exit"],
+           "breakable": ["CUDAGraph()", "capture_begin", "forward", "capture_end"],
+           "tc_piecewise": []}  # tc-piecewise: the second forward IS the capture (tc_piecewise...backend.py:241-245)
+TINY_TOML = """\
+compress_ratios = [4]
+head_dim = 64
+rope_dim = 32
+num_q_heads = 2
+dtype = "float32"
+targets = ["cpu"]
+ladder_source = "builtin"  # sglang's rules as jitwarm mirrors them: no child process per plan
+"""
+
+
+#: scenario -> (environment, worker flags); ``{tmp}`` is the scenario's own directory.
+SCENARIOS = {
+    # sglang loads its plugins, but SGLANG_PLUGINS names another one: jitwarm's entry point is skipped
+    "without_plugin": ({"SGLANG_PLUGINS": "someone_else"}, ()),
+    "with_plugin": ({"SGLANG_PLUGINS": "jitwarm"}, ()),
+    "inert": ({"SGLANG_PLUGINS": "jitwarm", "JITWARM_SGLANG_PLUGIN": "0"}, ()),
+    "with_plan": ({"SGLANG_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/jitwarm.toml"}, ("--plan", "--tp", "2")),
+    "bad_config": ({"SGLANG_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/missing.toml"},
+                   ("--plan", "--then-strict")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(sglang_env, tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
+    """Run every scenario's worker, all at once (each is mostly sglang's import); name -> (result, plugin log)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "SGLANG_"))}
+    started = {}
+    for name, (env, flags) in SCENARIOS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        (tmp / "jitwarm.toml").write_text(TINY_TOML)
+        full_env = {**base, **sglang_env, "JITWARM_CACHE_DIR": str(tmp / "cache"), "PYTHONWARNINGS": "ignore",
+                    **{k: v.format(tmp=tmp) for k, v in env.items()}}
+        log = (tmp / "stderr.txt").open("w")
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp / "result.json"), *flags], env=full_env,
+                                stdout=subprocess.DEVNULL, stderr=log, text=True)
+        started[name] = (proc, log, tmp)
+    results = {}
+    for name, (proc, log, tmp) in started.items():
+        proc.wait(timeout=600)
+        log.close()
+        stderr = (tmp / "stderr.txt").read_text()
+        assert proc.returncode == 0, f"{name}: {stderr[-6000:]}"
+        result = json.loads((tmp / "result.json").read_text())
+        result["log"] = [line for line in stderr.splitlines() if line.startswith("LOG ")]
+        result["tmp"] = str(tmp)
+        results[name] = result, [line for line in result["log"]
+                                 if line.startswith("LOG jitwarm.precompile.sglang_plugin ")]
+    return results
+
+
+def expected(backend: str, how: str, drained: bool) -> list[str]:
+    """The call order of one capture_one: two warmups, each followed by the server's hook (and the drain)."""
+    hook = [] if how == "absent" else ["server_post_warmup_hook"]
+    warmup = SGLANG_DRAIN + ["forward"] + hook + (JITWARM_DRAIN if drained else [])
+    return warmup + warmup + CAPTURE[backend]
+
+
+def before_capture(order: list[str], backend: str) -> list[str]:
+    """The calls between the last warmup (its forward and the server's hook) and the start of capture."""
+    forwards = [i for i, call in enumerate(order) if call == "forward"]
+    if backend == "tc_piecewise":
+        last_warmup, capture = forwards[0], forwards[1]
+    else:
+        capture = next(i for i, call in enumerate(order) if call.startswith("CUDAGraph()"))
+        last_warmup = max(i for i in forwards if i < capture)
+    between = order[last_warmup + 1:capture]
+    return between[1:] if between[:1] == ["server_post_warmup_hook"] else between
+
+
+def show(title: str, orders: dict, backend: str) -> None:
+    """Print one backend's recorded orders (``-rP`` shows them): the closing note quotes these."""
+    print(f"\n{title}")
+    for how, order in orders[backend].items():
+        print(f"  {backend:12} {how:10} {' > '.join(order)}")
+
+
+@pytest.fixture(scope="module")
+def without_plugin(runs):
+    return runs["without_plugin"]
+
+
+@pytest.fixture(scope="module")
+def with_plugin(runs):
+    return runs["with_plugin"]
+
+
+@pytest.fixture(scope="module")
+def with_plan(runs):
+    return runs["with_plan"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_the_plugin_nothing_drains_between_the_last_warmup_and_capture(without_plugin, backend):
+    result, lines = without_plugin
+    show("without the plugin (SGLANG_PLUGINS=someone_else):", result["orders"], backend)
+    assert any("Skipping plugin jitwarm (not in SGLANG_PLUGINS)" in line for line in result["log"])
+    assert lines == []
+    for how in HOWS:
+        order = result["orders"][backend][how]
+        assert order == expected(backend, how, drained=False)
+        # tc-piecewise already synchronizes and meets before its capturing forward; the others do not
+        assert before_capture(order, backend) == (SGLANG_DRAIN if backend == "tc_piecewise" else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_plugin_drains_and_meets_after_every_warmup_hook(with_plugin, backend):
+    result, lines = with_plugin
+    show("with the plugin (SGLANG_PLUGINS=jitwarm, no plan):", result["orders"], backend)
+    for how in HOWS:
+        order = result["orders"][backend][how]
+        assert order == expected(backend, how, drained=True)
+        assert order.count("server_post_warmup_hook") == (0 if how == "absent" else 2)  # kept, never dropped
+        assert before_capture(order, backend)[:2] == JITWARM_DRAIN
+
+
+def test_the_plugin_is_found_through_its_entry_point_and_says_what_it_installed(with_plugin):
+    result, lines = with_plugin
+    assert any("Loaded plugin jitwarm from group sglang.srt.plugins" in line for line in result["log"])
+    for cls in ("full_cuda_graph_backend.FullCudaGraphBackend",
+                "breakable_cuda_graph_backend.BreakableCudaGraphBackend",
+                "tc_piecewise_cuda_graph_backend.TcPiecewiseCudaGraphBackend"):
+        assert any(f"Applied 1 hook(s) to sglang.srt.model_executor.runner_backend.{cls}.capture_one "
+                   "(from: plugin=jitwarm, dist=jitwarm)" in line for line in result["log"]), cls
+    assert len(lines) == 2, lines  # what it installed; then, at the first capture (logging is set up by then)
+    assert " INFO jitwarm: sglang plugin installed: drain " in lines[0] and "no plan (JITWARM_CONFIG unset)" in lines[0]
+    assert lines[1].endswith(" INFO jitwarm: capture drain active in FullCudaGraphBackend: device synchronize + TP "
+                             "barrier after every warmup")
+    assert not any("model_runner.ModelRunner" in line for line in result["log"])  # drain only: no warm hook
+
+
+def test_off_switch_is_inert_with_one_log_line(runs, without_plugin):
+    result, lines = runs["inert"]
+    assert lines == ["LOG jitwarm.precompile.sglang_plugin INFO jitwarm: sglang plugin inert "
+                     "(JITWARM_SGLANG_PLUGIN=0): nothing installed"]
+    assert any("Executed general plugin: jitwarm" in line for line in result["log"])
+    assert not any("Applied" in line for line in result["log"])
+    assert result["orders"] == without_plugin[0]["orders"]
+
+
+def test_plan_mode_runs_the_capture_hook_before_the_graph(with_plan):
+    result, lines = with_plan
+    plan = result["plan"]
+    for backend in BACKENDS:
+        show(f"with JITWARM_CONFIG (plan {plan['plan_id']}, {len(plan['specs'])} specs):", result["orders"], backend)
+    # the warm started from sglang's real (patched) ModelRunner.__init__, whose own body then stopped where it
+    # needs a published config: our hook ran first, with the faked server_args it was given
+    assert plan["model_runner_stopped_at"] == [
+        "RuntimeError: config not published for role 'scheduler': nothing is published in this process. The "
+        "process entry publishes -- add publish(server_args, role=...) there rather than publishing from a "
+        "constructor."]
+    assert plan["warm_started"] and len(plan["specs"]) == 3, plan
+    assert {s.split("/")[0] for s in plan["specs"]} == {"norm_rope", "compressor", "plan"}
+    assert all("/cpu/" in s for s in plan["specs"])
+    assert plan["jobs"] == max(1, (os.cpu_count() or 1) // 2)  # --tp 2: two local ranks share the cores
+    assert plan["loaded_before_capture"] == 0 and plan["armed_before_capture"] is False
+    assert plan["device_target"] == "cpu"  # no CUDA in this torch: the adapter falls back to the host target
+    loaded = " loaded=3/3 armed=True"
+    for backend in BACKENDS:
+        for how in HOWS:
+            order = result["orders"][backend][how]
+            graphs = [call for call in order if call.startswith("CUDAGraph()")]
+            assert graphs == ([] if backend == "tc_piecewise" else [f"CUDAGraph(){loaded}"])
+            want = expected(backend, how, drained=True)
+            if (backend, how) == ("full", "keyword"):  # the process's first capture: the hook's first call
+                want = JITWARM_DRAIN + want              # comes before the first warmup too
+            assert [c.removesuffix(loaded) for c in order] == want, (backend, how)
+    assert " INFO jitwarm: sglang plugin installed: capture hook after every capture warmup of " in lines[0], lines
+    assert any(f"jitwarm: plan {plan['plan_id']}: 3 specs for cpu; warming in the background with "
+               f"{plan['jobs']} jobs" in line for line in lines), lines
+    assert any(f"jitwarm: capture hook ready: plan {plan['plan_id']}, 3 specs loaded on cpu" in line
+               for line in lines), lines
+    assert not any(" ERROR " in line for line in lines), lines
+
+
+def test_a_bad_config_keeps_the_drain_and_is_fatal_only_under_strict(runs, with_plugin):
+    result, lines = runs["bad_config"]
+    missing = Path(result["tmp"]) / "missing.toml"
+    assert any(" ERROR jitwarm: reading JITWARM_CONFIG=" in line and "ConfigError" in line for line in lines), lines
+    assert any("no plan (JITWARM_CONFIG unusable, see above)" in line for line in lines), lines
+    normal, strict = result["plan"]["model_runner_stopped_at"]
+    assert normal.startswith("RuntimeError: config not published")  # not ours: sglang's body ran on
+    assert strict.startswith("ConfigError: cannot read --config") and str(missing) in strict  # ours stopped it
+    assert result["orders"] == with_plugin[0]["orders"]  # the drain is still installed
+
+
+def test_importing_the_plugin_imports_neither_sglang_nor_torch(sglang_env):
+    code = ("import json, sys, jitwarm.precompile.sglang_plugin; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'})))")
+    env = {**os.environ, **sglang_env}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert json.loads(proc.stdout) == []
