@@ -115,6 +115,11 @@ class KernelCache:
                                        max_bytes=env.remote_max_bytes, shared=self.allow_shared, stats=self._stats)
             self._fleet = FleetBuilder(self._remote, self._publisher, lease_s=env.remote_lease_s, stats=self._stats)
 
+    @property
+    def remote_display(self) -> str | None:
+        """The remote tier's URL without its password (for messages and reports), or None without one."""
+        return redact(self.remote) if self.remote else None
+
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
         mode += f", remote={redact(self.remote)!r}" if self.remote else ""

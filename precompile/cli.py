@@ -70,19 +70,18 @@ _REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
 
 def _cache(args: argparse.Namespace):
     from jitwarm.cache import KernelCache
-    from jitwarm.cache.settings import settings
 
     remote = getattr(args, "remote", None)
-    if remote == _REMOTE_FROM_ENV:
-        remote = settings().remote
-        if remote is None:
-            raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
-    if remote is not None:
-        from jitwarm.cache.settings import check_remote_url
-
-        remote = check_remote_url(remote, "--remote")
-    return KernelCache(root=args.cache_dir or None, remote=remote, remote_prefix=getattr(args, "remote_prefix", None),
-                       remote_required=True if getattr(args, "remote_required", False) else None)
+    from_env = remote == _REMOTE_FROM_ENV
+    try:
+        cache = KernelCache(root=args.cache_dir or None, remote=None if from_env else remote,
+                            remote_prefix=getattr(args, "remote_prefix", None),
+                            remote_required=True if getattr(args, "remote_required", False) else None)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("remote:", "--remote:", 1)) from None
+    if from_env and cache.remote is None:
+        raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
+    return cache
 
 
 def _print_warm(args: argparse.Namespace, report) -> None:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jitwarm.cache import KernelCache, LockTimeout
-from jitwarm.cache.settings import settings
 from jitwarm.kernels import KernelSpec
-from jitwarm.precompile import guard
+from jitwarm.precompile import guard, settings
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import WarmHandle, describe, warm_specs
 
@@ -128,7 +127,7 @@ class CaptureHook:
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
                  device: Any = None, timeout_s: float = 900.0, policy: str = "build",
                  warm: WarmHandle | None = None, jobs: int | None = None, seal_third_party: bool = False) -> None:
-        if settings().strict:
+        if settings.strict():
             policy = "strict"
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")

@@ -239,7 +239,7 @@ def _jobs(server_args: Any) -> tuple[int, int, int]:
     Every local rank starts the same warm (the cache builds each spec once per host, the other ranks wait), so
     each gets ``cores // local ranks`` builders, at least 1: together they never oversubscribe the host.
     """
-    from jitwarm.cache.settings import settings
+    from jitwarm.precompile import settings
 
     def arg(name: str) -> int:
         value = getattr(server_args, name, 1)
@@ -247,17 +247,17 @@ def _jobs(server_args: Any) -> tuple[int, int, int]:
 
     replicas = 1 if getattr(server_args, "enable_dp_attention", False) else arg("dp_size")  # DP attention: in TP
     ranks, cores = max(1, arg("tp_size") * arg("pp_size") * replicas // arg("nnodes")), os.cpu_count() or 1
-    jobs = settings().jobs if os.environ.get("JITWARM_JOBS", "").strip() else max(1, cores // ranks)
+    jobs = settings.jobs() if os.environ.get("JITWARM_JOBS", "").strip() else max(1, cores // ranks)
     return jobs, cores, ranks
 
 
 def _strict() -> bool:
     """JITWARM_STRICT, read now (a value that does not parse counts as strict: the user asked for something)."""
-    from jitwarm.cache.settings import settings
+    from jitwarm.precompile import settings
 
     try:
-        return settings().strict
-    except ValueError:
+        return settings.strict()
+    except settings.SettingError:
         return True
 
 

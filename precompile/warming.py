@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from jitwarm.cache import KernelCache
-from jitwarm.cache.remote import redact
-from jitwarm.cache.settings import settings
 from jitwarm.kernels import KernelSpec
+from jitwarm.precompile import settings
 from jitwarm.precompile.plan import WarmPlan
 
 Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
@@ -193,9 +192,9 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
     workers run local-only and the report says why (or, when it is required, ``RemoteUnavailable``
     is raised).
     """
-    jobs = max(1, jobs or settings().jobs)
+    jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
-    report = WarmReport(plan_id, remote=redact(cache.remote) if cache.remote else None)
+    report = WarmReport(plan_id, remote=cache.remote_display)
     show = Progress(len(specs)) if progress is not False else None  # a bar on a terminal, else lines
 
     def record(result: SpecResult) -> None:

@@ -8,7 +8,6 @@ import torch
 from precompile_fixtures import SMALL, TINY, jitwarm, plan_of, run_worker
 
 from jitwarm.cache import KernelCache
-from jitwarm.cache.settings import override
 from jitwarm.kernels import VerifyLayout, dispatch, ops
 from jitwarm.precompile import (
     CaptureHook,
@@ -114,9 +113,9 @@ def test_strict_hook_names_missing_specs(tmp_path):
     assert "norm_rope/tvm_ffi/cpu/" in report["message"] and "jitwarm warm" in report["message"]
 
 
-def test_jitwarm_strict_env_forces_strict(tmp_path):
-    with override(strict=True):
-        hook = CaptureHook(plan_of(TINY), cache=KernelCache(root=tmp_path), device="cpu", policy="build")
+def test_jitwarm_strict_env_forces_strict(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITWARM_STRICT", "1")
+    hook = CaptureHook(plan_of(TINY), cache=KernelCache(root=tmp_path), device="cpu", policy="build")
     assert hook.policy == "strict"
 
 
