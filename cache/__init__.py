@@ -1,18 +1,23 @@
 """The shared kernel cache: content-addressed entries, per-key file locks, exactly-once builds, a remote tier.
 
-See docs/cache.md for the on-disk layout and the publish protocol. Environment knobs are read through
-:mod:`jitwarm.cache.settings`. Importing this package reads no environment and touches no file.
+See docs/cache.md for the modules, the on-disk layout and the publish protocol. Environment knobs are read
+through :mod:`jitwarm.cache.settings`, each when it is used. Importing this package reads no environment
+and touches no file.
 """
 
 from __future__ import annotations
 
+from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry, FileRecord
 from jitwarm.cache.errors import BuildError, CacheError, LockTimeout, RemoteUnavailable
-from jitwarm.cache.keys import FORMAT_VERSION
+from jitwarm.cache.keys import FORMAT_VERSION, key_of
+from jitwarm.cache.local import VerifyReport
 from jitwarm.cache.locks import LockHolder
-from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, RemoteReport, VerifyReport
+from jitwarm.cache.prune import PruneReport
+from jitwarm.cache.remote import RemoteReport, reset_remote_health
+from jitwarm.cache.stats import CacheStats
 from jitwarm.cache.store import CacheResult, KernelCache, Outcome
 
 __all__ = ["FORMAT_VERSION", "BuildError", "CacheError", "CacheResult", "CacheStats", "Entry", "FileRecord",
            "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport", "RemoteReport",
-           "RemoteUnavailable", "VerifyReport"]
+           "RemoteUnavailable", "VerifyReport", "key_of", "reset_remote_health"]

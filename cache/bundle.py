@@ -1,4 +1,4 @@
-"""Relocatable bundles: a tar of entries with relative paths, and its validating unpacker."""
+"""Relocatable bundles: a tar of entries with relative paths, its validating unpacker, and ImportReport."""
 
 from __future__ import annotations
 
@@ -8,16 +8,44 @@ import os
 import secrets
 import tarfile
 import zlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from jitwarm.cache.durable import make_dirs
-from jitwarm.cache.entry import MANIFEST, Entry, is_safe_relpath, verify_entry
+from jitwarm.cache.entry import MANIFEST, Entry, is_safe_relpath, seal_dirs, verify_entry
 from jitwarm.cache.errors import CacheError, CorruptEntry
 from jitwarm.cache.keys import FORMAT_VERSION, is_key
 
 #: Optional first member: ``{"format": 1, "keys": [...]}``.
 BUNDLE_MANIFEST = "bundle.json"
 _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """Result of :meth:`KernelCache.import_bundle`.
+
+    Attributes
+    ----------
+    imported : tuple of str
+        Keys published into the writable root by this import.
+    present : tuple of str
+        Keys of the bundle that were already available (root or layer), left as they were.
+
+    """
+
+    imported: tuple[str, ...] = ()
+    present: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every key of the bundle."""
+        return tuple(sorted((*self.imported, *self.present)))
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-able dict."""
+        return asdict(self)
 
 
 def write_bundle(entries: list[Entry], path: Path) -> Path:
@@ -47,17 +75,19 @@ def write_bundle(entries: list[Entry], path: Path) -> Path:
     return path
 
 
-def unpack_bundle(path: Path, staging: Path, *, dir_mode: int = 0o755) -> dict[str, Path]:
+def unpack_bundle(path: Path, staging: Path, *, shared: bool = False) -> dict[str, Entry]:
     """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
 
     Nothing is written until every member has passed: relative normalized names only, no ``..``, no
     symlinks, hard links, devices or FIFOs, no duplicates, only ``bundle.json`` and
-    ``entries/<kk>/<key>/...``. Files are written by this code (``tarfile.extract`` is not used).
+    ``entries/<kk>/<key>/...``. Files are written by this code (``tarfile.extract`` is not used), and
+    directories are sealed as a build's are (``shared``: the root's ``allow_shared``).
 
     Returns
     -------
-    dict of str to Path
-        Each key and its unpacked, fully verified entry directory under ``staging``.
+    dict of str to Entry
+        Each key and its unpacked entry under ``staging``, fully verified (each file hashed once): it is
+        published by a rename, without hashing again.
 
     Raises
     ------
@@ -66,6 +96,7 @@ def unpack_bundle(path: Path, staging: Path, *, dir_mode: int = 0o755) -> dict[s
         remove, and nothing has been published.
 
     """
+    dir_mode = 0o777 if shared else 0o755
     try:
         with tarfile.open(path, "r:*") as tar:
             members = tar.getmembers()
@@ -96,13 +127,15 @@ def unpack_bundle(path: Path, staging: Path, *, dir_mode: int = 0o755) -> dict[s
         # A tar cut at a member boundary reads as a shorter, valid archive: the key list catches it.
         raise CacheError(f"bundle {path}: {BUNDLE_MANIFEST} lists {len(listed)} entries but the archive "
                          f"holds {len(staged)}; it is incomplete or was altered")
+    entries = {}
     for key, entry_dir in sorted(staged.items()):
+        seal_dirs(entry_dir, shared)
         try:
-            # The unpacked files are ours; the trust check applies when they are published.
-            verify_entry(entry_dir, key, allow_shared=True)
+            # The unpacked files are ours, written with safe modes; this is their one hash.
+            entries[key] = verify_entry(entry_dir, key, allow_shared=True)
         except CorruptEntry as exc:
             raise CacheError(f"bundle {path}: entry {key} does not verify: {exc}") from None
-    return staged
+    return entries
 
 
 def _check_members(path: Path, members: list[tarfile.TarInfo]) -> list[tuple[tarfile.TarInfo, str]]:

@@ -1,4 +1,10 @@
-"""Cache entries: the ``entry.json`` manifest, sealing a staging directory, and verification."""
+"""Cache entries: the ``entry.json`` manifest, sealing a staging directory, verification and unpacking.
+
+Every file hash of the cache happens here, once per file on each publish path: :func:`seal` hashes a
+build, :func:`unpack_entry` a download (before writing it), :func:`verify_entry` a lookup or a bundle.
+Each returns an :class:`Entry` carrying the stat signature of what it hashed, so the publisher renames it
+into place and compares signatures instead of hashing again.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +14,22 @@ import os
 import stat
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from jitwarm.cache.durable import fsync_tree, make_dirs, write_atomic
 from jitwarm.cache.errors import CacheError, CorruptEntry
-from jitwarm.cache.keys import FORMAT_VERSION, hash_preimage, is_key
-from jitwarm.cache.trust import check_trusted
+from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
+from jitwarm.cache.layout import check_trusted
 
 #: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"
 _MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
-#: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file, as seen when verified.
+#: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file (relative names, sorted), as
+#: seen when their bytes were hashed; a rename of the entry directory leaves it unchanged.
 Signature = tuple[tuple[str, int, int, int, int], ...]
 
 
@@ -57,6 +64,11 @@ class Entry:
         When the entry was sealed (``time.time()`` of the builder).
     read_only : bool
         True when served from a read-only layer or a read-only cache.
+    signature : tuple
+        ``(name, inode, size, mtime_ns, ctime_ns)`` of ``entry.json`` and every file, taken when the bytes
+        were last hashed; the cache compares it with the files on every later lookup
+        (:func:`unchanged`) instead of hashing again, and ``KernelCache.discard`` uses it to tell this
+        entry from a rebuild of the same key.
 
     """
 
@@ -68,6 +80,7 @@ class Entry:
     records: tuple[FileRecord, ...] = field(repr=False)
     created: float = field(repr=False)
     read_only: bool = field(default=False, compare=False)
+    signature: Signature = field(default=(), compare=False, repr=False)
 
     def file(self, name: str) -> Path:
         """Return the path of artifact ``name``; KeyError if the entry has no such file."""
@@ -81,18 +94,19 @@ class Entry:
         return sum(r.size for r in self.records)
 
 
-def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> dict[str, Any]:
+def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Turn a finished build directory into a complete entry, ready to be renamed into place.
 
     Makes files read-only (``0o444``, or ``0o555`` when executable) and removes write access for other
-    users (and for the group, unless ``shared``) from directories, hashes every file, writes
-    ``entry.json`` last and fsyncs the whole tree, so that after the rename no reader (or crash) can
-    see a partial entry.
+    users (and for the group, unless ``shared``) from directories, hashes every file once, writes
+    ``entry.json`` last and fsyncs the whole tree, so that after the rename no reader (or crash) can see a
+    partial entry.
 
     Returns
     -------
-    dict
-        The manifest written.
+    Entry
+        The entry at ``staging``, with the signature of what was hashed: publishing it renames the
+        directory and compares signatures (:func:`unchanged`), and hashes nothing again.
 
     Raises
     ------
@@ -100,44 +114,46 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
         The build wrote no files, a symlink or special file, or a file named ``entry.json``.
 
     """
-    records = []
+    records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
         if rel == MANIFEST:
             raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
         path = staging / rel
         path.chmod(0o555 if st.st_mode & 0o111 else 0o444)
-        records.append({"path": rel, "size": st.st_size, "sha256": _sha256(path)})
+        digest, sig[rel] = _hash_file(path, rel)
+        records.append(FileRecord(path=rel, size=sig[rel][2], sha256=digest))
     if not records:
         # Never publish an empty artifact (FlashInfer PR #4136 checks for a non-empty cubin for the same reason).
         raise CacheError("the build wrote no files into its staging directory")
-    _seal_dirs(staging, shared)
-    manifest = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
-                "files": sorted(records, key=lambda r: r["path"])}
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode("ascii")
-    write_atomic(staging / MANIFEST, data, durable=False, mode=0o444)
+    seal_dirs(staging, shared)
+    doc = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
+           "files": [asdict(r) for r in records]}
+    write_atomic(staging / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode("ascii"), durable=False,
+                 mode=0o444)
     fsync_tree(staging)
-    return manifest
+    sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
+    return _entry(staging, key, doc, records, sig, read_only=False)
 
 
-def _seal_dirs(staging: Path, shared: bool) -> None:
+def seal_dirs(staging: Path, shared: bool) -> None:
     """Take write access for other users (and the group, unless ``shared``) off every directory."""
     strip = 0o002 if shared else 0o022
     for dirpath, _dirs, _files in os.walk(staging):
         Path(dirpath).chmod(stat.S_IMODE(os.lstat(dirpath).st_mode) & ~strip | 0o700)
 
 
-def verify_entry(path: Path, key: str, *, allow_shared: bool,
-                 read_only: bool = False) -> tuple[Entry, Signature]:
+def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = False) -> Entry:
     """Fully verify the entry directory at ``path`` for ``key`` and return it.
 
     Checks, in order: the directory and every file pass the trust check; ``entry.json`` parses, has
     this format and key, and its preimage hashes to the key; the set of files on disk is exactly the
-    set listed (no extras, no symlinks or special files); each file's size and sha256 match.
+    set listed (no extras, no symlinks or special files); each file's size and sha256 match (each file is
+    hashed once).
 
     Returns
     -------
-    (Entry, Signature)
-        The entry, and the stat signature that :func:`signature` compares against later.
+    Entry
+        The entry, with the stat signature that :func:`unchanged` compares against later.
 
     Raises
     ------
@@ -146,7 +162,7 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool,
     CorruptEntry
         Anything else is wrong with the content; the message says what.
     CacheError
-        The directory or a file in it is writable by other users (see :mod:`jitwarm.cache.trust`).
+        The directory or a file in it is writable by other users (see :func:`layout.check_trusted`).
 
     """
     st = os.lstat(path)
@@ -164,29 +180,36 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool,
     if on_disk_files != set(listed):
         missing, extra = sorted(set(listed) - on_disk_files), sorted(on_disk_files - set(listed))
         raise CorruptEntry(f"{path}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+    sig = {MANIFEST: _sig_item(MANIFEST, on_disk[MANIFEST])}
     for rel, rec in listed.items():
         if on_disk[rel].st_size != rec.size:
             raise CorruptEntry(f"{path / rel}: size {on_disk[rel].st_size}, {MANIFEST} says {rec.size}")
-        if _sha256(path / rel) != rec.sha256:
+        digest, sig[rel] = _hash_file(path / rel, rel)
+        if digest != rec.sha256 or sig[rel][2] != rec.size:
             raise CorruptEntry(f"{path / rel}: sha256 does not match {MANIFEST}")
-    entry = Entry(key=key, path=path, files=tuple(sorted(listed)), description=doc["preimage"]["description"],
-                  preimage=doc["preimage"], records=tuple(listed[n] for n in sorted(listed)),
-                  created=float(doc.get("created", 0.0)), read_only=read_only)
-    sig = tuple(_sig_item(n, on_disk[n]) for n in sorted(on_disk))
-    return entry, sig
+    return _entry(path, key, doc, records, sig, read_only=read_only)
 
 
-def signature(entry: Entry) -> Signature | None:
-    """Stat the manifest and files of a verified entry now; None if any is gone.
+def unchanged(entry: Entry) -> bool:
+    """Return True while the manifest and files of ``entry`` are the very ones it was verified as.
 
-    Compared with the signature taken at verification, it detects truncation, deletion, replacement
-    and (on filesystems with fine mtimes) rewrites without hashing again.
+    Compares a fresh ``lstat`` of each with :attr:`Entry.signature`: it detects truncation, deletion,
+    replacement and (on filesystems with fine mtimes) rewrites, without hashing again.
     """
     names = sorted((*entry.files, MANIFEST))
     try:
-        return tuple(_sig_item(n, os.lstat(entry.path / n)) for n in names)
+        return tuple(_sig_item(n, os.lstat(entry.path / n)) for n in names) == entry.signature
     except OSError:
-        return None
+        return False
+
+
+def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord],
+           sig: dict[str, tuple[str, int, int, int, int]], *, read_only: bool) -> Entry:
+    """Make the Entry of a checked manifest at ``path``, with the signature in name order."""
+    ordered = sorted(records, key=lambda r: r.path)
+    return Entry(key=key, path=path, files=tuple(r.path for r in ordered), description=doc["preimage"]["description"],
+                 preimage=doc["preimage"], records=tuple(ordered), created=float(doc.get("created", 0.0)),
+                 read_only=read_only, signature=tuple(sig[n] for n in sorted(sig)))
 
 
 def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
@@ -232,11 +255,8 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
         raise CorruptEntry(f"{where} has format {fmt!r}, expected {FORMAT_VERSION}")
     if stored_key != key:
         raise CorruptEntry(f"{where} is for key {stored_key!r}, not {key}")
-    try:
-        if hash_preimage(preimage) != key:
-            raise CorruptEntry(f"{where}: the stored preimage does not hash to the key")
-    except TypeError:
-        raise CorruptEntry(f"{where}: the stored preimage is not plain JSON") from None
+    if stored_preimage_key(preimage) != key:
+        raise CorruptEntry(f"{where}: the stored preimage does not hash to the key")
     if not isinstance(files, list) or not files:
         raise CorruptEntry(f"{where} lists no files")
     records = []
@@ -255,12 +275,18 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
 
 
 def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, bytes],
-                 executable: Collection[str] = (), *, shared: bool = False) -> None:
+                 executable: Collection[str] = (), *, shared: bool = False) -> Entry:
     """Write an entry received as bytes (from the remote tier) into the new directory ``staging``.
 
     Every byte is checked before anything is written: the manifest as :func:`verify_entry` checks it,
-    the file names exactly those listed, each size and sha256 as listed. Then the files are written
-    read-only, the manifest last, and the tree is fsync'd, as :func:`seal` leaves a build.
+    the file names exactly those listed, each size and sha256 as listed (each file hashed once). Then the
+    files are written read-only, the manifest last, and the tree is fsync'd, as :func:`seal` leaves a build.
+
+    Returns
+    -------
+    Entry
+        The entry at ``staging`` with the signature of the files as written: the bytes were checked, so
+        publishing it hashes nothing again.
 
     Raises
     ------
@@ -269,7 +295,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
 
     """
     where = f"remote entry {key}"
-    _doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
+    doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
     listed = {r.path: r for r in records}
     if set(files) != set(listed):
         missing, extra = sorted(set(listed) - set(files)), sorted(set(files) - set(listed))
@@ -281,16 +307,21 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
             raise CorruptEntry(f"{where}: {rel}: sha256 does not match {MANIFEST}")
     dir_mode = 0o777 if shared else 0o755
     staging.mkdir(mode=dir_mode)
+    sig = {}
     for rel in sorted(listed):
         dest = staging / rel
         make_dirs(dest.parent, dir_mode)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(files[rel])
-        dest.chmod(0o555 if rel in executable else 0o444)
-    _seal_dirs(staging, shared)
+            f.flush()
+            os.fchmod(fd, 0o555 if rel in executable else 0o444)
+            sig[rel] = _sig_item(rel, os.fstat(fd))
+    seal_dirs(staging, shared)
     write_atomic(staging / MANIFEST, manifest, durable=False, mode=0o444)
     fsync_tree(staging)
+    sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
+    return _entry(staging, key, doc, records, sig, read_only=False)
 
 
 def is_safe_relpath(rel: object) -> bool:
@@ -322,11 +353,11 @@ def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.sta
     return sorted(found)
 
 
-def _sha256(path: Path) -> str:
-    """Hash a file in chunks, without following a symlink."""
+def _hash_file(path: Path, rel: str) -> tuple[str, tuple[str, int, int, int, int]]:
+    """Hash a file in chunks without following a symlink; return the digest and its signature item."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+        return h.hexdigest(), _sig_item(rel, os.fstat(fd))

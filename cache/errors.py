@@ -12,7 +12,9 @@ class CacheError(Exception):
     """Base class of every error the cache raises on purpose.
 
     Raised for misuse of a read-only cache, an untrusted root or entry, an invalid bundle, a lock
-    directory without working ``flock``, and (as subclasses) lock timeouts and failed builds.
+    directory without working ``flock``, and (as subclasses) lock timeouts, failed builds and a required
+    remote that is down. Messages name environment variables and the Python API only; a command line adds
+    its own hints.
     """
 
 
@@ -66,8 +68,8 @@ class BuildError(CacheError):
 class RemoteUnavailable(CacheError):
     """The remote tier failed (unreachable, or an error mid-way) and it is required.
 
-    Raised only with ``remote_required`` (``--remote-required``, ``JITWARM_REMOTE_REQUIRED=1``); without
-    it the cache logs the failure once and continues with the local tier.
+    Raised only with ``KernelCache(remote_required=True)`` or ``JITWARM_REMOTE_REQUIRED=1``; without it
+    the cache logs the failure once and continues with the local tier.
 
     Attributes
     ----------
@@ -82,11 +84,11 @@ class RemoteUnavailable(CacheError):
         self.url = url
         self.reason = reason
         super().__init__(f"remote cache {url} is unavailable ({reason}) and it is required "
-                         "(--remote-required / JITWARM_REMOTE_REQUIRED=1)")
+                         "(JITWARM_REMOTE_REQUIRED=1 or KernelCache(remote_required=True))")
 
     def __reduce__(self) -> tuple[type[RemoteUnavailable], tuple[str, str]]:
         return (type(self), (self.url, self.reason))
 
 
 class CorruptEntry(CacheError):
-    """An entry failed verification (internal: lookups turn it into a miss and quarantine)."""
+    """An entry failed verification (internal: lookups turn it into a miss, and quarantine it when they can)."""

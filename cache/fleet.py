@@ -1,122 +1,229 @@
-"""The fleet protocol: under the host lock, download a key from the remote, or take its lease and build it."""
+"""The fleet protocol: under a host lock, download a key from the remote, or take its lease, build and upload.
+
+Which way the dependency goes: :mod:`jitwarm.cache.local` imports this module and calls
+:meth:`Fleet.get_or_build` while it holds the key's host lock, handing it :class:`LocalSteps`: plain
+callables that make a staging path, publish a checked entry and build one. This module imports neither
+``local`` nor ``store``; it reaches the local root only through those callables, and Redis only through
+:class:`~jitwarm.cache.remote.RemoteStore`.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import secrets
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from jitwarm.cache.durable import remove_tree
 from jitwarm.cache.entry import Entry
-from jitwarm.cache.errors import LockTimeout
-from jitwarm.cache.lease import FleetLease
-from jitwarm.cache.locks import WAIT_LOG_AFTER_S, OnWait
-from jitwarm.cache.publish import BuildFn, Publisher
+from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
 from jitwarm.cache.remote import RemoteFailure, RemoteStore
-from jitwarm.cache.reports import StatsCounter
 
 log = logging.getLogger("jitwarm.cache")
 
 #: Waiters on another node's lease poll the remote with this backoff (seconds): first, factor, cap.
-POLL_FIRST_S, POLL_FACTOR, POLL_MAX_S = 0.05, 1.5, 1.0
+POLL_BACKOFF = (0.05, 1.5, 1.0)
+
+# Compare-and-extend and compare-and-delete: only the holder's token may touch the lease, so a holder that
+# stalled past its expiry cannot extend or delete the lease a new holder took meanwhile.
+_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
-class FleetBuilder:
+@dataclass(frozen=True)
+class LocalSteps:
+    """What the local tier hands the fleet protocol for one key, all run under the key's host lock.
+
+    Attributes
+    ----------
+    new_staging : callable
+        ``new_staging() -> Path``: a fresh, not yet created staging path of the root (named for the key,
+        so a dead downloader's copy gets swept).
+    publish : callable
+        ``publish(staged) -> Entry``: rename a checked entry from staging into the root (the lost rename
+        race and NFS retry included) and return what is published.
+    build : callable
+        ``build() -> Entry``: run the build into staging, seal and publish it; raises ``BuildError``.
+
+    """
+
+    new_staging: Callable[[], Path]
+    publish: Callable[[Entry], Entry]
+    build: Callable[[], Entry]
+
+
+class Fleet:
     """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
 
     Contract: :meth:`get_or_build` runs while the caller holds the key's host lock (so one process per
     host talks to the remote for a key) and returns ``(entry, outcome)``, outcome ``"downloaded"`` (a
-    remote entry, checked and published into the local root through the normal atomic path) or
-    ``"built"`` (this process built it under the fleet lease, published it locally, then uploaded it).
-    A Redis failure at any step is handed to :meth:`RemoteStore.failed`: logged once and the key built
-    locally, or :class:`~jitwarm.cache.errors.RemoteUnavailable` when the remote is required. Raises
-    ``LockTimeout`` when another node holds the lease past ``timeout_s`` and ``BuildError`` as
-    :meth:`Publisher.build` does; the lease is released (if still ours) on every path.
+    remote entry, checked and published into the local root) or ``"built"`` (built here under the fleet
+    lease, published locally, then uploaded). A Redis failure at any step is handed to
+    :meth:`RemoteStore.failed`: logged once and the key built locally, or ``RemoteUnavailable`` when the
+    remote is required. Raises ``LockTimeout`` when another node holds the lease past ``timeout_s`` and
+    ``BuildError`` as ``steps.build`` does; the lease is released (if still ours) on every path.
     """
 
-    def __init__(self, store: RemoteStore, publisher: Publisher, *, lease_s: float, stats: StatsCounter) -> None:
+    def __init__(self, store: RemoteStore, *, lease_s: float, count: Callable[..., None]) -> None:
         self.store = store
-        self.publisher = publisher
         self.lease_s = lease_s
-        self._stats = stats
+        self._count = count
 
-    def get_or_build(self, key: str, preimage: dict[str, Any], build: BuildFn, timeout_s: float,
+    def get_or_build(self, key: str, steps: LocalSteps, timeout_s: float,
                      on_wait: OnWait | None) -> tuple[Entry, str]:
         """Download ``key``, else wait for the node that builds it, else build and upload it here."""
         if not self.store.usable:
-            return self.publisher.build(key, preimage, build), "built"
+            return steps.build(), "built"
         try:
-            entry = self._download(key)
+            entry = self._download(key, steps)                                  # 1. download
             if entry is not None:
                 return entry, "downloaded"
-            self._stats.add("remote_misses")
-            lease, entry = self._lease_or_download(key, timeout_s, on_wait)
+            self._count("remote_misses")
+            lease, entry = self._lease_or_download(key, steps, timeout_s, on_wait)  # 2-3. lease, or wait
         except RemoteFailure as exc:
             self.store.failed(exc)
-            return self.publisher.build(key, preimage, build), "built"
+            return steps.build(), "built"
         if entry is not None:
             return entry, "downloaded"
         try:
             try:
-                # The last holder may have uploaded between our last look and our SET NX: look again.
-                entry = self._download(key)
+                # 4. The last holder may have uploaded between our last look and our SET NX: look again.
+                entry = self._download(key, steps)
             except RemoteFailure as exc:
                 self.store.failed(exc)
             if entry is not None:
                 return entry, "downloaded"
-            entry = self.publisher.build(key, preimage, build)
-            if self.store.usable:
+            entry = steps.build()                                               # build, publish locally
+            if self.store.usable:                                               # 5. upload
                 try:
                     self.store.upload(entry)
                 except RemoteFailure as exc:
                     self.store.failed(exc)
             return entry, "built"
         finally:
-            lease.release()
+            lease.release()                                                     # 6. release
 
-    def _download(self, key: str) -> Entry | None:
-        """Fetch ``key`` into a staging dir and publish it locally; None when the remote has no valid entry."""
-        layout = self.publisher.layout
-        staging = layout.new_staging_dir(key)  # named for the key: a dead downloader's copy gets swept
-        layout.ensure(layout.staging)
+    def _download(self, key: str, steps: LocalSteps) -> Entry | None:
+        """Fetch ``key`` into a staging dir and publish it; None when the remote has no valid entry."""
+        staging = steps.new_staging()
         try:
-            if not self.store.fetch(key, staging):
+            staged = self.store.fetch(key, staging)
+            if staged is None:
                 return None
-            entry = self.publisher.install(key, staging, keep_fallback=True)
+            entry = steps.publish(staged)
         except BaseException:
             remove_tree(staging)
             raise
-        self._stats.add("remote_hits")
+        self._count("remote_hits")
         return entry
 
-    def _lease_or_download(self, key: str, timeout_s: float,
+    def _lease_or_download(self, key: str, steps: LocalSteps, timeout_s: float,
                            on_wait: OnWait | None) -> tuple[FleetLease | None, Entry | None]:
         """Take the key's lease, or wait (polling with backoff) until its holder's upload can be downloaded."""
         lease = FleetLease(self.store, key, self.lease_s)
         if lease.try_acquire():
             return lease, None
-        self._stats.add("lease_waits")
-        holder = lease.holder()
+        self._count("lease_waits")
+        first = lease.holder()
         if on_wait is not None:
-            on_wait(holder)
+            on_wait(first)
+
+        def poll() -> tuple[FleetLease | None, Entry | None] | None:
+            entry = self._download(key, steps)
+            if entry is not None:
+                return None, entry
+            # The holder released without uploading, or died and its lease expired.
+            return (lease, None) if lease.try_acquire() else None
+
         start = time.monotonic()
-        delay, logged = POLL_FIRST_S, False
         try:
-            while True:
-                elapsed = time.monotonic() - start
-                if not logged and elapsed >= WAIT_LOG_AFTER_S:
-                    holder = lease.holder() or holder
-                    log.info("waiting for cache key %s: fleet lease on %s %s", key, self.store.display,
-                             holder.describe() if holder else "(holder unknown)")
-                    logged = True
-                if elapsed >= timeout_s:
-                    raise LockTimeout(key, lease.holder() or holder, timeout_s)
-                time.sleep(min(delay, timeout_s - elapsed))
-                delay = min(delay * POLL_FACTOR, POLL_MAX_S)
-                entry = self._download(key)
-                if entry is not None:
-                    return None, entry
-                if lease.try_acquire():  # the holder released without uploading, or died and its lease expired
-                    return lease, None
+            return wait_until(poll, timeout_s, key=key, holder=lambda: lease.holder() or first,
+                              where=f" (fleet lease on {self.store.display})", backoff=POLL_BACKOFF)
         finally:
-            self._stats.add("lock_wait_s", time.monotonic() - start)
+            self._count("lock_wait_s", time.monotonic() - start)
+
+
+class FleetLease:
+    """The fleet-wide build lease of one cache key: ``<prefix>:v1:lease:<key>``.
+
+    Taken with ``SET NX PX`` and a token ``{"host", "pid", "since", "nonce"}`` that waiters read to say
+    who builds. While held, a daemon thread extends it every third of its lifetime; a holder that dies
+    (even by SIGKILL) stops extending it, so it expires after at most ``ttl_s`` and another node takes
+    over. There is no lock file to break and no liveness guess: expiry is the only way a lease ends
+    without its holder. If an extension finds the lease gone (the holder stalled longer than ``ttl_s``),
+    :attr:`lost` is set and a warning logged; the build still completes, and another node may build the
+    same key once more (never a corrupt entry: uploads replace whole entries).
+
+    Parameters
+    ----------
+    store : RemoteStore
+        The remote this lease lives on.
+    key : str
+        The cache key.
+    ttl_s : float
+        Lifetime of the lease without an extension.
+
+    """
+
+    def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:
+        self.store = store
+        self.key = key
+        self.name = store.lease_name(key)
+        self.ttl_ms = max(100, int(ttl_s * 1000))
+        self.lost = False
+        self._token: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lease if nobody holds it; start the heartbeat. Raises RemoteFailure."""
+        record = LockHolder(host=this_host(), pid=os.getpid(), since=time.time())
+        token = json.dumps({**record.to_json(), "nonce": secrets.token_hex(8)})
+        if not self.store.call("lease", lambda c: c.set(self.name, token, nx=True, px=self.ttl_ms)):
+            return False
+        self._token = token
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+        return True
+
+    def holder(self) -> LockHolder | None:
+        """Return who holds the lease now (None if nobody, or an unreadable token). Raises RemoteFailure."""
+        raw = self.store.call("lease", lambda c: c.get(self.name))
+        try:
+            data = json.loads(raw)
+            return LockHolder(host=str(data["host"]), pid=int(data["pid"]), since=float(data["since"]))
+        except (TypeError, ValueError, KeyError):
+            return None
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours; never raises for Redis errors."""
+        if self._token is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        token, self._token = self._token, None
+        try:
+            self.store.call("lease", lambda c: c.eval(_RELEASE, 1, self.name, token))
+        except RemoteFailure as exc:  # it expires by itself
+            log.debug("could not release the fleet lease of %s (%s); it expires in %d ms", self.key, exc,
+                      self.ttl_ms)
+
+    def _beat(self) -> None:
+        """Extend the lease every third of its lifetime until released, or until it is found lost."""
+        token = self._token
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                if not self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)):
+                    self.lost = True
+                    log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); "
+                                "another node may build it too", self.key, self.store.display, self.ttl_ms / 1000)
+                    return
+            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
+                log.debug("could not extend the fleet lease of %s: %s", self.key, exc)

@@ -1,4 +1,9 @@
-"""Cache keys: the sha256 of the canonical JSON of a format version and a JSON-able description."""
+"""Cache keys: the sha256 of the canonical JSON of a format version and a JSON-able description.
+
+Every key is made by one path, :func:`_preimage_text` then sha256: :func:`key_of` for a description,
+:func:`keyed` when the preimage is needed too (a build writes it into ``entry.json``), and
+:func:`stored_preimage_key` for a preimage read back from a manifest.
+"""
 
 from __future__ import annotations
 
@@ -15,21 +20,8 @@ FORMAT_VERSION = 1
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def canonical_json(value: Any) -> str:
-    """Serialize ``value`` the one way keys are computed: sorted keys, no spaces, ASCII, no NaN.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not plain JSON (see :func:`key_preimage`).
-
-    """
-    _check_json(value)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the exact object whose canonical JSON is hashed into the key.
+def key_of(description: Mapping[str, Any]) -> str:
+    """Return the 64-hex-digit sha256 key of ``description``.
 
     Parameters
     ----------
@@ -38,40 +30,59 @@ def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
 
     Returns
     -------
-    dict
-        ``{"format": FORMAT_VERSION, "description": <description as plain JSON>}``; tuples become
-        lists, exactly as they are stored in ``entry.json``.
+    str
+        ``sha256(canonical_json({"format": FORMAT_VERSION, "description": description}))``, where canonical
+        JSON has sorted keys, no spaces, ASCII only and no NaN; tuples and lists hash alike.
 
     Raises
     ------
     TypeError
-        ``description`` is not a mapping, or holds a value that is not plain JSON (the message gives
-        its path, e.g. ``description['flags'][2]``).
+        ``description`` is not a mapping, or holds a value that is not plain JSON (the message gives its
+        path, e.g. ``description['flags'][2]``).
 
     """
-    if not isinstance(description, Mapping):
-        raise TypeError(f"a cache description must be a dict, not {type(description).__name__}")
-    text = canonical_json(dict(description))
-    return {"format": FORMAT_VERSION, "description": json.loads(text)}
+    return _digest(_preimage_text(description))
 
 
-def key_of(description: Mapping[str, Any]) -> str:
-    """Return the 64-hex-digit sha256 key of ``description`` (see :func:`key_preimage`).
+def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the exact object whose canonical JSON is hashed into the key (tuples become lists).
 
-    Equal to ``hash_preimage(key_preimage(description))`` (tuples and lists serialize alike), with one
-    check and one serialization instead of two.
+    Raises
+    ------
+    TypeError
+        As :func:`key_of`.
+
     """
-    if not isinstance(description, Mapping):
-        raise TypeError(f"a cache description must be a dict, not {type(description).__name__}")
-    _check_json(description)
-    text = json.dumps({"format": FORMAT_VERSION, "description": description}, sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    return json.loads(_preimage_text(description))
 
 
-def hash_preimage(preimage: Mapping[str, Any]) -> str:
-    """Return the key of an already-built preimage (as read back from ``entry.json``)."""
-    return hashlib.sha256(canonical_json(preimage).encode("ascii")).hexdigest()
+def keyed(description: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Return ``(key_of(description), key_preimage(description))`` with one check and one serialization.
+
+    Raises
+    ------
+    TypeError
+        As :func:`key_of`.
+
+    """
+    text = _preimage_text(description)
+    return _digest(text), json.loads(text)
+
+
+def stored_preimage_key(preimage: object) -> str | None:
+    """Return the key of a preimage read back from ``entry.json``, or None if it is not one of this format.
+
+    A preimage is ``{"format": FORMAT_VERSION, "description": <dict>}`` exactly; anything else (extra
+    fields, another format, a description that is not plain JSON) has no key.
+    """
+    if not isinstance(preimage, dict) or set(preimage) != {"format", "description"}:
+        return None
+    if type(preimage["format"]) is not int or preimage["format"] != FORMAT_VERSION:  # not True, not 1.0
+        return None
+    try:
+        return key_of(preimage["description"])
+    except TypeError:
+        return None
 
 
 def is_key(text: object) -> bool:
@@ -84,6 +95,20 @@ def check_key(key: object) -> str:
     if not is_key(key):
         raise ValueError(f"not a cache key (want 64 lowercase hex digits): {key!r}")
     return key  # type: ignore[return-value]
+
+
+def _preimage_text(description: Mapping[str, Any]) -> str:
+    """Check ``description`` and return the canonical JSON of its preimage: the one input of every key."""
+    if not isinstance(description, Mapping):
+        raise TypeError(f"a cache description must be a dict, not {type(description).__name__}")
+    _check_json(description)
+    return json.dumps({"format": FORMAT_VERSION, "description": dict(description)}, sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _digest(text: str) -> str:
+    """sha256 hex of canonical JSON text (ASCII by construction)."""
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
@@ -109,4 +134,5 @@ def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
 
 
 def _where(path: tuple[Any, ...]) -> str:
+    """Render where a value sits in the description, e.g. ``description['flags'][2]``."""
     return "description" + "".join(f"[{p!r}]" for p in path)

@@ -1,18 +1,25 @@
-"""Where things live under a cache root, and how staging directories are named and recognised."""
+"""Where things live under a cache root: paths, staging names, plan records, and the trust check on what is there."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import secrets
+import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from jitwarm.cache.durable import make_dirs
+from jitwarm.cache.durable import make_dirs, write_atomic
+from jitwarm.cache.errors import CacheError
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.locks import this_host
+
+log = logging.getLogger("jitwarm.cache")
 
 #: Top folder of the current on-disk format.
 VERSION_DIR = "v1"
@@ -22,6 +29,7 @@ BUNDLE_TAG = "bundle"
 # <host>-<pid>-<tag>-<rand>; the host may contain dashes, so parse from the right.
 _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BUNDLE_TAG + r")-[0-9a-f]{8}")
 _PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_HOW_TO_ALLOW = "pass KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,43 @@ class RootLayout:
             yield (StagingName(m["host"], int(m["pid"]), m["tag"]) if m else None), path
 
 
+def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any]) -> Path:
+    """Atomically write ``record`` as ``<root>/v1/plans/<plan_id>.json`` and return its path.
+
+    Raises
+    ------
+    ValueError
+        ``plan_id`` is not a safe file name (checked before anything is written).
+    TypeError
+        ``record`` is not JSON-able (likewise).
+
+    """
+    target = layout.plan_path(plan_id)
+    data = json.dumps(dict(record), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+    write_atomic(layout.ensure(layout.plans) / target.name, data)
+    return target
+
+
+def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, Any] | None:
+    """Return the record ``plan_id`` from the first of ``layouts`` with a readable one, else None.
+
+    A record that does not parse as a JSON object is logged and skipped. ValueError for a bad ``plan_id``.
+    """
+    for layout in layouts:
+        path = layout.plan_path(plan_id)
+        try:
+            data = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable plan record %s: %s", path, exc)
+            continue
+        if isinstance(data, dict):
+            return data
+        log.warning("ignoring plan record %s: not a JSON object", path)
+    return None
+
+
 def _sorted_dirs(path: Path) -> list[Path]:
     """List the subdirectories of ``path`` (not following links); empty if it does not exist."""
     try:
@@ -121,3 +166,53 @@ def _sorted_dirs(path: Path) -> list[Path]:
             return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Return why another user could change what ``st`` describes, or None when only we (or root) can.
+
+    A directory that is world-writable with the sticky bit (``/tmp`` style) is fine: others can add
+    names but not replace ours. A world-writable file is never fine. An owner other than us or root
+    can rewrite the object whatever its mode.
+    """
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+    if st.st_mode & stat.S_IWOTH:
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is writable by every user"
+        if not st.st_mode & stat.S_ISVTX:
+            return "it is writable by every user and has no sticky bit"
+    return None
+
+
+def check_trusted(path: Path, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
+    """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
+
+    The cache holds shared libraries that get loaded into the server, so a directory another user can
+    write is a code-injection path (see docs/cache.md, "Trust").
+
+    Parameters
+    ----------
+    path : Path
+        What to check; it must exist (or ``st`` must be given).
+    what : str
+        How to name it in the message, e.g. ``"cache root"`` or ``"cache entry"``.
+    allow_shared : bool
+        Skip the check.
+    st : os.stat_result, optional
+        An ``lstat`` already taken.
+
+    Raises
+    ------
+    CacheError
+        Saying which path, why, and how to allow it.
+    FileNotFoundError
+        ``path`` does not exist (and no ``st`` was given).
+
+    """
+    if allow_shared:
+        return
+    reason = untrusted_reason(st if st is not None else os.lstat(path))
+    if reason is not None:
+        raise CacheError(f"refusing {what} {path}: {reason}; {_HOW_TO_ALLOW}")

@@ -1,4 +1,9 @@
-"""Per-key build locks (flock via filelock) with a holder record that waiters can read."""
+"""Per-key build locks (flock via filelock) with a holder record, and the one wait loop of the cache.
+
+Every wait of the cache has a deadline and says, once, who it is waiting for: :meth:`KeyLock.acquire`
+blocks in filelock's own acquire (``cancel_check`` ends it early), and :func:`wait_until` polls with a
+backoff (``wait_for``, a fleet lease). Both log through :class:`WaitLog` and raise ``LockTimeout``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -14,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock, Timeout
 
@@ -22,10 +29,12 @@ from jitwarm.cache.errors import CacheError, LockTimeout
 
 log = logging.getLogger("jitwarm.cache")
 
-#: A waiter that has waited this long logs, once, who holds the lock.
+T = TypeVar("T")
+
+#: A waiter that has waited this long logs, once, who holds what it waits for.
 WAIT_LOG_AFTER_S = 3.0
-#: Longest single blocking slice; between slices the caller's ``give_up`` check runs.
-_SLICE_S = 0.25
+#: While blocked on a key's lock, look this often whether the holder has published (then stop waiting).
+LOOK_EVERY_S = 0.25
 _POLL_S = 0.02
 
 
@@ -60,7 +69,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who holds a key's build lock: written by the holder right after it acquires the lock.
+    """Who holds a key's build lock (or fleet lease): written by the holder right after it takes it.
 
     Attributes
     ----------
@@ -69,7 +78,7 @@ class LockHolder:
     pid : int
         Its process id (on ``host``).
     since : float
-        When it acquired the lock (``time.time()``).
+        When it took the lock (``time.time()``).
 
     """
 
@@ -89,6 +98,64 @@ class LockHolder:
 
 #: ``on_wait(holder)``: called once when a call has to wait for another process (holder None if unknown).
 OnWait = Callable[[LockHolder | None], None]
+
+
+class WaitLog:
+    """The clock of one wait: after :data:`WAIT_LOG_AFTER_S`, log once who holds what we wait for."""
+
+    def __init__(self, key: str, holder: Callable[[], LockHolder | None], where: str = "") -> None:
+        self.key, self.holder, self.where = key, holder, where
+        self.start = time.monotonic()
+        self._logged = False
+
+    def elapsed(self) -> float:
+        """Seconds since the wait began."""
+        return time.monotonic() - self.start
+
+    def tick(self) -> None:
+        """Log ``still waiting for cache key K (where): held by ...`` the first time it is due."""
+        if not self._logged and self.elapsed() >= WAIT_LOG_AFTER_S:
+            self._logged = True
+            holder = self.holder()
+            log.info("still waiting for cache key %s%s: %s", self.key, self.where,
+                     holder.describe() if holder else "no holder recorded")
+
+
+def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
+               holder: Callable[[], LockHolder | None], where: str = "",
+               backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
+    """Call ``poll`` with a backoff until it returns something other than None, and return that.
+
+    Parameters
+    ----------
+    poll : callable
+        Looks once; None means not yet. Its exceptions propagate.
+    timeout_s : float
+        Deadline; ``poll`` runs a last time at the deadline.
+    key, holder, where
+        For the single "still waiting" log line and for ``LockTimeout``: the key, a callable reading who
+        holds it, and where it is held (e.g. ``" (fleet lease on redis://...)"``).
+    backoff : (first, factor, cap)
+        Sleep ``first`` seconds before the first poll, then ``factor`` times longer each time, at most ``cap``.
+
+    Raises
+    ------
+    LockTimeout
+        Nothing turned up within ``timeout_s``; names the key and the holder at that moment.
+
+    """
+    clock = WaitLog(key, holder, where)
+    delay, factor, cap = backoff
+    while True:
+        elapsed = clock.elapsed()
+        clock.tick()
+        if elapsed >= timeout_s:
+            raise LockTimeout(key, holder(), timeout_s)
+        time.sleep(min(delay, timeout_s - elapsed))
+        delay = min(delay * factor, cap)
+        found = poll()
+        if found is not None:
+            return found
 
 
 class KeyLock:
@@ -118,17 +185,9 @@ class KeyLock:
         return self._lock is not None and self._lock.is_locked
 
     def try_acquire(self) -> bool:
-        """Take the lock if it is free right now; never waits."""
+        """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
         try:
-            if self._lock is None:
-                make_dirs(self.lock_dir)
-                # In a group-writable lock dir (a team's shared cache) the group must be able to open the
-                # lock files too. preserve_lock_file also turns off filelock's soft-lock fallback on
-                # filesystems without flock: a soft marker outlives a SIGKILLed holder (see _open_error).
-                shared = self.lock_dir.stat().st_mode & stat.S_IWGRP
-                self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True,
-                                      **({"mode": 0o664} if shared else {}))
-            self._lock.acquire(blocking=False)
+            self._file_lock().acquire(blocking=False)
         except Timeout:  # a TimeoutError, hence an OSError: catch it first
             return False
         except OSError as exc:
@@ -136,13 +195,8 @@ class KeyLock:
         self._write_holder()
         return True
 
-    def acquire(
-        self,
-        timeout_s: float,
-        *,
-        on_wait: Callable[[LockHolder | None], None] | None = None,
-        give_up: Callable[[], bool] | None = None,
-    ) -> bool:
+    def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
+                give_up: Callable[[], bool] | None = None) -> bool:
         """Take the lock, waiting at most ``timeout_s`` seconds for another holder.
 
         Parameters
@@ -152,8 +206,9 @@ class KeyLock:
         on_wait : callable, optional
             Called once with the holder record (or None if none is written yet) when the lock is busy.
         give_up : callable, optional
-            Checked between waiting slices; when it returns True the wait ends without the lock (the
-            caller found what it was waiting for).
+            Checked every :data:`LOOK_EVERY_S` while blocked (from filelock's own poll loop, as its
+            ``cancel_check``), and at the deadline; when it returns True the wait ends without the lock
+            (the caller found what it was waiting for).
 
         Returns
         -------
@@ -170,29 +225,31 @@ class KeyLock:
         """
         if self.try_acquire():
             return True
-        start = time.monotonic()
-        deadline = start + timeout_s
+        clock = WaitLog(self.key, self.read_holder)
         if on_wait is not None:
             on_wait(self._current_holder())
-        logged = False
-        while True:
-            now = time.monotonic()
-            if not logged and now - start >= WAIT_LOG_AFTER_S:
-                logged = self.log_wait()
-            if now >= deadline:
-                if give_up is not None and give_up():
-                    return False
-                raise LockTimeout(self.key, self.read_holder(), timeout_s)
-            try:
-                self._lock.acquire(timeout=min(deadline - now, _SLICE_S), poll_interval=_POLL_S)
-            except Timeout:
-                if give_up is not None and give_up():
-                    return False
-                continue
-            except OSError as exc:
-                raise self._open_error(exc) from exc
-            self._write_holder()
-            return True
+        gave_up, next_look = False, clock.start + LOOK_EVERY_S
+
+        def cancel() -> bool:
+            nonlocal gave_up, next_look
+            clock.tick()
+            if give_up is not None and time.monotonic() >= next_look:
+                gave_up = give_up()
+                next_look = time.monotonic() + LOOK_EVERY_S
+            return gave_up
+
+        # -1 is filelock's "for ever" (math.inf is read as -1 by 4.x but not by 3.30).
+        left = -1 if math.isinf(timeout_s) else max(0.0, timeout_s - clock.elapsed())
+        try:
+            self._file_lock().acquire(timeout=left, poll_interval=_POLL_S, cancel_check=cancel)
+        except Timeout:
+            if gave_up or (give_up is not None and give_up()):
+                return False
+            raise LockTimeout(self.key, self.read_holder(), timeout_s) from None
+        except OSError as exc:
+            raise self._open_error(exc) from exc
+        self._write_holder()
+        return True
 
     def release(self) -> None:
         """Drop the holder record, then the lock (in that order, so a new holder's record survives)."""
@@ -217,11 +274,17 @@ class KeyLock:
             return None
         return holder
 
-    def log_wait(self) -> bool:
-        """Log (at INFO) that we are waiting for this key and who holds its lock; return True."""
-        holder = self.read_holder()
-        log.info("waiting for cache key %s: %s", self.key, holder.describe() if holder else "no lock holder recorded")
-        return True
+    def _file_lock(self) -> FileLock:
+        """Make this instance's FileLock on first use (creating the lock dir)."""
+        if self._lock is None:
+            make_dirs(self.lock_dir)
+            # In a group-writable lock dir (a team's shared cache) the group must be able to open the lock
+            # files too. preserve_lock_file also turns off filelock's soft-lock fallback on filesystems
+            # without flock: a soft marker outlives a SIGKILLed holder (see _open_error).
+            shared = self.lock_dir.stat().st_mode & stat.S_IWGRP
+            self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True,
+                                  **({"mode": 0o664} if shared else {}))
+        return self._lock
 
     def _current_holder(self) -> LockHolder | None:
         """Read the holder record, allowing a new holder a moment to write it after taking the lock."""

@@ -1,4 +1,4 @@
-"""Pruning: least-recently-used entries by size or age, and staging dirs abandoned by dead builders."""
+"""Pruning: least-recently-used entries by size or age, staging dirs abandoned by dead builders, PruneReport."""
 
 from __future__ import annotations
 
@@ -6,14 +6,48 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from jitwarm.cache.durable import directory_size, remove_tree
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, pid_alive, this_host
-from jitwarm.cache.reports import PruneReport
 
 log = logging.getLogger("jitwarm.cache")
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """Result of :meth:`KernelCache.prune`.
+
+    Attributes
+    ----------
+    removed : tuple of str
+        Keys whose entries were removed, least recently used first.
+    freed_bytes : int
+        Bytes of artifact files removed with them.
+    skipped_locked : tuple of str
+        Keys that were due for removal but whose lock was held, so were kept.
+    staging_removed : tuple of str
+        Names of abandoned staging directories removed (their builder is dead).
+    quarantine_removed : tuple of str
+        Names of quarantined copies removed (only with ``older_than_s``).
+    remaining_bytes : int
+        Size of the entries left in the writable root.
+
+    """
+
+    removed: tuple[str, ...] = ()
+    freed_bytes: int = 0
+    skipped_locked: tuple[str, ...] = ()
+    staging_removed: tuple[str, ...] = ()
+    quarantine_removed: tuple[str, ...] = ()
+    remaining_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-able dict."""
+        return asdict(self)
 
 
 def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None) -> list[str]:
@@ -22,7 +56,7 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
     A staging dir is removed only when its name says this host, its pid is not alive (zombies count as
     dead) and, when it belongs to a key, nobody holds that key's lock. With ``only_key`` the caller
     holds that key's lock, and only that key's dirs are considered. Dirs of other hosts are never
-    touched: their pids mean nothing here.
+    touched: their pids mean nothing here. Takes each key's lock without waiting (a held one is skipped).
     """
     host = this_host()
     removed = []
@@ -50,8 +84,14 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
 
     Last use is the entry directory's mtime, which lookups refresh: it works on ``noatime`` mounts. Each
     removal takes the key's lock without waiting (a held lock means a build or import is in progress, so
-    the entry is kept) and renames the entry into staging before deleting it, so a reader sees the whole
-    entry or none of it.
+    the entry is kept) and renames the entry into staging under it before deleting it, so a reader sees
+    the whole entry or none of it.
+
+    Raises
+    ------
+    ValueError
+        ``max_bytes`` is negative.
+
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")

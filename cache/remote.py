@@ -1,5 +1,8 @@
 """RemoteStore: the fleet's shared second cache level in Redis: entries as hashes, health, presence.
 
+This module only moves entries; the protocol that decides when to download, lease and upload is
+:mod:`jitwarm.cache.fleet`.
+
 One Redis hash per entry, ``<prefix>:v1:entry:<key>``, with the fields ``manifest`` (the bytes of the
 entry's ``entry.json``: every file with size and sha256), ``meta`` (who uploaded it, which files are
 executable) and ``file:<relative path>`` (each file's bytes). An upload replaces the whole hash in one
@@ -18,16 +21,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from jitwarm.cache.durable import remove_tree
-from jitwarm.cache.entry import MANIFEST, Entry, unpack_entry
+from jitwarm.cache.entry import MANIFEST, Entry, unchanged, unpack_entry
 from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
-from jitwarm.cache.reports import RemoteReport, StatsCounter
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -55,8 +58,41 @@ def redact(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}"
 
 
+@dataclass(frozen=True)
+class RemoteReport:
+    """Result of :meth:`KernelCache.remote_report`: which keys the remote tier holds.
+
+    Attributes
+    ----------
+    url : str
+        The remote's URL, password removed.
+    prefix : str
+        The key namespace on that server.
+    available : bool
+        False when the remote could not be asked; ``present`` and ``missing`` are then empty.
+    error : str or None
+        Why it is not available.
+    present : tuple of str
+        Keys whose entry (manifest and files) is on the remote.
+    missing : tuple of str
+        Keys the remote does not hold.
+
+    """
+
+    url: str
+    prefix: str
+    available: bool
+    error: str | None = None
+    present: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-able dict."""
+        return asdict(self)
+
+
 class _Health:
-    """Whether a remote URL is usable in this process: shared by every cache instance that uses it."""
+    """Whether one remote URL is usable in this process."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -65,25 +101,49 @@ class _Health:
         self.warned = False
 
 
-_HEALTH: dict[str, _Health] = {}
-_CLIENTS: dict[str, Any] = {}
-_REGISTRY = threading.Lock()
+class RemoteHealth:
+    """Per-process registry of each remote URL's health and pooled client, shared by every cache using it.
+
+    A failure seen by one cache turns the remote off for :data:`RETRY_AFTER_S` for all of them, and the
+    "unavailable" warning is logged once per URL per process. :meth:`reset` forgets everything (tests).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._health: dict[str, _Health] = {}
+        self._clients: dict[str, Any] = {}
+
+    def get(self, url: str) -> tuple[_Health, Any]:
+        """Return the health record and (lazily made, pooled) redis client of ``url``."""
+        with self._lock:
+            if url not in self._clients:
+                import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
+                from redis.backoff import ExponentialBackoff
+                from redis.retry import Retry
+
+                # One quick retry, not redis-py's default backoff: a startup must not hang on a dead server.
+                self._clients[url] = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                                          socket_timeout=READ_TIMEOUT_S,
+                                                          retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
+                self._health[url] = _Health()
+            return self._health[url], self._clients[url]
+
+    def reset(self) -> None:
+        """Close every pooled client and forget every URL's health (each remote is tried afresh)."""
+        with self._lock:
+            clients, self._clients, self._health = list(self._clients.values()), {}, {}
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close()
 
 
-def _registered(url: str) -> tuple[_Health, Any]:
-    """Return the health record and (lazily made, pooled) redis client of ``url`` in this process."""
-    with _REGISTRY:
-        if url not in _CLIENTS:
-            import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
-            from redis.backoff import ExponentialBackoff
-            from redis.retry import Retry
+#: The registry of this process.
+HEALTH = RemoteHealth()
 
-            # One quick retry, not redis-py's default backoff: a startup must not hang on a dead server.
-            _CLIENTS[url] = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                                 socket_timeout=READ_TIMEOUT_S,
-                                                 retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
-            _HEALTH[url] = _Health()
-        return _HEALTH[url], _CLIENTS[url]
+
+def reset_remote_health() -> None:
+    """Forget this process's remote health and close its pooled clients (for tests; see :class:`RemoteHealth`)."""
+    HEALTH.reset()
 
 
 class RemoteStore:
@@ -93,7 +153,8 @@ class RemoteStore:
     the caller passes it to :meth:`failed`, which logs it once and turns the remote off for
     :data:`RETRY_AFTER_S` (or raises :class:`~jitwarm.cache.errors.RemoteUnavailable` when the remote is
     required). :meth:`fetch` writes an entry only after every byte matched its manifest; a remote entry
-    that does not is reported, counted in ``remote_rejected`` and never written.
+    that does not is reported, counted in ``remote_rejected`` and never written. Nothing here takes a
+    lock: the caller holds the key's host lock around :meth:`fetch` and :meth:`upload`.
 
     Parameters
     ----------
@@ -107,20 +168,20 @@ class RemoteStore:
         Entries larger than this are not uploaded.
     shared : bool
         The local root's ``allow_shared`` (decides the modes of downloaded directories).
-    stats : StatsCounter
-        Where ``remote_*`` counters go.
+    count : callable, optional
+        ``count(name, amount=1)`` adds to a ``remote_*`` counter of :class:`~jitwarm.cache.CacheStats`.
 
     """
 
-    def __init__(self, url: str, *, prefix: str, required: bool, max_bytes: int, shared: bool,
-                 stats: StatsCounter) -> None:
+    def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
+                 shared: bool = False, count: Callable[..., None] | None = None) -> None:
         self.url = url
         self.display = redact(url)
         self.prefix = prefix
         self.required = required
         self.max_bytes = max_bytes
         self.shared = shared
-        self._stats = stats
+        self._count = count or (lambda name, amount=1: None)
         self._rejected: dict[str, str] = {}  # key -> sha256 of a manifest already rejected by this instance
 
     def entry_name(self, key: str) -> str:
@@ -136,20 +197,20 @@ class RemoteStore:
     @property
     def usable(self) -> bool:
         """False while this process considers the remote down (a required remote is always tried)."""
-        health, _ = _registered(self.url)
+        health, _ = HEALTH.get(self.url)
         return self.required or time.monotonic() >= health.down_until
 
     @property
     def error(self) -> str | None:
         """Why the remote is considered down now, or None."""
-        health, _ = _registered(self.url)
+        health, _ = HEALTH.get(self.url)
         return health.error if time.monotonic() < health.down_until else None
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run ``fn(client)``; a redis or socket error becomes RemoteFailure("<what>: <error>")."""
         from redis.exceptions import RedisError
 
-        _, client = _registered(self.url)
+        _, client = HEALTH.get(self.url)
         try:
             return fn(client)
         except (RedisError, OSError) as exc:
@@ -164,11 +225,11 @@ class RemoteStore:
             The remote is required.
 
         """
-        self._stats.add("remote_errors")
+        self._count("remote_errors")
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.required:
             raise RemoteUnavailable(self.display, reason) from exc
-        health, _ = _registered(self.url)
+        health, _ = HEALTH.get(self.url)
         with health.lock:
             health.down_until = time.monotonic() + RETRY_AFTER_S
             health.error = reason
@@ -188,14 +249,14 @@ class RemoteStore:
 
     # -- entries ----------------------------------------------------------------------------------
 
-    def fetch(self, key: str, dest: Path) -> bool:
+    def fetch(self, key: str, dest: Path) -> Entry | None:
         """Download the entry of ``key`` into the new directory ``dest``, checked against its manifest.
 
         Returns
         -------
-        bool
-            True when ``dest`` now holds the complete entry (sealed like a build, not yet published);
-            False when the remote has no entry, or has one that failed the check (reported, counted in
+        Entry or None
+            The complete entry at ``dest`` (sealed like a build, hashed once, not yet published); None when
+            the remote has no entry, or has one that failed the check (reported, counted in
             ``remote_rejected``; ``dest`` is not left behind).
 
         Raises
@@ -206,37 +267,40 @@ class RemoteStore:
         """
         name = self.entry_name(key)
         probe = self.call("read", lambda c: c.hget(name, "manifest"))
-        if probe is None or self._rejected.get(key) == _digest(probe):
-            return False  # nothing there, or the entry we rejected before: not worth a download
+        rejected = self._rejected.get(key)
+        if probe is None or (rejected is not None and rejected == _digest(probe)):
+            return None  # nothing there, or the entry we rejected before: not worth a download
         raw: dict[bytes, bytes] = self.call("download", lambda c: c.hgetall(name))
         manifest = raw.get(b"manifest")
         if manifest is None:
-            return False
+            return None
         meta = _loads(raw.get(b"meta"))
         files = {k[5:].decode("utf-8", "replace"): v for k, v in raw.items() if k.startswith(b"file:")}
         executable = meta.get("executable") if isinstance(meta.get("executable"), list) else []
         try:
-            unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
+            return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
         except CorruptEntry as exc:
             remove_tree(dest)
             self._rejected[key] = _digest(manifest)
-            self._stats.add("remote_rejected")
+            self._count("remote_rejected")
             origin = f"pid {meta.get('pid')} on {meta.get('host')}" if meta.get("host") else "unknown uploader"
             log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
                         "replaced by the next build", key, self.display, origin, exc)
-            return False
+            return None
         except BaseException:
             remove_tree(dest)
             raise
-        return True
 
     def upload(self, entry: Entry) -> bool:
         """Upload a verified local entry, replacing any remote one of its key in one transaction.
 
+        The files are not hashed again: they are read, then their stat signature is compared with the one
+        taken when they were hashed (every downloader checks each sha256 anyway).
+
         Returns
         -------
         bool
-            False when the entry is larger than ``max_bytes`` or its files changed since verification
+            False when the entry is larger than ``max_bytes`` or its files changed since they were hashed
             (logged; nothing uploaded).
 
         Raises
@@ -253,13 +317,12 @@ class RemoteStore:
         executable = []
         for rec in entry.records:
             path = entry.path / rec.path
-            data = path.read_bytes()
-            if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
-                log.warning("not uploading cache key %s: %s changed since it was verified", entry.key, path)
-                return False
-            fields[f"file:{rec.path}"] = data
+            fields[f"file:{rec.path}"] = path.read_bytes()
             if os.lstat(path).st_mode & 0o111:
                 executable.append(rec.path)
+        if not unchanged(entry):  # checked after reading: what was read is what was hashed
+            log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
+            return False
         fields["meta"] = json.dumps({"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
                                      "executable": executable}).encode()
         name = self.entry_name(entry.key)
@@ -272,7 +335,7 @@ class RemoteStore:
 
         self.call("upload", replace)
         self._rejected.pop(entry.key, None)
-        self._stats.add("remote_uploads")
+        self._count("remote_uploads")
         return True
 
     def report(self, keys: Iterable[str]) -> RemoteReport:

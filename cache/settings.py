@@ -1,14 +1,16 @@
-"""Every ``JITWARM_*`` environment variable of jitwarm, read lazily through one typed place.
+"""The cache's ``JITWARM_*`` environment knobs, each parsed by its own accessor when it is used.
 
-Nothing here runs at import. :func:`settings` reads ``os.environ`` on every call, so a changed environment
-is seen at once; :func:`override` scopes changes for tests (and for child processes, which inherit them).
+Nothing here runs at import, and no accessor reads more than its own variable: a bad
+``JITWARM_REMOTE_LEASE_S`` fails a cache that has a remote tier, never one without. The knobs of the layers
+above (``JITWARM_JOBS``, ``JITWARM_STRICT``) are theirs (:mod:`jitwarm.precompile.settings`).
+:func:`override` scopes changes for tests (and for child processes, which inherit them).
 
 Examples
 --------
->>> from jitwarm.cache.settings import override, settings
->>> with override(jobs=3, strict=True):
-...     (settings().jobs, settings().strict)
-(3, True)
+>>> from jitwarm.cache import settings
+>>> with settings.override(remote_lease_s=2.5, remote_prefix="fleet-a"):
+...     (settings.remote_lease_s(), settings.remote_prefix())
+(2.5, 'fleet-a')
 
 """
 
@@ -18,18 +20,15 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-#: Field of :class:`Settings` -> the environment variable it is read from.
+#: Accessor (and :func:`override` field) name -> the environment variable it reads.
 ENV_VARS: Mapping[str, str] = {
     "cache_dir": "JITWARM_CACHE_DIR",
     "cache_path": "JITWARM_CACHE_PATH",
     "lock_dir": "JITWARM_LOCK_DIR",
     "allow_shared": "JITWARM_ALLOW_SHARED",
-    "jobs": "JITWARM_JOBS",
-    "strict": "JITWARM_STRICT",
     "remote": "JITWARM_REMOTE",
     "remote_prefix": "JITWARM_REMOTE_PREFIX",
     "remote_required": "JITWARM_REMOTE_REQUIRED",
@@ -39,95 +38,88 @@ ENV_VARS: Mapping[str, str] = {
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Key namespace on the remote when none is set.
+DEFAULT_REMOTE_PREFIX = "jitwarm"
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:{}-]{1,64}")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
-@dataclass(frozen=True)
-class Settings:
-    """A snapshot of jitwarm's environment knobs, already parsed and defaulted.
+def cache_dir() -> Path:
+    """``JITWARM_CACHE_DIR``: the writable root; else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``."""
+    for var, tail in (("JITWARM_CACHE_DIR", ()), ("XDG_CACHE_HOME", ("jitwarm",))):
+        text = os.environ.get(var, "").strip()
+        if text:
+            return absolute_path(text).joinpath(*tail)
+    return Path("~").expanduser() / ".cache" / "jitwarm"
 
-    Attributes
-    ----------
-    cache_dir : Path
-        Writable cache root: ``$JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else
-        ``~/.cache/jitwarm``.
-    cache_path : tuple of Path
-        Read-only layers searched after the root: ``$JITWARM_CACHE_PATH``, colon-separated.
-    lock_dir : Path or None
-        Where per-key lock files live (``$JITWARM_LOCK_DIR``); None means ``<cache_dir>/v1/locks``.
-        Put it on node-local storage such as ``/dev/shm`` when the root is on NFS.
-    allow_shared : bool
-        ``$JITWARM_ALLOW_SHARED``: accept roots and entries other users can write.
-    jobs : int
-        ``$JITWARM_JOBS``: parallel builds for ``warm``; defaults to the number of CPUs.
-    strict : bool
-        ``$JITWARM_STRICT``: never compile at run time; a cache miss is an error.
-    remote : str or None
-        ``$JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``,
-        ``rediss://`` for TLS, ``unix://``); None means no remote tier.
-    remote_prefix : str
-        ``$JITWARM_REMOTE_PREFIX``: namespace of this fleet's keys on that server (default ``jitwarm``).
-    remote_required : bool
-        ``$JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down.
-    remote_lease_s : float
-        ``$JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30);
-        a dead builder's lease runs out after this long.
-    remote_max_bytes : int
-        ``$JITWARM_REMOTE_MAX_BYTES``: larger entries are not uploaded (default 256 MiB).
 
+def cache_path() -> tuple[Path, ...]:
+    """``JITWARM_CACHE_PATH``: read-only layers searched after the root, colon-separated; default none."""
+    return tuple(absolute_path(p.strip()) for p in os.environ.get("JITWARM_CACHE_PATH", "").split(":") if p.strip())
+
+
+def lock_dir() -> Path | None:
+    """``JITWARM_LOCK_DIR``: where per-key lock files live; None means ``<root>/v1/locks``.
+
+    Put it on node-local storage such as ``/dev/shm`` when the root is on NFS.
     """
-
-    cache_dir: Path
-    cache_path: tuple[Path, ...]
-    lock_dir: Path | None
-    allow_shared: bool
-    jobs: int
-    strict: bool
-    remote: str | None = None
-    remote_prefix: str = "jitwarm"
-    remote_required: bool = False
-    remote_lease_s: float = 30.0
-    remote_max_bytes: int = 256 << 20
+    text = os.environ.get("JITWARM_LOCK_DIR", "").strip()
+    return absolute_path(text) if text else None
 
 
-def settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read and parse every ``JITWARM_*`` variable now.
-
-    Parameters
-    ----------
-    environ : Mapping, optional
-        The environment to read; ``os.environ`` by default.
-
-    Returns
-    -------
-    Settings
-        The parsed values, defaults filled in.
+def allow_shared() -> bool:
+    """``JITWARM_ALLOW_SHARED``: accept roots and entries other users can write.
 
     Raises
     ------
     ValueError
-        A variable has a value that does not parse; the one-line message names the variable.
+        Not a boolean; the one-line message names the variable.
 
     """
-    env = os.environ if environ is None else environ
-    return Settings(
-        cache_dir=_cache_dir(env),
-        cache_path=tuple(_path(p) for p in env.get("JITWARM_CACHE_PATH", "").split(":") if p.strip()),
-        lock_dir=_path(env["JITWARM_LOCK_DIR"]) if env.get("JITWARM_LOCK_DIR", "").strip() else None,
-        allow_shared=_bool(env, "JITWARM_ALLOW_SHARED"),
-        jobs=_jobs(env),
-        strict=_bool(env, "JITWARM_STRICT"),
-        remote=check_remote_url(env["JITWARM_REMOTE"].strip(), "JITWARM_REMOTE")
-        if env.get("JITWARM_REMOTE", "").strip() else None,
-        remote_prefix=check_remote_prefix(env.get("JITWARM_REMOTE_PREFIX", "").strip() or "jitwarm",
-                                          "JITWARM_REMOTE_PREFIX"),
-        remote_required=_bool(env, "JITWARM_REMOTE_REQUIRED"),
-        remote_lease_s=_number(env, "JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5),
-        remote_max_bytes=_number(env, "JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0),
-    )
+    return _bool("JITWARM_ALLOW_SHARED")
+
+
+def remote() -> str | None:
+    """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``); None means none.
+
+    Raises
+    ------
+    ValueError
+        Not a Redis URL (the message names the variable, never the URL: it may hold a password).
+
+    """
+    text = os.environ.get("JITWARM_REMOTE", "").strip()
+    return check_remote_url(text, "JITWARM_REMOTE") if text else None
+
+
+def remote_prefix() -> str:
+    """``JITWARM_REMOTE_PREFIX``: this fleet's key namespace on the remote (default ``jitwarm``); ValueError if bad."""
+    text = os.environ.get("JITWARM_REMOTE_PREFIX", "").strip()
+    return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
+
+
+def remote_required() -> bool:
+    """``JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down; ValueError if bad."""
+    return _bool("JITWARM_REMOTE_REQUIRED")
+
+
+def remote_lease_s() -> float:
+    """``JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30, at least 0.5).
+
+    Raises
+    ------
+    ValueError
+        Not a number of at least 0.5; the one-line message names the variable.
+
+    """
+    return _number("JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5)
+
+
+def remote_max_bytes() -> int:
+    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are not uploaded (default 256 MiB); ValueError if bad."""
+    return _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
 
 
 def check_remote_url(url: str, what: str = "remote") -> str:
@@ -148,44 +140,43 @@ def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
     return prefix
 
 
+def absolute_path(path: str | os.PathLike[str]) -> Path:
+    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem."""
+    return Path(os.path.normpath(Path(path).expanduser().absolute()))
+
+
 @contextmanager
-def override(**values: object) -> Iterator[Settings]:
+def override(**values: object) -> Iterator[None]:
     """Set some knobs for the duration of a ``with`` block, then restore the environment.
 
     Values are written to ``os.environ`` (so subprocesses see them too); ``None`` unsets a variable.
-    Not thread-safe: it changes the process environment.
+    Nothing is parsed here: the accessors parse when they are called. Not thread-safe: it changes the
+    process environment.
 
     Parameters
     ----------
     **values
-        :class:`Settings` field names and their values (paths, a sequence of paths for ``cache_path``,
-        bools, ints).
-
-    Yields
-    ------
-    Settings
-        The settings in force inside the block.
+        Names of :data:`ENV_VARS` and their values (paths, a sequence of paths for ``cache_path``, bools,
+        numbers, strings).
 
     Raises
     ------
     TypeError
-        An unknown field name.
-    ValueError
-        A value that the parser rejects (the environment is restored first).
+        An unknown name, or a value that cannot be put into an environment variable (nothing is changed).
 
     """
-    known = {f.name for f in fields(Settings)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - set(ENV_VARS))
     if unknown:
-        raise TypeError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
-    saved = {ENV_VARS[name]: os.environ.get(ENV_VARS[name]) for name in values}
+        raise TypeError(f"unknown cache setting(s) {unknown}; known: {sorted(ENV_VARS)}")
+    rendered = {ENV_VARS[name]: None if value is None else _format(value) for name, value in values.items()}
+    saved = {var: os.environ.get(var) for var in rendered}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(ENV_VARS[name], None)
+        for var, text in rendered.items():
+            if text is None:
+                os.environ.pop(var, None)
             else:
-                os.environ[ENV_VARS[name]] = _format(value)
-        yield settings()
+                os.environ[var] = text
+        yield
     finally:
         for var, old in saved.items():
             if old is None:
@@ -194,52 +185,20 @@ def override(**values: object) -> Iterator[Settings]:
                 os.environ[var] = old
 
 
-def _cache_dir(env: Mapping[str, str]) -> Path:
-    """Resolve the writable root: JITWARM_CACHE_DIR, then XDG_CACHE_HOME, then ~/.cache."""
-    if env.get("JITWARM_CACHE_DIR", "").strip():
-        return _path(env["JITWARM_CACHE_DIR"])
-    if env.get("XDG_CACHE_HOME", "").strip():
-        return _path(env["XDG_CACHE_HOME"]) / "jitwarm"
-    return Path("~").expanduser() / ".cache" / "jitwarm"
-
-
-def _path(text: str) -> Path:
-    """Parse a path variable: strip blanks, then as :func:`absolute_path`."""
-    return absolute_path(text.strip())
-
-
-def absolute_path(path: str | os.PathLike[str]) -> Path:
-    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem."""
-    return Path(os.path.normpath(Path(path).expanduser().absolute()))
-
-
-def _bool(env: Mapping[str, str], var: str) -> bool:
+def _bool(var: str) -> bool:
     """Parse a boolean variable (1/0, true/false, yes/no, on/off; unset is False)."""
-    text = env.get(var, "").strip().lower()
+    raw = os.environ.get(var, "")
+    text = raw.strip().lower()
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"{var}={env[var]!r} is not a boolean (use 1 or 0)")
+    raise ValueError(f"{var}={raw!r} is not a boolean (use 1 or 0)")
 
 
-def _jobs(env: Mapping[str, str]) -> int:
-    """Parse JITWARM_JOBS, a positive int defaulting to the CPU count."""
-    text = env.get("JITWARM_JOBS", "").strip()
-    if not text:
-        return os.cpu_count() or 1
-    try:
-        jobs = int(text)
-    except ValueError:
-        raise ValueError(f"JITWARM_JOBS={text!r} is not an integer") from None
-    if jobs < 1:
-        raise ValueError(f"JITWARM_JOBS={text!r} must be at least 1")
-    return jobs
-
-
-def _number(env: Mapping[str, str], var: str, kind: type, default: float, *, minimum: float) -> Any:
+def _number(var: str, kind: type, default: float, *, minimum: float) -> Any:
     """Parse an int or float variable with a lower bound; unset or blank gives ``default``."""
-    text = env.get(var, "").strip()
+    text = os.environ.get(var, "").strip()
     if not text:
         return default
     try:
@@ -252,7 +211,7 @@ def _number(env: Mapping[str, str], var: str, kind: type, default: float, *, min
 
 
 def _format(value: object) -> str:
-    """Render an override value the way the parser reads it back."""
+    """Render an override value the way the accessor reads it back."""
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, (str, int, float, os.PathLike)):

@@ -1,4 +1,4 @@
-"""KernelCache: lookup, exactly-once get-or-build, wait, verify and plan records over a root and layers."""
+"""KernelCache: the facade over the local tier, the remote tier, bundles and prune; and CacheResult."""
 
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from jitwarm.cache import bundle, plans, prune
-from jitwarm.cache.durable import directory_size, make_dirs, remove_tree
+from jitwarm.cache import bundle, prune, settings
+from jitwarm.cache.bundle import ImportReport
+from jitwarm.cache.durable import directory_size, remove_tree
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
-from jitwarm.cache.fleet import FleetBuilder
-from jitwarm.cache.index import EntryIndex
-from jitwarm.cache.keys import check_key, hash_preimage, key_of, key_preimage
-from jitwarm.cache.layout import BUNDLE_TAG, RootLayout
+from jitwarm.cache.fleet import Fleet
+from jitwarm.cache.keys import check_key, key_of, key_preimage
+from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_plan_record, write_plan_record
+from jitwarm.cache.local import BuildFn, LocalCache, VerifyReport
 from jitwarm.cache.locks import OnWait
-from jitwarm.cache.publish import BuildFn, Publisher
-from jitwarm.cache.remote import RemoteStore, redact
-from jitwarm.cache.reports import CacheStats, ImportReport, PruneReport, RemoteReport, StatsCounter, VerifyReport
-from jitwarm.cache.settings import absolute_path, check_remote_prefix, check_remote_url, settings
+from jitwarm.cache.prune import PruneReport
+from jitwarm.cache.remote import RemoteReport, RemoteStore, redact
+from jitwarm.cache.stats import CacheStats, StatsCounter
 
 Outcome = Literal["hit", "built", "waited", "downloaded"]
 
@@ -42,8 +42,7 @@ class KernelCache:
     Parameters
     ----------
     root : path, optional
-        The writable root; ``$JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else
-        ``~/.cache/jitwarm``.
+        The writable root; ``$JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``.
     layers : sequence of paths, optional
         Read-only roots searched after ``root``; None means ``$JITWARM_CACHE_PATH`` (pass ``()`` for none).
     lock_dir : path, optional
@@ -55,8 +54,7 @@ class KernelCache:
         Accept roots and entries other users can write (also ``JITWARM_ALLOW_SHARED=1``).
     remote : str, optional
         The fleet's shared Redis, the second level after the local root and layers (``redis://``,
-        ``rediss://``, with password and db); None means ``$JITWARM_REMOTE``, ``""`` none. See
-        docs/cache.md, "Remote tier".
+        ``rediss://``, with password and db); None means ``$JITWARM_REMOTE``, ``""`` none.
     remote_prefix : str, optional
         Key namespace on that server; ``$JITWARM_REMOTE_PREFIX``, else ``"jitwarm"``.
     remote_required : bool, optional
@@ -66,22 +64,21 @@ class KernelCache:
     Raises
     ------
     ValueError
-        A ``JITWARM_*`` variable, ``remote`` or ``remote_prefix`` does not parse (see
-        :mod:`jitwarm.cache.settings`).
+        A knob that is read does not parse (one line naming the variable). A ``JITWARM_*`` variable is read
+        only when its argument leaves it open (None; ``allow_shared=False``), the ``JITWARM_REMOTE_*`` ones
+        only with a remote.
 
     Notes
     -----
     Contract. Construction reads the environment and touches no file. ``lookup`` and ``wait_for`` never
-    build; ``lookup`` returns None for a missing or corrupt entry and raises only for an untrusted
-    root or entry (``CacheError``). ``get_or_build`` runs ``build`` only while holding the key's lock,
-    at most once per key per host (lock dir) while entries stay valid; it raises ``LockTimeout`` when
-    another holder outlasts ``timeout_s``, ``BuildError`` when ``build`` fails, ``CacheError`` on a miss
-    in a read-only cache. Every returned entry was verified (size and sha256 of every file) the first
-    time this instance saw it, and its files' stat signature is re-checked on every later lookup.
-    Instances are thread-safe; two threads of one process exclude each other like two processes.
-    With a remote, a ``get_or_build`` miss asks it next (under the key's lock), and ``build`` runs at
-    most once per key per fleet; a remote failure is logged once and the call goes on locally, or
-    raises ``RemoteUnavailable`` with ``remote_required``. ``lookup`` and ``wait_for`` stay local.
+    build; ``lookup`` returns None for a missing, corrupt or discarded entry and raises only for an
+    untrusted root or entry (``CacheError``). ``get_or_build`` runs ``build`` only while holding the key's
+    lock, at most once per key per host (lock dir) while entries stay valid. Every returned entry's files
+    were hashed by this instance (verified, or sealed and published by it), and their stat signature is
+    re-checked on every later lookup. Instances are thread-safe; two threads of one process exclude each
+    other like two processes. With a remote, a ``get_or_build`` miss asks it next (under the key's lock)
+    and ``build`` runs at most once per key per fleet; a remote failure is logged once and the call goes
+    on locally, or raises ``RemoteUnavailable`` with ``remote_required``. Everything else stays local.
 
     """
 
@@ -90,30 +87,28 @@ class KernelCache:
                  lock_dir: str | os.PathLike[str] | None = None,
                  read_only: bool = False, allow_shared: bool = False, remote: str | None = None,
                  remote_prefix: str | None = None, remote_required: bool | None = None) -> None:
-        env = settings()
-        self.root = absolute_path(root) if root is not None else env.cache_dir
-        self.layers = tuple(absolute_path(p) for p in (env.cache_path if layers is None else layers))
+        self.root = settings.absolute_path(root) if root is not None else settings.cache_dir()
+        self.layers = tuple(settings.absolute_path(p) for p in (settings.cache_path() if layers is None else layers))
         self.read_only = bool(read_only)
-        self.allow_shared = bool(allow_shared) or env.allow_shared
-        self._layout = RootLayout(self.root, shared=self.allow_shared)
-        if lock_dir is not None:
-            self.lock_dir = absolute_path(lock_dir)
-        else:
-            self.lock_dir = env.lock_dir or self._layout.locks
+        self.allow_shared = bool(allow_shared) or settings.allow_shared()
+        layout = RootLayout(self.root, shared=self.allow_shared)
+        self.lock_dir = (settings.absolute_path(lock_dir) if lock_dir is not None
+                         else settings.lock_dir() or layout.locks)
         self._stats = StatsCounter()
-        self._index = EntryIndex(self._layout, [RootLayout(p) for p in self.layers], self.lock_dir,
-                                 root_read_only=self.read_only, allow_shared=self.allow_shared,
-                                 stats=self._stats)
-        self._publisher = Publisher(self._layout, self._index, self.lock_dir, allow_shared=self.allow_shared,
-                                    stats=self._stats)
-        self.remote = env.remote if remote is None else (check_remote_url(remote) if remote else None)
-        self.remote_prefix = check_remote_prefix(remote_prefix) if remote_prefix else env.remote_prefix
-        self.remote_required = env.remote_required if remote_required is None else bool(remote_required)
-        self._remote = self._fleet = None
+        self._local = LocalCache(layout, [RootLayout(p) for p in self.layers], self.lock_dir, read_only=self.read_only,
+                                 allow_shared=self.allow_shared, count=self._stats.add)
+        self.remote = settings.remote() if remote is None else (settings.check_remote_url(remote) if remote else None)
+        self.remote_prefix = settings.check_remote_prefix(remote_prefix) if remote_prefix else (
+            settings.remote_prefix() if self.remote else settings.DEFAULT_REMOTE_PREFIX)
+        self.remote_required = bool(remote_required) if remote_required is not None else (
+            bool(self.remote) and settings.remote_required())
+        self._remote: RemoteStore | None = None
+        self._fleet: Fleet | None = None
         if self.remote is not None:
-            self._remote = RemoteStore(self.remote, prefix=self.remote_prefix, required=self.remote_required,
-                                       max_bytes=env.remote_max_bytes, shared=self.allow_shared, stats=self._stats)
-            self._fleet = FleetBuilder(self._remote, self._publisher, lease_s=env.remote_lease_s, stats=self._stats)
+            self._remote = RemoteStore(self.remote, self.remote_prefix, required=self.remote_required,
+                                       max_bytes=settings.remote_max_bytes(), shared=self.allow_shared,
+                                       count=self._stats.add)
+            self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._stats.add)
 
     @property
     def remote_display(self) -> str | None:
@@ -133,22 +128,23 @@ class KernelCache:
         Raises
         ------
         TypeError
-            ``description`` is not a dict of plain JSON values.
+            ``description`` is not a dict of plain JSON values (the message says where).
 
         """
         return key_of(description)
 
     def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses)."""
+        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
         return key_preimage(description)
 
-    # -- lookup -----------------------------------------------------------------------------------
+    # -- lookup, get or build, discard, wait --------------------------------------------------------
 
     def lookup(self, key: str) -> Entry | None:
         """Return the verified entry of ``key`` from the root or a layer, or None.
 
-        Never waits and never builds. A corrupt entry counts as a miss: in the writable root it is moved to
-        quarantine (when its lock is free), in a read-only layer it is skipped.
+        Never waits and never builds; takes no lock, except that a corrupt copy in the writable root is
+        moved to quarantine when its lock is free (a corrupt layer copy is skipped). Returns None for a
+        missing, corrupt or discarded entry.
 
         Raises
         ------
@@ -158,12 +154,10 @@ class KernelCache:
             A root, layer or entry that other users can write (see ``allow_shared``).
 
         """
-        return self._index.find(check_key(key))
-
-    # -- get or build -----------------------------------------------------------------------------
+        return self._local.lookup(check_key(key))
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
-                     on_wait: OnWait | None = None) -> Entry:
+                     on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
         """Return the entry for ``description``, building it here if no process has.
 
         Parameters
@@ -180,6 +174,9 @@ class KernelCache:
         on_wait : callable, optional
             Called once, with the holder's :class:`LockHolder` (None if not yet recorded), when this call
             has to wait for another holder.
+        key : str, optional
+            ``cache.key(description)``, already computed by the caller, so that a description is hashed once
+            per process: lookups use it as given; before a build it is checked against ``description``.
 
         Returns
         -------
@@ -195,44 +192,59 @@ class KernelCache:
             Another holder kept the lock past ``timeout_s`` (names the key and the holder).
         BuildError
             ``build`` raised (chained) or wrote nothing usable; nothing is published, the lock is released.
+        TypeError, ValueError
+            ``description`` is not plain JSON; ``key`` is not a key, or not the key of ``description``.
 
         """
-        return self.get_or_build_ex(description, build, timeout_s, on_wait).entry
+        return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
 
     def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
-                        on_wait: OnWait | None = None) -> CacheResult:
+                        on_wait: OnWait | None = None, *, key: str | None = None) -> CacheResult:
         """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
 
         ``outcome`` is ``"hit"``, ``"built"``, ``"waited"`` or ``"downloaded"`` (see :class:`CacheResult`),
         e.g. for a warm report that counts compiled versus waited kernels.
+
+        Examples
+        --------
+        >>> key = cache.key(description)           # once per process
+        >>> cache.get_or_build_ex(description, build, key=key).outcome
+        'hit'
+
         """
-        preimage = key_preimage(description)
-        key = hash_preimage(preimage)
-        entry = self._index.find(key)
+        key = key_of(description) if key is None else check_key(key)
+        entry = self._local.lookup(key)                                              # 1. lock-free lookup
         if entry is not None:
             self._stats.add("hits")
             return CacheResult(entry, "hit")
         if self.read_only:
             raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root}); build it with a "
-                             "writable cache (jitwarm warm) or import a bundle")
+                             "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
         self._stats.add("misses")
-        self._prepare_root()
-        return CacheResult(*self._publisher.get_or_build(key, preimage, build, timeout_s, on_wait, self._fleet))
+        return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
 
-    def _prepare_root(self) -> None:
-        """Create the root's top directories (nothing is created before the first write) and check them."""
-        try:
-            self._layout.ensure(self._layout.entries)
-            make_dirs(self.lock_dir, self._layout.dir_mode)
-        except OSError as exc:
-            raise CacheError(f"cannot create the cache root {self.root}: {exc}; set JITWARM_CACHE_DIR to "
-                             "a writable directory, or use KernelCache(read_only=True) for lookups") from exc
-        self._index.check_root(self._layout)
+    def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
+        """Set aside an entry this cache returned that its caller cannot use (e.g. a library dlopen rejects).
 
-    # -- waiting ----------------------------------------------------------------------------------
+        The cache knows nothing of loading: ``reason`` is the caller's. An entry of the writable root is
+        quarantined under its key's lock, with ``reason`` beside it, if it is still the same entry on disk
+        (same stat signature; a rebuild another process published meanwhile is left alone). An entry of a
+        read-only layer (or of a read-only cache) cannot be moved: this instance remembers it as rejected
+        and its lookups skip it from now on, so :meth:`get_or_build` builds the key into the writable root.
+        Either way the next ``get_or_build`` of the key builds it again, once under its lock across processes.
+
+        Raises
+        ------
+        LockTimeout
+            The key's lock stayed held past ``timeout_s`` (the entry is still skipped by this instance).
+        CacheError
+            The lock dir is unusable.
+
+        """
+        self._local.discard(entry, reason, timeout_s)
 
     def wait_for(self, key: str, timeout_s: float) -> Entry:
-        """Wait until another process publishes ``key`` and return its entry; never builds.
+        """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
 
         Polls :meth:`lookup` with a backoff from 20 ms to 0.5 s and logs once, after a few seconds, who
         holds the key's lock.
@@ -245,13 +257,7 @@ class KernelCache:
             As for :meth:`lookup`.
 
         """
-        entry = self.lookup(key)
-        if entry is not None:
-            self._stats.add("hits")
-            return entry
-        self._stats.add("misses")
-        self._stats.add("waits")
-        return self._publisher.wait_published(key, timeout_s)
+        return self._local.wait_for(check_key(key), timeout_s)
 
     # -- maintenance ------------------------------------------------------------------------------
 
@@ -267,7 +273,7 @@ class KernelCache:
             An untrusted root or entry.
 
         """
-        return self._index.verify(None if keys is None else sorted({check_key(k) for k in keys}))
+        return self._local.verify(None if keys is None else sorted({check_key(k) for k in keys}))
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> PruneReport:
         """Remove entries of the writable root, least recently used first, and abandoned staging dirs.
@@ -282,8 +288,8 @@ class KernelCache:
         Returns
         -------
         PruneReport
-            What was removed, and what was kept because its lock is held. An entry whose key lock is held
-            is never removed; layers are never touched.
+            What was removed, and what was kept because its lock is held. Each removal try-locks its key
+            and never waits: an entry whose key lock is held is never removed; layers are never touched.
 
         Raises
         ------
@@ -292,14 +298,14 @@ class KernelCache:
 
         """
         self._require_writable("prune")
-        report = prune.prune_root(self._layout, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s)
+        report = prune.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s)
         for key in report.removed:
-            self._index.forget(self._layout.entry_dir(key))
+            self._local.forget(self._local.root.entry_dir(key))
         return report
 
     def size_bytes(self) -> int:
         """Return the total size of the entries in the writable root (0 if it does not exist)."""
-        return sum(directory_size(path) for _key, path in self._layout.iter_entry_dirs())
+        return sum(directory_size(path) for _key, path in self._local.root.iter_entry_dirs())
 
     def stats(self) -> CacheStats:
         """Return this instance's counters: hits, misses, builds, waits, lock-wait seconds, corrupt, remote."""
@@ -327,7 +333,7 @@ class KernelCache:
         """
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
-    # -- bundles ----------------------------------------------------------------------------------
+    # -- bundles and plan records -----------------------------------------------------------------
 
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
         """Write the entries of ``keys`` to one relocatable tar (gzip'd if ``path`` ends in .gz/.tgz).
@@ -343,14 +349,14 @@ class KernelCache:
         missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
         if missing:
             raise CacheError(f"cannot export: {len(missing)} key(s) not in the cache: {missing}")
-        return bundle.write_bundle([e for e in entries if e is not None], absolute_path(path))
+        return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0) -> ImportReport:
         """Import a bundle made by :meth:`export_bundle` into the writable root.
 
         Every member is checked (no absolute paths, ``..``, links or devices) and every entry fully
-        verified before anything is published; then each key is published through the normal locked
-        atomic path.
+        verified (each file hashed once) before anything is published; then each key is published by a
+        rename under its key's lock, unless the root or a layer already has it.
 
         Raises
         ------
@@ -361,16 +367,15 @@ class KernelCache:
 
         """
         self._require_writable("import a bundle")
-        self._prepare_root()
-        staging = self._layout.new_staging_dir(BUNDLE_TAG)
-        self._layout.ensure(self._layout.staging)
+        self._local.prepare_root()
+        staging = self._local.new_staging(BUNDLE_TAG)
         try:
-            staged = bundle.unpack_bundle(absolute_path(path), staging, dir_mode=self._layout.dir_mode)
-            return self._publisher.import_staged(staged, timeout_s)
+            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared)
+            done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
+            return ImportReport(imported=tuple(k for k, new in done.items() if new),
+                                present=tuple(k for k, new in done.items() if not new))
         finally:
             remove_tree(staging)
-
-    # -- plan records -----------------------------------------------------------------------------
 
     def write_plan_record(self, plan_id: str, record: Mapping[str, Any]) -> Path:
         """Atomically write ``<root>/v1/plans/<plan_id>.json`` and return its path.
@@ -386,17 +391,19 @@ class KernelCache:
 
         """
         self._require_writable("write a plan record")
-        self._layout.plan_path(plan_id)  # validate before creating anything
-        self._prepare_root()
-        return plans.write_plan_record(self._layout, plan_id, record)
+        self._local.root.plan_path(plan_id)  # a bad id raises before anything is created
+        self._local.prepare_root()
+        return write_plan_record(self._local.root, plan_id, record)
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
         """Return the plan record from the root, else the first layer that has it, else None.
 
-        A record that does not parse as a JSON object is logged and skipped (returns None if no other).
+        A record that does not parse as a JSON object is logged and skipped. ValueError for a bad ``plan_id``.
         """
-        return plans.read_plan_record([layout for layout, _ in self._index.search_order()], plan_id)
+        return read_plan_record([layout for layout, _ in self._local.search_order()], plan_id)
 
     def _require_writable(self, what: str) -> None:
+        """Raise CacheError for a write on a read-only cache."""
         if self.read_only:
             raise CacheError(f"cannot {what}: the cache at {self.root} is read-only")
+

@@ -63,10 +63,7 @@ def redis_url(tmp_path_factory):
 @pytest.fixture
 def remote(redis_url):
     """This test's namespace on the shared Redis; the process-wide remote health starts fresh."""
-    from jitwarm.cache import remote as remote_module
+    from jitwarm.cache import reset_remote_health
 
-    for client in remote_module._CLIENTS.values():
-        client.close()
-    remote_module._HEALTH.clear()
-    remote_module._CLIENTS.clear()
+    reset_remote_health()
     return remote_fixtures.Remote(redis_url)

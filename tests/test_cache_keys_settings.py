@@ -1,7 +1,8 @@
-"""Keys (canonical JSON), settings (the one place JITWARM_* is read), and side-effect-free import."""
+"""Keys (canonical JSON), settings (each knob read when used), messages, and side-effect-free import."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 from workers.cache_harness import cache_for
 
-from jitwarm.cache import FORMAT_VERSION, KernelCache
-from jitwarm.cache.settings import ENV_VARS, override, settings
+import jitwarm.cache
+from jitwarm.cache import FORMAT_VERSION, CacheError, KernelCache, RemoteUnavailable, settings
+from jitwarm.cache.settings import ENV_VARS, override
 
 
 def test_key_is_sha256_of_canonical_preimage(tmp_path):
@@ -46,57 +48,66 @@ def test_lookup_rejects_malformed_keys(tmp_path):
             cache_for(tmp_path).lookup(bad)
 
 
+def _local_settings():
+    return (settings.cache_dir(), settings.cache_path(), settings.lock_dir(), settings.allow_shared())
+
+
 def test_settings_defaults_and_precedence(monkeypatch, tmp_path):
     for var in (*ENV_VARS.values(), "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    s = settings()
-    assert s.cache_dir == tmp_path / "home" / ".cache" / "jitwarm"
-    assert (s.cache_path, s.lock_dir, s.allow_shared, s.strict) == ((), None, False, False)
-    assert s.jobs == (os.cpu_count() or 1)
+    assert _local_settings() == (tmp_path / "home" / ".cache" / "jitwarm", (), None, False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert settings().cache_dir == tmp_path / "xdg" / "jitwarm"
+    assert settings.cache_dir() == tmp_path / "xdg" / "jitwarm"
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path / "explicit"))
     monkeypatch.setenv("JITWARM_CACHE_PATH", f"{tmp_path}/l1::{tmp_path}/l2")
     monkeypatch.setenv("JITWARM_LOCK_DIR", "/dev/shm/jitwarm-locks")
     monkeypatch.setenv("JITWARM_ALLOW_SHARED", "yes")
-    monkeypatch.setenv("JITWARM_JOBS", "7")
-    monkeypatch.setenv("JITWARM_STRICT", "1")
-    s = settings()
-    assert s.cache_dir == tmp_path / "explicit"
-    assert s.cache_path == (tmp_path / "l1", tmp_path / "l2")
-    assert s.lock_dir == Path("/dev/shm/jitwarm-locks")
-    assert (s.allow_shared, s.jobs, s.strict) == (True, 7, True)
+    assert _local_settings() == (tmp_path / "explicit", (tmp_path / "l1", tmp_path / "l2"),
+                                 Path("/dev/shm/jitwarm-locks"), True)
     cache = KernelCache()
-    assert (cache.root, cache.layers, cache.lock_dir) == (s.cache_dir, s.cache_path, s.lock_dir)
+    assert (cache.root, cache.layers, cache.lock_dir) == _local_settings()[:3]
     assert cache.allow_shared
 
 
-@pytest.mark.parametrize(("var", "value"), [("JITWARM_JOBS", "abc"), ("JITWARM_JOBS", "0"),
-                                            ("JITWARM_STRICT", "maybe"), ("JITWARM_ALLOW_SHARED", "2")])
-def test_bad_values_name_the_variable(monkeypatch, var, value):
+@pytest.mark.parametrize(("var", "value"), [("JITWARM_ALLOW_SHARED", "2"), ("JITWARM_ALLOW_SHARED", "maybe")])
+def test_bad_values_name_the_variable(monkeypatch, tmp_path, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=f"^{var}=") as info:
-        settings()
+        settings.allow_shared()
     assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=f"^{var}="):
+        KernelCache(root=tmp_path)
+    assert KernelCache(root=tmp_path, allow_shared=True).allow_shared  # the variable is not read then
+
+
+@pytest.mark.parametrize(("var", "value"), [("JITWARM_JOBS", "abc"), ("JITWARM_STRICT", "maybe")])
+def test_upper_layer_knobs_are_not_the_caches(monkeypatch, tmp_path, var, value):
+    """JITWARM_JOBS and JITWARM_STRICT belong to jitwarm.precompile.settings: the cache never reads them."""
+    monkeypatch.setenv(var, value)
+    cache = KernelCache(root=tmp_path / "root", layers=())
+    assert cache.get_or_build_ex({"n": 1}, lambda d: (d / "f").write_text("x")).outcome == "built"
+    assert "jobs" not in ENV_VARS and "strict" not in ENV_VARS
 
 
 def test_override_scopes_and_restores(monkeypatch, tmp_path):
-    monkeypatch.setenv("JITWARM_JOBS", "3")
-    monkeypatch.delenv("JITWARM_STRICT", raising=False)
-    with override(jobs=5, strict=True, cache_path=[tmp_path / "a", tmp_path / "b"]) as s:
-        assert (s.jobs, s.strict, s.cache_path) == (5, True, (tmp_path / "a", tmp_path / "b"))
-        assert os.environ["JITWARM_JOBS"] == "5"
-        with override(jobs=None):
-            assert settings().jobs == (os.cpu_count() or 1)
-    assert os.environ["JITWARM_JOBS"] == "3" and "JITWARM_STRICT" not in os.environ
-    with pytest.raises(TypeError, match="unknown setting"):
-        with override(job=1):
-            pass
-    with pytest.raises(ValueError, match="JITWARM_JOBS"):
-        with override(jobs=-1):
-            pass
-    assert os.environ["JITWARM_JOBS"] == "3"
+    monkeypatch.setenv("JITWARM_REMOTE_LEASE_S", "3")
+    monkeypatch.delenv("JITWARM_ALLOW_SHARED", raising=False)
+    with override(remote_lease_s=5, allow_shared=True, cache_path=[tmp_path / "a", tmp_path / "b"]):
+        assert (settings.remote_lease_s(), settings.allow_shared()) == (5.0, True)
+        assert settings.cache_path() == (tmp_path / "a", tmp_path / "b")
+        assert os.environ["JITWARM_REMOTE_LEASE_S"] == "5"
+        with override(remote_lease_s=None):
+            assert settings.remote_lease_s() == 30.0
+    assert os.environ["JITWARM_REMOTE_LEASE_S"] == "3" and "JITWARM_ALLOW_SHARED" not in os.environ
+    for unknown in ({"lease": 1}, {"jobs": 2}):
+        with pytest.raises(TypeError, match="unknown cache setting"):
+            with override(**unknown):
+                pass
+    with override(remote_lease_s=-1):  # nothing is parsed until an accessor is called
+        with pytest.raises(ValueError, match="^JITWARM_REMOTE_LEASE_S='-1' must be at least 0.5$"):
+            settings.remote_lease_s()
+    assert os.environ["JITWARM_REMOTE_LEASE_S"] == "3"
 
 
 def test_import_and_construction_write_nothing_and_import_no_heavy_modules(tmp_path):
@@ -116,3 +127,31 @@ def test_import_and_construction_write_nothing_and_import_no_heavy_modules(tmp_p
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
     assert list(home.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+# A CLI flag (--remote-required) or a jitwarm subcommand ("jitwarm warm"): the CLI adds those hints itself.
+CLI_HINT = re.compile(r"(?<![\w-])--[a-z]|\bjitwarm (plan|warm|status|verify|prestart|prune|export|import)\b")
+
+
+def _message_strings(path: Path):
+    """Every string literal of a module except docstrings (f-string parts included)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_cache_messages_name_no_cli_flags_or_commands(tmp_path):
+    package = Path(jitwarm.cache.__file__).parent
+    found = [f"{path.name}:{line}: {text!r}" for path in sorted(package.glob("*.py"))
+             for line, text in _message_strings(path) if CLI_HINT.search(text)]
+    assert found == [], found
+    required = str(RemoteUnavailable("redis://host:6379/0", "ConnectionError: refused"))
+    assert "JITWARM_REMOTE_REQUIRED=1" in required and "KernelCache(remote_required=True)" in required
+    with pytest.raises(CacheError, match="read-only") as info:
+        KernelCache(root=tmp_path, layers=(), read_only=True).get_or_build({"n": 1}, lambda d: None)
+    for message in (required, str(info.value)):
+        assert not CLI_HINT.search(message), message

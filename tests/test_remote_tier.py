@@ -14,9 +14,10 @@ import pytest
 from remote_fixtures import RedisServer, free_port, redis_server_binary
 from workers.cache_harness import artifact_bytes, build_counts, desc, make_builder
 
-from jitwarm.cache import CacheError, KernelCache, LockTimeout, RemoteUnavailable
-from jitwarm.cache.lease import FleetLease
-from jitwarm.cache.settings import override, settings
+from jitwarm.cache import CacheError, KernelCache, LockTimeout, RemoteUnavailable, settings
+from jitwarm.cache.fleet import FleetLease
+from jitwarm.cache.remote import RemoteStore
+from jitwarm.cache.settings import override
 
 
 def test_second_node_downloads_instead_of_building(remote, tmp_path):
@@ -150,7 +151,7 @@ def test_password_and_database_in_the_url(tmp_path):
 
 
 def test_lease_is_extended_while_held_and_released_only_by_its_owner(remote, tmp_path):
-    store = remote.cache(tmp_path / "a")._remote
+    store = RemoteStore(remote.url, remote.prefix)
     client = remote.client()
     first = FleetLease(store, "a" * 64, ttl_s=0.6)
     assert first.try_acquire() and not FleetLease(store, "a" * 64, ttl_s=0.6).try_acquire()
@@ -169,7 +170,7 @@ def test_lease_is_extended_while_held_and_released_only_by_its_owner(remote, tmp
 
 def test_waiting_on_a_live_lease_times_out_naming_the_holder(remote, tmp_path):
     cache = remote.cache(tmp_path / "a")
-    lease = FleetLease(cache._remote, cache.key(desc(9)), ttl_s=5)
+    lease = FleetLease(RemoteStore(remote.url, remote.prefix), cache.key(desc(9)), ttl_s=5)
     assert lease.try_acquire()
     seen = []
     try:
@@ -184,29 +185,52 @@ def test_waiting_on_a_live_lease_times_out_naming_the_holder(remote, tmp_path):
     assert cache.stats().lease_waits == 1 and cache.stats().builds == 0
 
 
+REMOTE_KNOBS = {"remote": "JITWARM_REMOTE", "remote_prefix": "JITWARM_REMOTE_PREFIX",
+                "remote_required": "JITWARM_REMOTE_REQUIRED", "remote_lease_s": "JITWARM_REMOTE_LEASE_S",
+                "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES"}
+
+
+def _remote_settings():
+    return tuple(getattr(settings, name)() for name in REMOTE_KNOBS)
+
+
 def test_remote_settings_parse_and_validate(monkeypatch):
-    for var in ("JITWARM_REMOTE", "JITWARM_REMOTE_PREFIX", "JITWARM_REMOTE_REQUIRED", "JITWARM_REMOTE_LEASE_S",
-                "JITWARM_REMOTE_MAX_BYTES"):
+    for var in REMOTE_KNOBS.values():
         monkeypatch.delenv(var, raising=False)
-    s = settings()
-    assert (s.remote, s.remote_prefix, s.remote_required, s.remote_lease_s, s.remote_max_bytes) == (
-        None, "jitwarm", False, 30.0, 256 << 20)
+    assert _remote_settings() == (None, "jitwarm", False, 30.0, 256 << 20)
     with override(remote="rediss://:pw@cache:6380/2", remote_prefix="fleet-a", remote_required=True,
-                  remote_lease_s=2.5, remote_max_bytes=1000) as s:
-        assert (s.remote, s.remote_prefix, s.remote_required, s.remote_lease_s, s.remote_max_bytes) == (
-            "rediss://:pw@cache:6380/2", "fleet-a", True, 2.5, 1000)
+                  remote_lease_s=2.5, remote_max_bytes=1000):
+        assert _remote_settings() == ("rediss://:pw@cache:6380/2", "fleet-a", True, 2.5, 1000)
         cache = KernelCache(layers=())
-        assert (cache.remote, cache.remote_prefix, cache.remote_required) == (s.remote, "fleet-a", True)
+        assert (cache.remote, cache.remote_prefix, cache.remote_required) == ("rediss://:pw@cache:6380/2",
+                                                                              "fleet-a", True)
         assert "pw" not in repr(cache) and KernelCache(layers=(), remote="").remote is None
     for var, value in [("JITWARM_REMOTE", "http://:pw@x"), ("JITWARM_REMOTE_PREFIX", "a b"),
                        ("JITWARM_REMOTE_LEASE_S", "0"), ("JITWARM_REMOTE_MAX_BYTES", "lots")]:
         monkeypatch.setenv(var, value)
+        name = next(n for n, v in REMOTE_KNOBS.items() if v == var)
         with pytest.raises(ValueError, match=var) as info:
-            settings()
+            getattr(settings, name)()
         assert "pw" not in str(info.value)
         monkeypatch.delenv(var)
     with pytest.raises(ValueError):
         KernelCache(layers=(), remote="localhost:6379")
+
+
+@pytest.mark.parametrize(("var", "value"), [("JITWARM_REMOTE_LEASE_S", "bad"), ("JITWARM_REMOTE_MAX_BYTES", "lots"),
+                                            ("JITWARM_REMOTE_PREFIX", "a b"), ("JITWARM_REMOTE_REQUIRED", "maybe")])
+def test_remote_knobs_are_read_only_with_a_remote(monkeypatch, tmp_path, var, value):
+    """A bad remote knob never fails a cache without a remote; with one, construction fails in one line."""
+    monkeypatch.setenv(var, value)
+    local = KernelCache(root=tmp_path / "root", layers=())
+    assert local.remote is None and not local.remote_required
+    assert local.get_or_build_ex(desc(10), make_builder(tmp_path / "c", 10)).outcome == "built"
+    with pytest.raises(ValueError, match=f"^{var}=") as info:
+        KernelCache(root=tmp_path / "root", layers=(), remote="redis://127.0.0.1:1/0")
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("JITWARM_REMOTE", "redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match=f"^{var}="):
+        KernelCache(root=tmp_path / "root", layers=())
 
 
 def test_no_remote_means_no_redis_import_and_no_change(tmp_path):
@@ -224,7 +248,7 @@ def test_cli_remote_flags(remote, tmp_path, capsys, monkeypatch):
     from jitwarm.precompile.cli import main
 
     root = ["--cache-dir", str(tmp_path / "root")]
-    assert main(["status", *TINY, *root, *remote.flags()]) == 0
+    assert main(["status", *TINY, *root, *remote.flags()]) == 5  # not ready here: nothing is local
     out = capsys.readouterr().out
     assert f"remote {remote.url} (prefix {remote.prefix}): 0/3 present on remote, 3 missing" in out
     assert out.count("  missing on remote: ") == 3
@@ -232,7 +256,7 @@ def test_cli_remote_flags(remote, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == ("jitwarm: error: --remote without a URL needs JITWARM_REMOTE "
                                                "(e.g. redis://cache-host:6379/0)")
     monkeypatch.setenv("JITWARM_REMOTE", remote.url)
-    assert main(["status", *TINY, *root, "--remote", "--remote-prefix", remote.prefix, "--json"]) == 0
+    assert main(["status", *TINY, *root, "--remote", "--remote-prefix", remote.prefix, "--json"]) == 5
     assert json.loads(capsys.readouterr().out)["remote"]["missing"] == 3
     assert main(["warm", *TINY, *root, "--remote", "http://:pw@host/0"]) == 2
     err = capsys.readouterr().err

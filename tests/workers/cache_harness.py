@@ -15,9 +15,9 @@ from jitwarm.cache import KernelCache
 WORKER = Path(__file__).with_name("cache_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 
-from cache_worker import artifact_bytes, desc  # noqa: E402
+from cache_worker import REJECTED, artifact_bytes, desc  # noqa: E402
 
-__all__ = ["WORKER", "Workers", "artifact_bytes", "build_counts", "cache_for", "desc", "make_builder",
+__all__ = ["REJECTED", "WORKER", "Workers", "artifact_bytes", "build_counts", "cache_for", "desc", "make_builder",
            "wait_for_file"]
 
 

@@ -7,6 +7,9 @@ Modes:
   hang   get_or_build(desc(N)) with a build that writes a partial file, touches --in-build, then
          sleeps until killed (holds the key's lock meanwhile)
   wait   wait_for(key(N), --timeout) and print the same JSON (or {"error": ...} on LockTimeout)
+  load   get_or_build_ex(desc(N), build), then "load" the entry: a kernel.bin that starts with REJECTED is
+         refused (as dlopen refuses a bad library), the entry discarded and got again; the JSON adds
+         "discarded" (bool) and "first" (the first call's outcome)
 
 The build appends "N PID" to --counter (O_APPEND, so concurrent appends never interleave), waits for
 --rendezvous builds if given, sleeps --sleep seconds, then writes kernel.bin and meta/info.json. With --go
@@ -35,6 +38,10 @@ def artifact_bytes(n: int) -> bytes:
     return (f"kernel {n}\n" * 200).encode()
 
 
+#: A kernel.bin starting with this is one the "loader" of the load mode (and the discard tests) refuses.
+REJECTED = b"REJECTED"
+
+
 def _count(counter: str | None, n: int) -> None:
     if counter:
         fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -55,6 +62,18 @@ def wait_for_go(go: str, ready_dir: str, timeout_s: float = 60.0) -> bool:
     return True
 
 
+def loads(entry) -> bool:
+    """The load mode's "loader": refuses a kernel.bin that starts with REJECTED, or that is gone.
+
+    Gone: another process discarded (quarantined) the entry between our lookup and our load, as a real
+    loader's dlopen would then fail too.
+    """
+    try:
+        return not entry.file("kernel.bin").read_bytes().startswith(REJECTED)
+    except OSError:
+        return False
+
+
 def _touch(path: str | None) -> None:
     if path:
         Path(path).write_text(str(os.getpid()))
@@ -63,7 +82,7 @@ def _touch(path: str | None) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
-    ap.add_argument("mode", choices=["get", "hang", "wait"])
+    ap.add_argument("mode", choices=["get", "hang", "wait", "load"])
     ap.add_argument("n", type=int)
     ap.add_argument("--counter")
     ap.add_argument("--sleep", type=float, default=0.0)
@@ -101,6 +120,7 @@ def main() -> int:
     def on_wait(holder: object) -> None:
         _touch(args.on_wait)
 
+    extra: dict[str, object] = {}
     if args.mode == "wait":
         try:
             entry, outcome = cache.wait_for(cache.key(desc(args.n)), args.timeout), "waited"
@@ -109,8 +129,17 @@ def main() -> int:
             return 2
     else:
         entry, outcome = cache.get_or_build_ex(desc(args.n), build, timeout_s=args.timeout, on_wait=on_wait)
+    if args.mode == "load":
+        extra = {"first": outcome, "discarded": False}
+        if not loads(entry):
+            cache.discard(entry, "OSError: kernel.bin: invalid ELF header", timeout_s=args.timeout)
+            entry, outcome = cache.get_or_build_ex(desc(args.n), build, timeout_s=args.timeout)
+            extra["discarded"] = True
+            if not loads(entry):
+                print(json.dumps({"error": "the entry got after discard does not load either"}))
+                return 2
     print(json.dumps({"key": entry.key, "path": str(entry.path), "outcome": outcome,
-                      "files": list(entry.files), "pid": os.getpid()}))
+                      "files": list(entry.files), "pid": os.getpid(), **extra}))
     return 0
 
 

@@ -1,0 +1,106 @@
+"""Hashing once: each description once per process (``key=``), each file once on every publish path.
+
+sha256 calls are counted by replacing the ``hashlib`` that ``jitwarm.cache.entry`` (every file hash) and
+``jitwarm.cache.keys`` (every key) see with a counting wrapper.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import types
+
+import pytest
+from workers.cache_harness import artifact_bytes, build_counts, cache_for, desc, make_builder
+
+from jitwarm.cache import entry as entry_module
+from jitwarm.cache import keys as keys_module
+
+FILES_PER_ENTRY = 2  # make_builder writes kernel.bin and meta/info.json
+
+
+class Sha256Counter:
+    """Stands in for the hashlib module of one cache module and counts sha256() calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sha256(self, *args):
+        self.calls += 1
+        return hashlib.sha256(*args)
+
+
+@pytest.fixture
+def file_hashes(monkeypatch):
+    counter = Sha256Counter()
+    monkeypatch.setattr(entry_module, "hashlib", types.SimpleNamespace(sha256=counter.sha256))
+    return counter
+
+
+@pytest.fixture
+def key_hashes(monkeypatch):
+    counter = Sha256Counter()
+    monkeypatch.setattr(keys_module, "hashlib", types.SimpleNamespace(sha256=counter.sha256))
+    return counter
+
+
+def test_a_build_hashes_each_file_once(tmp_path, file_hashes):
+    cache = cache_for(tmp_path / "root")
+    entry = cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    assert len(entry.files) == FILES_PER_ENTRY and file_hashes.calls == FILES_PER_ENTRY
+    assert cache.lookup(entry.key) == entry and cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0)) == entry
+    assert file_hashes.calls == FILES_PER_ENTRY  # later lookups compare stat signatures only
+    assert cache_for(tmp_path / "root").lookup(entry.key) == entry  # a new instance verifies on first sight
+    assert file_hashes.calls == 2 * FILES_PER_ENTRY
+
+
+def test_a_bundle_import_hashes_each_file_once(tmp_path, file_hashes):
+    src = cache_for(tmp_path / "src")
+    entries = [src.get_or_build(desc(n), make_builder(tmp_path / "c", n)) for n in range(3)]
+    bundle = src.export_bundle([e.key for e in entries], tmp_path / "b.tar.gz")
+    before = file_hashes.calls
+    dest = cache_for(tmp_path / "dest")
+    assert len(dest.import_bundle(bundle).imported) == 3
+    assert file_hashes.calls - before == 3 * FILES_PER_ENTRY
+    assert all(dest.lookup(e.key).records == e.records for e in entries)
+    assert file_hashes.calls - before == 3 * FILES_PER_ENTRY
+
+
+def test_a_download_and_its_upload_hash_each_file_once(remote, tmp_path, file_hashes):
+    counter = tmp_path / "builds.log"
+    built = remote.cache(tmp_path / "a").get_or_build_ex(desc(1), make_builder(counter, 1))
+    assert built.outcome == "built" and file_hashes.calls == FILES_PER_ENTRY  # sealed once, uploaded unhashed
+    reader = remote.cache(tmp_path / "b")
+    got = reader.get_or_build_ex(desc(1), make_builder(counter, 1))
+    assert got.outcome == "downloaded" and file_hashes.calls == 2 * FILES_PER_ENTRY
+    assert reader.lookup(got.entry.key) == got.entry and file_hashes.calls == 2 * FILES_PER_ENTRY
+    assert got.entry.file("kernel.bin").read_bytes() == artifact_bytes(1) and build_counts(counter) == {1: 1}
+
+
+def test_a_precomputed_key_is_not_hashed_again(tmp_path, key_hashes):
+    cache, counter = cache_for(tmp_path / "root"), tmp_path / "c"
+    key = cache.key(desc(2))
+    assert key_hashes.calls == 1
+    built = cache.get_or_build_ex(desc(2), make_builder(counter, 2), key=key)
+    assert built.outcome == "built" and built.entry.key == key
+    assert key_hashes.calls == 2  # a build checks the key against its description once, under the lock
+    for _ in range(3):
+        assert cache.get_or_build_ex(desc(2), make_builder(counter, 2), key=key).outcome == "hit"
+        assert cache.get_or_build(desc(2), make_builder(counter, 2), key=key) == built.entry
+    assert key_hashes.calls == 2
+    assert cache.get_or_build_ex(desc(2), make_builder(counter, 2)).outcome == "hit"
+    assert key_hashes.calls == 3  # without key=, each call hashes the description
+    assert build_counts(counter) == {2: 1}
+
+
+def test_a_wrong_precomputed_key_builds_nothing(tmp_path):
+    cache, counter = cache_for(tmp_path / "root"), tmp_path / "c"
+    with pytest.raises(ValueError, match="not a cache key"):
+        cache.get_or_build(desc(3), make_builder(counter, 3), key="../../etc")
+    other = cache.key(desc(4))
+    with pytest.raises(ValueError, match=f"key {other} is not the key of this description"):
+        cache.get_or_build(desc(3), make_builder(counter, 3), key=other)
+    assert build_counts(counter) == collections.Counter() and cache.lookup(other) is None
+    assert list((tmp_path / "root" / "v1" / "staging").glob("*")) == []
+    assert cache.get_or_build_ex(desc(3), make_builder(counter, 3), key=cache.key(desc(3)), timeout_s=0.5).outcome \
+        == "built"  # the lock was released
