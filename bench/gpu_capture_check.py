@@ -23,7 +23,7 @@ import torch
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import VerifyLayout, dispatch, ops, reference
-from jitwarm.kernels.verify_plan import max_out_rows
+from jitwarm.kernels.token_map import max_out_rows
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan, capture_ladder, warm
 
 HOOK_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "hook_worker.py"

@@ -15,10 +15,10 @@ import torch  # noqa: E402,F401  (a server has these loaded before capture)
 import tvm_ffi  # noqa: E402,F401
 
 from jitwarm.cache import KernelCache  # noqa: E402
-from jitwarm.kernels import dispatch  # noqa: E402
+from jitwarm.kernels import backend, dispatch  # noqa: E402
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan  # noqa: E402
 
-dispatch.backend_module("tvm_ffi")  # the other side imports tvm_ffi.cpp before its clock starts too
+backend("tvm_ffi")  # the other side imports tvm_ffi.cpp before its clock starts too
 gc.collect()  # both sides: a server collected long before capture; do not time a pending collection
 imported = time.perf_counter()
 plan = WarmPlan.build(ServingConfig.from_args(sys.argv[2:]))

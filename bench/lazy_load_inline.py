@@ -16,7 +16,7 @@ import time
 start = time.perf_counter()
 import tvm_ffi.cpp  # noqa: E402
 
-from jitwarm.kernels import tvm_backend  # noqa: E402
+from jitwarm.kernels import Target, tvm_backend  # noqa: E402
 from jitwarm.precompile import ServingConfig, WarmPlan  # noqa: E402
 
 target, flags = sys.argv[1], sys.argv[2:]
@@ -28,8 +28,9 @@ for spec in plan.specs:  # first-needed capture order: what lazy JIT at first di
     unit = tvm_backend.translation_unit(spec)
     name = "jw_" + hashlib.sha256(spec.id.encode()).hexdigest()[:16]
     s0 = time.perf_counter()
-    if tvm_backend.is_cuda_target(target):
-        tvm_ffi.cpp.load_inline(name, cuda_sources=unit, extra_cuda_cflags=["-O2", *tvm_backend.gencode(target)],
+    if target != "cpu":
+        tvm_ffi.cpp.load_inline(name, cuda_sources=unit,
+                                extra_cuda_cflags=["-O2", *tvm_backend.gencode(Target.parse(target))],
                                 extra_include_paths=[str(tvm_backend.CSRC)])
     else:
         tvm_ffi.cpp.load_inline(name, cpp_sources=unit, extra_cflags=["-O2"],

@@ -1,7 +1,8 @@
 """Kernel families: specialization rules, sources, build, load and dispatch of jitwarm's JIT kernels.
 
-The rules (``VerifyLayout``, ``KernelSpec``, ``FAMILIES``) are pure Python. ``ops`` and ``reference``
-import torch and are loaded on first access.
+The rules (``VerifyLayout``, ``KernelSpec``, ``FAMILIES``, ``Target``) and the backend contract are pure
+Python. ``artifact`` (the one path from a spec to an entry and a loaded kernel) and ``dispatch`` import the
+cache; ``ops`` and ``reference`` import torch. Those four are loaded on first access.
 """
 
 from __future__ import annotations
@@ -9,17 +10,31 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from jitwarm.kernels.backend import (
+    BACKEND_NAMES,
+    Backend,
+    CompileError,
+    LoadedKernel,
+    LoadError,
+    SpecError,
+    ToolchainError,
+    backend,
+)
+from jitwarm.kernels.families import FAMILIES, Family, plan_threads, specs_for
 from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.rules import FAMILIES, Family, plan_threads, specs_for
-from jitwarm.kernels.spec import BACKENDS, DTYPES, KernelSpec, ModelDims, is_valid_target
+from jitwarm.kernels.spec import DTYPES, KernelSpec, ModelDims
+from jitwarm.kernels.target import Target, TargetError
 
-__all__ = ["BACKENDS", "DTYPES", "FAMILIES", "Family", "KernelSpec", "ModelDims", "VerifyLayout",
-           "is_valid_target", "ops", "plan_threads", "reference", "specs_for"]
+_LAZY = {"Artifact": "artifacts", "KernelLoadError": "artifacts", "artifact": "artifacts",
+         "dispatch": None, "ops": None, "reference": None, "capture": None}
 
-_LAZY = ("ops", "reference")
+__all__ = ["BACKEND_NAMES", "DTYPES", "FAMILIES", "Backend", "CompileError", "Family", "KernelSpec", "LoadError",
+           "LoadedKernel", "ModelDims", "SpecError", "Target", "TargetError", "ToolchainError", "VerifyLayout",
+           "backend", "plan_threads", "specs_for", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return importlib.import_module(f"jitwarm.kernels.{name}")
+        module = importlib.import_module(f"jitwarm.kernels.{_LAZY[name] or name}")
+        return module if _LAZY[name] is None else getattr(module, name)
     raise AttributeError(f"module 'jitwarm.kernels' has no attribute {name!r}")

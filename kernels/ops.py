@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from jitwarm.kernels import dispatch
+from jitwarm.kernels.backend import BACKEND_NAMES
+from jitwarm.kernels.families import FAMILIES
 from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.rules import FAMILIES
 from jitwarm.kernels.spec import KernelSpec, ModelDims
-from jitwarm.kernels.verify_plan import Plan, max_out_rows
+from jitwarm.kernels.token_map import TokenMap, max_out_rows
 
-__all__ = ["Plan", "compress", "max_out_rows", "norm_rope", "plan", "spec_for"]
+__all__ = ["TokenMap", "compress", "max_out_rows", "norm_rope", "plan", "spec_for"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -68,14 +69,14 @@ def _positive_int(name: str, value: Any) -> int:
 def spec_for(family: str, layout: VerifyLayout, model: ModelDims, backend: str, device: torch.device
              ) -> KernelSpec:
     """Return the one spec ``family`` dispatches for this call (``specs_for`` with a one-ratio model)."""
-    if backend not in dispatch.BACKENDS:
-        raise ValueError(f"backend: unknown backend {backend!r}; known: {sorted(dispatch.BACKENDS)}")
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend: unknown backend {backend!r}; known: {', '.join(BACKEND_NAMES)}")
     (spec,) = FAMILIES[family].specs_for(layout, model, backend, dispatch.target_of(device))
     return spec
 
 
 def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int = 4, *,
-         out: Plan | None = None, backend: str = "tvm_ffi") -> Plan:
+         out: TokenMap | None = None, backend: str = "tvm_ffi") -> TokenMap:
     """Plan a ragged verify batch on the device of ``verify_lens``.
 
     Parameters
@@ -88,13 +89,13 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
     ratio
         Positions per compressed block.
     out
-        Optional preallocated :class:`Plan` to write into (CUDA-graph friendly); allocated when None.
+        Optional preallocated :class:`TokenMap` to write into (CUDA-graph friendly); allocated when None.
     backend
         ``"tvm_ffi"`` or ``"triton"``.
 
     Returns
     -------
-    Plan
+    TokenMap
         ``out``, or fresh int32 tensors on the input device.
 
     Raises
@@ -109,18 +110,18 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
     dev = _tensor("verify_lens", verify_lens, (r,), (torch.int32,)).device
     _tensor("prefix_lens", prefix_lens, (r,), (torch.int32,), dev)
     if out is None:
-        out = Plan(*(torch.empty(size, dtype=torch.int32, device=dev) for size in (r + 1, n, n, n, 1, 1)))
+        out = TokenMap(*(torch.empty(size, dtype=torch.int32, device=dev) for size in (r + 1, n, n, n, 1, 1)))
     else:
-        if not isinstance(out, Plan):
-            raise ValueError(f"out: expected a Plan, got {type(out).__name__}")
-        for field, size in zip(Plan._fields, (r + 1, n, n, n, 1, 1), strict=True):
+        if not isinstance(out, TokenMap):
+            raise ValueError(f"out: expected a TokenMap, got {type(out).__name__}")
+        for field, size in zip(TokenMap._fields, (r + 1, n, n, n, 1, 1), strict=True):
             _tensor(f"out.{field}", getattr(out, field), (size,), (torch.int32,), dev)
     spec = spec_for("plan", layout, ModelDims(compress_ratios=(ratio,)), backend, dev)
     dispatch.ensure_loaded(spec, shape=layout).run(verify_lens, prefix_lens, *out)
     return out
 
 
-def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Plan, state: torch.Tensor,
+def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: TokenMap, state: torch.Tensor,
              out: torch.Tensor, ratio: int = 4, *, backend: str = "tvm_ffi") -> None:
     """Fold the batch into the per-request softmax state and write every block the plan closes.
 
@@ -131,7 +132,7 @@ def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Pla
     kv, score
         ``[N, D]``, float32 or bfloat16, ``N = layout.num_tokens``.
     p
-        The batch's :class:`Plan` from :func:`plan` with the same ``ratio``.
+        The batch's :class:`TokenMap` from :func:`plan` with the same ``ratio``.
     state
         ``float32[R, 3, D]``: running max, sum and weighted sum per request and channel; updated.
     out
@@ -153,8 +154,8 @@ def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Pla
     if d < 1:
         raise ValueError("kv: head dim must be at least 1")
     _tensor("score", score, (n, d), (kv.dtype,), dev)
-    if not isinstance(p, Plan):
-        raise ValueError(f"p: expected a Plan, got {type(p).__name__}")
+    if not isinstance(p, TokenMap):
+        raise ValueError(f"p: expected a TokenMap, got {type(p).__name__}")
     _tensor("p.cu_lens", p.cu_lens, (r + 1,), (torch.int32,), dev)
     _tensor("p.token_out_row", p.token_out_row, (n,), (torch.int32,), dev)
     _tensor("state", state, (r, 3, d), (torch.float32,), dev)

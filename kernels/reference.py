@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.verify_plan import Plan
+from jitwarm.kernels.token_map import TokenMap
 
-__all__ = ["Plan", "compress", "norm_rope", "plan", "rope_inv_freq"]
+__all__ = ["TokenMap", "compress", "norm_rope", "plan", "rope_inv_freq"]
 
 
-def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int) -> Plan:
+def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int) -> TokenMap:
     """Plan a ragged verify batch: token offsets, positions and compressed output rows.
 
     Parameters
@@ -34,8 +34,8 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
 
     Returns
     -------
-    Plan
-        int32 tensors on ``verify_lens.device`` (see :class:`~jitwarm.kernels.verify_plan.Plan`).
+    TokenMap
+        int32 tensors on ``verify_lens.device`` (see :class:`~jitwarm.kernels.token_map.TokenMap`).
 
     """
     dev = verify_lens.device
@@ -54,11 +54,11 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
     def i32(x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.int32).reshape(-1)
 
-    return Plan(i32(cu), i32(token_req), i32(token_pos), i32(token_out_row), i32(closes.sum()),
+    return TokenMap(i32(cu), i32(token_req), i32(token_pos), i32(token_out_row), i32(closes.sum()),
                 i32(lens.min() == lens.max()))
 
 
-def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Plan, state: torch.Tensor,
+def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: TokenMap, state: torch.Tensor,
              out: torch.Tensor, ratio: int) -> None:
     """Fold each request's tokens into its online-softmax state; write every block the plan closes.
 

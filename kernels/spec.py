@@ -6,18 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKENDS = ("tvm_ffi", "triton")
 DTYPES = ("float32", "bfloat16")
 
 ParamValue = int | str
-
-
-def is_valid_target(target: str) -> bool:
-    """Return True for ``cpu`` or a CUDA arch name such as ``sm_90``, ``sm_90a`` or ``sm_100``."""
-    if target == "cpu":
-        return True
-    arch = target.removeprefix("sm_").removesuffix("a")
-    return target.startswith("sm_") and arch.isdigit() and int(arch) >= 75
 
 
 @dataclass(frozen=True)

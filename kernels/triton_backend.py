@@ -1,6 +1,6 @@
 """The Triton backend: cache description, ahead-of-time build to a cubin, load and launch of one spec.
 
-The same three-function contract as ``tvm_backend``, so the dispatcher can use either:
+It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
 
 ``description(spec) -> dict``
     What the artifact is, as plain JSON for the cache key: family, backend, target, params, the sha256 of
@@ -11,13 +11,16 @@ The same three-function contract as ``tvm_backend``, so the dispatcher can use e
     For an ``sm_XX`` target: ``triton.compile`` with an explicit signature, constexprs, attrs and
     ``GPUTarget("cuda", XX, 32)`` (no GPU or driver needed), then writes ``<kernel>.cubin``,
     ``<kernel>.json`` (Triton's own metadata, paths reduced to file names) and ``launch.json``. For
-    ``cpu``: writes ``launch.json`` only. Raises on a compile error. Triton's own cache is pointed at a
-    private directory inside ``staging_dir``, removed before returning; only ptxas's scratch files go
-    to the system temp directory.
-``load(spec, entry) -> LoadedKernel``
-    Reads ``launch.json`` (ValueError if it is for another spec or format) and returns a kernel with
-    ``.spec``, ``.preload() -> int`` and ``.run(*args)`` (argument order: ``dispatch``'s docstring and
-    ``triton_launch.RUN_ARGS``). Loading touches no device: ``preload()`` does that.
+    ``cpu``: writes ``launch.json`` only. Raises ``CompileError`` with Triton's message. Triton's own cache
+    is pointed at a private directory inside ``staging_dir``, removed before returning; only ptxas's
+    scratch files go to the system temp directory.
+``check(spec, staging_dir)``
+    Reads what ``build`` wrote as ``load`` does, and checks the cubin is an ELF image: a cubin needs a
+    device to be loaded, so this is all a build box can check.
+``load(spec, entry) -> TritonKernel``
+    Reads ``launch.json`` (``LoadError`` if it is for another spec or format) and returns a kernel with
+    ``.spec``, ``.preload() -> int`` and ``.run(*args)`` (argument order: the family's ``run_args``).
+    Loading touches no device: ``preload()`` does that.
 
 Target ``cpu`` runs the very same kernels under Triton's interpreter (``TRITON_INTERPRET``), for
 correctness checks on machines without a GPU; it is slow (numpy per program) and not for serving. The
@@ -40,9 +43,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from jitwarm.kernels.spec import KernelSpec, is_valid_target
+from jitwarm.kernels.backend import CompileError, LoadError, SpecError
+from jitwarm.kernels.families import family
+from jitwarm.kernels.spec import KernelSpec
+from jitwarm.kernels.target import Target, TargetError
 from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
 
+name = "triton"
 #: Layout of this backend's artifacts; part of every description, so a change orphans old entries.
 FORMAT = "jitwarm-triton/1"
 LAUNCH_JSON = "launch.json"
@@ -55,18 +62,18 @@ _compile_lock = threading.Lock()
 
 
 def cuda_arch(target: str) -> int | None:
-    """Return the CUDA arch number of ``target`` (``sm_90`` and ``sm_90a`` -> 90), None for ``cpu``.
+    """Return the CUDA arch number of ``target`` (``sm_90`` -> 90), None for ``cpu``.
 
     Raises
     ------
-    ValueError
-        ``target`` is neither ``cpu`` nor an ``sm_XX`` name.
+    SpecError
+        ``target`` is not a :class:`~jitwarm.kernels.target.Target` name.
 
     """
-    if not is_valid_target(target):
-        raise ValueError(f"triton backend: target must be 'cpu' or an sm_XX arch such as 'sm_90', "
-                         f"got {target!r}")
-    return None if target == "cpu" else int(target.removeprefix("sm_").removesuffix("a"))
+    try:
+        return Target.parse(target).arch
+    except TargetError as exc:
+        raise SpecError(f"triton backend: {exc}") from None
 
 
 def description(spec: KernelSpec) -> dict[str, Any]:
@@ -74,7 +81,7 @@ def description(spec: KernelSpec) -> dict[str, Any]:
 
     Raises
     ------
-    ValueError
+    SpecError
         ``spec`` is not a triton spec, or its target, family or dtype is unsupported.
 
     """
@@ -109,7 +116,7 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
     arch = cuda_arch(spec.target)
     staging_dir = Path(staging_dir)
     launch: dict[str, Any] = {"format": FORMAT, "spec": spec.to_json(), **sig.to_json(),
-                              "triton_version": _triton_identity()["triton"]}
+                              "triton_version": _triton_version()}  # not triton_key(): 0.3 s per worker
     if arch is None:
         launch["mode"] = "interpreter"
         _write_json(staging_dir / LAUNCH_JSON, launch)
@@ -132,7 +139,11 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
         # boxes would differ byte for byte (the cost: profilers show no source lines).
         knobs.compilation.disable_line_info = True
         src = triton.compiler.ASTSource(fn, dict(sig.types), dict(sig.constexprs), sig.attrs())
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, WARP_SIZE), options=sig.options())
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, WARP_SIZE), options=sig.options())
+        except Exception as exc:  # Triton's CompilationError, ptxas's RuntimeError: the message is the diagnostic
+            raise CompileError(f"{spec.id}: triton compile failed: {type(exc).__name__}",
+                               str(exc)) from exc
         name = compiled.metadata.name
         metadata = json.loads(Path(compiled.metadata_group[f"{name}.json"]).read_text())
         cubin = compiled.asm["cubin"]
@@ -144,31 +155,57 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
     _write_json(staging_dir / LAUNCH_JSON, launch)
 
 
-def load(spec: KernelSpec, entry: Any) -> LoadedKernel:
+def check(spec: KernelSpec, staging_dir: Path) -> None:
+    """Read what :func:`build` wrote as :func:`load` would, and check the cubin is an ELF image; LoadError if not."""
+    root = Path(staging_dir)
+    launch = _read_launch(spec, root)
+    if cuda_arch(spec.target) is not None:
+        cubin = root / str(launch.get("cubin"))
+        try:
+            with cubin.open("rb") as f:
+                magic = f.read(4)
+            json.loads((root / str(launch.get("metadata"))).read_text())
+        except (OSError, ValueError) as exc:
+            raise LoadError(f"{spec.id}: build output in {root} is unreadable: {exc}") from exc
+        if magic != b"\x7fELF":  # a cubin is an ELF image; a device is needed to load it any further
+            raise LoadError(f"{spec.id}: {cubin.name} is not a cubin (no ELF header)")
+
+
+def load(spec: KernelSpec, entry: Any) -> TritonKernel:
     """Return the kernel of ``entry`` (a cache ``Entry``: ``.path`` and ``.files``) ready to preload.
 
     Raises
     ------
-    ValueError
+    LoadError
         The entry's ``launch.json`` is missing, of another format, or for another spec.
 
     """
     root = Path(entry.path)
     files = set(getattr(entry, "files", ()) or ())
     if files and LAUNCH_JSON not in files:
-        raise ValueError(f"{spec.id}: cache entry {root} has no {LAUNCH_JSON}; it is not a triton build")
-    launch = json.loads((root / LAUNCH_JSON).read_text())
-    if launch.get("format") != FORMAT:
-        raise ValueError(f"{spec.id}: entry {root} has format {launch.get('format')!r}, want {FORMAT!r}")
-    if KernelSpec.from_json(launch["spec"]) != spec:
-        raise ValueError(f"{spec.id}: entry {root} was built for {KernelSpec.from_json(launch['spec']).id}")
+        raise LoadError(f"{spec.id}: cache entry {root} has no {LAUNCH_JSON}; it is not a triton build")
+    launch = _read_launch(spec, root)
     if cuda_arch(spec.target) is None:
         return InterpretedKernel(spec)
     return CudaKernel(spec, root, launch)
 
 
-class LoadedKernel:
-    """A loaded kernel of one spec.
+def _read_launch(spec: KernelSpec, root: Path) -> dict[str, Any]:
+    """Read and check ``launch.json`` of a build of ``spec``."""
+    try:
+        launch = json.loads((root / LAUNCH_JSON).read_text())
+        built_for = KernelSpec.from_json(launch["spec"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoadError(f"{spec.id}: {root / LAUNCH_JSON} is unreadable: {exc}") from exc
+    if launch.get("format") != FORMAT:
+        raise LoadError(f"{spec.id}: entry {root} has format {launch.get('format')!r}, want {FORMAT!r}")
+    if built_for != spec:
+        raise LoadError(f"{spec.id}: entry {root} was built for {built_for.id}")
+    return launch
+
+
+class TritonKernel:
+    """A loaded kernel of one spec (a :class:`~jitwarm.kernels.backend.LoadedKernel`).
 
     ``preload()`` puts the kernel on the current device (a module load, so never call it inside CUDA
     graph capture) and returns how many kernels it forced onto a device (0 for target cpu); it is
@@ -192,7 +229,7 @@ class LoadedKernel:
         return f"{type(self).__name__}({self.spec.id})"
 
 
-class CudaKernel(LoadedKernel):
+class CudaKernel(TritonKernel):
     """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel``.
 
     One module per device, created by ``preload()`` (Triton's ``_init_handles``: ``cuModuleLoadData``
@@ -262,7 +299,7 @@ class CudaKernel(LoadedKernel):
                 kernel[grid](*kernel_args, stream=stream)
 
 
-class InterpretedKernel(LoadedKernel):
+class InterpretedKernel(TritonKernel):
     """The spec's kernel run by Triton's interpreter on CPU tensors (target ``cpu``)."""
 
     def __init__(self, spec: KernelSpec) -> None:
@@ -312,7 +349,7 @@ def _compiled_kernels() -> ModuleType:
 
 
 def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
-    fn = module.KERNELS[spec.family]
+    fn = getattr(module, family(spec).triton_kernel)
     names = tuple(getattr(fn, "arg_names", ()))
     want = kernel_signature(spec).arg_names
     if names != want:  # triton_kernels.py and triton_launch.py disagree: a bug here, not a user error
@@ -321,8 +358,9 @@ def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
 
 
 def _signature(spec: KernelSpec) -> KernelSignature:
-    if spec.backend != "triton":
-        raise ValueError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
+    if spec.backend != name:
+        raise SpecError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
+    family(spec)
     cuda_arch(spec.target)
     return kernel_signature(spec)
 
@@ -330,6 +368,13 @@ def _signature(spec: KernelSpec) -> KernelSignature:
 def _source_digest() -> str:
     """sha256 of ``triton_kernels.py`` (content, not path; Triton also keys on line numbers)."""
     return hashlib.sha256(_KERNELS_PY.read_bytes()).hexdigest()
+
+
+def _triton_version() -> str:
+    """The installed Triton's version, from its package metadata (no import)."""
+    from importlib.metadata import version
+
+    return version("triton")
 
 
 @functools.cache

@@ -173,7 +173,3 @@ def norm_rope_kernel(q, k, positions, q_weight, k_weight, num_tokens, eps, theta
                          BLOCK_D, ROPE_DIM)
         _norm_rope_heads(k, k_weight, t, pos, num_tokens, eps, theta, NUM_KV_HEADS, BLOCK_KH, HEAD_DIM,
                          BLOCK_D, ROPE_DIM)
-
-
-#: Kernel per family; ``triton_launch.kernel_signature`` lists each one's parameters in this order.
-KERNELS = {"plan": plan_kernel, "compressor": compressor_kernel, "norm_rope": norm_rope_kernel}

@@ -12,18 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jitwarm.kernels.backend import SpecError
+from jitwarm.kernels.families import FAMILIES
 from jitwarm.kernels.spec import KernelSpec
 
 #: Every pointer argument must be this aligned: the AOT signature promises ``tt.divisibility = 16``.
 ALIGN = 16
 
-#: ``run()`` argument order per family (the same as the tvm_ffi backend's).
-RUN_ARGS: dict[str, tuple[str, ...]] = {
-    "plan": ("verify_lens", "prefix_lens", "cu_lens", "token_req", "token_pos", "token_out_row",
-             "num_out", "uniform"),
-    "compressor": ("kv", "score", "cu_lens", "token_out_row", "state", "out"),
-    "norm_rope": ("q", "k", "positions", "q_weight", "k_weight", "eps", "theta"),
-}
+#: ``run()`` argument order per family: the family table's, which the tvm_ffi backend follows too.
+RUN_ARGS: dict[str, tuple[str, ...]] = {name: fam.run_args for name, fam in FAMILIES.items()}
 
 _KERNEL_ARGS: dict[str, tuple[str, ...]] = {
     "plan": RUN_ARGS["plan"] + ("num_reqs", "RATIO", "THREADS"),
@@ -121,11 +118,11 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
                       "UNIFORM": int(p["uniform"]), "MAX_LEN": int(p["max_len"])}
         num_warps = max(1, min(8, block_qh * block_d // 512))
     else:
-        raise ValueError(f"triton backend has no kernel for family {spec.family!r}")
+        raise SpecError(f"triton backend has no kernel for family {spec.family!r}")
     names = _KERNEL_ARGS[spec.family]
     types.update(dict.fromkeys(constexprs, "constexpr"))
     ordered = {n: types[n] for n in names}
-    return KernelSignature(f"{spec.family}_kernel", names, ordered, constexprs, num_warps)
+    return KernelSignature(FAMILIES[spec.family].triton_kernel, names, ordered, constexprs, num_warps)
 
 
 def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
@@ -198,7 +195,7 @@ def _ordered(sig: KernelSignature, run_args: dict[str, Any], **scalars: Any) -> 
 def _dtype(spec: KernelSpec) -> str:
     dtype = str(spec["dtype"])
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"{spec.id}: triton kernels take float32 or bfloat16, not {dtype!r}")
+        raise SpecError(f"{spec.id}: triton kernels take float32 or bfloat16, not {dtype!r}")
     return _TRITON_DTYPE[dtype]
 
 

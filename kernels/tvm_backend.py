@@ -1,15 +1,12 @@
 """tvm-ffi backend: build one kernel spec into a shared library with g++ (cpu) or nvcc (sm_XY), and load it.
 
-Contract (the same three functions as every backend, see :mod:`jitwarm.kernels.dispatch`):
+It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
 
-- :func:`description` is cheap and pure given the toolchain: a JSON-able dict of everything that decides
-  the artifact (family, backend, target, params, source digest, toolchain fingerprint). It raises
-  ``ValueError`` for a spec this backend cannot build and ``RuntimeError`` when the compiler is missing.
-- :func:`build` writes exactly ``kernel.so`` and ``kernel.json`` into ``staging_dir`` (it runs under the
-  cache's key lock); it raises :class:`BuildError` with the compiler's output on failure and leaves
-  nothing else behind (the translation unit is compiled from a private temporary directory).
-- :func:`load` loads an entry into this process; it raises ``RuntimeError`` when the library holds
-  another spec than the one asked for. Loading a CUDA library works without a GPU; running it does not.
+- :func:`description`: family, backend, target, params, source digest and toolchain fingerprint.
+- :func:`build` writes exactly ``kernel.so`` and ``kernel.json`` into the staging directory; the translation
+  unit is compiled from a private temporary directory, so nothing else lands there.
+- :func:`check` and :func:`load` ``dlopen`` the library through tvm-ffi and read back the spec it was built
+  for. Loading a CUDA library works without a GPU; running it does not.
 
 Builds invoke the compiler directly (not ``tvm_ffi.cpp.build_inline``): the flags are then exactly the
 ones in the key, nothing probes ``nvidia-smi``, and no ninja files land in the entry.
@@ -30,27 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels.spec import DTYPES, KernelSpec, is_valid_target
+from jitwarm.kernels.backend import CompileError, LoadError, SpecError, ToolchainError
+from jitwarm.kernels.families import family
+from jitwarm.kernels.spec import DTYPES, KernelSpec
+from jitwarm.kernels.target import Target, TargetError
 
+name = "tvm_ffi"
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY = "kernel.so"
 MANIFEST = "kernel.json"
 COMMON_HEADER = "common.cuh"
-
-# Family -> (source file, C++ kernel type with {param} fields). Template parameters are exactly the
-# spec params, in this order.
-FAMILY_SOURCES: dict[str, tuple[str, str]] = {
-    "plan": ("plan.cuh", "jitwarm::plan::Kernel<{ratio}, {threads}>"),
-    "compressor": ("compressor.cuh",
-                   "jitwarm::compressor::Kernel<{ratio}, {head_dim}, {dtype}, {uniform}, {max_len}>"),
-    "norm_rope": ("norm_rope.cuh", "jitwarm::norm_rope::Kernel<{head_dim}, {rope_dim}, {num_q_heads}, "
-                  "{num_kv_heads}, {dtype}, {uniform}, {max_len}>"),
-}
-FAMILY_PARAMS: dict[str, tuple[str, ...]] = {
-    "plan": ("ratio", "threads"),
-    "compressor": ("dtype", "head_dim", "max_len", "ratio", "uniform"),
-    "norm_rope": ("dtype", "head_dim", "max_len", "num_kv_heads", "num_q_heads", "rope_dim", "uniform"),
-}
 EXPORTS = ("run", "preload", "spec_id")
 _CTYPES = {"float32": "float", "bfloat16": "jitwarm::bf16"}
 
@@ -63,33 +49,29 @@ NVCC_FLAGS = ("-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler
 LINK_FLAGS = ("-ltvm_ffi",)
 
 
-class BuildError(RuntimeError):
-    """The compiler failed; the message holds the spec, the command and the compiler's output."""
-
-
-def _check_spec(spec: KernelSpec) -> None:
-    if spec.backend != "tvm_ffi":
-        raise ValueError(f"{spec.id}: not a tvm_ffi spec")
-    if spec.family not in FAMILY_SOURCES:
-        raise ValueError(f"{spec.id}: unknown family {spec.family!r}; known: {sorted(FAMILY_SOURCES)}")
-    if not is_valid_target(spec.target):
-        raise ValueError(f"{spec.id}: bad target {spec.target!r} (cpu or sm_XY with XY >= 75)")
-    names = tuple(name for name, _ in spec.params)
-    if names != FAMILY_PARAMS[spec.family]:
-        raise ValueError(f"{spec.id}: params {names} are not the {spec.family} params "
-                         f"{FAMILY_PARAMS[spec.family]}")
-    for name, value in spec.params:
-        if name == "dtype":
+def _check_spec(spec: KernelSpec) -> Target:
+    """The spec's target, after checking the spec is one this backend builds; SpecError otherwise."""
+    if spec.backend != name:
+        raise SpecError(f"{spec.id}: not a {name} spec")
+    family(spec)
+    try:
+        target = Target.parse(spec.target)
+    except TargetError as exc:
+        raise SpecError(f"{spec.id}: {exc}") from None
+    for param, value in spec.params:
+        if param == "dtype":
             if value not in DTYPES:
-                raise ValueError(f"{spec.id}: dtype {value!r} not in {DTYPES}")
-        elif not isinstance(value, int) or value < (0 if name == "uniform" else 1):
-            raise ValueError(f"{spec.id}: param {name}={value!r} must be a positive int")
+                raise SpecError(f"{spec.id}: dtype {value!r} not in {DTYPES}")
+        elif not isinstance(value, int) or value < (0 if param == "uniform" else 1):
+            raise SpecError(f"{spec.id}: param {param}={value!r} must be a positive int")
+    return target
 
 
 def translation_unit(spec: KernelSpec) -> str:
     """Return the generated C++/CUDA source that instantiates and exports ``spec``'s kernel."""
     _check_spec(spec)
-    source, kernel = FAMILY_SOURCES[spec.family]
+    fam = family(spec)
+    source, kernel = fam.source, fam.cxx_kernel
     params: dict[str, Any] = spec.params_dict
     if "dtype" in params:
         params["dtype"] = _CTYPES[params["dtype"]]
@@ -105,31 +87,25 @@ def translation_unit(spec: KernelSpec) -> str:
 
 
 @functools.cache
-def _family_source_digest(family: str) -> str:
+def _family_source_digest(source: str) -> str:
     h = hashlib.sha256()
-    for name in sorted((COMMON_HEADER, FAMILY_SOURCES[family][0])):
-        data = (CSRC / name).read_bytes()
-        h.update(f"{name}\0{len(data)}\0".encode())
+    for file in sorted((COMMON_HEADER, source)):
+        data = (CSRC / file).read_bytes()
+        h.update(f"{file}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
 
 
 def source_digest(spec: KernelSpec) -> str:
     """sha256 over the contents (never the paths) of the family's sources and the generated unit."""
-    h = hashlib.sha256(_family_source_digest(spec.family).encode())
+    h = hashlib.sha256(_family_source_digest(family(spec).source).encode())
     h.update(translation_unit(spec).encode())
     return h.hexdigest()
 
 
-def is_cuda_target(target: str) -> bool:
-    """Return True for ``sm_XY`` targets (built with nvcc), False for ``cpu``."""
-    return target != "cpu"
-
-
-def gencode(target: str) -> tuple[str, ...]:
-    """Return the explicit arch flags of ``target``: SASS for exactly that arch, e.g. ``sm_90a``."""
-    arch = target.removeprefix("sm_")
-    return ("-gencode", f"arch=compute_{arch},code=sm_{arch}")
+def gencode(target: Target) -> tuple[str, ...]:
+    """Return the explicit arch flags of ``target``: SASS for exactly that arch, e.g. ``sm_90``."""
+    return ("-gencode", f"arch=compute_{target.arch},code=sm_{target.arch}")
 
 
 def cxx_compiler() -> str:
@@ -151,17 +127,19 @@ def compiler_identity(compiler: str) -> str:
 
     Raises
     ------
-    RuntimeError
+    ToolchainError
         The compiler is missing or ``--version`` fails.
 
     """
     exe = shutil.which(compiler)
     if exe is None:
-        raise RuntimeError(f"compiler {compiler!r} not found on PATH")
+        hint = (" (nvcc is looked for in $CUDA_HOME/bin, default /usr/local/cuda, then on PATH: set CUDA_HOME)"
+                if "nvcc" in Path(compiler).name else " (set CXX to the host C++ compiler)")
+        raise ToolchainError(f"compiler {compiler!r} not found{hint}")
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, check=False)
     lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{compiler} --version failed: {proc.stderr.strip()[:500]}")
+        raise ToolchainError(f"{compiler} --version failed: {proc.stderr.strip()[:500]}")
     if "nvcc" in Path(compiler).name:
         # "Cuda compilation tools, release 13.0, V13.0.88" and "Build cuda_13.0.r13.0/compiler.N_0"
         return "; ".join(ln for ln in lines if ln.startswith(("Cuda compilation", "Build")))
@@ -176,13 +154,13 @@ def tvm_ffi_version() -> str:
     return version("apache-tvm-ffi")
 
 
-def toolchain(target: str) -> dict[str, Any]:
+def toolchain(target: Target) -> dict[str, Any]:
     """Return the toolchain fingerprint of a target: compilers, tvm-ffi version, exact flags, arch."""
     host = cxx_compiler()
     fp: dict[str, Any] = {"host_compiler": compiler_identity(host), "tvm_ffi": tvm_ffi_version(),
                           "link": list(LINK_FLAGS)}
-    if is_cuda_target(target):
-        fp.update(compiler=compiler_identity(nvcc_compiler()), arch=target,
+    if target.is_cuda:
+        fp.update(compiler=compiler_identity(nvcc_compiler()), arch=target.name,
                   flags=[*NVCC_FLAGS, *gencode(target)])
     else:
         fp.update(compiler=fp["host_compiler"], arch=platform.machine(), flags=list(CXX_FLAGS))
@@ -194,18 +172,18 @@ def description(spec: KernelSpec) -> dict[str, Any]:
 
     Raises
     ------
-    ValueError
+    SpecError
         ``spec`` is not a tvm_ffi spec of a known family with exactly that family's params.
-    RuntimeError
+    ToolchainError
         The compiler for the spec's target is missing.
 
     """
-    _check_spec(spec)
+    target = _check_spec(spec)
     return {"family": spec.family, "backend": spec.backend, "target": spec.target,
-            "params": spec.params_dict, "sources": source_digest(spec), "toolchain": toolchain(spec.target)}
+            "params": spec.params_dict, "sources": source_digest(spec), "toolchain": toolchain(target)}
 
 
-def _command(spec: KernelSpec, source: str, output: Path, workdir: str) -> list[str]:
+def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:
     # Headers and libtvm_ffi. A submodule import runs tvm_ffi/__init__ (and it imports torch), on 0.1.11 as on
     # 0.1.15: only builds pay that, description() reads the version from package metadata.
     import tvm_ffi.libinfo as libinfo
@@ -215,60 +193,60 @@ def _command(spec: KernelSpec, source: str, output: Path, workdir: str) -> list[
     # Keep absolute paths out of the binary (__FILE__ in error messages): same artifact on every box.
     maps = [f"-ffile-prefix-map={CSRC}=jitwarm/csrc", f"-ffile-prefix-map={workdir}=.",
             *(f"-ffile-prefix-map={p}=tvm_ffi/include" for p in libinfo.include_paths())]
-    if is_cuda_target(spec.target):
+    if target.is_cuda:
         host_maps = [x for m in maps for x in ("-Xcompiler", m)]
-        return [nvcc_compiler(), "-ccbin", cxx_compiler(), *NVCC_FLAGS, *gencode(spec.target), *host_maps,
+        return [nvcc_compiler(), "-ccbin", cxx_compiler(), *NVCC_FLAGS, *gencode(target), *host_maps,
                 *includes, "-o", str(output), source, f"-L{lib_dir}", *LINK_FLAGS]
     return [cxx_compiler(), *CXX_FLAGS, *maps, *includes, "-o", str(output), source, f"-L{lib_dir}",
             *LINK_FLAGS]
 
 
-def build(spec: KernelSpec, staging_dir: Path) -> None:
-    """Compile ``spec`` into ``staging_dir/kernel.so`` and describe it in ``staging_dir/kernel.json``.
-
-    Parameters
-    ----------
-    spec
-        A tvm_ffi spec (see :func:`description` for what is accepted).
-    staging_dir
-        An existing, empty directory owned by the caller (the cache's staging directory).
+def build(spec: KernelSpec, staging: Path) -> None:
+    """Compile ``spec`` into ``staging/kernel.so`` and describe it in ``staging/kernel.json``.
 
     Raises
     ------
-    BuildError
-        The compiler failed or timed out.
+    CompileError
+        The compiler failed or timed out; ``output`` holds its whole text.
 
     """
-    staging_dir = Path(staging_dir)
+    staging = Path(staging)
+    target = _check_spec(spec)
     unit = translation_unit(spec)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jitwarm-tvm-") as work:
-        source = "kernel.cu" if is_cuda_target(spec.target) else "kernel.cc"
+        source = "kernel.cu" if target.is_cuda else "kernel.cc"
         Path(work, source).write_text(unit, encoding="utf-8")
-        cmd = _command(spec, source, staging_dir / LIBRARY, work)
+        cmd = _command(target, source, staging / LIBRARY, work)
         try:
             proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=900, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise BuildError(f"{spec.id}: compiler timed out after {exc.timeout} s: {' '.join(cmd)}") from exc
+            raise CompileError(f"{spec.id}: compiler timed out after {exc.timeout} s", " ".join(cmd)) from exc
         except FileNotFoundError as exc:
-            raise BuildError(f"{spec.id}: compiler not found: {cmd[0]}") from exc
-    if proc.returncode != 0 or not (staging_dir / LIBRARY).is_file():
+            raise CompileError(f"{spec.id}: compiler not found: {cmd[0]}") from exc
+    if proc.returncode != 0 or not (staging / LIBRARY).is_file():
         output = (proc.stderr + proc.stdout).strip()
-        raise BuildError(f"{spec.id}: compile failed (exit {proc.returncode}): {' '.join(cmd)}\n"
-                         f"{output[-4000:]}")
+        raise CompileError(f"{spec.id}: compile failed (exit {proc.returncode})",
+                           f"{' '.join(cmd)}\n{output[-20000:]}")
+    # The toolchain is in the entry's key preimage (entry.json); not again here, where computing it would run
+    # `c++ --version` once more in every build worker.
     manifest = {"spec": spec.to_json(), "library": LIBRARY, "exports": list(EXPORTS),
-                "toolchain": toolchain(spec.target), "compile_seconds": round(time.perf_counter() - start, 3)}
+                "compile_seconds": round(time.perf_counter() - start, 3)}
     text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-    (staging_dir / MANIFEST).write_text(text, encoding="utf-8")
+    (staging / MANIFEST).write_text(text, encoding="utf-8")
+
+
+def check(spec: KernelSpec, staging: Path) -> None:
+    """Load the library :func:`build` wrote (no device needed) and confirm it holds ``spec``; LoadError if not."""
+    _open(spec, Path(staging) / LIBRARY)
 
 
 @dataclass(frozen=True, eq=False)
-class LoadedKernel:
-    """One spec's module loaded into this process.
+class TvmKernel:
+    """One spec's library loaded into this process (a :class:`~jitwarm.kernels.backend.LoadedKernel`).
 
-    ``run(*args)`` calls the kernel with the family's positional arguments (the order is the contract in
-    :mod:`jitwarm.kernels.dispatch`); ``preload()`` forces the module's kernels onto the current CUDA
-    device and returns how many it touched (0 and no device call for a cpu spec).
+    ``preload()`` calls ``cudaFuncGetAttributes`` on every kernel instantiation of the module, which puts
+    it on the current device under CUDA lazy loading.
     """
 
     spec: KernelSpec
@@ -282,36 +260,36 @@ class LoadedKernel:
         self._run(*args)
 
     def preload(self) -> int:
-        """Force every kernel instantiation of the module onto the device (cudaFuncGetAttributes)."""
-        if not is_cuda_target(self.spec.target):
+        """Force every kernel instantiation of the module onto the device; 0 for a cpu spec."""
+        if self.spec.target == "cpu":
             return 0
         return int(self._preload())
 
 
-def load(spec: KernelSpec, entry: Any) -> LoadedKernel:
-    """Load the library of a built entry of ``spec``.
-
-    Parameters
-    ----------
-    spec
-        The spec the entry was built for.
-    entry
-        A :class:`jitwarm.cache.Entry` (or anything with ``.path`` and ``.files``).
+def load(spec: KernelSpec, entry: Any) -> TvmKernel:
+    """Load the library of a published entry of ``spec`` (a :class:`jitwarm.cache.Entry`).
 
     Raises
     ------
-    RuntimeError
-        The entry has no library, or its library was built for another spec.
+    LoadError
+        The entry has no library, it does not load, or it was built for another spec.
 
     """
     if LIBRARY not in entry.files:
-        raise RuntimeError(f"{spec.id}: cache entry {entry.path} has no {LIBRARY} "
-                           f"(files: {list(entry.files)})")
+        raise LoadError(f"{spec.id}: cache entry {entry.path} has no {LIBRARY} (files: {list(entry.files)})")
+    return _open(spec, Path(entry.path) / LIBRARY)
+
+
+def _open(spec: KernelSpec, path: Path) -> TvmKernel:
+    """Dlopen ``path`` through tvm-ffi and check the spec it was built for."""
     import tvm_ffi
 
-    path = Path(entry.path) / LIBRARY
-    module = tvm_ffi.load_module(str(path))
-    built_for = str(module["spec_id"]())
+    try:
+        module = tvm_ffi.load_module(str(path))
+        built_for = str(module["spec_id"]())
+        functions = module["run"], module["preload"]
+    except Exception as exc:  # tvm-ffi raises RuntimeError / AttributeError for a library it cannot use
+        raise LoadError(f"{spec.id}: {path} does not load: {type(exc).__name__}: {exc}") from exc
     if built_for != spec.id:
-        raise RuntimeError(f"{path} holds {built_for}, not {spec.id}")
-    return LoadedKernel(spec, path, module, module["run"], module["preload"])
+        raise LoadError(f"{spec.id}: {path} holds {built_for}, not {spec.id}")
+    return TvmKernel(spec, path, module, *functions)

@@ -17,7 +17,7 @@ _LAZY = {
     "warm": "warming", "warm_specs": "warming", "start_warm": "warming", "WarmReport": "warming",
     "WarmHandle": "warming", "SpecResult": "warming",
     "CaptureHook": "hook", "HookReport": "hook", "capture_ladder": "hook", "KernelsNotReady": "hook",
-    "WarmTimeout": "hook", "TorchDevice": "hook",
+    "WarmTimeout": "hook", "KernelLoadFailed": "hook", "TorchDevice": "hook",
     "capture_guard": "guard", "CompileDuringCaptureError": "guard", "ThirdPartySeal": "guard",
 }
 

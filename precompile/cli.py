@@ -1,8 +1,8 @@
 """The ``jitwarm`` command line: plan, warm, status, verify, prestart, prune, export, import.
 
 Exit codes (DESIGN.md): 0 ok; 1 a build failed (or a required remote tier is down); 2 bad usage or
-config; 3 timed out waiting; 4 verification found corrupt entries. User errors print one line on stderr,
-never a traceback.
+config; 3 timed out waiting; 4 verification found corrupt entries; 5 not ready (specs of the plan missing).
+User errors print one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.config import ConfigError, _FlagParser, add_serving_flags, from_namespace
 from jitwarm.precompile.plan import WarmPlan
 
-EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_CORRUPT = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_CORRUPT, EXIT_NOT_READY = 0, 1, 2, 3, 4, 5
 
 
 class UsageError(Exception):
@@ -85,27 +85,26 @@ def _cache(args: argparse.Namespace):
 
 
 def _print_warm(args: argparse.Namespace, report) -> None:
+    """The warm summary: each failure with its whole text (a compiler's full diagnostic), then the totals."""
     if args.json:
         print(json.dumps(report.to_json()))
         return
-    unavailable = _remote_unavailable(report)
-    for r in report.results:
-        if r.outcome == "failed" and not (unavailable and r.error == unavailable):
-            print(f"jitwarm: failed: {r.spec.id}: {r.error}", file=sys.stderr)
-    if unavailable:
-        print(f"jitwarm: error: {unavailable.removeprefix('RemoteUnavailable: ')}", file=sys.stderr)
+    failed = [r for r in report.results if r.outcome == "failed"]
+    unavailable = next((r for r in failed if r.error_kind == "remote_unavailable"), None)
+    for r in failed:
+        if r.error_kind != "remote_unavailable":
+            detail = r.detail if r.detail and r.detail != r.error else ""
+            print(f"jitwarm: failed: {r.spec.id}: {r.error}" + (f"\n{detail.rstrip()}" if detail else ""),
+                  file=sys.stderr)
+    if unavailable is not None:  # one message for every spec it stopped
+        print(f"jitwarm: error: {unavailable.error}; --remote-required (or JITWARM_REMOTE_REQUIRED=1) makes that "
+              "fatal", file=sys.stderr)
     elif report.remote_error:
         print(f"jitwarm: remote cache {report.remote} unavailable ({report.remote_error}): warmed with the local "
               "cache only", file=sys.stderr)
     downloaded = f"{report.downloaded} downloaded, " if report.remote else ""
     print(f"jitwarm: plan {report.plan_id}: {len(report.results)} specs: {report.built} built, {downloaded}"
           f"{report.hits} hit, {report.waited} waited, {report.failed} failed in {report.seconds:.1f}s")
-
-
-def _remote_unavailable(report) -> str | None:
-    """The error of specs that failed because a required remote was down (one message for all), or None."""
-    return next((r.error for r in report.results if r.outcome == "failed"
-                 and (r.error or "").startswith("RemoteUnavailable")), None)
 
 
 def _warm_exit(report) -> int:
@@ -127,9 +126,9 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 def plan_coverage(plan: WarmPlan, cache) -> dict[str, list[str]]:
     """Sort the plan's specs into present, missing and corrupt (corrupt entries are quarantined)."""
-    from jitwarm.precompile.warming import describe
+    from jitwarm.kernels.artifacts import artifact
 
-    keys = {spec.id: cache.key(describe(spec)) for spec in plan.specs}
+    keys = {spec.id: artifact(spec).key for spec in plan.specs}
     report = cache.verify(list(keys.values()))
     state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
         k: "missing" for k in report.missing}
@@ -166,14 +165,21 @@ def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
                       f"present on remote, {remote['missing']} missing")
                 for spec_id in remote["specs"]["missing"]:
                     print(f"  missing on remote: {spec_id}")
-    return EXIT_CORRUPT if coverage["corrupt"] else EXIT_OK
+    return _readiness(coverage)
+
+
+def _readiness(coverage: dict[str, list[str]]) -> int:
+    """Exit 4 when an entry of the plan is corrupt, 5 when one is missing, 0 only when every one is there."""
+    if coverage["corrupt"]:
+        return EXIT_CORRUPT
+    return EXIT_NOT_READY if coverage["missing"] else EXIT_OK
 
 
 def remote_coverage(plan: WarmPlan, cache) -> dict:
     """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
-    from jitwarm.precompile.warming import describe
+    from jitwarm.kernels.artifacts import artifact
 
-    keys = {spec.id: cache.key(describe(spec)) for spec in plan.specs}
+    keys = {spec.id: artifact(spec).key for spec in plan.specs}
     report = cache.remote_report(keys.values())
     present = set(report.present)
     specs = {"present": [s for s, k in keys.items() if k in present],
@@ -198,7 +204,7 @@ def cmd_verify(args: argparse.Namespace, plan: WarmPlan) -> int:
         for item in corrupt:
             print(f"jitwarm: corrupt (quarantined): {item}", file=sys.stderr)
         print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
-    return EXIT_CORRUPT if corrupt else EXIT_OK
+    return _readiness({"corrupt": corrupt, "missing": missing})
 
 
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -255,14 +261,14 @@ def cmd_prune(args: argparse.Namespace, plan: WarmPlan | None) -> int:
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Write the plan's entries to one relocatable bundle."""
-    from jitwarm.precompile.warming import describe
+    from jitwarm.kernels.artifacts import artifact
 
     cache = _cache(args)
     coverage = plan_coverage(plan, cache)
     if coverage["missing"] or coverage["corrupt"]:
         raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                          f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    keys = [cache.key(describe(spec)) for spec in plan.specs]
+    keys = [artifact(spec).key for spec in plan.specs]
     cache.export_bundle(keys, args.path)
     print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
     return EXIT_OK

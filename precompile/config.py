@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels import BACKENDS, DTYPES, ModelDims, is_valid_target
+from jitwarm.kernels import BACKEND_NAMES, DTYPES, ModelDims, Target, TargetError
 from jitwarm.precompile import sglang_rules
 from jitwarm.precompile.server_args import ServerArgvError, is_server_command, parse_server_argv
 
@@ -202,15 +202,17 @@ class ServingConfig:
         backends = self.backends if _is_names(self.backends) else ()
         targets = self.targets if _is_names(self.targets) else ()
         if not self.backends:
-            problems.append(f"no --backend given; choose from {', '.join(BACKENDS)}")
+            problems.append(f"no --backend given; choose from {', '.join(BACKEND_NAMES)}")
         for backend in backends:
-            if backend not in BACKENDS:
-                problems.append(f"unknown --backend {backend!r}; choose from {', '.join(BACKENDS)}")
+            if backend not in BACKEND_NAMES:
+                problems.append(f"unknown --backend {backend!r}; choose from {', '.join(BACKEND_NAMES)}")
         if not self.targets:
             problems.append("no --target given; use cpu or a CUDA arch such as sm_90")
         for target in targets:
-            if not is_valid_target(target):
-                problems.append(f"unknown --target {target!r}; use cpu or a CUDA arch such as sm_90 (>= sm_75)")
+            try:
+                Target.parse(target)
+            except TargetError as exc:
+                problems.append(f"--target: {exc}")
         source = f" (from {MODE_ENV})" if self.mode_from_env else ""
         if not isinstance(self.ragged_verify_mode, str):
             pass  # reported by the type checks
@@ -533,7 +535,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", metavar="DTYPE", help=" | ".join(DTYPES))
     b = parser.add_argument_group("build")
     b.add_argument("--backend", dest="backends", action="append", metavar="NAME",
-                   help=f"{' | '.join(BACKENDS)}; repeat for several (default tvm_ffi)")
+                   help=f"{' | '.join(BACKEND_NAMES)}; repeat for several (default tvm_ffi)")
     b.add_argument("--target", dest="targets", action="append", metavar="ARCH",
                    help="cpu | sm_90 | sm_100 | ...; repeat for several (default: the local GPU, else cpu)")
 

@@ -15,12 +15,11 @@ from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
 
 __all__ = ["CompileDuringCaptureError", "ThirdPartySeal", "arm", "capture_guard", "check_dispatch_miss", "disarm",
-           "install", "is_armed", "stream_is_capturing"]
+           "install", "is_armed", "reset", "stream_is_capturing"]
 
 
 _lock = threading.Lock()
 _armed = 0
-_installed = False
 
 
 def is_armed() -> bool:
@@ -36,15 +35,17 @@ def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
 
 
 def install() -> None:
-    """Register :func:`check_dispatch_miss` with the kernel dispatcher (idempotent)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        from jitwarm.kernels import dispatch
+    """Register :func:`check_dispatch_miss` with the default kernel dispatcher (idempotent)."""
+    from jitwarm.kernels import dispatch
 
-        dispatch.add_miss_hook(check_dispatch_miss)
-        _installed = True
+    dispatch.add_miss_hook(check_dispatch_miss)  # a no-op when it is registered already
+
+
+def reset() -> None:
+    """Disarm completely, whatever the nesting (tests; a process that starts over)."""
+    global _armed
+    with _lock:
+        _armed = 0
 
 
 def arm() -> None:

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jitwarm.cache import KernelCache, LockTimeout
-from jitwarm.kernels import KernelSpec
+from jitwarm.kernels import KernelSpec, Target
+from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import guard, settings
 from jitwarm.precompile.plan import WarmPlan
-from jitwarm.precompile.warming import WarmHandle, describe, warm_specs
+from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 
 POLICIES = ("build", "wait", "strict")
 
@@ -28,6 +29,14 @@ class KernelsNotReady(RuntimeError):
 
 class WarmTimeout(KernelsNotReady):
     """The hook's deadline passed while waiting for kernels (CLI exit code 3)."""
+
+
+class KernelLoadFailed(KernelsNotReady):
+    """A spec's cache entry does not load, and neither did its rebuild; ``spec`` names it."""
+
+    def __init__(self, spec: KernelSpec, reason: str) -> None:
+        self.spec = spec
+        super().__init__(f"{spec.id} cannot be loaded (its entry was quarantined and rebuilt once): {reason}")
 
 
 class Device(Protocol):
@@ -45,12 +54,10 @@ class TorchDevice:
     def __init__(self, device: Any = None) -> None:
         import torch
 
-        from jitwarm.kernels import dispatch
-
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.target = dispatch.target_of(self.device)
+        self.target = Target.of_device(self.device).name
 
     def synchronize(self) -> None:
         """``torch.cuda.synchronize`` on CUDA; nothing to drain on the CPU."""
@@ -196,14 +203,17 @@ class CaptureHook:
 
     def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport
                       ) -> dict[KernelSpec, Any]:
-        """Step (1): return each spec's verified entry (None where it was just built by a worker)."""
+        """Step (1): return each spec's verified entry (None where this process cannot see a worker's build)."""
+        entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
             try:
-                self.warm_handle.join(max(0.0, deadline - time.perf_counter()))
+                warmed: WarmReport = self.warm_handle.join(max(0.0, deadline - time.perf_counter()))
             except TimeoutError as exc:
                 raise WarmTimeout(str(exc)) from None
-        keys = {spec: self.cache.key(describe(spec)) for spec in specs}
-        entries = {spec: self.cache.lookup(keys[spec]) for spec in specs}
+            entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
+        for spec in specs:
+            if entries.get(spec) is None:
+                entries[spec] = artifact(spec).lookup(self.cache)
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:
@@ -215,7 +225,7 @@ class CaptureHook:
         if self.policy == "wait":
             for spec in missing:
                 try:
-                    entries[spec] = self.cache.wait_for(keys[spec], max(0.0, deadline - time.perf_counter()))
+                    entries[spec] = self.cache.wait_for(artifact(spec).key, max(0.0, deadline - time.perf_counter()))
                 except LockTimeout as exc:
                     raise WarmTimeout(f"timed out after {self.timeout_s:.0f}s waiting for {spec.id}: {exc}") from None
             report.waited = len(missing)
@@ -230,12 +240,16 @@ class CaptureHook:
                 f"{len(failed)} spec(s) of plan {self.plan.plan_id} failed to build: {detail}")
         report.built, report.waited, report.downloaded = result.built, result.waited, result.downloaded
         report.hits += result.hits
-        return entries  # the ones just built are None here: loading looks them up
+        entries.update(result.entries())
+        return entries
 
     def _load(self, specs: list[KernelSpec], entries: dict[KernelSpec, Any]) -> list[Any]:
         from jitwarm.kernels import dispatch
 
-        return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec)) for spec in specs]
+        try:
+            return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec)) for spec in specs]
+        except KernelLoadError as exc:
+            raise KernelLoadFailed(exc.spec, str(exc)) from exc
 
 
 def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,

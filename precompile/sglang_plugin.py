@@ -25,7 +25,7 @@ CONFIG_ENV = "JITWARM_CONFIG"
 _OFF = frozenset({"0", "false", "no", "off"})
 
 #: Every CUDA-graph backend of sglang 0.5.23 whose ``capture_one`` is wrapped (runner_backend/, lines above).
-BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cls}" for module, cls in (
+CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cls}" for module, cls in (
     ("full_cuda_graph_backend", "FullCudaGraphBackend"),
     ("breakable_cuda_graph_backend", "BreakableCudaGraphBackend"),
     ("tc_piecewise_cuda_graph_backend", "TcPiecewiseCudaGraphBackend")))
@@ -134,7 +134,7 @@ def register() -> None:
     try:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        hooked = [path for path in BACKENDS if _hookable(path)]
+        hooked = [path for path in CAPTURE_BACKENDS if _hookable(path)]
         if not hooked:
             log.info("jitwarm: sglang plugin inert: no CUDA-graph backend of this sglang has capture_one("
                      "post_warmup_hook=...): nothing installed")

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from jitwarm.cache import KernelCache
+from jitwarm.cache import CacheError, KernelCache
 from jitwarm.kernels import KernelSpec
+from jitwarm.kernels.artifacts import Artifact, artifact
 from jitwarm.precompile import settings
+from jitwarm.precompile.builders import BuildPool, Failure, Task
 from jitwarm.precompile.plan import WarmPlan
 
 Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
@@ -23,7 +24,11 @@ Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
 class SpecResult:
     """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
 
-    ``downloaded``: fetched from the remote tier. ``remote_error``: why the remote tier failed, if it did.
+    ``entry`` is the spec's verified cache entry (None when it failed, or when this process could not see
+    the entry a worker published), handed to the capture hook so it does not look it up again. A failure
+    keeps its first line in ``error``, its kind (``timeout``, ``compile``, ``load``, ``crash``, ...; see
+    :data:`jitwarm.precompile.builders.KINDS`) and exception type, and the whole text (a compiler's full
+    diagnostic) in ``detail``. ``remote_error``: why the remote tier failed, if it did.
     """
 
     spec: KernelSpec
@@ -31,19 +36,32 @@ class SpecResult:
     seconds: float = 0.0
     key: str | None = None
     error: str | None = None
+    error_kind: str | None = None
+    error_type: str | None = None
+    detail: str | None = None
     remote_error: str | None = None
+    entry: Any = field(default=None, repr=False, compare=False)
 
     @property
     def timed_out(self) -> bool:
         """True when this spec failed only because another holder kept its lock past the deadline."""
-        return self.outcome == "failed" and (self.error or "").startswith("LockTimeout")
+        return self.outcome == "failed" and self.error_kind == "timeout"
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-able dict (the spec as its id; ``remote_error`` only when set)."""
-        data = {**asdict(self), "spec": self.spec.id}
-        if data["remote_error"] is None:
-            del data["remote_error"]
+        """Return a JSON-able dict (the spec as its id; failure fields and ``remote_error`` only when set)."""
+        data = {"spec": self.spec.id, "outcome": self.outcome, "seconds": round(self.seconds, 3), "key": self.key}
+        if self.outcome == "failed":
+            data.update(error=self.error, error_kind=self.error_kind, error_type=self.error_type, detail=self.detail)
+        if self.remote_error is not None:
+            data["remote_error"] = self.remote_error
         return data
+
+    @classmethod
+    def failed(cls, spec: KernelSpec, failure: Failure, seconds: float = 0.0,
+               remote_error: str | None = None) -> SpecResult:
+        """A failed result from a :class:`~jitwarm.precompile.builders.Failure`."""
+        return cls(spec, "failed", seconds, error=failure.message, error_kind=failure.kind, error_type=failure.type,
+                   detail=failure.detail, remote_error=remote_error)
 
 
 @dataclass
@@ -71,6 +89,10 @@ class WarmReport:
         """True when every spec of the plan is in the cache."""
         return self.failed == 0
 
+    def entries(self) -> dict[KernelSpec, Any]:
+        """Each spec's verified entry, where this process holds it."""
+        return {r.spec: r.entry for r in self.results if r.entry is not None}
+
     def to_json(self) -> dict[str, Any]:
         """Return the report as ``jitwarm warm --json`` prints it (``downloaded`` and ``remote`` with a remote)."""
         outcomes = ("built", "hit", "waited", "failed") + (("downloaded",) if self.remote else ())
@@ -81,13 +103,6 @@ class WarmReport:
         return data
 
 
-def describe(spec: KernelSpec) -> dict[str, Any]:
-    """The cache description of ``spec``: what its key is made of (its backend decides)."""
-    from jitwarm.kernels import dispatch
-
-    return dispatch.backend_module(spec.backend).description(spec)
-
-
 def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
     """The constructor arguments that rebuild ``cache`` in a worker process (``remote=False``: local only)."""
     return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
@@ -96,36 +111,28 @@ def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
             "remote_required": cache.remote_required}
 
 
-def build_spec(spec_json: dict[str, Any], cache_args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Get or build one spec in this process; returns a :class:`SpecResult` as a dict (picklable)."""
-    from jitwarm.kernels import dispatch
-
-    spec = KernelSpec.from_json(spec_json)
-    cache = KernelCache(**cache_args)
-    start = time.perf_counter()
-    try:
-        backend = dispatch.backend_module(spec.backend)
-        result = cache.get_or_build_ex(backend.description(spec), lambda staging: backend.build(spec, staging),
-                                       timeout_s=timeout_s)
-    except Exception as exc:  # reported per spec: one bad spec must not fail the others
-        return {"outcome": "failed", "seconds": time.perf_counter() - start,
-                "error": f"{type(exc).__name__}: {exc}".splitlines()[0], "remote_error": cache.remote_error}
-    return {"outcome": result.outcome, "seconds": time.perf_counter() - start, "key": result.entry.key,
-            "remote_error": cache.remote_error}
-
-
 class Progress:
-    """Progress on a stream: a redrawn bar on a terminal, one plain line per spec otherwise."""
+    """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
+
+    :meth:`start` says what is about to happen before the first build; hits are counted there, not listed.
+    """
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
         self.total, self.done = total, 0
         self.stream = stream or sys.stderr
         self.bar = self.stream.isatty() if bar is None else bar
         self.counts: dict[str, int] = {}
-        self.start = time.perf_counter()
+        self.start_time = time.perf_counter()
+
+    def start(self, plan_id: str, specs: int, hits: int, jobs: int) -> None:
+        """The line before the first build: how many specs, how many already there, how many to build."""
+        self.total = specs - hits
+        self.stream.write(f"jitwarm: plan {plan_id}: {specs} specs, {hits} already in the cache"
+                          + (f"; getting {self.total} with {jobs} jobs\n" if self.total else "\n"))
+        self.stream.flush()
 
     def update(self, result: SpecResult) -> None:
-        """Report one finished spec."""
+        """Report one finished build (or wait, download, failure)."""
         self.done += 1
         self.counts[result.outcome] = self.counts.get(result.outcome, 0) + 1
         if self.bar:
@@ -133,7 +140,7 @@ class Progress:
             filled = width * self.done // max(1, self.total)
             counts = "  ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
             self.stream.write(f"\rjitwarm: [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-                              f"  {counts}  {time.perf_counter() - self.start:.1f}s")
+                              f"  {counts}  {time.perf_counter() - self.start_time:.1f}s")
             if self.done == self.total:
                 self.stream.write("\n")
         else:
@@ -148,9 +155,10 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
     """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
 
-    Every build runs in a worker process through ``KernelCache.get_or_build``, so concurrent warms (other
-    ranks, a prestart container) build each spec once in total, and a crashing compiler fails its spec,
-    not the run. When every spec is present the plan's completion record is written.
+    Every build runs in a fresh worker process through ``KernelCache.get_or_build``, so concurrent warms
+    (other ranks, a prestart container) build each spec once in total, and a crashing compiler fails its
+    spec, not the run. When every spec is present the plan's completion record is written (best effort: a
+    read-only cache cannot hold one, and does not need to).
 
     Parameters
     ----------
@@ -161,7 +169,7 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
     jobs
         Parallel builds (default ``JITWARM_JOBS``, else the core count).
     progress
-        Progress on stderr unless False: a redrawn bar on a terminal, one plain line per spec otherwise
+        Progress on stderr unless False: a redrawn bar on a terminal, one plain line per build otherwise
         (container logs).
     timeout_s
         Per-spec deadline for waiting on another process's lock.
@@ -171,15 +179,17 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
     Returns
     -------
     WarmReport
-        Never raises for a failed build: check ``report.ok`` / ``report.failed``.
+        Never raises for a failed build: check ``report.ok`` / ``report.failed``. ``KeyboardInterrupt``
+        stops every worker first, then propagates.
 
     """
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
-    if report.ok:
-        cache.write_plan_record(plan.plan_id, {
-            "plan_id": plan.plan_id, "complete": True, "keys": [r.key for r in report.results],
-            "specs": [r.spec.id for r in report.results], "finished": time.time()})
+    if report.ok and len(report.entries()) == len(report.results) and not cache.read_only:
+        with contextlib.suppress(CacheError, OSError):  # the record is a convenience; the entries are the truth
+            cache.write_plan_record(plan.plan_id, {
+                "plan_id": plan.plan_id, "complete": True, "keys": [r.key for r in report.results],
+                "specs": [r.spec.id for r in report.results], "finished": time.time()})
     return report
 
 
@@ -197,62 +207,46 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
     report = WarmReport(plan_id, remote=cache.remote_display)
     show = Progress(len(specs)) if progress is not False else None  # a bar on a terminal, else lines
 
-    def record(result: SpecResult) -> None:
+    def record(result: SpecResult, listed: bool = True) -> None:
         report.results.append(result)
-        if show:
+        if show and listed:
             show.update(result)
         if on_result:
             on_result(result)
 
-    missing = []
+    missing: list[Artifact] = []
     for spec in specs:  # lock-free lookups first: a warm cache costs no worker process
         t0 = time.perf_counter()
         try:
-            key = cache.key(describe(spec))
+            art = artifact(spec)
+            entry = art.lookup(cache)
         except Exception as exc:
-            record(SpecResult(spec, "failed", time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"))
+            record(SpecResult.failed(spec, Failure.of(exc), time.perf_counter() - t0), listed=False)
             continue
-        if cache.lookup(key) is not None:
-            record(SpecResult(spec, "hit", time.perf_counter() - t0, key))
+        if entry is not None:
+            record(SpecResult(spec, "hit", time.perf_counter() - t0, art.key, entry=entry), listed=False)
         else:
-            missing.append(spec)
-    if missing and cache.remote:
+            missing.append(art)
+    if missing and cache.remote:  # before any output: a required remote that is down is one error, alone
         report.remote_error = cache.check_remote()
-    for result in _build_all(missing, _cache_args(cache, remote=report.remote_error is None), jobs, timeout_s):
-        report.remote_error = report.remote_error or result.remote_error
-        record(result)
+    if show:
+        show.start(plan_id, len(specs), report.hits, min(jobs, len(missing)) if missing else 0)
+        for result in report.results:
+            if result.outcome == "failed":
+                show.update(result)
+    pool = BuildPool(min(jobs, len(missing)), _cache_args(cache, remote=report.remote_error is None), timeout_s)
+    for done in pool.run([Task(i, art.to_json()) for i, art in enumerate(missing)]) if missing else ():
+        art = missing[done.index]
+        report.remote_error = report.remote_error or done.remote_error
+        if done.failure is not None:
+            record(SpecResult.failed(art.spec, done.failure, done.seconds, done.remote_error))
+        else:
+            record(SpecResult(art.spec, done.outcome, done.seconds, done.key, remote_error=done.remote_error,
+                              entry=art.lookup(cache)))
     order = {s: i for i, s in enumerate(specs)}
     report.results.sort(key=lambda r: order[r.spec])
     report.seconds = time.perf_counter() - start
     return report
-
-
-def _build_all(specs: list[KernelSpec], cache_args: dict[str, Any], jobs: int,
-               timeout_s: float) -> Iterable[SpecResult]:
-    """Yield a result per spec; a worker that dies is retried alone once, then its spec fails."""
-    if not specs:
-        return
-    suspects = yield from _run_pool(specs, cache_args, min(jobs, len(specs)), timeout_s)
-    for spec in suspects:  # a crash breaks the whole pool: find which spec did it
-        again = yield from _run_pool([spec], cache_args, 1, timeout_s)
-        if again:
-            yield SpecResult(spec, "failed", error="the build process died (compiler or loader crash)")
-
-
-def _run_pool(specs: list[KernelSpec], cache_args: dict[str, Any], jobs: int, timeout_s: float):
-    broken: list[KernelSpec] = []
-    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(build_spec, s.to_json(), cache_args, timeout_s): s for s in specs}
-        for future in cf.as_completed(futures):
-            spec = futures[future]
-            try:
-                data = future.result()
-            except cf.process.BrokenProcessPool:
-                broken.append(spec)
-                continue
-            yield SpecResult(spec, **data)
-    return broken
 
 
 class WarmHandle:

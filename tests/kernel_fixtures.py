@@ -20,7 +20,7 @@ import torch
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, dispatch, reference
-from jitwarm.kernels.verify_plan import Plan, max_out_rows
+from jitwarm.kernels.token_map import TokenMap, max_out_rows
 from jitwarm.precompile import ServingConfig, WarmPlan
 
 DSPARK = {"cuda_graph_max_bs_decode": 128, "max_running_requests": 128, "speculative_algorithm": "DSPARK",
@@ -108,10 +108,10 @@ def random_prefix(layout: VerifyLayout, gen: torch.Generator, high: int = 5000, 
     return torch.randint(1, high, (layout.slots,), generator=gen, dtype=torch.int32).to(device)
 
 
-def poisoned_plan(layout: VerifyLayout, device: str = "cpu") -> Plan:
+def poisoned_plan(layout: VerifyLayout, device: str = "cpu") -> TokenMap:
     """A preallocated plan whose every element is a value no kernel writes."""
     r, n = layout.slots, layout.num_tokens
-    return Plan(*(torch.full((size,), POISON_INT, dtype=torch.int32, device=device)
+    return TokenMap(*(torch.full((size,), POISON_INT, dtype=torch.int32, device=device)
                   for size in (r + 1, n, n, n, 1, 1)))
 
 
@@ -142,7 +142,7 @@ def model_of(spec: KernelSpec) -> ModelDims:
     return ModelDims(**kw)
 
 
-def ref_plan(layout: VerifyLayout, lens: torch.Tensor, prefix: torch.Tensor, ratio: int) -> Plan:
+def ref_plan(layout: VerifyLayout, lens: torch.Tensor, prefix: torch.Tensor, ratio: int) -> TokenMap:
     """The reference plan (alias kept short for the tests)."""
     return reference.plan(layout, lens, prefix, ratio)
 

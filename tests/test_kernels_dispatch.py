@@ -13,21 +13,30 @@ from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
     use_kernel_cache_fixture,  # noqa: F401
 )
 
-from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, dispatch, ops, reference
-from jitwarm.kernels.rules import FAMILIES
+from jitwarm.kernels import (
+    FAMILIES,
+    KernelSpec,
+    ModelDims,
+    SpecError,
+    Target,
+    VerifyLayout,
+    backend,
+    dispatch,
+    ops,
+    reference,
+)
 
 # CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
 pytestmark = pytest.mark.tvm_ffi
 
 
-def test_backend_module_and_target_of():
-    assert dispatch.backend_module("tvm_ffi").__name__ == "jitwarm.kernels.tvm_backend"
-    with pytest.raises(ValueError, match="unknown kernel backend"):
-        dispatch.backend_module("nope")
-    assert dispatch.target_of("cpu") == "cpu"
-    assert dispatch.target_of(torch.device("cpu")) == "cpu"
+def test_backend_registry_and_device_targets():
+    assert backend("tvm_ffi").__name__ == "jitwarm.kernels.tvm_backend" and backend("triton").name == "triton"
+    with pytest.raises(SpecError, match="unknown kernel backend"):
+        backend("nope")
+    assert dispatch.target_of("cpu") == "cpu" and Target.of_device(torch.device("cpu")) == Target("cpu")
     with pytest.raises(ValueError, match="meta"):
-        dispatch.target_of("meta")
+        Target.of_device("meta")
 
 
 def test_miss_hook_sees_the_spec_and_can_forbid_the_load(use_kernel_cache):

@@ -16,7 +16,7 @@ from remote_fixtures import RedisServer, Remote, redis_server_binary
 from workers.cache_harness import artifact_bytes, build_counts, desc, wait_for_file
 
 from jitwarm.cache import KernelCache
-from jitwarm.precompile.warming import describe
+from jitwarm.kernels.artifacts import artifact
 
 LEASE_ENV = {"JITWARM_REMOTE_LEASE_S": "2"}
 
@@ -108,7 +108,7 @@ def test_altered_blob_is_rejected_by_every_reader_and_rebuilt_once(remote, tmp_p
 def test_six_nodes_warm_one_plan_each_spec_built_once(remote, tmp_path):
     """Acceptance: six `jitwarm warm` processes, six roots, one Redis: 3 specs, 3 builds in total."""
     plan = plan_of(TINY)
-    keys = [KernelCache(layers=()).key(describe(spec)) for spec in plan.specs]
+    keys = [artifact(spec).key for spec in plan.specs]
     procs = [start_jitwarm("warm", *TINY, "--json", "--jobs", "3", "--cache-dir", str(tmp_path / f"node{i}"),
                            *remote.flags()) for i in range(6)]
     reports = [json.loads(line) for line in (p.communicate(timeout=240)[0].strip().splitlines()[-1] for p in procs)]
@@ -126,7 +126,7 @@ def test_six_nodes_warm_one_plan_each_spec_built_once(remote, tmp_path):
     fresh = tmp_path / "node6"
     status = jitwarm("status", *TINY, "--json", "--cache-dir", str(fresh), *remote.flags())
     data = json.loads(status.stdout)
-    assert status.returncode == 0 and data["missing"] == 3 and data["remote"]["present"] == 3
+    assert status.returncode == 5 and data["missing"] == 3 and data["remote"]["present"] == 3  # not ready locally
     start = time.perf_counter()
     seventh = jitwarm("warm", *TINY, "--cache-dir", str(fresh), *remote.flags())
     assert seventh.returncode == 0, seventh.stderr
@@ -162,7 +162,8 @@ def test_redis_stopped_in_the_middle_of_a_warm(tmp_path, required):
         assert proc.returncode == 1
         report = json.loads(stdout)
         assert report["totals"]["failed"] >= 1
-        assert all("RemoteUnavailable" in s["error"] for s in report["specs"] if s["outcome"] == "failed")
+        assert all(s["error_kind"] == "remote_unavailable" and s["error_type"] == "RemoteUnavailable"
+                   for s in report["specs"] if s["outcome"] == "failed")
         text = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "other"), *remote.flags(), "--remote-required")
         assert text.returncode == 1
         assert text.stderr.strip().splitlines() == [line for line in text.stderr.strip().splitlines()

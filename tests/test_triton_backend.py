@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from jitwarm.cache.keys import key_of
-from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, specs_for, triton_kernels
+from jitwarm.kernels import FAMILIES, KernelSpec, LoadError, ModelDims, VerifyLayout, specs_for, triton_kernels
 from jitwarm.kernels import triton_backend as backend
 from jitwarm.kernels.triton_launch import RUN_ARGS, bind, kernel_signature
 
@@ -104,7 +104,7 @@ def test_unsupported_specs_raise_value_error(bad):
 def test_signature_matches_kernel_and_pins_runtime_ints(family):
     spec = {"plan": PLAN, "compressor": COMPRESSOR, "norm_rope": NORM_ROPE}[family]
     sig = kernel_signature(spec)
-    fn = triton_kernels.KERNELS[family]
+    fn = getattr(triton_kernels, FAMILIES[family].triton_kernel)
     assert tuple(fn.arg_names) == sig.arg_names
     assert tuple(n for n in sig.arg_names if n in RUN_ARGS[family]) == RUN_ARGS[family]
     constexpr = {name for name, ty in sig.types.items() if ty == "constexpr"}
@@ -169,9 +169,9 @@ def test_load_rejects_an_entry_of_another_spec(tmp_path):
     entry = SimpleNamespace(path=tmp_path, files=("launch.json",))
     assert backend.load(COMPRESSOR, entry).spec == COMPRESSOR
     other = KernelSpec("compressor", "triton", "cpu", {**COMPRESSOR.params_dict, "max_len": 4})
-    with pytest.raises(ValueError, match="was built for"):
+    with pytest.raises(LoadError, match="was built for"):
         backend.load(other, entry)
-    with pytest.raises(ValueError, match="no launch.json"):
+    with pytest.raises(LoadError, match="no launch.json"):
         backend.load(COMPRESSOR, SimpleNamespace(path=tmp_path, files=("x.so",)))
 
 

@@ -9,6 +9,7 @@ from precompile_fixtures import SMALL, TINY, jitwarm, plan_of, run_worker
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import VerifyLayout, dispatch, ops
+from jitwarm.kernels.artifacts import artifact
 from jitwarm.precompile import (
     CaptureHook,
     CompileDuringCaptureError,
@@ -19,7 +20,7 @@ from jitwarm.precompile import (
     start_warm,
     warm,
 )
-from jitwarm.precompile.warming import describe, warm_specs
+from jitwarm.precompile.warming import warm_specs
 
 
 class RecordingDevice:
@@ -221,7 +222,7 @@ def test_warm_report_and_plan_record(tmp_path):
     assert report.ok and report.built == 3 and len(seen) == 3
     assert [r.spec for r in report.results] == list(plan.specs)
     record = cache.read_plan_record(plan.plan_id)
-    assert record["keys"] == [cache.key(describe(s)) for s in plan.specs]
+    assert record["keys"] == [artifact(s).key for s in plan.specs]
     data = report.to_json()
     assert data["totals"]["built"] == 3 and all(s["outcome"] == "built" for s in data["specs"])
 

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from jitwarm.kernels import VerifyLayout, ops
-from jitwarm.kernels.verify_plan import max_out_rows
+from jitwarm.kernels.token_map import max_out_rows
 
 LAYOUTS = [
     VerifyLayout((3,) * 104 + (2,) * 24),

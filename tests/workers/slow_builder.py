@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 from jitwarm.cache import KernelCache
-from jitwarm.kernels import KernelSpec, dispatch
+from jitwarm.kernels import KernelSpec
+from jitwarm.kernels import backend as kernel_backend
 
 root, spec_json, marker, sleep_s = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
 spec = KernelSpec.from_json(json.loads(spec_json))
-backend = dispatch.backend_module(spec.backend)
+backend = kernel_backend(spec.backend)
 
 
 def build(staging: Path) -> None:

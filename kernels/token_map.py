@@ -1,4 +1,4 @@
-"""Plan: the tensors the plan kernel produces and the compressor and norm_rope kernels consume."""
+"""TokenMap: the per-token tensors the plan kernel produces and the compressor and norm_rope kernels read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 from jitwarm.kernels.layout import VerifyLayout
 
 
-class Plan(NamedTuple):
+class TokenMap(NamedTuple):
     """Ragged verify layout and compression plan for one batch (DESIGN.md "Kernel families", plan).
 
     All fields are int32 tensors on the device of the ``verify_lens`` they were planned from. ``N`` is

@@ -1,0 +1,149 @@
+"""The one path from a spec to a cache entry and to a loaded kernel: description, key, lookup, build, load.
+
+Warm, the capture hook, run-time dispatch and the CLI all go through :func:`artifact`, which computes a spec's
+description and key once per process, so a cold hook over N specs runs each backend's toolchain probe once
+and hashes each description once. A build is checked (loaded, without a device) before it is sealed, and an
+entry that still fails to load at run time is quarantined and rebuilt once under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jitwarm.cache import CacheResult, Entry, KernelCache, key_of
+from jitwarm.kernels.backend import LoadedKernel, LoadError, backend
+from jitwarm.kernels.spec import KernelSpec
+
+
+class KernelLoadError(LoadError):
+    """A spec's entry failed to load, was quarantined and rebuilt, and its rebuild failed to load too.
+
+    Attributes
+    ----------
+    spec : KernelSpec
+        The spec that cannot be loaded.
+
+    """
+
+    def __init__(self, spec: KernelSpec, reason: str) -> None:
+        self.spec = spec
+        super().__init__(f"{spec.id}: cannot be loaded, even after rebuilding it: {reason}")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One spec as the cache knows it: its backend's description of it and the key of that description.
+
+    Build one with :func:`artifact` (memoized per process) or :meth:`from_json` (what a build worker is
+    handed, so it computes nothing again).
+    """
+
+    spec: KernelSpec
+    description: dict[str, Any]
+    key: str
+
+    def lookup(self, cache: KernelCache) -> Entry | None:
+        """The verified entry in ``cache`` (root or layers), or None; never builds (see ``KernelCache.lookup``)."""
+        return cache.lookup(self.key)
+
+    def get_or_build(self, cache: KernelCache, timeout_s: float = 600.0,
+                     on_wait: Callable[[Any], None] | None = None) -> CacheResult:
+        """Return the entry and how it was got: hit, built here, waited for, or downloaded.
+
+        The build runs under the key's lock: the backend compiles into the staging directory, then loads
+        the result (without a device) before the cache seals it, so a library that cannot be loaded is a
+        build failure, never a published entry.
+
+        Raises
+        ------
+        jitwarm.cache.BuildError
+            The compile or the check failed; its cause is the backend's ``CompileError`` or ``LoadError``.
+        jitwarm.cache.LockTimeout, jitwarm.cache.CacheError
+            As ``KernelCache.get_or_build_ex`` raises them.
+
+        """
+        be = backend(self.spec.backend)
+
+        def build(staging: Path) -> None:
+            be.build(self.spec, staging)
+            be.check(self.spec, staging)
+
+        return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key)
+
+    def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0) -> LoadedKernel:
+        """Load the spec's kernel from ``entry`` (or from the cache, building it if needed).
+
+        An entry that fails to load is discarded from the cache (quarantined, or skipped when it is in a
+        read-only layer) and the spec is built again, once, under its lock.
+
+        Raises
+        ------
+        KernelLoadError
+            The rebuilt entry fails to load too.
+
+        """
+        be = backend(self.spec.backend)
+        if entry is None:
+            entry = self.get_or_build(cache, timeout_s).entry
+        try:
+            return be.load(self.spec, entry)
+        except LoadError as exc:
+            cache.discard(entry, f"{type(exc).__name__}: {exc}")
+        entry = self.get_or_build(cache, timeout_s).entry
+        try:
+            return be.load(self.spec, entry)
+        except LoadError as exc:
+            raise KernelLoadError(self.spec, str(exc)) from exc
+
+    def to_json(self) -> dict[str, Any]:
+        """What a build worker needs: the spec, its description and its key."""
+        return {"spec": self.spec.to_json(), "description": self.description, "key": self.key}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Artifact:
+        """Rebuild from :meth:`to_json` (the description and key as the parent computed them)."""
+        return cls(KernelSpec.from_json(data["spec"]), data["description"], data["key"])
+
+
+_lock = threading.Lock()
+_memo: dict[KernelSpec, Artifact] = {}
+_timing = {"seconds": 0.0, "computed": 0}
+
+
+def artifact(spec: KernelSpec) -> Artifact:
+    """Return ``spec``'s artifact, its description and key computed once per process.
+
+    Raises
+    ------
+    SpecError, ToolchainError
+        The backend cannot describe the spec (see :mod:`jitwarm.kernels.backend`).
+
+    """
+    found = _memo.get(spec)  # lock-free hit: a dict read is atomic under the GIL
+    if found is not None:
+        return found
+    start = time.perf_counter()
+    description = backend(spec.backend).description(spec)
+    made = Artifact(spec, description, key_of(description))
+    with _lock:
+        _timing["seconds"] += time.perf_counter() - start
+        _timing["computed"] += 1
+        return _memo.setdefault(spec, made)
+
+
+def description_stats() -> dict[str, float]:
+    """How many descriptions this process computed and the seconds it spent (for reports and benchmarks)."""
+    with _lock:
+        return dict(_timing)
+
+
+def reset() -> None:
+    """Forget every computed artifact (tests that change a toolchain or a source file)."""
+    with _lock:
+        _memo.clear()
+        _timing.update(seconds=0.0, computed=0)

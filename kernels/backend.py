@@ -1,0 +1,100 @@
+"""The backend contract: how one spec is described, built, checked and loaded; and the registry of backends.
+
+A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend``), found by name with
+:func:`backend`. Its failure rules:
+
+- ``description(spec)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or device
+  presence. It raises :class:`SpecError` for a spec the backend cannot build and :class:`ToolchainError`
+  when the compiler it needs is missing.
+- ``build(spec, staging)`` writes the artifact files into the empty directory ``staging``; it runs under the
+  cache's key lock. It raises :class:`CompileError` carrying the compiler's whole output, and leaves nothing
+  but files in ``staging`` (the cache removes the directory on any failure).
+- ``check(spec, staging)`` loads what ``build`` wrote, in the build's own process and without a device, so
+  a library that cannot be loaded is never published (sglang's loader also loads before it publishes). It
+  raises :class:`LoadError`.
+- ``load(spec, entry)`` loads a published entry into this process and returns a :class:`LoadedKernel`; it
+  raises :class:`LoadError` when the artifact cannot be loaded or holds another spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+from jitwarm.kernels.spec import KernelSpec
+
+#: Backend name -> the module that implements it (imported on first use).
+_MODULES = {"tvm_ffi": "jitwarm.kernels.tvm_backend", "triton": "jitwarm.kernels.triton_backend"}
+BACKEND_NAMES: tuple[str, ...] = tuple(_MODULES)
+
+
+class SpecError(ValueError):
+    """The backend cannot build this spec (unknown family, wrong params, unsupported target or dtype)."""
+
+
+class ToolchainError(RuntimeError):
+    """A compiler the spec needs is missing or broken; the message says which and where it was looked for."""
+
+
+class CompileError(RuntimeError):
+    """The compiler failed. ``str()`` starts with a one-line summary; ``output`` is the compiler's whole text."""
+
+    def __init__(self, summary: str, output: str = "") -> None:
+        self.summary = summary
+        self.output = output
+        super().__init__(f"{summary}\n{output}" if output else summary)
+
+
+class LoadError(RuntimeError):
+    """A built artifact cannot be loaded into this process, or holds another spec than the one asked for."""
+
+
+class LoadedKernel(Protocol):
+    """One spec's kernel loaded into this process.
+
+    ``run(*args)`` launches it with the family's positional arguments (:attr:`Family.run_args`; on the
+    tensors' device and current stream). ``preload()`` forces the module onto the current CUDA device (a
+    module load: never inside capture) and returns how many kernels it touched, 0 with no device call for a
+    ``cpu`` spec; it is idempotent.
+    """
+
+    spec: KernelSpec
+
+    def preload(self) -> int:
+        """Put the kernel on the current device; return how many kernels were loaded onto one."""
+
+    def run(self, *args: Any) -> None:
+        """Launch the kernel."""
+
+
+class Backend(Protocol):
+    """What a backend module provides (see the module docstring for the failure rules)."""
+
+    name: str
+
+    def description(self, spec: KernelSpec) -> dict[str, Any]:
+        """The cache description of ``spec``."""
+
+    def build(self, spec: KernelSpec, staging: Path) -> None:
+        """Write ``spec``'s artifact files into ``staging``."""
+
+    def check(self, spec: KernelSpec, staging: Path) -> None:
+        """Load what :meth:`build` wrote, without a device."""
+
+    def load(self, spec: KernelSpec, entry: Any) -> LoadedKernel:
+        """Load a published entry of ``spec``."""
+
+
+def backend(name: str) -> Backend:
+    """Return the backend called ``name``.
+
+    Raises
+    ------
+    SpecError
+        ``name`` is not one of :data:`BACKEND_NAMES`.
+
+    """
+    if name not in _MODULES:
+        raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    return importlib.import_module(_MODULES[name])  # type: ignore[return-value]

@@ -1,0 +1,119 @@
+"""The kernel families, in one table: each one's specialization rule, params, run() arguments and sources.
+
+Planning and run-time dispatch call the same :meth:`Family.specs_for`, so a warm plan provably covers what
+capture asks for; both backends read the params and argument order from here, so they cannot drift apart.
+Pure Python: importing this module imports neither torch nor any compiler. The math of each family is
+:mod:`jitwarm.kernels.reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jitwarm.kernels.backend import SpecError
+from jitwarm.kernels.layout import VerifyLayout
+from jitwarm.kernels.spec import KernelSpec, ModelDims
+
+Rule = Callable[[VerifyLayout, ModelDims], list[dict[str, int | str]]]
+
+
+def plan_threads(slots: int) -> int:
+    """Threads of the plan kernel's single CTA: ``min(1024, max(32, next_pow2(slots)))``."""
+    return min(1024, max(32, 1 << max(0, slots - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel family.
+
+    Attributes
+    ----------
+    name : str
+        The family's name, the first part of every spec id.
+    params : tuple of str
+        The spec params, sorted (as :class:`KernelSpec` stores them).
+    run_args : tuple of str
+        The positional arguments of ``LoadedKernel.run``, in order (shapes: ``N`` tokens, ``R`` requests,
+        ``D`` head dim). plan: ``verify_lens, prefix_lens int32[R]``, outputs ``cu_lens int32[R+1]``,
+        ``token_req, token_pos, token_out_row int32[N]``, ``num_out, uniform int32[1]``. compressor:
+        ``kv, score [N, D]``, ``state float32[R, 3, D]`` (updated), ``out [rows, D]``. norm_rope:
+        ``q [N, Hq, D]`` and ``k [N, Hk, D]`` (in place), ``positions int32[N]``, weights ``[D]``, floats
+        ``eps`` and ``theta``.
+    source : str
+        The C++/CUDA header of the tvm_ffi backend (``csrc/``).
+    cxx_kernel : str
+        The kernel's C++ type in that header, with ``{param}`` fields (the template parameters are exactly
+        the spec params).
+    triton_kernel : str
+        The ``@triton.jit`` function in ``triton_kernels.py``.
+
+    """
+
+    name: str
+    params: tuple[str, ...]
+    run_args: tuple[str, ...]
+    source: str
+    cxx_kernel: str
+    triton_kernel: str
+    rule: Rule
+
+    def specs_for(self, layout: VerifyLayout, model: ModelDims, backend: str, target: str
+                  ) -> tuple[KernelSpec, ...]:
+        """Return the specs a batch with this layout dispatches, in a stable order (a pure function)."""
+        return tuple(KernelSpec(self.name, backend, target, params) for params in self.rule(layout, model))
+
+
+def _plan_rule(layout: VerifyLayout, model: ModelDims) -> list[dict[str, int | str]]:
+    threads = plan_threads(layout.slots)
+    return [{"ratio": r, "threads": threads} for r in model.compress_ratios]
+
+
+def _compressor_rule(layout: VerifyLayout, model: ModelDims) -> list[dict[str, int | str]]:
+    return [{"ratio": r, "head_dim": model.head_dim, "dtype": model.dtype, "uniform": int(layout.uniform),
+             "max_len": layout.max_len} for r in model.compress_ratios]
+
+
+def _norm_rope_rule(layout: VerifyLayout, model: ModelDims) -> list[dict[str, int | str]]:
+    return [{"head_dim": model.head_dim, "rope_dim": model.rope_dim, "num_q_heads": model.num_q_heads,
+             "num_kv_heads": model.num_kv_heads, "dtype": model.dtype, "uniform": int(layout.uniform),
+             "max_len": layout.max_len}]
+
+
+#: Every family, in dispatch order within a batch: norm_rope, compressor, plan.
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("norm_rope", ("dtype", "head_dim", "max_len", "num_kv_heads", "num_q_heads", "rope_dim", "uniform"),
+           ("q", "k", "positions", "q_weight", "k_weight", "eps", "theta"), "norm_rope.cuh",
+           "jitwarm::norm_rope::Kernel<{head_dim}, {rope_dim}, {num_q_heads}, {num_kv_heads}, {dtype}, {uniform}, "
+           "{max_len}>", "norm_rope_kernel", _norm_rope_rule),
+    Family("compressor", ("dtype", "head_dim", "max_len", "ratio", "uniform"),
+           ("kv", "score", "cu_lens", "token_out_row", "state", "out"), "compressor.cuh",
+           "jitwarm::compressor::Kernel<{ratio}, {head_dim}, {dtype}, {uniform}, {max_len}>", "compressor_kernel",
+           _compressor_rule),
+    Family("plan", ("ratio", "threads"),
+           ("verify_lens", "prefix_lens", "cu_lens", "token_req", "token_pos", "token_out_row", "num_out",
+            "uniform"), "plan.cuh", "jitwarm::plan::Kernel<{ratio}, {threads}>", "plan_kernel", _plan_rule),
+)}
+
+
+def specs_for(layout: VerifyLayout, model: ModelDims, backend: str, target: str) -> tuple[KernelSpec, ...]:
+    """Return every family's specs for one layout, families in :data:`FAMILIES` order."""
+    return tuple(s for fam in FAMILIES.values() for s in fam.specs_for(layout, model, backend, target))
+
+
+def family(spec: KernelSpec) -> Family:
+    """The family of ``spec``, checking that its params are exactly that family's.
+
+    Raises
+    ------
+    SpecError
+        An unknown family, or params that are not the family's.
+
+    """
+    fam = FAMILIES.get(spec.family)
+    if fam is None:
+        raise SpecError(f"{spec.id}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}")
+    names = tuple(name for name, _ in spec.params)
+    if names != fam.params:
+        raise SpecError(f"{spec.id}: params {names} are not the {fam.name} params {fam.params}")
+    return fam

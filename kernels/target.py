@@ -1,0 +1,93 @@
+"""Target: where a kernel runs, the host (``cpu``) or one CUDA arch (``sm_90``), parsed in one place.
+
+Config validation, both backends, the dispatcher and the capture hook all read targets through
+:meth:`Target.parse` and :meth:`Target.of_device`, so a plan's target is spelled exactly as the run-time
+dispatcher spells the device it finds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+#: nvcc 13 compiles nothing older (sm_70 is "Unsupported gpu architecture").
+MIN_CUDA_ARCH = 75
+_CUDA = re.compile(r"sm_([0-9]{2,3})")  # [0-9], not \d: "sm_٩٠" (Arabic-Indic digits) is not an arch
+_ARCH_SPECIFIC = re.compile(r"sm_([0-9]{2,3})a")
+
+
+class TargetError(ValueError):
+    """A target name that is neither ``cpu`` nor a supported ``sm_XY``; the message says what to use."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A build target: ``cpu`` or ``sm_XY`` (``XY`` >= 75).
+
+    Examples
+    --------
+    >>> Target.parse("sm_90").arch, Target.parse("cpu").is_cuda
+    (90, False)
+
+    """
+
+    name: str
+
+    @classmethod
+    def parse(cls, text: Any) -> Target:
+        """Return the target ``text`` names.
+
+        Raises
+        ------
+        TargetError
+            Not ``cpu`` or ``sm_XY``; an arch below sm_75; an arch-specific ``sm_XYa`` name, which the
+            run time never reports (a device is ``sm_90``; Triton picks ``sm_90a`` code for it by itself),
+            so a plan for it could never match at capture.
+
+        """
+        if not isinstance(text, str):
+            raise TargetError(f"target must be a string such as 'sm_90' or 'cpu', got {text!r}")
+        if text == "cpu":
+            return cls(text)
+        if specific := _ARCH_SPECIFIC.fullmatch(text):
+            raise TargetError(f"target {text!r}: use sm_{specific[1]}; the device reports sm_{specific[1]}, "
+                              f"and its builds already use the arch-specific features (Triton compiles sm_"
+                              f"{specific[1]}a code for it)")
+        cuda = _CUDA.fullmatch(text)
+        if cuda is None or int(cuda[1]) < MIN_CUDA_ARCH:
+            raise TargetError(f"unknown target {text!r}; use cpu or a CUDA arch such as sm_90 (>= sm_{MIN_CUDA_ARCH})")
+        return cls(text)
+
+    @classmethod
+    def of_device(cls, device: Any) -> Target:
+        """The target of a torch device: ``cpu``, or ``sm_XY`` from a CUDA device's compute capability.
+
+        Raises
+        ------
+        TargetError
+            The device is neither cpu nor cuda.
+
+        """
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cpu":
+            return cls("cpu")
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            return cls(f"sm_{major}{minor}")
+        raise TargetError(f"no kernel target for device {device} (cpu or cuda)")
+
+    @property
+    def is_cuda(self) -> bool:
+        """True for an ``sm_XY`` target."""
+        return self.name != "cpu"
+
+    @property
+    def arch(self) -> int | None:
+        """The CUDA arch number (``sm_90`` is 90), None for ``cpu``."""
+        return None if self.name == "cpu" else int(self.name[3:])
+
+    def __str__(self) -> str:
+        return self.name

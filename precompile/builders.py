@@ -1,0 +1,232 @@
+"""Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
+
+Each worker is ``python -m jitwarm.precompile.builders``, reading one task per line (the spec's artifact: spec,
+description, key) and answering one JSON line. A fresh interpreter, not a ``multiprocessing`` child: it never
+re-imports the caller's ``__main__`` (a script without an ``if __name__ == "__main__":`` guard, or
+``sglang.launch_server``), and a worker that dies is known by the task it held. Workers run in their own
+session, so a terminal's Ctrl-C reaches only the parent, which stops them and their compilers (SIGTERM to the
+session, SIGKILL after a grace period); a build cut short leaves only a staging directory, never an entry.
+
+Errors cross the process boundary as data: the exception's type name and kind travel with the full text (a
+compiler's whole diagnostic), so an exit code never depends on parsing a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+#: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
+STOP_GRACE_S = 3.0
+
+#: Error kinds: what a failure means to the caller (exit code, one message for all), whatever its type.
+KINDS = ("compile", "load", "timeout", "remote_unavailable", "toolchain", "spec", "cache", "crash", "internal")
+
+
+@dataclass
+class Failure:
+    """Why a spec failed: ``kind`` (one of :data:`KINDS`), the exception type, its first line, its whole text."""
+
+    kind: str
+    type: str
+    message: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        """JSON-able form (as it travels from a worker)."""
+        return {"kind": self.kind, "type": self.type, "message": self.message, "detail": self.detail}
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        """Classify an exception raised while getting or building a spec."""
+        from jitwarm.cache import BuildError, CacheError, LockTimeout, RemoteUnavailable
+        from jitwarm.kernels import CompileError, LoadError, SpecError, TargetError, ToolchainError
+
+        cause = exc.__cause__ if isinstance(exc, BuildError) and exc.__cause__ is not None else exc
+        kinds = (("timeout", LockTimeout), ("remote_unavailable", RemoteUnavailable), ("compile", CompileError),
+                 ("load", LoadError), ("toolchain", ToolchainError), ("spec", (SpecError, TargetError)),
+                 ("cache", CacheError))
+        kind = next((name for name, types in kinds if isinstance(cause, types)), "internal")
+        text = str(cause) or type(cause).__name__
+        summary = cause.summary if isinstance(cause, CompileError) else text.splitlines()[0]
+        detail = cause.output if isinstance(cause, CompileError) else text
+        return cls(kind, type(cause).__name__, summary, detail)
+
+
+@dataclass
+class Task:
+    """One spec to get or build: its artifact (spec, description, key) as JSON, and its index."""
+
+    index: int
+    artifact: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    """What a worker did with a task: hit, built, waited, downloaded, or failed (with ``failure``)."""
+
+    index: int
+    outcome: str
+    seconds: float
+    key: str | None = None
+    failure: Failure | None = None
+    remote_error: str | None = None
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    task: Task | None = None
+    started: float = 0.0
+    buffer: bytes = field(default=b"")
+
+
+class BuildPool:
+    """Up to ``jobs`` workers sharing one cache (``cache_args``: ``KernelCache`` keyword arguments)."""
+
+    def __init__(self, jobs: int, cache_args: dict[str, Any], timeout_s: float) -> None:
+        self.jobs = max(1, jobs)
+        self.config = {"cache": cache_args, "timeout_s": timeout_s}
+        self._workers: list[_Worker] = []
+
+    def run(self, tasks: Sequence[Task]) -> Iterator[Outcome]:
+        """Yield one outcome per task as it finishes; a worker that dies fails its task (retried once alone).
+
+        On ``KeyboardInterrupt`` (or any exception in the caller) every worker is stopped before it
+        propagates.
+        """
+        pending = list(tasks)
+        retried: set[int] = set()
+        selector = selectors.DefaultSelector()
+        try:
+            while pending or any(w.task for w in self._workers):
+                while pending and len([w for w in self._workers if w.task]) < self.jobs:
+                    worker = next((w for w in self._workers if w.task is None), None) or self._spawn(selector)
+                    self._send(worker, pending.pop(0))
+                for key, _ in selector.select(timeout=1.0):
+                    worker = key.data
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        worker.buffer += chunk
+                        while b"\n" in worker.buffer:
+                            line, worker.buffer = worker.buffer.split(b"\n", 1)
+                            yield self._received(worker, line)
+                        continue
+                    selector.unregister(key.fd)  # EOF: the worker died (a compiler or loader crash?)
+                    self._workers.remove(worker)
+                    if worker.task is not None:
+                        task, code = worker.task, worker.proc.wait()
+                        if task.index not in retried:  # once more, on a fresh worker: an OOM kill is not a bug
+                            retried.add(task.index)
+                            pending.insert(0, task)
+                        else:
+                            yield Outcome(task.index, "failed", time.perf_counter() - worker.started,
+                                          failure=Failure("crash", "WorkerDied", _death(code)))
+        finally:
+            selector.close()
+            self.close()
+
+    def close(self) -> None:
+        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period."""
+        for worker in self._workers:
+            with contextlib.suppress(OSError):
+                worker.proc.stdin.close()
+            if worker.task is not None:  # a build in flight: stop it and its compiler now
+                _signal_session(worker.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for worker in self._workers:
+            try:
+                worker.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_session(worker.proc, signal.SIGKILL)
+                worker.proc.wait()
+            with contextlib.suppress(OSError):
+                worker.proc.stdout.close()
+        self._workers.clear()
+
+    def _spawn(self, selector: selectors.BaseSelector) -> _Worker:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_path())}
+        proc = subprocess.Popen([sys.executable, "-m", "jitwarm.precompile.builders", json.dumps(self.config)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+        worker = _Worker(proc)
+        selector.register(proc.stdout, selectors.EVENT_READ, worker)
+        self._workers.append(worker)
+        return worker
+
+    def _send(self, worker: _Worker, task: Task) -> None:
+        worker.task, worker.started = task, time.perf_counter()
+        assert worker.proc.stdin is not None
+        worker.proc.stdin.write(json.dumps({"index": task.index, "artifact": task.artifact}).encode() + b"\n")
+        worker.proc.stdin.flush()
+
+    def _received(self, worker: _Worker, line: bytes) -> Outcome:
+        data = json.loads(line)
+        worker.task = None
+        failure = Failure(**data["failure"]) if data.get("failure") else None
+        return Outcome(data["index"], data["outcome"], data["seconds"], data.get("key"), failure,
+                       data.get("remote_error"))
+
+
+def _import_path() -> list[str]:
+    """The caller's import path, so a worker imports the same jitwarm (and, for a replay, the same modules)."""
+    return [str(Path(p).absolute()) if p else str(Path.cwd()) for p in sys.path if not p or Path(p).is_dir()]
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # the worker and its compiler: start_new_session made it the group leader
+
+
+def _death(code: int) -> str:
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return f"the build process died ({how}): a compiler or loader crash"
+
+
+# -- the worker side --------------------------------------------------------------------------------------------
+
+
+def _serve(config: dict[str, Any], tasks: IO[str], answers: IO[str]) -> None:
+    """Answer every task line on ``tasks`` until it closes."""
+    from jitwarm.cache import KernelCache
+    from jitwarm.kernels.artifacts import Artifact
+
+    cache = KernelCache(**config["cache"])
+    for line in tasks:
+        task = json.loads(line)
+        start = time.perf_counter()
+        answer: dict[str, Any] = {"index": task["index"]}
+        try:
+            result = Artifact.from_json(task["artifact"]).get_or_build(cache, config["timeout_s"])
+            answer.update(outcome=result.outcome, key=result.entry.key)
+        except Exception as exc:  # reported per spec: one bad spec must not fail the others
+            answer.update(outcome="failed", failure=Failure.of(exc).to_json())
+        answer.update(seconds=time.perf_counter() - start, remote_error=cache.remote_error)
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Worker entry point: ``python -m jitwarm.precompile.builders CONFIG_JSON`` (tasks on stdin)."""
+    args = sys.argv[1:] if argv is None else argv
+    # SIGTERM from the parent (Ctrl-C there): unwind, so the cache removes the staging dir of a build in flight.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
+    try:
+        _serve(json.loads(args[0]), sys.stdin, sys.stdout)
+    except BrokenPipeError:  # the parent is gone
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The one path from a spec to an entry and a loaded kernel: computed once, loaded before publish, rebuilt once.
+
+Real compilers, real worker processes, real files; the "broken compilers" are small shell scripts standing in
+for g++ (they print a diagnostic or write junk where the library should be).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from precompile_fixtures import TINY, jitwarm, plan_of
+
+from jitwarm.cache import KernelCache
+from jitwarm.kernels import CompileError, KernelSpec, LoadError, Target, TargetError, dispatch, tvm_backend
+from jitwarm.kernels.artifacts import KernelLoadError, artifact
+from jitwarm.precompile import CaptureHook, KernelLoadFailed
+from jitwarm.precompile.builders import Failure
+
+pytestmark = pytest.mark.tvm_ffi
+
+
+def fake_cxx(tmp_path, body: str):
+    """A stand-in for g++: logs every call, then runs ``body`` (sh) with the real g++ as $REAL."""
+    log = tmp_path / "cxx.log"
+    script = tmp_path / "fake-c++"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {log}\nREAL=g++\n[ "$1" = --version ] && exec $REAL "$@"\n{body}\n')
+    script.chmod(0o755)
+    return str(script), log
+
+
+def test_a_cold_warm_computes_each_description_once_in_the_parent_only(tmp_path):
+    cxx, log = fake_cxx(tmp_path, 'exec $REAL "$@"')
+    proc = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "cache"), "--jobs", "2", "--json",
+                   env={"CXX": cxx})
+    assert proc.returncode == 0, proc.stderr
+    calls = log.read_text().splitlines()
+    # one `--version` (the toolchain fingerprint) in the planning process; the workers are handed the
+    # descriptions and keys, and only compile
+    assert [c for c in calls if c == "--version"] == ["--version"]
+    assert len([c for c in calls if "-o" in c.split()]) == 3
+
+
+def test_a_library_that_cannot_be_loaded_is_never_published(tmp_path):
+    # exits 0 but writes garbage where the shared library should be
+    cxx, _ = fake_cxx(tmp_path, 'for a; do [ "$prev" = -o ] && out=$a; prev=$a; done\n'
+                                '[ -n "$out" ] && echo "not a library" > "$out"\nexit 0')
+    root = tmp_path / "cache"
+    for _ in range(2):  # and the next warm tries again: nothing was recorded as present
+        proc = jitwarm("warm", *TINY, "--cache-dir", str(root), "--json", env={"CXX": cxx})
+        assert proc.returncode == 1
+        specs = json.loads(proc.stdout)["specs"]
+        assert {s["outcome"] for s in specs} == {"failed"}
+        assert {s["error_kind"] for s in specs} == {"load"} and all("does not load" in s["error"] for s in specs)
+    assert not list(root.glob("v1/entries/*/*"))
+    assert jitwarm("verify", *TINY, "--cache-dir", str(root)).returncode != 0
+
+
+def test_the_compilers_whole_diagnostic_reaches_the_user(tmp_path):
+    cxx, _ = fake_cxx(tmp_path, "echo \"kernel.cc:3:5: error: 'frobnicate' was not declared in this scope\" >&2\n"
+                                "echo '    3 |     frobnicate();' >&2\nexit 1")
+    proc = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "cache"), env={"CXX": cxx})
+    assert proc.returncode == 1
+    assert "error: 'frobnicate' was not declared" in proc.stderr and "frobnicate();" in proc.stderr
+    as_json = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "cache"), "--json", env={"CXX": cxx})
+    spec = json.loads(as_json.stdout)["specs"][0]
+    assert spec["error_kind"] == "compile" and spec["error_type"] == "CompileError"
+    assert "compile failed (exit 1)" in spec["error"] and "'frobnicate' was not declared" in spec["detail"]
+
+
+def test_an_entry_that_fails_to_load_at_run_time_is_quarantined_and_rebuilt_once(tmp_path):
+    cache = KernelCache(root=tmp_path / "cache", layers=())
+    spec = plan_of(TINY).specs[-1]
+    art = artifact(spec)
+
+    def junk(staging):  # published straight through the cache, as a corrupted-at-build library would be
+        (staging / tvm_backend.LIBRARY).write_bytes(b"\x7fELF but no library")
+
+    bad = cache.get_or_build_ex(art.description, junk, key=art.key).entry
+    dispatcher = dispatch.Dispatcher(cache)
+    kernel = dispatcher.ensure_loaded(spec)
+    assert kernel.spec == spec and dispatcher.counters()["builds"] == 0  # the rebuild ran inside load()
+    assert cache.stats().builds == 2  # the junk one, then exactly one rebuild
+    quarantined = [p for p in (tmp_path / "cache" / "v1" / "quarantine").glob(f"{art.key}-*") if p.is_dir()]
+    assert len(quarantined) == 1 and (bad.path.exists() and art.lookup(cache).path == bad.path)
+
+
+def test_the_hook_names_a_spec_that_never_loads(tmp_path, monkeypatch):
+    plan = plan_of(TINY)
+    root = tmp_path / "cache"
+    assert jitwarm("warm", *TINY, "--cache-dir", str(root)).returncode == 0
+
+    def refuse(spec, entry):
+        raise LoadError(f"{spec.id}: pretend dlopen said no")
+
+    monkeypatch.setattr(tvm_backend, "load", refuse)
+    dispatch.reset()
+    hook = CaptureHook(plan, cache=KernelCache(root=root), device="cpu", policy="build")
+    with pytest.raises(KernelLoadFailed) as info:
+        hook()
+    assert info.value.spec in plan.specs and "pretend dlopen said no" in str(info.value)
+    assert isinstance(info.value.__cause__, KernelLoadError)
+
+
+def test_failures_travel_as_kinds_not_strings():
+    from jitwarm.cache import BuildError, LockTimeout
+
+    compile_failure = BuildError("ab" * 32, "x")
+    compile_failure.__cause__ = CompileError("plan/...: compile failed (exit 1)", "line one\nline two")
+    failure = Failure.of(compile_failure)
+    assert (failure.kind, failure.type, failure.message) == ("compile", "CompileError",
+                                                             "plan/...: compile failed (exit 1)")
+    assert failure.detail == "line one\nline two"
+    assert Failure.of(LockTimeout("cd" * 32, None, 1.0)).kind == "timeout"
+    assert Failure.of(TargetError("unknown target 'x'")).kind == "spec"
+    assert Failure.of(ZeroDivisionError()).kind == "internal"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sm_90a", "use sm_90"), ("sm_٩٠", "unknown target"), ("sm_70", ">= sm_75"), ("gpu", "unknown target"),
+])
+def test_one_target_type(text, message):
+    with pytest.raises(TargetError, match=message):
+        Target.parse(text)
+    assert Target.parse("sm_100").arch == 100 and not Target.parse("cpu").is_cuda
+
+
+def test_an_arch_specific_target_is_refused_at_plan_time():
+    proc = jitwarm("plan", *TINY[:-1], "sm_90a")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "use sm_90" in proc.stderr
+
+
+def test_the_dispatcher_resets(tmp_path):
+    dispatcher = dispatch.Dispatcher(KernelCache(root=tmp_path / "c", layers=()))
+    spec = KernelSpec("plan", "tvm_ffi", "cpu", {"ratio": 4, "threads": 32})
+    dispatcher.add_miss_hook(lambda s, shape: None)
+    dispatcher.ensure_loaded(spec)
+    assert dispatcher.is_loaded(spec) and dispatcher.counters()["loads"] == 1
+    dispatcher.reset()
+    assert not dispatcher.is_loaded(spec) and dispatcher.counters() == {"builds": 0, "loads": 0, "misses": 0}
