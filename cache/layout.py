@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ class RootLayout:
         <root>/v1/locks/<key>.lock        default lock dir (JITWARM_LOCK_DIR moves it)
         <root>/v1/plans/<plan_id>.json    plan completion records
         <root>/v1/quarantine/             entries that failed verification
+        <root>/v1/verified/<kk>/<key>-<where>.json   stat stamps of entries this host hashed (local.py)
 
     Nothing here touches the filesystem except :meth:`ensure`, and the ``iter_*`` methods, which only read.
     With ``shared`` (``allow_shared``), directories are created ``0777`` minus the umask, so a team umask
@@ -72,6 +74,8 @@ class RootLayout:
         self.locks = self.base / "locks"
         self.plans = self.base / "plans"
         self.quarantine = self.base / "quarantine"
+        self.stamps = self.base / "verified"
+        self.facts = self.base / "facts"
 
     def ensure(self, path: Path) -> Path:
         """Create ``path`` (a directory of this root) and its missing parents with :attr:`dir_mode`."""
@@ -81,6 +85,11 @@ class RootLayout:
     def entry_dir(self, key: str) -> Path:
         """Return where the entry of ``key`` is (or would be) published."""
         return self.entries / key[:2] / key
+
+    def stamp_path(self, entry_dir: Path, key: str) -> Path:
+        """Where this root keeps the verification stamp of the entry directory ``entry_dir`` (any root's)."""
+        where = hashlib.sha256(os.fsencode(entry_dir)).hexdigest()[:16]
+        return self.stamps / key[:2] / f"{key}-{where}.json"
 
     def plan_path(self, plan_id: str) -> Path:
         """Return the path of a plan record, checking that ``plan_id`` is a safe file name.
@@ -139,6 +148,32 @@ def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any
     return target
 
 
+def write_fact(layout: RootLayout, name: str, value: str) -> None:
+    """Write the fact ``name`` (a safe file name) of this root, atomically; OSError on failure."""
+    data = json.dumps({"value": value}).encode("utf-8")
+    write_atomic(layout.ensure(layout.facts) / _fact_file(name), data, durable=False)
+
+
+def read_fact(layout: RootLayout, name: str, *, allow_shared: bool) -> str | None:
+    """Return the fact ``name`` of this root, or None when there is none, it is unreadable or untrusted."""
+    path = layout.facts / _fact_file(name)
+    try:
+        with path.open("rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 16 or (untrusted_reason(st) and not allow_shared):
+                return None
+            value = json.loads(f.read())["value"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _fact_file(name: str) -> str:
+    if not isinstance(name, str) or _PLAN_ID_RE.fullmatch(name) is None:
+        raise ValueError(f"bad fact name {name!r}: use 1-128 characters from [A-Za-z0-9._-]")
+    return f"{name}.json"
+
+
 def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, Any] | None:
     """Return the record ``plan_id`` from the first of ``layouts`` with a readable one, else None.
 
@@ -186,7 +221,7 @@ def untrusted_reason(st: os.stat_result) -> str | None:
     return None
 
 
-def check_trusted(path: Path, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
+def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
     """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
 
     The cache holds shared libraries that get loaded into the server, so a directory another user can
@@ -194,7 +229,7 @@ def check_trusted(path: Path, what: str, *, allow_shared: bool, st: os.stat_resu
 
     Parameters
     ----------
-    path : Path
+    path : Path or str
         What to check; it must exist (or ``st`` must be given).
     what : str
         How to name it in the message, e.g. ``"cache root"`` or ``"cache entry"``.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import threading
@@ -20,14 +21,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree, write_atomic
-from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
+from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CorruptEntry
 from jitwarm.cache.fleet import Fleet, LocalSteps
 from jitwarm.cache.keys import keyed
-from jitwarm.cache.layout import RootLayout, check_trusted
+from jitwarm.cache.layout import RootLayout, check_trusted, untrusted_reason
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, wait_until
 from jitwarm.cache.prune import sweep_staging
 
@@ -109,21 +111,29 @@ class LocalCache:
             with self._mutex:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
-                entry, _why = self._check(layout, key, read_only=read_only, locked=locked)
+                entry, _why = self._check(layout, key, read_only=read_only, locked=locked, stamped=True)
             if entry is not None and (entry.path, entry.signature) not in self._rejected:
                 self._touch(entry)
                 return entry
         return None
 
-    def _check(self, layout: RootLayout, key: str, *, read_only: bool,
-               locked: bool) -> tuple[Entry | None, str | None]:
-        """Fully verify one copy: ``(entry, None)``, ``(None, why)`` if corrupt (quarantined or skipped), or a miss."""
+    def _check(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool,
+               stamped: bool = False) -> tuple[Entry | None, str | None]:
+        """Verify one copy: ``(entry, None)``, ``(None, why)`` if corrupt (quarantined or skipped), or a miss.
+
+        With ``stamped``, an entry this host hashed before and whose files are unchanged since (its stamp
+        matches) is accepted without reading them again; else (and for ``jitwarm verify``) every file is hashed.
+        """
         path = layout.entry_dir(key)
         self.forget(path)
         if not os.path.lexists(path):
             return None, None
         self.check_root(layout)
         check_trusted(path.parent, "cache directory", allow_shared=self.allow_shared)
+        if stamped and (entry := self._from_stamp(path, key, read_only)) is not None:
+            with self._mutex:
+                self._verified[entry.path] = entry
+            return entry, None
         try:
             entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
         except FileNotFoundError:
@@ -152,9 +162,32 @@ class LocalCache:
             self._trusted.add(path)
 
     def _remember(self, entry: Entry) -> None:
-        """Memoize an entry whose files this instance has just hashed."""
+        """Memoize an entry whose files this instance has just hashed, and stamp it for the next processes."""
         with self._mutex:
             self._verified[entry.path] = entry
+        if self.read_only:
+            return
+        stamp = self.root.stamp_path(entry.path, entry.key)
+        with contextlib.suppress(OSError):  # a stamp only saves the next process a hash: best effort
+            self.root.ensure(stamp.parent)
+            write_atomic(stamp, json.dumps({"path": os.fspath(entry.path), "signature": entry.signature}).encode(),
+                         durable=False)
+
+    def _from_stamp(self, path: Path, key: str, read_only: bool) -> Entry | None:
+        """The entry at ``path`` when this host's stamp says its files are the ones it hashed (see recheck_entry)."""
+        stamp = os.fspath(self.root.stamp_path(path, key))
+        try:
+            with open(stamp, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not S_ISREG(st.st_mode) or st.st_size > 1 << 16 or untrusted_reason(st) and not self.allow_shared:
+                    return None
+                doc = json.loads(f.read())
+            signature = tuple(tuple(item) for item in doc["signature"])
+            if doc["path"] != os.fspath(path):
+                return None
+            return recheck_entry(path, key, signature, allow_shared=self.allow_shared, read_only=read_only)
+        except (OSError, ValueError, KeyError, TypeError, CorruptEntry):
+            return None
 
     def forget(self, path: Path) -> None:
         """Drop what is known about the entry directory ``path`` (it was removed or replaced)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
 from jitwarm.cache.fleet import Fleet
 from jitwarm.cache.keys import check_key, key_of, key_preimage
-from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_plan_record, write_plan_record
+from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
 from jitwarm.cache.local import BuildFn, LocalCache, VerifyReport
 from jitwarm.cache.locks import OnWait
 from jitwarm.cache.prune import PruneReport
@@ -394,6 +395,26 @@ class KernelCache:
         self._local.root.plan_path(plan_id)  # a bad id raises before anything is created
         self._local.prepare_root()
         return write_plan_record(self._local.root, plan_id, record)
+
+    # -- facts -------------------------------------------------------------------------------------------
+
+    def read_fact(self, name: str) -> str | None:
+        """Return a fact a caller kept in the writable root with :meth:`write_fact`, or None.
+
+        Facts are small strings a caller derived from this host's state and keys by it (jitwarm.kernels keeps
+        a compiler's ``--version`` under a name made from the compiler binary's inode, size and times), so a
+        later process need not derive them again. The cache knows nothing of their meaning; an unreadable or
+        untrusted fact is None. ValueError for a name outside ``[A-Za-z0-9._-]{1,128}``.
+        """
+        return read_fact(self._local.root, name, allow_shared=self.allow_shared)
+
+    def write_fact(self, name: str, value: str) -> None:
+        """Keep ``value`` as the fact ``name``: best effort (a read-only or unwritable root keeps nothing)."""
+        if self.read_only:
+            return
+        with contextlib.suppress(OSError, CacheError):
+            self._local.prepare_root()
+            write_fact(self._local.root, name, value)
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
         """Return the plan record from the root, else the first layer that has it, else None.

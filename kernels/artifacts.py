@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache import CacheResult, Entry, KernelCache, key_of
-from jitwarm.kernels.backend import LoadedKernel, LoadError, backend
+from jitwarm.kernels.backend import Facts, LoadedKernel, LoadError, backend
 from jitwarm.kernels.spec import KernelSpec
 
 
@@ -115,8 +115,11 @@ _memo: dict[KernelSpec, Artifact] = {}
 _timing = {"seconds": 0.0, "computed": 0}
 
 
-def artifact(spec: KernelSpec) -> Artifact:
+def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
     """Return ``spec``'s artifact, its description and key computed once per process.
+
+    ``facts`` (the cache the caller is about to use) lets the backend keep its toolchain probes between
+    processes, so a fresh process with a warm cache runs no ``--version`` either.
 
     Raises
     ------
@@ -128,7 +131,7 @@ def artifact(spec: KernelSpec) -> Artifact:
     if found is not None:
         return found
     start = time.perf_counter()
-    description = backend(spec.backend).description(spec)
+    description = backend(spec.backend).description(spec, facts)
     made = Artifact(spec, description, key_of(description))
     with _lock:
         _timing["seconds"] += time.perf_counter() - start

@@ -50,6 +50,20 @@ class LoadError(RuntimeError):
     """A built artifact cannot be loaded into this process, or holds another spec than the one asked for."""
 
 
+class Facts(Protocol):
+    """Where a backend may keep what it derived from this host's toolchain between processes (a KernelCache).
+
+    A backend names a fact by the state it was derived from (a compiler binary's inode, size and times), so a
+    fact can only be stale if that state is.
+    """
+
+    def read_fact(self, name: str) -> str | None:
+        """The fact ``name``, or None."""
+
+    def write_fact(self, name: str, value: str) -> None:
+        """Keep ``value`` as the fact ``name`` (best effort)."""
+
+
 class LoadedKernel(Protocol):
     """One spec's kernel loaded into this process.
 
@@ -73,8 +87,8 @@ class Backend(Protocol):
 
     name: str
 
-    def description(self, spec: KernelSpec) -> dict[str, Any]:
-        """The cache description of ``spec``."""
+    def description(self, spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
+        """The cache description of ``spec`` (``facts`` may spare it re-running a toolchain probe)."""
 
     def build(self, spec: KernelSpec, staging: Path) -> None:
         """Write ``spec``'s artifact files into ``staging``."""

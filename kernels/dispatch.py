@@ -75,7 +75,8 @@ class Dispatcher:
             What ``Artifact.get_or_build`` raises (build failure, lock timeout, read-only cache).
 
         """
-        result = artifact(spec).get_or_build(cache if cache is not None else self.get_cache())
+        cache = cache if cache is not None else self.get_cache()
+        result = artifact(spec, cache).get_or_build(cache)
         if result.outcome == "built":
             with self._lock:
                 self._counts["builds"] += 1
@@ -121,7 +122,7 @@ class Dispatcher:
             cache = cache if cache is not None else self.get_cache()
             if entry is None:
                 entry = self.ensure_built(spec, cache)
-            kernel = artifact(spec).load(cache, entry)
+            kernel = artifact(spec, cache).load(cache, entry)
             self._loaded[spec] = kernel
             self._counts["loads"] += 1
             return kernel

@@ -76,7 +76,7 @@ def cuda_arch(target: str) -> int | None:
         raise SpecError(f"triton backend: {exc}") from None
 
 
-def description(spec: KernelSpec) -> dict[str, Any]:
+def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
     """Return the JSON-able cache description of ``spec`` (see the module docstring).
 
     Raises

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, LoadError, SpecError, ToolchainError
+from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError
 from jitwarm.kernels.families import family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
@@ -121,9 +121,16 @@ def nvcc_compiler() -> str:
     return "nvcc"
 
 
-@functools.cache
-def compiler_identity(compiler: str) -> str:
-    """Identity line(s) from ``compiler --version`` (memoized per process).
+_identities: dict[str, str] = {}
+
+
+def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
+    """Identity line(s) from ``compiler --version``, memoized per process and, with ``facts``, per binary.
+
+    The fact is named by the compiler binary's path, inode, size, mtime and ctime, as sccache and ccache
+    key a compiler by its binary: an upgrade or a reinstall changes them, so the next probe runs again. A
+    compiler that is a script (a wrapper that execs another binary) is probed every time: its own file
+    says nothing about the compiler it runs.
 
     Raises
     ------
@@ -136,6 +143,30 @@ def compiler_identity(compiler: str) -> str:
         hint = (" (nvcc is looked for in $CUDA_HOME/bin, default /usr/local/cuda, then on PATH: set CUDA_HOME)"
                 if "nvcc" in Path(compiler).name else " (set CXX to the host C++ compiler)")
         raise ToolchainError(f"compiler {compiler!r} not found{hint}")
+    name = _binary_fact(exe, compiler)
+    kept = facts is not None and name.startswith("compiler-")
+    identity = _identities.get(name) or (facts.read_fact(name) if kept else None)
+    if identity is None:
+        identity = _probe(exe, compiler)
+        if kept:
+            facts.write_fact(name, identity)
+    _identities[name] = identity
+    return identity
+
+
+def _binary_fact(exe: str, compiler: str) -> str:
+    """``compiler-<digest of the binary's stat>``; for a script, ``script:<path>`` (process memo only)."""
+    real = os.path.realpath(exe)
+    with open(real, "rb") as f:
+        if f.read(2) == b"#!":
+            return f"script:{real}:{compiler}"
+        st = os.fstat(f.fileno())
+    stamp = f"{real}\0{compiler}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    return "compiler-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
+
+
+def _probe(exe: str, compiler: str) -> str:
+    """Run ``compiler --version`` and keep its identity lines."""
     proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, check=False)
     lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
     if proc.returncode != 0 or not lines:
@@ -154,21 +185,33 @@ def tvm_ffi_version() -> str:
     return version("apache-tvm-ffi")
 
 
-def toolchain(target: Target) -> dict[str, Any]:
-    """Return the toolchain fingerprint of a target: compilers, tvm-ffi version, exact flags, arch."""
-    host = cxx_compiler()
-    fp: dict[str, Any] = {"host_compiler": compiler_identity(host), "tvm_ffi": tvm_ffi_version(),
+_toolchains: dict[tuple[Target, str, str | None], dict[str, Any]] = {}
+
+
+def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
+    """Return the toolchain fingerprint of a target: compilers, tvm-ffi version, exact flags, arch.
+
+    The same for every spec of a target: computed once per target and compiler choice (``$CXX``,
+    ``$CUDA_HOME``) per process. Treat the result as read-only.
+    """
+    choice = (target, cxx_compiler(), nvcc_compiler() if target.is_cuda else None)
+    found = _toolchains.get(choice)
+    if found is not None:
+        return found
+    host, nvcc = choice[1], choice[2]
+    fp: dict[str, Any] = {"host_compiler": compiler_identity(host, facts), "tvm_ffi": tvm_ffi_version(),
                           "link": list(LINK_FLAGS)}
-    if target.is_cuda:
-        fp.update(compiler=compiler_identity(nvcc_compiler()), arch=target.name,
-                  flags=[*NVCC_FLAGS, *gencode(target)])
+    if nvcc is not None:
+        fp.update(compiler=compiler_identity(nvcc, facts), arch=target.name, flags=[*NVCC_FLAGS, *gencode(target)])
     else:
         fp.update(compiler=fp["host_compiler"], arch=platform.machine(), flags=list(CXX_FLAGS))
-    return fp
+    return _toolchains.setdefault(choice, fp)
 
 
-def description(spec: KernelSpec) -> dict[str, Any]:
+def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
     """Return the cache description of ``spec`` (JSON-able; no paths, hosts, times or device presence).
+
+    ``facts`` (a KernelCache) keeps each compiler's ``--version`` between processes (:func:`compiler_identity`).
 
     Raises
     ------
@@ -180,7 +223,7 @@ def description(spec: KernelSpec) -> dict[str, Any]:
     """
     target = _check_spec(spec)
     return {"family": spec.family, "backend": spec.backend, "target": spec.target,
-            "params": spec.params_dict, "sources": source_digest(spec), "toolchain": toolchain(target)}
+            "params": spec.params_dict, "sources": source_digest(spec), "toolchain": toolchain(target, facts)}
 
 
 def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:

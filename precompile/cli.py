@@ -128,7 +128,7 @@ def plan_coverage(plan: WarmPlan, cache) -> dict[str, list[str]]:
     """Sort the plan's specs into present, missing and corrupt (corrupt entries are quarantined)."""
     from jitwarm.kernels.artifacts import artifact
 
-    keys = {spec.id: artifact(spec).key for spec in plan.specs}
+    keys = {spec.id: artifact(spec, cache).key for spec in plan.specs}
     report = cache.verify(list(keys.values()))
     state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
         k: "missing" for k in report.missing}
@@ -179,7 +179,7 @@ def remote_coverage(plan: WarmPlan, cache) -> dict:
     """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
     from jitwarm.kernels.artifacts import artifact
 
-    keys = {spec.id: artifact(spec).key for spec in plan.specs}
+    keys = {spec.id: artifact(spec, cache).key for spec in plan.specs}
     report = cache.remote_report(keys.values())
     present = set(report.present)
     specs = {"present": [s for s, k in keys.items() if k in present],
@@ -268,7 +268,7 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     if coverage["missing"] or coverage["corrupt"]:
         raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                          f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    keys = [artifact(spec).key for spec in plan.specs]
+    keys = [artifact(spec, cache).key for spec in plan.specs]
     cache.export_bundle(keys, args.path)
     print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
     return EXIT_OK

@@ -213,7 +213,7 @@ class CaptureHook:
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
         for spec in specs:
             if entries.get(spec) is None:
-                entries[spec] = artifact(spec).lookup(self.cache)
+                entries[spec] = artifact(spec, self.cache).lookup(self.cache)
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:
@@ -225,7 +225,8 @@ class CaptureHook:
         if self.policy == "wait":
             for spec in missing:
                 try:
-                    entries[spec] = self.cache.wait_for(artifact(spec).key, max(0.0, deadline - time.perf_counter()))
+                    entries[spec] = self.cache.wait_for(artifact(spec, self.cache).key,
+                                                        max(0.0, deadline - time.perf_counter()))
                 except LockTimeout as exc:
                     raise WarmTimeout(f"timed out after {self.timeout_s:.0f}s waiting for {spec.id}: {exc}") from None
             report.waited = len(missing)

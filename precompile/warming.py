@@ -218,7 +218,7 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
     for spec in specs:  # lock-free lookups first: a warm cache costs no worker process
         t0 = time.perf_counter()
         try:
-            art = artifact(spec)
+            art = artifact(spec, cache)
             entry = art.lookup(cache)
         except Exception as exc:
             record(SpecResult.failed(spec, Failure.of(exc), time.perf_counter() - t0), listed=False)

@@ -13,6 +13,7 @@ import types
 import pytest
 from workers.cache_harness import artifact_bytes, build_counts, cache_for, desc, make_builder
 
+from jitwarm.cache import KernelCache
 from jitwarm.cache import entry as entry_module
 from jitwarm.cache import keys as keys_module
 
@@ -50,8 +51,36 @@ def test_a_build_hashes_each_file_once(tmp_path, file_hashes):
     assert len(entry.files) == FILES_PER_ENTRY and file_hashes.calls == FILES_PER_ENTRY
     assert cache.lookup(entry.key) == entry and cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0)) == entry
     assert file_hashes.calls == FILES_PER_ENTRY  # later lookups compare stat signatures only
-    assert cache_for(tmp_path / "root").lookup(entry.key) == entry  # a new instance verifies on first sight
+
+
+def test_a_new_process_trusts_this_hosts_stamp_until_a_file_changes(tmp_path, file_hashes):
+    entry = cache_for(tmp_path / "root").get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    assert file_hashes.calls == FILES_PER_ENTRY
+    # a new instance (a new process) finds the stamp the publish wrote: same inodes, sizes and times, no hash
+    assert cache_for(tmp_path / "root").lookup(entry.key) == entry and file_hashes.calls == FILES_PER_ENTRY
+    victim = entry.path / entry.files[0]
+    victim.chmod(0o644)
+    victim.write_bytes(victim.read_bytes())  # the same bytes, but a write: the ctime moves on
+    victim.chmod(0o444)
+    assert cache_for(tmp_path / "root").lookup(entry.key) == entry  # hashed again, still valid
     assert file_hashes.calls == 2 * FILES_PER_ENTRY
+    victim.chmod(0o644)
+    victim.write_bytes(b"tampered")
+    assert cache_for(tmp_path / "root").lookup(entry.key) is None  # and a change is caught: corrupt, quarantined
+    # `verify` hashes whatever the stamps say (it is the check for what stat cannot see, such as bit rot)
+    again = cache_for(tmp_path / "root").get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    before = file_hashes.calls
+    assert cache_for(tmp_path / "root").verify([again.key]).ok == (again.key,)
+    assert file_hashes.calls == before + FILES_PER_ENTRY
+
+
+def test_a_read_only_root_keeps_no_stamps(tmp_path, file_hashes):
+    entry = cache_for(tmp_path / "root").get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    for stamp in (tmp_path / "root" / "v1" / "verified").rglob("*.json"):
+        stamp.unlink()
+    reader = KernelCache(root=tmp_path / "root", layers=(), read_only=True)
+    assert reader.lookup(entry.key) == entry and file_hashes.calls == 2 * FILES_PER_ENTRY
+    assert not list((tmp_path / "root" / "v1" / "verified").rglob("*.json"))
 
 
 def test_a_bundle_import_hashes_each_file_once(tmp_path, file_hashes):

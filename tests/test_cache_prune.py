@@ -38,6 +38,8 @@ def test_prune_by_size_removes_least_recently_used_first(three):
     fresh = cache_for(root)
     assert fresh.lookup(e0.key) is not None and fresh.lookup(e1.key) is None and fresh.lookup(e2.key) is None
     assert list((root / "v1" / "staging").iterdir()) == []
+    # the verification stamps of removed entries go with them
+    assert sorted(p.name.split("-")[0] for p in (root / "v1" / "verified").rglob("*.json")) == [e0.key]
 
 
 def test_prune_never_removes_an_entry_whose_lock_is_held(three):

@@ -7,6 +7,8 @@ for g++ (they print a diagnostic or write junk where the library should be).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 from precompile_fixtures import TINY, jitwarm, plan_of
@@ -39,6 +41,27 @@ def test_a_cold_warm_computes_each_description_once_in_the_parent_only(tmp_path)
     # descriptions and keys, and only compile
     assert [c for c in calls if c == "--version"] == ["--version"]
     assert len([c for c in calls if "-o" in c.split()]) == 3
+
+
+def test_a_compilers_identity_is_kept_until_its_binary_changes(tmp_path):
+    # A copy of the real compiler driver (an ELF binary, so its identity can be kept), beside a lib/ that
+    # leads it to the system's cc1plus as its install prefix would.
+    (tmp_path / "bin").mkdir()
+    compiler = tmp_path / "bin" / "g++"
+    shutil.copy2(os.path.realpath(shutil.which("g++")), compiler)
+    (tmp_path / "lib").symlink_to("/usr/lib")
+    root, env = str(tmp_path / "cache"), {"CXX": str(compiler)}
+    assert jitwarm("warm", *TINY, "--cache-dir", root, env=env).returncode == 0
+    (fact,) = (tmp_path / "cache" / "v1" / "facts").glob("compiler-*.json")
+    assert "g++" in json.loads(fact.read_text())["value"]
+    assert jitwarm("status", *TINY, "--cache-dir", root, env=env).returncode == 0
+    # the next processes take the identity from the cache, not from `--version`: a forged one changes the keys
+    fact.write_text(json.dumps({"value": "another compiler 99"}))
+    assert jitwarm("status", *TINY, "--cache-dir", root, env=env).returncode == 5
+    # a changed binary is another fact: probed again, the real identity, the entries found again
+    with compiler.open("ab") as f:
+        f.write(b"\0")
+    assert jitwarm("status", *TINY, "--cache-dir", root, env=env).returncode == 0
 
 
 def test_a_library_that_cannot_be_loaded_is_never_published(tmp_path):
