@@ -1,15 +1,23 @@
-"""Shared pytest setup: every test runs with its own empty cache root and no inherited JITWARM_* env."""
+"""Shared pytest setup and fixtures: every test runs with its own empty cache root, no inherited JITWARM_* env,
+and a fresh default dispatcher and capture guard; the kernel caches are built once per session.
+
+No torch import here (the config and plan tests do not pay for one): the kernel fixtures import
+``kernel_checks`` when first used.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))  # fixture modules beside the tests (kernel_fixtures, precompile_fixtures)
+sys.path.insert(0, str(TESTS))  # helper modules beside the tests (kernel_checks, precompile_fixtures, ...)
 
 import precompile_fixtures  # noqa: E402
 import remote_fixtures  # noqa: E402
@@ -35,6 +43,72 @@ def _isolated_env(monkeypatch, tmp_path_factory):
         if name.startswith("JITWARM_") or name == "SGLANG_RAGGED_VERIFY_MODE":
             monkeypatch.delenv(name)
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state():
+    """After each test, forget what it left in the process: the default dispatcher's loaded kernels, miss hooks,
+    counters and cache (the next test's lazy default is its own JITWARM_CACHE_DIR), and the guard's arming.
+
+    A module nobody imported has nothing to reset and is not imported for it.
+    """
+    yield
+    dispatch = sys.modules.get("jitwarm.kernels.dispatch")
+    if dispatch is not None:
+        dispatch.reset()
+    guard = sys.modules.get("jitwarm.precompile.guard")
+    if guard is not None:
+        guard.reset()
+
+
+@dataclass
+class BuiltCache:
+    """A session's kernel cache for one backend and target, and what building it cost."""
+
+    cache: Any  # jitwarm.cache.KernelCache
+    specs: tuple  # the KernelSpecs it holds, in kernel_checks.correctness_cases order
+    seconds: float
+    builds: int
+
+
+@pytest.fixture(scope="session")
+def kernel_caches(tmp_path_factory):
+    """``get(backend, target)``: a cache holding every spec ``kernel_checks.correctness_cases`` checks there.
+
+    Each one is built on first ask, once per session whatever module asks first, its compiles spread over the
+    cores. Tests that use one through ``ops`` make it the dispatcher's cache per test (``use_kernel_cache``).
+    """
+    built: dict[tuple[str, str], BuiltCache] = {}
+
+    def get(backend: str, target: str = "cpu") -> BuiltCache:
+        if (backend, target) not in built:
+            import kernel_checks
+
+            from jitwarm.cache import KernelCache
+
+            cache = KernelCache(tmp_path_factory.mktemp(f"kernels-{backend}-{target}"), layers=())
+            specs = tuple(kernel_checks.correctness_cases(backend, target))
+            start = time.perf_counter()
+            builds = kernel_checks.build_all(cache, specs)
+            built[backend, target] = BuiltCache(cache, specs, time.perf_counter() - start, builds)
+        return built[backend, target]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(kernel_caches) -> BuiltCache:
+    """The tvm_ffi host cache: every spec of the DSpark-128 host plans, bfloat16 and float32 (54)."""
+    return kernel_caches("tvm_ffi", "cpu")
+
+
+@pytest.fixture
+def use_kernel_cache(kernel_cache) -> BuiltCache:
+    """``kernel_cache`` as the default dispatcher's cache for this test (``_fresh_process_state`` unsets it)."""
+    from jitwarm.kernels import dispatch
+
+    dispatch.set_cache(kernel_cache.cache)
+    return kernel_cache
 
 
 @pytest.fixture(scope="session")

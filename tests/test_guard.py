@@ -65,32 +65,28 @@ def test_triton_seal_stops_a_jit_compile_and_is_removed_after():
     assert result["hook_restored"] and result["after"] == "compiled"
 
 
-def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypatch, tmp_path):
+def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypatch):
     """Mocked GPU (the only mock): CUDA 'available' and the current stream 'capturing'.
 
-    A spec that is already loaded still runs; a miss raises before anything is built or loaded.
+    A spec that is already loaded still runs; a miss raises before anything is built or loaded. The dispatcher
+    starts empty (conftest resets it after every test) and builds into this test's own default cache.
     """
     import torch
 
-    from jitwarm.cache import KernelCache
     from jitwarm.kernels import VerifyLayout, dispatch, ops
 
-    previous = dispatch.set_cache(KernelCache(root=tmp_path / "cache"))
-    try:
-        layout = VerifyLayout((1, 1))
-        lens = torch.ones(2, dtype=torch.int32)
-        # ratios 11 and 13: no other test uses them, and the loaded-module table lives as long as the process
-        ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=11)  # loaded before capture
-        before = dispatch.counters()
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        assert not guard_module.is_armed()
-        p = ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=11)  # a hit runs inside capture
-        assert p.token_pos.tolist() == [0, 0]
-        with pytest.raises(CompileDuringCaptureError,
-                           match=r"kernel plan \[tvm_ffi, cpu\] \(ratio=13, threads=32\)"):
-            ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=13)
-        after = dispatch.counters()
-        assert after["builds"] == before["builds"] and after["loads"] == before["loads"]
-    finally:
-        dispatch.set_cache(previous)
+    layout = VerifyLayout((1, 1))
+    lens = torch.ones(2, dtype=torch.int32)
+    ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=4)  # loaded before capture
+    before = dispatch.counters()
+    assert before["loads"] == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not guard_module.is_armed()
+    p = ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=4)  # a hit runs inside capture
+    assert p.token_pos.tolist() == [0, 0]
+    with pytest.raises(CompileDuringCaptureError,
+                       match=r"kernel plan \[tvm_ffi, cpu\] \(ratio=128, threads=32\)"):
+        ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=128)
+    after = dispatch.counters()
+    assert after["builds"] == before["builds"] and after["loads"] == before["loads"]

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernel_fixtures import kernel_cache_fixture  # noqa: F401  (the kernel_cache fixture)
-
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec, tvm_backend
 

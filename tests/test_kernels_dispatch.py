@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
-    INCIDENT,
-    kernel_cache_fixture,  # noqa: F401
-    lens_of,
-    out_rows,
-    random_state,
-    use_kernel_cache_fixture,  # noqa: F401
-)
+from kernel_checks import INCIDENT, lens_of, out_rows, random_state
 
 from jitwarm.kernels import (
     FAMILIES,

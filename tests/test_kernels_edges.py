@@ -1,26 +1,28 @@
-"""Edge cases of the host builds against the reference: sizes, ratios, positions, state across calls."""
+"""Edge cases of the tvm_ffi host builds, through the public ops, against the reference: sizes, ratios,
+positions, state across calls (the uniform compressor's unread ``cu_lens``: test_kernels_host.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
+from kernel_checks import (
+    EPS,
+    STATE_TOL,
+    THETA,
     TOL,
-    kernel_cache_fixture,  # noqa: F401
     lens_of,
     out_rows,
     poisoned_plan,
     randn,
     random_prefix,
     random_state,
-    use_kernel_cache_fixture,  # noqa: F401
 )
 
 from jitwarm.kernels import VerifyLayout, ops, reference
 
 
 def run_all_ops(layout, prefix, gen, *, ratio=4, head_dim=128, rope_dim=64, hq=16, hk=1, dtype="float32",
-                theta=10000.0, eps=1e-6):
+                theta=THETA, eps=EPS):
     """Plan, compress and norm_rope one batch with kernels and reference; compare everything."""
     lens = lens_of(layout)
     p = ops.plan(layout, lens, prefix, ratio, out=poisoned_plan(layout))
@@ -36,7 +38,7 @@ def run_all_ops(layout, prefix, gen, *, ratio=4, head_dim=128, rope_dim=64, hq=1
     rows = int(want.num_out)
     torch.testing.assert_close(out[:rows], out_ref[:rows], **TOL[dtype])
     assert out[rows:].isnan().all()
-    torch.testing.assert_close(state, state_ref, **TOL["float32"])
+    torch.testing.assert_close(state, state_ref, **STATE_TOL)
     q, k = randn((n, hq, head_dim), dtype, gen), randn((n, hk, head_dim), dtype, gen)
     qw, kw = randn((head_dim,), dtype, gen), randn((head_dim,), dtype, gen)
     q_ref, k_ref = q.clone(), k.clone()
@@ -150,18 +152,3 @@ def test_one_head_and_partial_rotation(use_kernel_cache):
     gen = torch.Generator().manual_seed(6)
     layout = VerifyLayout((2,) * 7 + (1,))
     run_all_ops(layout, random_prefix(layout, gen), gen, hq=1, hk=1, rope_dim=32, theta=1e6, eps=1e-5)
-
-
-def test_uniform_compressor_never_reads_cu_lens(use_kernel_cache):
-    gen = torch.Generator().manual_seed(7)
-    layout = VerifyLayout((6,) * 128)
-    p = reference.plan(layout, lens_of(layout), random_prefix(layout, gen), 4)
-    garbage = p._replace(cu_lens=torch.full_like(p.cu_lens, -(1 << 30)))
-    n = layout.num_tokens
-    kv, score = randn((n, 128), "bfloat16", gen), randn((n, 128), "bfloat16", gen)
-    state, out = random_state(layout.slots, 128, gen), out_rows(layout, 4, 128, "bfloat16")
-    state_ref, out_ref = state.clone(), out.clone()
-    ops.compress(layout, kv, score, garbage, state, out, 4)
-    reference.compress(layout, kv, score, p, state_ref, out_ref, 4)
-    torch.testing.assert_close(out, out_ref, equal_nan=True, **TOL["bfloat16"])
-    torch.testing.assert_close(state, state_ref, **TOL["float32"])

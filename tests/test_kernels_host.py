@@ -1,120 +1,126 @@
-"""Host (cpu) tvm-ffi builds against the torch reference, for every spec of the DSpark-128 plans.
+"""Host kernels against the torch reference, one parametrized set over the backends on target cpu.
 
-Both dtype plans (bfloat16, the default model, and float32) are built once per session into one cache;
-each test runs the op that dispatches the spec on fresh random inputs with poisoned outputs and checks
-that dispatch picked exactly the planned spec without building anything.
+``tvm_ffi``/cpu is the C++ build (g++); ``triton``/cpu is the real Triton kernels under Triton's interpreter
+(``triton_backend``'s interpreter copy, scoped to its own module, see
+``test_triton_backend.test_interpreter_copy_does_not_leak``, so it shares the process with compiled Triton).
+Each backend checks every spec of ``kernel_checks.correctness_cases``: the DSpark-128 plans for tvm_ffi
+(54 specs), the small plan for the interpreter (44, its DSpark sizes would take minutes), from the session's
+cache of that backend (built once, ``kernel_caches``), with ``kernel_checks.check``; the public op must
+dispatch exactly the planned spec.
 """
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
+from kernel_checks import (
     DTYPES,
-    POISON_INT,
-    TOL,
-    dspark_cases,
-    dspark_plan,
-    kernel_cache_fixture,  # noqa: F401
+    check,
+    correctness_cases,
+    dispatched_spec,
+    dspark_config,
+    get_kernel,
     lens_of,
-    out_rows,
-    poisoned_plan,
-    randn,
-    random_prefix,
-    random_state,
-    use_kernel_cache_fixture,  # noqa: F401
+    seeds_for,
 )
 
-from jitwarm.kernels import dispatch, ops, reference
+from jitwarm.kernels import ModelDims, VerifyLayout, ops, reference
+from jitwarm.precompile import WarmPlan
 
-# CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
-pytestmark = pytest.mark.tvm_ffi
+BACKENDS = ("tvm_ffi", "triton")
+#: CI's floor pass reruns the tvm_ffi ones on the lowest apache-tvm-ffi setup.py allows (0.1.11).
+MARKS = {"tvm_ffi": [pytest.mark.tvm_ffi], "triton": []}
+CASES = {backend: correctness_cases(backend, "cpu") for backend in BACKENDS}
+COUNTS = {"tvm_ffi": 54, "triton": 2 + 2 * (7 + 14)}  # triton: 2 plan specs, then per dtype 7 norm_rope, 14 compressor
 
-CASES = dspark_cases()
+
+def per_backend(*extra):
+    """``pytest.param(backend, *extra)`` for each host backend, with its marks."""
+    return [pytest.param(b, *extra, marks=MARKS[b], id=b) for b in BACKENDS]
 
 
 def test_dspark_plans_have_the_documented_specs():
-    for dtype in ("bfloat16", "float32"):
-        plan = dspark_plan(dtype)
-        assert len(plan.shapes) == 35
-        assert len(plan.specs) == 30
+    for dtype in DTYPES:
+        plan = WarmPlan.build(dspark_config("tvm_ffi", "cpu", dtype))
+        assert (len(plan.shapes), len(plan.specs)) == (35, 30)
         assert plan.by_family() == {"norm_rope": 8, "compressor": 16, "plan": 6}
-    assert len(CASES) == 54  # the 6 plan specs are shared by both dtypes
 
 
-def check_plan(spec, layout, gen):
-    lens, prefix = lens_of(layout), random_prefix(layout, gen)
-    got = ops.plan(layout, lens, prefix, spec["ratio"], out=poisoned_plan(layout))
-    want = reference.plan(layout, lens, prefix, spec["ratio"])
-    for name, a, b in zip(want._fields, got, want, strict=True):
-        assert torch.equal(a, b), f"{name} differs"
-    assert int(got.num_out) > 0 or spec["ratio"] > 6
-    assert int(got.uniform) == int(layout.uniform)
+@pytest.mark.parametrize("backend", per_backend())
+def test_cases_cover_every_family_and_path(backend):
+    cases = CASES[backend]
+    paths = {(s.family, s.params_dict.get("uniform"), s.params_dict.get("dtype")) for s in cases}
+    assert paths == {("plan", None, None)} | {(f, u, d) for f in ("compressor", "norm_rope") for u in (0, 1)
+                                              for d in DTYPES}
+    assert len(cases) == COUNTS[backend]  # the plan specs are shared by both dtypes
+    assert all(len(layouts) > 1 for s, layouts in cases.items() if s.family == "plan")
 
 
-def check_compressor(spec, layout, gen):
-    ratio, d, dtype = spec["ratio"], spec["head_dim"], spec["dtype"]
-    lens, prefix = lens_of(layout), random_prefix(layout, gen)
-    p = reference.plan(layout, lens, prefix, ratio)
-    kv, score = randn((layout.num_tokens, d), dtype, gen), randn((layout.num_tokens, d), dtype, gen, 2.0)
-    state = random_state(layout.slots, d, gen)
-    out = out_rows(layout, ratio, d, dtype)
-    state_ref, out_ref = state.clone(), out.clone()
-    ops.compress(layout, kv, score, p, state, out, ratio)
-    reference.compress(layout, kv, score, p, state_ref, out_ref, ratio)
-    n = int(p.num_out)
-    assert n > 0 or ratio > 6
-    assert not out[:n].isnan().any(), "a closed block's row was not written"
-    torch.testing.assert_close(out[:n], out_ref[:n], **TOL[dtype])
-    assert out[n:].isnan().all(), "rows past num_out were written"
-    torch.testing.assert_close(state, state_ref, **TOL["float32"])
+@pytest.mark.parametrize("backend", per_backend())
+def test_session_cache_built_each_spec_once(kernel_caches, backend):
+    built = kernel_caches(backend, "cpu")
+    assert built.builds == len(built.specs) == COUNTS[backend]
+    print(f"\nbuilt {built.builds} {backend} host specs in {built.seconds:.1f} s")
 
 
-def check_norm_rope(spec, layout, gen):
-    d, dtype = spec["head_dim"], spec["dtype"]
-    n = layout.num_tokens
-    positions = reference.plan(layout, lens_of(layout), random_prefix(layout, gen), 4).token_pos
-    q = randn((n, spec["num_q_heads"], d), dtype, gen)
-    k = randn((n, spec["num_kv_heads"], d), dtype, gen)
-    qw, kw = randn((d,), dtype, gen), randn((d,), dtype, gen)
+@pytest.mark.parametrize(("spec", "layouts"), [
+    pytest.param(spec, layouts, marks=MARKS[backend], id=spec.id.replace("/cpu/", ":"))
+    for backend, cases in CASES.items() for spec, layouts in cases.items()])
+def test_kernel_matches_reference(kernel_caches, spec, layouts):
+    """Plan specs on every layout that dispatches them (uniform and ragged), the others on the largest."""
+    cache = kernel_caches(spec.backend, "cpu").cache
+    builds = cache.stats().builds
+    kernel = get_kernel(cache, spec)
+    for layout in layouts:
+        for seed in seeds_for(spec, layout):
+            check(kernel, layout, "cpu", seed)
+    assert dispatched_spec(spec, layouts[0]) == spec, "the op dispatches another spec than the planner planned"
+    assert cache.stats().builds == builds, "the session cache lacked a planned spec"
+
+
+class PoisonedCuLens:
+    """A compressor kernel that is handed ``cu_lens`` of garbage: a uniform spec must compute offsets itself."""
+
+    def __init__(self, kernel):
+        self.kernel, self.spec = kernel, kernel.spec
+
+    def run(self, kv, score, cu_lens, *rest):
+        self.kernel.run(kv, score, torch.full_like(cu_lens, -(1 << 30)), *rest)
+
+
+@pytest.mark.parametrize("backend", per_backend())
+def test_uniform_compressor_never_reads_cu_lens(kernel_caches, backend):
+    uniform = [s for s in CASES[backend] if s.family == "compressor" and s["uniform"] and s["ratio"] == 4]
+    spec = max(uniform, key=lambda s: (s["max_len"], s["dtype"] == "bfloat16"))  # the longest requests
+    (layout,) = CASES[backend][spec]
+    kernel = PoisonedCuLens(get_kernel(kernel_caches(backend, "cpu").cache, spec))
+    for seed in seeds_for(spec, layout):
+        check(kernel, layout, "cpu", seed)
+
+
+def test_ops_dispatch_to_the_triton_backend_on_cpu():
+    """The public ops pick the triton spec from the same rule and run it through the cache (tvm_ffi's ops:
+    test_kernels_edges.py)."""
+    layout = VerifyLayout((2,) * 3 + (1,) * 5)
+    lens = lens_of(layout)
+    prefix = torch.tensor([0, 3, 7, 1, 2, 9, 15, 4], dtype=torch.int32)
+    p = ops.plan(layout, lens, prefix, ratio=4, backend="triton")
+    for got, want in zip(p, reference.plan(layout, lens, prefix, 4), strict=True):
+        assert torch.equal(got, want)
+    model = ModelDims(head_dim=32, rope_dim=16, num_q_heads=2, num_kv_heads=1, dtype="float32")
+    q, k = torch.randn(layout.num_tokens, 2, 32), torch.randn(layout.num_tokens, 1, 32)
+    w = torch.ones(32)
     q_ref, k_ref = q.clone(), k.clone()
-    ops.norm_rope(layout, q, k, positions, qw, kw, rope_dim=spec["rope_dim"], eps=1e-6, theta=10000.0)
-    reference.norm_rope(layout, q_ref, k_ref, positions, qw, kw, rope_dim=spec["rope_dim"], eps=1e-6,
-                        theta=10000.0)
-    torch.testing.assert_close(q, q_ref, **TOL[dtype])
-    torch.testing.assert_close(k, k_ref, **TOL[dtype])
+    ops.norm_rope(layout, q, k, p.token_pos, w, w, model.rope_dim, backend="triton")
+    reference.norm_rope(layout, q_ref, k_ref, p.token_pos, w, w, model.rope_dim)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
 
 
-CHECKS = {"plan": check_plan, "compressor": check_compressor, "norm_rope": check_norm_rope}
-
-
-@pytest.mark.parametrize(("spec", "layout"), CASES, ids=[s.id.replace("tvm_ffi/cpu/", "") for s, _ in CASES])
-def test_host_build_matches_reference(spec, layout, use_kernel_cache):
-    builds_before = use_kernel_cache.cache.stats().builds
-    gen = torch.Generator().manual_seed(zlib.crc32(spec.id.encode()))
-    CHECKS[spec.family](spec, layout, gen)
-    assert dispatch.is_loaded(spec), "the op dispatched another spec than the planner planned"
-    assert use_kernel_cache.cache.stats().builds == builds_before, "dispatch built a spec the plan had built"
-
-
-def test_session_cache_built_each_spec_once(kernel_cache):
-    assert kernel_cache.builds == len(kernel_cache.specs) == 54
-    print(f"\nbuilt {kernel_cache.builds} host specs in {kernel_cache.seconds:.1f} s")
-
-
-def test_plan_poison_is_fully_overwritten(use_kernel_cache):
-    layout = dspark_plan().shapes[0].layout
-    p = ops.plan(layout, lens_of(layout), torch.full((layout.slots,), 3, dtype=torch.int32), 4,
-                 out=poisoned_plan(layout))
-    for name, t in zip(p._fields, p, strict=True):
-        assert not (t == POISON_INT).any(), f"{name} has unwritten elements"
-
-
+@pytest.mark.tvm_ffi
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_ops_plan_allocates_int32_outputs_on_the_input_device(dtype, use_kernel_cache):
-    layout = dspark_plan(dtype).shapes[0].layout
+    layout = WarmPlan.build(dspark_config("tvm_ffi", "cpu", dtype)).shapes[0].layout
     p = ops.plan(layout, lens_of(layout), torch.zeros(layout.slots, dtype=torch.int32), 128)
     assert [t.shape[0] for t in p] == [layout.slots + 1] + [layout.num_tokens] * 3 + [1, 1]
     assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in p)

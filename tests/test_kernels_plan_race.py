@@ -1,25 +1,20 @@
-"""The plan kernel's block reductions: the incident's ragged shape thousands of times, every CTA size.
+"""The plan kernel's block reductions: the incident's ragged shape over and over, every CTA size.
 
 The incident's second cause was a missing barrier in the plan kernel's min/max reduction, which took the
-uniform fast path for ``[3]*104 + [2]*24``. On the host the CTA is emulated phase by phase; on a GPU
-(``tests/test_kernels_cuda.py``) the same test runs on real warps.
+uniform fast path for ``[3]*104 + [2]*24``. On the host the CTA is emulated phase by phase (tvm_ffi) or
+interpreted (triton); on a GPU (``tests/test_kernels_gpu.py``) the same tests run on real warps.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_fixtures import (  # kernel_cache, use_kernel_cache fixtures
-    INCIDENT,
-    kernel_cache_fixture,  # noqa: F401
-    lens_of,
-    poisoned_plan,
-    use_kernel_cache_fixture,  # noqa: F401
-)
+from kernel_checks import INCIDENT, check_plan, get_kernel, lens_of, poisoned_plan
 
-from jitwarm.kernels import VerifyLayout, ops, plan_threads, reference
+from jitwarm.kernels import KernelSpec, VerifyLayout, ops, plan_threads, reference
 
-RUNS = 2000
+#: Consecutive runs on the incident layout: the interpreter runs the kernel about 100 times slower.
+INCIDENT_RUNS = {"tvm_ffi": 2000, "triton": 25}
 
 
 def assert_plan_equal(got, want, what=""):
@@ -28,18 +23,14 @@ def assert_plan_equal(got, want, what=""):
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
-def test_incident_shape_exact_in_consecutive_runs(ratio, use_kernel_cache):
+@pytest.mark.parametrize("backend", [pytest.param("tvm_ffi", marks=pytest.mark.tvm_ffi), "triton"])
+def test_incident_shape_exact_in_consecutive_runs(kernel_caches, backend, ratio):
+    """Each run: fresh poison, a new random prefix; exact outputs and never the uniform path."""
+    spec = KernelSpec("plan", backend, "cpu", {"ratio": ratio, "threads": 128})
+    kernel = get_kernel(kernel_caches(backend, "cpu").cache, spec)
     gen = torch.Generator().manual_seed(ratio)
-    lens = lens_of(INCIDENT)
-    out = poisoned_plan(INCIDENT)
-    for run in range(RUNS):
-        prefix = torch.randint(0, 1 << 16, (INCIDENT.slots,), generator=gen, dtype=torch.int32)
-        for t in out:
-            t.fill_(-1 if run % 2 else 12345)  # stale values from the last run must not survive
-        got = ops.plan(INCIDENT, lens, prefix, ratio, out=out)
-        want = reference.plan(INCIDENT, lens, prefix, ratio)
-        assert int(got.uniform) == 0, f"run {run}: uniform path taken for the ragged incident layout"
-        assert_plan_equal(got, want, f"run {run}")
+    for _ in range(INCIDENT_RUNS[backend]):
+        check_plan(kernel, INCIDENT, "cpu", gen)
 
 
 LAYOUTS = {

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from kernel_fixtures import INCIDENT, lens_of, random_prefix
+from kernel_checks import INCIDENT, lens_of, random_prefix
 
 from jitwarm.kernels import VerifyLayout, reference
 from jitwarm.kernels.token_map import max_out_rows

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workers.triton_cases import dspark_config
+from kernel_checks import dspark_config
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec, ModelDims, VerifyLayout, specs_for
@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 
 WORKERS = Path(__file__).parent / "workers"
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-SPECS = WarmPlan.build(dspark_config("sm_90")).specs
+SPECS = WarmPlan.build(dspark_config("triton", "sm_90")).specs
 
 
 def _layout_specs(lens: tuple[int, ...]) -> tuple[KernelSpec, ...]:

@@ -1,4 +1,5 @@
-"""Run every tvm-ffi kernel family once on a GPU, for compute-sanitizer (memcheck, racecheck, synccheck).
+"""Run every tvm-ffi kernel family on a GPU through the kernel_checks harness, for compute-sanitizer
+(memcheck, racecheck, synccheck); every run is also checked against the reference.
 
 Usage on a GPU box (the cache comes from ``$JITWARM_CACHE_DIR``; run once plainly to build, then under
 the sanitizer so that no nvcc runs inside it)::
@@ -6,52 +7,46 @@ the sanitizer so that no nvcc runs inside it)::
     python kernel_sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python kernel_sanitize.py
 
-Shapes: the incident's ragged layout, a uniform one, one request, and more requests than CTA threads,
-with outputs sized exactly to what the layout allows, so any out-of-bounds access is reported.
+Shapes: the incident's ragged layout, a uniform one, one request, and more requests than CTA threads, with
+outputs sized exactly to what the layout allows (``kernel_checks`` sizes every buffer so), so any
+out-of-bounds access is reported.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from jitwarm.kernels import VerifyLayout, ops
-from jitwarm.kernels.token_map import max_out_rows
+from jitwarm.kernels import ModelDims, VerifyLayout, dispatch, specs_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the kernel_checks harness
+from kernel_checks import INCIDENT, check  # noqa: E402
 
 LAYOUTS = [
-    VerifyLayout((3,) * 104 + (2,) * 24),
+    INCIDENT,
     VerifyLayout((6,) * 128),
     VerifyLayout((5,)),
     VerifyLayout(tuple(1 + i % 4 for i in range(3000))),
 ]
+BF16 = ModelDims(head_dim=128, num_q_heads=16, compress_ratios=(4,), dtype="bfloat16")
+RUNS = [(layout, BF16) for layout in LAYOUTS] + [
+    (LAYOUTS[0], ModelDims(head_dim=256, num_q_heads=1, compress_ratios=(4,), dtype="float32")),
+    (LAYOUTS[2], ModelDims(head_dim=64, num_q_heads=2, compress_ratios=(4,), dtype="float32")),
+]
 
 
-def run(layout: VerifyLayout, dtype: torch.dtype, head_dim: int, heads: int) -> None:
-    """Plan, compress and norm_rope one batch with exactly sized tensors."""
-    dev = "cuda"
-    lens = torch.tensor(layout.verify_lens, dtype=torch.int32, device=dev)
-    prefix = torch.randint(0, 1 << 20, (layout.slots,), dtype=torch.int32, device=dev)
-    n = layout.num_tokens
-    p = ops.plan(layout, lens, prefix, 4)
-    kv, score = torch.randn(n, head_dim, device=dev, dtype=dtype), torch.randn(n, head_dim, device=dev, dtype=dtype)
-    state = torch.zeros(layout.slots, 3, head_dim, device=dev)
-    state[:, 0] = float("-inf")
-    out = torch.empty(max_out_rows(layout, 4), head_dim, device=dev, dtype=dtype)
-    ops.compress(layout, kv, score, p, state, out, 4)
-    q = torch.randn(n, heads, head_dim, device=dev, dtype=dtype)
-    k = torch.randn(n, 1, head_dim, device=dev, dtype=dtype)
-    w = torch.randn(head_dim, device=dev, dtype=dtype)
-    ops.norm_rope(layout, q, k, p.token_pos, w, w, rope_dim=64)
-
-
-def main() -> int:
-    for layout in LAYOUTS:
-        run(layout, torch.bfloat16, 128, 16)
-    run(LAYOUTS[0], torch.float32, 256, 1)
-    run(LAYOUTS[2], torch.float32, 64, 2)
-    torch.cuda.synchronize()
-    print("kernel_sanitize: all launches completed")
+def main(device: str = "cuda") -> int:
+    target = dispatch.target_of(device)
+    for seed, (layout, model) in enumerate(RUNS):
+        for spec in specs_for(layout, model, "tvm_ffi", target):
+            kernel = dispatch.ensure_loaded(spec)
+            kernel.preload()
+            check(kernel, layout, device, seed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(f"kernel_sanitize: all launches completed and matched the reference on {target}")
     return 0
 
 

@@ -11,18 +11,19 @@ import json
 import sys
 from pathlib import Path
 
-from triton_cases import dspark_config
-
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import triton_backend as backend
 from jitwarm.precompile.plan import WarmPlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the kernel_checks harness
+from kernel_checks import dspark_config  # noqa: E402
 
 
 def main(root: str, target: str) -> int:
     cache = KernelCache(root, layers=(), lock_dir=Path(root) / "locks")
     outcomes: collections.Counter[str] = collections.Counter()
     builds = 0
-    for spec in WarmPlan.build(dspark_config(target)).specs:
+    for spec in WarmPlan.build(dspark_config("triton", target)).specs:
         def build(staging: Path, spec=spec) -> None:
             nonlocal builds
             builds += 1
