@@ -1,25 +1,43 @@
-"""Relocatable bundles: a tar of entries with relative paths, its validating unpacker, and ImportReport."""
+"""Relocatable bundles: a tar of entries with relative paths, its validating unpacker, and ImportReport.
+
+A bundle is laid out as a cache root is, so that ``tar xf bundle.tar -C /opt/layer`` makes ``/opt/layer`` a
+working layer (``JITWARM_CACHE_PATH=/opt/layer``): ``bundle.json`` first, then
+``v1/entries/<kk>/<key>/<file>`` for every file and ``entry.json``. Bundles written before that layout
+(``entries/<kk>/<key>/...``, no ``v1/``) are still imported.
+
+Sizes are capped before anything is written: a member larger than ``JITWARM_BUNDLE_MAX_FILE_BYTES``
+(default 2 GiB) or members totalling more than ``JITWARM_BUNDLE_MAX_BYTES`` (default 32 GiB) refuse the
+bundle as its headers are read, and members are streamed to disk in chunks, never read whole into memory
+(a 28 MB ``.tar.gz`` holding one 6 GiB member ended in ``MemoryError``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import secrets
 import tarfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.bounded import loads, open_regular
 from jitwarm.cache.durable import make_dirs
-from jitwarm.cache.entry import MANIFEST, Entry, is_safe_relpath, seal_dirs, verify_entry
-from jitwarm.cache.errors import CacheError, CorruptEntry
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_safe_relpath, seal_dirs, verify_entry
+from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.keys import FORMAT_VERSION, is_key
+from jitwarm.cache.layout import VERSION_DIR
 
 #: Optional first member: ``{"format": 1, "keys": [...]}``.
 BUNDLE_MANIFEST = "bundle.json"
+#: A bundle with more members than this is refused (each costs memory while the headers are checked).
+MAX_MEMBERS = 1_000_000
 _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,71 +69,87 @@ class ImportReport:
 def write_bundle(entries: list[Entry], path: Path) -> Path:
     """Write ``entries`` to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically.
 
-    Members are ``bundle.json`` then ``entries/<kk>/<key>/<file>`` for every file and ``entry.json``;
-    owner and group are zeroed and modes are 0444/0555, so the archive says nothing about this host.
+    Members are ``bundle.json`` then ``v1/entries/<kk>/<key>/<file>`` for every file and ``entry.json``;
+    owner and group are zeroed and modes are 0444/0555, so the archive says nothing about this host. Files
+    are streamed, not read whole.
+
+    Raises
+    ------
+    CacheWriteError
+        ``path`` is a directory, its directory is missing or not writable, or the disk is full; no partial
+        file is left.
+    CacheError
+        An entry file cannot be read (it changed or vanished since it was verified).
+
     """
+    if path.is_dir():
+        raise CacheWriteError("write the bundle", str(path), "it is a directory")
     mode = "w:gz" if path.name.endswith((".gz", ".tgz")) else "w"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with tarfile.open(tmp, mode, format=tarfile.PAX_FORMAT) as tar:
             head = json.dumps({"format": FORMAT_VERSION, "keys": [e.key for e in entries]}).encode()
-            _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
+            _add(tar, BUNDLE_MANIFEST, len(head), io.BytesIO(head), 0o444, 0)
             for entry in entries:
                 for rel in sorted((*entry.files, MANIFEST)):
                     src = entry.path / rel
-                    with open(src, "rb") as f:
-                        data = f.read()
-                    mode_bits = 0o555 if src.lstat().st_mode & 0o111 else 0o444
-                    name = f"entries/{entry.key[:2]}/{entry.key}/{rel}"
-                    _add(tar, name, data, mode_bits, int(entry.created))
+                    fd, st = _open_source(src)
+                    with os.fdopen(fd, "rb") as f:
+                        name = f"{VERSION_DIR}/entries/{entry.key[:2]}/{entry.key}/{rel}"
+                        _add(tar, name, st.st_size, _Source(f, src, st.st_size),
+                             0o555 if st.st_mode & 0o111 else 0o444, int(entry.created))
         tmp.replace(path)
+    except OSError as exc:  # every read error of an entry file is a CacheError (_Source): this is the bundle's
+        _unlink(tmp)
+        raise CacheWriteError.of("write the bundle", exc, path) from exc
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _unlink(tmp)
         raise
     return path
 
 
-def unpack_bundle(path: Path, staging: Path, *, shared: bool = False) -> dict[str, Entry]:
+def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_bytes: int,
+                  max_bytes: int) -> dict[str, Entry]:
     """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
 
-    Nothing is written until every member has passed: relative normalized names only, no ``..``, no
-    symlinks, hard links, devices or FIFOs, no duplicates, only ``bundle.json`` and
-    ``entries/<kk>/<key>/...``. Files are written by this code (``tarfile.extract`` is not used), and
-    directories are sealed as a build's are (``shared``: the root's ``allow_shared``).
+    Nothing is written until every member header has passed: relative normalized names only, no ``..``,
+    no symlinks, hard links, devices or FIFOs, no duplicates, only ``bundle.json`` and
+    ``[v1/]entries/<kk>/<key>/...``, no member above ``max_file_bytes`` and no more than ``max_bytes`` in
+    all. Files are streamed to disk by this code (``tarfile.extract`` is not used), and directories are
+    sealed as a build's are (``shared``: the root's ``allow_shared``).
 
     Returns
     -------
     dict of str to Entry
-        Each key and its unpacked entry under ``staging``, fully verified (each file hashed once): it is
-        published by a rename, without hashing again.
+        Each key and its unpacked entry under ``staging/entries``, fully verified (each file hashed once):
+        it is published by a rename, without hashing again.
 
     Raises
     ------
     CacheError
-        Any problem with the archive or an entry; ``staging`` may hold partial files for the caller to
-        remove, and nothing has been published.
+        Any problem with the archive or an entry; nothing has been published.
+    CacheWriteError
+        Writing under ``staging`` failed (a full disk): names the file and the reason.
 
     """
     dir_mode = 0o777 if shared else 0o755
     try:
-        with tarfile.open(path, "r:*") as tar:
-            members = tar.getmembers()
-            files = _check_members(path, members)
-            staging.mkdir(mode=dir_mode)
-            listed = None
-            for member, rel in files:
-                data = _read_member(tar, member)
-                if rel == BUNDLE_MANIFEST:
-                    listed = _check_bundle_manifest(path, data)
-                    continue
-                dest = staging / rel
-                make_dirs(dest.parent, dir_mode)
-                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                dest.chmod(0o555 if member.mode & 0o111 else 0o444)
-    except _READ_ERRORS as exc:
-        raise CacheError(f"cannot read bundle {path}: {exc}") from exc
+        fd, _st = open_regular(path)
+    except OSError as exc:
+        raise CacheError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
+    listed = None
+    with os.fdopen(fd, "rb") as raw:
+        try:
+            with tarfile.open(fileobj=raw, mode="r:*") as tar:
+                files = _check_members(path, tar, max_file_bytes=max_file_bytes, max_bytes=max_bytes)
+                _write(staging, os.mkdir, staging, dir_mode)
+                for member, rel in files:
+                    if rel == BUNDLE_MANIFEST:
+                        listed = _check_bundle_manifest(path, _read_small(tar, member))
+                    else:
+                        _stream_member(tar, member, staging / rel, dir_mode)
+        except _READ_ERRORS as exc:
+            raise CacheError(f"cannot read bundle {path}: {exc}") from exc
     staged = {}
     for _member, rel in files:
         parts = rel.split("/")
@@ -129,7 +163,7 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False) -> dict[st
                          f"holds {len(staged)}; it is incomplete or was altered")
     entries = {}
     for key, entry_dir in sorted(staged.items()):
-        seal_dirs(entry_dir, shared)
+        _write(entry_dir, seal_dirs, entry_dir, shared)
         try:
             # The unpacked files are ours, written with safe modes; this is their one hash.
             entries[key] = verify_entry(entry_dir, key, allow_shared=True)
@@ -138,13 +172,20 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False) -> dict[st
     return entries
 
 
-def _check_members(path: Path, members: list[tarfile.TarInfo]) -> list[tuple[tarfile.TarInfo, str]]:
-    """Return (member, name) of the regular files, or raise CacheError for the first unsafe member."""
-    seen, files = set(), []
-    for m in members:
+def _check_members(path: Path, tar: tarfile.TarFile, *, max_file_bytes: int,
+                   max_bytes: int) -> list[tuple[tarfile.TarInfo, str]]:
+    """Return (member, name in staging) of the regular files; CacheError for the first unsafe member.
+
+    Each header is checked as it is read, so a member over the size cap refuses the bundle before its data
+    is even skipped.
+    """
+    seen, files, total = set(), [], 0
+    for count, m in enumerate(tar, 1):
         name = m.name
         why = None
-        if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        if count > MAX_MEMBERS:
+            why = f"is beyond {MAX_MEMBERS} members"
+        elif name.startswith("/") or (len(name) > 1 and name[1] == ":"):
             why = "is an absolute path"
         elif any(p == ".." for p in name.replace("\\", "/").split("/")):
             why = "contains '..'"
@@ -154,39 +195,75 @@ def _check_members(path: Path, members: list[tarfile.TarInfo]) -> list[tuple[tar
             why = "is a device, FIFO or other special file"
         elif not is_safe_relpath(name.rstrip("/") if m.isdir() else name):
             why = "is not a normalized relative path"
-        elif name in seen:
+        elif m.isreg() and _staged_name(name) is None:
+            why = f"is neither {BUNDLE_MANIFEST} nor {VERSION_DIR}/entries/<kk>/<key>/<file>"
+        elif m.isreg() and _staged_name(name) in seen:
             why = "appears twice"
-        elif m.isreg() and not _allowed_file(name):
-            why = f"is neither {BUNDLE_MANIFEST} nor entries/<kk>/<key>/<file>"
+        elif m.size > max_file_bytes:
+            why = f"is {m.size} bytes, over the cap of {max_file_bytes} (JITWARM_BUNDLE_MAX_FILE_BYTES)"
+        elif total + m.size > max_bytes:
+            why = f"takes the bundle over its cap of {max_bytes} bytes (JITWARM_BUNDLE_MAX_BYTES)"
         if why is not None:
-            raise CacheError(f"refusing bundle {path}: member {name!r} {why}; nothing was imported")
-        seen.add(name)
+            raise CacheError(f"refusing bundle {path}: member {name[:200]!r} {why}; nothing was imported")
         if m.isreg():
-            files.append((m, name))
+            rel = _staged_name(name)
+            seen.add(rel)
+            files.append((m, rel))
+            total += m.size
     return files
 
 
-def _allowed_file(name: str) -> bool:
-    """Return True for ``bundle.json`` or ``entries/<kk>/<key>/<relative file>``."""
+def _staged_name(name: str) -> str | None:
+    """Where a file member goes in staging: ``bundle.json``, or ``entries/<kk>/<key>/<file>`` from either layout."""
     if name == BUNDLE_MANIFEST:
-        return True
-    parts = name.split("/")
-    return (len(parts) >= 4 and parts[0] == "entries" and is_key(parts[2]) and parts[1] == parts[2][:2])
+        return name
+    rel = name.removeprefix(f"{VERSION_DIR}/")
+    parts = rel.split("/")
+    ok = len(parts) >= 4 and parts[0] == "entries" and is_key(parts[2]) and parts[1] == parts[2][:2]
+    return rel if ok else None
 
 
-def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    """Read one regular member in full."""
+def _read_small(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    """Read ``bundle.json`` (at most :data:`MAX_MANIFEST_BYTES`)."""
+    if member.size > MAX_MANIFEST_BYTES:
+        raise CacheError(f"bundle member {BUNDLE_MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
     f = tar.extractfile(member)
     if f is None:
-        raise CacheError(f"cannot read member {member.name!r}")
+        raise CacheError(f"cannot read bundle member {member.name!r}")
     with f:
-        return f.read()
+        return f.read(member.size)
+
+
+def _stream_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, dir_mode: int) -> None:
+    """Copy one file member to the new file ``dest`` in chunks; reads raise their own errors, writes CacheWriteError."""
+    src = tar.extractfile(member)
+    if src is None:
+        raise CacheError(f"cannot read bundle member {member.name!r}")
+    _write(dest.parent, make_dirs, dest.parent, dir_mode)
+    fd = _write(dest, os.open, dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with src:
+            while chunk := src.read(_CHUNK):
+                view = memoryview(chunk)
+                while view:
+                    view = view[_write(dest, os.write, fd, view):]
+        _write(dest, os.fchmod, fd, 0o555 if member.mode & 0o111 else 0o444)
+    finally:
+        os.close(fd)
+
+
+def _write(where: Path, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run one write step on ``where``; its OSError becomes a CacheWriteError naming the file and the reason."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        raise CacheWriteError.of("write the imported bundle to", exc, exc.filename or where) from exc
 
 
 def _check_bundle_manifest(path: Path, data: bytes) -> list[str]:
     """Return the keys ``bundle.json`` lists; reject a malformed one or another cache format."""
     try:
-        doc = json.loads(data)
+        doc = loads(data)
         fmt, keys = doc["format"], doc["keys"]
         if not isinstance(keys, list) or not all(is_key(k) for k in keys):
             raise TypeError("keys")
@@ -197,10 +274,40 @@ def _check_bundle_manifest(path: Path, data: bytes) -> list[str]:
     return keys
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int, mtime: int) -> None:
-    """Add one regular file member with neutral ownership."""
+def _open_source(src: Path) -> tuple[int, os.stat_result]:
+    try:
+        return open_regular(src)
+    except OSError as exc:
+        raise CacheError(f"cannot export cache entry file {src}: {exc.strerror or exc}") from None
+
+
+class _Source:
+    """An entry file being exported: its read errors are CacheErrors, so that any OSError is the bundle's."""
+
+    def __init__(self, f: io.BufferedReader, path: Path, size: int) -> None:
+        self._f, self._path, self._left = f, path, size
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            data = self._f.read(size)
+        except OSError as exc:
+            raise CacheError(f"cannot export cache entry file {self._path}: {exc.strerror or exc}") from None
+        want = self._left if size < 0 else min(size, self._left)
+        self._left -= len(data)
+        if len(data) < want:  # tarfile would call this an OSError, which reads as the bundle's write error
+            raise CacheError(f"cannot export cache entry file {self._path}: it shrank while it was read")
+        return data
+
+
+def _add(tar: tarfile.TarFile, name: str, size: int, data: Any, mode: int, mtime: int) -> None:
+    """Add one regular file member with neutral ownership, streaming ``size`` bytes from ``data``."""
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data), mode, mtime
+    info.size, info.mode, info.mtime = size, mode, mtime
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
+    tar.addfile(info, data)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 import time
@@ -18,14 +19,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.bounded import loads, open_regular, read_file
 from jitwarm.cache.durable import fsync_tree, make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError, CorruptEntry
+from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
 from jitwarm.cache.layout import check_trusted
 
 #: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"
-_MAX_MANIFEST_BYTES = 16 << 20
+#: A manifest (or a remote one) larger than this is corrupt: it lists a few files and one description.
+MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
 #: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file (relative names, sorted), as
@@ -158,17 +161,30 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = 
     Raises
     ------
     FileNotFoundError
-        There is no directory at ``path`` (a miss, not corruption).
+        There is no directory at ``path`` (a miss, not corruption), or a file vanished while it was read
+        (the caller tells a concurrent removal of the entry from a damaged one).
     CorruptEntry
-        Anything else is wrong with the content; the message says what.
+        Anything else is wrong with the content, including what cannot be read (a directory or file this
+        user may not read); the message says what.
     CacheError
         The directory or a file in it is writable by other users (see :func:`layout.check_trusted`).
 
     """
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise CorruptEntry(f"{path} is not a directory")
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise CorruptEntry(f"{path} is {kind}, not an entry directory")
     check_trusted(path, "cache entry", allow_shared=allow_shared, st=st)
+    try:
+        return _verify_dir(path, key, allow_shared=allow_shared, read_only=read_only)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # e.g. a directory this user may not read: unusable, so corrupt, never a traceback
+        raise CorruptEntry(f"{exc.filename or path}: cannot be read: {exc.strerror or exc}") from None
+
+
+def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) -> Entry:
+    """The checks of :func:`verify_entry` after the directory itself; OSError from reading propagates."""
     doc, records = _read_manifest(path, key)
     listed = {r.path: r for r in records}
     on_disk = dict(_walk_files(path, error=CorruptEntry))
@@ -223,8 +239,10 @@ def recheck_entry(path: Path, key: str, signature: Signature, *, allow_shared: b
     where = os.fspath(path)
     for rel, fst in on_disk:
         check_trusted(f"{where}/{rel}", "cache entry file", allow_shared=allow_shared, st=fst)
-    with open(f"{where}/{MANIFEST}", "rb") as f:  # plain strings: the capture hook's hot path
-        data = f.read()
+    try:
+        data = read_file(f"{where}/{MANIFEST}", MAX_MANIFEST_BYTES)  # plain strings: the capture hook's hot path
+    except OSError:
+        return None
     doc, records = parse_manifest(data, key, f"{where}/{MANIFEST}", check_preimage=False)
     if {r.path for r in records} != set(sig) - {MANIFEST}:
         return None
@@ -264,9 +282,15 @@ def _read_manifest(path: Path, key: str) -> tuple[dict[str, Any], list[FileRecor
         mst = os.lstat(path / MANIFEST)
     except FileNotFoundError:
         raise CorruptEntry(f"{path} has no {MANIFEST}") from None
-    if not stat.S_ISREG(mst.st_mode) or mst.st_size > _MAX_MANIFEST_BYTES:
-        raise CorruptEntry(f"{path / MANIFEST} is not a regular file of sane size")
-    return parse_manifest((path / MANIFEST).read_bytes(), key, str(path / MANIFEST))
+    if not stat.S_ISREG(mst.st_mode) or mst.st_size > MAX_MANIFEST_BYTES:
+        raise CorruptEntry(f"{path / MANIFEST} is not a regular file of at most {MAX_MANIFEST_BYTES} bytes")
+    try:
+        data = read_file(path / MANIFEST, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # replaced since the lstat: by a FIFO, a link, a bigger file
+        raise CorruptEntry(f"{path / MANIFEST}: {exc.strerror}") from None
+    return parse_manifest(data, key, str(path / MANIFEST))
 
 
 def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = True
@@ -287,15 +311,20 @@ def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = 
         Not a valid manifest of this format for ``key`` (including a preimage that does not hash to it).
 
     """
-    if len(data) > _MAX_MANIFEST_BYTES:
-        raise CorruptEntry(f"{where} is larger than {_MAX_MANIFEST_BYTES} bytes")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptEntry(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        doc = json.loads(data)
+        doc = loads(data)  # bounded depth: 100,000 nested "[" must be a corrupt entry, not a RecursionError
         if not isinstance(doc, dict) or not isinstance(doc["preimage"], dict):
             raise TypeError("not an object")
+        if not isinstance(doc["preimage"].get("description"), dict):
+            raise TypeError("the preimage has no description object")
+        created = doc.get("created", 0.0)
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+            raise TypeError("created is not a number")
         fmt, stored_key, preimage, files = doc["format"], doc["key"], doc["preimage"], doc["files"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptEntry(f"{where} is not a valid manifest: {exc!r}") from None
+        raise CorruptEntry(f"{where} is not a valid manifest: {str(exc)[:200]!r}") from None
     if fmt != FORMAT_VERSION:
         raise CorruptEntry(f"{where} has format {fmt!r}, expected {FORMAT_VERSION}")
     if stored_key != key:
@@ -351,20 +380,24 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
         if hashlib.sha256(files[rel]).hexdigest() != rec.sha256:
             raise CorruptEntry(f"{where}: {rel}: sha256 does not match {MANIFEST}")
     dir_mode = 0o777 if shared else 0o755
-    staging.mkdir(mode=dir_mode)
-    sig = {}
-    for rel in sorted(listed):
-        dest = staging / rel
-        make_dirs(dest.parent, dir_mode)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(files[rel])
-            f.flush()
-            os.fchmod(fd, 0o555 if rel in executable else 0o444)
-            sig[rel] = _sig_item(rel, os.fstat(fd))
-    seal_dirs(staging, shared)
-    write_atomic(staging / MANIFEST, manifest, durable=False, mode=0o444)
-    fsync_tree(staging)
+    sig, dest = {}, staging
+    try:
+        staging.mkdir(mode=dir_mode)
+        for rel in sorted(listed):
+            dest = staging / rel
+            make_dirs(dest.parent, dir_mode)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(files[rel])
+                f.flush()
+                os.fchmod(fd, 0o555 if rel in executable else 0o444)
+                sig[rel] = _sig_item(rel, os.fstat(fd))
+        seal_dirs(staging, shared)
+        dest = staging / MANIFEST
+        write_atomic(dest, manifest, durable=False, mode=0o444)
+        fsync_tree(staging)
+    except OSError as exc:  # a full disk, a read-only root: the caller removes staging
+        raise CacheWriteError.of("write the downloaded entry to", exc, dest) from exc
     sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
     return _entry(staging, key, doc, records, sig, read_only=False)
 
@@ -377,6 +410,11 @@ def is_safe_relpath(rel: object) -> bool:
     """
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         return False
+    if not rel.isascii():
+        try:
+            rel.encode("utf-8")  # a lone surrogate from JSON cannot become a file name
+        except UnicodeEncodeError:
+            return False
     # No empty, "." or ".." part: that is exactly what a normalized relative path is (PurePosixPath would
     # say the same, at ten times the cost on the hook's path).
     return all(p not in ("", ".", "..") for p in rel.split("/"))
@@ -409,7 +447,7 @@ def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.sta
 def _hash_file(path: Path, rel: str) -> tuple[str, tuple[str, int, int, int, int]]:
     """Hash a file in chunks without following a symlink; return the digest and its signature item."""
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd, _st = open_regular(path)  # never blocks: a FIFO swapped in after the listing is an OSError, not a hang
     with os.fdopen(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)

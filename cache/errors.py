@@ -12,10 +12,61 @@ class CacheError(Exception):
     """Base class of every error the cache raises on purpose.
 
     Raised for misuse of a read-only cache, an untrusted root or entry, an invalid bundle, a lock
-    directory without working ``flock``, and (as subclasses) lock timeouts, failed builds and a required
-    remote that is down. Messages name environment variables and the Python API only; a command line adds
-    its own hints.
+    directory without working ``flock``, and (as subclasses) lock timeouts, failed builds, failed writes and
+    a required remote that is down. Each message is one line that names the path and the reason; it names
+    environment variables and the Python API only, never a command-line flag.
+
+    Attributes
+    ----------
+    reason : str
+        The message without the hint, e.g. ``"refusing cache root /shared/jw: it is writable by every user
+        and has no sticky bit"``. (``BuildError.reason`` and ``RemoteUnavailable.reason`` keep their own,
+        older meaning: what failed.)
+    hint : str or None
+        What to do about it in terms of the Python API and environment variables, e.g. ``"pass
+        KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"``; a command line prints
+        ``reason`` with its own hint instead. ``str(exc)`` is ``"<reason>; <hint>"`` (or just the reason).
+
     """
+
+    def __init__(self, reason: str, hint: str | None = None) -> None:
+        self.reason = reason
+        self.hint = hint
+        super().__init__(f"{reason}; {hint}" if hint else reason)
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.reason, self.hint))
+
+
+class CacheWriteError(CacheError):
+    """The cache could not write where it had to (a full disk, a missing or read-only directory).
+
+    Nothing half-written is left behind: no entry is published from a write that failed, staging
+    directories and temporary files are removed. Distinct from a corrupt bundle or entry (``CacheError``).
+
+    Attributes
+    ----------
+    path : str
+        What could not be written (a staging file, the bundle being exported, a cache directory).
+    os_reason : str
+        The operating system's reason, e.g. ``"No space left on device"``.
+
+    """
+
+    def __init__(self, action: str, path: str, os_reason: str, hint: str | None = None) -> None:
+        self.action = action
+        self.path = path
+        self.os_reason = os_reason
+        super().__init__(f"cannot {action} {path}: {os_reason}", hint)
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.action, self.path, self.os_reason, self.hint))
+
+    @classmethod
+    def of(cls, action: str, exc: OSError, path: object = None, hint: str | None = None) -> CacheWriteError:
+        """Describe ``exc`` (an OSError from a write) as ``cannot <action> <path>: <strerror>``."""
+        where = path if path is not None else (exc.filename if exc.filename is not None else "?")
+        return cls(action, str(where), exc.strerror or type(exc).__name__, hint)
 
 
 class LockTimeout(CacheError):
@@ -53,13 +104,16 @@ class BuildError(CacheError):
     ----------
     key : str
         The cache key that failed to build.
+    reason : str
+        What failed, e.g. ``"RuntimeError: nvcc exploded"`` (the message is ``build of cache key K failed:
+        <reason>``).
 
     """
 
     def __init__(self, key: str, reason: str) -> None:
         self.key = key
-        self.reason = reason
         super().__init__(f"build of cache key {key} failed: {reason}")
+        self.reason = reason
 
     def __reduce__(self) -> tuple[type[BuildError], tuple[str, str]]:
         return (type(self), (self.key, self.reason))
@@ -83,8 +137,9 @@ class RemoteUnavailable(CacheError):
     def __init__(self, url: str, reason: str) -> None:
         self.url = url
         self.reason = reason
-        super().__init__(f"remote cache {url} is unavailable ({reason}) and it is required "
-                         "(JITWARM_REMOTE_REQUIRED=1 or KernelCache(remote_required=True))")
+        self.hint = "JITWARM_REMOTE_REQUIRED=1 or KernelCache(remote_required=True)"
+        # Not CacheError's "<reason>; <hint>": this message predates it and callers match it.
+        Exception.__init__(self, f"remote cache {url} is unavailable ({reason}) and it is required ({self.hint})")
 
     def __reduce__(self) -> tuple[type[RemoteUnavailable], tuple[str, str]]:
         return (type(self), (self.url, self.reason))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from jitwarm.cache.bounded import loads
 from jitwarm.cache.durable import remove_tree
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
@@ -33,6 +34,17 @@ POLL_BACKOFF = (0.05, 1.5, 1.0)
 # stalled past its expiry cannot extend or delete the lease a new holder took meanwhile.
 _EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A lease jitwarm sets always expires (SET NX PX). One without a TTL (set by hand, by another tool) would keep
+# every node waiting until its deadline: give it the lease lifetime, so the fleet heals, and say it had none.
+_ADD_EXPIRY = "if redis.call('pttl', KEYS[1]) == -1 then redis.call('pexpire', KEYS[1], ARGV[1]) return 1 end return 0"
+#: A lease token is a few dozen bytes; only this much of one is read.
+_MAX_TOKEN_BYTES = 4096
+_warned_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+class LeaseWithoutExpiry(RemoteFailure):
+    """Another writer set a key's fleet lease without a TTL: this node builds the key locally (internal)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,10 @@ class Fleet:
                 return entry, "downloaded"
             self._count("remote_misses")
             lease, entry = self._lease_or_download(key, steps, timeout_s, on_wait)  # 2-3. lease, or wait
+        except LeaseWithoutExpiry as exc:  # not an outage: this key alone goes local, required or not
+            _warn_once(exc.args[0], f"{exc}: building cache key {key} locally; the lease now expires "
+                       f"in {self.lease_s:.0f} s")
+            return self._build_and_upload(steps), "built"
         except RemoteFailure as exc:
             self.store.failed(exc)
             return steps.build(), "built"
@@ -98,15 +114,19 @@ class Fleet:
                 self.store.failed(exc)
             if entry is not None:
                 return entry, "downloaded"
-            entry = steps.build()                                               # build, publish locally
-            if self.store.usable:                                               # 5. upload
-                try:
-                    self.store.upload(entry)
-                except RemoteFailure as exc:
-                    self.store.failed(exc)
-            return entry, "built"
+            return self._build_and_upload(steps), "built"                       # build, publish, 5. upload
         finally:
             lease.release()                                                     # 6. release
+
+    def _build_and_upload(self, steps: LocalSteps) -> Entry:
+        """Build and publish locally, then upload (a Redis failure only costs the upload)."""
+        entry = steps.build()
+        if self.store.usable:
+            try:
+                self.store.upload(entry)
+            except RemoteFailure as exc:
+                self.store.failed(exc)
+        return entry
 
     def _download(self, key: str, steps: LocalSteps) -> Entry | None:
         """Fetch ``key`` into a staging dir and publish it; None when the remote has no valid entry."""
@@ -128,6 +148,7 @@ class Fleet:
         lease = FleetLease(self.store, key, self.lease_s)
         if lease.try_acquire():
             return lease, None
+        lease.check_expiry()
         self._count("lease_waits")
         first = lease.holder()
         if on_wait is not None:
@@ -138,7 +159,10 @@ class Fleet:
             if entry is not None:
                 return None, entry
             # The holder released without uploading, or died and its lease expired.
-            return (lease, None) if lease.try_acquire() else None
+            if lease.try_acquire():
+                return lease, None
+            lease.check_expiry()
+            return None
 
         start = time.monotonic()
         try:
@@ -194,12 +218,17 @@ class FleetLease:
 
     def holder(self) -> LockHolder | None:
         """Return who holds the lease now (None if nobody, or an unreadable token). Raises RemoteFailure."""
-        raw = self.store.call("lease", lambda c: c.get(self.name))
+        raw = self.store.call("lease", lambda c: c.getrange(self.name, 0, _MAX_TOKEN_BYTES - 1))
         try:
-            data = json.loads(raw)
-            return LockHolder(host=str(data["host"]), pid=int(data["pid"]), since=float(data["since"]))
-        except (TypeError, ValueError, KeyError):
+            data = loads(raw)
+            return LockHolder.from_record(data)
+        except (TypeError, ValueError, KeyError, OverflowError):
             return None
+
+    def check_expiry(self) -> None:
+        """Raise LeaseWithoutExpiry when the lease (held by someone else) has no TTL, after giving it one."""
+        if self.store.call("lease", lambda c: c.eval(_ADD_EXPIRY, 1, self.name, self.ttl_ms)) == 1:
+            raise LeaseWithoutExpiry(f"fleet lease {self.name} on {self.store.display} had no expiry")
 
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still ours; never raises for Redis errors."""
@@ -227,3 +256,11 @@ class FleetLease:
                     return
             except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
                 log.debug("could not extend the fleet lease of %s: %s", self.key, exc)
+
+
+def _warn_once(what: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``what`` is seen in this process, later at debug level."""
+    with _warned_lock:
+        first = what not in _warned
+        _warned.add(what)
+    (log.warning if first else log.debug)("%s", message)

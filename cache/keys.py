@@ -14,10 +14,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from jitwarm.cache.bounded import MAX_JSON_DEPTH
+
 #: Version of the on-disk format and of the key preimage; bump it to orphan every old entry.
 FORMAT_VERSION = 1
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
+#: A description nests at most this deep, so that its manifest (two levels more) stays within what
+#: the cache parses back (:data:`jitwarm.cache.bounded.MAX_JSON_DEPTH`).
+MAX_DESCRIPTION_DEPTH = MAX_JSON_DEPTH - 8
 
 
 def key_of(description: Mapping[str, Any]) -> str:
@@ -115,6 +120,8 @@ def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
     """Reject anything json.dumps would coerce or mangle, naming where it sits (formatted only on error)."""
     if value is None or isinstance(value, (str, bool, int)):
         return
+    if len(path) >= MAX_DESCRIPTION_DEPTH:
+        raise TypeError(f"{_where(path[:3])}... nests deeper than {MAX_DESCRIPTION_DEPTH} levels")
     if isinstance(value, float):
         if not math.isfinite(value):
             raise TypeError(f"{_where(path)} is {value!r}: NaN and infinities are not JSON")

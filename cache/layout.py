@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.bounded import loads, read_file_stat, read_json
 from jitwarm.cache.durable import make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError
+from jitwarm.cache.errors import CacheError, CacheWriteError
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.locks import this_host
 
@@ -30,7 +31,11 @@ BUNDLE_TAG = "bundle"
 # <host>-<pid>-<tag>-<rand>; the host may contain dashes, so parse from the right.
 _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BUNDLE_TAG + r")-[0-9a-f]{8}")
 _PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _HOW_TO_ALLOW = "pass KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"
+#: Size caps of the small JSON files the cache reads back: facts and stamps, plan records.
+MAX_FACT_BYTES = 1 << 16
+MAX_PLAN_RECORD_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -110,19 +115,46 @@ class RootLayout:
         """Return a fresh, not yet created, staging path for ``tag`` (a key or ``BUNDLE_TAG``)."""
         return self.staging / f"{this_host()}-{os.getpid()}-{tag}-{secrets.token_hex(4)}"
 
-    def quarantine_dir(self, key: str) -> Path:
-        """Return a fresh, unique path in quarantine for a bad copy of ``key``."""
+    def quarantine_dir(self, name: str) -> Path:
+        """Return a fresh, unique path in quarantine for a bad copy of ``name`` (a key, or ``shard-<kk>``)."""
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        return self.quarantine / f"{key}-{stamp}-{os.getpid()}-{secrets.token_hex(4)}"
+        return self.quarantine / f"{name}-{stamp}-{os.getpid()}-{secrets.token_hex(4)}"
 
     def iter_entry_dirs(self) -> Iterator[tuple[str, Path]]:
-        """Yield ``(key, path)`` of every published entry directory, in key order."""
+        """Yield ``(key, path)`` of every published entry directory, in key order (unlistable shards are skipped)."""
         for shard in _sorted_dirs(self.entries):
-            if len(shard.name) != 2:
+            if _SHARD_RE.fullmatch(shard.name) is None:
                 continue
             for entry in _sorted_dirs(shard):
                 if is_key(entry.name) and entry.name[:2] == shard.name:
                     yield entry.name, entry
+
+    def iter_entry_names(self) -> Iterator[tuple[str | None, Path]]:
+        """Yield what ``verify`` checks: ``(key, path)`` of each entry name, and ``(None, path)`` of each bad shard.
+
+        An entry name is yielded whatever it is (a directory, a file, a symlink: :func:`verify_entry` says
+        what is wrong). A bad shard is a ``<kk>`` in ``entries/`` that is not a directory (a file, a
+        symlink) or cannot be listed: every key of it would fail.
+        """
+        try:
+            with os.scandir(self.entries) as it:
+                shards = sorted((e.name, Path(e.path)) for e in it if _SHARD_RE.fullmatch(e.name))
+        except OSError:
+            return
+        for name, shard in shards:
+            try:
+                if not stat.S_ISDIR(os.lstat(shard).st_mode):
+                    yield None, shard
+                    continue
+                with os.scandir(shard) as it:
+                    found = sorted(e.name for e in it if is_key(e.name) and e.name[:2] == name)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                yield None, shard
+                continue
+            for key in found:
+                yield key, shard / key
 
     def iter_staging(self) -> Iterator[tuple[StagingName | None, Path]]:
         """Yield every staging directory with its parsed name (None when the name is not ours)."""
@@ -144,7 +176,10 @@ def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any
     """
     target = layout.plan_path(plan_id)
     data = json.dumps(dict(record), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
-    write_atomic(layout.ensure(layout.plans) / target.name, data)
+    try:
+        write_atomic(layout.ensure(layout.plans) / target.name, data)
+    except OSError as exc:
+        raise CacheWriteError.of("write the plan record", exc, target) from exc
     return target
 
 
@@ -158,11 +193,10 @@ def read_fact(layout: RootLayout, name: str, *, allow_shared: bool) -> str | Non
     """Return the fact ``name`` of this root, or None when there is none, it is unreadable or untrusted."""
     path = layout.facts / _fact_file(name)
     try:
-        with path.open("rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 16 or (untrusted_reason(st) and not allow_shared):
-                return None
-            value = json.loads(f.read())["value"]
+        data, st = read_file_stat(path, MAX_FACT_BYTES)
+        if not allow_shared and untrusted_reason(st):
+            return None
+        value = loads(data)["value"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if isinstance(value, str) else None
@@ -182,11 +216,11 @@ def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, A
     for layout in layouts:
         path = layout.plan_path(plan_id)
         try:
-            data = json.loads(path.read_bytes())
+            data = read_json(path, MAX_PLAN_RECORD_BYTES)
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable plan record %s: %s", path, exc)
+            log.warning("ignoring unreadable plan record %s: %s", path, getattr(exc, "strerror", None) or exc)
             continue
         if isinstance(data, dict):
             return data
@@ -195,11 +229,11 @@ def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, A
 
 
 def _sorted_dirs(path: Path) -> list[Path]:
-    """List the subdirectories of ``path`` (not following links); empty if it does not exist."""
+    """List the subdirectories of ``path`` (not following links); empty if it does not exist or cannot be read."""
     try:
         with os.scandir(path) as it:
             return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return []
 
 
@@ -225,7 +259,8 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
     """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
 
     The cache holds shared libraries that get loaded into the server, so a directory another user can
-    write is a code-injection path (see docs/cache.md, "Trust").
+    write is a code-injection path (see docs/cache.md, "Trust"). ``path`` is judged itself (``lstat``): a
+    symlink fails, as every symlink's mode is 0777; see :func:`check_trusted_dir` for the top directories.
 
     Parameters
     ----------
@@ -241,7 +276,7 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
     Raises
     ------
     CacheError
-        Saying which path, why, and how to allow it.
+        Saying which path and why; its ``hint`` says how to allow it.
     FileNotFoundError
         ``path`` does not exist (and no ``st`` was given).
 
@@ -250,4 +285,37 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
         return
     reason = untrusted_reason(st if st is not None else os.lstat(path))
     if reason is not None:
-        raise CacheError(f"refusing {what} {path}: {reason}; {_HOW_TO_ALLOW}")
+        raise CacheError(f"refusing {what} {path}: {reason}", _HOW_TO_ALLOW)
+
+
+def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
+    """Check a top directory (a root, its ``v1`` or ``entries``, a layer) by what it resolves to.
+
+    A symlink there is fine (a root on another volume) when the link itself belongs to this user or root
+    (only its owner can replace it, in a sticky directory) and what it points to passes
+    :func:`check_trusted`, which judges that target, not the link's own 0777 mode.
+
+    Raises
+    ------
+    CacheError
+        The link's owner or the target is untrusted (unless ``allow_shared``), or the target is not a directory.
+    FileNotFoundError
+        ``path`` does not exist (or it is a dangling symlink).
+
+    """
+    st = os.lstat(path)
+    shown = path
+    if stat.S_ISLNK(st.st_mode):
+        if not allow_shared and st.st_uid not in (os.geteuid(), 0):
+            raise CacheError(f"refusing {what} {path}: it is a symlink owned by uid {st.st_uid}, not by this user "
+                             f"(uid {os.geteuid()}) or root", _HOW_TO_ALLOW)
+        st = path.stat()
+        shown = f"{path} (a symlink to {os.path.realpath(path)})"
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"refusing {what} {shown}: it is not a directory")
+    check_trusted(shown, what, allow_shared=allow_shared, st=st)
+
+
+def is_shard_name(name: str) -> bool:
+    """Return True for a shard directory's name: two lowercase hex digits."""
+    return _SHARD_RE.fullmatch(name) is not None

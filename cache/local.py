@@ -1,37 +1,40 @@
 """The local tier: verified lookups over a writable root and read-only layers, and the exactly-once publish.
 
 Read top to bottom, this is the protocol of docs/cache.md: 1. **lookup** (memo while the stat signature is
-unchanged, else full verification; a corrupt copy is quarantined in the root, skipped in a layer; discarded
-entries are skipped), 2. **lock** the key, looking for the holder's entry while waiting, 3. **look again**
-(with an NFS retry after a wait), 4. **build** into staging, 5. **seal**, 6. **rename** into place (losing
-the race is success) -- or hand the key to :mod:`jitwarm.cache.fleet` with :class:`LocalSteps` --
-7. **release**. Whatever writes an entry directory (build, download, bundle import, quarantine, discard) runs
-under the key's lock; lookups take none, except that quarantining a corrupt copy try-locks its key.
+unchanged, else full verification; a corrupt copy, or a shard path that is no directory, is quarantined in
+the root, skipped in a layer; discarded entries are skipped), 2. **lock** the key, looking for the holder's
+entry while waiting, 3. **look again** (with an NFS retry after a wait), 4. **build** into staging,
+5. **seal**, 6. **rename** into place (losing the race is success) -- or hand the key to
+:mod:`jitwarm.cache.fleet` with :class:`LocalSteps` -- 7. **release**. Whatever writes an entry directory
+(build, download, bundle import, quarantine, discard) runs under the key's lock; lookups take none, except
+that quarantining a corrupt copy try-locks its key; a reader's **claim** holds it shared.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
+import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from stat import S_ISREG
 from typing import Any
 
-from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree, write_atomic
-from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
-from jitwarm.cache.errors import BuildError, CacheError, CorruptEntry
+from jitwarm.cache.claims import SharedClaim, release_claims_here
+from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree
+from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
+from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.fleet import Fleet, LocalSteps
 from jitwarm.cache.keys import keyed
-from jitwarm.cache.layout import RootLayout, check_trusted, untrusted_reason
+from jitwarm.cache.layout import RootLayout, check_trusted, check_trusted_dir
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, wait_until
 from jitwarm.cache.prune import sweep_staging
+from jitwarm.cache.quarantine import move_aside, quarantine_shard, shard_problem
+from jitwarm.cache.stamps import stamped_entry, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -42,47 +45,16 @@ TOUCH_INTERVAL_S = 600.0
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 
 
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of :meth:`KernelCache.verify`.
-
-    Attributes
-    ----------
-    ok : tuple of str
-        Keys with at least one copy (root or layer) that verified.
-    corrupt : dict of str to str
-        Keys with a copy that failed, and why (with its path).
-    missing : tuple of str
-        Requested keys with no copy anywhere.
-    quarantined : tuple of str
-        Corrupt keys whose bad copy was moved to ``<root>/v1/quarantine`` (layer copies cannot be).
-
-    """
-
-    ok: tuple[str, ...] = ()
-    corrupt: dict[str, str] = field(default_factory=dict)
-    missing: tuple[str, ...] = ()
-    quarantined: tuple[str, ...] = ()
-
-    @property
-    def clean(self) -> bool:
-        """True when nothing was corrupt or missing."""
-        return not self.corrupt and not self.missing
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the report as a JSON-able dict."""
-        return {"ok": list(self.ok), "corrupt": dict(self.corrupt), "missing": list(self.missing),
-                "quarantined": list(self.quarantined)}
-
-
 class LocalCache:
     """One writable root (or a read-only one) plus read-only layers, and the publish protocol into the root.
 
     Contract: :meth:`lookup` returns an entry only after this instance hashed its files (verifying it, or
     publishing it), only while their stat signature is unchanged since, and never one :meth:`discard`
-    rejected; it returns None for a missing, corrupt or rejected entry and raises ``CacheError`` only for
-    a directory other users can write. :meth:`get_or_build` runs ``build`` only under the key's lock. The
-    callers (:class:`~jitwarm.cache.KernelCache`) check keys and the read-only flag first.
+    rejected; it returns None for a missing, corrupt (including unreadable, or not a directory) or rejected
+    entry and raises ``CacheError`` only for a directory other users can write; quarantine and stamps are
+    best effort and never raise. :meth:`get_or_build` runs ``build`` only under the key's lock, and raises
+    ``CacheWriteError`` for what it cannot write. :meth:`claim` holds the key's lock shared. The callers
+    (:class:`~jitwarm.cache.KernelCache`) check keys and the read-only flag first.
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
@@ -111,83 +83,88 @@ class LocalCache:
             with self._mutex:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
-                entry, _why = self._check(layout, key, read_only=read_only, locked=locked, stamped=True)
+                entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
             if entry is not None and (entry.path, entry.signature) not in self._rejected:
                 self._touch(entry)
                 return entry
         return None
 
-    def _check(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool,
-               stamped: bool = False) -> tuple[Entry | None, str | None]:
+    def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
+               repair: bool = True) -> tuple[Entry | None, str | None]:
         """Verify one copy: ``(entry, None)``, ``(None, why)`` if corrupt (quarantined or skipped), or a miss.
 
         With ``stamped``, an entry this host hashed before and whose files are unchanged since (its stamp
-        matches) is accepted without reading them again; else (and for ``jitwarm verify``) every file is hashed.
+        matches) is accepted without reading them again; else (and for ``verify``) every file is hashed.
+        Without ``repair`` nothing is written: a corrupt copy is only reported, and no stamp is kept.
         """
         path = layout.entry_dir(key)
         self.forget(path)
-        if not os.path.lexists(path):
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
             return None, None
+        except OSError:  # ENOTDIR, EACCES: the shard is a file, or cannot be entered (or a top dir is broken)
+            self.check_root(layout)
+            return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
         self.check_root(layout)
-        check_trusted(path.parent, "cache directory", allow_shared=self.allow_shared)
+        shard = os.lstat(path.parent)
+        if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
+            return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
+        check_trusted(path.parent, "cache directory", allow_shared=self.allow_shared, st=shard)
         if stamped and (entry := self._from_stamp(path, key, read_only)) is not None:
             with self._mutex:
                 self._verified[entry.path] = entry
             return entry, None
         try:
             entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
-        except FileNotFoundError:
-            return None, None
-        except CorruptEntry as exc:
+        except (CorruptEntry, FileNotFoundError) as exc:
             if not os.path.lexists(path):
                 return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
+            why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
             self._count("corrupt")
-            if read_only:
-                log.warning("skipping corrupt cache entry in read-only %s: %s", layout.root, exc)
+            if read_only or not repair:
+                log.warning("corrupt cache entry %s%s: %s", key, " in read-only " + str(layout.root)
+                            if read_only else " (reported, not moved)", why)
             else:
-                self._quarantine_corrupt(key, str(exc), locked=locked)
-            return None, str(exc)
-        self._remember(entry)
+                self._quarantine_corrupt(key, why, locked=locked)
+            return None, why
+        self._remember(entry, stamp=repair)
         return entry, None
 
+    def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
+                   repair: bool) -> tuple[Entry | None, str | None]:
+        """A shard path that is no usable directory: every key of it is corrupt until it is moved aside."""
+        why = shard_problem(shard)
+        if why is None:
+            return None, None  # gone meanwhile, or the problem is above it (v1 or entries): a miss
+        self._count("corrupt")
+        if read_only or not repair:
+            log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
+        else:
+            quarantine_shard(layout, self.lock_dir, shard, why)
+        return None, why
+
     def check_root(self, layout: RootLayout) -> None:
-        """Trust-check a root's top directories (those that exist), once per instance each."""
+        """Trust-check a root's top directories (those that exist) by what they resolve to, once per instance each."""
         for path in (layout.root, layout.base, layout.entries):
             if path in self._trusted:
                 continue
             try:
-                check_trusted(path, "cache root", allow_shared=self.allow_shared)
-            except FileNotFoundError:
+                check_trusted_dir(path, "cache root", allow_shared=self.allow_shared)
+            except (FileNotFoundError, NotADirectoryError):
                 return
             self._trusted.add(path)
 
-    def _remember(self, entry: Entry) -> None:
+    def _remember(self, entry: Entry, *, stamp: bool = True) -> None:
         """Memoize an entry whose files this instance has just hashed, and stamp it for the next processes."""
         with self._mutex:
             self._verified[entry.path] = entry
-        if self.read_only:
-            return
-        stamp = self.root.stamp_path(entry.path, entry.key)
-        with contextlib.suppress(OSError):  # a stamp only saves the next process a hash: best effort
-            self.root.ensure(stamp.parent)
-            write_atomic(stamp, json.dumps({"path": os.fspath(entry.path), "signature": entry.signature}).encode(),
-                         durable=False)
+        if stamp and not self.read_only:
+            write_stamp(self.root, entry)
 
     def _from_stamp(self, path: Path, key: str, read_only: bool) -> Entry | None:
         """The entry at ``path`` when this host's stamp says its files are the ones it hashed (see recheck_entry)."""
-        stamp = os.fspath(self.root.stamp_path(path, key))
-        try:
-            with open(stamp, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not S_ISREG(st.st_mode) or st.st_size > 1 << 16 or untrusted_reason(st) and not self.allow_shared:
-                    return None
-                doc = json.loads(f.read())
-            signature = tuple(tuple(item) for item in doc["signature"])
-            if doc["path"] != os.fspath(path):
-                return None
-            return recheck_entry(path, key, signature, allow_shared=self.allow_shared, read_only=read_only)
-        except (OSError, ValueError, KeyError, TypeError, CorruptEntry):
-            return None
+        return stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only)
 
     def forget(self, path: Path) -> None:
         """Drop what is known about the entry directory ``path`` (it was removed or replaced)."""
@@ -211,45 +188,44 @@ class LocalCache:
     def _quarantine_corrupt(self, key: str, reason: str, *, locked: bool) -> None:
         """Move the root's corrupt copy of ``key`` aside.
 
-        Without ``locked`` it takes the key's lock without waiting (a held lock means a builder is on it
-        and will quarantine it itself) and verifies once more, since another process may have replaced
-        the bad entry with a good one meanwhile.
+        Without ``locked`` it takes the key's lock without waiting (a held lock means a builder or a reader's
+        claim is on it: the builder will quarantine it itself) and verifies once more, since another process
+        may have replaced the bad entry with a good one meanwhile. Never raises: a lock dir that cannot be
+        used (a read-only volume) leaves the entry where it is, still never returned.
         """
         if locked:
             self._move_to_quarantine(key, reason)
             return
-        with KeyLock(self.lock_dir, key) as lock:
+        lock = KeyLock(self.lock_dir, key)
+        try:
             if not lock.try_acquire():
                 log.warning("corrupt cache entry %s (not quarantined: its lock is held): %s", key, reason)
                 return
-            with contextlib.suppress(CorruptEntry, FileNotFoundError):
+        except CacheError as exc:
+            log.warning("corrupt cache entry %s (not quarantined: %s): %s", key, exc.reason, reason)
+            return
+        with lock:
+            with contextlib.suppress(CorruptEntry, OSError):
                 verify_entry(self.root.entry_dir(key), key, allow_shared=self.allow_shared)
                 return
             self._move_to_quarantine(key, reason)
 
     def _move_to_quarantine(self, key: str, reason: str) -> None:
         """Rename the root's entry of ``key`` to ``quarantine/<key>-<utc>-<pid>-<rand>`` + ``.reason`` (locked)."""
-        path, dest = self.root.entry_dir(key), self.root.quarantine_dir(key)
+        path = self.root.entry_dir(key)
         self.forget(path)
-        try:
-            self.root.ensure(self.root.quarantine)
-            path.rename(dest)
-        except FileNotFoundError:
-            return
-        except OSError as exc:  # e.g. another user's entry in a shared root: leave it, still a miss
-            log.warning("cache entry %s could not be quarantined (%s): %s", key, exc, reason)
-            return
-        with contextlib.suppress(OSError):
-            write_atomic(dest.with_name(dest.name + ".reason"), reason.encode(), durable=False)
-        log.warning("quarantined cache entry %s to %s: %s", key, dest, reason)
+        move_aside(self.root, key, path, reason)
 
     def discard(self, entry: Entry, reason: str, timeout_s: float) -> None:
         """Reject an entry its caller could not use: quarantine it if it is the root's and unchanged, else skip it.
 
-        Raises ``LockTimeout`` if the key's lock stays held past ``timeout_s`` (it is rejected all the same).
+        This thread's claims on the key are released first (a claim and the key's lock would wait for
+        each other). Raises ``LockTimeout`` if the key's lock stays held past ``timeout_s`` (it is rejected
+        all the same).
         """
         with self._mutex:
             self._rejected.add((entry.path, entry.signature))
+        release_claims_here(self.lock_dir / f"{entry.key}.lock")
         if entry.read_only or self.read_only or entry.path != self.root.entry_dir(entry.key):
             log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
                         "on", entry.key, entry.path, reason)
@@ -258,6 +234,28 @@ class LocalCache:
             lock.acquire(timeout_s)
             if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
                 self._move_to_quarantine(entry.key, reason)
+
+    @contextlib.contextmanager
+    def claim(self, entry: Entry, timeout_s: float) -> Iterator[Entry | None]:
+        """Hold a shared lock on ``entry``'s key while the caller reads it; see :meth:`KernelCache.claim`."""
+        with self._mutex:
+            rejected = (entry.path, entry.signature) in self._rejected
+        if rejected:
+            yield None
+            return
+        if entry.path != self.root.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
+            yield entry if unchanged(entry) else None
+            return
+        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only)
+        claim.acquire(timeout_s)
+        try:
+            if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
+                yield entry
+            else:
+                claim.release()  # before yielding: the caller may get or build the key again in the block
+                yield None
+        finally:
+            claim.release()
 
     # -- 2-7. get or build ---------------------------------------------------------------------------
 
@@ -309,8 +307,9 @@ class LocalCache:
             self.root.ensure(self.root.entries)
             make_dirs(self.lock_dir, self.root.dir_mode)
         except OSError as exc:
-            raise CacheError(f"cannot create the cache root {self.root.root}: {exc}; set JITWARM_CACHE_DIR to "
-                             "a writable directory, or use KernelCache(read_only=True) for lookups") from exc
+            raise CacheWriteError.of("create the cache root", exc, exc.filename or self.root.root,
+                                     "set JITWARM_CACHE_DIR to a writable directory, or use "
+                                     "KernelCache(read_only=True) for lookups") from exc
         self.check_root(self.root)
 
     def _look_again(self, key: str, *, retry: bool) -> Entry | None:
@@ -336,7 +335,10 @@ class LocalCache:
         # Our lock on the key proves no live builder of it; clear what dead ones of this host left.
         sweep_staging(self.root, self.lock_dir, only_key=key)
         staging = self.new_staging(key)
-        staging.mkdir(mode=self.root.dir_mode)
+        try:
+            staging.mkdir(mode=self.root.dir_mode)
+        except OSError as exc:
+            raise CacheWriteError.of("create the staging directory", exc, staging) from exc
         self._count("builds")
         try:
             try:
@@ -354,7 +356,10 @@ class LocalCache:
 
     def new_staging(self, tag: str) -> Path:
         """Return a fresh staging path of the root for ``tag`` (a key or ``BUNDLE_TAG``), its parent created."""
-        self.root.ensure(self.root.staging)
+        try:
+            self.root.ensure(self.root.staging)
+        except OSError as exc:
+            raise CacheWriteError.of("create the staging directory", exc, self.root.staging) from exc
         return self.root.new_staging_dir(tag)
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
@@ -368,13 +373,17 @@ class LocalCache:
         once this process is gone. Without ``keep_fallback`` that case raises ``CacheError``.
         """
         final = self.root.entry_dir(staged.key)
-        self.root.ensure(final.parent)
         for _attempt in range(2):
             try:
+                self.root.ensure(final.parent)
                 staged.path.rename(final)
             except OSError as exc:
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
+                # EACCES/EPERM over an existing entry: a corrupt one that could not be quarantined (another
+                # user's in a shared root) sits there; like a lost race, look again, then serve our own copy.
+                lost = exc.errno in (errno.EEXIST, errno.ENOTEMPTY) or (
+                    exc.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(final))
+                if not lost:
+                    raise CacheWriteError.of("publish the cache entry", exc, final) from exc
                 winner = self._look_again(staged.key, retry=True)  # quarantines a corrupt winner: retry then
                 if winner is not None:
                     remove_tree(staged.path)
@@ -425,30 +434,6 @@ class LocalCache:
             return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
-
-    # -- verify ------------------------------------------------------------------------------------------
-
-    def verify(self, keys: Sequence[str] | None) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (all entries when None); see :meth:`KernelCache.verify`."""
-        ok, corrupt, quarantined, seen = set(), {}, set(), set()
-        for layout, read_only in self.search_order():
-            if keys is None:
-                found = list(layout.iter_entry_dirs())
-            else:
-                found = [(k, layout.entry_dir(k)) for k in keys if os.path.lexists(layout.entry_dir(k))]
-            for key, path in found:
-                seen.add(key)
-                entry, why = self._check(layout, key, read_only=read_only, locked=False)
-                if entry is not None:
-                    ok.add(key)
-                elif why is not None:
-                    corrupt[key] = "; ".join(filter(None, (corrupt.get(key), why)))
-                    if not read_only and not os.path.lexists(path):
-                        quarantined.add(key)
-        missing = tuple(k for k in keys or () if k not in seen)
-        return VerifyReport(ok=tuple(sorted(ok)), corrupt=corrupt, missing=missing,
-                            quarantined=tuple(sorted(quarantined)))
-
 
 def _refresh_dir(path: Path) -> None:
     """List ``path`` to make an NFS client revalidate its cached view of the directory."""

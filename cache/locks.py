@@ -2,7 +2,8 @@
 
 Every wait of the cache has a deadline and says, once, who it is waiting for: :meth:`KeyLock.acquire`
 blocks in filelock's own acquire (``cancel_check`` ends it early), and :func:`wait_until` polls with a
-backoff (``wait_for``, a fleet lease). Both log through :class:`WaitLog` and raise ``LockTimeout``.
+backoff (``wait_for``, a claim, a fleet lease). Both log through :class:`WaitLog` and raise ``LockTimeout``.
+Nothing else is waited on: the holder record is read without blocking (see :mod:`jitwarm.cache.bounded`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import re
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -24,8 +26,9 @@ from typing import TypeVar
 
 from filelock import FileLock, Timeout
 
+from jitwarm.cache.bounded import read_json
 from jitwarm.cache.durable import make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError, LockTimeout
+from jitwarm.cache.errors import CacheError, CacheWriteError, LockTimeout
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -36,6 +39,10 @@ WAIT_LOG_AFTER_S = 3.0
 #: While blocked on a key's lock, look this often whether the holder has published (then stop waiting).
 LOOK_EVERY_S = 0.25
 _POLL_S = 0.02
+#: A holder record is a few dozen bytes; anything larger was not written by a holder.
+_MAX_HOLDER_BYTES = 4096
+_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+_NO_FLOCK_HINT = "set JITWARM_LOCK_DIR to node-local storage such as /dev/shm/jitwarm-locks"
 
 
 def this_host() -> str:
@@ -85,6 +92,17 @@ class LockHolder:
     host: str
     pid: int
     since: float
+
+    @classmethod
+    def from_record(cls, data: object) -> LockHolder:
+        """Read a holder record or lease token another process wrote (maybe planted): its host made safe to print.
+
+        Raises KeyError, TypeError, ValueError or OverflowError for a record that is not one.
+        """
+        if not isinstance(data, dict):
+            raise TypeError("a holder record is a JSON object")
+        host = re.sub(r"[^A-Za-z0-9._-]", "_", str(data["host"]))[:255]  # it ends up in one-line messages
+        return cls(host=host, pid=int(data["pid"]), since=float(data["since"]))
 
     def describe(self) -> str:
         """Return e.g. ``"held by pid 4242 on node-3 since 12:00:01 (7.5 s ago)"``."""
@@ -225,6 +243,10 @@ class KeyLock:
         """
         if self.try_acquire():
             return True
+        if claimed_here(self.lock_path):
+            # flock SH and EX conflict across descriptors of one process too: waiting would never end.
+            raise CacheError(f"cannot lock cache key {self.key}: this thread holds a claim on it "
+                             "(KernelCache.claim)", "leave the claim's with block before building or discarding it")
         clock = WaitLog(self.key, self.read_holder)
         if on_wait is not None:
             on_wait(self._current_holder())
@@ -266,9 +288,11 @@ class KeyLock:
         its record). Records of other hosts cannot be checked and are returned as they are.
         """
         try:
-            data = json.loads(self.holder_path.read_text(encoding="utf-8"))
-            holder = LockHolder(host=str(data["host"]), pid=int(data["pid"]), since=float(data["since"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            # Bounded, non-blocking, no link followed: in a shared sticky lock dir another user can plant a FIFO
+            # here, and a plain open() of it blocked every waiter past its deadline.
+            data = read_json(self.holder_path, _MAX_HOLDER_BYTES)
+            holder = LockHolder.from_record(data)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError):
             return None
         if holder.host == this_host() and not pid_alive(holder.pid):
             return None
@@ -278,12 +302,11 @@ class KeyLock:
         """Make this instance's FileLock on first use (creating the lock dir)."""
         if self._lock is None:
             make_dirs(self.lock_dir)
-            # In a group-writable lock dir (a team's shared cache) the group must be able to open the lock
-            # files too. preserve_lock_file also turns off filelock's soft-lock fallback on filesystems
-            # without flock: a soft marker outlives a SIGKILLed holder (see _open_error).
-            shared = self.lock_dir.stat().st_mode & stat.S_IWGRP
+            # preserve_lock_file also turns off filelock's soft-lock fallback on filesystems without flock:
+            # a soft marker outlives a SIGKILLed holder (see _open_error).
+            mode = lock_file_mode(self.lock_dir)
             self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True,
-                                  **({"mode": 0o664} if shared else {}))
+                                  **({"mode": mode} if mode != 0o644 else {}))
         return self._lock
 
     def _current_holder(self) -> LockHolder | None:
@@ -305,14 +328,43 @@ class KeyLock:
 
     def _open_error(self, exc: OSError) -> CacheError:
         """Explain a lock failure, with the NFS advice when flock itself is missing."""
-        hint = ""
-        if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-            hint = ("; this filesystem does not support flock: set JITWARM_LOCK_DIR to node-local storage "
-                    "such as /dev/shm/jitwarm-locks")
-        return CacheError(f"cannot lock {self.lock_path}: {exc}{hint}")
+        return lock_error(self.lock_path, exc)
 
     def __enter__(self) -> KeyLock:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+def lock_file_mode(lock_dir: Path) -> int:
+    """Mode of new lock files: in a group-writable lock dir (a team's shared cache) the group must open them too."""
+    return 0o664 if lock_dir.stat().st_mode & stat.S_IWGRP else 0o644
+
+
+def lock_error(lock_path: Path, exc: OSError) -> CacheError:
+    """A lock file that cannot be opened or locked, in one line; the NFS advice when flock itself is missing."""
+    if exc.errno in _NO_FLOCK:
+        return CacheError(f"cannot lock {lock_path}: this filesystem does not support flock", _NO_FLOCK_HINT)
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+        return CacheWriteError("create the lock file", str(lock_path), exc.strerror or str(exc),
+                               "set JITWARM_LOCK_DIR to a writable directory, or use KernelCache(read_only=True) "
+                               "for lookups")
+    return CacheError(f"cannot lock {lock_path}: {exc.strerror or exc}")
+
+
+# Claims (jitwarm.cache.claims) this thread holds, by lock path: a blocking KeyLock.acquire of one of them
+# would wait for ever, since flock SH and EX conflict across descriptors of one process too.
+_CLAIMS = threading.local()
+
+
+def claims_held_here() -> dict[Path, list]:
+    """Return the held claims of this thread, by lock path (kept by :class:`~jitwarm.cache.claims.SharedClaim`)."""
+    if not hasattr(_CLAIMS, "held"):
+        _CLAIMS.held = {}
+    return _CLAIMS.held
+
+
+def claimed_here(lock_path: Path) -> bool:
+    """Whether this thread holds a claim (:class:`~jitwarm.cache.claims.SharedClaim`) on ``lock_path``."""
+    return bool(claims_held_here().get(lock_path))

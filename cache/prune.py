@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ from typing import Any
 from jitwarm.cache.durable import directory_size, remove_tree
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, pid_alive, this_host
+from jitwarm.cache.stamps import prune_stamps
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -117,31 +117,10 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
         else:
             skipped.append(key)
     quarantine_removed = _prune_quarantine(layout, now - older_than_s) if older_than_s is not None else []
-    _prune_stamps(layout)
+    prune_stamps(layout)
     return PruneReport(removed=tuple(removed), freed_bytes=freed, skipped_locked=tuple(skipped),
                        staging_removed=tuple(staging_removed), quarantine_removed=tuple(quarantine_removed),
                        remaining_bytes=total)
-
-
-def _prune_stamps(layout: RootLayout) -> None:
-    """Delete verification stamps of entry directories that are gone (a stale one only costs a file)."""
-    for shard in _subdirs(layout.stamps):
-        with os.scandir(shard) as it:
-            stamps = [item.path for item in it if item.name.endswith(".json")]
-        for stamp in stamps:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                with open(stamp, "rb") as f:
-                    where = json.loads(f.read(1 << 16))["path"]
-                if not os.path.lexists(where):
-                    Path(stamp).unlink()
-
-
-def _subdirs(path: Path) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [item.path for item in it if item.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
 
 
 def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path) -> bool:

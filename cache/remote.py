@@ -18,44 +18,54 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
+from jitwarm.cache.bounded import loads, open_regular
 from jitwarm.cache.durable import remove_tree
-from jitwarm.cache.entry import MANIFEST, Entry, unchanged, unpack_entry
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged, unpack_entry
 from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
+from jitwarm.cache.remote_health import HEALTH, RETRY_AFTER_S, redact
 
 log = logging.getLogger("jitwarm.cache")
 
-#: After a failure the remote is skipped for this long by every cache of this process, then tried again.
-RETRY_AFTER_S = 60.0
-#: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
-CONNECT_TIMEOUT_S = 2.0
-READ_TIMEOUT_S = 10.0
+#: An entry hash has a manifest, a meta field and one field per file; more fields than this is not ours.
+MAX_FIELDS = 100_000
+#: The ``meta`` field (uploader, executable files) is at most this large.
+MAX_META_BYTES = 1 << 20
+
+# One atomic step that sizes the entry hash before sending it: HGETALL of an entry over the size cap (or of a
+# planted 1 GiB blob) downloaded all of it first. Returns {0} (no entry), {1, what, n, sha1} (malformed: rejected),
+# {2} (the manifest this store rejected before), {3, n} (files total n bytes, over the cap), {4, HGETALL}.
+# ARGV: max file bytes, max manifest bytes, max meta bytes, max fields, sha1 of a rejected manifest or "".
+_FETCH = """
+local mlen = redis.call('hstrlen', KEYS[1], 'manifest')
+if mlen == 0 then return {0} end
+local sha1 = redis.sha1hex(redis.call('hget', KEYS[1], 'manifest'))
+if sha1 == ARGV[5] then return {2} end
+if mlen > tonumber(ARGV[2]) then return {1, 'manifest', mlen, sha1} end
+local n = redis.call('hlen', KEYS[1])
+if n > tonumber(ARGV[4]) then return {1, 'fields', n, sha1} end
+local files, other = 0, 0
+for _, f in ipairs(redis.call('hkeys', KEYS[1])) do
+  local len = redis.call('hstrlen', KEYS[1], f)
+  if string.sub(f, 1, 5) == 'file:' then files = files + len elseif f ~= 'manifest' then other = other + len end
+end
+if files > tonumber(ARGV[1]) then return {3, files} end
+if other > tonumber(ARGV[3]) then return {1, 'meta', other, sha1} end
+return {4, redis.call('hgetall', KEYS[1])}
+"""
 
 T = TypeVar("T")
 
 
 class RemoteFailure(Exception):
     """A Redis call failed (internal: :meth:`RemoteStore.failed` logs it, or raises RemoteUnavailable)."""
-
-
-def redact(url: str) -> str:
-    """Return ``url`` without its password and query, for messages (``redis://:***@host:6379/0``)."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, hostport = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 @dataclass(frozen=True)
@@ -89,61 +99,6 @@ class RemoteReport:
     def to_json(self) -> dict[str, Any]:
         """Return the report as a JSON-able dict."""
         return asdict(self)
-
-
-class _Health:
-    """Whether one remote URL is usable in this process."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.down_until = 0.0
-        self.error: str | None = None
-        self.warned = False
-
-
-class RemoteHealth:
-    """Per-process registry of each remote URL's health and pooled client, shared by every cache using it.
-
-    A failure seen by one cache turns the remote off for :data:`RETRY_AFTER_S` for all of them, and the
-    "unavailable" warning is logged once per URL per process. :meth:`reset` forgets everything (tests).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._health: dict[str, _Health] = {}
-        self._clients: dict[str, Any] = {}
-
-    def get(self, url: str) -> tuple[_Health, Any]:
-        """Return the health record and (lazily made, pooled) redis client of ``url``."""
-        with self._lock:
-            if url not in self._clients:
-                import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
-                from redis.backoff import ExponentialBackoff
-                from redis.retry import Retry
-
-                # One quick retry, not redis-py's default backoff: a startup must not hang on a dead server.
-                self._clients[url] = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                                          socket_timeout=READ_TIMEOUT_S,
-                                                          retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
-                self._health[url] = _Health()
-            return self._health[url], self._clients[url]
-
-    def reset(self) -> None:
-        """Close every pooled client and forget every URL's health (each remote is tried afresh)."""
-        with self._lock:
-            clients, self._clients, self._health = list(self._clients.values()), {}, {}
-        for client in clients:
-            with contextlib.suppress(Exception):
-                client.close()
-
-
-#: The registry of this process.
-HEALTH = RemoteHealth()
-
-
-def reset_remote_health() -> None:
-    """Forget this process's remote health and close its pooled clients (for tests; see :class:`RemoteHealth`)."""
-    HEALTH.reset()
 
 
 class RemoteStore:
@@ -182,7 +137,7 @@ class RemoteStore:
         self.max_bytes = max_bytes
         self.shared = shared
         self._count = count or (lambda name, amount=1: None)
-        self._rejected: dict[str, str] = {}  # key -> sha256 of a manifest already rejected by this instance
+        self._rejected: dict[str, str] = {}  # key -> sha1 of a manifest already rejected (as Lua's sha1hex)
 
     def entry_name(self, key: str) -> str:
         """Return the Redis key of the entry hash of ``key``."""
@@ -252,44 +207,67 @@ class RemoteStore:
     def fetch(self, key: str, dest: Path) -> Entry | None:
         """Download the entry of ``key`` into the new directory ``dest``, checked against its manifest.
 
+        The entry is sized on the server first, in the same atomic step as the download: one whose files
+        total more than ``max_bytes`` (``JITWARM_REMOTE_MAX_BYTES``) is not downloaded (the caller builds it
+        locally), and one with an oversized manifest or meta field, or too many fields, is rejected unread.
+
         Returns
         -------
         Entry or None
             The complete entry at ``dest`` (sealed like a build, hashed once, not yet published); None when
-            the remote has no entry, or has one that failed the check (reported, counted in
-            ``remote_rejected``; ``dest`` is not left behind).
+            the remote has no entry, one over the size cap, or one that failed the check (reported, counted
+            in ``remote_rejected``; ``dest`` is not left behind).
 
         Raises
         ------
         RemoteFailure
             Redis failed.
+        CacheWriteError
+            The checked entry could not be written under ``dest`` (a full disk).
 
         """
         name = self.entry_name(key)
-        probe = self.call("read", lambda c: c.hget(name, "manifest"))
-        rejected = self._rejected.get(key)
-        if probe is None or (rejected is not None and rejected == _digest(probe)):
+        args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
+        reply = self.call("download", lambda c: c.eval(_FETCH, 1, name, *args))
+        status = reply[0] if isinstance(reply, list) and reply else None
+        if status in (0, 2):
             return None  # nothing there, or the entry we rejected before: not worth a download
-        raw: dict[bytes, bytes] = self.call("download", lambda c: c.hgetall(name))
+        if status == 3:
+            log.info("not downloading cache key %s from %s: its files total %s bytes, over the remote size cap of "
+                     "%d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display, reply[1],
+                     self.max_bytes)
+            return None
+        if status != 4 or not isinstance(reply[1], list):
+            malformed = status == 1 and len(reply) == 4
+            what = f"{_text(reply[1])} too large ({reply[2]})" if malformed else "an unexpected reply"
+            self._reject(key, f"the entry hash is malformed: {what}", _text(reply[3]) if malformed else None, {})
+            return None
+        raw = dict(zip(reply[1][::2], reply[1][1::2], strict=False))
         manifest = raw.get(b"manifest")
-        if manifest is None:
+        if not isinstance(manifest, bytes):
             return None
         meta = _loads(raw.get(b"meta"))
         files = {k[5:].decode("utf-8", "replace"): v for k, v in raw.items() if k.startswith(b"file:")}
-        executable = meta.get("executable") if isinstance(meta.get("executable"), list) else []
+        executable = [p for p in meta.get("executable", ()) if isinstance(p, str)] \
+            if isinstance(meta.get("executable"), list) else []
         try:
             return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
         except CorruptEntry as exc:
             remove_tree(dest)
-            self._rejected[key] = _digest(manifest)
-            self._count("remote_rejected")
-            origin = f"pid {meta.get('pid')} on {meta.get('host')}" if meta.get("host") else "unknown uploader"
-            log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
-                        "replaced by the next build", key, self.display, origin, exc)
+            self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None
         except BaseException:
             remove_tree(dest)
             raise
+
+    def _reject(self, key: str, why: str, manifest_sha1: str | None, meta: dict[str, Any]) -> None:
+        """Report a remote entry that failed the check; the same manifest is not downloaded again by this store."""
+        if manifest_sha1 is not None:
+            self._rejected[key] = manifest_sha1
+        self._count("remote_rejected")
+        origin = f"pid {meta.get('pid')} on {meta.get('host')}" if meta.get("host") else "unknown uploader"
+        log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
+                    "replaced by the next build", key, self.display, str(origin)[:200], why)
 
     def upload(self, entry: Entry) -> bool:
         """Upload a verified local entry, replacing any remote one of its key in one transaction.
@@ -313,11 +291,11 @@ class RemoteStore:
             log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
                      "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
             return False
-        fields: dict[str, bytes] = {"manifest": (entry.path / MANIFEST).read_bytes()}
+        fields: dict[str, bytes] = {"manifest": _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)}
         executable = []
         for rec in entry.records:
             path = entry.path / rec.path
-            fields[f"file:{rec.path}"] = path.read_bytes()
+            fields[f"file:{rec.path}"] = _read(path, rec.size)
             if os.lstat(path).st_mode & 0o111:
                 executable.append(rec.path)
         if not unchanged(entry):  # checked after reading: what was read is what was hashed
@@ -365,15 +343,22 @@ class RemoteStore:
                             missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
 
 
-def _digest(data: bytes) -> str:
-    """sha256 hex of ``data``."""
-    return hashlib.sha256(data).hexdigest()
+def _read(path: Path, size: int) -> bytes:
+    """Read a file of a local entry to upload it (a replaced or grown file fails the signature check after)."""
+    fd, _st = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(size + 1)
+
+
+def _text(value: object) -> str:
+    """A reply item as text, for a message."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _loads(data: bytes | None) -> dict[str, Any]:
-    """Parse the ``meta`` field; it is informational, so anything malformed reads as empty."""
+    """Parse the ``meta`` field; it is informational, so anything malformed (or nested too deep) reads as empty."""
     with contextlib.suppress(ValueError, TypeError):
-        doc = json.loads(data or b"{}")
+        doc = loads(data or b"{}")
         if isinstance(doc, dict):
             return doc
     return {}

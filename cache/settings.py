@@ -34,6 +34,8 @@ ENV_VARS: Mapping[str, str] = {
     "remote_required": "JITWARM_REMOTE_REQUIRED",
     "remote_lease_s": "JITWARM_REMOTE_LEASE_S",
     "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES",
+    "bundle_max_file_bytes": "JITWARM_BUNDLE_MAX_FILE_BYTES",
+    "bundle_max_bytes": "JITWARM_BUNDLE_MAX_BYTES",
 }
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms).
@@ -118,8 +120,27 @@ def remote_lease_s() -> float:
 
 
 def remote_max_bytes() -> int:
-    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are not uploaded (default 256 MiB); ValueError if bad."""
+    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are neither uploaded nor downloaded (default 256 MiB).
+
+    Raises ValueError if it is not a non-negative integer.
+    """
     return _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
+
+
+def bundle_max_file_bytes() -> int:
+    """``JITWARM_BUNDLE_MAX_FILE_BYTES``: a bundle member larger than this is refused (default 2 GiB).
+
+    Raises ValueError if it is not a non-negative integer.
+    """
+    return _number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, minimum=0)
+
+
+def bundle_max_bytes() -> int:
+    """``JITWARM_BUNDLE_MAX_BYTES``: a bundle whose files total more than this is refused (default 32 GiB).
+
+    Raises ValueError if it is not a non-negative integer.
+    """
+    return _number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, minimum=0)
 
 
 def check_remote_url(url: str, what: str = "remote") -> str:

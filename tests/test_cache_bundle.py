@@ -122,3 +122,103 @@ def test_unsafe_or_corrupt_bundle_imports_nothing(tmp_path, exported, kind):
     assert dest.lookup(key) is None and dest.lookup(entries[2].key) is None
     assert not (tmp_path / "evil").exists() and not (tmp_path.parent / "evil").exists()
     assert not Path("/tmp/jitwarm-evil").exists()
+
+
+# -- layout: a bundle is a cache root ---------------------------------------------------------------------------
+
+def test_members_are_laid_out_as_a_root_and_extract_into_a_working_layer(tmp_path, exported):
+    entries, bundle = exported
+    with tarfile.open(bundle) as tar:
+        names = tar.getnames()
+        assert names[0] == "bundle.json"
+        assert all(n.startswith("v1/entries/") for n in names[1:])
+        layer = tmp_path / "opt" / "layer"
+        layer.mkdir(parents=True)
+        tar.extractall(layer, filter="data")  # what `tar xf kernels.tar -C /opt/layer` does
+    from jitwarm.cache import KernelCache
+    from jitwarm.cache.settings import override
+
+    with override(cache_dir=tmp_path / "root", cache_path=[layer]):
+        cache = KernelCache()
+        hit = cache.get_or_build_ex(desc(2), make_builder(tmp_path / "c", 2))
+    assert hit.outcome == "hit" and hit.entry.read_only and hit.entry.path.is_relative_to(layer)
+    assert hit.entry.file("kernel.bin").read_bytes() == artifact_bytes(2)
+    assert cache.verify(None).ok == tuple(sorted([entries[0].key, entries[2].key]))
+
+
+def test_bundles_of_the_old_layout_still_import(tmp_path, exported):
+    entries, bundle = exported
+    old = _rewrite(bundle, tmp_path / "old.tar.gz", lambda info, data: [
+        (_renamed(info, info.name.removeprefix("v1/")), data)])
+    with tarfile.open(old) as tar:
+        assert tar.getnames()[1].startswith("entries/")
+    dest = cache_for(tmp_path / "dest")
+    assert dest.import_bundle(old).imported == tuple(sorted([entries[0].key, entries[2].key]))
+    both = _rewrite(bundle, tmp_path / "both.tar.gz", lambda info, data: [(info, data)] + (
+        [(_renamed(info, info.name.removeprefix("v1/")), data)] if info.name.startswith("v1/") else []))
+    with pytest.raises(CacheError, match="appears twice"):
+        cache_for(tmp_path / "dest2").import_bundle(both)
+
+
+def _renamed(info, name):
+    new = tarfile.TarInfo(name)
+    new.size, new.mode, new.mtime, new.type = info.size, info.mode, info.mtime, info.type
+    return new
+
+
+# -- size caps: nothing is read whole, nothing over the caps is written ----------------------------------------
+
+def test_member_and_bundle_caps_refuse_before_writing(tmp_path, exported, monkeypatch):
+    entries, bundle = exported
+    dest_root = tmp_path / "dest"
+    for var, value, expect in (("JITWARM_BUNDLE_MAX_FILE_BYTES", "1000", "over the cap of 1000"),
+                               ("JITWARM_BUNDLE_MAX_BYTES", "3000", "over its cap of 3000")):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(CacheError, match=expect) as info:
+            cache_for(dest_root).import_bundle(bundle)
+        assert var in str(info.value) and "\n" not in str(info.value)
+        assert not list((dest_root / "v1" / "staging").iterdir())
+        assert not (dest_root / "v1" / "entries").exists() or not list((dest_root / "v1" / "entries").iterdir())
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("JITWARM_BUNDLE_MAX_FILE_BYTES", "lots")
+    with pytest.raises(ValueError, match="JITWARM_BUNDLE_MAX_FILE_BYTES='lots' is not an integer"):
+        cache_for(dest_root).import_bundle(bundle)
+    monkeypatch.delenv("JITWARM_BUNDLE_MAX_FILE_BYTES")
+    assert len(cache_for(dest_root).import_bundle(bundle).imported) == 2
+
+
+def test_a_6_gib_member_header_is_refused_at_once(tmp_path, exported):
+    """A tiny .tar.gz whose member claims 6 GiB (the data never needs to exist): refused by its header."""
+    import gzip
+    import time
+
+    entries, _bundle = exported
+    key = entries[0].key
+    bomb = tmp_path / "bomb.tar.gz"
+    head = tarfile.TarInfo("bundle.json")
+    head.size = 2
+    huge = tarfile.TarInfo(f"v1/entries/{key[:2]}/{key}/kernel.bin")
+    huge.size = 6 << 30
+    data = head.tobuf(tarfile.PAX_FORMAT) + b"{}".ljust(512, b"\0") + huge.tobuf(tarfile.PAX_FORMAT) + b"\0" * 4096
+    bomb.write_bytes(gzip.compress(data))
+    start = time.monotonic()
+    with pytest.raises(CacheError, match=r"is 6442450944 bytes, over the cap of 2147483648"):
+        cache_for(tmp_path / "dest").import_bundle(bomb)
+    assert time.monotonic() - start < 2
+
+
+def test_members_are_streamed_not_read_whole(tmp_path):
+    import tracemalloc
+
+    src = cache_for(tmp_path / "src")
+    big = src.get_or_build(desc(5), make_builder(tmp_path / "c", 5, extra={"big.bin": b"\0" * (48 << 20)}))
+    bundle = src.export_bundle([big.key], tmp_path / "big.tar.gz")
+    dest = cache_for(tmp_path / "dest")
+    tracemalloc.start()
+    try:
+        assert dest.import_bundle(bundle).imported == (big.key,)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"peak {peak / 2**20:.1f} MiB"
+    assert dest.lookup(big.key).file("big.bin").stat().st_size == 48 << 20

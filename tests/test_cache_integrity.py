@@ -74,7 +74,7 @@ def test_same_instance_notices_changes_after_first_verification(tmp_path, how):
     corrupt(entry, how)
     if how == "unlisted_file":
         # Extra files are invisible to the cheap stat check; a full verify finds them.
-        report = cache.verify([entry.key])
+        report = cache.verify([entry.key], repair=True)
         assert list(report.corrupt) == [entry.key] and report.quarantined == (entry.key,)
     assert cache.lookup(entry.key) is None
 
@@ -95,7 +95,7 @@ def test_verify_reports_ok_corrupt_missing(tmp_path):
     corrupt(bad, "flip_byte")
     absent = cache.key(desc(2))
 
-    report = cache_for(root).verify([good.key, bad.key, absent])
+    report = cache_for(root).verify([good.key, bad.key, absent], repair=True)
     assert report.ok == (good.key,)
     assert list(report.corrupt) == [bad.key] and "sha256" in report.corrupt[bad.key]
     assert report.missing == (absent,) and report.quarantined == (bad.key,)
@@ -126,3 +126,25 @@ def test_read_only_cache_skips_corrupt_root_entry(tmp_path):
     ro = cache_for(root, read_only=True)
     assert ro.lookup(entry.key) is None and ro.stats().corrupt == 1
     assert entry.path.exists(), "a read-only cache never moves anything"
+
+
+def test_verify_only_looks_unless_asked_to_repair(tmp_path):
+    """``jitwarm status`` and ``verify`` without ``--repair`` call verify(repair=False): nothing on disk changes."""
+    root = tmp_path / "root"
+    cache = cache_for(root)
+    good = cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    bad = cache.get_or_build(desc(1), make_builder(tmp_path / "c", 1))
+    corrupt(bad, "flip_byte")
+    for stamp in (root / "v1" / "verified").rglob("*.json"):
+        stamp.unlink()
+    before = sorted((str(p), p.lstat().st_mtime_ns) for p in root.rglob("*"))
+
+    looker = cache_for(root)
+    report = looker.verify([good.key, bad.key])
+    assert report.ok == (good.key,) and list(report.corrupt) == [bad.key] and report.quarantined == ()
+    assert looker.verify(None).corrupt.keys() == {bad.key} and looker.stats().corrupt == 2
+    assert sorted((str(p), p.lstat().st_mtime_ns) for p in root.rglob("*")) == before  # no move, no stamp, no lock
+
+    repaired = cache_for(root).verify(None, repair=True)
+    assert list(repaired.corrupt) == [bad.key] and repaired.quarantined == (bad.key,) and not bad.path.exists()
+    assert cache_for(root).verify(None).clean

@@ -64,10 +64,22 @@ def _tamper(kind: str, client, name: str) -> None:
         client.hset(name, "manifest", json.dumps(doc))
     elif kind == "manifest garbage":
         client.hset(name, "manifest", b"{not json")
+    elif kind == "manifest nested 100000 deep":
+        client.hset(name, "manifest", b"[" * 100_000)
+    elif kind == "manifest of 17 MiB":
+        client.hset(name, "manifest", b" " * (17 << 20))
+    elif kind == "200000 fields":
+        pipe = client.pipeline(transaction=False)
+        for i in range(0, 200_000, 10_000):
+            pipe.hset(name, mapping={f"x{j}": b"" for j in range(i, i + 10_000)})
+        pipe.execute()
+    elif kind == "meta of 2 MiB":
+        client.hset(name, "meta", b"x" * (2 << 20))
 
 
 @pytest.mark.parametrize("kind", ["blob altered", "blob truncated", "file missing", "file added",
-                                  "manifest for another key", "manifest garbage"])
+                                  "manifest for another key", "manifest garbage", "manifest nested 100000 deep",
+                                  "manifest of 17 MiB", "200000 fields", "meta of 2 MiB"])
 def test_damaged_remote_entry_is_rejected_reported_and_replaced(remote, tmp_path, caplog, kind):
     counter = tmp_path / "builds.log"
     key = remote.cache(tmp_path / "a").get_or_build(desc(2), make_builder(counter, 2)).key
@@ -81,6 +93,58 @@ def test_damaged_remote_entry_is_rejected_reported_and_replaced(remote, tmp_path
     assert any(f"rejected remote entry {key}" in m for m in caplog.messages)
     again = remote.cache(tmp_path / "c").get_or_build_ex(desc(2), make_builder(counter, 2))
     assert again.outcome == "downloaded" and build_counts(counter) == {2: 2}  # the rebuild replaced it
+
+
+def test_nested_meta_and_lease_token_are_harmless(remote, tmp_path):
+    counter = tmp_path / "builds.log"
+    key = remote.cache(tmp_path / "a").get_or_build(desc(2), make_builder(counter, 2)).key
+    client = remote.client()
+    client.hset(remote.entry_name(key), "meta", b"[" * 100_000)  # informational only: still downloaded
+    assert remote.cache(tmp_path / "b").get_or_build_ex(desc(2), make_builder(counter, 2)).outcome == "downloaded"
+    other = remote.cache(tmp_path / "c")
+    client.set(remote.lease_name(other.key(desc(3))), b"[" * 100_000, px=5000)
+    seen = []
+    with pytest.raises(LockTimeout, match="no holder recorded"):
+        other.get_or_build(desc(3), make_builder(counter, 3), timeout_s=0.5, on_wait=seen.append)
+    assert seen == [None]
+
+
+def test_an_entry_over_the_size_cap_is_not_downloaded(remote, tmp_path, monkeypatch, caplog):
+    """Sized on the server first: the reader builds locally and receives almost nothing of the 4 MiB entry."""
+    counter = tmp_path / "builds.log"
+    big = make_builder(counter, 11, extra={"big.bin": bytes(4 << 20)})
+    remote.cache(tmp_path / "a").get_or_build(desc(11), big)
+    monkeypatch.setenv("JITWARM_REMOTE_MAX_BYTES", str(1 << 20))
+    client = remote.client()
+    sent_before = client.info("stats")["total_net_output_bytes"]
+    reader = remote.cache(tmp_path / "b")
+    with caplog.at_level(logging.INFO, logger="jitwarm.cache"):
+        result = reader.get_or_build_ex(desc(11), big)
+    sent = client.info("stats")["total_net_output_bytes"] - sent_before
+    assert result.outcome == "built" and build_counts(counter) == {11: 2} and sent < 256 << 10, sent
+    assert any("over the remote size cap" in m and "building it locally" in m for m in caplog.messages)
+    assert reader.stats().remote_rejected == 0 and reader.stats().remote_uploads == 0
+
+
+@pytest.mark.parametrize("required", [False, True], ids=["lenient", "required"])
+def test_a_lease_without_expiry_builds_locally_at_once_and_says_so_once(remote, tmp_path, caplog, required):
+    counter = tmp_path / "builds.log"
+    client = remote.client()
+    key = remote.cache(tmp_path / "probe").key(desc(12))
+    token = json.dumps({"host": "old-node", "pid": 1, "since": time.time() - 3600, "nonce": "x"})
+    client.set(remote.lease_name(key), token)  # no PX: never expires by itself
+    node = remote.cache(tmp_path / "a", remote_required=required)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="jitwarm.cache"):
+        result = node.get_or_build_ex(desc(12), make_builder(counter, 12), timeout_s=30)
+        for n in range(2):  # more nodes: the first one's upload is there
+            assert remote.cache(tmp_path / f"more{n}").get_or_build_ex(
+                desc(12), make_builder(counter, 12), timeout_s=30).outcome == "downloaded"
+    assert result.outcome == "built" and time.monotonic() - start < 10 and build_counts(counter) == {12: 1}
+    warnings = [m for m in caplog.messages if "had no expiry" in m]
+    assert len(warnings) == 1 and f"building cache key {key} locally" in warnings[0]
+    assert 0 < client.pttl(remote.lease_name(key)) <= 30_000  # healed: it expires like a dead holder's
+    assert node.stats().remote_uploads == 1 and node.stats().remote_errors == 0
 
 
 def test_uploader_that_dies_before_commit_leaves_nothing(remote, tmp_path):

@@ -17,8 +17,8 @@ sys.path.insert(0, str(WORKER.parent))
 
 from cache_worker import REJECTED, artifact_bytes, desc  # noqa: E402
 
-__all__ = ["REJECTED", "WORKER", "Workers", "artifact_bytes", "build_counts", "cache_for", "desc", "make_builder",
-           "wait_for_file"]
+__all__ = ["OTHER_USER", "REJECTED", "WORKER", "Workers", "artifact_bytes", "as_user", "build_counts", "cache_for",
+           "desc", "make_builder", "other_user", "shared_dir", "wait_for_file"]
 
 
 def make_builder(counter: Path, n: int, *, sleep: float = 0.0, extra: dict[str, bytes] | None = None):
@@ -112,3 +112,82 @@ def cache_for(root: Path, **kwargs) -> KernelCache:
     """Return a KernelCache on ``root`` that ignores any layers set in the environment."""
     kwargs.setdefault("layers", ())
     return KernelCache(root=root, **kwargs)
+
+
+# -- another user ---------------------------------------------------------------------------------------------
+
+#: The unprivileged account the permission tests run as (created by the environment; skipped without it).
+OTHER_USER = "jwtest"
+
+
+def other_user():
+    """Return ``pwd`` record of :data:`OTHER_USER`, or None when it does not exist or we cannot switch to it."""
+    import pwd
+
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        return None
+
+
+def as_user(user, fn, *args, timeout: float = 60.0):
+    """Run ``fn(*args)`` in a forked child switched to ``user`` (a pwd record); return its result or raise.
+
+    The child has this process's modules already imported (the venv under /root is not readable by that
+    user). An exception in the child comes back as ``RuntimeError("<Type>: <message>")``, so a test can tell
+    a clean ``CacheError`` from a raw ``PermissionError``.
+    """
+    import pickle
+    import signal
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            try:
+                payload = ("ok", fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                payload = ("raised", f"{type(exc).__name__}: {exc}")
+            data = pickle.dumps(payload)
+            with os.fdopen(write_end, "wb") as f:
+                f.write(data)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os._exit(code)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"child as {user.pw_name} did not finish within {timeout} s")
+        time.sleep(0.01)
+    if not data:
+        raise RuntimeError(f"child as {user.pw_name} died (status {status})")
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        raise RuntimeError(value)
+    return value
+
+
+def shared_dir(owner=None) -> Path:
+    """A fresh directory under /tmp that another user can reach (pytest's tmp_path is 0700), owned by ``owner``."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="jitwarm-test-", dir="/tmp"))
+    path.chmod(0o755)
+    if owner is not None:
+        os.chown(path, owner.pw_uid, owner.pw_gid)
+    return path
