@@ -2,6 +2,7 @@
 from setuptools import setup
 
 PACKAGES = {
+    "jitwarm": "jitwarm",  # a namespace holding only __main__.py: `python -m jitwarm`
     "jitwarm.precompile": "precompile",
     "jitwarm.kernels": "kernels",
     "jitwarm.cache": "cache",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,8 +71,12 @@ class KernelSpec:
 
     @property
     def id(self) -> str:
-        """Stable readable identifier: ``family/backend/target/k=v,...``."""
-        args = ",".join(f"{k}={v}" for k, v in self.params)
+        """Stable readable identifier: ``family/backend/target/k=v,...``.
+
+        A value too long or too odd to read in one line (a recorded kernel's Triton specialization data, a
+        ``load_jit`` call) is shown as ``#`` and the first 12 hex digits of its sha256.
+        """
+        args = ",".join(f"{k}={_readable(v)}" for k, v in self.params)
         return f"{self.family}/{self.backend}/{self.target}/{args}"
 
     def to_json(self) -> dict[str, Any]:
@@ -83,3 +88,10 @@ class KernelSpec:
     def from_json(cls, data: Mapping[str, Any]) -> KernelSpec:
         """Rebuild a spec from :meth:`to_json` output."""
         return cls(data["family"], data["backend"], data["target"], dict(data["params"]))
+
+
+def _readable(value: ParamValue) -> str:
+    text = str(value)
+    if len(text) <= 64 and text.isprintable() and not any(c in text for c in ",=/ "):
+        return text
+    return "#" + hashlib.sha256(text.encode()).hexdigest()[:12]

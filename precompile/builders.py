@@ -20,6 +20,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class _Worker:
     task: Task | None = None
     started: float = 0.0
     buffer: bytes = field(default=b"")
+    errors: bytes = field(default=b"")
 
 
 class BuildPool:
@@ -98,6 +100,7 @@ class BuildPool:
         self.jobs = max(1, jobs)
         self.config = {"cache": cache_args, "timeout_s": timeout_s}
         self._workers: list[_Worker] = []
+        self._said: set[bytes] = set()  # what workers wrote on stderr: each line once, not once per worker
 
     def run(self, tasks: Sequence[Task]) -> Iterator[Outcome]:
         """Yield one outcome per task as it finishes; a worker that dies fails its task (retried once alone).
@@ -114,8 +117,11 @@ class BuildPool:
                     worker = next((w for w in self._workers if w.task is None), None) or self._spawn(selector)
                     self._send(worker, pending.pop(0))
                 for key, _ in selector.select(timeout=1.0):
-                    worker = key.data
+                    worker, stream = key.data
                     chunk = os.read(key.fd, 1 << 16)
+                    if stream == "stderr":
+                        self._relay(worker, chunk, key, selector)
+                        continue
                     if chunk:
                         worker.buffer += chunk
                         while b"\n" in worker.buffer:
@@ -137,7 +143,20 @@ class BuildPool:
             self.close()
 
     def close(self) -> None:
-        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period."""
+        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period.
+
+        A second Ctrl-C while this runs does not interrupt it (the first one is why it runs): it cannot leave
+        a worker or a compiler behind.
+        """
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self._stop_all()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+
+    def _stop_all(self) -> None:
         for worker in self._workers:
             with contextlib.suppress(OSError):
                 worker.proc.stdin.close()
@@ -150,18 +169,34 @@ class BuildPool:
             except subprocess.TimeoutExpired:
                 _signal_session(worker.proc, signal.SIGKILL)
                 worker.proc.wait()
-            with contextlib.suppress(OSError):
-                worker.proc.stdout.close()
+            for stream in (worker.proc.stdout, worker.proc.stderr):
+                with contextlib.suppress(OSError):
+                    stream.close()
         self._workers.clear()
 
     def _spawn(self, selector: selectors.BaseSelector) -> _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_path())}
         proc = subprocess.Popen([sys.executable, "-m", "jitwarm.precompile.builders", json.dumps(self.config)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                start_new_session=True)
         worker = _Worker(proc)
-        selector.register(proc.stdout, selectors.EVENT_READ, worker)
+        selector.register(proc.stdout, selectors.EVENT_READ, (worker, "stdout"))
+        selector.register(proc.stderr, selectors.EVENT_READ, (worker, "stderr"))
         self._workers.append(worker)
         return worker
+
+    def _relay(self, worker: _Worker, chunk: bytes, key: Any, selector: selectors.BaseSelector) -> None:
+        """Pass a worker's log lines on to our stderr, each distinct line once (eight workers, one warning)."""
+        if not chunk:
+            selector.unregister(key.fd)
+            chunk = b"\n" if worker.errors else b""
+        worker.errors += chunk
+        while b"\n" in worker.errors:
+            line, worker.errors = worker.errors.split(b"\n", 1)
+            if line.strip() and line not in self._said:
+                self._said.add(line)
+                sys.stderr.write(line.decode("utf-8", "replace") + "\n")
+                sys.stderr.flush()
 
     def _send(self, worker: _Worker, task: Task) -> None:
         worker.task, worker.started = task, time.perf_counter()

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -353,8 +354,10 @@ def _from_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
 def _read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file with a size bound; ConfigError naming the file on any problem."""
     try:
-        with Path(path).open("rb") as fh:
-            if not Path(path).is_file():
+        # O_NONBLOCK: opening a FIFO planted where the file should be must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ConfigError([f"--config {path} is not a regular file"])
             raw = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
@@ -478,6 +481,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _finite_int(text: str) -> int:
+    if not text.isascii():  # int("٩٠") is 90: a flag takes ASCII digits only
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     try:
         value = float(text) if "." in text or "e" in text.lower() else int(text)
     except ValueError:
@@ -546,6 +551,12 @@ _FLAG_FIELDS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_
                 "max_running_requests", "tp_size", "dp_size", "attn_dp_size",
                 "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "head_dim",
                 "rope_dim", "num_q_heads", "num_kv_heads", "compress_ratios", "dtype", "backends", "targets")
+
+
+def serving_flags_given(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> bool:
+    """Whether anything describes a server: its command line, a config file, or a flag beyond --target/--backend."""
+    return server_argv is not None or bool(getattr(ns, "config", None)) or any(
+        getattr(ns, name, None) is not None for name in _FLAG_FIELDS if name not in ("targets", "backends"))
 
 
 def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> ServingConfig:

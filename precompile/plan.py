@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jitwarm.kernels import FAMILIES, KernelSpec
@@ -36,6 +36,24 @@ class WarmPlan:
     needed_by: dict[KernelSpec, tuple[int, ...]]
     introduced: dict[int, tuple[KernelSpec, ...]]
     ladder: Ladder | None = None
+    #: Where the plan's recorded kernels came from: ``{"path", "records", "planned", "other_targets"}``.
+    manifest: dict[str, Any] | None = None
+
+    @classmethod
+    def empty(cls) -> WarmPlan:
+        """A plan of no capture shapes (``--manifest`` alone starts from it)."""
+        return cls(None, (), (), {}, {})
+
+    def with_recorded(self, specs: Iterable[KernelSpec], source: dict[str, Any]) -> WarmPlan:
+        """Return the plan with a manifest's recorded server kernels after its own (needed by no shape of ours)."""
+        new = tuple(dict.fromkeys(s for s in specs if s not in self.needed_by))
+        return replace(self, specs=self.specs + new, needed_by={**self.needed_by, **{s: () for s in new}},
+                       manifest=source)
+
+    @property
+    def recorded(self) -> tuple[KernelSpec, ...]:
+        """The specs that came from a manifest (the server's own kernels)."""
+        return tuple(s for s in self.specs if s.family not in FAMILIES)
 
     @classmethod
     def build(cls, config: ServingConfig) -> WarmPlan:
@@ -73,7 +91,9 @@ class WarmPlan:
                         "verify_lens": list(sh.layout.verify_lens), "uniform": sh.layout.uniform,
                         "new_specs": [s.id for s in self.introduced[sh.bs]]} for sh in self.shapes],
             "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],
-            "totals": {"shapes": len(self.shapes), "specs": len(self.specs), "by_family": self.by_family()},
+            "manifest": self.manifest,
+            "totals": {"shapes": len(self.shapes), "specs": len(self.specs), "by_family": self.by_family(),
+                       "recorded": len(self.recorded)},
         }
 
 

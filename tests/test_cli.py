@@ -40,12 +40,12 @@ def test_status_of_an_empty_cache_lists_missing(tmp_path):
     assert "0/3 present, 3 missing" in proc.stdout and proc.stdout.count("  missing: ") == 3
 
 
-def test_verify_exits_4_on_corruption_and_warm_repairs(cache_copy):
+def test_verify_exits_4_on_corruption_repair_quarantines_and_warm_rebuilds(cache_copy):
     victim = so_files(cache_copy)[0]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     overwrite(victim, bytes(data))
-    proc = jitwarm("verify", *SMALL, "--cache-dir", str(cache_copy))
+    proc = jitwarm("verify", *SMALL, "--cache-dir", str(cache_copy), "--repair")
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "1 corrupt" in proc.stdout and "corrupt (quarantined)" in proc.stderr
     assert list(cache_copy.glob("v1/quarantine/*"))
@@ -99,7 +99,7 @@ def test_prune_by_size(cache_copy):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["warm", *TINY, "--jobs", "0"], 2, "--jobs must be a positive integer"),
+    (["warm", *TINY, "--jobs", "0"], 2, "invalid --jobs '0': an integer from 1 to 1024"),
     (["import", "/no/such/bundle.tar"], 2, "bundle /no/such/bundle.tar does not exist"),
     (["prune"], 2, "prune needs --max-bytes"),
     (["prune", "--max-bytes", "lots"], 2, "invalid size 'lots'"),

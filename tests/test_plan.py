@@ -171,7 +171,7 @@ def test_plan_json_output(capsys):
     assert main(["plan", "--json", *DSPARK_FLAGS]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["totals"] == {"shapes": 35, "specs": 30,
-                              "by_family": {"norm_rope": 8, "compressor": 16, "plan": 6}}
+                              "by_family": {"norm_rope": 8, "compressor": 16, "plan": 6}, "recorded": 0}
     bs60 = next(s for s in data["shapes"] if s["bs"] == 60)
     assert bs60["verify_lens"] == [3] * 104 + [2] * 24 and bs60["uniform"] is False
     assert bs60["num_tokens"] == 360 and bs60["slots"] == 128

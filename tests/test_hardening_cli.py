@@ -1,0 +1,239 @@
+"""Bad input at the command line, a TOML file or the environment; interrupts; scripts; readiness; help.
+
+Every bad input is one line on stderr and exit 2, quickly (no traceback, no runaway). The generated cases below
+are the attack's: every numeric flag with every kind of bad number, wrong types in every TOML key, special files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from precompile_fixtures import TINY, jitwarm
+
+from jitwarm.precompile.cli import main
+
+INT_FLAGS = ["--cuda-graph-max-bs-decode", "--max-running-requests", "--tp-size", "--dp-size", "--attn-dp-size",
+             "--speculative-num-draft-tokens", "--speculative-num-steps", "--speculative-eagle-topk",
+             "--gpu-memory-mb", "--head-dim", "--rope-dim", "--num-q-heads", "--num-kv-heads"]
+BAD_NUMBERS = ["0", "-1", "1e400", "inf", "nan", "2147483648", "99999999999999999999", "abc", "1.5", "", "٩٠", "0x10"]
+BASE = ["plan", "--target", "cpu", "--cuda-graph-max-bs-decode", "8"]
+
+FLAG_CASES = [[*BASE, flag, value] for flag in INT_FLAGS for value in BAD_NUMBERS] + [
+    [*BASE, "--cuda-graph-bs-decode", *map(str, range(1, 20002))],
+    [*BASE, "--cuda-graph-bs-decode", "2", "x"],
+    [*BASE, "--compress-ratios", "0"],
+    [*BASE, "--compress-ratios", "4", "-4"],
+    [*BASE, "--dtype", "float16"],
+    [*BASE, "--backend", "cutlass"],
+    *([*BASE[:1], "--target", t] for t in ("sm_70", "sm_90a", "sm_٩٠", "gpu", "", "sm_", "sm_9O", "cpu ")),
+    *([*BASE, "--cuda-graph-config", c] for c in ("[", "[1]", '{"decode": 5}', '{"decode": {"max_bs": "x"}}',
+                                                   '{"decode": {"bs": []}}', "[" * 100000,
+                                                   '{"decode": {"max_bs": 1e9}}')),
+    [*BASE, "--ragged-verify-mode", "Compact"],
+    [*BASE, "--speculative-algorithm", "MEDUSA"],
+    [*BASE, "--ladder-source", "oracle"],
+    ["warm", *TINY, "--jobs", "0"], ["warm", *TINY, "--jobs", "5000"], ["warm", *TINY, "--jobs", "x"],
+    *(["warm", *TINY, "--timeout", t] for t in ("-1", "0", "nan", "inf", "1e400", "x")),
+    *(["prune", "--older-than", t] for t in ("-5", "nan", "inf", "1e400", "x", "-1d")),
+    *(["prune", "--max-bytes", b] for b in ("inf", "1e400", "-1", "nan", "lots", "2E")),
+    ["prune"], ["import"], ["plan", "--no-such-flag"],
+    ["prune", "--target", "cpu"],  # commands that need no plan take no plan flags
+    [*BASE, "--", "python", "-m", "sglang.launch_server", "--cuda-graph-max-bs", "8"],  # ambiguous for sglang
+    [*BASE, "--", "python", "-m", "sglang.launch_server", "--no-such-server-flag"],
+    [*BASE, "--", "vllm", "serve", "m"],
+    [*BASE, "--disable-cuda-graph"],  # an empty plan: nothing to warm is an error, not "ready"
+]
+
+TOML_CASES = [
+    "compress_ratios = 4", 'cuda_graph_bs = [1, "2"]', "targets = [5]", "backends = [{a=1}]", "jitwarm = 5",
+    "targets = []", "backends = []", 'disable_cuda_graph_padding = "no"', "speculative_num_draft_tokens = true",
+    "cuda_graph_max_bs = 1000000", "cuda_graph_max_bs = -1", "cuda_graph_max_bs = 1.5", 'tp_size = "4"',
+    'cuda_graph_config = "x"', "cuda_graph_config = 5", "cuda_graph_config = { decode = 5 }",
+    "head_dim = inf", "rope_dim = nan", 'dtype = 16', "max_batch = 3", "cuda_graph_max_bs = ", "a = [" * 50000,
+    "[jitwarm]\ncuda_graph_max_bs = 0", "gpu_memory_mb = 0", "enable_dp_attention = 1", "ladder_source = 1",
+]
+
+
+def run_main(capsys, argv, env=None, monkeypatch=None):
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    start = time.perf_counter()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err, time.perf_counter() - start
+
+
+def assert_one_line_usage_error(code, out, err, seconds):
+    assert code == 2, (code, err)
+    assert err.startswith("jitwarm: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert seconds < 5.0
+
+
+@pytest.mark.parametrize("argv", FLAG_CASES, ids=lambda a: " ".join(a)[:60])
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv):
+    assert_one_line_usage_error(*run_main(capsys, argv))
+
+
+@pytest.mark.parametrize("content", TOML_CASES, ids=lambda c: c[:40])
+def test_bad_toml_is_one_line_and_exit_2(capsys, tmp_path, content):
+    path = tmp_path / "bad.toml"
+    path.write_text(content + "\n")
+    assert_one_line_usage_error(*run_main(capsys, ["plan", "--config", str(path), "--target", "cpu"]))
+
+
+@pytest.mark.parametrize("make", ["fifo", "directory", "dev_zero", "missing", "symlink_to_fifo"])
+def test_special_files_as_config_do_not_hang(capsys, tmp_path, make):
+    path = tmp_path / "c.toml"
+    if make == "fifo":
+        os.mkfifo(path)
+    elif make == "directory":
+        path.mkdir()
+    elif make == "dev_zero":
+        path = "/dev/zero"
+    elif make == "symlink_to_fifo":
+        os.mkfifo(tmp_path / "f")
+        path.symlink_to(tmp_path / "f")
+    assert_one_line_usage_error(*run_main(capsys, ["plan", "--config", str(path), "--target", "cpu"]))
+
+
+@pytest.mark.parametrize("env", [{"JITWARM_JOBS": "lots"}, {"JITWARM_JOBS": "0"}, {"JITWARM_JOBS": "99999"},
+                                 {"JITWARM_REMOTE": "http://x"},
+                                 {"JITWARM_REMOTE": "redis://127.0.0.1:1/0", "JITWARM_REMOTE_LEASE_S": "soon"}])
+def test_bad_environment_is_one_line_and_exit_2(tmp_path, env):
+    proc = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "c"), env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_bad_verify_mode_in_the_environment_is_refused_where_sglang_reads_it(capsys, monkeypatch):
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "Compact")
+    code, _, err, _ = run_main(capsys, [*BASE, "--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens",
+                                        "4"])
+    assert code == 2 and "from SGLANG_RAGGED_VERIFY_MODE" in err
+    assert run_main(capsys, BASE)[0] == 0  # no algorithm: sglang never reads it
+
+
+def test_version_and_python_dash_m_jitwarm():
+    proc = subprocess.run([sys.executable, "-m", "jitwarm", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("jitwarm ")
+    proc = subprocess.run([sys.executable, "-m", "jitwarm", "plan", "--json", *TINY], capture_output=True, text=True)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["totals"]["specs"] == 3
+
+
+def test_help_shows_defaults_and_planless_commands_take_no_plan_flags():
+    warm_help = jitwarm("warm", "--help").stdout
+    assert "(default: 900.0)" in warm_help and "--cuda-graph-max-bs-decode" in warm_help
+    for command in ("prune", "import"):
+        text = jitwarm(command, "--help").stdout
+        assert "--cuda-graph-max-bs-decode" not in text and "--target" not in text and "--jobs" not in text
+
+
+def test_warm_says_what_it_will_do_before_building_and_summarizes_hits(tmp_path):
+    root = str(tmp_path / "cache")
+    first = jitwarm("warm", *TINY, "--cache-dir", root)
+    lines = first.stderr.splitlines()
+    assert lines[0].startswith("jitwarm: plan ") and "3 specs, 0 already in the cache; getting 3 with" in lines[0]
+    again = jitwarm("warm", *TINY, "--cache-dir", root)
+    assert again.stderr.splitlines() == [again.stderr.splitlines()[0]]  # one line: 3 specs, 3 already there
+    assert "3 already in the cache" in again.stderr and "hit" in again.stdout
+
+
+SLOW_CXX = '#!/bin/sh\n[ "$1" = --version ] && exec g++ --version\necho $$ >> {pids}\nsleep 60\nexec g++ "$@"\n'
+
+
+def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
+    pids = tmp_path / "compiler.pids"
+    cxx = tmp_path / "slow-c++"
+    cxx.write_text(SLOW_CXX.format(pids=pids))
+    cxx.chmod(0o755)
+    root = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "jitwarm", "warm", *TINY, "--cache-dir", str(root), "--jobs", "2"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "CXX": str(cxx)})
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) >= 2):  # both workers are compiling
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # and a second, impatient one: must not hang or print tracebacks
+    code = proc.wait(timeout=30)
+    stopped = time.monotonic() - start
+    err = proc.stderr.read()
+    assert code == 130 and stopped < 8.0, (code, stopped, err)
+    assert "Traceback" not in err and err.strip().endswith("jitwarm: error: interrupted")
+    for pid in map(int, pids.read_text().split()):  # every compiler is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not list(root.glob("v1/entries/*/*"))  # nothing half-built was published
+    time.sleep(0.5)
+    assert not list(root.glob("v1/staging/*"))
+
+
+def test_the_readme_snippet_works_in_a_script_without_a_main_guard(tmp_path):
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        from jitwarm.cache import KernelCache
+        from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan, start_warm
+
+        print("imported")  # a spawned multiprocessing child would print this once more
+        cache = KernelCache(root={str(tmp_path / 'cache')!r})
+        plan = WarmPlan.build(ServingConfig.from_args({TINY!r}))
+        warming = start_warm(plan, cache=cache, jobs=2)
+        report = CaptureHook(plan, cache=cache, warm=warming, device="cpu")()
+        print("loaded", report.loaded)
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["imported", "loaded", "3"] and "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def tree(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def test_status_and_verify_only_look_verify_repair_repairs(tmp_path):
+    root = tmp_path / "cache"
+    assert jitwarm("warm", *TINY, "--cache-dir", str(root)).returncode == 0
+    victim = next(root.glob("v1/entries/*/*/kernel.so"))
+    victim.chmod(0o644)
+    victim.write_bytes(b"flipped")
+    before = tree(root)
+    assert jitwarm("status", *TINY, "--cache-dir", str(root)).returncode == 4
+    verify = jitwarm("verify", *TINY, "--cache-dir", str(root))
+    assert verify.returncode == 4 and "--repair" in verify.stderr
+    assert tree(root) == before  # looking changed nothing
+    assert jitwarm("verify", *TINY, "--cache-dir", str(root), "--repair").returncode == 4
+    assert list(root.glob("v1/quarantine/*")) and jitwarm("status", *TINY, "--cache-dir", str(root)).returncode == 5
+    assert jitwarm("warm", *TINY, "--cache-dir", str(root)).returncode == 0
+    assert jitwarm("verify", *TINY, "--cache-dir", str(root)).returncode == 0
+
+
+def test_prestart_says_what_the_bundle_supplied_and_warns_when_nothing(tmp_path):
+    root = str(tmp_path / "build")
+    assert jitwarm("warm", *TINY, "--cache-dir", root).returncode == 0
+    bundle = str(tmp_path / "k.tar")
+    assert jitwarm("export", *TINY, "--cache-dir", root, bundle).returncode == 0
+    ok = jitwarm("prestart", *TINY, "--cache-dir", str(tmp_path / "node"), "--bundle", bundle)
+    assert ok.returncode == 0 and "3 of the plan's 3 specs" in ok.stderr and "warning" not in ok.stderr
+    other = [*TINY, "--head-dim", "128", "--compress-ratios", "128"]  # another plan: none of its specs in the bundle
+    miss = jitwarm("prestart", *other, "--cache-dir", str(tmp_path / "node2"), "--bundle", bundle, "--json")
+    assert miss.returncode == 0 and "supplies none of the plan's specs" in miss.stderr
+    assert json.loads(miss.stdout.splitlines()[-1])["bundle"]["supplied"] == 0
+
+
+def test_export_to_a_directory_or_a_missing_one_is_a_usage_error(tmp_path):
+    root = str(tmp_path / "cache")
+    assert jitwarm("warm", *TINY, "--cache-dir", root).returncode == 0
+    for target in (tmp_path, tmp_path / "no" / "such" / "k.tar"):
+        proc = jitwarm("export", *TINY, "--cache-dir", root, str(target))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
