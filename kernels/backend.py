@@ -1,6 +1,7 @@
 """The backend contract: how one spec is described, built, checked and loaded; and the registry of backends.
 
-A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend``), found by name with
+A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend`` for jitwarm's own
+families; ``triton_jit``, ``sglang_jit`` for the server's recorded kernels), found by name with
 :func:`backend`. Its failure rules:
 
 - ``description(spec)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or device
@@ -25,7 +26,9 @@ from typing import Any, Protocol
 from jitwarm.kernels.spec import KernelSpec
 
 #: Backend name -> the module that implements it (imported on first use).
-_MODULES = {"tvm_ffi": "jitwarm.kernels.tvm_backend", "triton": "jitwarm.kernels.triton_backend"}
+_MODULES = {"tvm_ffi": "jitwarm.kernels.tvm_backend", "triton": "jitwarm.kernels.triton_backend",
+            # The server's own kernels, replayed from a manifest (jitwarm.precompile.manifest):
+            "triton_jit": "jitwarm.kernels.triton_jit", "sglang_jit": "jitwarm.kernels.sglang_jit"}
 BACKEND_NAMES: tuple[str, ...] = tuple(_MODULES)
 
 

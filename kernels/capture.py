@@ -18,8 +18,10 @@ class CompileDuringCaptureError(RuntimeError):
 
     PLAN_HINT = ("Add it to the warm plan (capture flags that produce this shape, or --cuda-graph-bs with this "
                  "batch size), run `jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
-    THIRD_PARTY_HINT = ("Run this kernel once for this shape before capture (in the warmup, before the hook), so "
-                        "its compile and module load happen outside the graph.")
+    THIRD_PARTY_HINT = ("Record the server's kernels (JITWARM_RECORD=manifest.jsonl with the jitwarm sglang plugin), "
+                        "replay them (`jitwarm warm --manifest manifest.jsonl`) and give the capture hook the "
+                        "manifest, or run this kernel once for this shape before capture, so its compile and module "
+                        "load happen outside the graph.")
 
     def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
         self.what = what

@@ -178,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"{args.command} takes no server command line")
             return COMMANDS[args.command][1](args, None)
         plan = build_plan(args, server_argv)
+        if not plan.specs and plan.manifest is not None and plan.config is None:
+            raise UsageError(f"the plan is empty: {plan.manifest['path']} has no records for the targets asked for "
+                             f"({plan.manifest['records']} records, {plan.manifest['other_targets']} for other "
+                             "targets): nothing to warm")
         if not plan.specs:
             why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
             raise UsageError(f"the plan is empty ({why}): the server captures no decode CUDA graphs, nothing to warm")

@@ -78,34 +78,28 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
     """The plan the flags describe: the serving config's, plus the recorded kernels of each ``--manifest``.
 
     ``--manifest`` alone (no server command line, config file or serving flag besides ``--target``) plans only
-    the recorded kernels; ``--target`` then selects the records of those targets (each record is built for
-    the target it was recorded on).
+    the recorded kernels. The plan's targets (``--target``; with serving flags, the config's default too)
+    select the records made on them: each record is built for the target it was recorded on.
     """
     from jitwarm.kernels import Target, TargetError
     from jitwarm.precompile.config import from_namespace, serving_flags_given
-    from jitwarm.precompile.manifest import ManifestError, read_manifest, specs_of
+    from jitwarm.precompile.manifest import ManifestError
 
     manifests = getattr(args, "manifest", None) or []
     if not manifests or serving_flags_given(args, server_argv):
         plan = WarmPlan.build(from_namespace(args, server_argv))
     else:
         plan = WarmPlan.empty()
-    targets = None
-    if args.targets:
+    targets = plan.config.targets if plan.config is not None else None
+    if targets is None and args.targets:
         try:
             targets = [str(Target.parse(t)) for t in args.targets]
         except TargetError as exc:
             raise UsageError(f"--target: {exc}") from None
-    for path in manifests:
-        try:
-            records = read_manifest(path)
-        except ManifestError as exc:
-            raise UsageError(str(exc)) from None
-        specs, other = specs_of(records, targets)
-        known = (plan.manifest or {}).get("records", 0), (plan.manifest or {}).get("other_targets", 0)
-        plan = plan.with_recorded(specs, {"path": ", ".join(manifests), "records": known[0] + len(records),
-                                          "other_targets": known[1] + other})
-    return plan
+    try:
+        return plan.with_manifests(manifests, targets) if manifests else plan
+    except ManifestError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # -- plan ---------------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Make Triton's JIT compile and module load, and tvm-ffi's build and load, raise while armed.
+    """Make Triton's JIT compile, sglang's ``load_jit`` and tvm-ffi's build and load raise while armed.
 
     Off by default: it patches other libraries' process-wide hooks. Only guards while
     :func:`is_armed` or :func:`stream_is_capturing`; outside capture those calls go through untouched.
@@ -103,6 +103,7 @@ class ThirdPartySeal:
     def install(self) -> None:
         """Install the seals for whichever of triton and tvm_ffi can be imported."""
         self._seal_triton()
+        self._seal_sglang()
         self._seal_tvm_ffi()
 
     def remove(self) -> None:
@@ -120,12 +121,33 @@ class ThirdPartySeal:
 
         def jit_cache_hook(*, key: str, repr: str, **kwargs: Any) -> Any:
             if is_armed() or stream_is_capturing():
-                raise CompileDuringCaptureError(f"Triton kernel {repr}",
+                fn = kwargs.get("fn")
+                where = f"{fn.module}:{fn.name} " if fn is not None else ""
+                raise CompileDuringCaptureError(f"Triton kernel {where}{repr}",
                                                 hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
             return previous(key=key, repr=repr, **kwargs) if previous else None
 
         runtime.jit_cache_hook = jit_cache_hook
         self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
+
+    def _seal_sglang(self) -> None:
+        """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
+
+        Kernel modules bind ``load_jit`` when they are imported, so wrapping it would miss them; the loader
+        looks up ``_build_lock`` (a compile) and ``_load`` (a dlopen: module registration on the device) as
+        module globals on each call (sglang/kernels/jit/utils/compile/loader.py:158, :270).
+        """
+        import sys
+
+        loader = sys.modules.get("sglang.kernels.jit.utils.compile.loader")
+        if loader is None:  # never imported: no load_jit can run in this process without importing it first
+            return
+        for name, what in (("_build_lock", "compile"), ("_load", "load")):
+            original = getattr(loader, name, None)
+            if original is None:
+                continue
+            self._undo.append(lambda n=name, f=original: setattr(loader, n, f))
+            setattr(loader, name, _sealed_sglang(original, what))
 
     def _seal_tvm_ffi(self) -> None:
         try:
@@ -140,6 +162,20 @@ class ThirdPartySeal:
                 continue
             self._undo.append(lambda o=owner, n=name, f=original: setattr(o, n, f))
             setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
+
+
+def _sealed_sglang(fn: Any, what: str) -> Any:
+    def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_armed() or stream_is_capturing():
+            # _build_lock gets <cache>/<module>/<build key>, _load <cache>/<module>/<build key>/<leaf>/<lib>.so
+            parts = getattr(path, "parts", ())
+            module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_")), str(path))
+            raise CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
+                                            hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+        return fn(path, *args, **kwargs)
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
 
 
 def _sealed(fn: Any, label: str) -> Any:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from jitwarm.cache import KernelCache, LockTimeout
@@ -121,6 +122,14 @@ class CaptureHook:
         ``build``, ``wait`` or ``strict``.
     warm
         A :class:`~jitwarm.precompile.warming.WarmHandle` from ``start_warm`` to join first.
+    manifest
+        A manifest path (or several) of the server's recorded kernels (:func:`jitwarm.precompile.record`):
+        their records for this device's target join the plan, so they too are present, loaded and on the
+        device before capture (a Triton module is otherwise loaded at its first launch). Triton's compiles
+        of this process then go through ``cache`` (:mod:`jitwarm.kernels.triton_cache`).
+    serve_triton
+        Make every Triton compile of this process find and store its result in ``cache`` from now on, as
+        ``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` does (implied by ``manifest``).
 
     Raises
     ------
@@ -133,7 +142,8 @@ class CaptureHook:
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
                  device: Any = None, timeout_s: float = 900.0, policy: str = "build",
-                 warm: WarmHandle | None = None, jobs: int | None = None, seal_third_party: bool = False) -> None:
+                 warm: WarmHandle | None = None, jobs: int | None = None, seal_third_party: bool = False,
+                 manifest: str | Path | Sequence[str | Path] | None = None, serve_triton: bool = False) -> None:
         if settings.strict():
             policy = "strict"
         if policy not in POLICIES:
@@ -145,6 +155,13 @@ class CaptureHook:
         self.warm_handle = warm
         self.seal = guard.ThirdPartySeal() if seal_third_party else None
         self.ready = False
+        if manifest is not None:
+            paths = [manifest] if isinstance(manifest, (str, Path)) else list(manifest)
+            self.plan = plan = plan.with_manifests(paths, [self.device.target])
+        if serve_triton or any(s.backend == "triton_jit" for s in plan.specs):
+            from jitwarm.kernels import triton_cache
+
+            triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call
 
     def specs(self) -> list[KernelSpec]:

@@ -131,8 +131,11 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
         return KernelSpec(record["kernel"], "triton_jit", record["target"],
                           {"specialization": record["specialization"]})
     call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))
-    return KernelSpec(record["module"], "sglang_jit", record["target"],
-                      {"call": call, "sglang": str(record.get("sglang", ""))})
+    params = {"call": call, "sglang": str(record.get("sglang", ""))}
+    arch = record.get("arch")
+    if isinstance(arch, dict):  # sglang's full target, suffix included ("9.0a": ArchInfo.target_name, utils/arch.py)
+        params["arch"] = f"{arch.get('major')}.{arch.get('minor')}{arch.get('suffix') or ''}"
+    return KernelSpec(record["module"], "sglang_jit", record["target"], params)
 
 
 def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -44,11 +45,27 @@ class WarmPlan:
         """A plan of no capture shapes (``--manifest`` alone starts from it)."""
         return cls(None, (), (), {}, {})
 
-    def with_recorded(self, specs: Iterable[KernelSpec], source: dict[str, Any]) -> WarmPlan:
-        """Return the plan with a manifest's recorded server kernels after its own (needed by no shape of ours)."""
-        new = tuple(dict.fromkeys(s for s in specs if s not in self.needed_by))
+    def with_manifests(self, paths: Iterable[str | os.PathLike[str]],
+                       targets: Iterable[str] | None = None) -> WarmPlan:
+        """Return the plan with the server kernels recorded in ``paths`` after its own (needed by no shape of ours).
+
+        ``targets`` selects the records made on those targets (each is built for the target it was recorded
+        on); None takes them all.
+
+        Raises
+        ------
+        ManifestError
+            A manifest cannot be read or holds a bad record; the message names the file and line.
+
+        """
+        from jitwarm.precompile.manifest import read_manifest, specs_of
+
+        paths = [str(p) for p in paths]
+        records = [r for path in paths for r in read_manifest(path)]
+        specs, other = specs_of(records, targets)
+        new = tuple(s for s in specs if s not in self.needed_by)
         return replace(self, specs=self.specs + new, needed_by={**self.needed_by, **{s: () for s in new}},
-                       manifest=source)
+                       manifest={"path": ", ".join(paths), "records": len(records), "other_targets": other})
 
     @property
     def recorded(self) -> tuple[KernelSpec, ...]:

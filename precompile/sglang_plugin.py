@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 ENABLE_ENV = "JITWARM_SGLANG_PLUGIN"
 CONFIG_ENV = "JITWARM_CONFIG"
+RECORD_ENV = "JITWARM_RECORD"  # append every Triton and load_jit kernel this process compiles to this manifest
+MANIFEST_ENV = "JITWARM_MANIFEST"  # plan mode: these recorded kernels too are present and loaded before capture
+TRITON_ENV = "JITWARM_TRITON_CACHE"  # 0: leave Triton's own cache manager in place
+TRITON_MANAGER = "jitwarm.kernels.triton_cache:CacheManager"
 _OFF = frozenset({"0", "false", "no", "off"})
 
 #: Every CUDA-graph backend of sglang 0.5.23 whose ``capture_one`` is wrapped (runner_backend/, lines above).
@@ -59,11 +63,12 @@ class _BackendDevice:
 class _Plan:
     """Plan mode of one process: the file's fields, then the plan, its background warm and its capture hook."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None, manifest: str | None = None) -> None:
         self.fields = self.error = self.plan = self.warm = self.hook = self.device = None
+        self.manifest = manifest
         self.jobs = 1
         try:
-            self.fields = _file_fields(path)
+            self.fields = _file_fields(path) if path else None
         except Exception as exc:
             self.error = _failed(f"reading {CONFIG_ENV}={path}", exc, fatal_later=True)
 
@@ -71,17 +76,24 @@ class _Plan:
         """Build the plan from ``server_args`` plus the file and start its warm (once per process)."""
         if self.error is not None and _strict():
             raise self.error  # JITWARM_STRICT=1: a bad config file stops the scheduler here
-        if self.plan is not None or self.fields is None:
+        if self.plan is not None or (self.fields is None and self.manifest is None) or self.error is not None:
             return
         from jitwarm.precompile.config import ServingConfig
         from jitwarm.precompile.plan import WarmPlan
         from jitwarm.precompile.warming import start_warm
 
-        plan = WarmPlan.build(ServingConfig.from_server_args(server_args, **self.fields))
+        if self.fields is not None:
+            plan = WarmPlan.build(ServingConfig.from_server_args(server_args, **self.fields))
+            targets = plan.config.targets
+        else:  # JITWARM_MANIFEST alone: the server's recorded kernels only, for this process's target
+            plan, targets = WarmPlan.empty(), (_BackendDevice().target,)
+        if self.manifest:
+            plan = plan.with_manifests([self.manifest], targets)
         self.jobs, cores, ranks = _jobs(server_args)
         self.warm, self.plan = start_warm(plan, jobs=self.jobs), plan
-        log.info("jitwarm: plan %s: %d specs for %s; warming in the background with %d jobs (%d cores / %d local "
-                 "ranks)", plan.plan_id, len(plan.specs), ", ".join(plan.config.targets), self.jobs, cores, ranks)
+        log.info("jitwarm: plan %s: %d specs (%d recorded) for %s; warming in the background with %d jobs (%d cores "
+                 "/ %d local ranks)", plan.plan_id, len(plan.specs), len(plan.recorded), ", ".join(targets),
+                 self.jobs, cores, ranks)
 
     def drain(self, backend: Any) -> bool:
         """Run the capture hook through ``backend``; False when plan mode is off (or failed) in this process."""
@@ -142,19 +154,41 @@ def register() -> None:
         for path in hooked:
             HookRegistry.register(f"{path}.capture_one", _around_capture_one, HookType.AROUND)
         names = ", ".join(path.rsplit(".", 1)[1] for path in hooked)
+        _record_and_serve()
         config = os.environ.get(CONFIG_ENV, "").strip()
-        if config:  # the model-runner hook also raises a bad file under JITWARM_STRICT=1
-            _plan = _Plan(config)
+        manifest = os.environ.get(MANIFEST_ENV, "").strip()
+        if config or manifest:  # the model-runner hook also raises a bad file under JITWARM_STRICT=1
+            _plan = _Plan(config or None, manifest or None)
             HookRegistry.register(f"{MODEL_RUNNER}.__init__", _around_model_runner_init, HookType.AROUND)
         if _plan is not None and _plan.error is None:
             log.info("jitwarm: sglang plugin installed: capture hook after every capture warmup of %s; plan from "
-                     "%s=%s with the server's capture settings, warmed from model-runner start", names, CONFIG_ENV,
-                     config)
+                     "%s=%s with the server's capture settings and %s=%s, warmed from model-runner start", names,
+                     CONFIG_ENV, config or "(unset)", MANIFEST_ENV, manifest or "(unset)")
         else:
             log.info("jitwarm: sglang plugin installed: drain (device synchronize + TP barrier) after every capture "
                      "warmup of %s; no plan (%s %s)", names, CONFIG_ENV, "unusable, see above" if config else "unset")
     except Exception as exc:
         _failed("installing the sglang plugin", exc)
+
+
+_recorder: Any = None
+
+
+def _record_and_serve() -> None:
+    """``JITWARM_RECORD``: start recording; and make Triton's compiles go through jitwarm's cache (one per fleet).
+
+    ``TRITON_CACHE_MANAGER`` is set only when the user has not chosen a manager (``JITWARM_TRITON_CACHE=0``
+    keeps Triton's own); Triton reads it at each compile, and the scheduler's children inherit it.
+    """
+    global _recorder
+    path = os.environ.get(RECORD_ENV, "").strip()
+    if path and _recorder is None:
+        from jitwarm.precompile.recording import record
+
+        _recorder = record(path)
+        log.info("jitwarm: recording every Triton and load_jit kernel this process compiles into %s", path)
+    if os.environ.get(TRITON_ENV, "").strip().lower() not in _OFF and not os.environ.get("TRITON_CACHE_MANAGER"):
+        os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
 
 
 def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:

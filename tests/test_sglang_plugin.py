@@ -197,7 +197,7 @@ def test_plan_mode_runs_the_capture_hook_before_the_graph(with_plan):
                 want = JITWARM_DRAIN + want              # comes before the first warmup too
             assert [c.removesuffix(loaded) for c in order] == want, (backend, how)
     assert " INFO jitwarm: sglang plugin installed: capture hook after every capture warmup of " in lines[0], lines
-    assert any(f"jitwarm: plan {plan['plan_id']}: 3 specs for cpu; warming in the background with "
+    assert any(f"jitwarm: plan {plan['plan_id']}: 3 specs (0 recorded) for cpu; warming in the background with "
                f"{plan['jobs']} jobs" in line for line in lines), lines
     assert any(f"jitwarm: capture hook ready: plan {plan['plan_id']}, 3 specs loaded on cpu" in line
                for line in lines), lines

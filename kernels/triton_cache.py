@@ -1,0 +1,235 @@
+"""A Triton ``CacheManager`` over jitwarm's cache: every compile of the server's Triton found or built exactly once.
+
+``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` (set by the jitwarm sglang plugin, or
+:func:`serving` around a block) makes Triton look up and store each compile through jitwarm's
+:class:`~jitwarm.cache.KernelCache`: locked, verified, layered, bundled and shared through the remote tier.
+Triton's own file manager takes no lock, so N ranks starting together compile each kernel N times; here a
+miss takes the key's lock before Triton compiles, the other processes wait for it and load what it published.
+
+Triton's flow is inverted relative to ``get_or_build``: ``compile`` asks ``get_group(name)``, compiles on a
+miss, ``put``s each file and ends with ``put_group(name, files)``. So a miss reserves the key: a thread runs
+``get_or_build`` whose build step waits for the files Triton puts (the key's lock is held meanwhile), and
+``get_group`` returns None to the compile only once that thread holds the lock; if another process published
+first, ``get_group`` returns its files instead. A compile that fails never reaches ``put_group``: when Triton
+drops the manager, the reservation is abandoned and the lock released (no entry is published).
+
+Entries are described by Triton's own key (:func:`jitwarm.kernels.triton_jit.group_description`), the very
+entries ``jitwarm warm --manifest`` replays ahead of time. Files Triton keeps outside a group (the launcher
+and utils modules it builds with the host compiler, autotune results) are single-file entries. If the cache
+cannot be opened (a bad ``JITWARM_*`` setting), the manager says so once and behaves as Triton's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from triton.runtime.cache import CacheManager as _TritonCacheManager
+from triton.runtime.cache import FileCacheManager
+
+from jitwarm.cache import CacheError, Entry, KernelCache
+from jitwarm.kernels.triton_jit import GROUP_PREFIX, file_description, group_description, read_group, write_group
+
+log = logging.getLogger("jitwarm.triton")
+
+#: How long a miss waits for another process's compile of the same key before compiling itself.
+WAIT_S = 600.0
+
+_state_lock = threading.Lock()
+_state: dict[str, Any] = {"cache": None, "failed": None}
+
+
+def use_cache(cache: KernelCache | None) -> None:
+    """Make ``cache`` the one the managers of this process use (None: ``KernelCache()`` on first use)."""
+    with _state_lock:
+        _state.update(cache=cache, failed=None)
+
+
+def _cache() -> KernelCache | None:
+    with _state_lock:
+        if _state["cache"] is None and _state["failed"] is None:
+            try:
+                _state["cache"] = KernelCache()
+            except (CacheError, ValueError, OSError) as exc:
+                _state["failed"] = str(exc)
+                log.warning("jitwarm: Triton compiles use Triton's own cache: jitwarm's cannot be opened (%s)", exc)
+        return _state["cache"]
+
+
+def serve(cache: KernelCache | None = None) -> None:
+    """Make every Triton compile of this process from now on find and store its result in ``cache``.
+
+    What ``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` does (``cache`` None: the
+    default ``KernelCache()``, on first use).
+    """
+    from triton import knobs
+
+    if cache is not None:
+        use_cache(cache)
+    knobs.cache.manager_class = CacheManager
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[None]:
+    """Run the block with Triton storing and finding its compiles through this module's :class:`CacheManager`."""
+    from triton import knobs
+
+    with knobs.cache.scope():
+        knobs.cache.manager_class = CacheManager
+        yield
+
+
+class CacheManager(_TritonCacheManager):
+    """Triton's cache manager interface over jitwarm's cache (see the module docstring).
+
+    Parameters
+    ----------
+    key : str
+        Triton's key of one compile (or of one host-compiled module), as ``get_cache_manager`` passes it.
+    override, dump : bool
+        Triton's IR override and dump directories: debugging aids, left to Triton's own file manager.
+
+    """
+
+    def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
+        self.key = key
+        self._cache = None if override or dump else _cache()
+        self._own = FileCacheManager(key, override=override, dump=dump) if self._cache is None else None
+        self._reservation: _Reservation | None = None
+        self._scratch: Path | None = None
+
+    # -- groups: one compile ---------------------------------------------------------------------
+
+    def get_group(self, filename: str) -> dict[str, str] | None:
+        """The files of the compile ``filename`` names, from the cache; None when Triton is to compile it."""
+        if self._cache is None:
+            return self._own.get_group(filename)
+        description = group_description(self.key, filename)
+        entry = self._cache.lookup(self._cache.key(description))
+        if entry is None:
+            reservation = _Reservation(self._cache, description)
+            entry = reservation.start()
+            if entry is None:  # this process builds it: Triton compiles, put()s, and put_group() publishes
+                self._reservation = reservation
+                weakref.finalize(self, reservation.abandon)
+                return None
+        return self._group_of(entry, filename)
+
+    def put_group(self, filename: str, group: dict[str, str]) -> str:
+        """Publish the compile whose files Triton ``put`` (the key's lock was held since ``get_group``)."""
+        if self._cache is None:
+            return self._own.put_group(filename, group)
+        scratch = self._scratch_dir()
+        grp = write_group(scratch, filename, [Path(child).name for child in group])
+        reservation, self._reservation = self._reservation, None
+        if reservation is None:  # put_group without a get_group miss: publish it as it is
+            reservation = _Reservation(self._cache, group_description(self.key, filename))
+            if reservation.start() is not None:
+                return str(grp)
+        entry = reservation.publish(scratch)
+        return str(entry.file(grp.name)) if entry is not None else str(grp)
+
+    # -- files: put by a compile, or kept on their own -------------------------------------------------
+
+    def put(self, data: Any, filename: str, binary: bool = True) -> str:
+        """Store one file: into the pending compile's files, or as an entry of its own."""
+        if self._cache is None:
+            return self._own.put(data, filename, binary)
+        scratch = self._scratch_dir()
+        path = scratch / Path(filename).name
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(str(data))
+        if self._reservation is not None:  # part of a compile: published by put_group
+            return str(path)
+        description = file_description(self.key, filename)
+        try:
+            entry = self._cache.get_or_build(description, lambda staging: shutil.copy2(path, staging / path.name),
+                                             WAIT_S)
+        except CacheError as exc:
+            log.warning("jitwarm: cannot store Triton's %s in the cache: %s", filename, exc)
+            return str(path)
+        return str(entry.file(path.name))
+
+    def get_file(self, filename: str) -> str | None:
+        """A file put in this compile, or a single-file entry; None when there is none."""
+        if self._cache is None:
+            return self._own.get_file(filename)
+        if self._scratch is not None and (self._scratch / Path(filename).name).is_file():
+            return str(self._scratch / Path(filename).name)
+        entry = self._cache.lookup(self._cache.key(file_description(self.key, filename)))
+        return str(entry.file(Path(filename).name)) if entry is not None else None
+
+    def _group_of(self, entry: Entry, filename: str) -> dict[str, str] | None:
+        try:
+            return {child: str(path) for child, path in read_group(Path(entry.path), filename).items()}
+        except Exception as exc:  # noqa: BLE001 - a broken entry is a miss for Triton, never a crash
+            log.warning("jitwarm: Triton entry %s is unusable (%s): compiling it again", entry.path, exc)
+            return None
+
+    def _scratch_dir(self) -> Path:
+        """Where this manager's files wait for Triton to read them back (removed when Triton drops the manager)."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="jitwarm-triton-"))
+            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        return self._scratch
+
+
+class _Reservation:
+    """A key's lock held by a thread's ``get_or_build`` until Triton's files arrive (or the compile is dropped)."""
+
+    def __init__(self, cache: KernelCache, description: dict[str, Any]) -> None:
+        self._cache = cache
+        self._description = description
+        self._building = False
+        self._decided = threading.Event()  # the thread holds the lock, or has an entry, or failed
+        self._files: Path | None = None
+        self._arrived = threading.Event()  # publish() or abandon() was called
+        self._done = threading.Event()
+        self._entry: Entry | None = None
+
+    def start(self) -> Entry | None:
+        """Return the entry another process published (after waiting for its lock), or None: compile it here."""
+        threading.Thread(target=self._run, name="jitwarm-triton-reservation", daemon=True).start()
+        self._decided.wait()
+        return None if self._building else self._entry
+
+    def publish(self, files: Path) -> Entry | None:
+        """Hand over the directory of Triton's files; return the published entry (None if it could not be)."""
+        self._files = files
+        self._arrived.set()
+        self._done.wait()
+        return self._entry
+
+    def abandon(self) -> None:
+        """Release the lock without publishing (Triton's compile failed or never finished)."""
+        self._arrived.set()
+
+    def _run(self) -> None:
+        try:
+            self._entry = self._cache.get_or_build(self._description, self._build, WAIT_S)
+        except CacheError as exc:
+            if self._files is not None:  # a compile that did finish: say why it is not shared
+                log.warning("jitwarm: Triton's compile %s is not in the cache: %s",
+                            self._description.get("group"), exc)
+        finally:
+            self._decided.set()
+            self._done.set()
+
+    def _build(self, staging: Path) -> None:
+        self._building = True
+        self._decided.set()
+        if not self._arrived.wait(WAIT_S) or self._files is None:
+            raise RuntimeError("Triton's compile did not finish")  # the cache publishes nothing
+        mine = GROUP_PREFIX + self._description["group"]
+        for path in self._files.iterdir():  # the compile's files and its group, not another group's
+            if path.is_file() and (path.name == mine or not path.name.startswith(GROUP_PREFIX)):
+                shutil.copy2(path, staging / path.name)

@@ -1,0 +1,85 @@
+"""A server process for the record/replay/serve tests: its Triton JIT on a GPU that is only a target (mocked).
+
+Usage: triton_server.py record MANIFEST | serve | serve-after FILE
+
+There is no GPU here: a driver that reports device 0 and target sm_90 stands in for it (the one mock), so
+Triton's real JIT runs up to and including its compile, and the cubins it would load. Triton's own cache is
+a private directory per process (TRITON_CACHE_DIR), so a compile it skipped was found elsewhere: in jitwarm's
+cache, when TRITON_CACHE_MANAGER names it. Every compile Triton starts is seen by its compilation listener,
+which says whether Triton's stages ran (cache_hit False) or a cache answered. Prints one JSON line:
+{"compiles": [{"name", "cache_hit"}], "recorded": N}.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+
+
+class TargetOnlyDriver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        raise NotImplementedError
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+    def is_active(self):
+        return True
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="own-triton-")
+    knobs.cache.dir = os.environ["TRITON_CACHE_DIR"]
+    triton.runtime.driver.set_active(TargetOnlyDriver())
+    compiles = []
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        compiles.append({"name": src.name, "cache_hit": cache_hit})
+
+    knobs.compilation.listener = listener
+    if mode == "serve-after":  # start together with the others: wait for the start signal
+        start = Path(sys.argv[2])
+        while not start.exists():
+            time.sleep(0.005)
+    import server_kernels
+
+    result = {}
+    if mode == "record":
+        from jitwarm.precompile import record
+
+        with record(sys.argv[2]) as recorder:
+            server_kernels.warm_up()
+            server_kernels.warm_up()  # the second pass hits Triton's in-memory cache: nothing new to record
+        result["recorded"] = recorder.recorded
+    else:
+        server_kernels.warm_up()
+    result["compiles"] = compiles
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
