@@ -37,7 +37,7 @@ T = TypeVar("T")
 #: A waiter that has waited this long logs, once, who holds what it waits for.
 WAIT_LOG_AFTER_S = 3.0
 #: While blocked on a key's lock, look this often whether the holder has published (then stop waiting).
-LOOK_EVERY_S = 0.25
+LOOK_EVERY_S = 0.05
 _POLL_S = 0.02
 #: A holder record is a few dozen bytes; anything larger was not written by a holder.
 _MAX_HOLDER_BYTES = 4096

@@ -127,13 +127,19 @@ def read_group(directory: Path, group: str) -> dict[str, Path]:
 
 
 def check(spec: KernelSpec, staging: Path) -> None:
-    """The group of ``spec`` and its files are in ``staging`` and its cubin is an ELF image; LoadError if not."""
-    _check_group(spec, Path(staging), description(spec)["group"])
+    """The one group :func:`build` wrote and its files are in ``staging``, its cubin an ELF image; LoadError if not."""
+    groups = [p.name[len(GROUP_PREFIX):] for p in Path(staging).glob(GROUP_PREFIX + "*")]
+    if len(groups) != 1:
+        raise LoadError(f"{spec.family}: the build wrote {len(groups)} Triton groups, not one")
+    _check_group(spec, Path(staging), groups[0])
 
 
 def load(spec: KernelSpec, entry: Any) -> TritonJitKernel:
-    """Return the kernel of ``entry`` (a cache ``Entry``), checked as :func:`check` does."""
-    group = description(spec)["group"]
+    """Return the kernel of ``entry`` (a cache ``Entry``, its description naming the group), checked as at build."""
+    described = entry.description if isinstance(entry.description, dict) else {}
+    group = described.get("group")
+    if described.get("format") != FORMAT or not isinstance(group, str):
+        raise LoadError(f"{spec.family}: cache entry {entry.path} is not a Triton compile ({FORMAT})")
     _check_group(spec, Path(entry.path), group)
     return TritonJitKernel(spec)
 

@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (also the console script's entry point)."""
     from jitwarm.cache import BuildError, CacheError, CacheWriteError, LockTimeout, RemoteUnavailable
+    from jitwarm.kernels.backend import LoadError
 
     parser = build_parser()
     args: argparse.Namespace | None = None
@@ -198,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CacheError as exc:  # a corrupt bundle or entry met by import, prestart or verify; else a failed write
         corrupt = getattr(args, "command", None) in ("import", "prestart", "verify")
         return _fail(_cli_message(exc), EXIT_CORRUPT if corrupt else EXIT_BUILD_FAILED)
+    except LoadError as exc:  # prestart handing a recorded kernel over to its server's loader
+        return _fail(str(exc), EXIT_BUILD_FAILED)
     except KeyboardInterrupt:
         return _fail("interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # `jitwarm plan | head`

@@ -215,13 +215,29 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
         print(f"jitwarm: error: after warm, {len(coverage['corrupt'])} corrupt and {len(coverage['missing'])} "
               "missing entries", file=sys.stderr)
         return EXIT_CORRUPT
+    handed = hand_over(plan, cache)
     seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({**report.to_json(), "ready": True, "seconds": round(seconds, 3), "bundle": supplied}))
+        print(json.dumps({**report.to_json(), "ready": True, "seconds": round(seconds, 3), "bundle": supplied,
+                          "handed_over": handed}))
     else:
         print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
               f"verified in {seconds:.1f}s ({report.built} built, {report.hits} hit, {report.waited} waited)")
     return EXIT_OK
+
+
+def hand_over(plan: WarmPlan, cache: Any) -> int:
+    """Load each recorded server kernel the way its server will find it; return how many were handed over.
+
+    For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
+    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it).
+    A failure is a ``CacheError`` or the backend's ``LoadError`` (exit 1, naming the spec).
+    """
+    from jitwarm.kernels.artifacts import artifact
+
+    for spec in plan.recorded:
+        artifact(spec, cache).load(cache)
+    return len(plan.recorded)
 
 
 def import_for_plan(cache: Any, path: str, plan: WarmPlan) -> dict[str, Any]:

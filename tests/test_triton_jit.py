@@ -91,7 +91,9 @@ def test_processes_starting_together_compile_each_specialization_once(tmp_path):
     start = tmp_path / "start"
     env = {"TRITON_CACHE_MANAGER": MANAGER, "JITWARM_CACHE_DIR": str(tmp_path / "cache")}
     procs = [server("serve-after", str(start), env=env) for _ in range(8)]
-    time.sleep(3)  # let them import torch and Triton: then they reach the first compile together
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("start.ready-*"))) < len(procs) and time.monotonic() < deadline:
+        time.sleep(0.05)  # each has imported torch and Triton: they reach the first compile together
     start.touch()
     results = [result_of(p) for p in procs]
     compiled = [sum(not r["compiles"][i]["cache_hit"] for r in results) for i in range(SPECIALIZATIONS)]

@@ -26,9 +26,16 @@ def scaled_copy(dst_ptr, src_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.conste
 
 
 def warm_up(buckets=(1, 4, 64)):
-    """What a server's warmup does: one launch per batch-size bucket (here Triton's warmup: compile, no launch)."""
+    """What a server's warmup does: one launch per batch-size bucket (here Triton's warmup: compile, no launch).
+
+    ``SERVER_KERNELS_BUCKETS=1,2,4,...`` replaces the buckets (the benchmarks use more kernels).
+    """
+    import os
+
     import torch
 
+    if os.environ.get("SERVER_KERNELS_BUCKETS"):
+        buckets = [int(b) for b in os.environ["SERVER_KERNELS_BUCKETS"].split(",")]
     for bs in buckets:
         fill_lens.warmup(torch.int32, bs, 6, BLOCK=triton.next_power_of_2(bs), grid=(1,))
     scaled_copy.warmup(torch.float32, torch.float32, 1000, 0.5, BLOCK=128, grid=(8,))
