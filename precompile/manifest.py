@@ -133,7 +133,7 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
     call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))
     params = {"call": call, "sglang": str(record.get("sglang", ""))}
     arch = record.get("arch")
-    if isinstance(arch, dict):  # sglang's full target, suffix included ("9.0a": ArchInfo.target_name, utils/arch.py)
+    if isinstance(arch, dict):  # sglang's full target with its suffix, "9.0a" (ArchInfo.target_name, utils/arch.py:33)
         params["arch"] = f"{arch.get('major')}.{arch.get('minor')}{arch.get('suffix') or ''}"
     return KernelSpec(record["module"], "sglang_jit", record["target"], params)
 

@@ -1,0 +1,377 @@
+"""The server's own sglang ``load_jit`` modules, replayed from a manifest: keyed, built and looked up by sglang.
+
+A spec of this backend is one recorded ``load_jit`` call (:mod:`jitwarm.precompile.manifest`): ``family`` is
+sglang's module name, ``target`` the arch it was recorded on (``sm_90``), ``params["call"]`` the call as
+canonical JSON (``{"args": [...], "cuda_files": [...], ...}``), ``params["sglang"]`` the version that recorded
+it and, from a recent manifest, ``params["arch"]`` sglang's full target (``9.0a``; without it sglang's default
+suffix for the arch is used). It implements :class:`jitwarm.kernels.backend.Backend`:
+
+``description(spec) -> dict``
+    The call, the arch and what sglang's own build key hashes, computed by sglang: its ``load_jit`` is run in
+    a child process (one per arch, kept for the life of this one; :mod:`jitwarm.kernels.sglang_replay`) up to
+    its cache decision, so ``sglang_key`` holds sglang's ``build_key``, its target tag, the source digests,
+    the flags and the environment fingerprint (compilers, tvm-ffi/flashinfer/deep_gemm/torch versions).
+    Our key changes exactly when sglang's does. ``SpecError`` when sglang is missing here or is not the
+    version that recorded the spec; ``ToolchainError`` when nvcc or the CUDA runtime is not where sglang
+    looks (``$CUDA_HOME``).
+``build(spec, staging)``
+    The real ``load_jit`` in a fresh interpreter, under ``override_jit_cuda_arch`` and a private
+    ``SGLANG_JIT_CACHE_DIR``; the leaf sglang published there is moved into ``staging`` at the same relative
+    path (``sm90a/<module>/build-<key>/deps-<key>/``), beside ``sglang_jit.json``. ``CompileError`` with
+    sglang's and nvcc's whole text.
+``check(spec, staging)``
+    ``sglang_jit.json`` names this spec and a leaf of its module; the library is an ELF image and the leaf
+    carries sglang's dependency list. ``LoadError`` otherwise.
+``load(spec, entry)`` / :func:`materialize`
+    Put the leaf into the server's sglang JIT cache at the path sglang's loader looks it up, atomically,
+    under sglang's own build lock, never replacing a complete leaf (``LoadError`` for a bad entry,
+    :class:`SglangCacheDirError` for a cache dir it cannot write). The server launches these kernels
+    itself: the loaded kernel's ``run()`` raises, its ``preload()`` calls the recorded ``load_jit`` (a cache
+    hit) on a CUDA device.
+
+A leaf is self-verifying for sglang (``compile/cache.py:369-418``): its dependency list must re-hash to its
+name against the files of the node that loads it, so replay in the server's image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+from jitwarm.kernels import sglang_replay
+from jitwarm.kernels.backend import Facts, LoadError, SpecError
+from jitwarm.kernels.spec import KernelSpec
+from jitwarm.kernels.target import Target, TargetError
+
+name = "sglang_jit"
+log = logging.getLogger("jitwarm.sglang_jit")
+#: Layout of this backend's entries; part of every description.
+FORMAT = "jitwarm-sglang-jit/1"
+MANIFEST = "sglang_jit.json"
+DEPS_FILE = "sgl_deps.json"  # compile/cache.py:72
+MODULE_PREFIX = "sgl_kernel_jit_"  # compile/spec.py:20, BuildSpec.module_name (:55-57)
+_ARCH = re.compile(r"([0-9]+)\.([0-9])([a-z]*)")  # ArchInfo.target_name (utils/arch.py:33-35)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A spec's recorded call, checked: what the replay children are handed."""
+
+    call: dict[str, Any]
+    arch: tuple[int, int, str | None]  # (major, minor, suffix); None: sglang's default for the arch
+    sglang: str
+
+
+def _parse(spec: KernelSpec) -> _Call:
+    """The spec's call and arch, after checking the spec and that the installed sglang recorded it."""
+    if spec.backend != name:
+        raise SpecError(f"{spec.id}: not an {name} spec")
+    params = spec.params_dict
+    unknown = set(params) - {"call", "sglang", "arch"}
+    if unknown or not isinstance(params.get("call"), str):
+        raise SpecError(f"{spec.family}: an {name} spec has params call, sglang and arch (got {sorted(params)})")
+    try:
+        call = json.loads(params["call"])
+        target = Target.parse(spec.target)
+    except (ValueError, TargetError) as exc:
+        raise SpecError(f"{spec.family}: {exc}") from None
+    args = call.get("args") if isinstance(call, dict) else None
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SpecError(f"{spec.family}: the recorded call has no list of string args")
+    if spec.family != MODULE_PREFIX + "_".join(args):
+        raise SpecError(f"{spec.family}: load_jit{tuple(args)} names module {MODULE_PREFIX + '_'.join(args)}")
+    if not target.is_cuda:
+        raise SpecError(f"{spec.family}: target {spec.target}: sglang JIT modules are built for a CUDA arch")
+    major, minor, suffix = *divmod(int(spec.target[3:]), 10), None
+    if "arch" in params:
+        found = _ARCH.fullmatch(str(params["arch"]))
+        if found is None or f"sm_{found[1]}{found[2]}" != spec.target:
+            raise SpecError(f"{spec.family}: arch {params['arch']!r} is not sglang's name of a {spec.target} target")
+        major, minor, suffix = int(found[1]), int(found[2]), found[3]
+    recorded, installed = str(params.get("sglang", "")), installed_sglang()
+    if recorded != installed:
+        raise SpecError(f"{spec.family}: recorded with sglang {recorded or '(unknown)'}, but sglang {installed} is "
+                        "installed here; record the manifest again with this sglang")
+    return _Call(call, (major, minor, suffix), installed)
+
+
+def installed_sglang() -> str:
+    """The version of the sglang importable here (package metadata; nothing is imported); SpecError if none."""
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        where = "is importable but has no package metadata" if util.find_spec("sglang") else "is not importable here"
+        raise SpecError(f"sglang {where}: the {name} backend builds with the server's own sglang "
+                        "(install the server's sglang into this environment)") from None
+
+
+def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
+    """Return the cache description of ``spec`` (JSON-able; no paths, hosts, times or device presence).
+
+    ``facts`` is not used: sglang fingerprints its compilers itself, once per describer process.
+
+    Raises
+    ------
+    SpecError
+        Not a well-formed spec of this backend; sglang is missing or not the recorded version; sglang's
+        ``load_jit`` rejects the call (an unknown dependency, a bad keyword).
+    ToolchainError
+        nvcc, the CUDA runtime or the host compiler is not where sglang looks (``$CUDA_HOME``, ``$CXX``), or
+        sglang's loader does not answer.
+
+    """
+    parsed = _parse(spec)
+    memo = (spec, sglang_replay.env_signature())
+    found = _descriptions.get(memo)
+    if found is None:
+        key = sglang_replay.describe(parsed.arch, parsed.call)
+        if key.get("module") != spec.family:
+            raise SpecError(f"{spec.family}: sglang names this call's module {key.get('module')!r}")
+        found = {"format": FORMAT, "module": spec.family, "target": spec.target, "arch": key.pop("arch"),
+                 "sglang": parsed.sglang, "call": parsed.call, "sglang_key": key}
+        _descriptions[memo] = found
+    return json.loads(json.dumps(found))  # a copy: callers may not change the memo
+
+
+_descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
+
+
+def build(spec: KernelSpec, staging: Path) -> None:
+    """Build ``spec`` with sglang's own ``load_jit`` in a fresh interpreter and move its leaf into ``staging``.
+
+    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging`` (:func:`sglang_replay.build`),
+    so neither this process's sglang state nor the server's cache takes part; the leaf keeps its path
+    relative to that directory, which is the path sglang's loader looks it up at.
+
+    Raises
+    ------
+    CompileError
+        ``load_jit`` failed, timed out or published nothing; ``output`` holds sglang's whole text.
+
+    """
+    staging = Path(staging)
+    parsed = _parse(spec)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=".sglang-", dir=staging) as tmp:
+        root = Path(tmp) / "jit"
+        result = sglang_replay.build(spec.family, parsed.arch, parsed.call, root)
+        leaf = result["leaf"]
+        (staging / leaf).parent.mkdir(parents=True)
+        (root / leaf).rename(staging / leaf)
+    doc = {"format": FORMAT, "spec": spec.to_json(), "leaf": leaf, "library": f"{spec.family}.so",
+           "target_tag": result["key"]["target_tag"], "build_key": result["key"]["build_key"],
+           "driver": result["driver"], "build_seconds": round(time.perf_counter() - start, 3)}
+    (staging / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def check(spec: KernelSpec, staging: Path) -> None:
+    """Check what :func:`build` wrote, without a device (see the module docstring); LoadError if it is wrong."""
+    _read_manifest(spec, Path(staging))
+
+
+def _read_manifest(spec: KernelSpec, root: Path) -> dict[str, Any]:
+    """``root``'s sglang_jit.json, checked against ``spec`` and the leaf it names."""
+    try:
+        doc = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        leaf = str(doc["leaf"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoadError(f"{spec.family}: {root} has no readable {MANIFEST}: {exc}") from None
+    if doc.get("format") != FORMAT or doc.get("spec") != spec.to_json() or doc.get("library") != f"{spec.family}.so":
+        raise LoadError(f"{spec.family}: {root / MANIFEST} describes another spec than {spec.id}")
+    # <target tag>/<module>/build-<build key>/deps-<deps key>: cache.py:17-21,322-325,451
+    parts = leaf.split("/")
+    if (len(parts) != 4 or parts[1:3] != [spec.family, f"build-{doc.get('build_key')}"]
+            or parts[0] != doc.get("target_tag") or not re.fullmatch(r"deps-[0-9a-f]{16}", parts[3])):
+        raise LoadError(f"{spec.family}: {MANIFEST} names leaf {leaf!r}, not one of this module's sglang leaves")
+    try:
+        with (root / leaf / f"{spec.family}.so").open("rb") as f:
+            elf = f.read(4) == b"\x7fELF"
+        deps = json.loads((root / leaf / DEPS_FILE).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise LoadError(f"{spec.family}: leaf {leaf} is incomplete: {exc}") from None
+    if not elf:
+        raise LoadError(f"{spec.family}: {leaf}/{spec.family}.so is not a shared library (no ELF header)")
+    if not isinstance(deps, list) or not deps or not all(isinstance(d, list) and len(d) == 3 for d in deps):
+        raise LoadError(f"{spec.family}: {leaf}/{DEPS_FILE} is not sglang's dependency list")
+    return doc
+
+
+class SglangCacheDirError(OSError):
+    """sglang's JIT cache directory cannot be created, locked or written; the message names it."""
+
+
+def cache_root() -> Path:
+    """The sglang JIT cache root as its loader resolves it: ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
+
+    sglang's own function when sglang's cache module is loaded here (cache.py:317-319); otherwise the same
+    rule read from the environment (``EnvStr(None)``, srt/environ.py:1397), without importing sglang.
+    """
+    loaded = sys.modules.get("sglang.kernels.jit.utils.compile.cache")
+    if loaded is not None:
+        return Path(loaded.cache_root())
+    return Path(os.environ.get("SGLANG_JIT_CACHE_DIR") or "~/.cache/sglang/jit").expanduser()
+
+
+def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Put ``entry``'s leaf into sglang's JIT cache (``cache_dir``, default :func:`cache_root`); return its library.
+
+    The returned path is the one sglang's ``find_prebuilt`` returns for the leaf. A complete leaf already
+    there (sglang built it, or an earlier materialize did) is kept as it is. Otherwise the files are copied
+    into a staging directory beside it, each checked against the entry's sha256 as it is written, and
+    renamed into place under sglang's build lock, so sglang's loader (which reads without a lock) sees the
+    leaf whole or not at all; an incomplete leaf of the same name is replaced.
+
+    Raises
+    ------
+    LoadError
+        The entry is not this spec's, was built under another sglang key than it was described with, or a
+        file of it cannot be read or does not match its sha256 (the cache discards such an entry).
+    SglangCacheDirError
+        sglang's cache directory cannot be written (the entry is fine: it is not discarded for that).
+
+    Examples
+    --------
+    >>> lib = materialize(spec, cache.lookup(artifact(spec).key))  # doctest: +SKIP
+
+    """
+    doc = _read_manifest(spec, Path(entry.path))
+    described = entry.description.get("sglang_key", {})
+    if (described.get("target_tag"), described.get("build_key")) != (doc["target_tag"], doc["build_key"]):
+        raise LoadError(f"{spec.family}: built as sglang {doc['target_tag']}/build-{doc['build_key']} but described "
+                        f"as {described.get('target_tag')}/build-{described.get('build_key')}: the environment "
+                        "changed between describing and building")
+    leaf = Path(cache_dir if cache_dir is not None else cache_root()) / doc["leaf"]
+    try:
+        if _complete(leaf, doc):  # sglang's own fast path takes no lock either (loader.py:135)
+            return _kept(spec, entry, doc, leaf)
+        leaf.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(leaf.parent):
+            if not _complete(leaf, doc):
+                _place(spec, entry, doc["leaf"], leaf)
+    except OSError as exc:
+        raise SglangCacheDirError(f"{spec.family}: cannot write sglang's JIT cache {leaf.parents[3]}: {exc}") from exc
+    return leaf / doc["library"]
+
+
+def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:
+    """Copy the entry's leaf beside ``leaf`` and rename it into place (under sglang's lock)."""
+    staging = leaf.parent / f".staging-jitwarm-{uuid.uuid4().hex}"
+    try:
+        _copy_leaf(spec, entry, rel_leaf, staging)
+        if leaf.exists():  # incomplete: sglang would skip it, and never publish over it (cache.py:536-543)
+            broken = leaf.parent / f".broken-{uuid.uuid4().hex}"
+            leaf.rename(broken)
+            shutil.rmtree(broken, ignore_errors=True)
+        staging.rename(leaf)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _complete(leaf: Path, doc: dict[str, Any]) -> bool:
+    """What sglang's lookup needs of a leaf besides its dependencies re-hashing (cache.py:392-403)."""
+    return (leaf / DEPS_FILE).is_file() and (leaf / doc["library"]).is_file()
+
+
+def _kept(spec: KernelSpec, entry: Any, doc: dict[str, Any], leaf: Path) -> Path:
+    """A complete leaf already in place, kept as it is (sglang only ever publishes whole leaves)."""
+    records = {r.path: r.sha256 for r in entry.records}
+    for rel in (DEPS_FILE, doc["library"]):
+        if hashlib.sha256((leaf / rel).read_bytes()).hexdigest() != records.get(f"{doc['leaf']}/{rel}"):
+            # Same leaf name, other bytes: sglang built it on this node, and for sglang it is as valid as ours.
+            log.info("jitwarm: %s: keeping the build sglang published at %s (not jitwarm's bytes)", spec.family, leaf)
+            break
+    return leaf / doc["library"]
+
+
+@contextlib.contextmanager
+def _build_lock(scope: Path) -> Iterator[None]:
+    """The build lock of sglang itself: ``flock`` on ``<scope>/.lock``, never unlinked (loader.py:40,247-267)."""
+    fd = os.open(scope / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _copy_leaf(spec: KernelSpec, entry: Any, leaf: str, staging: Path) -> None:
+    """Copy the entry's leaf files into ``staging``, each hashed as written and compared with the entry."""
+    records = [r for r in entry.records if r.path.startswith(leaf + "/")]
+    for record in records:
+        rel = record.path[len(leaf) + 1:]
+        dest = staging / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            src = (Path(entry.path) / record.path).open("rb")
+        except OSError as exc:  # the entry's side: LoadError, so the cache discards and rebuilds it
+            raise LoadError(f"{spec.family}: cannot read {record.path} of its cache entry: {exc}") from exc
+        h = hashlib.sha256()
+        with src:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755 if rel.endswith(".so") else 0o644)
+            with os.fdopen(fd, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    h.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        if h.hexdigest() != record.sha256:
+            raise LoadError(f"{spec.family}: {record.path} does not match its cache entry (sha256 differs)")
+
+
+def load(spec: KernelSpec, entry: Any) -> SglangJitKernel:
+    """Materialize ``entry`` into the server's sglang JIT cache and return its kernel (errors: :func:`materialize`)."""
+    return SglangJitKernel(spec, materialize(spec, entry))
+
+
+class SglangJitKernel:
+    """A recorded sglang JIT module, present in sglang's cache (a :class:`~jitwarm.kernels.backend.LoadedKernel`)."""
+
+    def __init__(self, spec: KernelSpec, library: Path) -> None:
+        self.spec = spec
+        self.library = library
+        self._module: Any = None
+
+    def preload(self) -> int:
+        """On a CUDA device of the spec's arch: the recorded ``load_jit`` (a cache hit) loads the module; else 0.
+
+        The device's capability must be the spec's (its arch is the device's own target, arch.py:104-128):
+        for another device the call would compile at once, for that device's arch.
+        """
+        try:
+            import torch
+        except ImportError:
+            return 0
+        if not torch.cuda.is_available():
+            return 0
+        if self._module is None:
+            parsed = _parse(self.spec)
+            if torch.cuda.get_device_capability() != parsed.arch[:2]:
+                raise RuntimeError(f"{self.spec.family}: recorded for {self.spec.target}, but this device is "
+                                   f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+            from sglang.kernels.jit.utils import load_jit
+
+            args, kwargs = sglang_replay.call_arguments(parsed.call)
+            self._module = load_jit(*args, **kwargs)
+        return 1
+
+    def run(self, *args: Any) -> None:
+        """The server launches its own kernels; jitwarm only makes them present and loaded."""
+        raise TypeError(f"{self.spec.family}: a recorded sglang JIT module is launched by the server, not by jitwarm")
+
+    def __repr__(self) -> str:
+        return f"SglangJitKernel({self.spec.family}@{self.spec.target})"

@@ -1,0 +1,384 @@
+"""sglang's own ``load_jit``, run in child processes for the sglang_jit backend: both sides of that boundary.
+
+sglang's JIT state is process-global: the arch is a module global set by ``override_jit_cuda_arch``
+(utils/arch.py:162-185), the target tag and the environment fingerprint are computed once per process
+(``cache_once``, compile/cache.py:214,233), the cache dir and the crash flag are read from the environment
+(srt/environ.py:1397,1411). So every replay runs in a fresh interpreter of ``sys.executable`` with one arch
+for its whole life, and the caller's sglang (a server's, if any) is never touched:
+
+- :func:`describe`: the key sglang gives a call, from one long-lived child per arch and environment
+  (``python -m jitwarm.kernels.sglang_replay describe ARCH``: one JSON line per call on stdin, one answer per
+  line; the first line says whether sglang imported), which runs ``load_jit`` up to its cache decision.
+- :func:`build`: a whole ``load_jit`` into a given ``SGLANG_JIT_CACHE_DIR`` (``... build ARCH RESULT``: the
+  call on stdin, the outcome in the file ``RESULT``), one child per build.
+
+``ARCH`` is ``[major, minor, suffix or null]`` (null: sglang's default suffix for the arch, arch.py:82-101).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import functools
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from jitwarm.kernels.backend import CompileError, SpecError, ToolchainError
+
+Arch = tuple[int, int, str | None]
+_CHILD = "jitwarm.kernels.sglang_replay"
+#: What sglang's key reads from the environment (toolchain.py:42-56,132-139; loader.py:90): a change starts
+#: a new describer, since the old one's fingerprint and target were computed under the old values.
+_ENV_READ = ("CUDA_HOME", "CUDA_PATH", "CXX", "PATH", "SGLANG_JIT_LOG_RESOURCE_USAGE")
+_START_TIMEOUT_S = 600.0  # importing sglang (torch, transformers) takes about 5 s on 2 cores
+_ASK_TIMEOUT_S = 300.0
+_BUILD_TIMEOUT_S = 1800 + 300  # sglang's own ninja timeout (compile/ninja.py:36), plus the import
+
+
+def env_signature() -> tuple[Any, ...]:
+    """What a description depends on in this process besides the spec: the variables sglang reads, the path."""
+    return (*(os.environ.get(k) for k in _ENV_READ), tuple(sys.path))
+
+
+def describe(arch: Arch, call: dict[str, Any]) -> dict[str, Any]:
+    """The parts of sglang's build key of ``load_jit(call)`` for ``arch`` (:func:`sglang_key`, plus ``arch``).
+
+    Raises
+    ------
+    SpecError
+        sglang does not import here, or its ``load_jit`` rejects the call.
+    ToolchainError
+        nvcc, the CUDA runtime or the host compiler is not where sglang looks, or the child died or hung.
+
+    """
+    key = (arch, env_signature())
+    with _describers_lock:
+        found = _describers.get(key)
+        if found is None or found.proc.poll() is not None:
+            found = _describers[key] = _Describer(arch)
+    return found.ask(call)
+
+
+def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
+    """Run ``load_jit(call)`` for ``arch`` to completion into ``cache_dir``; return ``{"leaf", "key", "driver"}``.
+
+    ``module`` names the module in errors; ``leaf`` is the directory sglang published, relative to
+    ``cache_dir``. ``SGLANG_CRASH_ON_JIT_COMPILE`` and ``SGLANG_JIT_FORCE_RECOMPILE`` are off and
+    ``SGLANG_JIT_CACHE_KEEP`` unset in the child (a server's environment may set them).
+
+    Raises
+    ------
+    CompileError
+        ``load_jit`` failed, timed out or published nothing; ``output`` holds sglang's whole text, ninja's
+        and nvcc's output included.
+
+    """
+    result_file = cache_dir.parent / f".{cache_dir.name}-result.json"
+    env = _child_env(SGLANG_JIT_CACHE_DIR=str(cache_dir), SGLANG_CRASH_ON_JIT_COMPILE="0",
+                     SGLANG_JIT_FORCE_RECOMPILE="0")
+    env.pop("SGLANG_JIT_CACHE_KEEP", None)
+    cmd = [sys.executable, "-m", _CHILD, "build", json.dumps(arch), str(result_file)]
+    try:
+        proc = subprocess.run(cmd, input=json.dumps(call), capture_output=True, text=True, env=env,
+                              timeout=_BUILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise CompileError(f"{module}: sglang's load_jit did not finish within {exc.timeout} s") from exc
+    try:
+        result = json.loads(result_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        result = {"error": "crash", "message": f"python -m {_CHILD} build exited {proc.returncode}"}
+    if "error" in result:
+        output = "\n".join(t for t in (result.get("output", ""), proc.stderr, proc.stdout) if t.strip())
+        raise CompileError(f"{module}: sglang's load_jit failed: {result['message']}", output[-60000:])
+    return result
+
+
+def _child_env(**overrides: str) -> dict[str, str]:
+    """A child's environment: ours, with our import path, so it imports the sglang the caller checked."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(overrides)
+    return env
+
+
+class _Describer:
+    """The parent's handle on one describe child (one JSON line per call, answers in order)."""
+
+    def __init__(self, arch: Arch) -> None:
+        self._lock = threading.Lock()
+        self._log = tempfile.TemporaryFile()  # its stderr: sglang's warnings, and why it died if it does
+        self._buffer = b""
+        self.proc = subprocess.Popen([sys.executable, "-m", _CHILD, "describe", json.dumps(arch)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=_child_env())
+        self._reply(_START_TIMEOUT_S)  # {"ready": true}, or sglang's import error
+
+    def ask(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The key of ``call``, or the child's error raised as SpecError or ToolchainError."""
+        with self._lock:
+            with contextlib.suppress(OSError):  # a dead child: the read below says why
+                self.proc.stdin.write(json.dumps(call).encode() + b"\n")
+                self.proc.stdin.flush()
+            return self._reply(_ASK_TIMEOUT_S)["key"]
+
+    def _reply(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else None
+            if not chunk:
+                self.close()
+                why = f"did not answer within {timeout:.0f} s" if chunk is None else "exited"
+                raise ToolchainError(f"sglang's JIT loader (python -m {_CHILD} describe) {why}: {self._tail()}")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise (ToolchainError if reply["error"] == "toolchain" else SpecError)(reply["message"])
+        return reply
+
+    def _tail(self) -> str:
+        self._log.seek(0)
+        lines = [ln for ln in self._log.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:500] if lines else "no output"
+
+    def close(self) -> None:
+        """End the child: it exits at the end of its input."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_describers: dict[tuple[Any, ...], _Describer] = {}
+_describers_lock = threading.Lock()
+
+
+@atexit.register
+def _close_describers() -> None:
+    with _describers_lock:
+        while _describers:
+            _describers.popitem()[1].close()
+
+
+# The child side: everything below runs inside the child, with sglang imported.
+
+_process_arch = contextlib.ExitStack()  # entered once, left only when the child exits
+
+
+def call_arguments(call: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """``load_jit``'s positional and keyword arguments of a recorded call (wrapper pairs are tuples again)."""
+    kwargs = {k: v for k, v in call.items() if k != "args"}
+    for key in ("cpp_wrappers", "cuda_wrappers"):
+        if kwargs.get(key) is not None:
+            kwargs[key] = [tuple(pair) for pair in kwargs[key]]
+    return list(call["args"]), kwargs
+
+
+def observe(call: dict[str, Any], *, build: bool) -> tuple[Any, Path]:
+    """Run sglang's ``load_jit`` on ``call``; return the BuildSpec it resolved and the directory it keyed.
+
+    Without ``build``, ``SGLANG_CRASH_ON_JIT_COMPILE`` stops it at its cache decision, before its lock
+    (loader.py:148-156; the cache dir is empty, so it is a miss). The BuildSpec and the key are seen where
+    load_jit hands them to ``cache.compute_build_key`` and ``cache.build_key_dir`` (loader.py:130-133), the
+    real functions, so every branch load_jit takes (dependencies, HIP/SAIL flags, resource logging) is in them.
+    """
+    from sglang.kernels.jit.utils.compile import cache, loader
+
+    seen: dict[str, Any] = {}
+    compute_build_key, build_key_dir = cache.compute_build_key, cache.build_key_dir
+
+    def observed_key(spec: Any, *, build_file: str) -> str:
+        seen["spec"] = spec
+        return compute_build_key(spec, build_file=build_file)
+
+    def observed_dir(*, module_name: str, build_key: str) -> Path:
+        seen["scope"] = build_key_dir(module_name=module_name, build_key=build_key)
+        return seen["scope"]
+
+    os.environ["SGLANG_CRASH_ON_JIT_COMPILE"] = "0" if build else "1"
+    cache.compute_build_key, cache.build_key_dir = observed_key, observed_dir
+    try:
+        args, kwargs = call_arguments(call)
+        loader.load_jit(*args, **kwargs)
+    except RuntimeError:
+        if build or "scope" not in seen:
+            raise
+    finally:
+        cache.compute_build_key, cache.build_key_dir = compute_build_key, build_key_dir
+    return seen["spec"], seen["scope"]
+
+
+def sglang_key(spec: Any, scope: Path) -> dict[str, Any]:
+    """What sglang's build key of ``spec`` hashes (cache.py:275-304), each part as sglang computes it; no paths."""
+    from sglang.kernels.jit.utils import get_jit_cuda_arch
+    from sglang.kernels.jit.utils.compile import cache
+
+    sources = []
+    for source in sorted(spec.sources):  # cache.py:285-291: anchor-relative name and content digest
+        path = Path(source).resolve()
+        sources.append([*cache._normalize_path(path), cache._file_digest(path)])
+    flags = {k: [cache._normalize_text(f) for f in getattr(spec, k)] for k in ("cflags", "cuda_cflags", "ldflags")}
+    return {"module": spec.module_name, "arch": get_jit_cuda_arch().target_name,
+            "target_tag": scope.parent.parent.name, "build_key": scope.name.removeprefix("build-"),
+            "sources": sources, "flags": flags, "wrappers": [list(w) for w in spec.wrappers],
+            "header_only": spec.header_only, "environment": cache._environment_fingerprint(),
+            "packages": _packages(), "compilers": _compilers()}
+
+
+@functools.cache
+def _packages() -> dict[str, str]:
+    """The package versions in sglang's environment fingerprint, "absent" as it says (cache.py:205-211,265-270)."""
+    from sglang.kernels.jit.utils.compile import cache
+
+    found = {}
+    for name in cache._VERSIONED_PACKAGES:
+        try:
+            found[name] = version(name)
+        except (PackageNotFoundError, ValueError):
+            found[name] = "absent"
+    return found
+
+
+@functools.cache
+def _compilers() -> dict[str, str]:
+    """The ``--version`` of the two compilers sglang fingerprints (cache.py:257-263), one line each, by role."""
+    from sglang.kernels.jit.utils.compile import toolchain
+
+    found = {}
+    for role, path in zip(("host", "device"), toolchain.compilers(), strict=True):
+        try:
+            text = subprocess.check_output([path, "--version"], text=True, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            text = "unknown"  # what sglang hashes then too; toolchain_problem says what is missing
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        # For people: the name line and nvcc's release and build; the fingerprint hashes the whole text
+        found[role] = "; ".join(lines[:1] + [ln for ln in lines[1:] if ln.startswith(("Cuda compilation", "Build "))])
+    return found
+
+
+def toolchain_problem(spec: Any) -> str | None:
+    """Why sglang could not build ``spec`` with this toolchain (one line), or None."""
+    from sglang.kernels.jit.utils.compile import toolchain
+
+    host, device = toolchain.compilers()
+    if shutil.which(host) is None:
+        return f"host compiler {host!r} not found: sglang's JIT runs $CXX, default c++ (toolchain.py:132-139)"
+    if not any(unit.is_cuda for unit in spec.translation_units()):
+        return None
+    if not Path(device).is_file():
+        return (f"nvcc not found at {device}: sglang's JIT runs $CUDA_HOME/bin/nvcc (toolchain.py:42-88); set "
+                "CUDA_HOME to the CUDA toolkit root")
+    home = toolchain.cuda_home()
+    if not any((Path(home) / "lib64").glob("libcudart.so*")):
+        # nvcc found on PATH through a wrapper (/usr/local/bin/nvcc) makes CUDA_HOME /usr/local (toolchain.py:53-55)
+        return (f"no libcudart.so in {home}/lib64: sglang links -L$CUDA_HOME/lib64 -lcudart (toolchain.py:244); "
+                f"set CUDA_HOME to the CUDA toolkit root (it is {os.environ.get('CUDA_HOME') or 'unset'})")
+    return None
+
+
+def driver() -> str:
+    """Make modules linked with ``-lcuda`` loadable here: "present" (a driver), "stub" or "absent".
+
+    load_jit dlopens what it built before it publishes it (loader.py:189-198). The CUDA runtime loads the
+    driver lazily, but a module linked ``-lcuda`` (kernels/ops/attention/dsv4/wo_a.py:28) needs libcuda.so.1,
+    which a build box without a driver lacks. The toolkit's stub, the library those modules link against
+    (toolchain.py:59-68), has that soname: once loaded, it satisfies the dependency and the dlopen succeeds.
+    Only this build child loads it; the files built are the same either way.
+    """
+    from sglang.kernels.jit.utils.compile import toolchain
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return "present"
+    except OSError:
+        pass
+    stub = Path(toolchain.cuda_stubs_dir()) / "libcuda.so"
+    if not stub.is_file():
+        return "absent"
+    ctypes.CDLL(str(stub), mode=ctypes.RTLD_GLOBAL)
+    return "stub"
+
+
+def _enter_arch(arch: list[Any]) -> None:
+    from sglang.kernels.jit.utils import override_jit_cuda_arch
+
+    major, minor, suffix = arch
+    _process_arch.enter_context(override_jit_cuda_arch(major, minor, suffix))
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
+def _serve_descriptions(arch: list[Any]) -> int:
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)  # whatever sglang or torch prints goes to the log, never into the answers
+
+    def send(reply: dict[str, Any]) -> None:
+        answers.write(json.dumps(reply) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="jitwarm-sglang-describe-") as tmp:
+        os.environ["SGLANG_JIT_CACHE_DIR"] = str(Path(tmp) / "never-written")  # the crash comes before any write
+        try:
+            _enter_arch(arch)
+        except Exception as exc:  # ImportError, or whatever sglang's own imports raise
+            send({"error": "spec", "message": f"cannot import sglang's JIT loader: {_one_line(exc)}"})
+            return 1
+        send({"ready": True})
+        for line in sys.stdin:
+            call = json.loads(line)
+            try:
+                spec, scope = observe(call, build=False)
+                problem = toolchain_problem(spec)
+                send({"error": "toolchain", "message": problem} if problem else {"key": sglang_key(spec, scope)})
+            except Exception as exc:  # load_jit's ValueError (unknown dependency), TypeError (a bad keyword)
+                send({"error": "spec", "message": f"load_jit{tuple(call.get('args', ()))}: {_one_line(exc)}"})
+    return 0
+
+
+def _build_one(arch: list[Any], result: Path) -> int:
+    call = json.loads(sys.stdin.read())
+    try:
+        _enter_arch(arch)
+        from sglang.kernels.jit.utils.compile import cache
+
+        loaded_driver = driver()
+        spec, scope = observe(call, build=True)
+        library = cache.find_prebuilt(scope=scope, module_name=spec.module_name)
+        if library is None:
+            raise RuntimeError(f"load_jit built {spec.module_name} but published no leaf under {scope} "
+                               "(cache.commit_build found no usable dependency information)")
+        out = {"leaf": library.parent.relative_to(cache.cache_root()).as_posix(), "key": sglang_key(spec, scope),
+               "driver": loaded_driver}
+    except Exception as exc:  # sglang's RuntimeError carries ninja's and nvcc's output in its message
+        out = {"error": "compile", "message": _one_line(exc), "output": traceback.format_exc()}
+    result.write_text(json.dumps(out), encoding="utf-8")
+    return 1 if "error" in out else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one child mode (see the module docstring)."""
+    mode, arch, *rest = sys.argv[1:] if argv is None else argv
+    if mode == "describe":
+        return _serve_descriptions(json.loads(arch))
+    return _build_one(json.loads(arch), Path(rest[0]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
