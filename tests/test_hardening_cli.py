@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,7 +186,7 @@ def test_the_readme_snippet_works_in_a_script_without_a_main_guard(tmp_path):
 
         print("imported")  # a spawned multiprocessing child would print this once more
         cache = KernelCache(root={str(tmp_path / 'cache')!r})
-        plan = WarmPlan.build(ServingConfig.from_args({TINY!r}))
+        plan = WarmPlan.build(ServingConfig.from_args({[*TINY, "--backend", "triton"]!r}))  # cheap builds
         warming = start_warm(plan, cache=cache, jobs=2)
         report = CaptureHook(plan, cache=cache, warm=warming, device="cpu")()
         print("loaded", report.loaded)
@@ -197,13 +198,21 @@ def test_the_readme_snippet_works_in_a_script_without_a_main_guard(tmp_path):
     assert time.monotonic() - start < 120
 
 
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A cache holding the TINY plan, built once for this module (tests that change it take a copy)."""
+    root = tmp_path_factory.mktemp("tiny") / "cache"
+    assert jitwarm("warm", *TINY, "--cache-dir", str(root)).returncode == 0
+    return root
+
+
 def tree(root):
     return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
 
 
-def test_status_and_verify_only_look_verify_repair_repairs(tmp_path):
+def test_status_and_verify_only_look_verify_repair_repairs(tmp_path, tiny_cache):
     root = tmp_path / "cache"
-    assert jitwarm("warm", *TINY, "--cache-dir", str(root)).returncode == 0
+    shutil.copytree(tiny_cache, root)
     victim = next(root.glob("v1/entries/*/*/kernel.so"))
     victim.chmod(0o644)
     victim.write_bytes(b"flipped")
@@ -218,22 +227,20 @@ def test_status_and_verify_only_look_verify_repair_repairs(tmp_path):
     assert jitwarm("verify", *TINY, "--cache-dir", str(root)).returncode == 0
 
 
-def test_prestart_says_what_the_bundle_supplied_and_warns_when_nothing(tmp_path):
-    root = str(tmp_path / "build")
-    assert jitwarm("warm", *TINY, "--cache-dir", root).returncode == 0
+def test_prestart_says_what_the_bundle_supplied_and_warns_when_nothing(tmp_path, tiny_cache):
+    root = str(tiny_cache)
     bundle = str(tmp_path / "k.tar")
     assert jitwarm("export", *TINY, "--cache-dir", root, bundle).returncode == 0
     ok = jitwarm("prestart", *TINY, "--cache-dir", str(tmp_path / "node"), "--bundle", bundle)
     assert ok.returncode == 0 and "3 of the plan's 3 specs" in ok.stderr and "warning" not in ok.stderr
-    other = [*TINY, "--head-dim", "128", "--compress-ratios", "128"]  # another plan: none of its specs in the bundle
+    other = [*TINY, "--backend", "triton"]  # another plan (Triton's, interpreted: cheap to build), none in the bundle
     miss = jitwarm("prestart", *other, "--cache-dir", str(tmp_path / "node2"), "--bundle", bundle, "--json")
     assert miss.returncode == 0 and "supplies none of the plan's specs" in miss.stderr
     assert json.loads(miss.stdout.splitlines()[-1])["bundle"]["supplied"] == 0
 
 
-def test_export_to_a_directory_or_a_missing_one_is_a_usage_error(tmp_path):
-    root = str(tmp_path / "cache")
-    assert jitwarm("warm", *TINY, "--cache-dir", root).returncode == 0
+def test_export_to_a_directory_or_a_missing_one_is_a_usage_error(tmp_path, tiny_cache):
+    root = str(tiny_cache)
     for target in (tmp_path, tmp_path / "no" / "such" / "k.tar"):
         proc = jitwarm("export", *TINY, "--cache-dir", root, str(target))
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -6,10 +6,10 @@ compile step, which is where ``knobs.runtime.jit_cache_hook`` runs. Prints one J
 
 import json
 
+import gpu_stub
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
 
 from jitwarm.precompile import CompileDuringCaptureError, capture_guard
 
@@ -20,33 +20,7 @@ def add_one(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
 
-class StubDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def get_benchmarker(self):
-        raise NotImplementedError
-
-    def map_python_to_cpp_type(self, ty):
-        return ty
-
-    def is_active(self):
-        return True
-
-
-triton.runtime.driver.set_active(StubDriver())
+gpu_stub.install()
 result = {}
 try:
     with capture_guard(seal_third_party=True):

@@ -19,43 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import triton
+import gpu_stub
 from triton import knobs
-from triton.backends.compiler import GPUTarget
-
-
-class TargetOnlyDriver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def get_benchmarker(self):
-        raise NotImplementedError
-
-    def map_python_to_cpp_type(self, ty):
-        return ty
-
-    def is_active(self):
-        return True
 
 
 def main() -> int:
     mode = sys.argv[1]
     os.environ["TRITON_CACHE_DIR"] = os.environ.get("SERVER_TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="own-triton-")
     knobs.cache.dir = os.environ["TRITON_CACHE_DIR"]
-    triton.runtime.driver.set_active(TargetOnlyDriver())
+    gpu_stub.install()
     compiles = []
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
