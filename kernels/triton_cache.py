@@ -112,7 +112,11 @@ class CacheManager(_TritonCacheManager):
         if self._cache is None:
             return self._own.get_group(filename)
         description = group_description(self.key, filename)
-        entry = self._cache.lookup(self._cache.key(description))
+        try:
+            entry = self._cache.lookup(self._cache.key(description))
+        except (CacheError, OSError) as exc:  # the server's compile must not fail on the cache: compile unshared
+            log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", filename, exc)
+            return None
         if entry is None:
             reservation = _Reservation(self._cache, description)
             entry = reservation.start()
@@ -154,7 +158,7 @@ class CacheManager(_TritonCacheManager):
         try:
             entry = self._cache.get_or_build(description, lambda staging: shutil.copy2(path, staging / path.name),
                                              WAIT_S)
-        except CacheError as exc:
+        except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot store Triton's %s in the cache: %s", filename, exc)
             return str(path)
         return str(entry.file(path.name))
@@ -165,7 +169,11 @@ class CacheManager(_TritonCacheManager):
             return self._own.get_file(filename)
         if self._scratch is not None and (self._scratch / Path(filename).name).is_file():
             return str(self._scratch / Path(filename).name)
-        entry = self._cache.lookup(self._cache.key(file_description(self.key, filename)))
+        try:
+            entry = self._cache.lookup(self._cache.key(file_description(self.key, filename)))
+        except (CacheError, OSError) as exc:
+            log.warning("jitwarm: cannot look up Triton's %s in the cache (%s)", filename, exc)
+            return None
         return str(entry.file(Path(filename).name)) if entry is not None else None
 
     def _group_of(self, entry: Entry, filename: str) -> dict[str, str] | None:
@@ -216,7 +224,7 @@ class _Reservation:
     def _run(self) -> None:
         try:
             self._entry = self._cache.get_or_build(self._description, self._build, WAIT_S)
-        except CacheError as exc:
+        except (CacheError, OSError) as exc:
             if self._files is not None:  # a compile that did finish: say why it is not shared
                 log.warning("jitwarm: Triton's compile %s is not in the cache: %s",
                             self._description.get("group"), exc)

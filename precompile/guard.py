@@ -134,20 +134,21 @@ class ThirdPartySeal:
         """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
 
         Kernel modules bind ``load_jit`` when they are imported, so wrapping it would miss them; the loader
-        looks up ``_build_lock`` (a compile) and ``_load`` (a dlopen: module registration on the device) as
-        module globals on each call (sglang/kernels/jit/utils/compile/loader.py:158, :270).
+        looks up ``_find_prebuilt`` (a hit: a dlopen follows) and ``_build_lock`` (a compile) as module
+        globals on each call (sglang/kernels/jit/utils/compile/loader.py:135, :158). The load is refused at
+        the lookup: sglang catches any exception of the dlopen itself and rebuilds (loader.py:136-145).
         """
         import sys
 
         loader = sys.modules.get("sglang.kernels.jit.utils.compile.loader")
         if loader is None:  # never imported: no load_jit can run in this process without importing it first
             return
-        for name, what in (("_build_lock", "compile"), ("_load", "load")):
+        for name, seal in (("_find_prebuilt", _sealed_lookup), ("_build_lock", _sealed_build)):
             original = getattr(loader, name, None)
             if original is None:
                 continue
             self._undo.append(lambda n=name, f=original: setattr(loader, n, f))
-            setattr(loader, name, _sealed_sglang(original, what))
+            setattr(loader, name, seal(original))
 
     def _seal_tvm_ffi(self) -> None:
         try:
@@ -164,18 +165,32 @@ class ThirdPartySeal:
             setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
 
 
-def _sealed_sglang(fn: Any, what: str) -> Any:
-    def call(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_armed() or stream_is_capturing():
-            # _build_lock gets <cache>/<module>/<build key>, _load <cache>/<module>/<build key>/<leaf>/<lib>.so
-            parts = getattr(path, "parts", ())
-            module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_")), str(path))
-            raise CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
-                                            hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
-        return fn(path, *args, **kwargs)
+def _sglang_refusal(what: str, path: Any) -> CompileDuringCaptureError:
+    parts = getattr(path, "parts", ())  # <cache>/<tag>/<module>/build-<key>[/deps-<key>/<module>.so]
+    module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")
+    return CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
+                                     hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
 
-    call.__wrapped__ = fn  # type: ignore[attr-defined]
-    return call
+
+def _sealed_lookup(fn: Any) -> Any:
+    def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
+        found = fn(*args, **kwargs)
+        if found is not None and (is_armed() or stream_is_capturing()):
+            raise _sglang_refusal("load", found)
+        return found
+
+    find_prebuilt.__wrapped__ = fn  # type: ignore[attr-defined]
+    return find_prebuilt
+
+
+def _sealed_build(fn: Any) -> Any:
+    def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_armed() or stream_is_capturing():
+            raise _sglang_refusal("compile", scope)
+        return fn(scope, *args, **kwargs)
+
+    build_lock.__wrapped__ = fn  # type: ignore[attr-defined]
+    return build_lock
 
 
 def _sealed(fn: Any, label: str) -> Any:

@@ -2,10 +2,12 @@
 
 ``record(path)`` (or ``JITWARM_RECORD=path`` in a server with the jitwarm sglang plugin) chains Triton's
 ``knobs.runtime.jit_cache_hook`` (Triton calls it before each compile a process has not done yet, with the
-kernel and its own serialized specialization data) and wraps sglang's ``load_jit`` when sglang is importable;
-each new kernel is appended to the manifest at ``path`` (:mod:`jitwarm.precompile.manifest`). Nothing runs on
-a hit: Triton calls the hook only where it would compile (or read its disk cache), and a kernel already
-recorded by this process is a set lookup. ``jitwarm warm --manifest path`` builds them ahead of time.
+kernel and its own serialized specialization data) and, when sglang is importable, sees every ``load_jit``
+call from inside sglang's loader; each new kernel is appended to the manifest at ``path``
+(:mod:`jitwarm.precompile.manifest`). Nothing runs on a hit: Triton calls the hook only where it would
+compile (or read its disk cache), a ``load_jit`` module is looked up once per process by its caller, and a
+kernel already recorded by this process is a set lookup. ``jitwarm warm --manifest path`` builds them ahead
+of time.
 """
 
 from __future__ import annotations
@@ -22,10 +24,7 @@ from jitwarm.precompile.manifest import VERSION, append_records, record_id
 
 log = logging.getLogger("jitwarm.record")
 
-# The sglang names load_jit is imported under: the package re-exports the loader's function, and kernel
-# modules take it from there (`from sglang.kernels.jit.utils import load_jit`), so both are wrapped.
-_LOAD_JIT_HOMES = ("sglang.kernels.jit.utils.compile.loader", "sglang.kernels.jit.utils.compile",
-                   "sglang.kernels.jit.utils")
+_LOADER = "sglang.kernels.jit.utils.compile.loader"
 
 
 class Recorder:
@@ -84,24 +83,36 @@ class Recorder:
         self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
 
     def _wrap_load_jit(self) -> None:
+        """Record every ``load_jit`` call from inside sglang's loader, whoever imported ``load_jit`` by name.
+
+        sglang's kernel modules bind ``load_jit`` when they are imported (219 call sites in 0.5.23, most
+        imported by the scheduler before ``load_plugins()`` runs), so wrapping the function would miss them.
+        Every call constructs a ``BuildSpec`` through the loader's module global (compile/loader.py:115), with
+        ``load_jit``'s own frame one level up holding the call's arguments: that is where this records, hit
+        or miss. (Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, load_jit has rewritten its flags or
+        sources by then: records made so are for that mode.)
+        """
         import importlib
+        import inspect
 
         try:
-            loader = importlib.import_module(_LOAD_JIT_HOMES[0])
+            loader = importlib.import_module(_LOADER)
         except ImportError:
             return  # no sglang here: Triton only
-        original = loader.load_jit
+        original = loader.BuildSpec
+        defaults = {name: p.default for name, p in inspect.signature(loader.load_jit).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
-        def load_jit(*args: Any, **kwargs: Any) -> Any:
-            self.add(sglang_record(args, kwargs))
+        def build_spec(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if caller.f_code.co_name == "load_jit":
+                seen = caller.f_locals
+                given = {k: seen[k] for k, default in defaults.items() if k in seen and seen[k] != default}
+                self.add(sglang_record(tuple(seen.get("args", ())), given))
             return original(*args, **kwargs)
 
-        load_jit.__wrapped__ = original  # type: ignore[attr-defined]
-        for home in _LOAD_JIT_HOMES:
-            module = sys.modules.get(home)
-            if module is not None and getattr(module, "load_jit", None) is original:
-                module.load_jit = load_jit
-                self._undo.append(lambda m=module: setattr(m, "load_jit", original))
+        loader.BuildSpec = build_spec
+        self._undo.append(lambda: setattr(loader, "BuildSpec", original))
 
 
 def triton_record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:

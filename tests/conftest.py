@@ -98,7 +98,7 @@ def kernel_caches(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kernel_cache(kernel_caches) -> BuiltCache:
-    """The tvm_ffi host cache: every spec of the DSpark-128 host plans, bfloat16 and float32 (54)."""
+    """The tvm_ffi host cache: DSpark-128 in bfloat16 and the four-graph plan in float32 (38 specs)."""
     return kernel_caches("tvm_ffi", "cpu")
 
 

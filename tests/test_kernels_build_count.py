@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from kernel_checks import FLOOR
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec, tvm_backend
@@ -36,11 +37,11 @@ def result(proc: subprocess.Popen) -> dict:
 
 
 def test_second_process_builds_nothing_for_the_planned_specs(kernel_cache, tmp_path):
-    """The session cache holds both DSpark-128 host plans; a new process loads all 54 with 0 builds."""
+    """The session cache holds the host correctness plans; a new process loads all 38 with 0 builds."""
     res = result(spawn(kernel_cache.cache.root, list(kernel_cache.specs), tmp_path))
     assert res["builds"] == 0
     assert res["dispatch"]["builds"] == 0
-    assert res["dispatch"]["loads"] == len(kernel_cache.specs) == (17 if os.environ.get("JITWARM_TEST_FLOOR") else 54)
+    assert res["dispatch"]["loads"] == len(kernel_cache.specs) == (17 if FLOOR else 38)
     assert res["loaded"] == [s.id for s in kernel_cache.specs]
 
 

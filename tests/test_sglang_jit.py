@@ -24,15 +24,16 @@ import pytest
 CUDA_HOME = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
 MODULE = "sgl_kernel_jit_clamp_position_int32_t"
 
-# Recording: the recorder wraps load_jit before the kernel module imports it (clamp_position.py:8 binds the name
-# at import), and SGLANG_CRASH_ON_JIT_COMPILE stops load_jit after the record is written (loader.py:150-156), so
+# Recording: the kernel module is imported first, as the scheduler imports sglang's kernels before load_plugins()
+# starts a recording (clamp_position.py:8 binds load_jit at import; the recorder sees the call inside the loader
+# anyway), and SGLANG_CRASH_ON_JIT_COMPILE stops load_jit after the record is written (loader.py:150-156), so
 # recording compiles nothing.
 RECORD = """
 import sys, torch
 from jitwarm.precompile import record
 from sglang.kernels.jit.utils import override_jit_cuda_arch
+from sglang.kernels.ops.attention import clamp_position
 with record(sys.argv[1]), override_jit_cuda_arch(9, 0):
-    from sglang.kernels.ops.attention import clamp_position
     try:
         clamp_position._jit_clamp_position_module(torch.int32)
     except RuntimeError as exc:
@@ -314,3 +315,31 @@ def test_describing_needs_sglang_to_accept_the_call_and_nvcc_under_cuda_home(rep
     assert errors["no nvcc"] == [
         "ToolchainError", f"nvcc not found at {no_cuda}/bin/nvcc: sglang's JIT runs $CUDA_HOME/bin/nvcc "
         "(toolchain.py:42-88); set CUDA_HOME to the CUDA toolkit root"]
+
+
+# A load_jit module reached inside capture: the guard's seal names it, whether sglang would compile it (an empty
+# cache dir) or load it (the node's): either is a driver call inside the graph (loader.py:158, :270).
+GUARDED = """
+import json, torch
+import sglang.kernels.jit.utils.compile.loader  # what the seal patches: the loader every load_jit call goes through
+from jitwarm.precompile import CompileDuringCaptureError, capture_guard
+from sglang.kernels.jit.utils import override_jit_cuda_arch
+with override_jit_cuda_arch(9, 0):
+    from sglang.kernels.ops.attention import clamp_position
+    try:
+        with capture_guard(seal_third_party=True):
+            clamp_position._jit_clamp_position_module(torch.int32)
+        print(json.dumps({"outcome": "ran"}))
+    except CompileDuringCaptureError as exc:
+        print(json.dumps({"outcome": "refused", "message": str(exc)}))
+"""
+
+
+@pytest.mark.nvcc
+def test_the_guard_names_a_load_jit_compile_or_load_inside_capture(replay, base_env):
+    empty, node = (_start(GUARDED, {**base_env, "SGLANG_JIT_CACHE_DIR": str(d)})
+                   for d in (replay["tmp"] / "guarded-empty", replay["node_jit"]))
+    for proc, what in ((empty, "compile"), (node, "load")):
+        result = _result(proc, timeout=120)
+        assert result["outcome"] == "refused", result
+        assert result["message"].startswith(f"sglang load_jit module {MODULE} ({what} of "), result["message"]

@@ -87,10 +87,13 @@ def test_replay_without_a_gpu_then_export_prestart_and_serve_with_zero_compiles(
 
 
 def test_processes_starting_together_compile_each_specialization_once(tmp_path):
-    """Eight ranks, an empty cache: one compiles each specialization, the others wait for it and load it."""
+    """Four ranks, an empty cache: one compiles each specialization, the others wait for it and load it.
+
+    (bench/server_kernels.py counts the compiles of eight against Triton's own manager.)
+    """
     start = tmp_path / "start"
     env = {"TRITON_CACHE_MANAGER": MANAGER, "JITWARM_CACHE_DIR": str(tmp_path / "cache")}
-    procs = [server("serve-after", str(start), env=env) for _ in range(8)]
+    procs = [server("serve-after", str(start), env=env) for _ in range(4)]
     deadline = time.monotonic() + 240
     while len(list(tmp_path.glob("start.ready-*"))) < len(procs) and time.monotonic() < deadline:
         time.sleep(0.05)  # each has imported torch and Triton: they reach the first compile together
