@@ -20,6 +20,9 @@ SMALL = ["--cuda-graph-max-bs-decode", "4", "--speculative-algorithm", "DSPARK",
 # 3 specs (one per family): for tests that build again from nothing.
 TINY = ["--cuda-graph-bs", "1", "--compress-ratios", "4", "--head-dim", "64", "--rope-dim", "32",
         "--num-q-heads", "2", "--dtype", "float32", "--target", "cpu"]
+# TINY on the Triton backend for the host (its interpreter): a build writes one small file, so tests of the warm
+# and publish protocol, where what the compiler does is not the point, spend no seconds compiling.
+TINY_FAST = [*TINY, "--backend", "triton"]
 
 
 def plan_of(flags: list[str]) -> WarmPlan:

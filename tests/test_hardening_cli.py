@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from precompile_fixtures import TINY, jitwarm
+from precompile_fixtures import TINY, TINY_FAST, jitwarm
 
 from jitwarm.precompile.cli import main
 
@@ -138,10 +138,10 @@ def test_help_shows_defaults_and_planless_commands_take_no_plan_flags():
 
 def test_warm_says_what_it_will_do_before_building_and_summarizes_hits(tmp_path):
     root = str(tmp_path / "cache")
-    first = jitwarm("warm", *TINY, "--cache-dir", root)
+    first = jitwarm("warm", *TINY_FAST, "--cache-dir", root)
     lines = first.stderr.splitlines()
     assert lines[0].startswith("jitwarm: plan ") and "3 specs, 0 already in the cache; getting 3 with" in lines[0]
-    again = jitwarm("warm", *TINY, "--cache-dir", root)
+    again = jitwarm("warm", *TINY_FAST, "--cache-dir", root)
     assert again.stderr.splitlines() == [again.stderr.splitlines()[0]]  # one line: 3 specs, 3 already there
     assert "3 already in the cache" in again.stderr and "hit" in again.stdout
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from precompile_fixtures import TINY, jitwarm, plan_of, start_jitwarm
+from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
 from remote_fixtures import RedisServer, Remote, redis_server_binary
 from workers.cache_harness import artifact_bytes, build_counts, desc, wait_for_file
 
@@ -107,9 +107,9 @@ def test_altered_blob_is_rejected_by_every_reader_and_rebuilt_once(remote, tmp_p
 
 def test_six_nodes_warm_one_plan_each_spec_built_once(remote, tmp_path):
     """Acceptance: six `jitwarm warm` processes, six roots, one Redis: 3 specs, 3 builds in total."""
-    plan = plan_of(TINY)
+    plan = plan_of(TINY_FAST)
     keys = [artifact(spec).key for spec in plan.specs]
-    procs = [start_jitwarm("warm", *TINY, "--json", "--jobs", "3", "--cache-dir", str(tmp_path / f"node{i}"),
+    procs = [start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "3", "--cache-dir", str(tmp_path / f"node{i}"),
                            *remote.flags()) for i in range(6)]
     reports = [json.loads(line) for line in (p.communicate(timeout=240)[0].strip().splitlines()[-1] for p in procs)]
     assert all(p.returncode == 0 for p in procs), reports
@@ -124,11 +124,11 @@ def test_six_nodes_warm_one_plan_each_spec_built_once(remote, tmp_path):
         assert verified.clean and sorted(verified.ok) == sorted(keys)
 
     fresh = tmp_path / "node6"
-    status = jitwarm("status", *TINY, "--json", "--cache-dir", str(fresh), *remote.flags())
+    status = jitwarm("status", *TINY_FAST, "--json", "--cache-dir", str(fresh), *remote.flags())
     data = json.loads(status.stdout)
     assert status.returncode == 5 and data["missing"] == 3 and data["remote"]["present"] == 3  # not ready locally
     start = time.perf_counter()
-    seventh = jitwarm("warm", *TINY, "--cache-dir", str(fresh), *remote.flags())
+    seventh = jitwarm("warm", *TINY_FAST, "--cache-dir", str(fresh), *remote.flags())
     assert seventh.returncode == 0, seventh.stderr
     assert "0 built, 3 downloaded" in seventh.stdout, seventh.stdout
     assert time.perf_counter() - start < 30
@@ -142,7 +142,7 @@ def test_redis_stopped_in_the_middle_of_a_warm(tmp_path, required):
     root = tmp_path / "node"
     try:
         flags = ["--remote-required"] if required else []
-        proc = start_jitwarm("warm", *TINY, "--json", "--jobs", "1", "--cache-dir", str(root), *remote.flags(),
+        proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *remote.flags(),
                              *flags)
         deadline = time.monotonic() + 60
         while not any((root / "v1" / "entries").glob("*/*")):  # the first spec is published locally
@@ -164,7 +164,7 @@ def test_redis_stopped_in_the_middle_of_a_warm(tmp_path, required):
         assert report["totals"]["failed"] >= 1
         assert all(s["error_kind"] == "remote_unavailable" and s["error_type"] == "RemoteUnavailable"
                    for s in report["specs"] if s["outcome"] == "failed")
-        text = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "other"), *remote.flags(), "--remote-required")
+        text = jitwarm("warm", *TINY_FAST, "--cache-dir", str(tmp_path / "other"), *remote.flags(), "--remote-required")
         assert text.returncode == 1
         assert text.stderr.strip().splitlines() == [line for line in text.stderr.strip().splitlines()
                                                    if line.startswith("jitwarm: error: ")]

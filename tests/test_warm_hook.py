@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from precompile_fixtures import SMALL, TINY, jitwarm, plan_of, run_worker
+from precompile_fixtures import SMALL, TINY, TINY_FAST, jitwarm, plan_of, run_worker
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import VerifyLayout, dispatch, ops
@@ -141,7 +141,7 @@ def test_two_warm_processes_build_each_spec_once(tmp_path):
     from precompile_fixtures import start_jitwarm
 
     root = str(tmp_path / "cache")
-    procs = [start_jitwarm("warm", *TINY, "--cache-dir", root, "--jobs", "1", "--json") for _ in range(2)]
+    procs = [start_jitwarm("warm", *TINY_FAST, "--cache-dir", root, "--jobs", "1", "--json") for _ in range(2)]
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -150,7 +150,7 @@ def test_two_warm_processes_build_each_spec_once(tmp_path):
     assert sum(r["totals"]["built"] for r in reports) == 3
     assert all(r["ok"] and len(r["specs"]) == 3 for r in reports)
     assert sum(r["totals"]["waited"] + r["totals"]["hit"] for r in reports) == 3
-    again = json.loads(jitwarm("warm", *TINY, "--cache-dir", root, "--json").stdout)
+    again = json.loads(jitwarm("warm", *TINY_FAST, "--cache-dir", root, "--json").stdout)
     assert again["totals"] == {"built": 0, "hit": 3, "waited": 0, "failed": 0}
 
 
@@ -202,7 +202,7 @@ def test_capture_guard_names_the_missing_spec(tmp_path):
 
 def test_start_warm_is_joined_by_the_hook(tmp_path):
     cache = KernelCache(root=tmp_path / "cache")
-    plan = plan_of(TINY)
+    plan = plan_of(TINY_FAST)
     handle = start_warm(plan, cache=cache, jobs=2)
     hook = CaptureHook(plan, cache=cache, device="cpu", warm=handle, policy="strict")
     try:
@@ -216,7 +216,7 @@ def test_start_warm_is_joined_by_the_hook(tmp_path):
 
 def test_warm_report_and_plan_record(tmp_path):
     cache = KernelCache(root=tmp_path / "cache")
-    plan = plan_of(TINY)
+    plan = plan_of(TINY_FAST)
     seen = []
     report = warm(plan, cache=cache, jobs=2, progress=False, on_result=seen.append)
     assert report.ok and report.built == 3 and len(seen) == 3
