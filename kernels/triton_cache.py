@@ -103,6 +103,7 @@ class CacheManager(_TritonCacheManager):
         self._cache = None if override or dump else _cache()
         self._own = FileCacheManager(key, override=override, dump=dump) if self._cache is None else None
         self._reservation: _Reservation | None = None
+        self._compiling = False  # get_group said None: the files Triton puts next belong to that compile
         self._scratch: Path | None = None
 
     # -- groups: one compile ---------------------------------------------------------------------
@@ -111,6 +112,11 @@ class CacheManager(_TritonCacheManager):
         """The files of the compile ``filename`` names, from the cache; None when Triton is to compile it."""
         if self._cache is None:
             return self._own.get_group(filename)
+        group = self._find_group(filename)
+        self._compiling = group is None
+        return group
+
+    def _find_group(self, filename: str) -> dict[str, str] | None:
         description = group_description(self.key, filename)
         try:
             entry = self._cache.lookup(self._cache.key(description))
@@ -132,7 +138,7 @@ class CacheManager(_TritonCacheManager):
             return self._own.put_group(filename, group)
         scratch = self._scratch_dir()
         grp = write_group(scratch, filename, [Path(child).name for child in group])
-        reservation, self._reservation = self._reservation, None
+        reservation, self._reservation, self._compiling = self._reservation, None, False
         if reservation is None:  # put_group without a get_group miss: publish it as it is
             reservation = _Reservation(self._cache, group_description(self.key, filename))
             if reservation.start() is not None:
@@ -152,7 +158,7 @@ class CacheManager(_TritonCacheManager):
             path.write_bytes(data)
         else:
             path.write_text(str(data))
-        if self._reservation is not None:  # part of a compile: published by put_group
+        if self._compiling:  # part of a compile: published (or not) by put_group
             return str(path)
         description = file_description(self.key, filename)
         try:
@@ -181,6 +187,8 @@ class CacheManager(_TritonCacheManager):
             return {child: str(path) for child, path in read_group(Path(entry.path), filename).items()}
         except Exception as exc:  # noqa: BLE001 - a broken entry is a miss for Triton, never a crash
             log.warning("jitwarm: Triton entry %s is unusable (%s): compiling it again", entry.path, exc)
+            with contextlib.suppress(CacheError, OSError):  # set it aside, so this compile's result replaces it
+                self._cache.discard(entry, f"Triton group unusable: {exc}", timeout_s=10.0)
             return None
 
     def _scratch_dir(self) -> Path:
