@@ -222,3 +222,32 @@ def test_importing_the_plugin_imports_neither_sglang_nor_torch(sglang_env):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                           check=True)
     assert json.loads(proc.stdout) == []
+
+
+def test_the_plugin_sets_triton_s_cache_manager_unless_told_otherwise_and_starts_recording(monkeypatch, tmp_path):
+    """What register() does before it hooks anything (no sglang needed for this part)."""
+    import triton
+
+    from jitwarm.precompile import sglang_plugin
+
+    manager = "jitwarm.kernels.triton_cache:CacheManager"
+    for preset, off, want in ((None, None, manager), ("my.pkg:Manager", None, "my.pkg:Manager"), (None, "0", None)):
+        monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
+        if preset:
+            monkeypatch.setenv("TRITON_CACHE_MANAGER", preset)
+        if off:
+            monkeypatch.setenv("JITWARM_TRITON_CACHE", off)
+        else:
+            monkeypatch.delenv("JITWARM_TRITON_CACHE", raising=False)
+        sglang_plugin._record_and_serve()
+        assert os.environ.get("TRITON_CACHE_MANAGER") == want
+    monkeypatch.setenv("JITWARM_RECORD", str(tmp_path / "server.jsonl"))
+    monkeypatch.setattr(sglang_plugin, "_recorder", None)
+    before = triton.knobs.runtime.jit_cache_hook
+    sglang_plugin._record_and_serve()
+    try:
+        assert sglang_plugin._recorder is not None and triton.knobs.runtime.jit_cache_hook is not before
+        assert sglang_plugin._recorder.path == tmp_path / "server.jsonl"
+    finally:
+        sglang_plugin._recorder.stop()
+    assert triton.knobs.runtime.jit_cache_hook is before
