@@ -231,7 +231,8 @@ def hand_over(plan: WarmPlan, cache: Any) -> int:
 
     For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
     verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it).
-    A failure is a ``CacheError`` or the backend's ``LoadError`` (exit 1, naming the spec).
+    A failure is a ``CacheError``, the backend's ``LoadError`` (naming the spec), or an ``OSError`` for a cache
+    dir of the server that cannot be written (``sglang_jit.SglangCacheDirError``): exit 1 each.
     """
     from jitwarm.kernels.artifacts import artifact
 
