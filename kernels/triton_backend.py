@@ -133,6 +133,7 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
         # (never a stale ~/.triton hit), and Triton's group files, which hold absolute paths, never
         # reach the entry.
         knobs.cache.dir = tmp
+        knobs.cache.manager_class = None  # Triton's own file manager into tmp, whatever TRITON_CACHE_MANAGER says
         knobs.compilation.override = False  # TRITON_KERNEL_OVERRIDE would swap in foreign IR
         knobs.compilation.dump_ir = False
         # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two

@@ -21,6 +21,7 @@ cannot be opened (a bad ``JITWARM_*`` setting), the manager says so once and beh
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import shutil
@@ -144,7 +145,13 @@ class CacheManager(_TritonCacheManager):
             if reservation.start() is not None:
                 return str(grp)
         entry = reservation.publish(scratch)
-        return str(entry.file(grp.name)) if entry is not None else str(grp)
+        if entry is None:
+            return str(grp)
+        # Triton keeps the paths put() returned (CompiledKernel.metadata_group) and callers may read them later:
+        # point them at the published files, so the scratch copies can go and the paths still resolve.
+        for child in group:
+            _point_at(scratch / Path(child).name, entry.file(Path(child).name))
+        return str(entry.file(grp.name))
 
     # -- files: put by a compile, or kept on their own -------------------------------------------------
 
@@ -192,11 +199,28 @@ class CacheManager(_TritonCacheManager):
             return None
 
     def _scratch_dir(self) -> Path:
-        """Where this manager's files wait for Triton to read them back (removed when Triton drops the manager)."""
+        """Where this manager's files wait for Triton to read them back; removed when this process exits."""
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="jitwarm-triton-"))
-            weakref.finalize(self, shutil.rmtree, self._scratch, True)
+            _scratch_dirs.append(self._scratch)
         return self._scratch
+
+
+_scratch_dirs: list[Path] = []
+
+
+@atexit.register
+def _remove_scratch() -> None:
+    for path in _scratch_dirs:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _point_at(path: Path, target: Path) -> None:
+    """Replace the scratch file ``path`` with a symlink to the published ``target`` (best effort)."""
+    link = path.with_name(f".{path.name}.link")
+    with contextlib.suppress(OSError):
+        link.symlink_to(target)
+        link.replace(path)
 
 
 class _Reservation:

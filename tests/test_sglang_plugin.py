@@ -231,6 +231,9 @@ def test_the_plugin_sets_triton_s_cache_manager_unless_told_otherwise_and_starts
     from jitwarm.precompile import sglang_plugin
 
     manager = "jitwarm.kernels.triton_cache:CacheManager"
+    # register() writes os.environ itself: record the variable's absence first, so the test leaves it unset.
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "placeholder")
+    monkeypatch.delenv("TRITON_CACHE_MANAGER")
     for preset, off, want in ((None, None, manager), ("my.pkg:Manager", None, "my.pkg:Manager"), (None, "0", None)):
         monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
         if preset:

@@ -150,3 +150,16 @@ def test_the_hook_given_a_manifest_makes_every_recorded_kernel_present(manifest,
     finally:
         hook.close()
     assert report.hits == report.loaded == SPECIALIZATIONS
+
+
+def test_jitwarms_own_triton_builds_ignore_a_process_wide_jitwarm_manager(tmp_path, monkeypatch):
+    """A server with TRITON_CACHE_MANAGER set still builds jitwarm's own Triton kernels into their own entries."""
+    from jitwarm.kernels import KernelSpec
+    from jitwarm.kernels.artifacts import artifact
+
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", MANAGER)
+    monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path / "served"))
+    spec = KernelSpec("plan", "triton", "sm_90", {"ratio": 4, "threads": 32})
+    result = artifact(spec).get_or_build(KernelCache(root=tmp_path / "cache", layers=()))
+    assert result.outcome == "built" and any(f.endswith(".cubin") for f in result.entry.files)
+    assert not (tmp_path / "served").exists()  # the manager was not used for it
