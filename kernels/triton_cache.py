@@ -174,6 +174,7 @@ class CacheManager(_TritonCacheManager):
         except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot store Triton's %s in the cache: %s", filename, exc)
             return str(path)
+        path.unlink(missing_ok=True)  # Triton gets the published file's path
         return str(entry.file(path.name))
 
     def get_file(self, filename: str) -> str | None:
