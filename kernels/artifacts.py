@@ -9,7 +9,6 @@ entry that still fails to load at run time is quarantined and rebuilt once under
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +124,6 @@ class Artifact:
 
 _lock = threading.Lock()
 _memo: dict[KernelSpec, Artifact] = {}
-_timing = {"seconds": 0.0, "computed": 0}
 
 
 def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
@@ -143,23 +141,13 @@ def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
     found = _memo.get(spec)  # lock-free hit: a dict read is atomic under the GIL
     if found is not None:
         return found
-    start = time.perf_counter()
     description = backend(spec.backend).description(spec, facts)
     made = Artifact(spec, description, key_of(description))
     with _lock:
-        _timing["seconds"] += time.perf_counter() - start
-        _timing["computed"] += 1
         return _memo.setdefault(spec, made)
-
-
-def description_stats() -> dict[str, float]:
-    """How many descriptions this process computed and the seconds it spent (for reports and benchmarks)."""
-    with _lock:
-        return dict(_timing)
 
 
 def reset() -> None:
     """Forget every computed artifact (tests that change a toolchain or a source file)."""
     with _lock:
         _memo.clear()
-        _timing.update(seconds=0.0, computed=0)

@@ -156,9 +156,3 @@ def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None
         specs.setdefault(spec_of(record), None)
     return tuple(specs), skipped
 
-
-def display_name(spec: KernelSpec) -> str:
-    """A short name for people: a recorded kernel's ``module:qualname`` and target (its spec id is long)."""
-    if spec.backend in KINDS.values():
-        return f"{spec.family}@{spec.target} #{hashlib.sha256(spec.id.encode()).hexdigest()[:8]}"
-    return spec.id
