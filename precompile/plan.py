@@ -37,7 +37,7 @@ class WarmPlan:
     needed_by: dict[KernelSpec, tuple[int, ...]]
     introduced: dict[int, tuple[KernelSpec, ...]]
     ladder: Ladder | None = None
-    #: Where the plan's recorded kernels came from: ``{"path", "records", "planned", "other_targets"}``.
+    #: Where the plan's recorded kernels came from: ``{"path", "records", "other_targets"}``.
     manifest: dict[str, Any] | None = None
 
     @classmethod
