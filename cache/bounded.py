@@ -86,13 +86,18 @@ def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
         doc = json.loads(data)
     except RecursionError:
         raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
-    stack = [(doc, 1)] if isinstance(doc, (dict, list)) else []
-    while stack:  # iterative: the depth check must not recurse either
-        value, depth = stack.pop()
+    level, depth = [doc], 0
+    while level:  # one nesting level at a time, iteratively: the depth check must not recurse either
+        depth += 1
         if depth > max_depth:
             raise ValueError(f"JSON nested deeper than {max_depth} levels")
-        children = value.values() if isinstance(value, dict) else value
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        inner: list[Any] = []
+        for value in level:
+            if type(value) is dict:
+                inner.extend(child for child in value.values() if type(child) is dict or type(child) is list)
+            elif type(value) is list:
+                inner.extend(child for child in value if type(child) is dict or type(child) is list)
+        level = inner
     return doc
 
 

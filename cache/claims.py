@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from jitwarm.cache.durable import make_dirs
-from jitwarm.cache.locks import KeyLock, claims_held_here, lock_error, lock_file_mode, wait_until
+from jitwarm.cache.locks import KeyLock, claims_held_here, key_lock_path, lock_error, lock_file_mode, wait_until
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -51,9 +51,12 @@ class SharedClaim:
 
     def __init__(self, lock_dir: Path, key: str, *, create: bool) -> None:
         self.key = key
-        self.lock_path = lock_dir / f"{key}.lock"
+        self.lock_path = key_lock_path(lock_dir, key)
         self.lock_dir = lock_dir
         self.create = create
+        #: What its holder checked while holding it (an entry's path and signature): a claim of that very
+        #: entry nested inside this one needs no lock and no check of its own.
+        self.verified: tuple[object, ...] | None = None
         self._fd: int | None = None
 
     @property
@@ -95,6 +98,7 @@ class SharedClaim:
     def release(self) -> None:
         """Drop the shared lock (idempotent)."""
         fd, self._fd = self._fd, None
+        self.verified = None
         if fd is None:
             return
         claims = claims_held_here().get(self.lock_path, [])
@@ -111,8 +115,11 @@ class SharedClaim:
         flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
         if self.create:
             try:
-                make_dirs(self.lock_dir)
-                return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, lock_file_mode(self.lock_dir))
+                try:  # the builder left the lock file: no mkdir and no mode to work out (the hook's hot path)
+                    return os.open(self.lock_path, flags | os.O_RDWR)
+                except FileNotFoundError:
+                    make_dirs(self.lock_dir)
+                    return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, lock_file_mode(self.lock_dir))
             except OSError as exc:
                 log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.key, self.lock_path, exc)
         try:

@@ -206,47 +206,62 @@ def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) ->
     return _entry(path, key, doc, records, sig, read_only=read_only)
 
 
-def recheck_entry(path: Path, key: str, signature: Signature, *, allow_shared: bool,
-                  read_only: bool = False) -> Entry | None:
-    """Return the entry at ``path`` if its files are exactly the ones ``signature`` describes, without hashing.
+def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | None = None) -> Entry | None:
+    """Return ``stamped`` if the files at its path are exactly the ones it describes, without reading any of them.
 
-    ``signature`` is a stamp this host wrote right after hashing every file of the entry (a full
-    :func:`verify_entry`, or a publish of what it sealed): when the listing and every file's inode, size,
-    mtime and ctime are still those, the bytes are the ones that were hashed (a write changes mtime and
-    ctime; a copy or a replacement changes the inode), so the trust checks, the listing and the manifest are
-    checked again but no file is read. None when anything differs: the caller verifies in full.
+    ``stamped`` is what this host recorded right after hashing every file of the entry (a full
+    :func:`verify_entry`, or a publish of what it sealed): its manifest content and the stat signature of
+    its files. When the directory listing is still exactly the listed files and every file's (and
+    ``entry.json``'s) inode, size, mtime and ctime are still those, the bytes are the ones that were hashed
+    (a write changes mtime and ctime; a copy or a replacement changes the inode), so ``entry.json`` holds
+    what the stamp recorded from it and is not read either. The trust checks run again on every directory
+    and file. None when anything differs: the caller verifies in full. ``st`` is an ``lstat`` of the entry
+    directory already taken. Plain strings, one ``listdir`` per directory and one ``lstat`` per file: this is the
+    capture hook's hot path (docs/performance.md).
 
     Raises
     ------
-    CorruptEntry
-        The manifest does not parse (it cannot have changed without changing the signature, but a stamp is
-        only a hint).
     CacheError
         A directory or file other users can write.
 
     """
+    where = os.fspath(stamped.path)
     try:
-        st = os.lstat(path)
+        st = st if st is not None else os.lstat(where)
         if not stat.S_ISDIR(st.st_mode):
             return None
-        check_trusted(path, "cache entry", allow_shared=allow_shared, st=st)
-        on_disk = _walk_files(path, error=CorruptEntry)
-    except (OSError, CorruptEntry):
-        return None
-    sig = {rel: _sig_item(rel, fst) for rel, fst in on_disk}
-    if tuple(sig[n] for n in sorted(sig)) != signature or MANIFEST not in sig:
-        return None
-    where = os.fspath(path)
-    for rel, fst in on_disk:
-        check_trusted(f"{where}/{rel}", "cache entry file", allow_shared=allow_shared, st=fst)
-    try:
-        data = read_file(f"{where}/{MANIFEST}", MAX_MANIFEST_BYTES)  # plain strings: the capture hook's hot path
+        check_trusted(where, "cache entry", allow_shared=allow_shared, st=st)
+        for folder, names in _listing(stamped.signature).items():
+            if folder:
+                dst = os.lstat(f"{where}/{folder}")
+                if not stat.S_ISDIR(dst.st_mode):
+                    return None
+                check_trusted(f"{where}/{folder}", "cache entry directory", allow_shared=allow_shared, st=dst)
+            if set(os.listdir(f"{where}/{folder}")) != names:
+                return None
+        for item in stamped.signature:
+            name = f"{where}/{item[0]}"
+            fst = os.lstat(name)
+            if (item[0], fst.st_ino, fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns) != item:
+                return None
+            check_trusted(name, "cache entry file", allow_shared=allow_shared, st=fst)
     except OSError:
         return None
-    doc, records = parse_manifest(data, key, f"{where}/{MANIFEST}", check_preimage=False)
-    if {r.path for r in records} != set(sig) - {MANIFEST}:
-        return None
-    return _entry(path, key, doc, records, sig, read_only=read_only)
+    return stamped
+
+
+def _listing(signature: Signature) -> dict[str, set[str]]:
+    """The names each directory of an entry holds, by its path relative to the entry ("" for the entry itself)."""
+    names = [item[0] for item in signature]
+    if not any("/" in name for name in names):
+        return {"": set(names)}
+    folders: dict[str, set[str]] = {"": set()}
+    for item in signature:
+        parts = item[0].split("/")
+        for depth in range(len(parts)):
+            folder = "/".join(parts[:depth])
+            folders.setdefault(folder, set()).add(parts[depth])
+    return folders
 
 
 def unchanged(entry: Entry) -> bool:
@@ -255,9 +270,10 @@ def unchanged(entry: Entry) -> bool:
     Compares a fresh ``lstat`` of each with :attr:`Entry.signature`: it detects truncation, deletion,
     replacement and (on filesystems with fine mtimes) rewrites, without hashing again.
     """
-    names = sorted((*entry.files, MANIFEST))
+    where = os.fspath(entry.path)
     try:
-        return tuple(_sig_item(n, os.lstat(entry.path / n)) for n in names) == entry.signature
+        return bool(entry.signature) and all(_sig_item(item[0], os.lstat(f"{where}/{item[0]}")) == item
+                                             for item in entry.signature)
     except OSError:
         return False
 

@@ -33,7 +33,7 @@ _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BU
 _PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _HOW_TO_ALLOW = "pass KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"
-#: Size caps of the small JSON files the cache reads back: facts and stamps, plan records.
+#: Size caps of the small JSON files the cache reads back: facts, plan records (stamps: jitwarm.cache.stamps).
 MAX_FACT_BYTES = 1 << 16
 MAX_PLAN_RECORD_BYTES = 16 << 20
 
@@ -62,7 +62,8 @@ class RootLayout:
         <root>/v1/locks/<key>.lock        default lock dir (JITWARM_LOCK_DIR moves it)
         <root>/v1/plans/<plan_id>.json    plan completion records
         <root>/v1/quarantine/             entries that failed verification
-        <root>/v1/verified/<kk>/<key>-<where>.json   stat stamps of entries this host hashed (local.py)
+        <root>/v1/verified/<kk>/<key>-<where>.json   stat stamps of entries this host hashed (stamps.py)
+        <root>/v1/verified/sets/<digest>.json         one stamp for a set of keys claimed together
 
     Nothing here touches the filesystem except :meth:`ensure`, and the ``iter_*`` methods, which only read.
     With ``shared`` (``allow_shared``), directories are created ``0777`` minus the umask, so a team umask
@@ -81,6 +82,7 @@ class RootLayout:
         self.quarantine = self.base / "quarantine"
         self.stamps = self.base / "verified"
         self.facts = self.base / "facts"
+        self._entry_dirs: dict[str, Path] = {}
 
     def ensure(self, path: Path) -> Path:
         """Create ``path`` (a directory of this root) and its missing parents with :attr:`dir_mode`."""
@@ -89,12 +91,20 @@ class RootLayout:
 
     def entry_dir(self, key: str) -> Path:
         """Return where the entry of ``key`` is (or would be) published."""
-        return self.entries / key[:2] / key
+        found = self._entry_dirs.get(key)  # memoized: a lookup and a claim each ask, on the hook's hot path
+        if found is None:
+            found = self._entry_dirs.setdefault(key, self.entries.joinpath(key[:2], key))
+        return found
 
     def stamp_path(self, entry_dir: Path, key: str) -> Path:
         """Where this root keeps the verification stamp of the entry directory ``entry_dir`` (any root's)."""
         where = hashlib.sha256(os.fsencode(entry_dir)).hexdigest()[:16]
         return self.stamps / key[:2] / f"{key}-{where}.json"
+
+    def set_stamp_path(self, keys: Sequence[str]) -> Path:
+        """Where this root keeps the stamp of the key set ``keys`` (order and repeats do not matter)."""
+        digest = hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()[:32]
+        return self.stamps / "sets" / f"{digest}.json"
 
     def plan_path(self, plan_id: str) -> Path:
         """Return the path of a plan record, checking that ``plan_id`` is a safe file name.

@@ -26,21 +26,26 @@ from typing import Any
 
 from jitwarm.cache.claims import SharedClaim, release_claims_here
 from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree
-from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
+from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.fleet import Fleet, LocalSteps
 from jitwarm.cache.keys import keyed
 from jitwarm.cache.layout import RootLayout, check_trusted, check_trusted_dir
-from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, wait_until
+from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, claims_held_here, key_lock_path, wait_until
 from jitwarm.cache.prune import sweep_staging
 from jitwarm.cache.quarantine import move_aside, quarantine_shard, shard_problem
-from jitwarm.cache.stamps import stamped_entry, write_stamp
+from jitwarm.cache.stamps import stamp_entry, stamped_entry, stamped_set, write_set_stamp, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
 #: Refresh an entry's last-used stamp (its directory mtime) at most this often per cache instance.
 TOUCH_INTERVAL_S = 600.0
+#: An entry whose last-use stamp a fresh instance finds younger than this is not stamped again: TP ranks that
+#: start together touch each entry once, not once each.
+RECENT_USE_S = 60.0
+#: Lookups whose entry vanished before it was claimed, before ``claim_all`` calls the key a miss.
+_CLAIM_ATTEMPTS = 8
 # NFS can hide a just-renamed directory from other clients for a moment (DeepEP #683): look again.
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 
@@ -48,12 +53,14 @@ NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 class LocalCache:
     """One writable root (or a read-only one) plus read-only layers, and the publish protocol into the root.
 
-    Contract: :meth:`lookup` returns an entry only after this instance hashed its files (verifying it, or
-    publishing it), only while their stat signature is unchanged since, and never one :meth:`discard`
+    Contract: :meth:`lookup` returns an entry only after this host hashed its files (this instance, verifying
+    or publishing it; or an earlier one, whose stamp says so), only while their stat signature and listing
+    are unchanged since, and never one :meth:`discard`
     rejected; it returns None for a missing, corrupt (including unreadable, or not a directory) or rejected
     entry and raises ``CacheError`` only for a directory other users can write; quarantine and stamps are
     best effort and never raise. :meth:`get_or_build` runs ``build`` only under the key's lock, and raises
-    ``CacheWriteError`` for what it cannot write. :meth:`claim` holds the key's lock shared. The callers
+    ``CacheWriteError`` for what it cannot write. :meth:`claim` holds the key's lock shared, and
+    :meth:`claim_all` does so for each entry it returns, answering as :meth:`lookup` would. The callers
     (:class:`~jitwarm.cache.KernelCache`) check keys and the read-only flag first.
     """
 
@@ -70,6 +77,7 @@ class LocalCache:
         self._rejected: set[tuple[Path, Signature]] = set()
         self._trusted: set[Path] = set()
         self._touched: dict[str, float] = {}
+        self._last_use: dict[str, float] = {}  # the last-use stamps found on disk, by key
 
     def search_order(self) -> list[tuple[RootLayout, bool]]:
         """Return ``(layout, read_only)`` of the root, then each layer."""
@@ -84,7 +92,7 @@ class LocalCache:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
                 entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
-            if entry is not None and (entry.path, entry.signature) not in self._rejected:
+            if entry is not None and not (self._rejected and self._was_rejected(entry)):
                 self._touch(entry)
                 return entry
         return None
@@ -100,20 +108,16 @@ class LocalCache:
         path = layout.entry_dir(key)
         self.forget(path)
         try:
-            os.lstat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return None, None
         except OSError:  # ENOTDIR, EACCES: the shard is a file, or cannot be entered (or a top dir is broken)
             self.check_root(layout)
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        self.check_root(layout)
-        shard = os.lstat(path.parent)
-        if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
+        if not self._shard_is_trusted_dir(layout, path):  # a symlinked shard: the lstat above went through it
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        check_trusted(path.parent, "cache directory", allow_shared=self.allow_shared, st=shard)
-        if stamped and (entry := self._from_stamp(path, key, read_only)) is not None:
-            with self._mutex:
-                self._verified[entry.path] = entry
+        if stamped and (entry := self._from_stamp(path, key, read_only, st)) is not None:
+            self._known(entry, st)
             return entry, None
         try:
             entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
@@ -144,8 +148,35 @@ class LocalCache:
             quarantine_shard(layout, self.lock_dir, shard, why)
         return None, why
 
+    def _shard_is_trusted_dir(self, layout: RootLayout, path: Path) -> bool:
+        """Trust-check the top directories of ``layout`` and the shard of the entry dir ``path``.
+
+        False when the shard is no directory; raises ``CacheError`` when other users can write it (and
+        OSError when it cannot be lstat'ed).
+        """
+        self.check_root(layout)
+        parent = os.path.dirname(path)
+        shard = os.lstat(parent)
+        if not stat.S_ISDIR(shard.st_mode):
+            return False
+        check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
+        return True
+
+    def _was_rejected(self, entry: Entry) -> bool:
+        """Whether :meth:`discard` rejected this very entry (its path and signature)."""
+        with self._mutex:
+            return (entry.path, entry.signature) in self._rejected
+
+    def _known(self, entry: Entry, st: os.stat_result) -> None:
+        """Memoize an entry accepted by its stamp; ``st``: its directory, whose mtime is its last use."""
+        with self._mutex:
+            self._verified[entry.path] = entry
+            self._last_use[entry.key] = st.st_mtime
+
     def check_root(self, layout: RootLayout) -> None:
         """Trust-check a root's top directories (those that exist) by what they resolve to, once per instance each."""
+        if layout.entries in self._trusted:  # the last of the three: all of them passed
+            return
         for path in (layout.root, layout.base, layout.entries):
             if path in self._trusted:
                 continue
@@ -162,9 +193,9 @@ class LocalCache:
         if stamp and not self.read_only:
             write_stamp(self.root, entry)
 
-    def _from_stamp(self, path: Path, key: str, read_only: bool) -> Entry | None:
+    def _from_stamp(self, path: Path, key: str, read_only: bool, st: os.stat_result) -> Entry | None:
         """The entry at ``path`` when this host's stamp says its files are the ones it hashed (see recheck_entry)."""
-        return stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only)
+        return stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only, st=st)
 
     def forget(self, path: Path) -> None:
         """Drop what is known about the entry directory ``path`` (it was removed or replaced)."""
@@ -177,7 +208,8 @@ class LocalCache:
             return
         now = time.time()
         with self._mutex:
-            if now - self._touched.get(entry.key, 0.0) < TOUCH_INTERVAL_S:
+            if (now - self._touched.get(entry.key, 0.0) < TOUCH_INTERVAL_S
+                    or now - self._last_use.get(entry.key, 0.0) < RECENT_USE_S):
                 return
             self._touched[entry.key] = now
         with contextlib.suppress(OSError):
@@ -225,7 +257,7 @@ class LocalCache:
         """
         with self._mutex:
             self._rejected.add((entry.path, entry.signature))
-        release_claims_here(self.lock_dir / f"{entry.key}.lock")
+        release_claims_here(key_lock_path(self.lock_dir, entry.key))
         if entry.read_only or self.read_only or entry.path != self.root.entry_dir(entry.key):
             log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
                         "on", entry.key, entry.path, reason)
@@ -238,24 +270,99 @@ class LocalCache:
     @contextlib.contextmanager
     def claim(self, entry: Entry, timeout_s: float) -> Iterator[Entry | None]:
         """Hold a shared lock on ``entry``'s key while the caller reads it; see :meth:`KernelCache.claim`."""
-        with self._mutex:
-            rejected = (entry.path, entry.signature) in self._rejected
-        if rejected:
+        if self._rejected and self._was_rejected(entry):
             yield None
             return
         if entry.path != self.root.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
             yield entry if unchanged(entry) else None
             return
+        lock_path = key_lock_path(self.lock_dir, entry.key)
+        if any(held.verified == (entry.path, entry.signature) for held in claims_held_here().get(lock_path, ())):
+            yield entry  # this thread holds a claim under which it checked this very entry: nothing removes it
+            return
         claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only)
         claim.acquire(timeout_s)
         try:
             if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
+                claim.verified = (entry.path, entry.signature)
                 yield entry
             else:
                 claim.release()  # before yielding: the caller may get or build the key again in the block
                 yield None
         finally:
             claim.release()
+
+    @contextlib.contextmanager
+    def claim_all(self, keys: Sequence[str], timeout_s: float) -> Iterator[dict[str, Entry | None]]:
+        """Look up and claim each of ``keys`` for the block; see :meth:`KernelCache.claim_all`.
+
+        The set stamp of ``keys`` says what each entry was verified as: a copy it names is claimed, then its
+        stat signature is checked (no stamp read per key, and no second check after the claim). A key it
+        does not answer is looked up and claimed as :meth:`lookup` and :meth:`claim` do, and the set stamp
+        is written again with what was found.
+        """
+        deadline = time.monotonic() + timeout_s  # for the whole call, not per key
+        docs = stamped_set(self.root, keys, allow_shared=self.allow_shared)
+        found: dict[str, Entry | None] = {}
+        stale = False
+        with contextlib.ExitStack() as held:
+            for key in keys:
+                entry = self._claim_stamped(key, docs.get(key), held, max(0.0, deadline - time.monotonic()))
+                if entry is None:
+                    stale = True
+                    entry = self._claim_looked_up(key, held, max(0.0, deadline - time.monotonic()))
+                found[key] = entry
+            if stale and not self.read_only:
+                write_set_stamp(self.root, keys, [e for e in found.values() if e is not None])
+            yield found
+
+    def _claim_stamped(self, key: str, doc: dict[str, Any] | None, held: contextlib.ExitStack,
+                       timeout_s: float) -> Entry | None:
+        """The copy of ``key`` the set stamp names, claimed in ``held``, if it is still exactly that copy."""
+        if doc is None:
+            return None
+        for layout, read_only in self.search_order():
+            path = layout.entry_dir(key)
+            if doc.get("path") == os.fspath(path):
+                break
+            if os.path.lexists(path):
+                return None  # a copy that comes first in the search order, and the stamp is not of it
+        else:
+            return None
+        stamped = stamp_entry(doc, path, key, read_only)
+        if stamped is None:
+            return None
+        claim = None
+        if layout is self.root:
+            claim = SharedClaim(self.lock_dir, key, create=not self.read_only)
+            claim.acquire(timeout_s)
+            held.callback(claim.release)
+        try:
+            st = os.lstat(path)
+            accepted = (self._shard_is_trusted_dir(layout, path)
+                        and recheck_entry(stamped, allow_shared=self.allow_shared, st=st) is not None)
+        except OSError:
+            accepted = False
+        if not accepted or (self._rejected and self._was_rejected(stamped)):
+            if claim is not None:
+                claim.release()
+            return None
+        if claim is not None:
+            claim.verified = (stamped.path, stamped.signature)
+        self._known(stamped, st)
+        self._touch(stamped)
+        return stamped
+
+    def _claim_looked_up(self, key: str, held: contextlib.ExitStack, timeout_s: float) -> Entry | None:
+        """Look ``key`` up and claim its entry in ``held``; None for a miss (or one that keeps vanishing)."""
+        for _ in range(_CLAIM_ATTEMPTS):
+            entry = self.lookup(key)
+            if entry is None:
+                return None
+            claimed = held.enter_context(self.claim(entry, timeout_s))
+            if claimed is not None:
+                return claimed
+        return None
 
     # -- 2-7. get or build ---------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import math
@@ -193,7 +194,7 @@ class KeyLock:
     def __init__(self, lock_dir: Path, key: str) -> None:
         self.key = key
         self.lock_dir = lock_dir
-        self.lock_path = lock_dir / f"{key}.lock"
+        self.lock_path = key_lock_path(lock_dir, key)
         self.holder_path = lock_dir / f"{key}.holder"
         self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
 
@@ -358,11 +359,18 @@ def lock_error(lock_path: Path, exc: OSError) -> CacheError:
 _CLAIMS = threading.local()
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def key_lock_path(lock_dir: Path, key: str) -> Path:
+    """The lock file of ``key`` in ``lock_dir`` (memoized: the capture hook builds it for every claim)."""
+    return lock_dir / f"{key}.lock"
+
+
 def claims_held_here() -> dict[Path, list]:
     """Return the held claims of this thread, by lock path (kept by :class:`~jitwarm.cache.claims.SharedClaim`)."""
-    if not hasattr(_CLAIMS, "held"):
-        _CLAIMS.held = {}
-    return _CLAIMS.held
+    held = getattr(_CLAIMS, "held", None)
+    if held is None:
+        held = _CLAIMS.held = {}
+    return held
 
 
 def claimed_here(lock_path: Path) -> bool:

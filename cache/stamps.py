@@ -1,9 +1,11 @@
-"""Verification stamps: the stat signature of an entry this host hashed, kept in the writable root.
+"""Verification stamps: what an entry this host hashed was verified as, kept in the writable root.
 
-A stamp lets a later process accept an entry without reading its files again while every file's inode,
-size, mtime and ctime are still those that were hashed (see docs/cache.md, "What is verified, and when").
-Stamps live in ``<root>/v1/verified/<kk>/<key>-<where>.json``, where only this user can write; a stamp is a
-hint: one that is missing, unreadable, planted or stale costs a full hash, never a wrong answer.
+A stamp lets a later process accept an entry without reading its files (or its ``entry.json``) again while
+the listing and every file's inode, size, mtime and ctime are still those that were hashed (see
+docs/cache.md, "What is verified, and when"). Stamps live in ``<root>/v1/verified/<kk>/<key>-<where>.json``,
+one per entry, and ``<root>/v1/verified/sets/<digest>.json``, one for a set of keys that are claimed
+together (a capture hook's plan: one file to read instead of one per key), where only this user can write.
+A stamp is a hint: one that is missing, unreadable, planted or stale costs a full hash, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -11,54 +13,127 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jitwarm.cache.bounded import loads, read_file_stat, read_json
 from jitwarm.cache.durable import write_atomic
-from jitwarm.cache.entry import Entry, recheck_entry
-from jitwarm.cache.errors import CorruptEntry
-from jitwarm.cache.layout import MAX_FACT_BYTES, RootLayout, untrusted_reason
+from jitwarm.cache.entry import MANIFEST, Entry, FileRecord, is_safe_relpath, recheck_entry
+from jitwarm.cache.keys import is_key
+from jitwarm.cache.layout import RootLayout, untrusted_reason
+
+#: A stamp holds an entry's signature and manifest content; one larger than this is ignored (and never written).
+MAX_STAMP_BYTES = 1 << 20
+#: The same for a set stamp (a plan of thousands of specs).
+MAX_SET_STAMP_BYTES = 64 << 20
 
 
 def write_stamp(root: RootLayout, entry: Entry) -> None:
-    """Keep the signature of ``entry`` (of any root or layer) in the writable ``root``; best effort, never raises."""
-    path = root.stamp_path(entry.path, entry.key)
-    with contextlib.suppress(OSError):  # a stamp only saves the next process a hash
-        root.ensure(path.parent)
-        doc = {"path": os.fspath(entry.path), "signature": entry.signature}
-        write_atomic(path, json.dumps(doc).encode(), durable=False)
+    """Keep what ``entry`` (of any root or layer) was verified as in the writable ``root``; best effort, never raises.
+
+    The stamp holds the entry's stat signature and the content of its checked manifest, so a later process
+    that finds the signature unchanged reads neither the files nor ``entry.json`` (see recheck_entry).
+    """
+    _write(root, root.stamp_path(entry.path, entry.key), _doc(entry), MAX_STAMP_BYTES)
 
 
-def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool) -> Entry | None:
-    """The entry at ``path`` when ``root`` holds a stamp whose signature its files still match, else None.
+def write_set_stamp(root: RootLayout, keys: Sequence[str], entries: Sequence[Entry]) -> None:
+    """Keep the stamps of ``entries``, found for the key set ``keys``, as one file in ``root``; best effort."""
+    _write(root, root.set_stamp_path(keys), {"entries": {entry.key: _doc(entry) for entry in entries}},
+           MAX_SET_STAMP_BYTES)
 
-    See :func:`jitwarm.cache.entry.recheck_entry`; a stamp that is not ours (another owner), not a regular
-    file, too large or malformed is ignored. Raises ``CacheError`` only for an untrusted entry.
+
+def stamped_set(root: RootLayout, keys: Sequence[str], *, allow_shared: bool) -> dict[str, dict[str, Any]]:
+    """The stamp documents the set stamp of ``keys`` holds, by key (read them with :func:`stamp_entry`).
+
+    Empty when there is none, or it is not ours, not a regular file, too large or malformed.
     """
     try:
-        data, st = read_file_stat(root.stamp_path(path, key), MAX_FACT_BYTES)
-        if untrusted_reason(st) and not allow_shared:
+        data, fst = read_file_stat(root.set_stamp_path(keys), MAX_SET_STAMP_BYTES)
+        if untrusted_reason(fst) and not allow_shared:
+            return {}
+        docs = loads(data)["entries"]
+        return {key: docs[key] for key in keys if isinstance(docs.get(key), dict)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _doc(entry: Entry) -> dict[str, Any]:
+    """A stamp document: flat lists, which parse (and pass the depth check) fastest."""
+    return {"path": os.fspath(entry.path), "signature": [x for item in entry.signature for x in item],
+            "files": [x for r in entry.records for x in (r.path, r.size, r.sha256)], "created": entry.created,
+            "preimage": entry.preimage}
+
+
+def _write(root: RootLayout, path: Path, doc: dict[str, Any], max_bytes: int) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a stamp only saves the next process a hash
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        if len(data) > max_bytes:
+            return  # too large to keep twice: those entries are hashed on every first sight
+        root.ensure(path.parent)
+        write_atomic(path, data, durable=False)
+
+
+def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool,
+                  st: os.stat_result | None = None) -> Entry | None:
+    """The entry at ``path`` when ``root`` holds a stamp whose signature its files still match, else None.
+
+    See :func:`jitwarm.cache.entry.recheck_entry` (``st``: an ``lstat`` of ``path`` already taken); a stamp
+    that is not ours (another owner), not a regular file, too large, malformed or of an older layout is
+    ignored. Raises ``CacheError`` only for an untrusted entry.
+    """
+    try:
+        data, fst = read_file_stat(root.stamp_path(path, key), MAX_STAMP_BYTES)
+        if untrusted_reason(fst) and not allow_shared:
             return None
-        doc = loads(data)
-        signature = tuple(tuple(item) for item in doc["signature"])
-        if doc["path"] != os.fspath(path):
-            return None
-        return recheck_entry(path, key, signature, allow_shared=allow_shared, read_only=read_only)
-    except (OSError, ValueError, KeyError, TypeError, CorruptEntry):
+        stamped = stamp_entry(loads(data), path, key, read_only)
+    except (OSError, ValueError):
         return None
+    return None if stamped is None else recheck_entry(stamped, allow_shared=allow_shared, st=st)
+
+
+def stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | None:
+    """The entry a stamp document describes, not yet checked against the disk (see recheck_entry).
+
+    None when the stamp is of another directory than ``path``, or does not hold what a stamp holds.
+    """
+    try:
+        if doc["path"] != os.fspath(path):  # type: ignore[index]
+            return None
+        flat, listed = doc["signature"], doc["files"]
+        if type(flat) is not list or type(listed) is not list or len(flat) % 5 or len(listed) % 3:
+            return None
+        # No conversions: only a signature equal to what lstat says is ever accepted (recheck_entry).
+        signature = tuple(tuple(flat[i:i + 5]) for i in range(0, len(flat), 5))
+        records = tuple(FileRecord(listed[i], listed[i + 1], listed[i + 2]) for i in range(0, len(listed), 3))
+        preimage, created = doc["preimage"], float(doc["created"])
+        files = tuple(r.path for r in records)
+        sizes = {item[0]: item[2] for item in signature}
+        if ([item[0] for item in signature] != sorted({*files, MANIFEST}) or len(files) + 1 != len(signature)
+                or not all(is_safe_relpath(r.path) and sizes[r.path] == r.size and is_key(r.sha256) for r in records)
+                or not isinstance(preimage.get("description"), dict)):
+            return None
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        return None
+    return Entry(key=key, path=path, files=files, description=preimage["description"], preimage=preimage,
+                 records=records, created=created, read_only=read_only, signature=signature)
 
 
 def prune_stamps(root: RootLayout) -> None:
-    """Delete the stamps of entry directories that are gone (a stale one only costs a file); never raises."""
+    """Delete the stamps naming an entry directory that is gone (a stale one only costs a file); never raises."""
     for shard in _subdirs(root.stamps):
         try:
             with os.scandir(shard) as it:
                 stamps = [item.path for item in it if item.name.endswith(".json")]
         except OSError:
             continue
+        is_set = os.path.basename(shard) == "sets"
         for stamp in stamps:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                if not os.path.lexists(read_json(stamp, MAX_FACT_BYTES)["path"]):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+                doc = read_json(stamp, MAX_SET_STAMP_BYTES if is_set else MAX_STAMP_BYTES)
+                docs = doc["entries"].values() if is_set else [doc]
+                if not all(os.path.lexists(d["path"]) for d in docs):
                     Path(stamp).unlink()
 
 

@@ -283,6 +283,27 @@ class KernelCache:
         """
         return self._local.claim(entry, timeout_s)
 
+    def claim_all(self, keys: Sequence[str], *, timeout_s: float = 600.0
+                  ) -> AbstractContextManager[dict[str, Entry | None]]:
+        """Look up every key and claim each entry found, for the block: what a loader of a whole plan does.
+
+        ``with cache.claim_all(keys) as entries:`` yields ``{key: entry or None}``: each entry is the one
+        :meth:`lookup` returns, claimed as by :meth:`claim` until the block ends; None is a miss. A
+        :meth:`claim` of one of these entries inside the block nests: it takes no lock and checks nothing
+        again. One file, the set stamp of these keys, keeps what they were verified as, so that a fresh
+        process checks each entry's stat signature without reading a stamp per key (the capture hook's hot
+        path, docs/performance.md); it is written again whenever it did not answer every key.
+
+        Raises
+        ------
+        ValueError
+            A key that is not 64 hex digits.
+        LockTimeout, CacheError
+            As :meth:`claim` and :meth:`lookup` raise them.
+
+        """
+        return self._local.claim_all(list(dict.fromkeys(check_key(k) for k in keys)), timeout_s)
+
     def wait_for(self, key: str, timeout_s: float) -> Entry:
         """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
 

@@ -7,6 +7,7 @@ last warmup and before ``torch.cuda.CUDAGraph()`` is created.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -189,10 +190,11 @@ class CaptureHook:
 
     def _first_call(self, specs: list[KernelSpec], start: float, report: HookReport) -> None:
         deadline = start + self.timeout_s
-        entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report))
-        loaded = self._step(report, "load", lambda: self._load(specs, entries))
-        report.loaded = len(loaded)
-        self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
+        with contextlib.ExitStack() as claims:  # what was found stays claimed until it is on the device
+            entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report, claims))
+            loaded = self._step(report, "load", lambda: self._load(specs, entries))
+            report.loaded = len(loaded)
+            self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
         self._drain_and_meet(report)
         guard.arm()
         if self.seal:
@@ -218,9 +220,13 @@ class CaptureHook:
         if self.barrier is not None:
             self._step(report, "barrier", self.barrier)
 
-    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport
-                      ) -> dict[KernelSpec, Any]:
-        """Step (1): return each spec's verified entry (None where this process cannot see a worker's build)."""
+    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport,
+                      claims: contextlib.ExitStack) -> dict[KernelSpec, Any]:
+        """Step (1): return each spec's verified entry (None where this process cannot see a worker's build).
+
+        The entries found in the cache are claimed in ``claims`` (one set stamp read for all of them, see
+        ``KernelCache.claim_all``); the loads claim them again at no cost.
+        """
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
             try:
@@ -228,9 +234,11 @@ class CaptureHook:
             except TimeoutError as exc:
                 raise WarmTimeout(str(exc)) from None
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
-        for spec in specs:
-            if entries.get(spec) is None:
-                entries[spec] = artifact(spec, self.cache).lookup(self.cache)
+        keys = {spec: artifact(spec, self.cache).key for spec in specs if entries.get(spec) is None}
+        if keys:
+            found = claims.enter_context(self.cache.claim_all(list(keys.values()),
+                                                              timeout_s=max(0.0, deadline - time.perf_counter())))
+            entries.update((spec, found[key]) for spec, key in keys.items())
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:

@@ -71,6 +71,20 @@ class BuiltCache:
     builds: int
 
 
+@pytest.fixture
+def file_hashes(monkeypatch):
+    """Count every file hash of the cache (the sha256 calls of ``jitwarm.cache.entry``)."""
+    import types
+
+    from workers.cache_harness import Sha256Counter
+
+    from jitwarm.cache import entry as entry_module
+
+    counter = Sha256Counter()
+    monkeypatch.setattr(entry_module, "hashlib", types.SimpleNamespace(sha256=counter.sha256))
+    return counter
+
+
 @pytest.fixture(scope="session")
 def kernel_caches(tmp_path_factory):
     """``get(backend, target)``: a cache holding every spec ``kernel_checks.correctness_cases`` checks there.

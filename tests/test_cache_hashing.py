@@ -1,41 +1,21 @@
 """Hashing once: each description once per process (``key=``), each file once on every publish path.
 
-sha256 calls are counted by replacing the ``hashlib`` that ``jitwarm.cache.entry`` (every file hash) and
-``jitwarm.cache.keys`` (every key) see with a counting wrapper.
+sha256 calls are counted by replacing the ``hashlib`` that ``jitwarm.cache.entry`` (every file hash, the
+``file_hashes`` fixture of conftest.py) and ``jitwarm.cache.keys`` (every key) see with a counting wrapper.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import types
 
 import pytest
-from workers.cache_harness import artifact_bytes, build_counts, cache_for, desc, make_builder
+from workers.cache_harness import (FILES_PER_ENTRY, Sha256Counter, artifact_bytes, build_counts, cache_for, desc,
+                                   make_builder)
 
 from jitwarm.cache import KernelCache
-from jitwarm.cache import entry as entry_module
 from jitwarm.cache import keys as keys_module
 
-FILES_PER_ENTRY = 2  # make_builder writes kernel.bin and meta/info.json
-
-
-class Sha256Counter:
-    """Stands in for the hashlib module of one cache module and counts sha256() calls."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def sha256(self, *args):
-        self.calls += 1
-        return hashlib.sha256(*args)
-
-
-@pytest.fixture
-def file_hashes(monkeypatch):
-    counter = Sha256Counter()
-    monkeypatch.setattr(entry_module, "hashlib", types.SimpleNamespace(sha256=counter.sha256))
-    return counter
 
 
 @pytest.fixture

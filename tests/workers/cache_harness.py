@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import subprocess
@@ -17,8 +18,22 @@ sys.path.insert(0, str(WORKER.parent))
 
 from cache_worker import REJECTED, artifact_bytes, desc  # noqa: E402
 
-__all__ = ["OTHER_USER", "REJECTED", "WORKER", "Workers", "artifact_bytes", "as_user", "build_counts", "cache_for",
-           "desc", "make_builder", "other_user", "shared_dir", "wait_for_file"]
+__all__ = ["FILES_PER_ENTRY", "OTHER_USER", "REJECTED", "WORKER", "Sha256Counter", "Workers", "artifact_bytes",
+           "as_user", "build_counts", "cache_for", "desc", "make_builder", "other_user", "shared_dir", "wait_for_file"]
+
+#: Files :func:`make_builder` writes: kernel.bin and meta/info.json.
+FILES_PER_ENTRY = 2
+
+
+class Sha256Counter:
+    """Stands in for the hashlib module of one cache module and counts sha256() calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sha256(self, *args):
+        self.calls += 1
+        return hashlib.sha256(*args)
 
 
 def make_builder(counter: Path, n: int, *, sleep: float = 0.0, extra: dict[str, bytes] | None = None):
