@@ -20,6 +20,7 @@ families; ``triton_jit``, ``sglang_jit`` for the server's recorded kernels), fou
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,6 +113,8 @@ def backend(name: str) -> Backend:
         ``name`` is not one of :data:`BACKEND_NAMES`.
 
     """
-    if name not in _MODULES:
+    module = _MODULES.get(name)
+    if module is None:
         raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
-    return importlib.import_module(_MODULES[name])  # type: ignore[return-value]
+    # sys.modules first: import_module costs microseconds even for a loaded module, per spec on the hook's path
+    return sys.modules.get(module) or importlib.import_module(module)  # type: ignore[return-value]

@@ -29,9 +29,14 @@ class CompileDuringCaptureError(RuntimeError):
 
 
 def stream_is_capturing() -> bool:
-    """True when torch is loaded, CUDA is available and the current stream is capturing."""
+    """True when torch is loaded, CUDA is initialized in this process and the current stream is capturing.
+
+    ``is_initialized``, not ``is_available``: no stream captures before CUDA is initialized; it is a flag,
+    where ``is_available`` asks the driver (twice per kernel on the capture hook's path); and asking for the
+    current stream of a process whose CUDA is not initialized would initialize it (a forked child fails).
+    """
     torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
-    if torch is None or not torch.cuda.is_available():
+    if torch is None or not torch.cuda.is_initialized():
         return False
     return bool(torch.cuda.is_current_stream_capturing())
 

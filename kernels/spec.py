@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +71,7 @@ class KernelSpec:
         """The params as a plain dict."""
         return dict(self.params)
 
-    @property
+    @functools.cached_property
     def id(self) -> str:
         """Stable readable identifier: ``family/backend/target/k=v,...``.
 
@@ -90,8 +92,11 @@ class KernelSpec:
         return cls(data["family"], data["backend"], data["target"], dict(data["params"]))
 
 
+_SEPARATORS = re.compile(r"[,=/ ]")
+
+
 def _readable(value: ParamValue) -> str:
     text = str(value)
-    if len(text) <= 64 and text.isprintable() and not any(c in text for c in ",=/ "):
+    if len(text) <= 64 and (type(value) is int or (text.isprintable() and not _SEPARATORS.search(text))):
         return text
     return "#" + hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError
-from jitwarm.kernels.families import family
+from jitwarm.kernels.families import Family, family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
 
@@ -70,7 +71,12 @@ def _check_spec(spec: KernelSpec) -> Target:
 def translation_unit(spec: KernelSpec) -> str:
     """Return the generated C++/CUDA source that instantiates and exports ``spec``'s kernel."""
     _check_spec(spec)
-    fam = family(spec)
+    return _unit(spec)
+
+
+def _unit(spec: KernelSpec, fam: Family | None = None) -> str:
+    """:func:`translation_unit` of a spec :func:`_check_spec` accepted (``fam``: its family, when at hand)."""
+    fam = fam or family(spec)
     source, kernel = fam.source, fam.cxx_kernel
     params: dict[str, Any] = spec.params_dict
     if "dtype" in params:
@@ -90,16 +96,35 @@ def translation_unit(spec: KernelSpec) -> str:
 def _family_source_digest(source: str) -> str:
     h = hashlib.sha256()
     for file in sorted((COMMON_HEADER, source)):
-        data = (CSRC / file).read_bytes()
+        data = _source_bytes(file)
         h.update(f"{file}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
 
 
+@functools.cache
+def _source_bytes(file: str) -> bytes:
+    """A file of ``csrc/``, read once per process (the common header is in every family's digest)."""
+    return (CSRC / file).read_bytes()
+
+
+def forget_sources() -> None:
+    """Read the sources again on the next digest (tests that edit ``csrc/``)."""
+    _source_bytes.cache_clear()
+    _family_source_digest.cache_clear()
+
+
 def source_digest(spec: KernelSpec) -> str:
     """sha256 over the contents (never the paths) of the family's sources and the generated unit."""
-    h = hashlib.sha256(_family_source_digest(family(spec).source).encode())
-    h.update(translation_unit(spec).encode())
+    _check_spec(spec)
+    return _source_digest(spec)
+
+
+def _source_digest(spec: KernelSpec) -> str:
+    """:func:`source_digest` of a spec :func:`_check_spec` accepted."""
+    fam = family(spec)
+    h = hashlib.sha256(_family_source_digest(fam.source).encode())
+    h.update(_unit(spec, fam).encode())
     return h.hexdigest()
 
 
@@ -156,12 +181,11 @@ def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
 
 def _binary_fact(exe: str, compiler: str) -> str:
     """``compiler-<digest of the binary's stat>``; for a script, ``script:<path>`` (process memo only)."""
-    real = os.path.realpath(exe)
-    with open(real, "rb") as f:
+    with open(exe, "rb") as f:  # through any symlinks (alternatives): the stat is the binary's own
         if f.read(2) == b"#!":
-            return f"script:{real}:{compiler}"
+            return f"script:{os.path.realpath(exe)}:{compiler}"
         st = os.fstat(f.fileno())
-    stamp = f"{real}\0{compiler}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    stamp = f"{exe}\0{compiler}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     return "compiler-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
 
 
@@ -177,12 +201,54 @@ def _probe(exe: str, compiler: str) -> str:
     return lines[0]
 
 
-@functools.cache
-def tvm_ffi_version() -> str:
-    """Installed apache-tvm-ffi version, read from package metadata (no import of tvm_ffi)."""
-    from importlib.metadata import version
+_versions: dict[str, str] = {}
 
-    return version("apache-tvm-ffi")
+
+def tvm_ffi_version(facts: Facts | None = None) -> str:
+    """Installed apache-tvm-ffi version, read from package metadata (no import of tvm_ffi).
+
+    Memoized per process and, with ``facts``, per installed package, as :func:`compiler_identity` keeps a
+    compiler's identity: the fact is named by the path, inode, size, mtime and ctime of the ``tvm_ffi``
+    package's ``__init__.py`` (found without importing it), which an upgrade or a reinstall rewrites.
+    Finding the distribution scans every ``sys.path`` entry, 0.15 ms of a fresh capture hook's 8.
+    """
+    name = _package_fact("tvm_ffi")
+    version = _versions.get(name) or (facts.read_fact(name) if facts is not None and name else None)
+    if version is None:
+        version = _metadata_version("apache-tvm-ffi")
+        if facts is not None and name:
+            facts.write_fact(name, version)
+    _versions[name] = version
+    return version
+
+
+def _package_fact(module: str) -> str:
+    """``tvm-ffi-<digest of the stat of module's __init__.py>``, or "" when it cannot be found (memo only)."""
+    try:
+        found = importlib.util.find_spec(module)
+        origin = found.origin if found is not None else None
+        st = os.stat(origin)  # type: ignore[arg-type]
+    except (ImportError, ValueError, TypeError, OSError):
+        return ""
+    stamp = f"{origin}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    return "tvm-ffi-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
+
+
+def _metadata_version(distribution_name: str) -> str:
+    """The ``Version:`` header of a distribution's METADATA.
+
+    Read directly: ``importlib.metadata.version`` parses the whole file (the long description too) with the
+    email parser, 0.35 ms more.
+    """
+    from importlib.metadata import distribution
+
+    dist = distribution(distribution_name)
+    for line in (dist.read_text("METADATA") or "").splitlines():
+        if not line:  # the end of the headers
+            break
+        if line.startswith("Version:"):
+            return line.partition(":")[2].strip()
+    return dist.version
 
 
 _toolchains: dict[tuple[Target, str, str | None], dict[str, Any]] = {}
@@ -199,7 +265,7 @@ def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
     if found is not None:
         return found
     host, nvcc = choice[1], choice[2]
-    fp: dict[str, Any] = {"host_compiler": compiler_identity(host, facts), "tvm_ffi": tvm_ffi_version(),
+    fp: dict[str, Any] = {"host_compiler": compiler_identity(host, facts), "tvm_ffi": tvm_ffi_version(facts),
                           "link": list(LINK_FLAGS)}
     if nvcc is not None:
         fp.update(compiler=compiler_identity(nvcc, facts), arch=target.name, flags=[*NVCC_FLAGS, *gencode(target)])
@@ -223,7 +289,7 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
     """
     target = _check_spec(spec)
     return {"family": spec.family, "backend": spec.backend, "target": spec.target,
-            "params": spec.params_dict, "sources": source_digest(spec), "toolchain": toolchain(target, facts)}
+            "params": spec.params_dict, "sources": _source_digest(spec), "toolchain": toolchain(target, facts)}
 
 
 def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:
@@ -281,7 +347,7 @@ def build(spec: KernelSpec, staging: Path) -> None:
 
 def check(spec: KernelSpec, staging: Path) -> None:
     """Load the library :func:`build` wrote (no device needed) and confirm it holds ``spec``; LoadError if not."""
-    _open(spec, Path(staging) / LIBRARY)
+    _open(spec, f"{staging}/{LIBRARY}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,7 +359,7 @@ class TvmKernel:
     """
 
     spec: KernelSpec
-    path: Path
+    path: str
     module: Any
     _run: Any
     _preload: Any
@@ -320,15 +386,15 @@ def load(spec: KernelSpec, entry: Any) -> TvmKernel:
     """
     if LIBRARY not in entry.files:
         raise LoadError(f"{spec.id}: cache entry {entry.path} has no {LIBRARY} (files: {list(entry.files)})")
-    return _open(spec, Path(entry.path) / LIBRARY)
+    return _open(spec, f"{entry.path}/{LIBRARY}")
 
 
-def _open(spec: KernelSpec, path: Path) -> TvmKernel:
+def _open(spec: KernelSpec, path: str) -> TvmKernel:
     """Dlopen ``path`` through tvm-ffi and check the spec it was built for."""
     import tvm_ffi
 
     try:
-        module = tvm_ffi.load_module(str(path))
+        module = tvm_ffi.load_module(path)
         built_for = str(module["spec_id"]())
         functions = module["run"], module["preload"]
     except Exception as exc:  # tvm-ffi raises RuntimeError / AttributeError for a library it cannot use

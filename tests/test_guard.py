@@ -80,7 +80,7 @@ def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypa
     ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=4)  # loaded before capture
     before = dispatch.counters()
     assert before["loads"] == 1
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the GPU, mocked: a stream is capturing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not guard_module.is_armed()
     p = ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=4)  # a hit runs inside capture

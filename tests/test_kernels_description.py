@@ -46,16 +46,16 @@ def test_source_digest_is_of_contents_not_paths(tmp_path, monkeypatch):
     copy = tmp_path / "csrc"
     shutil.copytree(tvm_backend.CSRC, copy)
     monkeypatch.setattr(tvm_backend, "CSRC", copy)
-    tvm_backend._family_source_digest.cache_clear()
+    tvm_backend.forget_sources()
     try:
         assert tvm_backend.source_digest(ROPE) == before  # same bytes elsewhere: same digest
         with (copy / "common.cuh").open("a") as f:
             f.write("\n// an edit\n")
-        tvm_backend._family_source_digest.cache_clear()
+        tvm_backend.forget_sources()
         assert tvm_backend.source_digest(ROPE) != before
         assert tvm_backend.source_digest(PLAN) != before
     finally:
-        tvm_backend._family_source_digest.cache_clear()
+        tvm_backend.forget_sources()
 
 
 @pytest.mark.parametrize("params", [

@@ -66,6 +66,29 @@ def test_a_compilers_identity_is_kept_until_its_binary_changes(tmp_path):
     assert jitwarm("status", *TINY, "--cache-dir", root, env=env).returncode == 0
 
 
+def test_the_tvm_ffi_version_is_kept_until_its_package_changes(tmp_path, monkeypatch):
+    from importlib.metadata import version
+
+    root = str(tmp_path / "cache")
+    assert jitwarm("warm", *TINY, "--cache-dir", root).returncode == 0
+    (fact,) = (tmp_path / "cache" / "v1" / "facts").glob("tvm-ffi-*.json")
+    assert json.loads(fact.read_text())["value"] == version("apache-tvm-ffi")
+    # the next processes take it from the cache, not from the package metadata: a forged one changes the keys
+    fact.write_text(json.dumps({"value": "0.0.0"}))
+    assert jitwarm("status", *TINY, "--cache-dir", root).returncode == 5
+    fact.unlink()
+    assert jitwarm("status", *TINY, "--cache-dir", root).returncode == 0
+    # the fact is named by the package's __init__.py: another file (a reinstall, an upgrade) is another fact
+    package = tmp_path / "site" / "jitwarm_probe_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    before = tvm_backend._package_fact("jitwarm_probe_pkg")
+    (package / "__init__.py").write_text("# reinstalled\n")
+    assert before.startswith("tvm-ffi-") and tvm_backend._package_fact("jitwarm_probe_pkg") not in ("", before)
+    assert tvm_backend._package_fact("jitwarm_no_such_package") == ""
+
+
 @tvm_ffi
 def test_a_library_that_cannot_be_loaded_is_never_published(tmp_path):
     # exits 0 but writes garbage where the shared library should be
