@@ -237,7 +237,7 @@ def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | No
                 if not stat.S_ISDIR(dst.st_mode):
                     return None
                 check_trusted(f"{where}/{folder}", "cache entry directory", allow_shared=allow_shared, st=dst)
-            if set(os.listdir(f"{where}/{folder}")) != names:
+            if set(os.listdir(f"{where}/{folder}")) != names:  # noqa: PTH208 - plain strings on the hot path
                 return None
         for item in stamped.signature:
             name = f"{where}/{item[0]}"

@@ -155,7 +155,7 @@ class LocalCache:
         OSError when it cannot be lstat'ed).
         """
         self.check_root(layout)
-        parent = os.path.dirname(path)
+        parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
         shard = os.lstat(parent)
         if not stat.S_ISDIR(shard.st_mode):
             return False
@@ -319,16 +319,11 @@ class LocalCache:
     def _claim_stamped(self, key: str, doc: dict[str, Any] | None, held: contextlib.ExitStack,
                        timeout_s: float) -> Entry | None:
         """The copy of ``key`` the set stamp names, claimed in ``held``, if it is still exactly that copy."""
-        if doc is None:
+        where = self._stamped_copy(key, doc) if doc is not None else None
+        if where is None:
             return None
-        for layout, read_only in self.search_order():
-            path = layout.entry_dir(key)
-            if doc.get("path") == os.fspath(path):
-                break
-            if os.path.lexists(path):
-                return None  # a copy that comes first in the search order, and the stamp is not of it
-        else:
-            return None
+        layout, read_only = where
+        path = layout.entry_dir(key)
         stamped = stamp_entry(doc, path, key, read_only)
         if stamped is None:
             return None
@@ -352,6 +347,16 @@ class LocalCache:
         self._known(stamped, st)
         self._touch(stamped)
         return stamped
+
+    def _stamped_copy(self, key: str, doc: dict[str, Any]) -> tuple[RootLayout, bool] | None:
+        """``(layout, read_only)`` of the copy a stamp names, if it is the one :meth:`lookup` would look at first."""
+        for layout, read_only in self.search_order():
+            path = layout.entry_dir(key)
+            if doc.get("path") == os.fspath(path):
+                return layout, read_only
+            if os.path.lexists(path):
+                return None  # a copy that comes first in the search order, and the stamp is not of it
+        return None
 
     def _claim_looked_up(self, key: str, held: contextlib.ExitStack, timeout_s: float) -> Entry | None:
         """Look ``key`` up and claim its entry in ``held``; None for a miss (or one that keeps vanishing)."""

@@ -128,7 +128,7 @@ def prune_stamps(root: RootLayout) -> None:
                 stamps = [item.path for item in it if item.name.endswith(".json")]
         except OSError:
             continue
-        is_set = os.path.basename(shard) == "sets"
+        is_set = Path(shard).name == "sets"
         for stamp in stamps:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
                 doc = read_json(stamp, MAX_SET_STAMP_BYTES if is_set else MAX_STAMP_BYTES)

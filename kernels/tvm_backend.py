@@ -227,7 +227,7 @@ def _package_fact(module: str) -> str:
     try:
         found = importlib.util.find_spec(module)
         origin = found.origin if found is not None else None
-        st = os.stat(origin)  # type: ignore[arg-type]
+        st = Path(origin).stat()  # type: ignore[arg-type]
     except (ImportError, ValueError, TypeError, OSError):
         return ""
     stamp = f"{origin}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"

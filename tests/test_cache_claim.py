@@ -8,19 +8,14 @@ flock on the key's lock file, which the exclusive try-lock of prune and quaranti
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from workers.cache_harness import artifact_bytes, cache_for, desc, make_builder, wait_for_file
+from workers.cache_harness import artifact_bytes, cache_for, desc, make_builder, pruning
 
 from jitwarm.cache import CacheError, KernelCache, LockTimeout
 from jitwarm.cache.locks import KeyLock
-
-PRUNER = Path(__file__).with_name("workers") / "cache_pruner.py"
 
 
 def _load(entry) -> None:
@@ -130,15 +125,12 @@ def test_claims_in_read_only_caches_and_layers(tmp_path):
 
 def test_prune_loop_against_claim_and_load_loop(tmp_path):
     """A process prunes to nothing in a loop; this one gets, claims and loads in a loop: no load ever fails."""
-    root, counter, stop, ready = tmp_path / "root", tmp_path / "c", tmp_path / "stop", tmp_path / "ready"
+    root, counter = tmp_path / "root", tmp_path / "c"
     cache = cache_for(root)
     for n in range(3):
         cache.get_or_build(desc(n), make_builder(counter, n))
-    pruner = subprocess.Popen([sys.executable, str(PRUNER), str(root), str(stop), str(ready)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     loads, vanished, claimed_keys = 0, 0, set()
-    try:
-        wait_for_file(ready)
+    with pruning(root, tmp_path) as report:
         deadline = time.monotonic() + 60
         while loads < 300 and time.monotonic() < deadline:
             n = loads % 3
@@ -152,11 +144,6 @@ def test_prune_loop_against_claim_and_load_loop(tmp_path):
                 _load(claimed)
                 claimed_keys.add(claimed.key)
             loads += 1
-    finally:
-        stop.touch()
-        stdout, stderr = pruner.communicate(timeout=60)
-    report = json.loads(stdout.strip().splitlines()[-1])
-    assert pruner.returncode == 0 and report["errors"] == [], stderr
     assert loads == 300
     assert report["removed"] > 0, report  # prune did remove entries between the loads ...
     assert set(report["skipped_locked"]) & claimed_keys, report  # ... and kept the claimed ones

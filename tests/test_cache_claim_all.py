@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from workers.cache_harness import (FILES_PER_ENTRY, artifact_bytes, as_user, build_counts, cache_for, desc,
-                                   make_builder, other_user, shared_dir, wait_for_file)
+from workers.cache_harness import (
+    FILES_PER_ENTRY,
+    artifact_bytes,
+    as_user,
+    build_counts,
+    cache_for,
+    desc,
+    make_builder,
+    other_user,
+    pruning,
+    shared_dir,
+)
 
 from jitwarm.cache import KernelCache, LockTimeout, bounded, stamps
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock
-
-PRUNER = Path(__file__).with_name("workers") / "cache_pruner.py"
 
 
 @pytest.fixture
@@ -252,29 +258,20 @@ def test_prune_removes_the_set_stamps_of_removed_entries(warm):
 
 def test_prune_loop_against_claim_all_and_load_loop(tmp_path):
     """A process prunes to nothing in a loop; this one claims all three keys and loads them: no load fails."""
-    root, counter, stop, ready = tmp_path / "root", tmp_path / "c", tmp_path / "stop", tmp_path / "ready"
+    root, counter = tmp_path / "root", tmp_path / "c"
     cache = cache_for(root)
     keys = [cache.get_or_build(desc(n), make_builder(counter, n)).key for n in range(3)]
-    pruner = subprocess.Popen([sys.executable, str(PRUNER), str(root), str(stop), str(ready)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rounds = 0
-    try:
-        wait_for_file(ready)
+    with pruning(root, tmp_path) as report:
         deadline = time.monotonic() + 60
         while rounds < 100 and time.monotonic() < deadline:
             with cache.claim_all(keys, timeout_s=30) as found:
                 for n, key in enumerate(keys):
-                    entry = found[key]
-                    if entry is None:  # pruned before the claim: build it again, as the hook's build policy does
+                    if found[key] is None:  # pruned before the claim: built again, as the hook's build policy does
                         cache.get_or_build(desc(n), make_builder(counter, n), timeout_s=30)
                         continue
                     time.sleep(0.001)  # loading takes a while: prune runs meanwhile, and must keep it
-                    assert entry.file("kernel.bin").read_bytes() == artifact_bytes(n)
+                    assert found[key].file("kernel.bin").read_bytes() == artifact_bytes(n)
             rounds += 1
-    finally:
-        stop.touch()
-        stdout, stderr = pruner.communicate(timeout=60)
-    report = json.loads(stdout.strip().splitlines()[-1])
-    assert pruner.returncode == 0 and report["errors"] == [], stderr
     assert rounds == 100 and report["removed"] > 0 and report["skipped_locked"], report
     assert sum(build_counts(counter).values()) > 3  # prune did remove entries between the rounds

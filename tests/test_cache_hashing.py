@@ -10,12 +10,18 @@ import collections
 import types
 
 import pytest
-from workers.cache_harness import (FILES_PER_ENTRY, Sha256Counter, artifact_bytes, build_counts, cache_for, desc,
-                                   make_builder)
+from workers.cache_harness import (
+    FILES_PER_ENTRY,
+    Sha256Counter,
+    artifact_bytes,
+    build_counts,
+    cache_for,
+    desc,
+    make_builder,
+)
 
 from jitwarm.cache import KernelCache
 from jitwarm.cache import keys as keys_module
-
 
 
 @pytest.fixture
