@@ -5,19 +5,21 @@ the listing and every file's inode, size, mtime and ctime are still those that w
 docs/cache.md, "What is verified, and when"). Stamps live in ``<root>/v1/verified/<kk>/<key>-<where>.json``,
 one per entry, and ``<root>/v1/verified/sets/<digest>.json``, one for a set of keys that are claimed
 together (a capture hook's plan: one file to read instead of one per key), where only this user can write.
-A stamp is a hint: one that is missing, unreadable, planted or stale costs a full hash, never a wrong answer.
+A stamp starts with the sha256 of its own body. A stamp is a hint: one that is missing, unreadable, damaged,
+planted or stale costs a full hash, never a wrong answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.bounded import loads, read_file_stat, read_json
+from jitwarm.cache.bounded import loads, read_file_stat
 from jitwarm.cache.durable import write_atomic
 from jitwarm.cache.entry import MANIFEST, Entry, FileRecord, is_safe_relpath, recheck_entry
 from jitwarm.cache.keys import is_key
@@ -50,10 +52,7 @@ def stamped_set(root: RootLayout, keys: Sequence[str], *, allow_shared: bool) ->
     Empty when there is none, or it is not ours, not a regular file, too large or malformed.
     """
     try:
-        data, fst = read_file_stat(root.set_stamp_path(keys), MAX_SET_STAMP_BYTES)
-        if untrusted_reason(fst) and not allow_shared:
-            return {}
-        docs = loads(data)["entries"]
+        docs = _read(root.set_stamp_path(keys), MAX_SET_STAMP_BYTES, allow_shared=allow_shared)["entries"]
         return {key: docs[key] for key in keys if isinstance(docs.get(key), dict)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
@@ -68,11 +67,27 @@ def _doc(entry: Entry) -> dict[str, Any]:
 
 def _write(root: RootLayout, path: Path, doc: dict[str, Any], max_bytes: int) -> None:
     with contextlib.suppress(OSError, ValueError):  # a stamp only saves the next process a hash
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
         if len(data) > max_bytes:
             return  # too large to keep twice: those entries are hashed on every first sight
         root.ensure(path.parent)
         write_atomic(path, data, durable=False)
+
+
+def _read(path: Path | str, max_bytes: int, *, allow_shared: bool) -> Any:
+    """The document of the stamp at ``path``; ValueError when it is damaged, OSError when it is not ours.
+
+    A stamp starts with the sha256 of the rest: it holds manifest content (a description a loader reads), so
+    a stamp damaged on disk must be ignored, never read as a wrong answer.
+    """
+    data, st = read_file_stat(path, max_bytes)
+    if untrusted_reason(st) and not allow_shared:
+        raise OSError(f"{path}: not this user's")
+    digest, _, body = data.partition(b"\n")
+    if hashlib.sha256(body).hexdigest().encode() != digest:
+        raise ValueError(f"{path}: damaged")
+    return loads(body)
 
 
 def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool,
@@ -84,10 +99,8 @@ def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool,
     ignored. Raises ``CacheError`` only for an untrusted entry.
     """
     try:
-        data, fst = read_file_stat(root.stamp_path(path, key), MAX_STAMP_BYTES)
-        if untrusted_reason(fst) and not allow_shared:
-            return None
-        stamped = stamp_entry(loads(data), path, key, read_only)
+        stamped = stamp_entry(_read(root.stamp_path(path, key), MAX_STAMP_BYTES, allow_shared=allow_shared), path,
+                              key, read_only)
     except (OSError, ValueError):
         return None
     return None if stamped is None else recheck_entry(stamped, allow_shared=allow_shared, st=st)
@@ -121,7 +134,10 @@ def stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | N
 
 
 def prune_stamps(root: RootLayout) -> None:
-    """Delete the stamps naming an entry directory that is gone (a stale one only costs a file); never raises."""
+    """Delete the stamps naming an entry directory that is gone, and those that are damaged; never raises.
+
+    A stale stamp only costs a file; one that cannot be read (another user's, a FIFO) is left alone.
+    """
     for shard in _subdirs(root.stamps):
         try:
             with os.scandir(shard) as it:
@@ -130,10 +146,16 @@ def prune_stamps(root: RootLayout) -> None:
             continue
         is_set = Path(shard).name == "sets"
         for stamp in stamps:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
-                doc = read_json(stamp, MAX_SET_STAMP_BYTES if is_set else MAX_STAMP_BYTES)
+            try:
+                doc = _read(stamp, MAX_SET_STAMP_BYTES if is_set else MAX_STAMP_BYTES, allow_shared=False)
                 docs = doc["entries"].values() if is_set else [doc]
-                if not all(os.path.lexists(d["path"]) for d in docs):
+                useless = not all(os.path.lexists(d["path"]) for d in docs)
+            except OSError:
+                continue
+            except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or of an older layout
+                useless = True
+            if useless:
+                with contextlib.suppress(OSError):
                     Path(stamp).unlink()
 
 

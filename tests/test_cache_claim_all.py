@@ -7,6 +7,7 @@ checks its stat signature; every answer must still be the one ``lookup`` + ``cla
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -190,32 +191,66 @@ def test_a_read_only_cache_claims_all_and_writes_no_set_stamp(warm):
     assert set_stamps(root) == []
 
 
-@pytest.mark.parametrize("planted", ["deep", "garbage", "wrong_shapes", "fifo", "symlink"])
+def plant(path: Path, body: bytes) -> None:
+    """Write a stamp file as the cache does, its body's sha256 first: what a planted stamp must look like to be read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def stamp_doc(entry) -> dict:
+    return {"path": str(entry.path), "signature": [x for item in entry.signature for x in item],
+            "files": [x for r in entry.records for x in (r.path, r.size, r.sha256)], "created": entry.created,
+            "preimage": entry.preimage}
+
+
+@pytest.mark.parametrize("planted", ["deep", "garbage", "wrong_shapes", "no_digest", "fifo", "symlink"])
 def test_a_planted_or_malformed_set_stamp_is_ignored(warm, planted):
     root, entries, keys = warm
-    stamp = root / "v1" / "verified" / "sets" / "x"
     path = set_stamp_path(root, keys)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if planted == "deep":
-        path.write_text("[" * 100_000 + "]" * 100_000)
+    if planted == "deep":  # with a right digest: the depth bound still refuses it
+        plant(path, b"[" * 100_000 + b"]" * 100_000)
     elif planted == "garbage":
-        path.write_bytes(b"\x00\xff{not json")
+        plant(path, b"\x00\xff{not json")
     elif planted == "wrong_shapes":
         doc = {"entries": {keys[0]: {"path": str(entries[0].path), "signature": [[1, 2]], "files": "x",
                                       "created": "soon", "preimage": []},
                            keys[1]: {"path": str(entries[1].path), "signature": ["entry.json", [], 0, 0, 0],
                                      "files": [], "created": 0, "preimage": {"description": {}}},
                            keys[2]: [1, 2, 3]}}
-        path.write_text(json.dumps(doc))
+        plant(path, json.dumps(doc).encode())
+    elif planted == "no_digest":  # a right document, as an older layout (or a careless hand) wrote it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"entries": {e.key: stamp_doc(e) for e in entries}}))
     elif planted == "fifo":
+        path.parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(path)
     else:
-        stamp.write_text("{}")
-        path.symlink_to(stamp)
+        plant(path.with_name("x"), json.dumps({"entries": {e.key: stamp_doc(e) for e in entries}}).encode())
+        path.symlink_to(path.with_name("x"))
     start = time.monotonic()
     with cache_for(root).claim_all(keys) as found:  # answered by lookups (per-entry stamps) instead
         assert [found[k] for k in keys] == entries
     assert time.monotonic() - start < 5  # a FIFO never blocks
+
+
+def test_a_damaged_stamp_is_never_read_as_a_wrong_description(warm, file_hashes):
+    """A stamp holds the description a loader reads: a flipped byte in it must cost a hash, not mislead."""
+    root, entries, keys = warm
+    with cache_for(root).claim_all(keys):
+        pass
+    damaged = []
+    for stamp in [*entry_stamps(root), *set_stamps(root)]:
+        data = stamp.read_bytes()
+        if b'"n":1' in data:  # entry 1's stamp and the set stamp
+            stamp.write_bytes(data.replace(b'"n":1', b'"n":7'))  # still JSON, another description
+            damaged.append(stamp)
+    assert len(damaged) == 2
+    before = file_hashes.calls
+    fresh = cache_for(root)
+    with fresh.claim_all(keys) as found:
+        assert [found[k] for k in keys] == entries and found[keys[1]].description == desc(1)
+    assert fresh.lookup(keys[1]).description == desc(1)
+    assert file_hashes.calls == before + FILES_PER_ENTRY  # the damaged entry's stamps ignored: hashed in full
 
 
 def test_another_users_set_stamp_is_ignored(tmp_path, file_hashes):
@@ -229,10 +264,8 @@ def test_another_users_set_stamp_is_ignored(tmp_path, file_hashes):
     path = set_stamp_path(root, keys)
     path.parent.mkdir(parents=True, exist_ok=True)
     (root / "v1" / "verified" / "sets").chmod(0o1777)  # a sticky dir another user can add to
-    doc = {"entries": {e.key: {"path": str(e.path), "signature": [x for item in e.signature for x in item],
-                               "files": [x for r in e.records for x in (r.path, r.size, r.sha256)],
-                               "created": e.created, "preimage": e.preimage} for e in entries}}
-    as_user(user, path.write_text, json.dumps(doc))
+    body = json.dumps({"entries": {e.key: stamp_doc(e) for e in entries}}).encode()
+    as_user(user, path.write_bytes, hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
     assert path.stat().st_uid == user.pw_uid
     for stamp in entry_stamps(root):
         stamp.unlink()
@@ -254,6 +287,18 @@ def test_prune_removes_the_set_stamps_of_removed_entries(warm):
         cache_for(root).prune(max_bytes=0)
     remaining = set_stamps(root)
     assert len(remaining) == 1 and keys[2] in remaining[0].read_text()
+
+
+def test_prune_deletes_damaged_stamps_and_keeps_good_ones(warm):
+    root, _entries, keys = warm
+    with cache_for(root).claim_all(keys):
+        pass
+    (damaged,) = set_stamps(root)
+    damaged.write_bytes(damaged.read_bytes()[:-2] + b"]}")
+    good = entry_stamps(root)
+    assert len(good) == 3
+    assert cache_for(root).prune(older_than_s=10**9).removed == ()
+    assert set_stamps(root) == [] and sorted(entry_stamps(root)) == sorted(good)
 
 
 def test_prune_loop_against_claim_all_and_load_loop(tmp_path):
