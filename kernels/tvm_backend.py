@@ -140,7 +140,12 @@ def cxx_compiler() -> str:
 
 def nvcc_compiler() -> str:
     """nvcc: ``$CUDA_HOME/bin/nvcc`` when that exists, else the ``nvcc`` on PATH."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return _nvcc_in(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"))
+
+
+@functools.lru_cache(maxsize=8)
+def _nvcc_in(home: str | None) -> str:
+    """:func:`nvcc_compiler` for one ``$CUDA_HOME``, looked for once (every CUDA description asks)."""
     if home and (Path(home) / "bin" / "nvcc").is_file():
         return str(Path(home) / "bin" / "nvcc")
     return "nvcc"
