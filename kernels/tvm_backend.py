@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ def _nvcc_in(home: str | None) -> str:
     return "nvcc"
 
 
-_identities: dict[str, str] = {}
+#: Facts derived from this host's toolchain, memoized per process by name (see :func:`_kept`).
+_derived: dict[str, str] = {}
 
 
 def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
@@ -173,25 +175,11 @@ def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
         hint = (" (nvcc is looked for in $CUDA_HOME/bin, default /usr/local/cuda, then on PATH: set CUDA_HOME)"
                 if "nvcc" in Path(compiler).name else " (set CXX to the host C++ compiler)")
         raise ToolchainError(f"compiler {compiler!r} not found{hint}")
-    name = _binary_fact(exe, compiler)
-    kept = facts is not None and name.startswith("compiler-")
-    identity = _identities.get(name) or (facts.read_fact(name) if kept else None)
-    if identity is None:
-        identity = _probe(exe, compiler)
-        if kept:
-            facts.write_fact(name, identity)
-    _identities[name] = identity
-    return identity
-
-
-def _binary_fact(exe: str, compiler: str) -> str:
-    """``compiler-<digest of the binary's stat>``; for a script, ``script:<path>`` (process memo only)."""
     with open(exe, "rb") as f:  # through any symlinks (alternatives): the stat is the binary's own
         if f.read(2) == b"#!":
-            return f"script:{os.path.realpath(exe)}:{compiler}"
+            return _kept(f"script:{os.path.realpath(exe)}:{compiler}", None, lambda: _probe(exe, compiler))
         st = os.fstat(f.fileno())
-    stamp = f"{exe}\0{compiler}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    return "compiler-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
+    return _kept(_stat_name("compiler", f"{exe}\0{compiler}", st), facts, lambda: _probe(exe, compiler))
 
 
 def _probe(exe: str, compiler: str) -> str:
@@ -206,9 +194,6 @@ def _probe(exe: str, compiler: str) -> str:
     return lines[0]
 
 
-_versions: dict[str, str] = {}
-
-
 def tvm_ffi_version(facts: Facts | None = None) -> str:
     """Installed apache-tvm-ffi version, read from package metadata (no import of tvm_ffi).
 
@@ -218,13 +203,7 @@ def tvm_ffi_version(facts: Facts | None = None) -> str:
     Finding the distribution scans every ``sys.path`` entry, 0.15 ms of a fresh capture hook's 8.
     """
     name = _package_fact("tvm_ffi")
-    version = _versions.get(name) or (facts.read_fact(name) if facts is not None and name else None)
-    if version is None:
-        version = _metadata_version("apache-tvm-ffi")
-        if facts is not None and name:
-            facts.write_fact(name, version)
-    _versions[name] = version
-    return version
+    return _kept(name, facts if name else None, lambda: _metadata_version("apache-tvm-ffi"))
 
 
 def _package_fact(module: str) -> str:
@@ -235,8 +214,24 @@ def _package_fact(module: str) -> str:
         st = Path(origin).stat()  # type: ignore[arg-type]
     except (ImportError, ValueError, TypeError, OSError):
         return ""
-    stamp = f"{origin}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    return "tvm-ffi-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
+    return _stat_name("tvm-ffi", origin, st)
+
+
+def _stat_name(prefix: str, label: str, st: os.stat_result) -> str:
+    """``<prefix>-<digest>``: a fact's name, from the file it derives from (``label`` names it) and its stat."""
+    stamp = f"{label}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    return f"{prefix}-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
+
+
+def _kept(name: str, facts: Facts | None, probe: Callable[[], str]) -> str:
+    """The fact ``name``: memoized in this process, else read from ``facts``, else ``probe()``d and kept in both."""
+    value = _derived.get(name) or (facts.read_fact(name) if facts is not None else None)
+    if value is None:
+        value = probe()
+        if facts is not None:
+            facts.write_fact(name, value)
+    _derived[name] = value
+    return value
 
 
 def _metadata_version(distribution_name: str) -> str:
