@@ -93,10 +93,8 @@ def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
             raise ValueError(f"JSON nested deeper than {max_depth} levels")
         inner: list[Any] = []
         for value in level:
-            if type(value) is dict:
-                inner.extend(child for child in value.values() if type(child) is dict or type(child) is list)
-            elif type(value) is list:
-                inner.extend(child for child in value if type(child) is dict or type(child) is list)
+            children = value.values() if type(value) is dict else value if type(value) is list else ()
+            inner.extend(child for child in children if type(child) is dict or type(child) is list)
         level = inner
     return doc
 

@@ -242,7 +242,7 @@ def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | No
         for item in stamped.signature:
             name = f"{where}/{item[0]}"
             fst = os.lstat(name)
-            if (item[0], fst.st_ino, fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns) != item:
+            if _sig_item(item[0], fst) != item:
                 return None
             check_trusted(name, "cache entry file", allow_shared=allow_shared, st=fst)
     except OSError:
@@ -252,9 +252,6 @@ def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | No
 
 def _listing(signature: Signature) -> dict[str, set[str]]:
     """The names each directory of an entry holds, by its path relative to the entry ("" for the entry itself)."""
-    names = [item[0] for item in signature]
-    if not any("/" in name for name in names):
-        return {"": set(names)}
     folders: dict[str, set[str]] = {"": set()}
     for item in signature:
         parts = item[0].split("/")

@@ -55,13 +55,13 @@ class LocalCache:
 
     Contract: :meth:`lookup` returns an entry only after this host hashed its files (this instance, verifying
     or publishing it; or an earlier one, whose stamp says so), only while their stat signature and listing
-    are unchanged since, and never one :meth:`discard`
-    rejected; it returns None for a missing, corrupt (including unreadable, or not a directory) or rejected
-    entry and raises ``CacheError`` only for a directory other users can write; quarantine and stamps are
-    best effort and never raise. :meth:`get_or_build` runs ``build`` only under the key's lock, and raises
-    ``CacheWriteError`` for what it cannot write. :meth:`claim` holds the key's lock shared, and
-    :meth:`claim_all` does so for each entry it returns, answering as :meth:`lookup` would. The callers
-    (:class:`~jitwarm.cache.KernelCache`) check keys and the read-only flag first.
+    are unchanged since, and never one :meth:`discard` rejected; it returns None for a missing, corrupt
+    (including unreadable, or not a directory) or rejected entry and raises ``CacheError`` only for a
+    directory other users can write; quarantine and stamps are best effort and never raise.
+    :meth:`get_or_build` runs ``build`` only under the key's lock, and raises ``CacheWriteError`` for what it
+    cannot write. :meth:`claim` holds the key's lock shared, and :meth:`claim_all` does so for each entry it
+    returns, answering as :meth:`lookup` would. The callers (:class:`~jitwarm.cache.KernelCache`) check keys
+    and the read-only flag first.
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
@@ -92,13 +92,13 @@ class LocalCache:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
                 entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
-            if entry is not None and not (self._rejected and self._was_rejected(entry)):
+            if entry is not None and not self._was_rejected(entry):
                 self._touch(entry)
                 return entry
         return None
 
     def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
-               repair: bool = True) -> tuple[Entry | None, str | None]:
+                   repair: bool = True) -> tuple[Entry | None, str | None]:
         """Verify one copy: ``(entry, None)``, ``(None, why)`` if corrupt (quarantined or skipped), or a miss.
 
         With ``stamped``, an entry this host hashed before and whose files are unchanged since (its stamp
@@ -136,7 +136,7 @@ class LocalCache:
         return entry, None
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
-                   repair: bool) -> tuple[Entry | None, str | None]:
+                  repair: bool) -> tuple[Entry | None, str | None]:
         """A shard path that is no usable directory: every key of it is corrupt until it is moved aside."""
         why = shard_problem(shard)
         if why is None:
@@ -164,6 +164,8 @@ class LocalCache:
 
     def _was_rejected(self, entry: Entry) -> bool:
         """Whether :meth:`discard` rejected this very entry (its path and signature)."""
+        if not self._rejected:  # nearly always: no lock, no hash of the signature
+            return False
         with self._mutex:
             return (entry.path, entry.signature) in self._rejected
 
@@ -270,7 +272,7 @@ class LocalCache:
     @contextlib.contextmanager
     def claim(self, entry: Entry, timeout_s: float) -> Iterator[Entry | None]:
         """Hold a shared lock on ``entry``'s key while the caller reads it; see :meth:`KernelCache.claim`."""
-        if self._rejected and self._was_rejected(entry):
+        if self._was_rejected(entry):
             yield None
             return
         if entry.path != self.root.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
@@ -338,7 +340,7 @@ class LocalCache:
                         and recheck_entry(stamped, allow_shared=self.allow_shared, st=st) is not None)
         except OSError:
             accepted = False
-        if not accepted or (self._rejected and self._was_rejected(stamped)):
+        if not accepted or self._was_rejected(stamped):
             if claim is not None:
                 claim.release()
             return None
@@ -546,6 +548,7 @@ class LocalCache:
             return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
+
 
 def _refresh_dir(path: Path) -> None:
     """List ``path`` to make an NFS client revalidate its cached view of the directory."""
