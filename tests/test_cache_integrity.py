@@ -87,13 +87,20 @@ def test_entry_under_the_wrong_key_is_rejected(tmp_path):
     assert moved.name in report.corrupt and "key" in report.corrupt[moved.name]
 
 
-def test_verify_reports_ok_corrupt_missing(tmp_path):
+@pytest.fixture
+def good_and_bad(tmp_path):
+    """A root with two entries, the second with a flipped byte: ``(root, good, bad)``."""
     root = tmp_path / "root"
     cache = cache_for(root)
     good = cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
     bad = cache.get_or_build(desc(1), make_builder(tmp_path / "c", 1))
     corrupt(bad, "flip_byte")
-    absent = cache.key(desc(2))
+    return root, good, bad
+
+
+def test_verify_reports_ok_corrupt_missing(good_and_bad):
+    root, good, bad = good_and_bad
+    absent = cache_for(root).key(desc(2))
 
     report = cache_for(root).verify([good.key, bad.key, absent], repair=True)
     assert report.ok == (good.key,)
@@ -128,13 +135,9 @@ def test_read_only_cache_skips_corrupt_root_entry(tmp_path):
     assert entry.path.exists(), "a read-only cache never moves anything"
 
 
-def test_verify_only_looks_unless_asked_to_repair(tmp_path):
+def test_verify_only_looks_unless_asked_to_repair(good_and_bad):
     """``jitwarm status`` and ``verify`` without ``--repair`` call verify(repair=False): nothing on disk changes."""
-    root = tmp_path / "root"
-    cache = cache_for(root)
-    good = cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
-    bad = cache.get_or_build(desc(1), make_builder(tmp_path / "c", 1))
-    corrupt(bad, "flip_byte")
+    root, good, bad = good_and_bad
     for stamp in (root / "v1" / "verified").rglob("*.json"):
         stamp.unlink()
     before = sorted((str(p), p.lstat().st_mtime_ns) for p in root.rglob("*"))
