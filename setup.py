@@ -1,12 +1,21 @@
 """Packaging for jitwarm: three top-level folders installed under the ``jitwarm`` namespace."""
+from pathlib import Path
+
 from setuptools import setup
 
-PACKAGES = {
+ROOTS = {
     "jitwarm": "jitwarm",  # a namespace holding only __main__.py: `python -m jitwarm`
     "jitwarm.precompile": "precompile",
     "jitwarm.kernels": "kernels",
     "jitwarm.cache": "cache",
 }
+# Each server and JIT library is a subpackage of its layer (precompile/servers/sglang, kernels/libraries/triton):
+# list every folder with an __init__.py, so a new room needs no edit here.
+PACKAGES = dict(ROOTS)
+for name, folder in ROOTS.items():
+    for init in sorted(Path(folder).glob("*/**/__init__.py")):
+        sub = init.parent.relative_to(folder)
+        PACKAGES[".".join((name, *sub.parts))] = str(init.parent)
 
 setup(
     name="jitwarm",

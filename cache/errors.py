@@ -1,14 +1,54 @@
-"""Exceptions raised by the kernel cache."""
+"""The one error root of jitwarm, and the exceptions the kernel cache raises.
+
+Every error jitwarm raises on purpose is a :class:`JitwarmError`: it carries the exit code a command line ends
+with and a hint for the operator, so the CLI maps errors by type alone. It lives in the lowest layer so that
+``cache``, ``kernels`` and ``precompile`` can all derive from it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from jitwarm.cache.locks import LockHolder
 
+#: The exit codes of every ``jitwarm`` command (docs/deployment.md, "Exit codes").
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_CORRUPT, EXIT_NOT_READY = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
 
-class CacheError(Exception):
+
+class JitwarmError(Exception):
+    """Base of every error jitwarm raises on purpose.
+
+    Attributes
+    ----------
+    exit_code : int
+        What a ``jitwarm`` command exits with when this error ends it (a class attribute; subclasses set it).
+    reason : str
+        The message without the hint.
+    hint : str or None
+        What the operator can do about it; ``str(exc)`` is ``"<reason>; <hint>"`` (or just the reason).
+
+    """
+
+    exit_code: ClassVar[int] = EXIT_BUILD_FAILED
+
+    def __init__(self, reason: str, hint: str | None = None) -> None:
+        self.reason = reason
+        self.hint = hint
+        super().__init__(f"{reason}; {hint}" if hint else reason)
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.reason, self.hint))
+
+
+class UsageError(JitwarmError):
+    """Bad usage, configuration or input: exit 2 with one line."""
+
+    exit_code = EXIT_USAGE
+
+
+class CacheError(JitwarmError):
     """Base class of every error the cache raises on purpose.
 
     Raised for misuse of a read-only cache, an untrusted root or entry, an invalid bundle, a lock
@@ -28,14 +68,6 @@ class CacheError(Exception):
         ``reason`` with its own hint instead. ``str(exc)`` is ``"<reason>; <hint>"`` (or just the reason).
 
     """
-
-    def __init__(self, reason: str, hint: str | None = None) -> None:
-        self.reason = reason
-        self.hint = hint
-        super().__init__(f"{reason}; {hint}" if hint else reason)
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.reason, self.hint))
 
 
 class CacheWriteError(CacheError):
