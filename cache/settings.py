@@ -1,9 +1,10 @@
-"""The cache's ``JITWARM_*`` environment knobs, each parsed by its own accessor when it is used.
+"""Every ``JITWARM_*`` environment variable, each read by its own accessor when it is used, with one parser.
 
-Nothing here runs at import, and no accessor reads more than its own variable: a bad
-``JITWARM_REMOTE_LEASE_S`` fails a cache that has a remote tier, never one without. The knobs of the layers
-above (``JITWARM_JOBS``, ``JITWARM_STRICT``) are theirs (:mod:`jitwarm.precompile.settings`).
-:func:`override` scopes changes for tests (and for child processes, which inherit them).
+Nothing runs at import and no accessor reads more than its own variable: a bad ``JITWARM_REMOTE_LEASE_S`` fails
+a cache that has a remote tier, never one without; a bad ``JITWARM_JOBS`` fails a ``warm``, never a kernel
+lookup. A value that does not parse raises :class:`SettingError` (a :class:`~jitwarm.cache.errors.UsageError`,
+exit 2) whose one-line message names the variable. :func:`override` scopes changes for tests (child processes
+inherit them); :func:`scoped_env` is the same for any variable.
 
 Examples
 --------
@@ -22,6 +23,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from jitwarm.cache.errors import UsageError
 
 #: Accessor (and :func:`override` field) name -> the environment variable it reads.
 ENV_VARS: Mapping[str, str] = {
@@ -36,30 +40,52 @@ ENV_VARS: Mapping[str, str] = {
     "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES",
     "bundle_max_file_bytes": "JITWARM_BUNDLE_MAX_FILE_BYTES",
     "bundle_max_bytes": "JITWARM_BUNDLE_MAX_BYTES",
+    "jobs": "JITWARM_JOBS",
+    "strict": "JITWARM_STRICT",
+    "sglang_plugin": "JITWARM_SGLANG_PLUGIN",
+    "config": "JITWARM_CONFIG",
+    "manifest": "JITWARM_MANIFEST",
+    "record": "JITWARM_RECORD",
+    "triton_cache": "JITWARM_TRITON_CACHE",
 }
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 #: Key namespace on the remote when none is set.
 DEFAULT_REMOTE_PREFIX = "jitwarm"
+#: More parallel builds than this is a typo, not a machine (a 20,000-process pool would take the host down).
+MAX_JOBS = 1024
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:{}-]{1,64}")
-
 _TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
+
+class SettingError(UsageError, ValueError):
+    """A setting (an environment variable, or the same value given to the API) does not parse; exit 2."""
+
+
+# -- the cache -----------------------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    """``JITWARM_CACHE_DIR``: the writable root; else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``."""
+    """``JITWARM_CACHE_DIR``: the writable root; else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``.
+
+    Raises SettingError when it names something that exists and is not a directory.
+    """
     for var, tail in (("JITWARM_CACHE_DIR", ()), ("XDG_CACHE_HOME", ("jitwarm",))):
-        text = os.environ.get(var, "").strip()
+        text = _text(var)
         if text:
-            return absolute_path(text).joinpath(*tail)
+            return directory(absolute_path(text).joinpath(*tail), var)
     return Path("~").expanduser() / ".cache" / "jitwarm"
 
 
 def cache_path() -> tuple[Path, ...]:
-    """``JITWARM_CACHE_PATH``: read-only layers searched after the root, colon-separated; default none."""
-    return tuple(absolute_path(p.strip()) for p in os.environ.get("JITWARM_CACHE_PATH", "").split(":") if p.strip())
+    """``JITWARM_CACHE_PATH``: read-only layers searched after the root, colon-separated; default none.
+
+    Raises SettingError when one names something that exists and is not a directory (a missing one is an
+    empty layer: a fleet image may mount it later).
+    """
+    parts = (p.strip() for p in os.environ.get("JITWARM_CACHE_PATH", "").split(":"))
+    return tuple(directory(absolute_path(p), "JITWARM_CACHE_PATH") for p in parts if p)
 
 
 def lock_dir() -> Path | None:
@@ -67,98 +93,165 @@ def lock_dir() -> Path | None:
 
     Put it on node-local storage such as ``/dev/shm`` when the root is on NFS.
     """
-    text = os.environ.get("JITWARM_LOCK_DIR", "").strip()
-    return absolute_path(text) if text else None
+    text = _text("JITWARM_LOCK_DIR")
+    return directory(absolute_path(text), "JITWARM_LOCK_DIR") if text else None
 
 
 def allow_shared() -> bool:
-    """``JITWARM_ALLOW_SHARED``: accept roots and entries other users can write.
-
-    Raises
-    ------
-    ValueError
-        Not a boolean; the one-line message names the variable.
-
-    """
-    return _bool("JITWARM_ALLOW_SHARED")
+    """``JITWARM_ALLOW_SHARED``: accept roots, lock directories and entries other users can write."""
+    return flag("JITWARM_ALLOW_SHARED")
 
 
 def remote() -> str | None:
-    """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``); None means none.
-
-    Raises
-    ------
-    ValueError
-        Not a Redis URL (the message names the variable, never the URL: it may hold a password).
-
-    """
-    text = os.environ.get("JITWARM_REMOTE", "").strip()
+    """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``); None means none."""
+    text = _text("JITWARM_REMOTE")
     return check_remote_url(text, "JITWARM_REMOTE") if text else None
 
 
 def remote_prefix() -> str:
-    """``JITWARM_REMOTE_PREFIX``: this fleet's key namespace on the remote (default ``jitwarm``); ValueError if bad."""
-    text = os.environ.get("JITWARM_REMOTE_PREFIX", "").strip()
+    """``JITWARM_REMOTE_PREFIX``: this fleet's key namespace on the remote (default ``jitwarm``)."""
+    text = _text("JITWARM_REMOTE_PREFIX")
     return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
 
 
 def remote_required() -> bool:
-    """``JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down; ValueError if bad."""
-    return _bool("JITWARM_REMOTE_REQUIRED")
+    """``JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down."""
+    return flag("JITWARM_REMOTE_REQUIRED")
 
 
 def remote_lease_s() -> float:
-    """``JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30, at least 0.5).
-
-    Raises
-    ------
-    ValueError
-        Not a number of at least 0.5; the one-line message names the variable.
-
-    """
-    return _number("JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5)
+    """``JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30, at least 0.5)."""
+    return number("JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5)
 
 
 def remote_max_bytes() -> int:
-    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are neither uploaded nor downloaded (default 256 MiB).
-
-    Raises ValueError if it is not a non-negative integer.
-    """
-    return _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
+    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are neither uploaded nor downloaded (default 256 MiB)."""
+    return number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
 
 
 def bundle_max_file_bytes() -> int:
-    """``JITWARM_BUNDLE_MAX_FILE_BYTES``: a bundle member larger than this is refused (default 2 GiB).
-
-    Raises ValueError if it is not a non-negative integer.
-    """
-    return _number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, minimum=0)
+    """``JITWARM_BUNDLE_MAX_FILE_BYTES``: a bundle member larger than this is refused (default 2 GiB)."""
+    return number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, minimum=0)
 
 
 def bundle_max_bytes() -> int:
-    """``JITWARM_BUNDLE_MAX_BYTES``: a bundle whose files total more than this is refused (default 32 GiB).
+    """``JITWARM_BUNDLE_MAX_BYTES``: a bundle whose files total more than this is refused (default 32 GiB)."""
+    return number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, minimum=0)
 
-    Raises ValueError if it is not a non-negative integer.
-    """
-    return _number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, minimum=0)
+
+# -- the warm service, the hook and the sglang plugin --------------------------------------------------------
+
+def jobs() -> int:
+    """``JITWARM_JOBS``: parallel builds of a warm (1 to 1024); default the number of CPUs."""
+    return number("JITWARM_JOBS", int, os.cpu_count() or 1, minimum=1, maximum=MAX_JOBS)
+
+
+def jobs_set() -> bool:
+    """Whether ``JITWARM_JOBS`` is set (the sglang plugin divides the cores between ranks otherwise)."""
+    return _text("JITWARM_JOBS") is not None
+
+
+def strict() -> bool:
+    """``JITWARM_STRICT``: the capture hook never compiles; a missing kernel is an error."""
+    return flag("JITWARM_STRICT")
+
+
+def sglang_plugin() -> bool:
+    """``JITWARM_SGLANG_PLUGIN``: 0 makes the sglang plugin inert (default on)."""
+    return flag("JITWARM_SGLANG_PLUGIN", default=True)
+
+
+def config() -> Path | None:
+    """``JITWARM_CONFIG``: the TOML file of model dims and targets that puts the sglang plugin in plan mode."""
+    text = _text("JITWARM_CONFIG")
+    return absolute_path(text) if text else None
+
+
+def manifest() -> Path | None:
+    """``JITWARM_MANIFEST``: recorded kernels the sglang plugin warms and loads before capture too."""
+    text = _text("JITWARM_MANIFEST")
+    return absolute_path(text) if text else None
+
+
+def record() -> Path | None:
+    """``JITWARM_RECORD``: append every Triton and ``load_jit`` kernel this process compiles to this manifest."""
+    text = _text("JITWARM_RECORD")
+    return absolute_path(text) if text else None
+
+
+def triton_cache() -> bool:
+    """``JITWARM_TRITON_CACHE``: 0 leaves Triton's own cache manager in place (default on)."""
+    return flag("JITWARM_TRITON_CACHE", default=True)
+
+
+# -- the parsers ---------------------------------------------------------------------------------------------
+
+def flag(var: str, default: bool = False) -> bool:
+    """The one boolean parser: 1/0, true/false, yes/no, on/off (any case); unset or blank is ``default``."""
+    raw = os.environ.get(var, "")
+    text = raw.strip().lower()
+    if not text:
+        return default
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise SettingError(f"{var}={raw!r} is not a boolean (use 1/0, true/false, yes/no or on/off)")
+
+
+def number(var: str, kind: type, default: Any, *, minimum: float, maximum: float | None = None) -> Any:
+    """The one number parser: an ``int`` or ``float`` within bounds; unset or blank gives ``default``."""
+    text = _text(var)
+    if text is None:
+        return default
+    try:
+        if kind is int and not (text.isascii() and text.lstrip("+-").isdigit()):
+            raise ValueError(text)  # int() also takes "٣" and "1_000"
+        value = kind(text)
+    except ValueError:
+        raise SettingError(f"{var}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not value >= minimum or (maximum is not None and not value <= maximum):  # also rejects nan
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f"at least {minimum}"
+        raise SettingError(f"{var}={text!r} must be {bound}")
+    return value
 
 
 def check_remote_url(url: str, what: str = "remote") -> str:
-    """Return ``url`` if it is a Redis URL redis-py understands, else raise ValueError naming ``what``.
+    """Return ``url`` if it is a Redis URL redis-py can connect with, else raise SettingError naming ``what``.
 
+    A host URL needs a host, a port from 1 to 65535 if one is given, and a database number if one is given.
     The message never repeats the URL itself: it may hold a password.
     """
     if not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES) or len(url) <= len("unix://"):
         scheme = url.split("://", 1)[0] + "://" if isinstance(url, str) and "://" in url else "no scheme"
-        raise ValueError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {scheme}")
+        raise SettingError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {scheme}")
+    if url.startswith("unix://"):
+        return url
+    parts = urlsplit(url)
+    try:
+        port = parts.port  # ValueError for "notaport" and for 99999
+    except ValueError:
+        raise SettingError(f"{what}: the port is not a number from 1 to 65535") from None
+    if not parts.hostname:
+        raise SettingError(f"{what}: the URL names no host")
+    if port == 0:
+        raise SettingError(f"{what}: the port is not a number from 1 to 65535")
+    db = parts.path.strip("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise SettingError(f"{what}: the database (after the last /) is not a number")
     return url
 
 
 def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
-    """Return ``prefix`` if it is a safe key namespace (1-64 of ``[A-Za-z0-9._:{}-]``), else ValueError."""
+    """Return ``prefix`` if it is a safe key namespace (1-64 of ``[A-Za-z0-9._:{}-]``), else SettingError."""
     if not isinstance(prefix, str) or _PREFIX_RE.fullmatch(prefix) is None:
-        raise ValueError(f"{what}={prefix!r}: use 1-64 characters from [A-Za-z0-9._:{{}}-]")
+        raise SettingError(f"{what}={prefix!r}: use 1-64 characters from [A-Za-z0-9._:{{}}-]")
     return prefix
+
+
+def directory(path: Path, what: str) -> Path:
+    """Return ``path`` unless it exists and is not a directory (then SettingError naming ``what``)."""
+    if os.path.lexists(path) and not path.is_dir():
+        raise SettingError(f"{what}={path} is not a directory")
+    return path
 
 
 def absolute_path(path: str | os.PathLike[str]) -> Path:
@@ -166,77 +259,55 @@ def absolute_path(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.normpath(Path(path).expanduser().absolute()))
 
 
+# -- scoped changes ------------------------------------------------------------------------------------------
+
 @contextmanager
 def override(**values: object) -> Iterator[None]:
-    """Set some knobs for the duration of a ``with`` block, then restore the environment.
+    """Set some settings for a ``with`` block by accessor name, then restore the environment.
 
-    Values are written to ``os.environ`` (so subprocesses see them too); ``None`` unsets a variable.
-    Nothing is parsed here: the accessors parse when they are called. Not thread-safe: it changes the
-    process environment.
-
-    Parameters
-    ----------
-    **values
-        Names of :data:`ENV_VARS` and their values (paths, a sequence of paths for ``cache_path``, bools,
-        numbers, strings).
-
-    Raises
-    ------
-    TypeError
-        An unknown name, or a value that cannot be put into an environment variable (nothing is changed).
-
+    Values (paths, a sequence of paths for ``cache_path``, bools, numbers, strings; ``None`` unsets) are
+    written to ``os.environ`` and parsed by the accessors when they are called. TypeError for an unknown name
+    or a value that cannot be an environment variable (nothing is changed). Not thread-safe.
     """
     unknown = sorted(set(values) - set(ENV_VARS))
     if unknown:
-        raise TypeError(f"unknown cache setting(s) {unknown}; known: {sorted(ENV_VARS)}")
-    rendered = {ENV_VARS[name]: None if value is None else _format(value) for name, value in values.items()}
-    saved = {var: os.environ.get(var) for var in rendered}
+        raise TypeError(f"unknown setting(s) {unknown}; known: {sorted(ENV_VARS)}")
+    with scoped_env({ENV_VARS[name]: None if value is None else _format(value) for name, value in values.items()}):
+        yield
+
+
+@contextmanager
+def scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (None: unset) environment variables for a ``with`` block, restoring them even when it raises."""
+    saved = {var: os.environ.get(var) for var in values}
     try:
-        for var, text in rendered.items():
-            if text is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = text
+        _apply(values)
         yield
     finally:
-        for var, old in saved.items():
-            if old is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = old
+        _apply(saved)
 
 
-def _bool(var: str) -> bool:
-    """Parse a boolean variable (1/0, true/false, yes/no, on/off; unset is False)."""
-    raw = os.environ.get(var, "")
-    text = raw.strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{var}={raw!r} is not a boolean (use 1 or 0)")
+def _apply(values: Mapping[str, str | None]) -> None:
+    for var, text in values.items():
+        if text is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = text
 
 
-def _number(var: str, kind: type, default: float, *, minimum: float) -> Any:
-    """Parse an int or float variable with a lower bound; unset or blank gives ``default``."""
+def _text(var: str) -> str | None:
     text = os.environ.get(var, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise ValueError(f"{var}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not value >= minimum:  # also rejects nan
-        raise ValueError(f"{var}={text!r} must be at least {minimum}")
-    return value
+    return text or None
 
 
 def _format(value: object) -> str:
     """Render an override value the way the accessor reads it back."""
     if isinstance(value, bool):
         return "1" if value else "0"
-    if isinstance(value, (str, int, float, os.PathLike)):
-        return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (str, int, float)):
+        return str(value)
     if isinstance(value, (list, tuple)):
         return ":".join(_format(v) for v in value)
     raise TypeError(f"cannot put {type(value).__name__} into an environment variable")

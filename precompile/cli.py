@@ -1,43 +1,44 @@
 """The ``jitwarm`` command line: its parser, its flags' checks, and how every error becomes one line and an exit code.
 
-Exit codes: 0 ok; 1 a build or a write failed (or a required remote tier is down); 2 bad usage or config; 3 timed
-out waiting for another process's build; 4 verification found corrupt entries (or a corrupt bundle); 5 not ready
-(specs of the plan missing); 130 interrupted. Errors print one line on stderr, never a traceback. The commands
-themselves are :mod:`jitwarm.precompile.commands`.
+Exit codes: 0 ok (also when the plan is empty: nothing to warm); 1 a build or a write failed (or a required remote
+tier is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 verification found
+corrupt entries (or a corrupt bundle); 5 not ready (specs of the plan missing); 130 interrupted. Every error
+jitwarm raises on purpose is a :class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code: it prints
+as one line on stderr, never a traceback. The commands themselves are :mod:`jitwarm.precompile.commands`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from jitwarm.precompile import commands
-from jitwarm.precompile.commands import (
+from jitwarm.cache.errors import (
     EXIT_BUILD_FAILED,
-    EXIT_CORRUPT,
+    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_TIMEOUT,
     EXIT_USAGE,
-    REMOTE_FROM_ENV,
+    JitwarmError,
+    RemoteUnavailable,
+    RootNotWritable,
+    UntrustedPath,
     UsageError,
-    build_plan,
 )
-from jitwarm.precompile.config import ConfigError, _FlagParser, add_serving_flags
+from jitwarm.cache.settings import MAX_JOBS
+from jitwarm.precompile import commands
+from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
+from jitwarm.precompile.config import _FlagParser, add_serving_flags, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
-from jitwarm.precompile.settings import MAX_JOBS, SettingError
-
-EXIT_INTERRUPTED = 130
 
 Command = Callable[[argparse.Namespace, WarmPlan | None], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", commands.cmd_plan),
     "warm": ("build every missing kernel of the plan into the cache, in parallel", commands.cmd_warm),
     "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", commands.cmd_status),
-    "verify": ("hash every file of the plan's entries; exit 4 on a corrupt one, 5 on a missing one",
-               commands.cmd_verify),
+    "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
+               "missing one", commands.cmd_verify),
     "prestart": ("import a bundle, warm, verify: the init-container step", commands.cmd_prestart),
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", commands.cmd_export),
@@ -147,8 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env JITWARM_REMOTE_REQUIRED=1)")
         if name == "prestart":
             c.add_argument("--bundle", metavar="FILE", help="import this bundle first")
+            c.add_argument("--offline", action="store_true",
+                           help="build nothing: a spec the bundle and the cache lack is exit 5, and so is a "
+                                "bundle that holds none of the plan's specs")
         elif name == "verify":
-            c.add_argument("--all", action="store_true", help="verify every entry of the cache, not only the plan's")
+            c.add_argument("--all", action="store_true",
+                           help="verify every entry of the cache (no plan needed; with one, its missing specs "
+                                "are reported too)")
             c.add_argument("--repair", action="store_true",
                            help="move corrupt entries to quarantine (they are rebuilt)")
         elif name == "prune":
@@ -161,20 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (also the console script's entry point)."""
-    from jitwarm.cache import BuildError, CacheError, CacheWriteError, LockTimeout, RemoteUnavailable
-    from jitwarm.kernels.backend import LoadError
-
     parser = build_parser()
     args: argparse.Namespace | None = None
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
         # The server's own command line comes after `--`; argparse would take it for positionals.
-        own, server_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+        own, server_argv = split_server_argv(argv) if "--" in argv else (argv, None)
         args = parser.parse_args(own)
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
-        if args.command in PLANLESS:
+        if args.command in PLANLESS or (args.command == "verify" and args.all
+                                        and not plan_asked(args, server_argv)):
             if server_argv is not None:
                 raise UsageError(f"{args.command} takes no server command line")
             return COMMANDS[args.command][1](args, None)
@@ -184,50 +188,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"({plan.manifest['records']} records, {plan.manifest['other_targets']} for other "
                              "targets): nothing to warm")
         if not plan.specs:
-            why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
-            raise UsageError(f"the plan is empty ({why}): the server captures no decode CUDA graphs, nothing to warm")
+            return commands.nothing_to_warm(args, plan)
         return COMMANDS[args.command][1](args, plan)
-    except (ConfigError, UsageError, SettingError) as exc:
-        return _fail(str(exc), EXIT_USAGE)
-    except LockTimeout as exc:
-        return _fail(str(exc), EXIT_TIMEOUT)
-    except RemoteUnavailable as exc:
-        return _fail(f"the remote cache {exc.url} is unavailable ({exc.reason}) and it is required "
-                     "(--remote-required or JITWARM_REMOTE_REQUIRED=1)", EXIT_BUILD_FAILED)
-    except (CacheWriteError, BuildError) as exc:
-        return _fail(_cli_message(exc), EXIT_BUILD_FAILED)
-    except CacheError as exc:  # a corrupt bundle or entry met by import, prestart or verify; else a failed write
-        corrupt = getattr(args, "command", None) in ("import", "prestart", "verify")
-        return _fail(_cli_message(exc), EXIT_CORRUPT if corrupt else EXIT_BUILD_FAILED)
-    except LoadError as exc:  # prestart handing a recorded kernel over to its server's loader
-        return _fail(str(exc), EXIT_BUILD_FAILED)
+    except JitwarmError as exc:
+        return _fail(args, _cli_message(exc), exc.exit_code)
     except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED)
+        return _fail(args, "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # `jitwarm plan | head`
         return EXIT_OK
     except OSError as exc:  # a write the commands did not expect to fail: a full disk, a read-only volume
         where = f": {exc.filename}" if exc.filename else ""
-        return _fail(f"{exc.strerror or exc}{where}", EXIT_BUILD_FAILED)
+        return _fail(args, f"{exc.strerror or exc}{where}", EXIT_BUILD_FAILED)
 
 
-def _cli_message(exc: Any) -> str:
-    """The cache's message with its Python-API hint replaced by the command line's."""
-    hint = getattr(exc, "hint", None)
-    reason = getattr(exc, "reason", None)
-    if not hint or not isinstance(reason, str):
-        return str(exc)
-    for needle, ours in (("allow_shared", "set JITWARM_ALLOW_SHARED=1 to accept it"),
-                         ("read_only", "pass --cache-dir DIR (or set JITWARM_CACHE_DIR) to a writable directory"),
-                         ("import_bundle", "build it with `jitwarm warm` on a writable cache, or `jitwarm import` a "
-                                           "bundle"),
-                         ("remote_required", "--remote-required or JITWARM_REMOTE_REQUIRED=1")):
-        if needle in hint:
-            return f"{reason}; {ours}"
-    return f"{reason}; {hint}"
+#: The command line's own hint for the errors whose hint names the Python API, by type (the first match wins).
+_CLI_HINTS: tuple[tuple[type[JitwarmError], str], ...] = (
+    (UntrustedPath, "set JITWARM_ALLOW_SHARED=1 to accept it"),
+    (RootNotWritable, "pass --cache-dir DIR (or set JITWARM_CACHE_DIR) to a writable directory"),
+)
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"jitwarm: error: {message.splitlines()[0] if message else 'failed'}", file=sys.stderr)
+def _cli_message(exc: JitwarmError) -> str:
+    """The error's one line, with the command line's hint where the error's own names the Python API."""
+    if isinstance(exc, RemoteUnavailable):
+        return (f"the remote cache {exc.url} is unavailable ({exc.reason}) and it is required "
+                "(--remote-required or JITWARM_REMOTE_REQUIRED=1)")
+    hint = next((ours for kind, ours in _CLI_HINTS if isinstance(exc, kind)), None)
+    return f"{exc.reason}; {hint}" if hint else str(exc)
+
+
+def _fail(args: argparse.Namespace | None, message: str, code: int) -> int:
+    line = message.splitlines()[0] if message else "failed"
+    print(f"jitwarm: error: {line}", file=sys.stderr)
+    if args is not None and args.command == "prestart" and getattr(args, "json", False):
+        print(json.dumps({"ready": False, "exit_code": code, "error": line}))  # the probe's one document
     return code
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from jitwarm.cache import KernelCache, LockTimeout
+from jitwarm.cache import KernelCache, LockTimeout, settings
 from jitwarm.kernels import KernelSpec, Target
 from jitwarm.kernels.artifacts import KernelLoadError, artifact
-from jitwarm.precompile import guard, settings
+from jitwarm.precompile import guard
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 

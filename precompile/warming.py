@@ -10,10 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from jitwarm.cache import CacheError, KernelCache
+from jitwarm.cache import CacheError, KernelCache, settings
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.artifacts import Artifact, artifact
-from jitwarm.precompile import settings
 from jitwarm.precompile.builders import BuildPool, Failure, Task
 from jitwarm.precompile.plan import WarmPlan
 

@@ -16,6 +16,7 @@ from workers.cache_harness import cache_for
 
 import jitwarm.cache
 from jitwarm.cache import FORMAT_VERSION, CacheError, KernelCache, RemoteUnavailable, settings
+from jitwarm.cache.errors import UsageError
 from jitwarm.cache.settings import ENV_VARS, override
 
 
@@ -82,12 +83,37 @@ def test_bad_values_name_the_variable(monkeypatch, tmp_path, var, value):
 
 
 @pytest.mark.parametrize(("var", "value"), [("JITWARM_JOBS", "abc"), ("JITWARM_STRICT", "maybe")])
-def test_upper_layer_knobs_are_not_the_caches(monkeypatch, tmp_path, var, value):
-    """JITWARM_JOBS and JITWARM_STRICT belong to jitwarm.precompile.settings: the cache never reads them."""
+def test_upper_layer_settings_are_not_read_by_the_cache(monkeypatch, tmp_path, var, value):
+    """JITWARM_JOBS and JITWARM_STRICT are read by warm and the hook only: a bad one never fails a cache lookup."""
     monkeypatch.setenv(var, value)
     cache = KernelCache(root=tmp_path / "root", layers=())
     assert cache.get_or_build_ex({"n": 1}, lambda d: (d / "f").write_text("x")).outcome == "built"
-    assert "jobs" not in ENV_VARS and "strict" not in ENV_VARS
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "tru", "-1"])
+def test_one_boolean_parser_refuses_what_is_not_a_boolean(monkeypatch, value):
+    monkeypatch.setenv("JITWARM_STRICT", value)
+    with pytest.raises(settings.SettingError, match="^JITWARM_STRICT=") as info:
+        settings.strict()
+    assert isinstance(info.value, UsageError) and info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("value", "want"), [("1", True), ("yes", True), ("On", True), ("TRUE", True),
+                                             ("0", False), ("no", False), ("off", False), ("False", False)])
+def test_one_boolean_parser_accepts_the_four_spellings(monkeypatch, value, want):
+    for var, accessor in (("JITWARM_STRICT", settings.strict), ("JITWARM_SGLANG_PLUGIN", settings.sglang_plugin),
+                          ("JITWARM_TRITON_CACHE", settings.triton_cache)):
+        monkeypatch.setenv(var, value)
+        assert accessor() is want
+    monkeypatch.delenv("JITWARM_SGLANG_PLUGIN")
+    assert settings.sglang_plugin() is True  # default on
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "many", "٣", "1.5"])
+def test_jobs_is_an_integer_from_1_to_1024(monkeypatch, value):
+    monkeypatch.setenv("JITWARM_JOBS", value)
+    with pytest.raises(settings.SettingError, match="^JITWARM_JOBS="):
+        settings.jobs()
 
 
 def test_override_scopes_and_restores(monkeypatch, tmp_path):
@@ -100,8 +126,8 @@ def test_override_scopes_and_restores(monkeypatch, tmp_path):
         with override(remote_lease_s=None):
             assert settings.remote_lease_s() == 30.0
     assert os.environ["JITWARM_REMOTE_LEASE_S"] == "3" and "JITWARM_ALLOW_SHARED" not in os.environ
-    for unknown in ({"lease": 1}, {"jobs": 2}):
-        with pytest.raises(TypeError, match="unknown cache setting"):
+    for unknown in ({"lease": 1}, {"job": 2}):
+        with pytest.raises(TypeError, match="unknown setting"):
             with override(**unknown):
                 pass
     with override(remote_lease_s=-1):  # nothing is parsed until an accessor is called
