@@ -101,6 +101,14 @@ class CacheWriteError(CacheError):
         return cls(action, str(where), exc.strerror or type(exc).__name__, hint)
 
 
+class UntrustedPath(CacheError):
+    """A root, layer, entry or link another user could change (refused unless ``allow_shared``)."""
+
+
+class RootNotWritable(CacheWriteError):
+    """The cache root (or one of its top directories) cannot be created or written."""
+
+
 class LockTimeout(CacheError):
     """Waiting for another process's build of a key passed its deadline.
 

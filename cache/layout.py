@@ -17,7 +17,7 @@ from typing import Any
 
 from jitwarm.cache.bounded import loads, read_file_stat, read_json
 from jitwarm.cache.durable import make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError, CacheWriteError
+from jitwarm.cache.errors import CacheError, CacheWriteError, UntrustedPath
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.locks import this_host
 
@@ -295,7 +295,7 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
         return
     reason = untrusted_reason(st if st is not None else os.lstat(path))
     if reason is not None:
-        raise CacheError(f"refusing {what} {path}: {reason}", _HOW_TO_ALLOW)
+        raise UntrustedPath(f"refusing {what} {path}: {reason}", _HOW_TO_ALLOW)
 
 
 def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
@@ -317,8 +317,8 @@ def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
     shown = path
     if stat.S_ISLNK(st.st_mode):
         if not allow_shared and st.st_uid not in (os.geteuid(), 0):
-            raise CacheError(f"refusing {what} {path}: it is a symlink owned by uid {st.st_uid}, not by this user "
-                             f"(uid {os.geteuid()}) or root", _HOW_TO_ALLOW)
+            raise UntrustedPath(f"refusing {what} {path}: it is a symlink owned by uid {st.st_uid}, not by this user "
+                                f"(uid {os.geteuid()}) or root", _HOW_TO_ALLOW)
         st = path.stat()
         shown = f"{path} (a symlink to {os.path.realpath(path)})"
     if not stat.S_ISDIR(st.st_mode):

@@ -27,7 +27,7 @@ from typing import Any
 from jitwarm.cache.claims import SharedClaim, release_claims_here
 from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree
 from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
-from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry
+from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
 from jitwarm.cache.fleet import Fleet, LocalSteps
 from jitwarm.cache.keys import keyed
 from jitwarm.cache.layout import RootLayout, check_trusted, check_trusted_dir
@@ -421,7 +421,7 @@ class LocalCache:
             self.root.ensure(self.root.entries)
             make_dirs(self.lock_dir, self.root.dir_mode)
         except OSError as exc:
-            raise CacheWriteError.of("create the cache root", exc, exc.filename or self.root.root,
+            raise RootNotWritable.of("create the cache root", exc, exc.filename or self.root.root,
                                      "set JITWARM_CACHE_DIR to a writable directory, or use "
                                      "KernelCache(read_only=True) for lookups") from exc
         self.check_root(self.root)
