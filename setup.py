@@ -26,7 +26,7 @@ setup(
     python_requires=">=3.10",
     packages=list(PACKAGES),
     package_dir=PACKAGES,
-    package_data={"jitwarm.kernels": ["csrc/*"], "jitwarm.precompile": ["sglang_flags.json"]},
+    package_data={"jitwarm.kernels": ["csrc/*"], "jitwarm.precompile.servers.sglang": ["flags.json"]},
     include_package_data=True,
     # Each floor is a version the tests run against (.ci/run's floor pass installs exactly these), and low
     # enough to install beside sglang 0.5.23 and vLLM 0.33.0: both pin apache-tvm-ffi==0.1.11, and the torch
@@ -42,5 +42,5 @@ setup(
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"],
-                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.sglang_plugin:register"]},
+                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.servers.sglang.plugin:register"]},
 )

@@ -1,12 +1,12 @@
-"""Write precompile/sglang_flags.json: every option of sglang's server parser, from the installed wheel.
+"""Write precompile/servers/sglang/flags.json: every option of sglang's server parser, from the installed wheel.
 
-Regenerate for a new sglang release (and commit the result; tests/test_sglang_oracle.py checks that the
-committed table is what the installed wheel's parser gives)::
+Regenerate for a new sglang release (and commit the result with the room's ``VERSION`` moved to it;
+tests/test_sglang_oracle.py checks that the committed table is what the installed wheel's parser gives)::
 
     pip install --no-deps --target /tmp/sgl sglang==<version> <the packages in tests/sglang_wheel.py>
     PYTHONPATH=/tmp/sgl python bench/gen_sglang_flags.py            # or --check to compare only
 
-The table is what jitwarm's built-in argv parser (``jitwarm.precompile.server_args``) reads: for each
+The table is what jitwarm's built-in argv parser (``jitwarm.precompile.servers.sglang.argv``) reads: for each
 option string (aliases included) its value count (0, 1, "?", "*", "+"), its dest and, for flags, the value
 it stores; and whether the parser accepts unique prefixes (argparse's ``allow_abbrev``).
 """
@@ -18,9 +18,12 @@ import json
 import sys
 from pathlib import Path
 
-from jitwarm.precompile import sglang_native
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # sglang's own parser, called, is a test helper: tests/sglang_parser_oracle.py
 
-TABLE = Path(__file__).resolve().parents[1] / "precompile" / "sglang_flags.json"
+import sglang_parser_oracle  # noqa: E402
+
+TABLE = ROOT / "precompile" / "servers" / "sglang" / "flags.json"
 
 
 def render(table: dict) -> str:
@@ -34,10 +37,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed table is stale")
     args = parser.parse_args()
-    if sglang_native.installed_version() is None:
+    if sglang_parser_oracle.installed_version() is None:
         print("sglang is not installed", file=sys.stderr)
         return 2
-    text = render(sglang_native.flag_table())
+    text = render(sglang_parser_oracle.flag_table())
     if args.check:
         stale = not TABLE.exists() or TABLE.read_text(encoding="utf-8") != text
         print(f"{TABLE}: {'stale' if stale else 'up to date'}")

@@ -1,14 +1,16 @@
 """ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
 
-The capture settings carry sglang 0.5.23's own names (``--cuda-graph-max-bs-decode``, ``--tp-size``, ...) and
-come from jitwarm's flags, from the server's own command line after ``--`` (:mod:`server_args`), from a
-TOML file, or from an sglang ``ServerArgs`` object inside a server; the ladder they give is resolved by
-:mod:`jitwarm.precompile.shapes`.
+The capture settings carry the names of the sglang release the sglang room mirrors (``--cuda-graph-max-bs-decode``,
+``--tp-size``, ...) and come from jitwarm's flags, from the server's own command line after ``--`` (read by the
+room that recognises it, :mod:`jitwarm.precompile.servers`), from a TOML file, or from an sglang ``ServerArgs``
+object inside a server. Construction checks them with the room's built-in rules, and keeps that resolution for
+:mod:`jitwarm.precompile.shapes`, which resolves the ladder only when something it depends on was not known here.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -21,9 +23,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels import BACKEND_NAMES, DTYPES, ModelDims, Target, TargetError
-from jitwarm.precompile import sglang_rules
-from jitwarm.precompile.server_args import ServerArgvError, is_server_command, parse_server_argv
+from jitwarm.cache.errors import UsageError
+from jitwarm.kernels import BUILDABLE, DTYPES, ModelDims, Target, TargetError
+from jitwarm.kernels.backend import refusal as backend_refusal
+from jitwarm.precompile import servers
+from jitwarm.precompile.servers.sglang import VERSION
+from jitwarm.precompile.servers.sglang import rules as sglang_rules
+from jitwarm.precompile.servers.sglang.argv import graph_config_object
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,31 +62,36 @@ ALIASES = {
 }
 
 
-class ConfigError(ValueError):
-    """A serving config or flag is invalid; ``problems`` holds one message per problem."""
+class ConfigError(UsageError, ValueError):
+    """A serving config or flag is invalid (exit 2); ``problems`` holds one message per problem."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
         super().__init__("; ".join(self.problems))
 
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.problems,))
 
-def _nvidia_smi(query: str) -> list[str]:
-    """Query every GPU with nvidia-smi (no torch import); an empty list without one."""
+
+@functools.cache
+def _local_gpus() -> tuple[tuple[str, str], ...]:
+    """``(compute_cap, memory.total)`` of every GPU, from one nvidia-smi run per process (no torch import)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return ()
     try:
-        out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+        out = subprocess.run([smi, "--query-gpu=compute_cap,memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+        return ()
+    rows = (tuple(v.strip() for v in line.split(",")) for line in out.splitlines() if line.strip())
+    return tuple(row for row in rows if len(row) == 2)
 
 
 def local_target() -> str:
     """Return the local GPU's arch as ``sm_XY`` (via nvidia-smi, no torch import), else ``cpu``."""
     try:
-        major, minor = _nvidia_smi("compute_cap")[0].split(".")
+        major, minor = _local_gpus()[0][0].split(".")
         return f"sm_{int(major)}{int(minor)}"
     except (IndexError, ValueError):
         return "cpu"
@@ -89,7 +100,7 @@ def local_target() -> str:
 def local_gpu_memory_mb() -> int | None:
     """Return the smallest local GPU's memory in MiB (as sglang's ``get_device_memory_capacity``), or None."""
     try:
-        return min(int(float(v)) for v in _nvidia_smi("memory.total")) or None
+        return min(int(float(memory)) for _, memory in _local_gpus()) or None
     except ValueError:
         return None
 
@@ -112,6 +123,8 @@ _CHECKS: dict[str, tuple[str, str]] = {
     "enable_dp_attention": ("flag", "--enable-dp-attention"),
     "gpu_memory_mb": ("memory", "--gpu-memory-mb"),
     "head_dim": ("count", "--head-dim"),
+    "model_path": ("text", "--model-path"),
+    "model_architecture": ("text", "--model-architecture"),
     "num_q_heads": ("count", "--num-q-heads"),
     "num_kv_heads": ("count", "--num-kv-heads"),
 }
@@ -156,6 +169,8 @@ class ServingConfig:
     gpu_memory_mb: int | None = None
     ragged_verify_mode: str | None = None
     ladder_source: str = "auto"
+    model_path: str | None = None  # the server's --model-path: a local checkpoint's config.json names its architecture
+    model_architecture: str | None = None  # what config.json's "architectures" says, when the path is not local
     head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (one place for them)
     rope_dim: int = ModelDims.rope_dim
     num_q_heads: int = ModelDims.num_q_heads
@@ -203,10 +218,10 @@ class ServingConfig:
         backends = self.backends if _is_names(self.backends) else ()
         targets = self.targets if _is_names(self.targets) else ()
         if not self.backends:
-            problems.append(f"no --backend given; choose from {', '.join(BACKEND_NAMES)}")
+            problems.append(f"no --backend given; choose from {', '.join(BUILDABLE)}")
         for backend in backends:
-            if backend not in BACKEND_NAMES:
-                problems.append(f"unknown --backend {backend!r}; choose from {', '.join(BACKEND_NAMES)}")
+            if (refused := backend_refusal(backend, "build", flag="--backend")) is not None:
+                problems.append(refused)
         if not self.targets:
             problems.append("no --target given; use cpu or a CUDA arch such as sm_90")
         for target in targets:
@@ -224,11 +239,27 @@ class ServingConfig:
         elif not problems:
             try:
                 sglang_rules.normalize_algorithm(self.speculative_algorithm)
-                sglang_rules.resolve(self.rule_inputs(gpu_memory_mb=self.gpu_memory_mb or 80 * 1024))
+                self._check_ladder()
             except sglang_rules.ResolutionError as exc:
                 problems.append(str(exc))
         if problems:
             raise ConfigError(problems)
+
+    def _check_ladder(self) -> None:
+        """Resolve with the built-in rules (sglang refuses what they refuse) and keep the answer for the plan.
+
+        Where the ladder reads the device memory and none is given, it is checked on an 80 GiB device and the
+        answer is not kept: :func:`jitwarm.precompile.shapes.resolve_ladder` resolves it for the real one.
+        """
+        inputs = self.rule_inputs()
+        if inputs["gpu_memory_mb"] is None and sglang_rules.reads_memory(inputs):
+            inputs["gpu_memory_mb"] = 80 * 1024
+        object.__setattr__(self, "_resolution", (inputs, sglang_rules.resolve(inputs)))
+
+    def builtin_resolution(self, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The built-in rules' answer that construction computed, if it was for exactly ``inputs``; else None."""
+        kept = getattr(self, "_resolution", None)
+        return kept[1] if kept is not None and kept[0] == dict(inputs) else None
 
     @property
     def uses_verify_mode(self) -> bool:
@@ -279,15 +310,6 @@ class ServingConfig:
         return cls(**read_config_file(path))
 
     @classmethod
-    def from_server_argv(cls, argv: Sequence[str], **overrides: Any) -> ServingConfig:
-        """Build from the server's own command line (with or without ``python -m sglang.launch_server``)."""
-        try:
-            inputs = parse_server_argv(argv)
-        except ServerArgvError as exc:
-            raise ConfigError([str(exc)]) from None
-        return cls(**{**_from_inputs(inputs), **overrides})
-
-    @classmethod
     def from_server_args(cls, server_args: Any, **overrides: Any) -> ServingConfig:
         """Build from an sglang ``ServerArgs`` inside the server: its raw capture settings, as given.
 
@@ -296,6 +318,8 @@ class ServingConfig:
         """
         inputs = {name: getattr(server_args, name) for name in sglang_rules.INPUT_KEYS
                   if name in SERVER_ARGS_FIELDS and hasattr(server_args, name)}
+        if isinstance(getattr(server_args, "model_path", None), str):
+            inputs["model_path"] = server_args.model_path
         return cls(**{**_from_inputs(inputs), **overrides})
 
     @classmethod
@@ -303,8 +327,9 @@ class ServingConfig:
         """Build from command-line flags.
 
         ``argv`` holds jitwarm's own flags (sglang's names), then optionally ``--`` and the server's command
-        line; an argv that is a server command line (it starts with ``python -m sglang.launch_server`` or
-        ``sglang serve``, or names ``--model-path``) is read as one. ``--config FILE`` is read first.
+        line; an argv that is a server command line (it starts with a launcher a server room recognises, such
+        as ``python -m sglang.launch_server`` or ``sglang serve``, or names ``--model-path``) is read as one.
+        ``--config FILE`` is read first.
         """
         argv = list(sys.argv[1:] if argv is None else argv)
         own, server = split_server_argv(argv)
@@ -318,7 +343,8 @@ class ServingConfig:
 
 
 #: The ServingConfig fields that are sglang ServerArgs fields of the same name (the server's capture settings).
-SERVER_ARGS_FIELDS = frozenset(sglang_rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"}
+SERVER_ARGS_FIELDS = (frozenset(sglang_rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"}
+                      | {"model_path"})
 
 
 def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
@@ -327,7 +353,7 @@ def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]
     if "--" in argv:
         i = argv.index("--")
         return argv[:i], argv[i + 1:]
-    if is_server_command(argv) or any(a in ("--model-path", "--model") or a.startswith(("--model-path=",
+    if servers.recognised(argv) or any(a in ("--model-path", "--model") or a.startswith(("--model-path=",
                                                                                        "--model="))
                                       for a in argv):
         return [], argv
@@ -399,7 +425,10 @@ def _check_types(cfg: ServingConfig) -> list[str]:
         value = getattr(cfg, name)
         if value is None:
             continue
-        if kind == "flag":
+        if kind == "text":
+            if not isinstance(value, str) or not value.strip():
+                problems.append(f"{flag} must be a non-empty string, got {value!r}")
+        elif kind == "flag":
             if not isinstance(value, bool):
                 problems.append(f"{flag} must be true or false, got {value!r}")
         elif kind == "bs_list":
@@ -438,9 +467,9 @@ def _check_graph_config(value: Any) -> list[str]:
     """Problems of a --cuda-graph-config value (a JSON object, or its text)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as exc:
-            return [f"--cuda-graph-config is not JSON: {str(exc).splitlines()[0]}"]
+            value = graph_config_object(value)
+        except ValueError as exc:
+            return [f"--cuda-graph-config is not a JSON object: {str(exc).splitlines()[0]}"]
     if not isinstance(value, Mapping):
         return [f"--cuda-graph-config must be a JSON object, got {type(value).__name__}"]
     decode = value.get("decode", {})
@@ -471,13 +500,13 @@ class _FlagParser(argparse.ArgumentParser):
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    """The --cuda-graph-config flag's value: the parser the server's own --cuda-graph-config goes through."""
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as exc:
+        return graph_config_object(text)
+    except ValueError as exc:
+        if str(exc) == "not a JSON object":
+            raise argparse.ArgumentTypeError("must be a JSON object such as '{\"decode\": {\"max_bs\": 64}}'") from None
         raise argparse.ArgumentTypeError(f"not JSON: {str(exc).splitlines()[0]}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object such as '{\"decode\": {\"max_bs\": 64}}'")
-    return value
 
 
 def _finite_int(text: str) -> int:
@@ -496,11 +525,12 @@ def _finite_int(text: str) -> int:
 
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
-    g = parser.add_argument_group("serving (sglang 0.5.23's flag names; or the server's command line after --)")
+    g = parser.add_argument_group(f"serving (sglang {VERSION}'s flag names; or the server's command line after --)")
     g.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",
-                   help="largest decode batch captured (default: sglang's, from GPU memory and TP size)")
+                   help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
+                        f"--cuda-graph-max-bs alias is jitwarm's only: sglang {VERSION} refuses it after --")
     g.add_argument("--cuda-graph-bs-decode", "--cuda-graph-bs", dest="cuda_graph_bs_decode", type=_finite_int,
                    nargs="+", metavar="BS", help="explicit decode capture batch sizes")
     g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
@@ -529,9 +559,13 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ragged-verify-mode", metavar="MODE",
                    help=f"{' | '.join(MODES)}: what {MODE_ENV} would say (default: that variable, else static)")
     g.add_argument("--ladder-source", metavar="SOURCE",
-                   help="auto (sglang's own functions when sglang is installed, else the built-in rules) | "
-                        f"builtin (rules mirroring sglang {sglang_rules.MIRRORS}) | sglang")
-    m = parser.add_argument_group("model dims (jitwarm's kernel families)")
+                   help=f"auto (the built-in rules, unless the installed sglang is not {VERSION}: then its own "
+                        f"functions, remembered per version and command line) | builtin (rules mirroring sglang "
+                        f"{VERSION}) | sglang (its own functions, every time)")
+    m = parser.add_argument_group("model (which of jitwarm's kernel families it runs, and their dims)")
+    m.add_argument("--model-architecture", metavar="NAME",
+                   help="the model's architecture as its config.json names it (DeepseekV4ForCausalLM runs jitwarm's "
+                        "families); default: read from a local --model-path, else judged from its name")
     m.add_argument("--head-dim", type=_finite_int)
     m.add_argument("--rope-dim", type=_finite_int)
     m.add_argument("--num-q-heads", type=_finite_int)
@@ -540,7 +574,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", metavar="DTYPE", help=" | ".join(DTYPES))
     b = parser.add_argument_group("build")
     b.add_argument("--backend", dest="backends", action="append", metavar="NAME",
-                   help=f"{' | '.join(BACKEND_NAMES)}; repeat for several (default tvm_ffi)")
+                   help=f"{' | '.join(BUILDABLE)}; repeat for several (default tvm_ffi)")
     b.add_argument("--target", dest="targets", action="append", metavar="ARCH",
                    help="cpu | sm_90 | sm_100 | ...; repeat for several (default: the local GPU, else cpu)")
 
@@ -549,7 +583,8 @@ _FLAG_FIELDS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_
                 "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
                 "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
                 "max_running_requests", "tp_size", "dp_size", "attn_dp_size",
-                "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "head_dim",
+                "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "model_architecture",
+                "head_dim",
                 "rope_dim", "num_q_heads", "num_kv_heads", "compress_ratios", "dtype", "backends", "targets")
 
 
@@ -566,8 +601,8 @@ def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = N
         values.update(read_config_file(ns.config))
     if server_argv is not None:
         try:
-            values.update(_from_inputs(parse_server_argv(server_argv)))
-        except ServerArgvError as exc:
+            values.update(_from_inputs(servers.adapter_for(server_argv).parse_argv(server_argv)))
+        except UsageError as exc:
             raise ConfigError([str(exc)]) from None
     given = {name: getattr(ns, name) for name in _FLAG_FIELDS if getattr(ns, name, None) is not None}
     values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})

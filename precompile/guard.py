@@ -91,19 +91,23 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Make Triton's JIT compile, sglang's ``load_jit`` and tvm-ffi's build and load raise while armed.
+    """Make Triton's JIT compile, tvm-ffi's build and load and each server's own JIT raise while armed.
 
     Off by default: it patches other libraries' process-wide hooks. Only guards while
     :func:`is_armed` or :func:`stream_is_capturing`; outside capture those calls go through untouched.
+    A server's JIT (sglang's ``load_jit``) is sealed by its room (:func:`jitwarm.precompile.servers.sglang.seal`).
     """
 
     def __init__(self) -> None:
         self._undo: list[Any] = []
 
     def install(self) -> None:
-        """Install the seals for whichever of triton and tvm_ffi can be imported."""
+        """Install the seals for whichever of triton and tvm_ffi can be imported, and every server room's."""
+        from jitwarm.precompile import servers
+
         self._seal_triton()
-        self._seal_sglang()
+        for name in servers.ROOMS:
+            servers.adapter(name).seal(self._undo)
         self._seal_tvm_ffi()
 
     def remove(self) -> None:
@@ -130,26 +134,6 @@ class ThirdPartySeal:
         runtime.jit_cache_hook = jit_cache_hook
         self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
 
-    def _seal_sglang(self) -> None:
-        """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
-
-        Kernel modules bind ``load_jit`` when they are imported, so wrapping it would miss them; the loader
-        looks up ``_find_prebuilt`` (a hit: a dlopen follows) and ``_build_lock`` (a compile) as module
-        globals on each call (sglang/kernels/jit/utils/compile/loader.py:135, :158). The load is refused at
-        the lookup: sglang catches any exception of the dlopen itself and rebuilds (loader.py:136-145).
-        """
-        import sys
-
-        loader = sys.modules.get("sglang.kernels.jit.utils.compile.loader")
-        if loader is None:  # never imported: no load_jit can run in this process without importing it first
-            return
-        for name, seal in (("_find_prebuilt", _sealed_lookup), ("_build_lock", _sealed_build)):
-            original = getattr(loader, name, None)
-            if original is None:
-                continue
-            self._undo.append(lambda n=name, f=original: setattr(loader, n, f))
-            setattr(loader, name, seal(original))
-
     def _seal_tvm_ffi(self) -> None:
         try:
             import tvm_ffi
@@ -163,34 +147,6 @@ class ThirdPartySeal:
                 continue
             self._undo.append(lambda o=owner, n=name, f=original: setattr(o, n, f))
             setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
-
-
-def _sglang_refusal(what: str, path: Any) -> CompileDuringCaptureError:
-    parts = getattr(path, "parts", ())  # <cache>/<tag>/<module>/build-<key>[/deps-<key>/<module>.so]
-    module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")
-    return CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
-                                     hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
-
-
-def _sealed_lookup(fn: Any) -> Any:
-    def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
-        found = fn(*args, **kwargs)
-        if found is not None and (is_armed() or stream_is_capturing()):
-            raise _sglang_refusal("load", found)
-        return found
-
-    find_prebuilt.__wrapped__ = fn  # type: ignore[attr-defined]
-    return find_prebuilt
-
-
-def _sealed_build(fn: Any) -> Any:
-    def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_armed() or stream_is_capturing():
-            raise _sglang_refusal("compile", scope)
-        return fn(scope, *args, **kwargs)
-
-    build_lock.__wrapped__ = fn  # type: ignore[attr-defined]
-    return build_lock
 
 
 def _sealed(fn: Any, label: str) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 
 from jitwarm.kernels import FAMILIES, KernelSpec
 from jitwarm.precompile.config import ServingConfig
+from jitwarm.precompile.servers.sglang.model import ModelFamilies, model_families
 from jitwarm.precompile.shapes import CaptureShape, Ladder, resolve_ladder
 
 
@@ -39,6 +40,8 @@ class WarmPlan:
     ladder: Ladder | None = None
     #: Where the plan's recorded kernels came from: ``{"path", "records", "other_targets"}``.
     manifest: dict[str, Any] | None = None
+    #: Which of jitwarm's families the served model runs (the others are not planned), and why.
+    families: ModelFamilies | None = None
 
     @classmethod
     def empty(cls) -> WarmPlan:
@@ -74,20 +77,46 @@ class WarmPlan:
 
     @classmethod
     def build(cls, config: ServingConfig) -> WarmPlan:
-        """Map every capture shape of ``config`` to its specs, for each backend and target."""
+        """Map every capture shape of ``config`` to the specs of the families its model runs, per backend and target.
+
+        Raises
+        ------
+        ConfigError
+            The ladder cannot be resolved (:func:`~jitwarm.precompile.shapes.resolve_ladder`).
+        ModelConfigError
+            The local ``--model-path``'s config.json is unreadable or malformed.
+
+        """
         ladder = resolve_ladder(config)
+        families = model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
         shapes = ladder.shapes
         needed: dict[KernelSpec, list[int]] = {}
         introduced: dict[int, tuple[KernelSpec, ...]] = {}
         for shape in shapes:
             new = []
-            for spec in _specs_of_shape(shape, config):
+            for spec in _specs_of_shape(shape, config, families.planned):
                 if spec not in needed:
                     needed[spec] = []
                     new.append(spec)
                 needed[spec].append(shape.bs)
             introduced[shape.bs] = tuple(new)
-        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced, ladder)
+        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced, ladder,
+                   families=families)
+
+    @property
+    def nothing_to_warm(self) -> str | None:
+        """Why this plan of a serving config holds none of jitwarm's kernels, or None when it holds some.
+
+        The server captures no decode graphs (``--disable-cuda-graph``), or its model runs none of jitwarm's
+        families: either is a valid server with nothing to warm.
+        """
+        if self.config is None or any(s.family in FAMILIES for s in self.specs):
+            return None
+        if self.ladder is not None and self.ladder.disabled:
+            return f"the server captures no decode CUDA graphs ({self.ladder.disabled})"
+        if self.families is not None and not self.families.planned:
+            return f"the model runs none of jitwarm's kernel families ({self.families.why})"
+        return "the server captures no decode CUDA graphs"
 
     @property
     def plan_id(self) -> str:
@@ -109,13 +138,15 @@ class WarmPlan:
                         "new_specs": [s.id for s in self.introduced[sh.bs]]} for sh in self.shapes],
             "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],
             "manifest": self.manifest,
+            "families": self.families.to_json() if self.families else None,
             "totals": {"shapes": len(self.shapes), "specs": len(self.specs), "by_family": self.by_family(),
                        "recorded": len(self.recorded)},
         }
 
 
-def _specs_of_shape(shape: CaptureShape, config: ServingConfig) -> Iterable[KernelSpec]:
+def _specs_of_shape(shape: CaptureShape, config: ServingConfig, families: Iterable[str]) -> Iterable[KernelSpec]:
+    names = tuple(families)
     for backend in config.backends:
         for target in config.targets:
-            for family in FAMILIES.values():
-                yield from family.specs_for(shape.layout, config.model, backend, target)
+            for name in names:
+                yield from FAMILIES[name].specs_for(shape.layout, config.model, backend, target)

@@ -1,26 +1,22 @@
 """Capture shapes: the decode graphs sglang captures for a config, each with its graph key and verify_lens.
 
-The ladder comes from one of two sources that give the same answer for sglang 0.5.23 (the oracle test
-checks it): the built-in rules (:mod:`sglang_rules`, pure Python) or, when sglang is installed, sglang's own
-functions (:mod:`sglang_native`), run in a child process so that planning never imports torch.
+The server room resolves the ladder (:mod:`jitwarm.precompile.servers.sglang`): with its built-in rules, which
+:class:`ServingConfig` has already applied once on construction (that answer is reused, not recomputed), or,
+for an installed sglang release the rules do not mirror, with sglang's own functions in a child process, so
+that planning never imports torch.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any
 
+from jitwarm.cache.errors import UsageError
 from jitwarm.kernels import VerifyLayout
-from jitwarm.precompile import sglang_rules
+from jitwarm.precompile import servers
 from jitwarm.precompile.config import ConfigError, ServingConfig, local_gpu_memory_mb
-
-#: Seconds the sglang child process may take (its imports are the cost: a few seconds).
-NATIVE_TIMEOUT_S = 120.0
+from jitwarm.precompile.servers.sglang import rules as sglang_rules
 
 
 @dataclass(frozen=True)
@@ -81,11 +77,6 @@ class Ladder:
                 "gpu_memory_mb": self.gpu_memory_mb, "disabled": self.disabled}
 
 
-def sglang_installed() -> bool:
-    """True when sglang can be imported here (checked without importing it)."""
-    return importlib.util.find_spec("sglang") is not None
-
-
 def resolve_ladder(config: ServingConfig) -> Ladder:
     """Resolve the decode graphs ``config``'s server captures (see the module docstring for the source).
 
@@ -93,7 +84,7 @@ def resolve_ladder(config: ServingConfig) -> Ladder:
     ------
     ConfigError
         The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), sglang rejects the
-        settings, or the sglang source was asked for and cannot run.
+        settings, or sglang's own functions were needed and cannot run.
 
     """
     return _resolve(config)
@@ -108,12 +99,10 @@ def _resolve(config: ServingConfig) -> Ladder:
             raise ConfigError(["the capture ladder depends on the GPU's memory (sglang's default max batch) "
                                "and there is no GPU here: give --gpu-memory-mb N (an H200 has 143771) or "
                                "--cuda-graph-max-bs-decode N"])
-    source = config.ladder_source
-    if source == "auto":
-        source = "sglang" if sglang_installed() else "builtin"
+    room = servers.adapter("sglang")
     try:
-        result = sglang_rules.resolve(inputs) if source == "builtin" else _native(inputs)
-    except sglang_rules.ResolutionError as exc:
+        result = room.resolve_ladder(inputs, config.ladder_source, builtin=config.builtin_resolution(inputs))
+    except UsageError as exc:
         raise ConfigError([str(exc)]) from None
     shapes = tuple(CaptureShape(s["bs"], VerifyLayout(tuple(s["verify_lens"])), s["graph_key"])
                    for s in result["shapes"])
@@ -121,34 +110,6 @@ def _resolve(config: ServingConfig) -> Ladder:
                   width=result.get("width", 1), compact=result.get("compact", False),
                   max_running_requests=result.get("max_running_requests"), gpu_memory_mb=inputs["gpu_memory_mb"],
                   disabled=result.get("disabled"))
-
-
-def _native(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Resolve with the installed sglang's own functions, in a child process unless sglang is imported already.
-
-    Inside a server (the plugin) sglang is loaded: its functions run here. Anywhere else importing sglang
-    would import torch into the planning process, so a child process does it.
-    """
-    if "sglang" in sys.modules:
-        from jitwarm.precompile import sglang_native
-
-        try:
-            return sglang_native.resolve(inputs)
-        except ValueError as exc:
-            raise ConfigError([str(exc)]) from None
-    try:
-        proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile.sglang_native"],
-                              input=json.dumps({"inputs": inputs}), capture_output=True, text=True,
-                              timeout=NATIVE_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ConfigError([f"cannot run sglang's own ladder functions ({exc}); use --ladder-source builtin"]) from None
-    if proc.returncode == 2:
-        raise ConfigError([proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "sglang rejected it"])
-    if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-        raise ConfigError([f"sglang's own ladder functions failed ({last}); use --ladder-source builtin for the "
-                           f"rules mirroring sglang {sglang_rules.MIRRORS}"])
-    return json.loads(proc.stdout)
 
 
 def capture_shapes(config: ServingConfig) -> list[CaptureShape]:

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from jitwarm.precompile import ServingConfig, WarmPlan, capture_shapes
-from jitwarm.precompile import sglang_rules as rules
 from jitwarm.precompile.cli import main
+from jitwarm.precompile.servers.sglang import rules
 
 H200_MIB = 143771
 
@@ -120,13 +120,13 @@ def test_plan_json_gives_bs_graph_key_verify_lens_and_the_source(capsys):
             "128", "--max-running-requests", "512"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["ladder"]["source"] == f"built-in rules of sglang {rules.MIRRORS}"
+    assert data["ladder"]["source"] == f"built-in rules of sglang {rules.VERSION}"
     bs60 = next(s for s in data["shapes"] if s["bs"] == 60)
     assert bs60["graph_key"] == 360 and bs60["verify_lens"] == [3] * 104 + [2] * 24
 
 
 def test_dspark_block_size_sets_the_draft_tokens():
-    from jitwarm.precompile.server_args import ServerArgvError, _to_inputs
+    from jitwarm.precompile.servers.sglang.argv import ServerArgvError, _to_inputs
 
     dspark = {"speculative_algorithm": "DSPARK"}
     assert _to_inputs({**dspark, "speculative_dspark_block_size": 5})["speculative_num_draft_tokens"] == 6

@@ -1,10 +1,11 @@
 """sglang 0.5.23's own code as the oracle: the capture ladder, the server command line and its flag table.
 
 The real wheel is installed for the session (``tests/sglang_wheel.py``) and imported once, in one worker
-subprocess, which runs ``jitwarm.precompile.sglang_native`` (sglang's functions, called) over every request
-below. Its answers are checked against facts of sglang 0.5.23 stated here, against the pure-Python mirror
-``jitwarm.precompile.sglang_rules``, against jitwarm's own argv parser ``server_args.parse_server_argv``,
-and against the committed ``precompile/sglang_flags.json``.
+subprocess, which runs sglang's functions, called (``jitwarm.precompile.servers.sglang.native`` for the ladder,
+``tests/sglang_parser_oracle.py`` for the command line), over every request below. Its answers are checked
+against facts of sglang 0.5.23 stated here, against the pure-Python mirror ``servers.sglang.rules``, against
+jitwarm's own argv parser ``servers.sglang.argv.parse_server_argv``, and against the committed
+``precompile/servers/sglang/flags.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sglang_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "workers" / "sglang_oracle_worker.py"
-FLAGS_JSON = ROOT / "precompile" / "sglang_flags.json"
+FLAGS_JSON = ROOT / "precompile" / "servers" / "sglang" / "flags.json"
 
 H200, H100 = 143771, 81559
 RAW_DEFAULTS: dict[str, Any] = {
@@ -161,9 +162,10 @@ ARGV_REJECTED = [
     (["--model-path", "m", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ]
 ENV_ARGV = ["SGLANG_RAGGED_VERIFY_MODE=compact", "python", "-m", "sglang.launch_server", "--model-path", "m"]
+# The child-process entry point takes inputs only (the command line is jitwarm's to parse: servers.sglang.argv).
 CLI_REQUESTS = [json.dumps({"inputs": NAMED["dspark6_compact_128"]}), json.dumps({"argv": ARGV_CASES[2][0]}),
-                json.dumps({"argv": ARGV_REJECTED[0][0]}), json.dumps({"inputs": {"tp_size": 1}}),
-                json.dumps({"inputs": NAMED["compact_without_padding"]}), "{not json"]
+                json.dumps({"inputs": {"tp_size": 1}}), json.dumps({"inputs": NAMED["compact_without_padding"]}),
+                "{not json", "[" * 30000]
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +259,7 @@ def test_algorithm_names_and_running_defaults(native):
 
 
 def test_running_default_table_is_the_installed_source(native):
-    from jitwarm.precompile import sglang_native
+    from jitwarm.precompile.servers.sglang import native as sglang_native
 
     declared = {name: lines for name, lines in native["running_defaults"].items() if lines}
     assert declared == {name: [line] for name, line in sglang_native._DEFAULTS_48_RUNNING.items()}
@@ -305,7 +307,7 @@ def _comparable(result: dict[str, Any]) -> Any:
 
 
 def _mirror(inputs: dict[str, Any]) -> dict[str, Any]:
-    from jitwarm.precompile import sglang_rules
+    from jitwarm.precompile.servers.sglang import rules as sglang_rules
 
     try:
         return {"ok": sglang_rules.resolve(dict(inputs))}
@@ -326,7 +328,6 @@ def _diff(inputs, native_result, mirror_result) -> str:
 
 
 def test_ladder_oracle(native):
-    pytest.importorskip("jitwarm.precompile.sglang_rules", reason="the lead's mirror is not importable yet")
     pairs = [(inputs, got, _mirror(inputs)) for inputs, got in zip(GRID, native["grid"], strict=True)]
     diffs = [_diff(*pair) for pair in pairs if _comparable(pair[1]) != _comparable(pair[2])]
     equal = len(pairs) - len(diffs)
@@ -353,11 +354,8 @@ def test_verify_mode_comes_from_the_command_lines_environment(native):
 
 
 def test_jitwarm_argv_parser_agrees_with_sglangs(native):
-    server_args = pytest.importorskip("jitwarm.precompile.server_args",
-                                      reason="jitwarm.precompile.server_args is not importable yet")
-    parse = getattr(server_args, "parse_server_argv", None)
-    if parse is None:
-        pytest.skip("jitwarm.precompile.server_args has no parse_server_argv yet")
+    from jitwarm.precompile.servers.sglang.argv import parse_server_argv as parse
+
     command_keys = [k for k in RAW_DEFAULTS if k not in ("gpu_memory_mb", "kv_capacity", "ragged_verify_mode")]
     disagreements = []
     for (argv, _), got in zip(ARGV_CASES, native["argv"], strict=False):
@@ -386,7 +384,7 @@ def test_jitwarm_argv_parser_agrees_with_sglangs(native):
 
 def test_committed_flag_table_is_the_wheels(native):
     assert json.loads(FLAGS_JSON.read_text(encoding="utf-8")) == native["flags"], (
-        "precompile/sglang_flags.json is stale: regenerate it with bench/gen_sglang_flags.py")
+        "precompile/servers/sglang/flags.json is stale: regenerate it with bench/gen_sglang_flags.py")
     options = native["flags"]["options"]
     assert native["flags"]["allow_abbrev"] is True
     assert options["--tensor-parallel-size"] == options["--tp-size"] == {"nargs": 1, "dest": "tp_size"}
@@ -399,38 +397,71 @@ def test_committed_flag_table_is_the_wheels(native):
 
 
 def test_entry_point_answers_one_json_object(native):
-    ok_inputs, ok_argv, ambiguous, missing, refused, malformed = native["cli"]
+    ok_inputs, argv_request, missing, refused, malformed, deep = native["cli"]
     assert ok_inputs["code"] == 0 and json.loads(ok_inputs["stdout"])["shapes"][0]["bs"] == 48
-    assert ok_argv["code"] == 0
-    assert json.loads(ok_argv["stdout"]) == {"inputs": {**RAW_DEFAULTS, **ARGV_CASES[2][1]}}
-    for bad in (ambiguous, missing, refused, malformed):
-        lines = [line for line in bad["stderr"].splitlines() if line.startswith("jitwarm.precompile.sglang_native:")]
+    prefix = "jitwarm.precompile.servers.sglang.native:"
+    for bad in (argv_request, missing, refused, malformed, deep):
+        lines = [line for line in bad["stderr"].splitlines() if line.startswith(prefix)]
         assert bad["code"] == 2 and bad["stdout"] == "" and len(lines) == 1, bad
-    assert "ambiguous option: --cuda-graph-max-bs" in ambiguous["stderr"]
+    assert '{"inputs": {...}}' in argv_request["stderr"]
 
 
 def test_module_imports_neither_sglang_nor_torch(sglang_env):
-    code = ("import sys, jitwarm.precompile.sglang_native as n; "
+    code = ("import sys, jitwarm.precompile.servers.sglang.native as n; "
             f"assert n.installed_version() == {sglang_wheel.SGLANG_VERSION!r}; "
             "bad = [m for m in ('sglang', 'torch') if m in sys.modules]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **sglang_env}, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile.sglang_native"], input="[1, 2]",
+    proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile.servers.sglang.native"], input="[1, 2]",
                           env={**os.environ, **sglang_env}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
 
 
-def test_plan_takes_the_installed_sglangs_functions(sglang_env):
-    argv = ["--json", "--target", "cpu", "--ragged-verify-mode", "compact", "--", "sglang", "serve", "m",
-            "--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "6", "--cuda-graph-max-bs-decode",
-            "128", "--port", "8000"]
-    runs = {}
+def _plan(argv, env, cwd):
+    """``jitwarm plan --json`` in a child process: its JSON, and whether sglang got imported into it."""
+    code = ("import contextlib, io, json, sys\nfrom jitwarm.precompile.cli import main\nout = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out): rc = main(sys.argv[1:])\n"
+            "print(json.dumps({'rc': rc, 'plan': json.loads(out.getvalue()) if rc == 0 else None, "
+            "'sglang_imported': 'sglang' in sys.modules}))")
+    proc = subprocess.run([sys.executable, "-c", code, "plan", *argv], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
+
+PLAN_ARGV = ["--json", "--target", "cpu", "--ragged-verify-mode", "compact", "--", "sglang", "serve", "m",
+             "--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "6", "--cuda-graph-max-bs-decode",
+             "128", "--port", "8000"]
+
+
+def test_plan_with_the_mirrored_release_installed_never_imports_it(sglang_env, tmp_path):
+    """auto takes the built-in rules for the release they mirror; sglang's own functions only when asked."""
+    env = {**sglang_env, "JITWARM_CACHE_DIR": str(tmp_path / "cache")}
+    runs = {source: _plan(["--ladder-source", source, *PLAN_ARGV], env, tmp_path)[0]
+            for source in ("auto", "builtin", "sglang")}
     for source in ("auto", "builtin"):
-        proc = subprocess.run([sys.executable, "-m", "jitwarm.precompile", "plan", "--ladder-source", source, *argv],
-                              env={**os.environ, **sglang_env}, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        runs[source] = json.loads(proc.stdout)
-    assert runs["auto"]["ladder"]["source"] == f"sglang {sglang_wheel.SGLANG_VERSION} (installed)"
-    assert runs["builtin"]["ladder"]["source"] == f"built-in rules of sglang {sglang_wheel.SGLANG_VERSION}"
-    assert runs["auto"]["shapes"] == runs["builtin"]["shapes"] and len(runs["auto"]["shapes"]) == 23
+        assert runs[source]["rc"] == 0 and not runs[source]["sglang_imported"], runs[source]
+        assert runs[source]["plan"]["ladder"]["source"] == f"built-in rules of sglang {sglang_wheel.SGLANG_VERSION}"
+    asked = runs["sglang"]["plan"]
+    assert asked["ladder"]["source"] == f"sglang {sglang_wheel.SGLANG_VERSION} (installed)"  # in a child process
+    assert not runs["sglang"]["sglang_imported"]
+    assert asked["shapes"] == runs["auto"]["plan"]["shapes"] and len(asked["shapes"]) == 23
+    assert not (tmp_path / "cache" / "ladders").exists()  # the mirrored release needs no memo
+
+
+def test_another_release_is_resolved_by_its_own_functions_once_then_from_the_memo(sglang_env, tmp_path):
+    """A dist-info saying 0.5.99 ahead of the wheel: auto runs sglang's functions once; the second plan of the same
+    line reads the memo, even with sglang gone from the path."""
+    overlay = tmp_path / "overlay" / "sglang-0.5.99.dist-info"
+    overlay.mkdir(parents=True)
+    (overlay / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.99\n")
+    env = {**sglang_env, "JITWARM_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": f"{overlay.parent}{os.pathsep}{sglang_env['PYTHONPATH']}"}
+    first, _ = _plan(PLAN_ARGV, env, tmp_path)
+    assert first["rc"] == 0 and first["plan"]["ladder"]["source"] == "sglang 0.5.99 (installed)"
+    memos = list((tmp_path / "cache" / "ladders").glob("*.json"))
+    assert len(memos) == 1 and memos[0].stat().st_mode & 0o077 == 0
+    second, _ = _plan(PLAN_ARGV, {**env, "PYTHONPATH": str(overlay.parent)}, tmp_path)  # sglang cannot be imported now
+    assert second["rc"] == 0 and second["plan"]["shapes"] == first["plan"]["shapes"]
+    assert second["plan"]["ladder"]["source"] == "sglang 0.5.99 (installed)"

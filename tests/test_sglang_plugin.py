@@ -76,7 +76,7 @@ def runs(sglang_env, tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
         result["log"] = [line for line in stderr.splitlines() if line.startswith("LOG ")]
         result["tmp"] = str(tmp)
         results[name] = result, [line for line in result["log"]
-                                 if line.startswith("LOG jitwarm.precompile.sglang_plugin ")]
+                                 if line.startswith("LOG jitwarm.precompile.servers.sglang.plugin ")]
     return results
 
 
@@ -162,7 +162,7 @@ def test_the_plugin_is_found_through_its_entry_point_and_says_what_it_installed(
 
 def test_off_switch_is_inert_with_one_log_line(runs, without_plugin):
     result, lines = runs["inert"]
-    assert lines == ["LOG jitwarm.precompile.sglang_plugin INFO jitwarm: sglang plugin inert "
+    assert lines == ["LOG jitwarm.precompile.servers.sglang.plugin INFO jitwarm: sglang plugin inert "
                      "(JITWARM_SGLANG_PLUGIN=0): nothing installed"]
     assert any("Executed general plugin: jitwarm" in line for line in result["log"])
     assert not any("Applied" in line for line in result["log"])
@@ -216,7 +216,7 @@ def test_a_bad_config_keeps_the_drain_and_is_fatal_only_under_strict(runs, with_
 
 
 def test_importing_the_plugin_imports_neither_sglang_nor_torch(sglang_env):
-    code = ("import json, sys, jitwarm.precompile.sglang_plugin; "
+    code = ("import json, sys, jitwarm.precompile.servers.sglang.plugin; "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'sglang', 'torch'})))")
     env = {**os.environ, **sglang_env}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
@@ -228,9 +228,9 @@ def test_the_plugin_sets_triton_s_cache_manager_unless_told_otherwise_and_starts
     """What register() does before it hooks anything (no sglang needed for this part)."""
     import triton
 
-    from jitwarm.precompile import sglang_plugin
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
 
-    manager = "jitwarm.kernels.triton_cache:CacheManager"
+    manager = "jitwarm.kernels.libraries.triton.cache:CacheManager"
     # register() writes os.environ itself: record the variable's absence first, so the test leaves it unset.
     monkeypatch.setenv("TRITON_CACHE_MANAGER", "placeholder")
     monkeypatch.delenv("TRITON_CACHE_MANAGER")

@@ -1,4 +1,5 @@
-"""Run jitwarm.precompile.sglang_native against the installed sglang for a whole request at once (one import).
+"""Run sglang's own functions (jitwarm.precompile.servers.sglang.native, and sglang_parser_oracle for the command
+line) against the installed sglang for a whole request at once (one import).
 
 stdin: ``{"grid": [inputs, ...], "argv": [[arg, ...], ...], "cli": [request, ...]}``. argv[1]: the file to write
 the answer to (not stdout: an import may print there), one JSON object with ``{"ok": answer}`` or
@@ -15,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: sglang_parser_oracle
 
 def _attempt(fn, arg):
     try:
@@ -44,7 +46,7 @@ def _running_defaults() -> dict[str, list[int]]:
 
     from sglang.srt.arg_groups import speculative_hook
 
-    from jitwarm.precompile import sglang_native
+    from jitwarm.precompile.servers.sglang import native as sglang_native
 
     found = {}
     for name in sglang_native._SPEC_HANDLERS:
@@ -55,14 +57,16 @@ def _running_defaults() -> dict[str, list[int]]:
 
 def main() -> None:
     request = json.load(sys.stdin)
-    from jitwarm.precompile import sglang_native
+    import sglang_parser_oracle
+
+    from jitwarm.precompile.servers.sglang import native as sglang_native
 
     os.environ["SGLANG_RAGGED_VERIFY_MODE"] = "cap-accept"  # resolve() must put this back, not unset it
     before = _process_state()
     grid = [_attempt(sglang_native.resolve, inputs) for inputs in request.get("grid", [])]
     after = _process_state()
     del os.environ["SGLANG_RAGGED_VERIFY_MODE"]  # parse_argv reads it: the command lines bring their own
-    argv = [_attempt(sglang_native.parse_argv, args) for args in request.get("argv", [])]
+    argv = [_attempt(sglang_parser_oracle.parse_argv, args) for args in request.get("argv", [])]
     cli = []
     for item in request.get("cli", []):
         stdin, out, err = sys.stdin, io.StringIO(), io.StringIO()
@@ -74,7 +78,7 @@ def main() -> None:
             sys.stdin = stdin
         cli.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
     answer = {"version": sglang_native.installed_version(), "grid": grid, "argv": argv, "cli": cli,
-              "flags": sglang_native.flag_table(), "state_before": before, "state_after": after,
+              "flags": sglang_parser_oracle.flag_table(), "state_before": before, "state_after": after,
               "running_defaults": _running_defaults()}
     Path(sys.argv[1]).write_text(json.dumps(answer), encoding="utf-8")
 

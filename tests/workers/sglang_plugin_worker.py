@@ -164,7 +164,7 @@ def start_plan(tp_size: int, then_strict: bool) -> dict:
     """Start the model runner (again under JITWARM_STRICT=1 with ``then_strict``); report the plugin's plan."""
     import os
 
-    from jitwarm.precompile import sglang_plugin
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
 
     stopped = [start_model_runner(tp_size)]
     if then_strict:
@@ -203,7 +203,7 @@ def main() -> None:
             result["orders"][name] = {how: capture(backend, how, size=2)
                                       for how in ("keyword", "positional", "absent")}
     if plan_mode:
-        from jitwarm.precompile import sglang_plugin
+        from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
 
         hook = sglang_plugin._plan.hook
         result["plan"]["device_target"] = hook.device.target if hook is not None else None

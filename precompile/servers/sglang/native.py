@@ -1,9 +1,12 @@
-"""sglang's decode CUDA-graph ladder computed by the installed sglang's own functions: an oracle and a plan source.
+"""sglang's decode CUDA-graph ladder by the installed sglang's own functions, and the choice of ladder source.
 
-:func:`resolve` takes the same raw settings as :func:`jitwarm.precompile.sglang_rules.resolve` and answers
-with the same dict, computed by calling the installed sglang (0.5.23 is the release the cited lines
-come from): the CLI parser, the resolution hooks that build ``cuda_graph_config``, the decode
-runner's batch-size cut, its capture width, its graph keys and its compact verify layouts.
+It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those
+rules against.
+
+:func:`resolve` takes the same raw settings as :func:`.rules.resolve` and answers with the same dict, computed
+by calling the installed sglang (the cited lines are those of the room's ``VERSION``): the resolution hooks that
+build ``cuda_graph_config``, the decode runner's batch-size cut, its capture width, its graph keys and its
+compact verify layouts. :func:`resolve_from` chooses between the two sources.
 
 What stands in for what, and why: the device memory is ``get_device_memory_capacity`` patched to the given
 MiB (there is no GPU); the topology is a runtime context sglang builds from the config (no process groups
@@ -13,9 +16,9 @@ that cannot be called in isolation are reproduced by hand where they occur, each
 the lines. The patches and environment variables are restored on exit; they are process-wide while a
 call runs, so do not resolve while another thread of the same process resolves server arguments.
 
-It imports sglang (and so torch) only inside functions; ``jitwarm plan`` runs it in a child process::
+It imports sglang (and so torch) only inside functions; outside a server it runs in a child process::
 
-    echo '{"argv": ["sglang", "serve", "--tp", "4"]}' | python -m jitwarm.precompile.sglang_native
+    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.sglang.native
 """
 
 from __future__ import annotations
@@ -24,19 +27,19 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
-import os
-import re
+import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-#: The raw settings :func:`resolve` reads (every key is required) and :func:`parse_argv` returns.
-INPUT_KEYS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
-              "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
-              "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
-              "max_running_requests", "tp_size", "dp_size", "attn_dp_size", "enable_dp_attention", "gpu_memory_mb",
-              "ragged_verify_mode", "kv_capacity")
+from jitwarm.cache.settings import scoped_env
+from jitwarm.precompile.servers import resolution_memo
+from jitwarm.precompile.servers.sglang import VERSION, rules
+from jitwarm.precompile.servers.sglang.rules import ResolutionError
+
+#: The raw settings :func:`resolve` reads (every key is required): the keys of :data:`.rules.INPUT_KEYS`.
+INPUT_KEYS = tuple(rules.INPUT_KEYS)
 # Inputs that are not ServerArgs fields: the device (gpu_memory_mb), the environment (ragged_verify_mode)
 # and the KV pool a server profiles at start-up (kv_capacity).
 _NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
@@ -51,8 +54,9 @@ _DEFAULTS_48_RUNNING = {"_handle_dflash": 442, "_handle_dspark": 856, "_handle_f
                         "_handle_eagle_family": 1090, "_handle_ngram": 1298}
 _SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_frozen_kv_mtp",
                   "_handle_eagle_family", "_handle_ngram")
-_LAUNCHER = re.compile(r"(.*/)?python[0-9.]*")
-_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+#: Seconds the child process may take (its imports are the cost: 21 to 67 s in a server's image).
+CHILD_TIMEOUT_S = 300.0
+SOURCES = ("auto", "builtin", "sglang")
 
 
 def installed_version() -> str | None:
@@ -61,6 +65,74 @@ def installed_version() -> str | None:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the decode graphs sglang captures for ``inputs``, from ``source``.
+
+    Parameters
+    ----------
+    inputs
+        The keys of :data:`.rules.INPUT_KEYS` (missing ones take their defaults).
+    source
+        ``builtin``: the rules. ``sglang``: the installed sglang's own functions, run every time.
+        ``auto``: the rules when no sglang is installed or the installed one is the release they mirror
+        (read from its metadata, without importing it); for any other release its own functions, whose
+        answer is kept in a memo keyed by that release and ``inputs`` (:mod:`..resolution_memo`), so only the
+        first plan of a command line pays for importing sglang.
+    builtin
+        The rules' answer for exactly these ``inputs``, when the caller has it already (it is not recomputed).
+
+    Raises
+    ------
+    ResolutionError
+        sglang rejects the settings, or its own functions were needed and could not run.
+
+    """
+    if source not in SOURCES:
+        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(SOURCES)}")
+    installed = installed_version() if source != "builtin" else None
+    if source == "builtin" or (source == "auto" and installed in (None, VERSION)):
+        return builtin if builtin is not None else rules.resolve(inputs)
+    full = {**rules.INPUT_KEYS, **inputs}
+    if source == "sglang" or "sglang" in sys.modules:
+        return _native(full)
+    key = resolution_memo.key("sglang", installed, full)
+    found = resolution_memo.load(key)
+    if found is not None:
+        return found
+    result = _native(full)
+    resolution_memo.store(key, result)
+    return result
+
+
+def _native(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Resolve with the installed sglang's functions: here when sglang is loaded (a server), else in a child.
+
+    Anywhere but inside a server, importing sglang would import torch into the planning process.
+    """
+    if "sglang" in sys.modules:
+        try:
+            return resolve(inputs)
+        except ValueError as exc:
+            raise ResolutionError(str(exc)) from None
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"inputs": inputs}),
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ResolutionError(f"cannot run sglang's own ladder functions ({exc})",
+                              hint="use --ladder-source builtin") from None
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    if proc.returncode == 2:
+        raise ResolutionError(last)
+    if proc.returncode != 0:
+        raise ResolutionError(f"sglang's own ladder functions failed ({last})",
+                              hint=f"use --ladder-source builtin for the rules mirroring sglang {VERSION}")
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        raise ResolutionError("sglang's own ladder functions printed something that is not their answer",
+                              hint="use --ladder-source builtin") from None
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,7 +160,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """
     cfg = _checked_inputs(inputs)
     try:
-        with _scoped_env({_VERIFY_MODE_ENV: cfg["ragged_verify_mode"], _FORCE_UNIFORM_ENV: None}):
+        with scoped_env({_VERIFY_MODE_ENV: cfg["ragged_verify_mode"], _FORCE_UNIFORM_ENV: None}):
             return _resolve(cfg)
     except (ValueError, AssertionError, TypeError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"sglang rejects these settings ({type(exc).__name__}): {exc}") from exc
@@ -277,159 +349,8 @@ def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     return dict(inputs)
 
 
-@contextlib.contextmanager
-def _scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (None: unset) environment variables, restoring them on exit even on error.
-
-    Not sglang's ``EnvField.override``: it restores only when its block does not raise (environ.py:96-106).
-    """
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """sglang's parser with errors raised as ValueError instead of printed with a SystemExit."""
-
-    def error(self, message: str) -> None:  # noqa: D102
-        raise ValueError(message)
-
-    def print_help(self, file: Any = None) -> None:  # noqa: D102
-        pass  # --help would print the server's help on stdout, where the answer goes
-
-    def exit(self, status: int = 0, message: str | None = None) -> None:  # noqa: D102
-        raise ValueError(message or "the command line asks for --help: it has no settings to read")
-
-
-def server_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Return the argument parser ``sglang serve`` and ``python -m sglang.launch_server`` parse with.
-
-    srt/server_args.py:679-680 (``prepare_server_args``): ``ArgumentParser(prog="sglang serve")`` filled by
-    ``ServerArgs.add_cli_args``; ``parser_class`` only changes how errors are reported.
-    """
-    from sglang.srt.server_args import ServerArgs
-
-    parser = parser_class(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
-def parse_argv(argv: list[str]) -> dict[str, Any]:
-    """Parse a server command line with sglang's own parser and return its raw capture settings.
-
-    Parameters
-    ----------
-    argv
-        ``python -m sglang.launch_server ARGS``, ``python3 -m ...``, ``sglang serve [MODEL] ARGS`` or bare
-        ``ARGS``, optionally after ``NAME=value`` environment assignments (``SGLANG_RAGGED_VERIFY_MODE`` is
-        read from them, else from this process's environment, as the server would read it).
-
-    Returns
-    -------
-    dict
-        The :data:`INPUT_KEYS` values; ``--dp-size N --enable-dp-attention`` comes back as sglang maps it
-        (``attn_dp_size=N``, ``dp_size=1``, ``enable_dp_attention=False``). ``gpu_memory_mb`` and
-        ``kv_capacity`` are None: a command line does not say them.
-
-    Raises
-    ------
-    ValueError
-        sglang's parser rejects the command line (unknown or ambiguous option, bad value); the message is
-        argparse's.
-
-    Examples
-    --------
-    >>> parse_argv(["sglang", "serve", "m", "--tp", "4"])["tp_size"]  # doctest: +SKIP
-    4
-
-    """
-    from sglang.srt.arg_groups.overrides import resolving_view
-    from sglang.srt.arg_groups.parallel_hook import handle_deprecated_dp_attention
-    from sglang.srt.server_args import ServerArgs
-
-    args, env = _strip_launcher(list(argv))
-    parser = server_parser(_RaisingParser)
-    if "--config" in args:  # srt/server_args.py:683-689
-        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
-
-        args = ConfigArgumentMerger(parser).merge_config_with_args(args)
-    record = ServerArgs.from_cli_args(parser.parse_args(args))
-    handle_deprecated_dp_attention(record)  # srt/arg_groups/parallel_hook.py:39-61
-    cfg = resolving_view(record)
-    inputs: dict[str, Any] = {key: getattr(cfg, key) for key in INPUT_KEYS if key not in _NOT_FIELDS}
-    if isinstance(inputs["cuda_graph_config"], Mapping):
-        inputs["cuda_graph_config"] = {phase: dict(v) for phase, v in inputs["cuda_graph_config"].items()}
-    with _scoped_env({_VERIFY_MODE_ENV: env[_VERIFY_MODE_ENV]} if _VERIFY_MODE_ENV in env else {}):
-        from sglang.srt.environ import envs
-
-        mode = envs.SGLANG_RAGGED_VERIFY_MODE.get()
-    inputs.update(gpu_memory_mb=None, ragged_verify_mode=mode, kv_capacity=None)
-    return inputs
-
-
-def _strip_launcher(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Split off leading ``NAME=value`` words and the launcher; return the server's own args and the env."""
-    env = {}
-    while argv and _ENV_ASSIGNMENT.fullmatch(argv[0]):
-        name, _, value = argv.pop(0).partition("=")
-        env[name] = value
-    if argv and _LAUNCHER.fullmatch(argv[0]):
-        rest = argv[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options: -u, -X dev, -W x
-            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
-        if rest[:2] == ["-m", "sglang.launch_server"]:
-            return rest[2:], env  # launch_server.py:81: prepare_server_args(sys.argv[1:])
-        raise ValueError(f"not an sglang server command line: {' '.join(argv[:4])}")
-    if len(argv) >= 2 and (argv[0] == "sglang" or argv[0].endswith("/sglang")) and argv[1] == "serve":
-        # cli/serve.py:184-187: the serve command takes --model-type off and a positional model path.
-        from sglang.cli.serve import _extract_model_type_override, _normalize_positional_model_path
-
-        _, args = _extract_model_type_override(argv[2:])
-        return _normalize_positional_model_path(args)[0], env
-    return argv, env
-
-
-def flag_table() -> dict[str, Any]:
-    """Return every option string sglang's server parser accepts, with its value count and destination.
-
-    Returns
-    -------
-    dict
-        ``{"sglang": version, "prog", "allow_abbrev", "options": {option: {"nargs", "dest"[, "const"]}}}``:
-        ``nargs`` is 0 for flags (``const`` is then the value they store, where it is JSON), 1 for one
-        value, or argparse's ``"?"``, ``"*"``, ``"+"``.
-
-    """
-    parser = server_parser()
-    options = {}
-    for action in parser._actions:  # argparse keeps no public list of its actions
-        nargs = 1 if action.nargs is None else action.nargs
-        for option in action.option_strings:
-            entry: dict[str, Any] = {"nargs": nargs, "dest": action.dest}
-            if nargs == 0:
-                const = action.const
-                if isinstance(action, argparse.BooleanOptionalAction):
-                    const = not option.startswith("--no-")
-                if const is None or isinstance(const, (bool, int, float, str)):
-                    entry["const"] = const
-            options[option] = entry
-    return {"sglang": installed_version(), "prog": parser.prog, "allow_abbrev": parser.allow_abbrev,
-            "options": dict(sorted(options.items()))}
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Read ``{"inputs": {...}}`` or ``{"argv": [...]}`` on stdin; print the resolution or the inputs.
+    """Read ``{"inputs": {...}}`` on stdin and print the resolution as one JSON object.
 
     Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with
     one line) when sglang cannot be imported.
@@ -437,19 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     del argv  # no options: the request is on stdin
     try:
         request = json.loads(sys.stdin.read())
-        if not isinstance(request, dict) or len(request) != 1 or not {"inputs", "argv"} & set(request):
-            raise ValueError('expected one JSON object: {"inputs": {...}} or {"argv": [...]}')
-        if "argv" in request:
-            if not isinstance(request["argv"], list) or not all(isinstance(a, str) for a in request["argv"]):
-                raise ValueError("argv must be a list of strings")
-            answer = {"inputs": parse_argv(request["argv"])}
-        else:
-            answer = resolve(request["inputs"])
-    except ValueError as exc:  # json.JSONDecodeError is a ValueError
-        print(f"jitwarm.precompile.sglang_native: {' '.join(str(exc).split())}", file=sys.stderr)
+        if not isinstance(request, dict) or set(request) != {"inputs"}:
+            raise ValueError('expected one JSON object: {"inputs": {...}}')
+        answer = resolve(request["inputs"])
+    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"{__spec__.name if __spec__ else __name__}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(f"jitwarm.precompile.sglang_native: cannot import sglang: {exc}", file=sys.stderr)
+        print(f"{__spec__.name if __spec__ else __name__}: cannot import sglang: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(answer))
     return 0

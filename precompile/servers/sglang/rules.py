@@ -1,8 +1,8 @@
-"""sglang 0.5.23's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
+"""sglang's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
 
-Every rule cites the file and line of the sglang 0.5.23 wheel it mirrors; ``tests/test_sglang_oracle.py``
-checks the mirror against sglang's own functions (:mod:`jitwarm.precompile.sglang_native`) over a grid of
-configs. Pure Python: no torch, no sglang import, so ``jitwarm plan`` stays fast on a box without either.
+Every rule cites the file and line of the sglang wheel it mirrors (the room's ``VERSION``);
+``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`) over a grid
+of configs. Pure Python: no torch, no sglang import, so ``jitwarm plan`` stays fast on a box without either.
 
 The input is :data:`INPUT_KEYS`: the raw, unresolved server settings (what the command line says, plus
 the device memory and the verify-mode environment variable). The output describes the decode graphs the
@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: The sglang release whose resolution this module mirrors.
-MIRRORS = "0.5.23"
-SOURCE = f"built-in rules of sglang {MIRRORS}"
+from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers.sglang import VERSION
+
+SOURCE = f"built-in rules of sglang {VERSION}"
 
 #: Raw server settings the resolution reads, with their defaults (sglang's own field names).
 INPUT_KEYS: Mapping[str, Any] = {
@@ -63,8 +64,8 @@ _UNKNOWN_MEMORY_MAX_BS = 160  # gpu_mem is None (:172-180)
 MEMORY_TIER_SAMPLES = (16 * 1024, 24 * 1024, 40 * 1024, 80 * 1024, 141 * 1024, 180 * 1024)
 
 
-class ResolutionError(ValueError):
-    """The settings are ones sglang itself rejects; the message says which and why."""
+class ResolutionError(UsageError, ValueError):
+    """The settings are ones sglang itself rejects; the message says which and why (exit 2)."""
 
 
 def normalize_algorithm(name: str | None) -> str | None:
@@ -80,7 +81,7 @@ def normalize_algorithm(name: str | None) -> str | None:
         return None
     upper = ALIASES.get(name.upper(), name.upper())
     if upper not in ALGORITHMS:
-        raise ResolutionError(f"unknown speculative algorithm {name!r}; sglang {MIRRORS} knows "
+        raise ResolutionError(f"unknown speculative algorithm {name!r}; sglang {VERSION} knows "
                               f"{', '.join(ALGORITHMS + tuple(ALIASES))}")
     return upper
 
@@ -111,6 +112,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
+    attn_dp = _checked_attention_dp(cfg)
     decode = _decode_graph_config(cfg)
     if decode.get("backend") == "disabled":
         return {"source": SOURCE, "disabled": decode["why"], "shapes": []}
@@ -135,7 +137,6 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
         max_bs = max(bs_list)  # memory_hook.py:199-207
 
     width = _draft_tokens(cfg, algorithm) if algorithm is not None else 1
-    attn_dp = attention_dp_size(cfg)
     capture_bs = runner_batch_sizes(bs_list, width, pool_size=_pool_size(max_running, attn_dp, cfg["kv_capacity"]),
                                     alignment=cfg["tp_size"] // attn_dp if attn_dp > 1 else 1)
     compact = algorithm == "DSPARK" and _verify_mode(cfg) == "compact"
@@ -215,6 +216,24 @@ def attention_dp_size(cfg: Mapping[str, Any]) -> int:
     if cfg["enable_dp_attention"] and cfg["dp_size"] > 1:
         return int(cfg["dp_size"])
     return 1
+
+
+def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
+    """The attention-DP size, after the two checks sglang makes of the layout at start-up.
+
+    srt/arg_groups/parallel_hook.py:285-292 (``handle_data_parallelism``): replicas (``--dp-size``) combined
+    with attention DP are refused; :326: with attention DP, ``tp_size % attn_dp_size == 0`` is asserted (the
+    attention-TP size, ``tp_size // attn_dp_size``, is the runner's alignment, and 0 would divide by zero).
+    """
+    attn_dp = attention_dp_size(cfg)
+    replicas = 1 if cfg["enable_dp_attention"] and cfg["attn_dp_size"] == 1 else cfg["dp_size"]
+    if attn_dp > 1 and replicas > 1:
+        raise ResolutionError(f"--dp-size {replicas} with --attn-dp-size {attn_dp}: data-parallel replicas combined "
+                              "with attention data parallelism are not supported (sglang refuses it)")
+    if attn_dp > 1 and cfg["tp_size"] % attn_dp:
+        raise ResolutionError(f"--tp-size {cfg['tp_size']} is not a multiple of the attention-DP size {attn_dp}: "
+                              "sglang asserts tp_size % attn_dp_size == 0 at start-up")
+    return attn_dp
 
 
 def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -> int | None:
@@ -318,8 +337,19 @@ def _verify_mode(cfg: Mapping[str, Any]) -> str:
     return mode
 
 
+def reads_memory(inputs: Mapping[str, Any]) -> bool:
+    """True when the device memory enters the resolution: no decode max or list is given.
+
+    Then sglang's default max batch is taken (memory_hook.py:86-188); otherwise the memory cannot change the graphs.
+    """
+    decode = _decode_graph_config({**INPUT_KEYS, **inputs})
+    return decode.get("backend") != "disabled" and decode.get("max_bs") is None and decode.get("bs") is None
+
+
 def depends_on_memory(inputs: Mapping[str, Any]) -> bool:
     """True when the captured graphs differ between device-memory tiers (so the memory must be known)."""
+    if not reads_memory(inputs):
+        return False
     results = set()
     for sample in MEMORY_TIER_SAMPLES:
         try:

@@ -1,28 +1,35 @@
 """The server's own command line: read the settings that shape CUDA-graph capture, ignore the rest.
 
 ``jitwarm plan -- python -m sglang.launch_server --model-path X --tp 4 ...`` (or ``sglang serve X ...``)
-hands the server's argv to :func:`parse_server_argv`. It parses exactly as sglang 0.5.23's argparse parser
-does, from a table of every option that parser knows (``sglang_flags.json``, generated from the wheel by
-``bench/gen_sglang_flags.py`` and checked against it in ``tests/test_sglang_oracle.py``): option values
-are consumed by their arity, ``--flag=value`` works, unique prefixes are accepted and ambiguous ones
-refused, as argparse does. Only the settings in :data:`CAPTURE_DESTS` are kept. Pure Python.
+hands the server's argv to :func:`parse_server_argv`. It parses exactly as the argparse parser of the sglang
+release this room mirrors does, from a table of every option that parser knows (``flags.json``, generated from
+the wheel by ``bench/gen_sglang_flags.py`` and checked against it in ``tests/test_sglang_oracle.py``): option
+values are consumed by their arity, ``--flag=value`` works, unique prefixes are accepted and ambiguous ones
+refused, as argparse does. Only the settings in :data:`CAPTURE_DESTS` (and the model path) are kept. Pure Python.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import re
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import PurePath
 from typing import Any
 
-from jitwarm.precompile.sglang_rules import INPUT_KEYS, MIRRORS
+from jitwarm.cache import files
+from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers.sglang import VERSION
+from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS
+
+#: The longest --cuda-graph-config text read (a real one is a few dozen bytes).
+MAX_GRAPH_CONFIG_BYTES = 1 << 16
+#: How deep a --cuda-graph-config JSON may nest (a real one nests three levels).
+MAX_GRAPH_CONFIG_DEPTH = 8
 
 
-class ServerArgvError(ValueError):
-    """The server command line does not parse (as sglang's own parser would refuse it)."""
+class ServerArgvError(UsageError, ValueError):
+    """The server command line does not parse (as sglang's own parser would refuse it): exit 2."""
 
 
 #: dest -> how its value is converted; every other option is parsed (so its values are skipped) and dropped.
@@ -44,6 +51,7 @@ CAPTURE_DESTS = {
     "attn_dp_size": "int",
     "enable_dp_attention": "flag",
     "config": "str",
+    "model_path": "str",
 }
 
 # `python -m sglang.launch_server ...`, `sglang serve ...`: the program and module or subcommand come first.
@@ -54,9 +62,9 @@ _VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
 @functools.cache
 def flag_table() -> dict[str, Any]:
-    """The option table of sglang's server parser (``sglang_flags.json``, shipped with jitwarm)."""
-    text = resources.files("jitwarm.precompile").joinpath("sglang_flags.json").read_text(encoding="utf-8")
-    return json.loads(text)
+    """The option table of sglang's server parser (``flags.json``, shipped with jitwarm)."""
+    text = resources.files(__package__).joinpath("flags.json").read_text(encoding="utf-8")
+    return files.loads(text)
 
 
 def strip_launcher(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -125,7 +133,7 @@ def is_server_command(argv: Sequence[str]) -> bool:
 
 
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
-    """Return the capture settings of a server command line as raw inputs for :mod:`sglang_rules`.
+    """Return the capture settings of a server command line as raw inputs for :mod:`.rules`, and its model path.
 
     Parameters
     ----------
@@ -135,12 +143,12 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     Returns
     -------
     dict
-        The keys of :data:`~jitwarm.precompile.sglang_rules.INPUT_KEYS` that the command line sets (device
+        The keys of :data:`.rules.INPUT_KEYS` that the command line sets (device
         memory and KV capacity are not the command line's; the verify mode is, when the line starts with a
         ``SGLANG_RAGGED_VERIFY_MODE=...`` assignment), with
         ``--dp-size N --enable-dp-attention`` kept as given (the rules resolve it) and
         DSpark's ``--speculative-dspark-block-size G`` turned into ``speculative_num_draft_tokens = G + 1``
-        (speculative_hook.py:807-835).
+        (speculative_hook.py:807-835); and ``model_path`` when the line names one (``sglang serve MODEL`` too).
 
     Raises
     ------
@@ -161,7 +169,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
         i += 1
         if not token.startswith("-") or token in ("-", "--"):
             raise ServerArgvError(f"unexpected argument {token!r} in the server command line (sglang "
-                                  f"{MIRRORS} takes no positional arguments there)")
+                                  f"{VERSION} takes no positional arguments there)")
         name, eq, inline = token.partition("=")
         option = _match_option(name, options, allow_abbrev=table.get("allow_abbrev", True))
         spec = options[option]
@@ -202,8 +210,8 @@ def _match_option(name: str, options: dict[str, Any], *, allow_abbrev: bool) -> 
             return candidates[0]
         if candidates:
             shown = ", ".join(candidates[:6]) + (" ..." if len(candidates) > 6 else "")
-            raise ServerArgvError(f"ambiguous option: {name} could match {shown} (sglang {MIRRORS} refuses it)")
-    raise ServerArgvError(f"unrecognized server argument {name} (not a flag of sglang {MIRRORS})")
+            raise ServerArgvError(f"ambiguous option: {name} could match {shown} (sglang {VERSION} refuses it)")
+    raise ServerArgvError(f"unrecognized server argument {name} (not a flag of sglang {VERSION})")
 
 
 def _is_flag(token: str) -> bool:
@@ -227,13 +235,30 @@ def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> 
         if kind == "int_list":
             return [int(v) for v in given]
         if kind == "json":
-            value = json.loads(given[-1])
-            if not isinstance(value, dict):
-                raise ValueError("not a JSON object")
-            return value
+            return graph_config_object(given[-1])
         return given[-1]
     except (ValueError, IndexError) as exc:
         raise ServerArgvError(f"argument {option}: invalid value {' '.join(given)!r} ({exc})") from None
+
+
+def graph_config_object(text: str) -> dict[str, Any]:
+    """Parse a ``--cuda-graph-config`` value: a JSON object, bounded in size and nesting.
+
+    The same parser reads jitwarm's own ``--cuda-graph-config`` flag and the server's: 30,000 nested ``[``
+    made ``json.loads`` raise ``RecursionError``, a traceback instead of one line.
+
+    Raises
+    ------
+    ValueError
+        Not JSON, too large, nested too deep, or not an object.
+
+    """
+    if len(text) > MAX_GRAPH_CONFIG_BYTES:
+        raise ValueError(f"longer than {MAX_GRAPH_CONFIG_BYTES} characters")
+    value = files.loads(text, max_depth=MAX_GRAPH_CONFIG_DEPTH)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
@@ -249,4 +274,4 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
             raise ServerArgvError(f"--speculative-num-draft-tokens {draft} must equal "
                                   f"--speculative-dspark-block-size + 1 = {block + 1} (sglang rejects it)")
         values["speculative_num_draft_tokens"] = block + 1
-    return {k: v for k, v in values.items() if k in INPUT_KEYS}
+    return {k: v for k, v in values.items() if k in INPUT_KEYS or k == "model_path"}

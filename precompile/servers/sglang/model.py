@@ -1,0 +1,134 @@
+"""Which of jitwarm's kernel families the served model runs, from its architecture as sglang's model classes name it.
+
+jitwarm's families (the compress plan, the compressor and the fused norm_rope) are DeepSeek-V4's: a Llama, Qwen
+or DeepSeek-V3 server never runs them, so planning them for one only costs compiles. The architecture is what the
+checkpoint's ``config.json`` lists under ``architectures`` (sglang picks its model class by that name,
+``srt/configs/model_config.py:177``). It is read from a local ``--model-path``; for a path that is not local
+(a hub id) ``--model-architecture`` says it, else the name is judged: one that names DeepSeek-V4 is taken as
+DSV4, any other is unknown, and an unknown model gets every family, since a family skipped that the model does
+run would compile inside capture (the failure jitwarm exists to prevent). :func:`model_families` says which way
+it went and why.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jitwarm.cache import files
+from jitwarm.cache.errors import UsageError
+
+#: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
+#: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
+DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
+#: Largest config.json read (a real one is a few KiB; one with a quantization table some hundred KiB).
+MAX_CONFIG_BYTES = 4 << 20
+#: A hub id whose name says DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Flash, org/deepseek_v4-base).
+_DSV4_NAME = re.compile(r"deepseek[-_ .]?v4", re.IGNORECASE)
+
+
+class ModelConfigError(UsageError):
+    """The local checkpoint's config.json cannot be read or is malformed (exit 2)."""
+
+
+@dataclass(frozen=True)
+class ModelFamilies:
+    """Which families a plan holds for the model, and why.
+
+    Attributes
+    ----------
+    planned, skipped : tuple of str
+        Family names, in the order given.
+    architecture : str or None
+        The architecture decided on (None: unknown).
+    why : str
+        One line: where the architecture came from and what it meant for the families.
+
+    """
+
+    planned: tuple[str, ...]
+    skipped: tuple[str, ...]
+    architecture: str | None
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``jitwarm plan --json`` reports it."""
+        return {"architecture": self.architecture, "planned": list(self.planned), "skipped": list(self.skipped),
+                "why": self.why}
+
+
+def model_families(families: tuple[str, ...], model_path: str | None,
+                   architecture: str | None = None) -> ModelFamilies:
+    """Decide which of ``families`` (jitwarm's, all DSV4's) a server of this model runs.
+
+    Parameters
+    ----------
+    families
+        The family names to choose from.
+    model_path
+        The server's ``--model-path`` (None: not given).
+    architecture
+        ``--model-architecture`` (or, inside a server, what its model config says): wins over the path.
+
+    Raises
+    ------
+    ModelConfigError
+        ``model_path`` is a local directory whose config.json is not a readable regular file of bounded size,
+        is not JSON, or has an ``architectures`` entry that is not a list of names.
+
+    """
+    if architecture is not None:
+        return _decided(families, architecture, f"architecture {architecture} (--model-architecture)")
+    if model_path is None:
+        return ModelFamilies(families, (), None, "no --model-path: every family planned")
+    local = Path(model_path)
+    if local.is_dir():
+        names = _local_architectures(local / "config.json")
+        if not names:
+            what = "has no config.json" if names is None else "has a config.json that names no architectures"
+            return ModelFamilies(families, (), None, f"{model_path} {what}: architecture unknown, every family "
+                                                     "planned (--model-architecture NAME decides)")
+        dsv4 = next((n for n in names if n in DSV4_ARCHITECTURES), None)
+        return _decided(families, dsv4 or names[0], f"architectures {names} in {model_path}/config.json")
+    if local.exists():
+        return ModelFamilies(families, (), None, f"{model_path} is a file, not a checkpoint directory: architecture "
+                                                 "unknown, every family planned (--model-architecture NAME decides)")
+    if _DSV4_NAME.search(model_path):
+        return ModelFamilies(families, (), "DeepseekV4ForCausalLM",
+                             f"{model_path} is not a local path; its name says DeepSeek-V4: every family planned "
+                             "(--model-architecture NAME says otherwise)")
+    return ModelFamilies(families, (), None, f"{model_path} is not a local path and its name does not say DeepSeek-V4: "
+                                             "architecture unknown, every family planned (--model-architecture NAME "
+                                             "skips the families it does not run)")
+
+
+def _decided(families: tuple[str, ...], architecture: str | None, where: str) -> ModelFamilies:
+    """Every family for a DSV4 architecture, none for any other."""
+    if architecture in DSV4_ARCHITECTURES:
+        return ModelFamilies(families, (), architecture, f"{where}: DeepSeek-V4, every family planned")
+    return ModelFamilies((), families, architecture,
+                         f"{where}: not DeepSeek-V4, which alone runs {', '.join(families)}: skipped")
+
+
+def _local_architectures(path: Path) -> list[str] | None:
+    """The ``architectures`` of a local config.json ([] when it names none); None when there is no such file."""
+    try:
+        doc = files.read_json(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        why = "it is not a regular file" if exc.errno in (errno.EINVAL, errno.ELOOP) else exc.strerror or str(exc)
+        raise ModelConfigError(f"cannot read the model's {path}: {why}") from None
+    except ValueError as exc:
+        raise ModelConfigError(f"the model's {path} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(doc, dict):
+        raise ModelConfigError(f"the model's {path} is not a JSON object")
+    names = doc.get("architectures", [])
+    if names is None:
+        return []
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ModelConfigError(f"the model's {path}: \"architectures\" must be a list of names, got {names!r:.200}")
+    return names
