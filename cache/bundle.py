@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.bounded import loads, open_regular
-from jitwarm.cache.durable import make_dirs
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_safe_relpath, seal_dirs, verify_entry
 from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
+from jitwarm.cache.files import loads, make_dirs, open_regular
 from jitwarm.cache.keys import FORMAT_VERSION, is_key
 from jitwarm.cache.layout import VERSION_DIR
 

@@ -19,11 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.bounded import loads, open_regular, read_file
-from jitwarm.cache.durable import fsync_tree, make_dirs, write_atomic
 from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
+from jitwarm.cache.files import check_trusted, fsync_tree, loads, make_dirs, open_regular, read_file, write_atomic
 from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
-from jitwarm.cache.layout import check_trusted
 
 #: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"

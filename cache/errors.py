@@ -102,7 +102,9 @@ class CacheWriteError(CacheError):
 
 
 class UntrustedPath(CacheError):
-    """A root, layer, entry or link another user could change (refused unless ``allow_shared``)."""
+    """A root, layer, entry or link another user could change (refused unless ``allow_shared``): exit 2."""
+
+    exit_code = EXIT_USAGE
 
 
 class RootNotWritable(CacheWriteError):

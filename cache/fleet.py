@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitwarm.cache.bounded import loads
-from jitwarm.cache.durable import remove_tree
 from jitwarm.cache.entry import Entry
+from jitwarm.cache.files import loads, remove_tree
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
 from jitwarm.cache.remote import RemoteFailure, RemoteStore
 

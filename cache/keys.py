@@ -14,14 +14,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jitwarm.cache.bounded import MAX_JSON_DEPTH
+from jitwarm.cache.files import MAX_JSON_DEPTH
 
 #: Version of the on-disk format and of the key preimage; bump it to orphan every old entry.
 FORMAT_VERSION = 1
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 #: A description nests at most this deep, so that its manifest (two levels more) stays within what
-#: the cache parses back (:data:`jitwarm.cache.bounded.MAX_JSON_DEPTH`).
+#: the cache parses back (:data:`jitwarm.cache.files.MAX_JSON_DEPTH`).
 MAX_DESCRIPTION_DEPTH = MAX_JSON_DEPTH - 8
 
 

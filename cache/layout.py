@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.bounded import loads, read_file_stat, read_json
-from jitwarm.cache.durable import make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError, CacheWriteError, UntrustedPath
+from jitwarm.cache.errors import CacheWriteError
+from jitwarm.cache.files import loads, make_dirs, read_file_stat, read_json, untrusted_reason, write_atomic
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.locks import this_host
 
@@ -30,9 +29,8 @@ BUNDLE_TAG = "bundle"
 
 # <host>-<pid>-<tag>-<rand>; the host may contain dashes, so parse from the right.
 _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BUNDLE_TAG + r")-[0-9a-f]{8}")
-_PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_HOW_TO_ALLOW = "pass KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"
+_PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: Size caps of the small JSON files the cache reads back: facts, plan records (stamps: jitwarm.cache.stamps).
 MAX_FACT_BYTES = 1 << 16
 MAX_PLAN_RECORD_BYTES = 16 << 20
@@ -245,87 +243,3 @@ def _sorted_dirs(path: Path) -> list[Path]:
             return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
     except OSError:
         return []
-
-
-def untrusted_reason(st: os.stat_result) -> str | None:
-    """Return why another user could change what ``st`` describes, or None when only we (or root) can.
-
-    A directory that is world-writable with the sticky bit (``/tmp`` style) is fine: others can add
-    names but not replace ours. A world-writable file is never fine. An owner other than us or root
-    can rewrite the object whatever its mode.
-    """
-    uid = os.geteuid()
-    if st.st_uid not in (uid, 0):
-        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
-    if st.st_mode & stat.S_IWOTH:
-        if not stat.S_ISDIR(st.st_mode):
-            return "it is writable by every user"
-        if not st.st_mode & stat.S_ISVTX:
-            return "it is writable by every user and has no sticky bit"
-    return None
-
-
-def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
-    """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
-
-    The cache holds shared libraries that get loaded into the server, so a directory another user can
-    write is a code-injection path (see docs/cache.md, "Trust"). ``path`` is judged itself (``lstat``): a
-    symlink fails, as every symlink's mode is 0777; see :func:`check_trusted_dir` for the top directories.
-
-    Parameters
-    ----------
-    path : Path or str
-        What to check; it must exist (or ``st`` must be given).
-    what : str
-        How to name it in the message, e.g. ``"cache root"`` or ``"cache entry"``.
-    allow_shared : bool
-        Skip the check.
-    st : os.stat_result, optional
-        An ``lstat`` already taken.
-
-    Raises
-    ------
-    CacheError
-        Saying which path and why; its ``hint`` says how to allow it.
-    FileNotFoundError
-        ``path`` does not exist (and no ``st`` was given).
-
-    """
-    if allow_shared:
-        return
-    reason = untrusted_reason(st if st is not None else os.lstat(path))
-    if reason is not None:
-        raise UntrustedPath(f"refusing {what} {path}: {reason}", _HOW_TO_ALLOW)
-
-
-def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
-    """Check a top directory (a root, its ``v1`` or ``entries``, a layer) by what it resolves to.
-
-    A symlink there is fine (a root on another volume) when the link itself belongs to this user or root
-    (only its owner can replace it, in a sticky directory) and what it points to passes
-    :func:`check_trusted`, which judges that target, not the link's own 0777 mode.
-
-    Raises
-    ------
-    CacheError
-        The link's owner or the target is untrusted (unless ``allow_shared``), or the target is not a directory.
-    FileNotFoundError
-        ``path`` does not exist (or it is a dangling symlink).
-
-    """
-    st = os.lstat(path)
-    shown = path
-    if stat.S_ISLNK(st.st_mode):
-        if not allow_shared and st.st_uid not in (os.geteuid(), 0):
-            raise UntrustedPath(f"refusing {what} {path}: it is a symlink owned by uid {st.st_uid}, not by this user "
-                                f"(uid {os.geteuid()}) or root", _HOW_TO_ALLOW)
-        st = path.stat()
-        shown = f"{path} (a symlink to {os.path.realpath(path)})"
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheError(f"refusing {what} {shown}: it is not a directory")
-    check_trusted(shown, what, allow_shared=allow_shared, st=st)
-
-
-def is_shard_name(name: str) -> bool:
-    """Return True for a shard directory's name: two lowercase hex digits."""
-    return _SHARD_RE.fullmatch(name) is not None

@@ -24,14 +24,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.claims import SharedClaim, release_claims_here
-from jitwarm.cache.durable import fsync_dir, make_dirs, remove_tree
 from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
+from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, remove_tree
 from jitwarm.cache.fleet import Fleet, LocalSteps
 from jitwarm.cache.keys import keyed
-from jitwarm.cache.layout import RootLayout, check_trusted, check_trusted_dir
-from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, claims_held_here, key_lock_path, wait_until
+from jitwarm.cache.layout import RootLayout
+from jitwarm.cache.locks import (
+    KeyLock,
+    LockHolder,
+    OnWait,
+    SharedClaim,
+    claims_held_here,
+    key_lock_path,
+    ready_lock_dir,
+    release_claims_here,
+    wait_until,
+)
 from jitwarm.cache.prune import sweep_staging
 from jitwarm.cache.quarantine import move_aside, quarantine_shard, shard_problem
 from jitwarm.cache.stamps import stamp_entry, stamped_entry, stamped_set, write_set_stamp, write_stamp
@@ -145,7 +154,7 @@ class LocalCache:
         if read_only or not repair:
             log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
         else:
-            quarantine_shard(layout, self.lock_dir, shard, why)
+            quarantine_shard(layout, self.lock_dir, shard, why, shared=self.allow_shared)
         return None, why
 
     def _shard_is_trusted_dir(self, layout: RootLayout, path: Path) -> bool:
@@ -230,7 +239,7 @@ class LocalCache:
         if locked:
             self._move_to_quarantine(key, reason)
             return
-        lock = KeyLock(self.lock_dir, key)
+        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)
         try:
             if not lock.try_acquire():
                 log.warning("corrupt cache entry %s (not quarantined: its lock is held): %s", key, reason)
@@ -264,7 +273,7 @@ class LocalCache:
             log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
                         "on", entry.key, entry.path, reason)
             return
-        with KeyLock(self.lock_dir, entry.key) as lock:
+        with KeyLock(self.lock_dir, entry.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
             if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
                 self._move_to_quarantine(entry.key, reason)
@@ -282,7 +291,7 @@ class LocalCache:
         if any(held.verified == (entry.path, entry.signature) for held in claims_held_here().get(lock_path, ())):
             yield entry  # this thread holds a claim under which it checked this very entry: nothing removes it
             return
-        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only)
+        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
         claim.acquire(timeout_s)
         try:
             if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
@@ -331,7 +340,7 @@ class LocalCache:
             return None
         claim = None
         if layout is self.root:
-            claim = SharedClaim(self.lock_dir, key, create=not self.read_only)
+            claim = SharedClaim(self.lock_dir, key, create=not self.read_only, shared=self.allow_shared)
             claim.acquire(timeout_s)
             held.callback(claim.release)
         try:
@@ -390,7 +399,7 @@ class LocalCache:
             found[:] = [e for e in (self.lookup(key),) if e is not None]
             return bool(found)
 
-        lock = KeyLock(self.lock_dir, key)
+        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)
         start = time.monotonic()
         try:
             acquired = lock.acquire(timeout_s, on_wait=note_wait, give_up=published)      # 2. lock
@@ -419,7 +428,7 @@ class LocalCache:
         """Create the root's top directories and the lock dir (nothing exists before the first write); check them."""
         try:
             self.root.ensure(self.root.entries)
-            make_dirs(self.lock_dir, self.root.dir_mode)
+            ready_lock_dir(self.lock_dir, shared=self.allow_shared)
         except OSError as exc:
             raise RootNotWritable.of("create the cache root", exc, exc.filename or self.root.root,
                                      "set JITWARM_CACHE_DIR to a writable directory, or use "
@@ -447,7 +456,7 @@ class LocalCache:
         if actual != key:
             raise ValueError(f"key {key} is not the key of this description ({actual}); pass cache.key(description)")
         # Our lock on the key proves no live builder of it; clear what dead ones of this host left.
-        sweep_staging(self.root, self.lock_dir, only_key=key)
+        sweep_staging(self.root, self.lock_dir, only_key=key, shared=self.allow_shared)
         staging = self.new_staging(key)
         try:
             staging.mkdir(mode=self.root.dir_mode)
@@ -522,7 +531,7 @@ class LocalCache:
         """
         if self.lookup(staged.key) is not None:
             return False
-        with KeyLock(self.lock_dir, staged.key) as lock:
+        with KeyLock(self.lock_dir, staged.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
             if self._look_again(staged.key, retry=False) is not None:
                 return False
@@ -537,7 +546,8 @@ class LocalCache:
             return entry
         self._count("misses")
         self._count("waits")
-        parent, lock = self.root.entry_dir(key).parent, KeyLock(self.lock_dir, key)  # the lock: its holder record
+        parent = self.root.entry_dir(key).parent
+        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
 
         def poll() -> Entry | None:
             _refresh_dir(parent)

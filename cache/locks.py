@@ -1,15 +1,21 @@
-"""Per-key build locks (flock via filelock) with a holder record, and the one wait loop of the cache.
+"""Locking: per-key build locks (flock via filelock) with a holder record, readers' shared claims, the wait loop.
 
-Every wait of the cache has a deadline and says, once, who it is waiting for: :meth:`KeyLock.acquire`
-blocks in filelock's own acquire (``cancel_check`` ends it early), and :func:`wait_until` polls with a
-backoff (``wait_for``, a claim, a fleet lease). Both log through :class:`WaitLog` and raise ``LockTimeout``.
-Nothing else is waited on: the holder record is read without blocking (see :mod:`jitwarm.cache.bounded`).
+A key's lock file ``<lock_dir>/<key>.lock`` is locked exclusively by whatever writes the key's entry directory
+(a build, a download, an import, a quarantine, a prune) and shared by a reader's claim (:class:`SharedClaim`):
+``prune`` beside a starting hook failed its loads in 20 of 20 trials before claims existed. Every wait has a
+deadline and says, once, who it waits for (:class:`WaitLog`); the holder record is read without blocking.
+
+Lock files are private to the cache's owner (0600; docs/cache.md, "Trust"): a 0644 lock file let any local
+user open it read-only and ``flock`` it, and root's ``warm`` timed out (exit 3). The lock directory is held to
+the cache root's rule: one every user can write without a sticky bit, or another user's, is refused unless
+``allow_shared`` (then lock files are created as before: group-readable, group-writable in a group dir).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import logging
@@ -27,9 +33,8 @@ from typing import TypeVar
 
 from filelock import FileLock, Timeout
 
-from jitwarm.cache.bounded import read_json
-from jitwarm.cache.durable import make_dirs, write_atomic
-from jitwarm.cache.errors import CacheError, CacheWriteError, LockTimeout
+from jitwarm.cache.errors import CacheError, CacheWriteError, LockTimeout, UntrustedPath
+from jitwarm.cache.files import HOW_TO_ALLOW, check_trusted_dir, make_dirs, read_json, untrusted_reason, write_atomic
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -191,9 +196,10 @@ class KeyLock:
     it is replaced atomically, so a waiter never reads half a record.
     """
 
-    def __init__(self, lock_dir: Path, key: str) -> None:
+    def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:
         self.key = key
         self.lock_dir = lock_dir
+        self.shared = shared
         self.lock_path = key_lock_path(lock_dir, key)
         self.holder_path = lock_dir / f"{key}.holder"
         self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
@@ -302,12 +308,11 @@ class KeyLock:
     def _file_lock(self) -> FileLock:
         """Make this instance's FileLock on first use (creating the lock dir)."""
         if self._lock is None:
-            make_dirs(self.lock_dir)
+            mode = ready_lock_dir(self.lock_dir, shared=self.shared)
+            private_lock_file(self.lock_path, mode, shared=self.shared)
             # preserve_lock_file also turns off filelock's soft-lock fallback on filesystems without flock:
             # a soft marker outlives a SIGKILLed holder (see _open_error).
-            mode = lock_file_mode(self.lock_dir)
-            self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True,
-                                  **({"mode": mode} if mode != 0o644 else {}))
+            self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
         return self._lock
 
     def _current_holder(self) -> LockHolder | None:
@@ -338,9 +343,40 @@ class KeyLock:
         self.release()
 
 
-def lock_file_mode(lock_dir: Path) -> int:
-    """Mode of new lock files: in a group-writable lock dir (a team's shared cache) the group must open them too."""
-    return 0o664 if lock_dir.stat().st_mode & stat.S_IWGRP else 0o644
+_READY: dict[tuple[Path, bool], int] = {}  # lock dirs created and trust-checked by this process -> file mode
+_PRIVATE: set[Path] = set()  # lock files found private (or made so) by this process
+
+
+def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
+    """Create ``lock_dir`` if missing, check it like a cache root, and return the mode of its new lock files.
+
+    Raises ``UntrustedPath`` for a lock dir every user can write without a sticky bit, or another user's
+    (unless ``shared``); CacheError when it is not a directory; OSError when it cannot be created.
+    """
+    mode = _READY.get((lock_dir, shared))
+    if mode is not None:
+        return mode
+    make_dirs(lock_dir, 0o777 if shared else 0o755)  # as the root: the umask decides a shared one
+    check_trusted_dir(lock_dir, "lock directory", allow_shared=shared)
+    # A team's shared cache (allow_shared, a group-writable lock dir): the group must open the files too.
+    mode = (0o664 if lock_dir.stat().st_mode & stat.S_IWGRP else 0o644) if shared else 0o600
+    _READY[(lock_dir, shared)] = mode
+    return mode
+
+
+def private_lock_file(lock_path: Path, mode: int, *, shared: bool) -> None:
+    """Make an existing lock file of ours private (``mode``); refuse one another user owns unless ``shared``."""
+    if shared or lock_path in _PRIVATE:
+        return
+    try:
+        st = os.lstat(lock_path)
+    except FileNotFoundError:
+        return  # created with ``mode`` by its first locker
+    if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+        lock_path.chmod(mode)  # made 0644 by an older jitwarm: any user could flock it
+    elif (why := untrusted_reason(st)) is not None:
+        raise UntrustedPath(f"refusing lock file {lock_path}: {why}", HOW_TO_ALLOW)
+    _PRIVATE.add(lock_path)
 
 
 def lock_error(lock_path: Path, exc: OSError) -> CacheError:
@@ -354,7 +390,7 @@ def lock_error(lock_path: Path, exc: OSError) -> CacheError:
     return CacheError(f"cannot lock {lock_path}: {exc.strerror or exc}")
 
 
-# Claims (jitwarm.cache.claims) this thread holds, by lock path: a blocking KeyLock.acquire of one of them
+# Claims (SharedClaim, below) this thread holds, by lock path: a blocking KeyLock.acquire of one of them
 # would wait for ever, since flock SH and EX conflict across descriptors of one process too.
 _CLAIMS = threading.local()
 
@@ -366,7 +402,7 @@ def key_lock_path(lock_dir: Path, key: str) -> Path:
 
 
 def claims_held_here() -> dict[Path, list]:
-    """Return the held claims of this thread, by lock path (kept by :class:`~jitwarm.cache.claims.SharedClaim`)."""
+    """Return the held claims of this thread, by lock path (kept by :class:`SharedClaim`)."""
     held = getattr(_CLAIMS, "held", None)
     if held is None:
         held = _CLAIMS.held = {}
@@ -374,5 +410,125 @@ def claims_held_here() -> dict[Path, list]:
 
 
 def claimed_here(lock_path: Path) -> bool:
-    """Whether this thread holds a claim (:class:`~jitwarm.cache.claims.SharedClaim`) on ``lock_path``."""
+    """Whether this thread holds a claim (:class:`SharedClaim`) on ``lock_path``."""
     return bool(claims_held_here().get(lock_path))
+
+
+# -- readers' claims ---------------------------------------------------------------------------------------
+
+def release_claims_here(lock_path: Path) -> None:
+    """Release every claim this thread holds on ``lock_path`` (its owner is about to discard the entry)."""
+    for claim in list(claims_held_here().get(lock_path, ())):
+        claim.release()
+
+
+class SharedClaim:
+    """A reader's claim on a key: a SHARED ``flock`` on the very lock file :class:`KeyLock` locks exclusively.
+
+    flock's shared and exclusive locks conflict across file descriptors (and processes), so while a claim
+    is held, prune's and quarantine's non-blocking exclusive try-lock fails (they keep the entry), and a
+    builder, a ``discard`` or an import of the key waits. Claims do not exclude each other. The kernel
+    drops the lock when its holder dies. A thread that holds a claim must not take the key's exclusive
+    lock (it would wait for itself): :meth:`KeyLock.acquire` raises ``CacheError`` then, and ``discard``
+    releases the thread's claims first.
+
+    Parameters
+    ----------
+    lock_dir : Path
+        The cache's lock directory.
+    key : str
+        The cache key.
+    create : bool
+        Create the lock dir and file when missing; without it (a read-only cache) a missing or unopenable
+        lock file means no claim (:meth:`acquire` returns False): nothing of this cache can remove the entry.
+
+    """
+
+    def __init__(self, lock_dir: Path, key: str, *, create: bool, shared: bool = False) -> None:
+        self.key = key
+        self.lock_path = key_lock_path(lock_dir, key)
+        self.lock_dir = lock_dir
+        self.create = create
+        self.shared = shared
+        #: What its holder checked while holding it (an entry's path and signature): a claim of that very
+        #: entry nested inside this one needs no lock and no check of its own.
+        self.verified: tuple[object, ...] | None = None
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether the shared lock is held now."""
+        return self._fd is not None
+
+    def acquire(self, timeout_s: float) -> bool:
+        """Take the shared lock, waiting at most ``timeout_s`` while an exclusive holder has it.
+
+        Returns
+        -------
+        bool
+            True when held; False when there is no lock file to lock (best effort: a read-only volume).
+
+        Raises
+        ------
+        LockTimeout
+            An exclusive holder kept the lock past ``timeout_s``.
+        CacheError
+            The lock file cannot be locked (e.g. no flock on this filesystem).
+
+        """
+        fd = self._open()
+        if fd is None:
+            return False
+        try:
+            if not self._try(fd):
+                holder = KeyLock(self.lock_dir, self.key, shared=self.shared).read_holder
+                wait_until(lambda: True if self._try(fd) else None, timeout_s, key=self.key, holder=holder,
+                           backoff=(0.005, 1.5, 0.1))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        claims_held_here().setdefault(self.lock_path, []).append(self)
+        return True
+
+    def release(self) -> None:
+        """Drop the shared lock (idempotent)."""
+        fd, self._fd = self._fd, None
+        self.verified = None
+        if fd is None:
+            return
+        claims = claims_held_here().get(self.lock_path, [])
+        if self in claims:
+            claims.remove(self)
+        if not claims:
+            claims_held_here().pop(self.lock_path, None)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def _open(self) -> int | None:
+        """Open the lock file without blocking or following a link; None when it cannot be had read-only."""
+        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.create:
+            try:
+                mode = ready_lock_dir(self.lock_dir, shared=self.shared)
+                private_lock_file(self.lock_path, mode, shared=self.shared)
+                return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, mode)
+            except CacheError:
+                raise
+            except OSError as exc:
+                log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.key, self.lock_path, exc)
+        try:
+            return os.open(self.lock_path, flags | os.O_RDONLY)  # a shared flock needs no write access
+        except OSError:
+            return None
+
+    def _try(self, fd: int) -> bool:
+        """One non-blocking attempt at the shared lock."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise lock_error(self.lock_path, exc) from exc
+        return True

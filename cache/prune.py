@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.durable import directory_size, remove_tree
+from jitwarm.cache.files import directory_size, remove_tree
 from jitwarm.cache.layout import RootLayout
-from jitwarm.cache.locks import KeyLock, pid_alive, this_host
+from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
 from jitwarm.cache.stamps import prune_stamps
 
 log = logging.getLogger("jitwarm.cache")
@@ -51,7 +51,8 @@ class PruneReport:
         return asdict(self)
 
 
-def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None) -> list[str]:
+def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None, shared: bool = False
+                  ) -> list[str]:
     """Remove staging dirs left by dead processes of this host; return their names.
 
     A staging dir is removed only when its name says this host, its pid is not alive (zombies count as
@@ -66,7 +67,7 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
             continue
         if only_key is not None and name.key != only_key:
             continue
-        lock = KeyLock(lock_dir, name.key) if name.key is not None and only_key is None else None
+        lock = KeyLock(lock_dir, name.key, shared=shared) if name.key is not None and only_key is None else None
         if lock is not None and not lock.try_acquire():
             continue
         try:
@@ -80,7 +81,7 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
 
 
 def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
-               older_than_s: float | None) -> PruneReport:
+               older_than_s: float | None, shared: bool = False) -> PruneReport:
     """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
 
     Last use is the entry directory's mtime, which lookups refresh: it works on ``noatime`` mounts. Each
@@ -96,7 +97,9 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
-    staging_removed = sweep_staging(layout, lock_dir)
+    if os.path.lexists(lock_dir):
+        ready_lock_dir(lock_dir, shared=shared)  # an untrusted lock dir is refused before anything is removed
+    staging_removed = sweep_staging(layout, lock_dir, shared=shared)
     now = time.time()
     candidates = []
     for key, path in layout.iter_entry_dirs():
@@ -110,7 +113,7 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
         too_big = max_bytes is not None and total > max_bytes
         if not (too_old or too_big):
             continue
-        if _remove_entry(layout, lock_dir, key, path):
+        if _remove_entry(layout, lock_dir, key, path, shared):
             removed.append(key)
             freed += size
             total -= size
@@ -123,9 +126,9 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
                        remaining_bytes=total)
 
 
-def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path) -> bool:
+def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, shared: bool) -> bool:
     """Move one entry out under its lock and delete it; False if its lock is held."""
-    lock = KeyLock(lock_dir, key)
+    lock = KeyLock(lock_dir, key, shared=shared)
     if not lock.try_acquire():
         log.info("prune: keeping %s, its lock is held", key)
         return False

@@ -15,8 +15,8 @@ import os
 import stat
 from pathlib import Path
 
-from jitwarm.cache.durable import write_atomic
 from jitwarm.cache.errors import CacheError
+from jitwarm.cache.files import write_atomic
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock
 
@@ -74,13 +74,13 @@ def shard_problem(shard: Path) -> str | None:
     return None
 
 
-def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, reason: str) -> bool:
+def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, reason: str, *, shared: bool = False) -> bool:
     """Move a bad shard path of the writable root aside, so every key of that shard can be built again.
 
     Try-locks ``shard-<kk>`` (a held lock means another process is on it) and checks the shard once more
     under it: only the process that moved the bad one away can have made a new shard since. Never raises.
     """
-    lock = KeyLock(lock_dir, f"shard-{shard.name}")
+    lock = KeyLock(lock_dir, f"shard-{shard.name}", shared=shared)
     try:
         if not lock.try_acquire():
             return False

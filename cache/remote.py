@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from jitwarm.cache.bounded import loads, open_regular
-from jitwarm.cache.durable import remove_tree
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged, unpack_entry
 from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
+from jitwarm.cache.files import loads, open_regular, remove_tree
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
 from jitwarm.cache.remote_health import HEALTH, RETRY_AFTER_S, redact

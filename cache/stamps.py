@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.bounded import loads, read_file_stat
-from jitwarm.cache.durable import write_atomic
 from jitwarm.cache.entry import MANIFEST, Entry, FileRecord, is_safe_relpath, recheck_entry
+from jitwarm.cache.files import loads, read_file_stat, untrusted_reason, write_atomic
 from jitwarm.cache.keys import is_key
-from jitwarm.cache.layout import RootLayout, untrusted_reason
+from jitwarm.cache.layout import RootLayout
 
 #: A stamp holds an entry's signature and manifest content; one larger than this is ignored (and never written).
 MAX_STAMP_BYTES = 1 << 20

@@ -11,9 +11,9 @@ from typing import Any, Literal, NamedTuple
 
 from jitwarm.cache import bundle, prune, settings
 from jitwarm.cache.bundle import ImportReport
-from jitwarm.cache.durable import directory_size, remove_tree
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
+from jitwarm.cache.files import directory_size, remove_tree
 from jitwarm.cache.fleet import Fleet
 from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
@@ -363,7 +363,8 @@ class KernelCache:
 
         """
         self._require_writable("prune")
-        report = prune.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s)
+        report = prune.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
+                                  shared=self.allow_shared)
         for key in report.removed:
             self._local.forget(self._local.root.entry_dir(key))
         return report

@@ -27,7 +27,7 @@ from workers.cache_harness import (
     shared_dir,
 )
 
-from jitwarm.cache import KernelCache, LockTimeout, bounded, stamps
+from jitwarm.cache import KernelCache, LockTimeout, files, stamps
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock
 
@@ -75,13 +75,13 @@ def test_a_fresh_process_reads_one_set_stamp_and_no_manifest(warm, monkeypatch, 
     for stamp in entry_stamps(root):  # the set stamp alone must answer
         stamp.unlink()
     opened = []
-    real = bounded.read_file_stat
+    real = files.read_file_stat
 
     def counting(path, max_bytes):
         opened.append(os.fspath(path))
         return real(path, max_bytes)
 
-    monkeypatch.setattr(bounded, "read_file_stat", counting)  # read_file (entry.json) goes through it too
+    monkeypatch.setattr(files, "read_file_stat", counting)  # read_file (entry.json) goes through it too
     monkeypatch.setattr(stamps, "read_file_stat", counting)
     before = file_hashes.calls
     with cache_for(root).claim_all(keys) as found:
@@ -153,7 +153,7 @@ def test_a_discarded_entry_is_not_claimed_again(warm):
 def test_a_nested_claim_takes_no_lock_and_a_later_one_does(warm, monkeypatch):
     root, entries, keys = warm
     cache = cache_for(root)
-    from jitwarm.cache import claims
+    from jitwarm.cache import locks as claims
 
     acquired = []
     real = claims.SharedClaim.acquire

@@ -109,3 +109,86 @@ def test_owned_by_another_uid_is_refused_unless_allowed(tmp_path, target):
     assert cache_for(root, allow_shared=True).lookup(entry.key) == entry
     with override(allow_shared=True):
         assert cache_for(root).lookup(entry.key) == entry
+
+
+# -- lock files and the lock directory (issue #20: another user blocked root's builds) ------------------------
+
+def _flock_read_only(path):
+    """What the attack did: open another user's lock file read-only and take it exclusively."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    return "locked"
+
+
+def test_lock_files_are_private_and_another_user_cannot_lock_them(tmp_path):
+    from workers.cache_harness import as_user, other_user, shared_dir
+
+    base = shared_dir()
+    try:
+        cache = cache_for(base / "root")
+        entry = cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+        lock = cache.lock_dir / f"{entry.key}.lock"
+        assert (lock.stat().st_mode & 0o777) == 0o600
+        with cache.claim(entry):  # a claim creates no looser file either
+            pass
+        assert (lock.stat().st_mode & 0o777) == 0o600
+        user = other_user()
+        if user is None:
+            pytest.skip("needs root and the jwtest account for the attack itself")
+        with pytest.raises(RuntimeError, match="PermissionError"):
+            as_user(user, _flock_read_only, lock)
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_older_0644_lock_file_of_ours_is_made_private(tmp_path):
+    cache = cache_for(tmp_path / "root")
+    key = cache.key(desc(1))
+    cache.lock_dir.mkdir(parents=True)
+    lock = cache.lock_dir / f"{key}.lock"
+    lock.touch(mode=0o644)
+    lock.chmod(0o644)
+    cache.get_or_build(desc(1), make_builder(tmp_path / "c", 1))
+    assert (lock.stat().st_mode & 0o777) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o773])
+def test_a_lock_dir_every_user_can_write_without_sticky_bit_is_refused(tmp_path, mode):
+    from jitwarm.cache.errors import UntrustedPath
+
+    lock_dir = tmp_path / "locks"
+    lock_dir.mkdir()
+    lock_dir.chmod(mode)
+    cache = KernelCache(root=tmp_path / "root", layers=(), lock_dir=lock_dir)
+    with pytest.raises(UntrustedPath, match=f"refusing lock directory {lock_dir}: .*no sticky bit"):
+        cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    assert not list(lock_dir.iterdir())  # refused before any lock file was made
+    lock_dir.chmod(mode | 0o1000)  # /tmp style: others add names but cannot replace ours
+    assert KernelCache(root=tmp_path / "root2", layers=(), lock_dir=lock_dir).get_or_build_ex(
+        desc(0), make_builder(tmp_path / "c", 0)).outcome == "built"
+    shared = KernelCache(root=tmp_path / "root3", layers=(), lock_dir=tmp_path / "open", allow_shared=True)
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o777)
+    assert shared.get_or_build_ex(desc(0), make_builder(tmp_path / "c", 0)).outcome == "built"
+
+
+@needs_root
+def test_a_lock_dir_owned_by_another_user_is_refused(tmp_path):
+    from jitwarm.cache.errors import UntrustedPath
+
+    lock_dir = tmp_path / "locks"
+    lock_dir.mkdir()
+    os.chown(lock_dir, 4242, 4242)
+    cache = KernelCache(root=tmp_path / "root", layers=(), lock_dir=lock_dir)
+    with pytest.raises(UntrustedPath, match="refusing lock directory .* owned by uid 4242"):
+        cache.get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    with pytest.raises(UntrustedPath):
+        cache.prune(max_bytes=0)
+    with override(allow_shared=True):
+        assert KernelCache(root=tmp_path / "root", layers=(), lock_dir=lock_dir).get_or_build_ex(
+            desc(0), make_builder(tmp_path / "c", 0)).outcome == "built"

@@ -1,0 +1,287 @@
+"""Files another process may touch: bounded reads that never block, atomic writes, and the trust rule.
+
+Every file the cache reads may have been replaced since it was listed: by a concurrent prune or quarantine,
+or, in a shared sticky directory (a lock dir in ``/tmp``), by another user. So every open goes through
+:func:`open_regular`: ``O_NONBLOCK`` (a FIFO planted where a holder record was made a waiter block in
+``open`` past its deadline), ``O_NOFOLLOW`` (a planted symlink), then ``fstat`` must show a regular file, and
+a size cap applies before anything is read. Every JSON document goes through :func:`loads`, bounded in size
+and nesting (100,000 nested ``[`` made ``json.loads`` raise ``RecursionError`` out of lookups). Every write
+that a reader may see half-done goes through :func:`write_atomic`. What other users could change is judged by
+:func:`untrusted_reason`: the cache holds shared libraries that get loaded into the server, so a directory
+another user can write is a code-injection path (docs/cache.md, "Trust").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from jitwarm.cache.errors import CacheError, UntrustedPath
+
+HOW_TO_ALLOW = "pass KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"
+
+#: JSON documents the cache reads nest at most this deep (a manifest holds a description inside a preimage).
+MAX_JSON_DEPTH = 72
+_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without blocking or following a final symlink; return ``(fd, fstat)``.
+
+    Raises
+    ------
+    OSError
+        It cannot be opened (``ELOOP`` for a symlink), or it is not a regular file (``EINVAL``, "not a
+        regular file"); the descriptor is closed then.
+
+    """
+    fd = os.open(path, _FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """Return the bytes of the regular file ``path``, at most ``max_bytes`` of them.
+
+    Raises
+    ------
+    OSError
+        As :func:`open_regular`, or the file is (or grows while read) larger than ``max_bytes`` (``EFBIG``).
+
+    """
+    return read_file_stat(path, max_bytes)[0]
+
+
+def read_file_stat(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """:func:`read_file`, also returning the ``fstat`` of what was read (to judge its owner and mode)."""
+    fd, st = open_regular(path)
+    try:
+        if st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
+        chunks, left = [], max_bytes + 1
+        want = min(left, st.st_size + 1)  # the size as stat'ed, plus one to see a file that grew
+        while left > 0 and (chunk := os.read(fd, want)):
+            chunks.append(chunk)
+            left -= len(chunk)
+            want = min(left, 1 << 20)
+        if left <= 0:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", os.fspath(path))
+        return b"".join(chunks), st
+    finally:
+        os.close(fd)
+
+
+def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON that nests at most ``max_depth`` deep.
+
+    Raises
+    ------
+    ValueError
+        Not JSON, or nested deeper than ``max_depth`` (never ``RecursionError``).
+
+    """
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    level, depth = [doc], 0
+    while level:  # one nesting level at a time, iteratively: the depth check must not recurse either
+        depth += 1
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+        inner: list[Any] = []
+        for value in level:
+            children = value.values() if type(value) is dict else value if type(value) is list else ()
+            inner.extend(child for child in children if type(child) is dict or type(child) is list)
+        level = inner
+    return doc
+
+
+def read_json(path: str | os.PathLike[str], max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """:func:`read_file` then :func:`loads`; raises OSError or ValueError."""
+    return loads(read_file(path, max_bytes), max_depth)
+
+
+# -- writes and directories ---------------------------------------------------------------------------------
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or create in it) to stable storage; best effort."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        # Some filesystems (and some NFS servers) refuse fsync on a directory; the rename is still atomic.
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Fsync every regular file and directory under ``root``, children before parents."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fd = os.open(Path(dirpath, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix.
+
+    The bytes go to a uniquely named temporary file in the same directory, then ``os.replace`` moves it
+    over ``path`` (atomic on POSIX, including NFS). With ``durable`` the file and directory are fsync'd.
+
+    Raises
+    ------
+    OSError
+        The directory is missing or not writable; no temporary file is left behind.
+
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def make_dirs(path: Path, mode: int = 0o755) -> None:
+    """Create ``path`` and missing parents, each with ``mode`` (masked by the umask)."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=mode)
+
+
+def remove_tree(path: Path) -> bool:
+    """Delete a directory tree if it exists; True when it is gone afterwards."""
+    # ignore_errors: another process may be removing the same tree (a concurrent prune or sweep).
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def directory_size(path: Path) -> int:
+    """Sum the sizes of the regular files under ``path`` (0 if it vanished meanwhile)."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += Path(dirpath, name).lstat().st_size
+    return total
+
+
+# -- the trust rule ----------------------------------------------------------------------------------------
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Return why another user could change what ``st`` describes, or None when only we (or root) can.
+
+    A directory that is world-writable with the sticky bit (``/tmp`` style) is fine: others can add
+    names but not replace ours. A world-writable file is never fine. An owner other than us or root
+    can rewrite the object whatever its mode.
+    """
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+    if st.st_mode & stat.S_IWOTH:
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is writable by every user"
+        if not st.st_mode & stat.S_ISVTX:
+            return "it is writable by every user and has no sticky bit"
+    return None
+
+
+def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
+    """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
+
+    The cache holds shared libraries that get loaded into the server, so a directory another user can
+    write is a code-injection path (see docs/cache.md, "Trust"). ``path`` is judged itself (``lstat``): a
+    symlink fails, as every symlink's mode is 0777; see :func:`check_trusted_dir` for the top directories.
+
+    Parameters
+    ----------
+    path : Path or str
+        What to check; it must exist (or ``st`` must be given).
+    what : str
+        How to name it in the message, e.g. ``"cache root"`` or ``"cache entry"``.
+    allow_shared : bool
+        Skip the check.
+    st : os.stat_result, optional
+        An ``lstat`` already taken.
+
+    Raises
+    ------
+    CacheError
+        Saying which path and why; its ``hint`` says how to allow it.
+    FileNotFoundError
+        ``path`` does not exist (and no ``st`` was given).
+
+    """
+    if allow_shared:
+        return
+    reason = untrusted_reason(st if st is not None else os.lstat(path))
+    if reason is not None:
+        raise UntrustedPath(f"refusing {what} {path}: {reason}", HOW_TO_ALLOW)
+
+
+def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
+    """Check a top directory (a root, its ``v1`` or ``entries``, a layer) by what it resolves to.
+
+    A symlink there is fine (a root on another volume) when the link itself belongs to this user or root
+    (only its owner can replace it, in a sticky directory) and what it points to passes
+    :func:`check_trusted`, which judges that target, not the link's own 0777 mode.
+
+    Raises
+    ------
+    CacheError
+        The link's owner or the target is untrusted (unless ``allow_shared``), or the target is not a directory.
+    FileNotFoundError
+        ``path`` does not exist (or it is a dangling symlink).
+
+    """
+    st = os.lstat(path)
+    shown = path
+    if stat.S_ISLNK(st.st_mode):
+        if not allow_shared and st.st_uid not in (os.geteuid(), 0):
+            raise UntrustedPath(f"refusing {what} {path}: it is a symlink owned by uid {st.st_uid}, not by this user "
+                                f"(uid {os.geteuid()}) or root", HOW_TO_ALLOW)
+        st = path.stat()
+        shown = f"{path} (a symlink to {os.path.realpath(path)})"
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"refusing {what} {shown}: it is not a directory")
+    check_trusted(shown, what, allow_shared=allow_shared, st=st)
