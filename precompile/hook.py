@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from jitwarm.cache import KernelCache, LockTimeout, settings
+from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_NOT_READY, EXIT_TIMEOUT, JitwarmError
 from jitwarm.kernels import KernelSpec, Target
 from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import guard
@@ -25,20 +26,30 @@ from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 POLICIES = ("build", "wait", "strict")
 
 
-class KernelsNotReady(RuntimeError):
-    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss)."""
+class KernelsNotReady(JitwarmError, RuntimeError):
+    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss): exit 5."""
+
+    exit_code = EXIT_NOT_READY
 
 
 class WarmTimeout(KernelsNotReady):
-    """The hook's deadline passed while waiting for kernels (CLI exit code 3)."""
+    """The hook's deadline passed while waiting for kernels (exit 3)."""
+
+    exit_code = EXIT_TIMEOUT
 
 
 class KernelLoadFailed(KernelsNotReady):
-    """A spec's cache entry does not load, and neither did its rebuild; ``spec`` names it."""
+    """A spec's cache entry does not load, and neither did its rebuild; ``spec`` names it (exit 1)."""
+
+    exit_code = EXIT_BUILD_FAILED
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
+        self.load_reason = reason
         super().__init__(f"{spec.id} cannot be loaded (its entry was quarantined and rebuilt once): {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.spec, self.load_reason))
 
 
 class Device(Protocol):
@@ -127,10 +138,10 @@ class CaptureHook:
         A manifest path (or several) of the server's recorded kernels (:func:`jitwarm.precompile.record`):
         their records for this device's target join the plan, so they too are present, loaded and on the
         device before capture (a Triton module is otherwise loaded at its first launch). Triton's compiles
-        of this process then go through ``cache`` (:mod:`jitwarm.kernels.triton_cache`).
+        of this process then go through ``cache`` (:mod:`jitwarm.kernels.libraries.triton.cache`).
     serve_triton
         Make every Triton compile of this process find and store its result in ``cache`` from now on, as
-        ``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` does (implied by ``manifest``).
+        ``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` does (implied by ``manifest``).
 
     Raises
     ------
@@ -160,7 +171,7 @@ class CaptureHook:
             paths = [manifest] if isinstance(manifest, (str, Path)) else list(manifest)
             self.plan = plan = plan.with_manifests(paths, [self.device.target])
         if serve_triton or any(s.backend == "triton_jit" for s in plan.specs):
-            from jitwarm.kernels import triton_cache
+            from jitwarm.kernels.libraries.triton import cache as triton_cache
 
             triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call

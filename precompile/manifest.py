@@ -11,19 +11,31 @@ A record says enough to build its kernel again elsewhere and to name it to a per
 Appends are safe with many ranks writing one manifest: each append takes an exclusive ``flock`` on the file,
 reads what is there and adds only records it lacks, so a manifest holds each record once. Reading bounds the
 file's size and each line's, and a malformed line is an error naming its line number. Pure Python.
+
+A manifest is code: replaying it imports the modules its records name. So, like the cache root, it is trusted
+only from this user or root and when no other user can write it (``JITWARM_ALLOW_SHARED=1`` accepts it anyway).
+A disk that fills mid-append leaves at most a torn last line (a kill can too): readers ignore it, saying so
+once, and the next append cuts it off before writing, so one short write never costs the records before it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from jitwarm.cache import settings
+from jitwarm.cache.errors import UsageError
+from jitwarm.cache.files import read_file_stat, untrusted_reason
 from jitwarm.kernels import KernelSpec
+
+log = logging.getLogger("jitwarm.manifest")
 
 VERSION = 1
 KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit"}  # record kind -> kernel backend
@@ -31,8 +43,14 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
 
 
-class ManifestError(ValueError):
-    """A manifest that cannot be read or holds a record that is not one; the message names file and line."""
+class ManifestError(UsageError, ValueError):
+    """A manifest that cannot be read, is not trusted, or holds a record that is not one (exit 2).
+
+    The message names the file (and the line).
+    """
+
+
+_said_torn: set[tuple[str, int]] = set()  # (path, size) of each torn manifest already reported in this process
 
 
 def record_id(record: Mapping[str, Any]) -> str:
@@ -42,7 +60,9 @@ def record_id(record: Mapping[str, Any]) -> str:
 
 def check_record(record: Any, where: str = "record") -> dict[str, Any]:
     """Return ``record`` if it is a well-formed record of a known kind, else raise ManifestError naming ``where``."""
-    if not isinstance(record, dict) or record.get("v") != VERSION or record.get("kind") not in KINDS:
+    # type() is int, not ==: True == 1 and 1.0 == 1, and a bool is not a version.
+    if not isinstance(record, dict) or type(record.get("v")) is not int or record["v"] != VERSION \
+            or record.get("kind") not in KINDS:
         raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton or sglang_jit)")
     need = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call")}
     for field in need[record["kind"]]:
@@ -60,30 +80,57 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Return the records of a manifest file, each once, in first-seen order.
+    """Return the records of a manifest file, each once, in first-seen order (a torn last line is left out).
 
     Raises
     ------
     ManifestError
-        The file is missing, not a regular file, too large, not UTF-8 JSON lines, or holds a bad record.
+        The file is missing, not a regular file (a directory, a FIFO, a device), unreadable, too large, owned
+        or writable by another user (unless ``JITWARM_ALLOW_SHARED=1``), not UTF-8 JSON lines, or holds a bad
+        record.
 
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not make a reader wait for a writer
+        # Follow a symlink the operator gave (a Kubernetes ConfigMap is one); then no blocking, no link, a
+        # regular file of bounded size: a directory or /proc/self/mem is one line, not an OSError.
+        data, st = read_file_stat(os.path.realpath(path), MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"manifest {path} is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-        return _parse(f.read(MAX_MANIFEST_BYTES + 1), str(path))
+    check_trusted(path, st)
+    records, torn = _parse(data, str(path))
+    if torn:
+        _say_torn(str(path), len(data))
+    return records
 
 
-def _parse(data: bytes, where: str) -> list[dict[str, Any]]:
+def check_trusted(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Refuse a manifest another user owns or can write (its records name modules that replay imports)."""
+    reason = untrusted_reason(st)
+    if reason is not None and not settings.allow_shared():
+        raise ManifestError(f"refusing manifest {path}: {reason} (replaying it imports the modules it names)",
+                            "set JITWARM_ALLOW_SHARED=1 to accept it")
+
+
+def _say_torn(path: str, size: int) -> None:
+    if (path, size) not in _said_torn:
+        _said_torn.add((path, size))
+        log.warning("jitwarm: warning: manifest %s: its last line is torn (an append cut short by a full disk or a "
+                    "kill): ignored; the next append removes it", path)
+
+
+def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
+    """The records of ``data``, and whether its last line was torn (no newline, not a record: ignored)."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # after the last newline: b"" unless an append was cut short
+    torn = False
+    if tail.strip():
+        try:
+            check_record(json.loads(tail))
+            lines.append(tail)  # a whole record without its newline (written by hand): keep it
+        except (ValueError, RecursionError):
+            torn = True
     records: dict[str, dict[str, Any]] = {}
-    for number, line in enumerate(data.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if len(line) > MAX_LINE_BYTES:
@@ -94,35 +141,74 @@ def _parse(data: bytes, where: str) -> list[dict[str, Any]]:
             raise ManifestError(f"{where}:{number}: not JSON ({str(exc).splitlines()[0]})") from None
         record = check_record(record, f"{where}:{number}")
         records.setdefault(record_id(record), record)
-    return list(records.values())
+    return list(records.values()), torn
 
 
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
     """Add the records the manifest at ``path`` lacks (creating it); return how many were added.
 
     Safe with many processes appending at once: the read and the write happen under an exclusive flock of
-    the file, and the lines are written with one ``write`` in append mode.
+    the file. A torn last line is cut off first; a write that fails (a full disk) is undone, so it leaves no
+    torn line and the count is of records that are in the file.
+
+    Raises
+    ------
+    ManifestError
+        ``path`` is not a regular file, is not trusted, or holds a bad record.
+    OSError
+        The write failed (``ENOSPC``); the file is as it was.
+
     """
     new = [check_record(dict(r)) for r in records]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    with os.fdopen(fd, "r+b") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"manifest {path} is not a regular file")
+        check_trusted(path, st)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            f.seek(0)
-            known = {record_id(r) for r in _parse(f.read(MAX_MANIFEST_BYTES + 1), str(path))}
-            lines = []
-            for record in new:
-                rid = record_id(record)
-                if rid not in known:
-                    known.add(rid)
-                    lines.append(json.dumps(record, sort_keys=True) + "\n")
-            if lines:
-                os.write(fd, "".join(lines).encode())
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        data = _read_all(fd, path)
+        known_records, torn = _parse(data, str(path))
+        end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
+        if torn:
+            os.ftruncate(fd, end)  # the torn line goes; O_APPEND then writes from the new end
+        known = {record_id(r) for r in known_records}
+        lines = []
+        for record in new:
+            rid = record_id(record)
+            if rid not in known:
+                known.add(rid)
+                lines.append(json.dumps(record, sort_keys=True) + "\n")
+        if lines:
+            lead = "\n" if data[:end] and not data[:end].endswith(b"\n") else ""  # a last record without its newline
+            _write_all(fd, (lead + "".join(lines)).encode(), end)
+    finally:
+        os.close(fd)  # closing releases the flock
     return len(lines)
+
+
+def _read_all(fd: int, path: str | os.PathLike[str]) -> bytes:
+    chunks, left = [], MAX_MANIFEST_BYTES + 1
+    while left > 0 and (chunk := os.pread(fd, min(left, 1 << 20), MAX_MANIFEST_BYTES + 1 - left)):
+        chunks.append(chunk)
+        left -= len(chunk)
+    if left <= 0:
+        raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes, end: int) -> None:
+    """Write all of ``data`` at the end of the file; on failure cut the file back to ``end`` and raise."""
+    view = memoryview(data)
+    try:
+        while view:
+            written = os.write(fd, view)  # short on a full disk: the rest then fails with ENOSPC
+            if written <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view = view[written:]
+    except OSError:
+        os.ftruncate(fd, end)  # shrinking needs no space: no torn line is left behind
+        raise
 
 
 def spec_of(record: Mapping[str, Any]) -> KernelSpec:

@@ -38,17 +38,24 @@ class Recorder:
         self._undo: list[Callable[[], None]] = []
 
     def add(self, record: Mapping[str, Any]) -> None:
-        """Append ``record`` unless this process recorded it already (never raises: a recording is a side job)."""
+        """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
+
+        A record counts as recorded only once its append succeeded: after a failed one (a full disk) the next
+        time Triton or ``load_jit`` hands it over, it is appended again.
+        """
         rid = record_id(record)
         with self._lock:
             if rid in self._seen:
                 return
-            self._seen.add(rid)
         try:
-            self.recorded += append_records(self.path, [record])
-        except (OSError, ValueError) as exc:
+            added = append_records(self.path, [record])
+        except (OSError, ValueError) as exc:  # ManifestError is a ValueError: an untrusted or bad manifest
             log.warning("jitwarm: cannot record %s into %s: %s", record.get("kernel") or record.get("module"),
                         self.path, exc)
+            return
+        with self._lock:
+            self._seen.add(rid)
+            self.recorded += added
 
     def start(self) -> Recorder:
         """Install the Triton hook and the load_jit wrapper (whichever of the two can be imported here)."""

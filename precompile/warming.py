@@ -114,6 +114,8 @@ class Progress:
     """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
 
     :meth:`start` says what is about to happen before the first build; hits are counted there, not listed.
+    Each update says the time since the start and an estimate of the time left (the mean so far per spec, times
+    the specs left: builds of one plan take alike, and a 6-minute ``warm --target sm_90`` should say so early).
     """
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
@@ -126,9 +128,17 @@ class Progress:
     def start(self, plan_id: str, specs: int, hits: int, jobs: int) -> None:
         """The line before the first build: how many specs, how many already there, how many to build."""
         self.total = specs - hits
+        self.start_time = time.perf_counter()
         self.stream.write(f"jitwarm: plan {plan_id}: {specs} specs, {hits} already in the cache"
                           + (f"; getting {self.total} with {jobs} jobs\n" if self.total else "\n"))
         self.stream.flush()
+
+    def timing(self) -> str:
+        """``elapsed 1m05s, eta 2m10s`` (no estimate before the first spec is done, nor after the last)."""
+        elapsed = time.perf_counter() - self.start_time
+        left = max(0, self.total - self.done)
+        eta = f", eta {_clock(elapsed / self.done * left)}" if self.done and left else ""
+        return f"elapsed {_clock(elapsed)}{eta}"
 
     def update(self, result: SpecResult) -> None:
         """Report one finished build (or wait, download, failure)."""
@@ -139,14 +149,24 @@ class Progress:
             filled = width * self.done // max(1, self.total)
             counts = "  ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
             self.stream.write(f"\rjitwarm: [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-                              f"  {counts}  {time.perf_counter() - self.start_time:.1f}s")
-            if self.done == self.total:
+                              f"  {counts}  {self.timing()}\x1b[K")  # erase what a longer line left
+            if self.done >= self.total:
                 self.stream.write("\n")
         else:
             error = f"  {result.error}" if result.error else ""
             self.stream.write(f"jitwarm: [{self.done}/{self.total}] {result.outcome:<6} {result.spec.id}"
-                              f"  {result.seconds:.2f}s{error}\n")
+                              f"  {result.seconds:.2f}s  ({self.timing()}){error}\n")
         self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """``42s``, ``6m05s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = None,

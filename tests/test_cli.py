@@ -128,11 +128,58 @@ def test_warm_progress_lines_and_bar():
 
     stream = io.StringIO()
     progress = Progress(3, stream=stream, bar=False)
+    progress.start_time -= 130  # as if the first build had taken 2m10s
     for spec in plan_of(TINY).specs:
         progress.update(SpecResult(spec, "built", 1.5))
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("jitwarm: [1/3] built ") and lines[-1].startswith("jitwarm: [3/3]")
+    assert "(elapsed 2m10s, eta 4m20s)" in lines[0]  # the mean per spec so far, times the specs left
+    assert "elapsed 2m10s)" in lines[-1] and "eta" not in lines[-1]
     bar = io.StringIO()
     progress = Progress(2, stream=bar, bar=True)
     progress.update(SpecResult(plan_of(TINY).specs[0], "hit"))
-    assert "\r" in bar.getvalue() and "1/2" in bar.getvalue()
+    assert "\r" in bar.getvalue() and "1/2" in bar.getvalue() and "elapsed 0s, eta 0s" in bar.getvalue()
+
+
+SERVER_WITHOUT_GRAPHS = ["--", "python", "-m", "sglang.launch_server", "--model-path", "/models/x",
+                         "--disable-cuda-graph"]
+
+
+@pytest.mark.parametrize("command", ["plan", "warm", "status", "verify", "prestart"])
+def test_a_server_that_captures_no_graphs_has_nothing_to_warm(tmp_path, command):
+    cache = [] if command == "plan" else ["--cache-dir", str(tmp_path / "c")]
+    proc = jitwarm(command, "--target", "cpu", *cache, *SERVER_WITHOUT_GRAPHS)
+    assert proc.returncode == 0, proc.stderr  # an init container sharing the server's template must not block it
+    assert proc.stderr.splitlines() == ["jitwarm: nothing to warm: the plan is empty (--disable-cuda-graph): the "
+                                        "server captures no decode CUDA graphs"]  # said once
+    probe = jitwarm(command, "--target", "cpu", "--json", *cache, *SERVER_WITHOUT_GRAPHS)
+    assert probe.returncode == 0 and json.loads(probe.stdout)
+
+
+def test_export_of_a_plan_without_graphs_is_a_usage_error(tmp_path):
+    proc = jitwarm("export", "--target", "cpu", "--cache-dir", str(tmp_path / "c"), str(tmp_path / "k.tar"),
+                   *SERVER_WITHOUT_GRAPHS)
+    assert proc.returncode == 2 and "nothing to export" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "k.tar").exists()
+
+
+def test_verify_all_needs_no_plan_and_with_one_reports_the_missing_specs(tmp_path):
+    root = str(tmp_path / "c")
+    bare = jitwarm("verify", "--all", "--cache-dir", root, "--json")  # no --target, no --gpu-memory-mb: no plan
+    assert bare.returncode == 0, bare.stderr
+    assert json.loads(bare.stdout) == {"ok": 0, "corrupt": [], "missing": [], "repaired": False}
+    planned = jitwarm("verify", "--all", *TINY, "--cache-dir", root)
+    assert planned.returncode == 5, planned.stderr  # not ready: the plan's 3 specs are not there
+    assert "0 entries, 0 corrupt, 3 missing" in planned.stdout and planned.stderr.count("jitwarm: missing: ") == 3
+
+
+def test_a_manifest_with_plan_modifiers_stays_manifest_only(tmp_path):
+    manifest = tmp_path / "server.jsonl"
+    manifest.write_text(json.dumps({"v": 1, "kind": "triton", "kernel": "server_kernels:fill_lens", "target": "cpu",
+                                    "specialization": "{}"}) + "\n")
+    for flags in (["--ladder-source", "builtin"], ["--ragged-verify-mode", "compact"], ["--target", "cpu"]):
+        proc = jitwarm("plan", "--manifest", str(manifest), *flags, "--json")  # no --gpu-memory-mb demanded
+        assert proc.returncode == 0, (flags, proc.stderr)
+        assert json.loads(proc.stdout)["totals"]["specs"] == 1
+    both = jitwarm("plan", "--manifest", str(manifest), *TINY, "--json")  # model flags ask for our families too
+    assert both.returncode == 0 and json.loads(both.stdout)["totals"]["specs"] == 4

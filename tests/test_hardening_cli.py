@@ -49,7 +49,6 @@ FLAG_CASES = [[*BASE, flag, value] for flag in INT_FLAGS for value in BAD_NUMBER
     [*BASE, "--", "python", "-m", "sglang.launch_server", "--cuda-graph-max-bs", "8"],  # ambiguous for sglang
     [*BASE, "--", "python", "-m", "sglang.launch_server", "--no-such-server-flag"],
     [*BASE, "--", "vllm", "serve", "m"],
-    [*BASE, "--disable-cuda-graph"],  # an empty plan: nothing to warm is an error, not "ready"
 ]
 
 TOML_CASES = [
@@ -244,3 +243,51 @@ def test_export_to_a_directory_or_a_missing_one_is_a_usage_error(tmp_path, tiny_
     for target in (tmp_path, tmp_path / "no" / "such" / "k.tar"):
         proc = jitwarm("export", *TINY, "--cache-dir", root, str(target))
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_prestart_offline_builds_nothing_a_miss_is_exit_5(tmp_path, tiny_cache):
+    node = tmp_path / "node"
+    miss = jitwarm("prestart", *TINY, "--offline", "--cache-dir", str(node), "--json")
+    assert miss.returncode == 5, miss.stderr
+    doc = json.loads(miss.stdout)  # the readiness probe's one document, even on failure
+    assert doc["ready"] is False and len(doc["missing"]) == 3 and doc["offline"] is True
+    assert "--offline builds nothing" in miss.stderr and "Traceback" not in miss.stderr
+    assert not list(node.glob("v1/entries/*/*")) and not list(node.glob("v1/staging/*"))
+    bundle = str(tmp_path / "k.tar")
+    assert jitwarm("export", *TINY, "--cache-dir", str(tiny_cache), bundle).returncode == 0
+    ready = jitwarm("prestart", *TINY, "--offline", "--cache-dir", str(node), "--bundle", bundle, "--json")
+    assert ready.returncode == 0, ready.stderr
+    doc = json.loads(ready.stdout)
+    assert doc["ready"] is True and doc["bundle"]["supplied"] == 3 and "totals" not in doc  # nothing was warmed
+    other = jitwarm("prestart", *TINY_FAST, "--offline", "--cache-dir", str(tmp_path / "node2"), "--bundle", bundle)
+    assert other.returncode == 5 and "supplies none of the plan's specs" in other.stderr  # another plan's bundle
+    assert other.stderr.splitlines()[-1].startswith("jitwarm: error: ") and "--offline" in other.stderr
+    assert not list((tmp_path / "node2").glob("v1/entries/*/*/launch.json"))
+
+
+def test_prestart_json_is_one_document_on_stdout_whatever_the_outcome(tmp_path, tiny_cache):
+    root = tmp_path / "cache"
+    shutil.copytree(tiny_cache, root)
+    ok = jitwarm("prestart", *TINY, "--cache-dir", str(root), "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ready"] is True
+    bad = jitwarm("prestart", *TINY, "--cache-dir", str(root), "--bundle", str(tmp_path / "none.tar"), "--json")
+    assert bad.returncode == 2 and json.loads(bad.stdout) == {
+        "ready": False, "exit_code": 2, "error": f"bundle {tmp_path / 'none.tar'} does not exist or is not a file"}
+    assert bad.stderr.count("\n") == 1
+
+
+def test_the_cli_gives_its_own_hint_by_error_type(tmp_path, tiny_cache):
+    bundle = str(tmp_path / "k.tar")
+    assert jitwarm("export", *TINY, "--cache-dir", str(tiny_cache), bundle).returncode == 0
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # no sticky bit: another user could replace an entry
+    refused = jitwarm("import", bundle, "--cache-dir", str(shared), env={"JITWARM_ALLOW_SHARED": ""})
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.rstrip().endswith("; set JITWARM_ALLOW_SHARED=1 to accept it")
+    assert "KernelCache(" not in refused.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    unwritable = jitwarm("import", bundle, "--cache-dir", str(blocked / "cache"))
+    assert unwritable.returncode == 1 and unwritable.stderr.count("\n") == 1, unwritable.stderr
+    assert "pass --cache-dir DIR (or set JITWARM_CACHE_DIR) to a writable directory" in unwritable.stderr
