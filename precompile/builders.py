@@ -126,7 +126,8 @@ class BuildPool:
                         worker.buffer += chunk
                         while b"\n" in worker.buffer:
                             line, worker.buffer = worker.buffer.split(b"\n", 1)
-                            yield self._received(worker, line)
+                            if (outcome := self._received(worker, line)) is not None:
+                                yield outcome
                         continue
                     selector.unregister(key.fd)  # EOF: the worker died (a compiler or loader crash?)
                     self._workers.remove(worker)
@@ -186,17 +187,21 @@ class BuildPool:
         return worker
 
     def _relay(self, worker: _Worker, chunk: bytes, key: Any, selector: selectors.BaseSelector) -> None:
-        """Pass a worker's log lines on to our stderr, each distinct line once (eight workers, one warning)."""
+        """Pass a worker's log lines on to our stderr (see :meth:`_say`)."""
         if not chunk:
             selector.unregister(key.fd)
             chunk = b"\n" if worker.errors else b""
         worker.errors += chunk
         while b"\n" in worker.errors:
             line, worker.errors = worker.errors.split(b"\n", 1)
-            if line.strip() and line not in self._said:
-                self._said.add(line)
-                sys.stderr.write(line.decode("utf-8", "replace") + "\n")
-                sys.stderr.flush()
+            self._say(line)
+
+    def _say(self, line: bytes) -> None:
+        """Write one of the workers' lines on our stderr, each distinct line once (eight workers, one warning)."""
+        if line.strip() and line not in self._said:
+            self._said.add(line)
+            sys.stderr.write(line.decode("utf-8", "replace") + "\n")
+            sys.stderr.flush()
 
     def _send(self, worker: _Worker, task: Task) -> None:
         worker.task, worker.started = task, time.perf_counter()
@@ -204,8 +209,12 @@ class BuildPool:
         worker.proc.stdin.write(json.dumps({"index": task.index, "artifact": task.artifact}).encode() + b"\n")
         worker.proc.stdin.flush()
 
-    def _received(self, worker: _Worker, line: bytes) -> Outcome:
-        data = json.loads(line)
+    def _received(self, worker: _Worker, line: bytes) -> Outcome | None:
+        try:
+            data = json.loads(line)
+        except ValueError:  # not an answer (a worker's stdout is its answers alone): pass it on as a log line
+            self._say(line)
+            return None
         worker.task = None
         failure = Failure(**data["failure"]) if data.get("failure") else None
         return Outcome(data["index"], data["outcome"], data["seconds"], data.get("key"), failure,
@@ -256,8 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM from the parent (Ctrl-C there): unwind, so the cache removes the staging dir of a build in flight.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
+    # Answers go to a private copy of stdout, and stdout itself to stderr: a module a replay imports (or a
+    # sitecustomize) that prints would otherwise put a line that is not an answer into the protocol.
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
     try:
-        _serve(json.loads(args[0]), sys.stdin, sys.stdout)
+        _serve(json.loads(args[0]), sys.stdin, answers)
     except BrokenPipeError:  # the parent is gone
         return 1
     return 0

@@ -291,3 +291,14 @@ def test_the_cli_gives_its_own_hint_by_error_type(tmp_path, tiny_cache):
     unwritable = jitwarm("import", bundle, "--cache-dir", str(blocked / "cache"))
     assert unwritable.returncode == 1 and unwritable.stderr.count("\n") == 1, unwritable.stderr
     assert "pass --cache-dir DIR (or set JITWARM_CACHE_DIR) to a writable directory" in unwritable.stderr
+
+
+def test_a_worker_that_prints_on_stdout_leaves_its_answers_clean(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('hello from an import')\n")  # as a replayed module might
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = jitwarm("warm", *TINY_FAST, "--cache-dir", str(tmp_path / "c"), "--json", "--jobs", "2", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["totals"]["built"] == 3
+    assert "Traceback" not in proc.stderr and proc.stderr.count("hello from an import") == 1  # relayed, once
