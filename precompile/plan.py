@@ -104,21 +104,6 @@ class WarmPlan:
                    families=families)
 
     @property
-    def nothing_to_warm(self) -> str | None:
-        """Why this plan of a serving config holds none of jitwarm's kernels, or None when it holds some.
-
-        The server captures no decode graphs (``--disable-cuda-graph``), or its model runs none of jitwarm's
-        families: either is a valid server with nothing to warm.
-        """
-        if self.config is None or any(s.family in FAMILIES for s in self.specs):
-            return None
-        if self.ladder is not None and self.ladder.disabled:
-            return f"the server captures no decode CUDA graphs ({self.ladder.disabled})"
-        if self.families is not None and not self.families.planned:
-            return f"the model runs none of jitwarm's kernel families ({self.families.why})"
-        return "the server captures no decode CUDA graphs"
-
-    @property
     def plan_id(self) -> str:
         """Stable id: the first 16 hex digits of sha256 over the sorted spec ids."""
         text = "\n".join(sorted(s.id for s in self.specs))

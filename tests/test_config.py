@@ -150,3 +150,68 @@ def test_ladder_that_depends_on_memory_needs_it(capsys):
                                     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
                                     "--speculative-eagle-topk", "1"])
     assert code == 0 and [s["bs"] for s in json.loads(out)["shapes"]] == [4, 3, 2, 1]
+
+
+# The server's own command line after `--`: what sglang refuses is one line and exit 2, never a traceback.
+SERVER = ["--", "python", "-m", "sglang.launch_server", "--model-path", "m"]
+
+
+@pytest.mark.parametrize("server_flags, message", [
+    # tp 2 with 4 attention-DP groups: the attention-TP size would be 0 (a ZeroDivisionError before)
+    (["--tp", "2", "--dp", "4", "--enable-dp-attention", "--cuda-graph-max-bs-decode", "8"],
+     "--tp-size 2 is not a multiple of the attention-DP size 4"),
+    (["--tp", "2", "--attn-dp-size", "\u0664", "--cuda-graph-max-bs-decode", "8"],  # sglang's int() reads '٤' as 4
+     "--tp-size 2 is not a multiple of the attention-DP size 4"),
+    (["--tp", "6", "--attn-dp-size", "4", "--cuda-graph-max-bs-decode", "8"],
+     "--tp-size 6 is not a multiple of the attention-DP size 4"),
+    (["--tp", "4", "--dp", "2", "--attn-dp-size", "2", "--cuda-graph-max-bs-decode", "8"],
+     "--dp-size 2 with --attn-dp-size 2: data-parallel replicas combined with attention data parallelism"),
+    (["--cuda-graph-config", "[" * 30000 + "]" * 30000], "argument --cuda-graph-config: invalid value"),
+    (["--cuda-graph-config", '{"a": ' * 5000 + "{}" + "}" * 5000], "JSON nested deeper than 8 levels"),
+    (["--cuda-graph-config", '{"decode": {"max_bs": 8}}' + " " * 70000], "longer than 65536 characters"),
+])
+def test_server_lines_sglang_refuses_exit_2_with_one_line(capsys, server_flags, message):
+    code, out, err = run_cli(capsys, ["plan", "--target", "cpu", "--ladder-source", "builtin", *SERVER,
+                                      *server_flags])
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("jitwarm: error: ") and message in err, err
+    assert len(err) < 1000
+
+
+def test_the_same_layout_that_divides_is_planned(capsys):
+    code, out, _ = run_cli(capsys, ["plan", "--json", "--target", "cpu", *SERVER, "--tp", "8", "--dp", "4",
+                                    "--enable-dp-attention", "--cuda-graph-max-bs-decode", "8"])
+    assert code == 0 and all(s["bs"] % 2 == 0 for s in json.loads(out)["shapes"])  # attention-TP size 2
+
+
+def test_jitwarm_s_own_cuda_graph_config_flag_takes_the_same_bounded_parser(capsys):
+    code, _, err = run_cli(capsys, ["plan", "--target", "cpu", "--cuda-graph-config", "[" * 30000])
+    assert code == 2 and err.count("\n") == 1 and "--cuda-graph-config" in err and "Traceback" not in err
+
+
+def test_the_jitwarm_alias_cuda_graph_max_bs_is_refused_after_the_separator(capsys):
+    """--cuda-graph-max-bs is jitwarm's alias; sglang 0.5.23's parser refuses it as ambiguous, and so does the
+    server line after `--` (docs/sglang.md says so where the alias is documented)."""
+    code, out, _ = run_cli(capsys, ["plan", "--json", "--target", "cpu", "--cuda-graph-max-bs", "8"])
+    assert code == 0 and json.loads(out)["shapes"][0]["bs"] == 8
+    code, _, err = run_cli(capsys, ["plan", "--target", "cpu", *SERVER, "--cuda-graph-max-bs", "8"])
+    assert code == 2 and "ambiguous option: --cuda-graph-max-bs could match" in err
+
+
+def test_the_ladder_is_resolved_once_per_config(monkeypatch):
+    """Construction checks the settings with the built-in rules; the plan reuses that answer."""
+    from jitwarm.precompile import WarmPlan
+    from jitwarm.precompile.servers.sglang import rules
+
+    calls = []
+    real = rules.resolve
+    monkeypatch.setattr(rules, "resolve", lambda inputs: calls.append(1) or real(inputs))
+    cfg = ServingConfig(cuda_graph_max_bs_decode=96, max_running_requests=96, targets=("cpu",),
+                        ladder_source="builtin")
+    WarmPlan.build(cfg)
+    assert len(calls) == 1
+    # unknown memory that the ladder reads: checked on an assumed device at construction, resolved for the real
+    # one (given here) by the plan; never a third time
+    calls.clear()
+    WarmPlan.build(ServingConfig(gpu_memory_mb=143771, targets=("cpu",), ladder_source="builtin"))
+    assert len(calls) == 1

@@ -208,3 +208,150 @@ def test_plan_runs_as_a_module():
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["totals"]["specs"] == 30
+
+
+# --- which of jitwarm's families the served model runs (DeepSeek-V4's only) ----------------------------------
+
+SERVER = ["--", "python", "-m", "sglang.launch_server", "--cuda-graph-max-bs-decode", "128", "--max-running-requests",
+          "128", "--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "6"]
+COMPACT = ["--target", "cpu", "--ragged-verify-mode", "compact"]
+
+
+def checkpoint(tmp_path, config) -> str:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(path)
+
+
+def run_plan(capsys, argv):
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_a_local_model_that_is_not_deepseek_v4_plans_none_of_jitwarm_s_families(capsys, tmp_path, architecture):
+    model = checkpoint(tmp_path, {"architectures": [architecture], "hidden_size": 4096})
+    plan = WarmPlan.build(ServingConfig.from_args([*COMPACT, *SERVER, "--model-path", model]))
+    assert len(plan.shapes) == 35 and plan.specs == ()
+    assert plan.families.skipped == ("norm_rope", "compressor", "plan") and plan.families.architecture == architecture
+    code, out, err = run_plan(capsys, [*COMPACT, "--json", *SERVER, "--model-path", model])
+    assert code == 0 and json.loads(out)["families"]["skipped"] == ["norm_rope", "compressor", "plan"]
+    assert err.count("\n") == 1 and "nothing to warm" in err and architecture in err
+    assert "the model runs none of jitwarm's kernel families" in err
+
+
+def test_a_local_deepseek_v4_checkpoint_plans_every_family(capsys, tmp_path):
+    model = checkpoint(tmp_path, {"architectures": ["DeepseekV4ForCausalLM"]})
+    code, out, _ = run_plan(capsys, [*COMPACT, *SERVER, "--model-path", model])
+    assert code == 0 and "30 specs for 35 shapes" in out
+    assert f"model: architectures ['DeepseekV4ForCausalLM'] in {model}/config.json: DeepSeek-V4" in out
+
+
+@pytest.mark.parametrize("model, planned, said", [
+    ("deepseek-ai/DeepSeek-V4-Flash", 30, "its name says DeepSeek-V4: every family planned"),  # the README's
+    ("meta-llama/Llama-3.1-8B", 30, "architecture unknown, every family planned"),
+])
+def test_a_hub_id_is_judged_by_its_name_and_the_plan_says_how(capsys, model, planned, said):
+    code, out, _ = run_plan(capsys, [*COMPACT, "--json", *SERVER, "--model-path", model])
+    data = json.loads(out)
+    assert code == 0 and data["totals"]["specs"] == planned and said in data["families"]["why"]
+    code, out, _ = run_plan(capsys, [*COMPACT, *SERVER, "--model-path", model])
+    assert f"model: {model} is not a local path" in out
+
+
+def test_model_architecture_says_it_for_a_path_that_is_not_local(capsys):
+    argv = [*COMPACT, "--json", "--model-architecture", "Qwen3ForCausalLM", *SERVER, "--model-path", "Qwen/Qwen3-8B"]
+    code, out, err = run_plan(capsys, argv)
+    assert code == 0 and json.loads(out)["totals"]["specs"] == 0 and "Qwen3ForCausalLM (--model-architecture" in err
+    argv[argv.index("Qwen3ForCausalLM")] = "DeepseekV4ForCausalLM"
+    code, out, _ = run_plan(capsys, argv)
+    assert code == 0 and json.loads(out)["totals"]["specs"] == 30
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not valid JSON"),
+    ("[" * 100000, "is not valid JSON"),
+    ('{"architectures": "LlamaForCausalLM"}', '"architectures" must be a list of names'),
+    ("[1, 2]", "is not a JSON object"),
+    ("x" * (5 << 20), "larger than"),
+])
+def test_a_malformed_local_config_json_is_one_line_exit_2(capsys, tmp_path, content, message):
+    model = checkpoint(tmp_path, content)
+    code, out, err = run_plan(capsys, [*COMPACT, *SERVER, "--model-path", model])
+    assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_fifo_planted_as_config_json_neither_blocks_nor_is_read(capsys, tmp_path):
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    code, _, err = run_plan(capsys, [*COMPACT, *SERVER, "--model-path", str(model)])
+    assert code == 2 and "not a regular file" in err and err.count("\n") == 1
+
+
+def test_a_local_checkpoint_without_config_json_plans_every_family(capsys, tmp_path):
+    (tmp_path / "model").mkdir()
+    code, out, _ = run_plan(capsys, [*COMPACT, "--json", *SERVER, "--model-path", str(tmp_path / "model")])
+    assert code == 0 and json.loads(out)["totals"]["specs"] == 30
+    assert "has no config.json: architecture unknown" in json.loads(out)["families"]["why"]
+
+
+# --- where the ladder comes from: the built-in rules unless another sglang release is installed ------------
+
+PLAN_CODE = ("import contextlib, io, json, sys\nfrom jitwarm.precompile.cli import main\nout, err = io.StringIO(), "
+             "io.StringIO()\nwith contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+             "    rc = main(sys.argv[1:])\nprint(json.dumps({'rc': rc, 'out': out.getvalue(), 'err': err.getvalue(), "
+             "'sglang': 'sglang' in sys.modules}))")
+
+
+def plan_with_sglang_release(tmp_path, version):
+    """`jitwarm plan` where the installed sglang says ``version`` (a dist-info only: its code cannot be imported)."""
+    site = tmp_path / "site"
+    dist = site / f"sglang-{version}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(site), "JITWARM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", PLAN_CODE, "plan", "--json", *COMPACT, *SERVER], env=env,
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_auto_takes_the_built_in_rules_for_the_release_they_mirror_without_importing_it(tmp_path):
+    from jitwarm.precompile.servers.sglang import VERSION
+
+    run = plan_with_sglang_release(tmp_path, VERSION)
+    assert run["rc"] == 0 and not run["sglang"], run
+    assert json.loads(run["out"])["ladder"]["source"] == f"built-in rules of sglang {VERSION}"
+    assert not (tmp_path / "cache" / "ladders").exists()
+
+
+def test_auto_keeps_another_release_s_answer_and_reads_it_back(tmp_path):
+    """Another release: sglang's own functions, once; the answer is kept, keyed by the release and the inputs."""
+    from jitwarm.cache import settings
+    from jitwarm.precompile.servers import resolution_memo
+    from jitwarm.precompile.servers.sglang import rules
+
+    failed = plan_with_sglang_release(tmp_path, "9.9.9")  # no memo: its functions run, and cannot import sglang
+    assert failed["rc"] == 2 and failed["err"].count("\n") == 1
+    assert "sglang's own ladder functions failed" in failed["err"]
+    cfg = ServingConfig.from_args([*COMPACT, *SERVER])
+    inputs = {**rules.INPUT_KEYS, **cfg.rule_inputs()}
+    answer = {**rules.resolve(inputs), "source": "sglang 9.9.9 (installed)"}
+    key = resolution_memo.key("sglang", "9.9.9", inputs)
+    with settings.override(cache_dir=tmp_path / "cache"):
+        resolution_memo.store(key, answer)
+        memo = resolution_memo.directory() / f"{key}.json"
+    assert memo.stat().st_mode & 0o077 == 0
+    run = plan_with_sglang_release(tmp_path, "9.9.9")
+    assert run["rc"] == 0 and not run["sglang"], run
+    data = json.loads(run["out"])
+    assert data["ladder"]["source"] == "sglang 9.9.9 (installed)" and data["totals"]["specs"] == 30
+    # a damaged memo is ignored: resolved again (and here, again, sglang cannot be imported)
+    memo.write_text(memo.read_text()[:-20])
+    again = plan_with_sglang_release(tmp_path, "9.9.9")
+    assert again["rc"] == 2 and "sglang's own ladder functions failed" in again["err"]

@@ -254,3 +254,30 @@ def test_the_plugin_sets_triton_s_cache_manager_unless_told_otherwise_and_starts
     finally:
         sglang_plugin._recorder.stop()
     assert triton.knobs.runtime.jit_cache_hook is before
+
+
+@pytest.mark.parametrize("architectures, specs", [(["LlamaForCausalLM"], 0), (["DeepseekV4ForCausalLM"], 3),
+                                                  (None, 3)])
+def test_plan_mode_plans_the_families_of_the_model_the_runner_was_given(monkeypatch, tmp_path, architectures, specs):
+    """The runner's model_config carries the checkpoint's architectures: a Llama server warms none of jitwarm's
+    families. (No sglang needed: the runner's __init__ is a stand-in with its signature.)"""
+    from types import SimpleNamespace
+
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
+
+    (tmp_path / "jitwarm.toml").write_text(TINY_TOML)
+    monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sglang_plugin, "_plan", sglang_plugin._Plan(str(tmp_path / "jitwarm.toml")))
+
+    def init(self, model_config, mem_fraction_static, gpu_id, nccl_port, server_args):
+        return "constructed"
+
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=architectures))
+    server_args = SimpleNamespace(cuda_graph_bs_decode=[1, 2], tp_size=1, model_path="org/some-model")
+    from jitwarm.precompile import warming
+
+    monkeypatch.setattr(warming, "start_warm", lambda plan, jobs: None)  # the plan is what is checked, not its warm
+    runner = object()
+    assert sglang_plugin._around_model_runner_init(init, runner, model_config, 0.8, 0, 0, server_args) == "constructed"
+    plan = sglang_plugin._plan.plan
+    assert len(plan.specs) == specs and plan.families.architecture == (architectures or [None])[0]

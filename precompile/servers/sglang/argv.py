@@ -238,7 +238,9 @@ def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> 
             return graph_config_object(given[-1])
         return given[-1]
     except (ValueError, IndexError) as exc:
-        raise ServerArgvError(f"argument {option}: invalid value {' '.join(given)!r} ({exc})") from None
+        shown = " ".join(given)
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"  # one readable line
+        raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
 
 
 def graph_config_object(text: str) -> dict[str, Any]:

@@ -81,7 +81,8 @@ def model_families(families: tuple[str, ...], model_path: str | None,
 
     """
     if architecture is not None:
-        return _decided(families, architecture, f"architecture {architecture} (--model-architecture)")
+        return _decided(families, architecture, f"architecture {architecture} (--model-architecture, or the "
+                                                "server's own model config)")
     if model_path is None:
         return ModelFamilies(families, (), None, "no --model-path: every family planned")
     local = Path(model_path)
