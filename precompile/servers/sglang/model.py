@@ -26,8 +26,8 @@ from jitwarm.cache.errors import UsageError
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 #: Largest config.json read (a real one is a few KiB; one with a quantization table some hundred KiB).
 MAX_CONFIG_BYTES = 4 << 20
-#: A hub id whose name says DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Flash, org/deepseek_v4-base).
-_DSV4_NAME = re.compile(r"deepseek[-_ .]?v4", re.IGNORECASE)
+#: A hub id or path whose name says DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Flash, org/deepseek_v4-base, /models/dsv4).
+_DSV4_NAME = re.compile(r"deepseek[-_ .]?v4|(?<![a-z0-9])dsv4", re.IGNORECASE)
 
 
 class ModelConfigError(UsageError):

@@ -98,8 +98,8 @@ class _Plan:
         self.jobs, cores, ranks = _jobs(server_args)
         self.warm, self.plan = start_warm(plan, jobs=self.jobs), plan
         log.info("jitwarm: plan %s: %d specs (%d recorded) for %s; warming in the background with %d jobs (%d cores "
-                 "/ %d local ranks)", plan.plan_id, len(plan.specs), len(plan.recorded), ", ".join(targets),
-                 self.jobs, cores, ranks)
+                 "/ %d local ranks); model: %s", plan.plan_id, len(plan.specs), len(plan.recorded), ", ".join(targets),
+                 self.jobs, cores, ranks, plan.families.why if plan.families else "none (recorded kernels only)")
 
     def drain(self, backend: Any) -> bool:
         """Run the capture hook through ``backend``; False when plan mode is off (or failed) in this process."""
