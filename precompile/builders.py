@@ -1,9 +1,10 @@
 """Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
 
 Each worker is ``python -m jitwarm.precompile.builders``, reading one task per line (the spec's artifact: spec,
-description, key) and answering one JSON line. A fresh interpreter, not a ``multiprocessing`` child: it never
-re-imports the caller's ``__main__`` (a script without an ``if __name__ == "__main__":`` guard, or
-``sglang.launch_server``), and a worker that dies is known by the task it held. Workers run in their own
+description, key) and answering one JSON line (:mod:`jitwarm.kernels.channel`; what it prints goes to stderr).
+A fresh interpreter, not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (a script
+without an ``if __name__ == "__main__":`` guard, or ``sglang.launch_server``), and a worker that dies is known
+by the task it held. Workers run in their own
 session, so a terminal's Ctrl-C reaches only the parent, which stops them and their compilers (SIGTERM to the
 session, SIGKILL after a grace period); a build cut short leaves only a staging directory, never an entry.
 
@@ -26,6 +27,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from jitwarm.kernels import channel
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
 STOP_GRACE_S = 3.0
@@ -89,8 +92,8 @@ class _Worker:
     proc: subprocess.Popen
     task: Task | None = None
     started: float = 0.0
-    buffer: bytes = field(default=b"")
-    errors: bytes = field(default=b"")
+    answers: channel.LineReader = field(default_factory=channel.LineReader)
+    errors: channel.LineReader = field(default_factory=channel.LineReader)
 
 
 class BuildPool:
@@ -123,9 +126,8 @@ class BuildPool:
                         self._relay(worker, chunk, key, selector)
                         continue
                     if chunk:
-                        worker.buffer += chunk
-                        while b"\n" in worker.buffer:
-                            line, worker.buffer = worker.buffer.split(b"\n", 1)
+                        worker.answers.feed(chunk)
+                        for line in worker.answers.lines():
                             if (outcome := self._received(worker, line)) is not None:
                                 yield outcome
                         continue
@@ -190,10 +192,9 @@ class BuildPool:
         """Pass a worker's log lines on to our stderr (see :meth:`_say`)."""
         if not chunk:
             selector.unregister(key.fd)
-            chunk = b"\n" if worker.errors else b""
-        worker.errors += chunk
-        while b"\n" in worker.errors:
-            line, worker.errors = worker.errors.split(b"\n", 1)
+            chunk = b"\n" if worker.errors.pending else b""
+        worker.errors.feed(chunk)
+        for line in worker.errors.lines():
             self._say(line)
 
     def _say(self, line: bytes) -> None:
@@ -206,12 +207,12 @@ class BuildPool:
     def _send(self, worker: _Worker, task: Task) -> None:
         worker.task, worker.started = task, time.perf_counter()
         assert worker.proc.stdin is not None
-        worker.proc.stdin.write(json.dumps({"index": task.index, "artifact": task.artifact}).encode() + b"\n")
+        worker.proc.stdin.write(channel.encode({"index": task.index, "artifact": task.artifact}))
         worker.proc.stdin.flush()
 
     def _received(self, worker: _Worker, line: bytes) -> Outcome | None:
         try:
-            data = json.loads(line)
+            data = channel.decode(line)
         except ValueError:  # not an answer (a worker's stdout is its answers alone): pass it on as a log line
             self._say(line)
             return None
@@ -246,7 +247,7 @@ def _serve(config: dict[str, Any], tasks: IO[str], answers: IO[str]) -> None:
 
     cache = KernelCache(**config["cache"])
     for line in tasks:
-        task = json.loads(line)
+        task = channel.decode(line)
         start = time.perf_counter()
         answer: dict[str, Any] = {"index": task["index"]}
         try:
@@ -255,8 +256,7 @@ def _serve(config: dict[str, Any], tasks: IO[str], answers: IO[str]) -> None:
         except Exception as exc:  # reported per spec: one bad spec must not fail the others
             answer.update(outcome="failed", failure=Failure.of(exc).to_json())
         answer.update(seconds=time.perf_counter() - start, remote_error=cache.remote_error)
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
+        channel.send(answers, answer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,10 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM from the parent (Ctrl-C there): unwind, so the cache removes the staging dir of a build in flight.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
-    # Answers go to a private copy of stdout, and stdout itself to stderr: a module a replay imports (or a
-    # sitecustomize) that prints would otherwise put a line that is not an answer into the protocol.
-    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
+    # A module a replay imports that prints must not put a line that is not an answer into the protocol.
+    answers = channel.answers()
     try:
         _serve(json.loads(args[0]), sys.stdin, answers)
     except BrokenPipeError:  # the parent is gone

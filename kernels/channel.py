@@ -1,0 +1,68 @@
+"""The JSON-lines channel between jitwarm and a child process: one JSON document per line, each way.
+
+The build workers (:mod:`jitwarm.precompile.builders`) and sglang's describe child
+(:mod:`jitwarm.kernels.libraries.sglang_jit.child`) speak it. The child answers on a private copy of its stdout
+and points stdout itself at stderr (:func:`answers`): whatever the code it imports prints (a module that prints
+on import, a sitecustomize) goes to the log, never into the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+
+def encode(message: Any) -> bytes:
+    """``message`` as one line of JSON, newline included."""
+    return json.dumps(message).encode() + b"\n"
+
+
+def decode(line: bytes | str) -> Any:
+    """The message of one line; ValueError when the line is not JSON."""
+    return json.loads(line)
+
+
+class LineReader:
+    """Cut what a child writes, read in chunks of any size, into whole lines."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Add what was read."""
+        self._buffer += chunk
+
+    def next_line(self) -> bytes | None:
+        """The next whole line (without its newline), or None until one has arrived."""
+        if b"\n" not in self._buffer:
+            return None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def lines(self) -> Iterator[bytes]:
+        """Every whole line that has arrived."""
+        while (line := self.next_line()) is not None:
+            yield line
+
+    @property
+    def pending(self) -> bool:
+        """True when part of a line is waiting for its end."""
+        return bool(self._buffer)
+
+
+def answers() -> TextIO:
+    """In the child: the stream its answers go to, a copy of stdout; stdout itself goes to stderr from now on.
+
+    Call it before importing anything that might print.
+    """
+    stream = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    return stream
+
+
+def send(stream: TextIO, message: Any) -> None:
+    """Write one message and flush it (the other side waits for whole lines)."""
+    stream.write(json.dumps(message) + "\n")
+    stream.flush()
