@@ -27,7 +27,7 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import commands
+from jitwarm.precompile import commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
 from jitwarm.precompile.config import _FlagParser, add_serving_flags, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
@@ -36,13 +36,13 @@ Command = Callable[[argparse.Namespace, WarmPlan | None], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", commands.cmd_plan),
     "warm": ("build every missing kernel of the plan into the cache, in parallel", commands.cmd_warm),
-    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", commands.cmd_status),
+    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", coverage.cmd_status),
     "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
-               "missing one", commands.cmd_verify),
-    "prestart": ("import a bundle, warm, verify: the init-container step", commands.cmd_prestart),
+               "missing one", coverage.cmd_verify),
+    "prestart": ("import a bundle, warm, verify: the init-container step", shipping.cmd_prestart),
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
-    "export": ("write the plan's entries to one relocatable bundle", commands.cmd_export),
-    "import": ("import a bundle into the cache, verifying every file", commands.cmd_import),
+    "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
+    "import": ("import a bundle into the cache, verifying every file", shipping.cmd_import),
 }
 #: Commands that act on the cache as a whole: they take no serving flags and build no plan.
 PLANLESS = ("prune", "import")

@@ -1,30 +1,19 @@
-"""What each ``jitwarm`` command does: plan, warm, status, verify, prestart, prune, export, import.
+"""What the planning ``jitwarm`` commands share, and ``plan``, ``warm`` and ``prune``.
 
 Each ``cmd_*`` takes the parsed arguments and the plan (None for the commands that act on the whole cache) and
 returns its exit code (:mod:`jitwarm.precompile.cli` has the table). Output goes to stdout (one JSON object with
-``--json``), problems to stderr.
+``--json``), problems to stderr. ``status`` and ``verify`` are :mod:`~jitwarm.precompile.coverage`'s;
+``prestart``, ``export`` and ``import`` are :mod:`~jitwarm.precompile.shipping`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.errors import (
-    EXIT_BUILD_FAILED,
-    EXIT_CORRUPT,
-    EXIT_NOT_READY,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    CacheError,
-    JitwarmError,
-    UsageError,
-)
+from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_OK, EXIT_TIMEOUT, UsageError
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.plan import WarmPlan
 
@@ -32,22 +21,6 @@ REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
 #: Flags that tune how a plan is made but do not ask for jitwarm's own families: with ``--manifest`` alone they
 #: leave the plan manifest-only.
 PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragged_verify_mode")
-
-
-class CorruptBundle(JitwarmError):
-    """A bundle that cannot be imported: a member refused, a file that does not verify, a bad manifest (exit 4)."""
-
-    exit_code = EXIT_CORRUPT
-
-
-class HandOverFailed(JitwarmError):
-    """``prestart`` could not put a recorded kernel where its server's loader finds it (exit 1)."""
-
-
-class NotReady(JitwarmError):
-    """``prestart --offline`` found specs of the plan that neither the bundle nor the cache holds (exit 5)."""
-
-    exit_code = EXIT_NOT_READY
 
 
 class _LookOnly:
@@ -217,7 +190,7 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
-# -- warm and prestart --------------------------------------------------------------------------------------
+# -- warm ---------------------------------------------------------------------------------------------------
 
 
 def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None = None) -> None:
@@ -264,213 +237,7 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     return warm_exit(report)
 
 
-def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Import a bundle (``--bundle``), warm (``--offline``: build nothing), verify the plan's entries, hand over.
-
-    With ``--json`` stdout holds one JSON document whatever the outcome (a readiness probe reads ``ready``);
-    progress, warnings and errors go to stderr.
-    """
-    from jitwarm.precompile.warming import warm
-
-    start = time.perf_counter()
-    cache = open_cache(args)
-    keys = keys_of(plan, cache)
-    supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline) if args.bundle else None
-    summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
-    if not args.offline:
-        report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
-                      timeout_s=args.timeout)
-        summary.update(report.to_json())
-        if not report.ok:
-            print_warm(args, report, {**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3)})
-            return warm_exit(report)
-    coverage = plan_coverage(plan, cache, repair=True, keys=keys)
-    if coverage["corrupt"] or coverage["missing"]:
-        shown = ", ".join((coverage["missing"] + coverage["corrupt"])[:5])
-        why = "--offline builds nothing" if args.offline else "after warm"
-        print(f"jitwarm: error: {why}: {len(coverage['missing'])} of the plan's {len(plan.specs)} specs missing, "
-              f"{len(coverage['corrupt'])} corrupt: {shown}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3),
-                              "missing": coverage["missing"], "corrupt": coverage["corrupt"]}))
-        return readiness(coverage)
-    handed = hand_over(plan, cache)
-    seconds = time.perf_counter() - start
-    if args.json:
-        print(json.dumps({**summary, "ready": True, "seconds": round(seconds, 3), "handed_over": handed}))
-    elif args.offline:
-        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
-              f"verified in {seconds:.1f}s (offline: nothing built)")
-    else:
-        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
-              f"verified in {seconds:.1f}s ({report.built} built, {report.hits} hit, {report.waited} waited)")
-    return EXIT_OK
-
-
-def hand_over(plan: WarmPlan, cache: Any) -> int:
-    """Load each recorded server kernel the way its server will find it; return how many were handed over.
-
-    For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
-    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it).
-    A failure is a ``CacheError``, a :class:`HandOverFailed` (the backend's ``LoadError``, naming the spec), or
-    an ``OSError`` for a cache dir of the server that cannot be written (``SglangCacheDirError``): exit 1 each.
-    """
-    from jitwarm.kernels import LoadError
-    from jitwarm.kernels.artifacts import artifact
-
-    for spec in plan.recorded:
-        try:
-            artifact(spec, cache).load(cache)
-        except LoadError as exc:
-            if isinstance(exc, JitwarmError):
-                raise
-            raise HandOverFailed(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
-    return len(plan.recorded)
-
-
-def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,
-                    offline: bool = False) -> dict[str, Any]:
-    """Import a bundle and say how many of the plan's entries it supplied.
-
-    One that supplies none (exported for another target, backend or toolchain?) is a warning when the warm
-    will build them, and ``NotReady`` (exit 5) under ``offline``, which builds nothing.
-    """
-    report = import_bundle(cache, path)
-    supplied = sorted(set(keys.values()) & set(report.keys))
-    targets = sorted({str(e.description.get("target")) for k in report.keys if (e := cache.lookup(k)) is not None})
-    info = {"path": path, "entries": len(report.keys), "imported": len(report.imported),
-            "supplied": len(supplied), "targets": targets}
-    plan_targets = ", ".join(plan.config.targets) if plan.config else "?"
-    print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
-          f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
-          file=sys.stderr)
-    if not supplied:
-        why = (f"bundle {path} supplies none of the plan's specs (the plan is for {plan_targets}; was it exported "
-               "for another target, backend or toolchain?)")
-        if offline:
-            raise NotReady(why, "--offline builds nothing")
-        print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
-    return info
-
-
-# -- status and verify --------------------------------------------------------------------------------------
-
-
-def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
-    """``cache.verify``, with the cache's own warning per corrupt entry muted: the command reports each one.
-
-    Its report carries every corrupt entry's reason and whether it was quarantined, so the command's line is
-    the only one (the cache's logger line, then the ``jitwarm:`` line, said it twice).
-    """
-    logger = logging.getLogger("jitwarm.cache")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return cache.verify(keys, repair=repair)
-    finally:
-        logger.setLevel(level)
-
-
-def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
-                  keys: dict[KernelSpec, str] | None = None) -> dict[str, Any]:
-    """Sort the plan's specs into present, missing and corrupt; corrupt ones are moved aside only with ``repair``.
-
-    ``keys`` are the plan's keys when the caller has them already (:func:`keys_of`). Also returns ``why``
-    (each corrupt spec's reason) and ``quarantined`` (those moved aside).
-    """
-    if keys is None:
-        keys = keys_of(plan, cache, look_only=not repair)
-    keys = {spec.id: key for spec, key in keys.items()}
-    report = verify_reported(cache, list(keys.values()), repair=repair)
-    state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
-        k: "missing" for k in report.missing}
-    coverage: dict[str, Any] = {"present": [], "missing": [], "corrupt": []}
-    for spec in plan.specs:  # a spec that could not be keyed (keys_of said why) is missing
-        coverage[state.get(keys.get(spec.id, ""), "missing")].append(spec.id)
-    coverage["why"] = {s: report.corrupt[keys[s]] for s in coverage["corrupt"]}
-    coverage["quarantined"] = [s for s in coverage["corrupt"] if keys[s] in report.quarantined]
-    return coverage
-
-
-def readiness(coverage: dict[str, list[str]]) -> int:
-    """Exit 4 when an entry of the plan is corrupt, 5 when one is missing, 0 only when every one is there."""
-    if coverage["corrupt"]:
-        return EXIT_CORRUPT
-    return EXIT_NOT_READY if coverage["missing"] else EXIT_OK
-
-
-def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Show how much of the plan the cache holds (and what the remote holds) and its size; never changes it."""
-    cache = open_cache(args)
-    coverage = plan_coverage(plan, cache)
-    record = cache.read_plan_record(plan.plan_id)
-    data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
-            "complete": bool(record and record.get("complete")) and not coverage["missing"],
-            **{k: len(coverage[k]) for k in ("present", "missing", "corrupt")}, "specs": coverage}
-    if cache.remote:
-        data["remote"] = remote_coverage(plan, cache)
-    if args.json:
-        print(json.dumps(data))
-        return readiness(coverage)
-    print(f"plan {plan.plan_id}: {data['present']}/{len(plan.specs)} present, {data['missing']} missing, "
-          f"{data['corrupt']} corrupt; cache {cache.root} holds {data['size_bytes'] / 2**20:.1f} MiB")
-    for state in ("missing", "corrupt"):
-        for spec_id in coverage[state]:
-            print(f"  {state}: {spec_id}")
-    if cache.remote:
-        remote = data["remote"]
-        if not remote["available"]:
-            print(f"remote {remote['url']} (prefix {remote['prefix']}): unavailable ({remote['error']})")
-        else:
-            print(f"remote {remote['url']} (prefix {remote['prefix']}): {remote['present']}/{len(plan.specs)} "
-                  f"present on remote, {remote['missing']} missing")
-            for spec_id in remote["specs"]["missing"]:
-                print(f"  missing on remote: {spec_id}")
-    return readiness(coverage)
-
-
-def remote_coverage(plan: WarmPlan, cache: Any) -> dict[str, Any]:
-    """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
-    keys = {spec.id: key for spec, key in keys_of(plan, cache, look_only=True).items()}
-    report = cache.remote_report(keys.values())
-    present = set(report.present)
-    specs = {"present": [s for s, k in keys.items() if k in present],
-             "missing": [s for s, k in keys.items() if k not in present]} if report.available else {}
-    return {"url": report.url, "prefix": report.prefix, "available": report.available, "error": report.error,
-            "present": len(specs.get("present", ())), "missing": len(specs.get("missing", ())), "specs": specs}
-
-
-def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
-    """Hash every file of the plan's entries; ``--repair`` moves corrupt ones aside.
-
-    ``--all`` hashes every entry of the cache and needs no plan; given one (a server command line, serving
-    flags, a manifest), the plan's specs without an entry are reported as missing too (exit 5).
-    """
-    cache = open_cache(args)
-    if args.all:
-        keys = keys_of(plan, cache, look_only=not args.repair) if plan is not None else {}
-        report = verify_reported(cache, None, repair=args.repair)
-        ok, corrupt, why, moved = list(report.ok), list(report.corrupt), report.corrupt, set(report.quarantined)
-        have = set(ok) | set(corrupt)
-        missing = [spec.id for spec in plan.specs if keys.get(spec) not in have] if plan is not None else []
-    else:
-        coverage = plan_coverage(plan, cache, repair=args.repair)
-        ok, corrupt, missing = coverage["present"], coverage["corrupt"], coverage["missing"]
-        why, moved = coverage["why"], set(coverage["quarantined"])
-    if args.json:
-        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair)}))
-    else:
-        for item in corrupt:
-            state = "quarantined" if item in moved else "left as it is; --repair moves it aside" if not args.repair \
-                else "not moved"
-            print(f"jitwarm: corrupt ({state}): {item}: {why.get(item, '?')}", file=sys.stderr)
-        for item in missing:
-            print(f"jitwarm: missing: {item}", file=sys.stderr)
-        print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
-    return readiness({"corrupt": corrupt, "missing": missing})
-
-
-# -- the whole cache: prune, export, import -----------------------------------------------------------------
+# -- the whole cache: prune ---------------------------------------------------------------------------------
 
 
 def cmd_prune(args: argparse.Namespace, plan: None) -> int:
@@ -484,50 +251,4 @@ def cmd_prune(args: argparse.Namespace, plan: None) -> int:
         kept = f"; kept {len(report.skipped_locked)} in use (locked)" if report.skipped_locked else ""
         print(f"jitwarm: pruned {len(report.removed)} entries ({report.freed_bytes / 2**20:.1f} MiB) and "
               f"{len(report.staging_removed)} abandoned builds; {report.remaining_bytes / 2**20:.1f} MiB left{kept}")
-    return EXIT_OK
-
-
-def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Write the plan's entries to one relocatable bundle (only when every one is there)."""
-    cache = open_cache(args)
-    target = Path(args.path)
-    if target.is_dir():
-        raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
-    if not target.absolute().parent.is_dir():
-        raise UsageError(f"export: the directory of {args.path} does not exist")
-    keys = keys_of(plan, cache, look_only=True)
-    coverage = plan_coverage(plan, cache, keys=keys)
-    if coverage["missing"] or coverage["corrupt"]:
-        raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
-                         f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    cache.export_bundle(list(keys.values()), args.path)
-    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
-    return EXIT_OK
-
-
-def import_bundle(cache: Any, path: str) -> Any:
-    """Import a bundle file: UsageError when there is none at ``path``, CorruptBundle when it does not import.
-
-    A failed write (``CacheWriteError``: a full disk) and the cache's own refusals (an untrusted root, a lock
-    timeout) keep their types and exit codes: only what is wrong with the bundle itself is exit 4.
-    """
-    if not Path(path).is_file():
-        raise UsageError(f"bundle {path} does not exist or is not a file")
-    try:
-        return cache.import_bundle(path)
-    except CacheError as exc:
-        if type(exc) is not CacheError:  # a subclass: a write, a lock, a trust problem, not the bundle's content
-            raise
-        raise CorruptBundle(exc.reason, exc.hint) from exc
-
-
-def cmd_import(args: argparse.Namespace, plan: None) -> int:
-    """Import a bundle: every member checked, every file verified, each entry published atomically."""
-    cache = open_cache(args)
-    report = import_bundle(cache, args.path)
-    if args.json:
-        print(json.dumps(report.to_json()))
-    else:
-        print(f"jitwarm: imported {len(report.imported)} entries from {args.path} into {cache.root} "
-              f"({len(report.present)} already present)")
     return EXIT_OK

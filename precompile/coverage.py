@@ -1,0 +1,132 @@
+"""What the cache holds of a plan: ``status`` and ``verify``, which only look (``--repair`` moves corrupt ones aside).
+
+Each spec of the plan is present, missing or corrupt; a corrupt entry is reported once, with its reason, by the
+command (the cache's own warning for it is muted while the command looks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from jitwarm.cache.errors import EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK
+from jitwarm.kernels import KernelSpec
+from jitwarm.precompile.commands import keys_of, open_cache
+from jitwarm.precompile.plan import WarmPlan
+
+
+def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
+    """``cache.verify``, with the cache's own warning per corrupt entry muted: the command reports each one.
+
+    Its report carries every corrupt entry's reason and whether it was quarantined, so the command's line is
+    the only one (the cache's logger line, then the ``jitwarm:`` line, said it twice).
+    """
+    logger = logging.getLogger("jitwarm.cache")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return cache.verify(keys, repair=repair)
+    finally:
+        logger.setLevel(level)
+
+
+def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
+                  keys: dict[KernelSpec, str] | None = None) -> dict[str, Any]:
+    """Sort the plan's specs into present, missing and corrupt; corrupt ones are moved aside only with ``repair``.
+
+    ``keys`` are the plan's keys when the caller has them already (:func:`keys_of`). Also returns ``why``
+    (each corrupt spec's reason) and ``quarantined`` (those moved aside).
+    """
+    if keys is None:
+        keys = keys_of(plan, cache, look_only=not repair)
+    keys = {spec.id: key for spec, key in keys.items()}
+    report = verify_reported(cache, list(keys.values()), repair=repair)
+    state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
+        k: "missing" for k in report.missing}
+    coverage: dict[str, Any] = {"present": [], "missing": [], "corrupt": []}
+    for spec in plan.specs:  # a spec that could not be keyed (keys_of said why) is missing
+        coverage[state.get(keys.get(spec.id, ""), "missing")].append(spec.id)
+    coverage["why"] = {s: report.corrupt[keys[s]] for s in coverage["corrupt"]}
+    coverage["quarantined"] = [s for s in coverage["corrupt"] if keys[s] in report.quarantined]
+    return coverage
+
+
+def readiness(coverage: dict[str, list[str]]) -> int:
+    """Exit 4 when an entry of the plan is corrupt, 5 when one is missing, 0 only when every one is there."""
+    if coverage["corrupt"]:
+        return EXIT_CORRUPT
+    return EXIT_NOT_READY if coverage["missing"] else EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Show how much of the plan the cache holds (and what the remote holds) and its size; never changes it."""
+    cache = open_cache(args)
+    coverage = plan_coverage(plan, cache)
+    record = cache.read_plan_record(plan.plan_id)
+    data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
+            "complete": bool(record and record.get("complete")) and not coverage["missing"],
+            **{k: len(coverage[k]) for k in ("present", "missing", "corrupt")}, "specs": coverage}
+    if cache.remote:
+        data["remote"] = remote_coverage(plan, cache)
+    if args.json:
+        print(json.dumps(data))
+        return readiness(coverage)
+    print(f"plan {plan.plan_id}: {data['present']}/{len(plan.specs)} present, {data['missing']} missing, "
+          f"{data['corrupt']} corrupt; cache {cache.root} holds {data['size_bytes'] / 2**20:.1f} MiB")
+    for state in ("missing", "corrupt"):
+        for spec_id in coverage[state]:
+            print(f"  {state}: {spec_id}")
+    if cache.remote:
+        remote = data["remote"]
+        if not remote["available"]:
+            print(f"remote {remote['url']} (prefix {remote['prefix']}): unavailable ({remote['error']})")
+        else:
+            print(f"remote {remote['url']} (prefix {remote['prefix']}): {remote['present']}/{len(plan.specs)} "
+                  f"present on remote, {remote['missing']} missing")
+            for spec_id in remote["specs"]["missing"]:
+                print(f"  missing on remote: {spec_id}")
+    return readiness(coverage)
+
+
+def remote_coverage(plan: WarmPlan, cache: Any) -> dict[str, Any]:
+    """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
+    keys = {spec.id: key for spec, key in keys_of(plan, cache, look_only=True).items()}
+    report = cache.remote_report(keys.values())
+    present = set(report.present)
+    specs = {"present": [s for s, k in keys.items() if k in present],
+             "missing": [s for s, k in keys.items() if k not in present]} if report.available else {}
+    return {"url": report.url, "prefix": report.prefix, "available": report.available, "error": report.error,
+            "present": len(specs.get("present", ())), "missing": len(specs.get("missing", ())), "specs": specs}
+
+
+def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
+    """Hash every file of the plan's entries; ``--repair`` moves corrupt ones aside.
+
+    ``--all`` hashes every entry of the cache and needs no plan; given one (a server command line, serving
+    flags, a manifest), the plan's specs without an entry are reported as missing too (exit 5).
+    """
+    cache = open_cache(args)
+    if args.all:
+        keys = keys_of(plan, cache, look_only=not args.repair) if plan is not None else {}
+        report = verify_reported(cache, None, repair=args.repair)
+        ok, corrupt, why, moved = list(report.ok), list(report.corrupt), report.corrupt, set(report.quarantined)
+        have = set(ok) | set(corrupt)
+        missing = [spec.id for spec in plan.specs if keys.get(spec) not in have] if plan is not None else []
+    else:
+        coverage = plan_coverage(plan, cache, repair=args.repair)
+        ok, corrupt, missing = coverage["present"], coverage["corrupt"], coverage["missing"]
+        why, moved = coverage["why"], set(coverage["quarantined"])
+    if args.json:
+        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair)}))
+    else:
+        for item in corrupt:
+            state = "quarantined" if item in moved else "left as it is; --repair moves it aside" if not args.repair \
+                else "not moved"
+            print(f"jitwarm: corrupt ({state}): {item}: {why.get(item, '?')}", file=sys.stderr)
+        for item in missing:
+            print(f"jitwarm: missing: {item}", file=sys.stderr)
+        print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
+    return readiness({"corrupt": corrupt, "missing": missing})

@@ -1,0 +1,179 @@
+"""Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, and ``prestart``.
+
+``prestart`` is the init container's step: import a bundle, warm what is missing (``--offline``: nothing), verify
+every entry of the plan and hand the server's recorded kernels over to its loader. With ``--json`` it prints one
+JSON document on stdout whatever the outcome, for a readiness probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jitwarm.cache.errors import EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK, CacheError, JitwarmError, UsageError
+from jitwarm.kernels import KernelSpec
+from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
+from jitwarm.precompile.coverage import plan_coverage, readiness
+from jitwarm.precompile.plan import WarmPlan
+
+
+class CorruptBundle(JitwarmError):
+    """A bundle that cannot be imported: a member refused, a file that does not verify, a bad manifest (exit 4)."""
+
+    exit_code = EXIT_CORRUPT
+
+
+class HandOverFailed(JitwarmError):
+    """``prestart`` could not put a recorded kernel where its server's loader finds it (exit 1)."""
+
+
+class NotReady(JitwarmError):
+    """``prestart --offline`` found specs of the plan that neither the bundle nor the cache holds (exit 5)."""
+
+    exit_code = EXIT_NOT_READY
+
+
+
+# -- prestart -----------------------------------------------------------------------------------------------
+
+
+def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Import a bundle (``--bundle``), warm (``--offline``: build nothing), verify the plan's entries, hand over.
+
+    With ``--json`` stdout holds one JSON document whatever the outcome (a readiness probe reads ``ready``);
+    progress, warnings and errors go to stderr.
+    """
+    from jitwarm.precompile.warming import warm
+
+    start = time.perf_counter()
+    cache = open_cache(args)
+    keys = keys_of(plan, cache)
+    supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline) if args.bundle else None
+    summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
+    if not args.offline:
+        report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
+                      timeout_s=args.timeout)
+        summary.update(report.to_json())
+        if not report.ok:
+            print_warm(args, report, {**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3)})
+            return warm_exit(report)
+    coverage = plan_coverage(plan, cache, repair=True, keys=keys)
+    if coverage["corrupt"] or coverage["missing"]:
+        shown = ", ".join((coverage["missing"] + coverage["corrupt"])[:5])
+        why = "--offline builds nothing" if args.offline else "after warm"
+        print(f"jitwarm: error: {why}: {len(coverage['missing'])} of the plan's {len(plan.specs)} specs missing, "
+              f"{len(coverage['corrupt'])} corrupt: {shown}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3),
+                              "missing": coverage["missing"], "corrupt": coverage["corrupt"]}))
+        return readiness(coverage)
+    handed = hand_over(plan, cache)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({**summary, "ready": True, "seconds": round(seconds, 3), "handed_over": handed}))
+    elif args.offline:
+        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
+              f"verified in {seconds:.1f}s (offline: nothing built)")
+    else:
+        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
+              f"verified in {seconds:.1f}s ({report.built} built, {report.hits} hit, {report.waited} waited)")
+    return EXIT_OK
+
+
+def hand_over(plan: WarmPlan, cache: Any) -> int:
+    """Load each recorded server kernel the way its server will find it; return how many were handed over.
+
+    For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
+    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it).
+    A failure is a ``CacheError``, a :class:`HandOverFailed` (the backend's ``LoadError``, naming the spec), or
+    an ``OSError`` for a cache dir of the server that cannot be written (``SglangCacheDirError``): exit 1 each.
+    """
+    from jitwarm.kernels import LoadError
+    from jitwarm.kernels.artifacts import artifact
+
+    for spec in plan.recorded:
+        try:
+            artifact(spec, cache).load(cache)
+        except LoadError as exc:
+            if isinstance(exc, JitwarmError):
+                raise
+            raise HandOverFailed(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
+    return len(plan.recorded)
+
+
+def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,
+                    offline: bool = False) -> dict[str, Any]:
+    """Import a bundle and say how many of the plan's entries it supplied.
+
+    One that supplies none (exported for another target, backend or toolchain?) is a warning when the warm
+    will build them, and ``NotReady`` (exit 5) under ``offline``, which builds nothing.
+    """
+    report = import_bundle(cache, path)
+    supplied = sorted(set(keys.values()) & set(report.keys))
+    targets = sorted({str(e.description.get("target")) for k in report.keys if (e := cache.lookup(k)) is not None})
+    info = {"path": path, "entries": len(report.keys), "imported": len(report.imported),
+            "supplied": len(supplied), "targets": targets}
+    plan_targets = ", ".join(plan.config.targets) if plan.config else "?"
+    print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
+          f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
+          file=sys.stderr)
+    if not supplied:
+        why = (f"bundle {path} supplies none of the plan's specs (the plan is for {plan_targets}; was it exported "
+               "for another target, backend or toolchain?)")
+        if offline:
+            raise NotReady(why, "--offline builds nothing")
+        print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
+    return info
+
+
+# -- export and import --------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Write the plan's entries to one relocatable bundle (only when every one is there)."""
+    cache = open_cache(args)
+    target = Path(args.path)
+    if target.is_dir():
+        raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
+    if not target.absolute().parent.is_dir():
+        raise UsageError(f"export: the directory of {args.path} does not exist")
+    keys = keys_of(plan, cache, look_only=True)
+    coverage = plan_coverage(plan, cache, keys=keys)
+    if coverage["missing"] or coverage["corrupt"]:
+        raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
+                         f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
+    cache.export_bundle(list(keys.values()), args.path)
+    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
+    return EXIT_OK
+
+
+def import_bundle(cache: Any, path: str) -> Any:
+    """Import a bundle file: UsageError when there is none at ``path``, CorruptBundle when it does not import.
+
+    A failed write (``CacheWriteError``: a full disk) and the cache's own refusals (an untrusted root, a lock
+    timeout) keep their types and exit codes: only what is wrong with the bundle itself is exit 4.
+    """
+    if not Path(path).is_file():
+        raise UsageError(f"bundle {path} does not exist or is not a file")
+    try:
+        return cache.import_bundle(path)
+    except CacheError as exc:
+        if type(exc) is not CacheError:  # a subclass: a write, a lock, a trust problem, not the bundle's content
+            raise
+        raise CorruptBundle(exc.reason, exc.hint) from exc
+
+
+def cmd_import(args: argparse.Namespace, plan: None) -> int:
+    """Import a bundle: every member checked, every file verified, each entry published atomically."""
+    cache = open_cache(args)
+    report = import_bundle(cache, args.path)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(f"jitwarm: imported {len(report.imported)} entries from {args.path} into {cache.root} "
+              f"({len(report.present)} already present)")
+    return EXIT_OK
