@@ -8,7 +8,7 @@ until every kernel is ready, in three setups:
 
 - Triton cold: Triton's own cache manager on an empty cache (every kernel compiled);
 - Triton warm: Triton's own manager on the cache a previous run filled;
-- jitwarm: TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager over a cache filled by
+- jitwarm: TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager over a cache filled by
   ``jitwarm warm --manifest`` on this box (no GPU), Triton's own cache empty.
 
 Then 8 processes start together on an empty cache, once with Triton's own manager sharing one TRITON_CACHE_DIR
@@ -33,7 +33,7 @@ from harness import ROOT, alternate, jitwarm_cmd, machine, report, run
 
 WORKERS = ROOT / "tests" / "workers"
 SERVER = WORKERS / "triton_server.py"
-MANAGER = "jitwarm.kernels.triton_cache:CacheManager"
+MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from jitwarm.kernels.backend import (
     BACKEND_NAMES,
+    BUILDABLE,
     Backend,
     CompileError,
     LoadedKernel,
@@ -28,9 +29,9 @@ from jitwarm.kernels.target import Target, TargetError
 _LAZY = {"Artifact": "artifacts", "KernelLoadError": "artifacts", "artifact": "artifacts",
          "dispatch": None, "ops": None, "reference": None, "capture": None}
 
-__all__ = ["BACKEND_NAMES", "DTYPES", "FAMILIES", "Backend", "CompileError", "Family", "KernelSpec", "LoadError",
-           "LoadedKernel", "ModelDims", "SpecError", "Target", "TargetError", "ToolchainError", "VerifyLayout",
-           "backend", "plan_threads", "specs_for", *_LAZY]
+__all__ = ["BACKEND_NAMES", "BUILDABLE", "DTYPES", "FAMILIES", "Backend", "CompileError", "Family", "KernelSpec",
+           "LoadError", "LoadedKernel", "ModelDims", "SpecError", "Target", "TargetError", "ToolchainError",
+           "VerifyLayout", "backend", "plan_threads", "specs_for", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

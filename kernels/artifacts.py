@@ -8,15 +8,19 @@ entry that still fails to load at run time is quarantined and rebuilt once under
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jitwarm.cache import CacheResult, Entry, KernelCache, key_of
 from jitwarm.kernels.backend import Facts, LoadedKernel, LoadError, backend
 from jitwarm.kernels.spec import KernelSpec
+
+log = logging.getLogger("jitwarm.kernels")
+T = TypeVar("T")
 
 #: Lookups whose entry vanished before it was claimed, before :meth:`Artifact.load` gives up.
 _MAX_VANISHED = 8
@@ -54,12 +58,15 @@ class Artifact:
         return cache.lookup(self.key)
 
     def get_or_build(self, cache: KernelCache, timeout_s: float = 600.0,
-                     on_wait: Callable[[Any], None] | None = None) -> CacheResult:
+                     on_wait: Callable[[Any], None] | None = None, *,
+                     capture: Callable[[Path], None] | None = None) -> CacheResult:
         """Return the entry and how it was got: hit, built here, waited for, or downloaded.
 
         The build runs under the key's lock: the backend compiles into the staging directory, then loads
         the result (without a device) before the cache seals it, so a library that cannot be loaded is a
-        build failure, never a published entry.
+        build failure, never a published entry. ``capture`` (a kind captured from a run, such as a compile
+        of the server's Triton, :mod:`jitwarm.kernels.libraries.triton.cache`) writes the files instead of
+        the backend's build; they are checked all the same.
 
         Raises
         ------
@@ -72,10 +79,23 @@ class Artifact:
         be = backend(self.spec.backend)
 
         def build(staging: Path) -> None:
-            be.build(self.spec, staging)
+            if capture is None:
+                be.build(self.spec, staging)
+            else:
+                capture(staging)
             be.check(self.spec, staging)
 
         return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key)
+
+    def read(self, cache: KernelCache, entry: Entry, reader: Callable[[Entry], T], timeout_s: float = 600.0
+             ) -> T | None:
+        """Return ``reader(entry)``, run while the entry is claimed; None when it vanished before its claim.
+
+        Whatever is handed to a consumer (our loader, Triton's cache manager, sglang's ``load_jit`` cache) is
+        read here, so a ``prune`` or a quarantine never deletes a file while it is read (``KernelCache.claim``).
+        """
+        with cache.claim(entry, timeout_s=timeout_s) as claimed:
+            return None if claimed is None else reader(claimed)
 
     def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0) -> LoadedKernel:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed).
@@ -97,18 +117,22 @@ class Artifact:
         for _ in range(_MAX_VANISHED):
             if entry is None:
                 entry = self.get_or_build(cache, timeout_s).entry
-            with cache.claim(entry, timeout_s=timeout_s) as claimed:
-                if claimed is None:  # pruned, quarantined or replaced since it was looked up: get it again
-                    entry = None
-                    continue
-                try:
-                    return be.load(self.spec, claimed)
-                except LoadError as exc:
-                    failure = exc
+            try:
+                kernel = self.read(cache, entry, lambda claimed: be.load(self.spec, claimed), timeout_s)
+            except LoadError as exc:
+                if rebuilt:
+                    raise KernelLoadError(self.spec, str(exc)) from exc
+                log.warning("jitwarm: %s: its cache entry does not load (%s): quarantined, rebuilding it",
+                            self.spec.id, exc)
+                cache.discard(entry, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
+                entry, rebuilt = None, True
+                continue
+            if kernel is None:  # pruned, quarantined or replaced since it was looked up: get it again
+                entry = None
+                continue
             if rebuilt:
-                raise KernelLoadError(self.spec, str(failure)) from failure
-            cache.discard(entry, f"{type(failure).__name__}: {failure}", timeout_s=timeout_s)
-            entry, rebuilt = None, True
+                log.warning("jitwarm: %s: rebuilt; the rebuild loads", self.spec.id)
+            return kernel
         raise KernelLoadError(self.spec, f"its entry was removed {_MAX_VANISHED} times before it could be loaded "
                                          "(is a prune running in a loop?)")
 
@@ -146,8 +170,3 @@ def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
     with _lock:
         return _memo.setdefault(spec, made)
 
-
-def reset() -> None:
-    """Forget every computed artifact (tests that change a toolchain or a source file)."""
-    with _lock:
-        _memo.clear()

@@ -1,8 +1,10 @@
 """The backend contract: how one spec is described, built, checked and loaded; and the registry of backends.
 
 A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend`` for jitwarm's own
-families; ``triton_jit``, ``sglang_jit`` for the server's recorded kernels), found by name with
-:func:`backend`. Its failure rules:
+families; ``triton_jit``, ``sglang_jit`` for the server's kernels, in their JIT library's room,
+:mod:`jitwarm.kernels.libraries`), found by name with :func:`backend`. Each declares what it can do
+(:func:`abilities`: build, replay, capture), and a command asked for what a backend cannot do is a usage
+error (:func:`refusal`). Its failure rules:
 
 - ``description(spec)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or device
   presence. It raises :class:`SpecError` for a spec the backend cannot build and :class:`ToolchainError`
@@ -24,13 +26,47 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from jitwarm.kernels.libraries import LIBRARY_KINDS
 from jitwarm.kernels.spec import KernelSpec
 
-#: Backend name -> the module that implements it (imported on first use).
-_MODULES = {"tvm_ffi": "jitwarm.kernels.tvm_backend", "triton": "jitwarm.kernels.triton_backend",
-            # The server's own kernels, replayed from a manifest (jitwarm.precompile.manifest):
-            "triton_jit": "jitwarm.kernels.triton_jit", "sglang_jit": "jitwarm.kernels.sglang_jit"}
-BACKEND_NAMES: tuple[str, ...] = tuple(_MODULES)
+#: What a kind of kernel can do: ``build`` a spec here from a plan, ``replay`` a record of a server's run
+#: (:mod:`jitwarm.precompile.manifest`), ``capture`` what the server's own JIT compiles while it runs.
+ABILITIES = ("build", "replay", "capture")
+
+#: Backend name -> (the module that implements it, imported on first use; what it can do). jitwarm's own
+#: families are built here; the server's kernels are the JIT libraries' kinds (:mod:`jitwarm.kernels.libraries`).
+_KINDS: dict[str, tuple[str, frozenset[str]]] = {
+    "tvm_ffi": ("jitwarm.kernels.tvm_backend", frozenset({"build"})),
+    "triton": ("jitwarm.kernels.triton_backend", frozenset({"build"})),
+    **{kind: (module, frozenset(can)) for kind, (module, can) in LIBRARY_KINDS.items()},
+}
+BACKEND_NAMES: tuple[str, ...] = tuple(_KINDS)
+#: The backends a plan's ``--backend`` may name: those that build a spec from nothing but its params.
+BUILDABLE: tuple[str, ...] = tuple(n for n, (_, can) in _KINDS.items() if "build" in can)
+
+
+def abilities(name: str) -> frozenset[str]:
+    """What the backend ``name`` can do (a subset of :data:`ABILITIES`); empty for an unknown name."""
+    return _KINDS.get(name, ("", frozenset()))[1]
+
+
+def refusal(name: str, ability: str, flag: str = "kernel backend") -> str | None:
+    """Why the backend ``name`` cannot ``ability`` (one line for a usage error, naming ``flag``), or None.
+
+    Examples
+    --------
+    >>> refusal("sglang_jit", "build", "--backend").split(":")[0]
+    "--backend 'sglang_jit' cannot build"
+
+    """
+    able = ", ".join(n for n in _KINDS if ability in abilities(n))
+    if name not in _KINDS:
+        return f"unknown {flag} {name!r}; choose from {able}"
+    if ability in abilities(name):
+        return None
+    can = " and ".join(sorted(abilities(name)))
+    how = " (jitwarm warm --manifest replays its records)" if "replay" in abilities(name) else ""
+    return f"{flag} {name!r} cannot {ability}: it can only {can}{how}; choose from {able}"
 
 
 class SpecError(ValueError):
@@ -113,8 +149,8 @@ def backend(name: str) -> Backend:
         ``name`` is not one of :data:`BACKEND_NAMES`.
 
     """
-    module = _MODULES.get(name)
-    if module is None:
+    if name not in _KINDS:
         raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
+    module = _KINDS[name][0]
     # sys.modules first: import_module costs microseconds even for a loaded module, per spec on the hook's path
     return sys.modules.get(module) or importlib.import_module(module)  # type: ignore[return-value]

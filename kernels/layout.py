@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -41,11 +40,6 @@ class VerifyLayout:
         object.__setattr__(self, "uniform", min(lens) == max(lens))
         object.__setattr__(self, "max_len", max(lens))
         object.__setattr__(self, "num_tokens", sum(lens))
-
-    @classmethod
-    def from_lens(cls, lens: Iterable[int]) -> VerifyLayout:
-        """Build a layout from any iterable of lengths (a list, a CPU tensor's ``tolist()``)."""
-        return cls(tuple(lens))
 
     @property
     def slots(self) -> int:

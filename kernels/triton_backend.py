@@ -35,7 +35,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,15 +44,17 @@ from typing import Any
 
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
 from jitwarm.kernels.families import family
+from jitwarm.kernels.libraries.triton import driver
 from jitwarm.kernels.spec import KernelSpec
 from jitwarm.kernels.target import Target, TargetError
+from jitwarm.kernels.toolchain import version_lines
 from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
 
 name = "triton"
 #: Layout of this backend's artifacts; part of every description, so a change orphans old entries.
 FORMAT = "jitwarm-triton/1"
 LAUNCH_JSON = "launch.json"
-WARP_SIZE = 32
+WARP_SIZE = driver.WARP_SIZE
 
 _KERNELS_PY = Path(__file__).with_name("triton_kernels.py")
 _INTERPRETED = "jitwarm.kernels._triton_kernels_interpreted"
@@ -123,8 +124,6 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
         return
     import triton
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
-
     fn = _kernel_fn(spec, _compiled_kernels())
     # Triton's knobs are process-global: one knob-scoped compile at a time in this process.
     with _compile_lock, tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, \
@@ -141,7 +140,7 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
         knobs.compilation.disable_line_info = True
         src = triton.compiler.ASTSource(fn, dict(sig.types), dict(sig.constexprs), sig.attrs())
         try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, WARP_SIZE), options=sig.options())
+            compiled = triton.compile(src, target=driver.gpu_target(arch), options=sig.options())
         except Exception as exc:  # Triton's CompilationError, ptxas's RuntimeError: the message is the diagnostic
             raise CompileError(f"{spec.id}: triton compile failed: {type(exc).__name__}",
                                str(exc)) from exc
@@ -271,7 +270,7 @@ class CudaKernel(TritonKernel):
         group = {name: str(self._root / name) for name in (self._launch["metadata"], self._launch["cubin"])}
         kernel = CompiledKernel(src, group, self._launch["hash"])
         with torch.cuda.device(device):
-            kernel._init_handles()  # cuModuleLoadData + cuModuleGetFunction now, not at the first launch
+            driver.load_module(kernel)  # cuModuleLoadData + cuModuleGetFunction now, not at the first launch
         self._by_device[device] = kernel
         return kernel
 
@@ -390,16 +389,8 @@ def _triton_identity() -> dict[str, str]:
 @functools.cache
 def _ptxas(arch: int) -> dict[str, str]:
     """Return the ptxas Triton uses for ``arch`` (``ptxas-blackwell`` for arch >= 90) and its version."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        tool = get_ptxas(arch)
-    except ImportError:  # Triton before the arch-dependent ptxas choice
-        from triton import knobs
-
-        tool = knobs.nvidia.ptxas
-    out = subprocess.run([tool.path, "--version"], capture_output=True, text=True, check=True).stdout
-    return {"ptxas": Path(tool.path).name, "ptxas_version": out.strip()}
+    tool = driver.ptxas(arch)
+    return {"ptxas": tool.name, "ptxas_version": "\n".join(version_lines(str(tool), "ptxas"))}
 
 
 def _without_dirs(value: Any) -> Any:

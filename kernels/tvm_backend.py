@@ -14,6 +14,7 @@ ones in the key, nothing probes ``nvidia-smi``, and no ninja files land in the e
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
@@ -33,6 +34,7 @@ from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, T
 from jitwarm.kernels.families import Family, family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
+from jitwarm.kernels.toolchain import version_lines
 
 name = "tvm_ffi"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -184,10 +186,7 @@ def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
 
 def _probe(exe: str, compiler: str) -> str:
     """Run ``compiler --version`` and keep its identity lines."""
-    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, check=False)
-    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        raise ToolchainError(f"{compiler} --version failed: {proc.stderr.strip()[:500]}")
+    lines = version_lines(exe, compiler)
     if "nvcc" in Path(compiler).name:
         # "Cuda compilation tools, release 13.0, V13.0.88" and "Build cuda_13.0.r13.0/compiler.N_0"
         return "; ".join(ln for ln in lines if ln.startswith(("Cuda compilation", "Build")))
@@ -394,7 +393,7 @@ def _open(spec: KernelSpec, path: str) -> TvmKernel:
     import tvm_ffi
 
     try:
-        module = tvm_ffi.load_module(path)
+        module = tvm_ffi.load_module(_dlopen_name(path))
         built_for = str(module["spec_id"]())
         functions = module["run"], module["preload"]
     except Exception as exc:  # tvm-ffi raises RuntimeError / AttributeError for a library it cannot use
@@ -402,3 +401,31 @@ def _open(spec: KernelSpec, path: str) -> TvmKernel:
     if built_for != spec.id:
         raise LoadError(f"{spec.id}: {path} holds {built_for}, not {spec.id}")
     return TvmKernel(spec, path, module, *functions)
+
+
+#: The file each path this process dlopened held then, as ``(st_dev, st_ino)``.
+_opened: dict[str, tuple[int, int]] = {}
+_links: list[str] = []
+
+
+def _dlopen_name(path: str) -> str:
+    """A name under which dlopen loads the file now at ``path``, not one it loaded from that path before.
+
+    dlopen answers a name it has loaded already with the library it loaded then (glibc compares names before
+    it opens anything, elf/dl-load.c ``_dl_map_object``), and nothing unloads a tvm-ffi module. So once an
+    entry that held another spec's library is quarantined and rebuilt at the same path, the path still gives
+    the old library and the rebuild "does not load". A path whose file changed since it was opened is opened
+    through a link named by the new file's identity (dlopen then compares the file's device and inode, and
+    loads it).
+    """
+    st = Path(path).stat()
+    seen = _opened.setdefault(path, (st.st_dev, st.st_ino))
+    if seen == (st.st_dev, st.st_ino):
+        return path
+    if not _links:
+        _links.append(tempfile.mkdtemp(prefix="jitwarm-dlopen-"))
+        atexit.register(shutil.rmtree, _links[0], True)
+    link = Path(_links[0]) / f"{st.st_dev}-{st.st_ino}-{Path(path).name}"
+    if not link.is_symlink():
+        link.symlink_to(path)
+    return str(link)

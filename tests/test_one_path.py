@@ -212,3 +212,36 @@ def test_the_dispatcher_resets(tmp_path):
     assert dispatcher.is_loaded(spec) and dispatcher.counters()["loads"] == 1
     dispatcher.reset()
     assert not dispatcher.is_loaded(spec) and dispatcher.counters() == {"builds": 0, "loads": 0, "misses": 0}
+
+
+@tvm_ffi
+def test_an_entry_holding_another_loadable_library_is_rebuilt_and_the_rebuild_loads(tmp_path, caplog):
+    """dlopen answers a path it loaded before with the library it loaded then: the rebuild must not get the swap."""
+    cache = KernelCache(root=tmp_path / "cache", layers=())
+    spec, other = plan_of(TINY).specs[-1], plan_of(TINY).specs[0]
+    art, other_entry = artifact(spec), artifact(other).get_or_build(cache).entry
+
+    def swapped(staging):  # another spec's library, which loads fine, published under this spec's key
+        shutil.copy2(other_entry.file(tvm_backend.LIBRARY), staging / tvm_backend.LIBRARY)
+
+    cache.get_or_build_ex(art.description, swapped, key=art.key)
+    with caplog.at_level("WARNING", logger="jitwarm.kernels"):
+        kernel = dispatch.Dispatcher(cache).ensure_loaded(spec)
+    assert kernel.spec == spec and cache.stats().builds == 3  # other, the swap, exactly one rebuild
+    assert f"holds {other.id}" in caplog.text and "rebuilt; the rebuild loads" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["sglang_jit", "triton_jit"])
+def test_a_plan_asking_to_build_a_kind_that_can_only_be_replayed_is_a_usage_error(kind, tmp_path):
+    """Kinds declare what they can do: the server's kernels are replayed from a record, never built from a plan."""
+    from jitwarm.kernels.backend import BUILDABLE, abilities
+
+    assert BUILDABLE == ("tvm_ffi", "triton") and "replay" in abilities(kind) and "build" not in abilities(kind)
+    for command in ("plan", "warm"):
+        cache = ["--cache-dir", str(tmp_path / "cache")] if command == "warm" else []
+        proc = jitwarm(command, *TINY, "--backend", kind, *cache)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr == (f"jitwarm: error: --backend {kind!r} cannot build: it can only "
+                               f"{' and '.join(sorted(abilities(kind)))} (jitwarm warm --manifest replays its "
+                               "records); choose from tvm_ffi, triton\n")
+    assert not (tmp_path / "cache").exists()

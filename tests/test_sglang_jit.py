@@ -45,7 +45,8 @@ with record(sys.argv[1]), override_jit_cuda_arch(9, 0):
 # Describing needs sglang to accept the call and the toolchain to be where sglang looks for it.
 DESCRIBE_ERRORS = """
 import json
-from jitwarm.kernels import KernelSpec, SpecError, ToolchainError, sglang_jit
+from jitwarm.kernels import KernelSpec, SpecError, ToolchainError
+from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
 good = {"args": ["clamp_position", "int32_t"], "cuda_files": ["elementwise/clamp_position.cuh"],
         "cuda_wrappers": [["clamp_position", "ClampPosition<int32_t>::run"]]}
 errors = {}
@@ -63,7 +64,7 @@ print(json.dumps(errors))
 REPLAY = """
 import json, os, sys, time
 from jitwarm.cache import KernelCache
-from jitwarm.kernels import sglang_jit
+from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
 from jitwarm.kernels.artifacts import artifact
 from jitwarm.precompile.manifest import read_manifest, spec_of
 manifest, root, served = sys.argv[1:]
@@ -236,7 +237,7 @@ def test_load_materializes_into_sglangs_cache_dir_and_leaves_launching_to_the_se
 MATERIALIZE = """
 import json, sys
 from jitwarm.cache import KernelCache
-from jitwarm.kernels import sglang_jit
+from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
 from jitwarm.precompile.manifest import read_manifest, spec_of
 manifest, root, key, served = sys.argv[1:]
 [record] = read_manifest(manifest)
@@ -260,7 +261,8 @@ def test_concurrent_materializes_publish_one_leaf(replay, base_env):
 @pytest.mark.nvcc
 def test_materialize_refuses_a_changed_entry_and_names_a_cache_dir_it_cannot_write(replay, tmp_path):
     from jitwarm.cache import KernelCache
-    from jitwarm.kernels import LoadError, sglang_jit
+    from jitwarm.kernels import LoadError
+    from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
     from jitwarm.precompile.manifest import spec_of
 
     spec, entry = spec_of(replay["records"][0]), KernelCache(replay["cache"]).lookup(replay["key"])
@@ -282,7 +284,8 @@ def test_materialize_refuses_a_changed_entry_and_names_a_cache_dir_it_cannot_wri
 
 SPEC_ERROR = """
 import json, sys
-from jitwarm.kernels import KernelSpec, SpecError, sglang_jit
+from jitwarm.kernels import KernelSpec, SpecError
+from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
 call = json.dumps({"args": ["clamp_position", "int32_t"]}, sort_keys=True, separators=(",", ":"))
 spec = KernelSpec("sgl_kernel_jit_clamp_position_int32_t", "sglang_jit", "sm_90", {"call": call, "sglang": sys.argv[1]})
 try:

@@ -23,7 +23,7 @@ from jitwarm.precompile import CaptureHook, KernelsNotReady, WarmPlan
 from jitwarm.precompile.manifest import append_records, read_manifest
 
 WORKERS = Path(__file__).with_name("workers")
-MANAGER = "jitwarm.kernels.triton_cache:CacheManager"
+MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 ENV = {"PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
        "TRITON_DEFAULT_FP_FUSION": "1"}  # Triton 3.9 warns without it; the value is Triton's default
 SPECIALIZATIONS = 4  # server_kernels.warm_up: fill_lens for BLOCK 1, 4, 64 and one scaled_copy
@@ -163,3 +163,85 @@ def test_jitwarms_own_triton_builds_ignore_a_process_wide_jitwarm_manager(tmp_pa
     result = artifact(spec).get_or_build(KernelCache(root=tmp_path / "cache", layers=()))
     assert result.outcome == "built" and any(f.endswith(".cubin") for f in result.entry.files)
     assert not (tmp_path / "served").exists()  # the manager was not used for it
+
+
+def test_a_record_whose_module_exits_or_prints_on_import_is_a_failed_spec_and_stdout_stays_json(manifest, tmp_path):
+    """A manifest names modules that replay imports: their sys.exit() and their prints are not the command's."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "exits_on_import.py").write_text("import sys\nprint('leaving')\nsys.exit(0)\n")
+    (modules / "prints_on_import.py").write_text("print('hello from an import')\n"
+                                                 "from server_kernels import fill_lens\n")
+    good = read_manifest(manifest)[0]
+    records = tmp_path / "hostile.jsonl"
+    append_records(records, [{**good, "kernel": "exits_on_import:fill_lens"},
+                             {**good, "kernel": "prints_on_import:fill_lens"}])
+    env = {"PYTHONPATH": os.pathsep.join([str(modules), ENV["PYTHONPATH"]])}
+    warm = cli("warm", "--manifest", str(records), "--target", "sm_90", "--cache-dir", str(tmp_path / "c"), "--json",
+               env=env)
+    report = json.loads(warm.stdout)  # nothing the imports printed is on stdout
+    assert warm.returncode == 1, warm.stderr  # a failed spec, not the command's exit(0)
+    assert "hello from an import" in warm.stderr and "hello" not in warm.stdout
+    (failed,) = [r for r in report["specs"] if r["spec"].startswith("exits_on_import:")]
+    assert failed["outcome"] == "failed" and "SystemExit" in failed["error"], failed
+    status = cli("status", "--manifest", str(records), "--target", "sm_90", "--cache-dir", str(tmp_path / "c"),
+                 "--json", env=env)
+    assert status.returncode == 5 and json.loads(status.stdout)["missing"] == 1, status.stderr  # not ready
+    assert "cannot import exits_on_import: SystemExit: 0" in status.stderr
+    built = json.loads(cli("warm", "--manifest", str(records), "--target", "sm_90", "--cache-dir",
+                           str(tmp_path / "c"), "--json", env=env).stdout)
+    assert {r["spec"].split("/")[0]: r["outcome"] for r in built["specs"]}["prints_on_import:fill_lens"] == "hit"
+
+
+def test_a_prune_while_triton_reads_a_served_group_never_loses_a_file(tmp_path, monkeypatch):
+    """What the cache manager hands Triton is read under the entry's claim: a prune then keeps the entry."""
+    from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.triton import backend as triton_jit
+    from jitwarm.kernels.libraries.triton import cache as triton_cache
+
+    cache = KernelCache(root=tmp_path / "cache", layers=())
+    triton_key, group = "ab" * 32, "fill_lens.json"
+    art = artifact(triton_jit.served_group(triton_key, group))
+    files = {group: b'{"name": "fill_lens"}', "fill_lens.cubin": b"\x7fELF a cubin", "fill_lens.ptx": b"// ptx"}
+
+    def captured(staging):  # what a server's Triton compile put, captured as the cache manager does
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+        triton_jit.write_group(staging, group, list(files))
+
+    assert art.get_or_build(cache, capture=captured).outcome == "built"
+    triton_cache.use_cache(cache)
+    monkeypatch.setattr(triton_cache, "_cache", lambda: cache)
+    real_copy, pruned = triton_cache.CacheManager._copy_group, []
+
+    def prune_then_copy(self, entry):  # the race made certain: a full prune while the claim is held
+        pruned.append(cache.prune(max_bytes=0))
+        return real_copy(self, entry)
+
+    monkeypatch.setattr(triton_cache.CacheManager, "_copy_group", prune_then_copy)
+    handed = triton_cache.CacheManager(triton_key).get_group(group)
+    assert list(pruned[0].skipped_locked) == [art.key] and not pruned[0].removed
+    assert {child: Path(path).read_bytes() for child, path in handed.items()} == files
+    # Once handed over, the entry may go: Triton reads its own copies (CompiledKernel reads them right after)
+    monkeypatch.setattr(triton_cache.CacheManager, "_copy_group", real_copy)
+    again = triton_cache.CacheManager(triton_key).get_group(group)
+    assert cache.prune(max_bytes=0).removed and art.lookup(cache) is None
+    assert {child: Path(path).read_bytes() for child, path in again.items()} == files
+
+
+def test_a_captured_group_is_checked_before_it_is_sealed(tmp_path):
+    from jitwarm.cache import BuildError
+    from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.triton import backend as triton_jit
+
+    cache = KernelCache(root=tmp_path / "cache", layers=())
+    art = artifact(triton_jit.served_group("cd" * 32, "k.json"))
+
+    def not_a_cubin(staging):
+        (staging / "k.json").write_text("{}")
+        (staging / "k.cubin").write_bytes(b"not an ELF image")
+        triton_jit.write_group(staging, "k.json", ["k.json", "k.cubin"])
+
+    with pytest.raises(BuildError, match="k.cubin is not a cubin"):
+        art.get_or_build(cache, capture=not_a_cubin)
+    assert art.lookup(cache) is None

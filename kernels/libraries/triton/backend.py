@@ -9,7 +9,7 @@ It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failur
     ``{"format", "triton_key", "group"}``: the key Triton's ``compile`` makes its cache manager with for this
     specialization and the name of the metadata file it asks the manager for, found by running Triton's own
     ``preload`` up to its cache lookup (:func:`triton_cache_key`). It is exactly what
-    :class:`jitwarm.kernels.triton_cache.CacheManager` computes when the server's Triton compiles the same
+    :class:`jitwarm.kernels.libraries.triton.cache.CacheManager` computes when the server's Triton compiles the same
     specialization, so the entry a CPU build box replays is the entry the GPU server's JIT finds. Triton's
     key covers its version and backend, the kernel's source and everything it calls, the options and the
     cache-invalidating ``TRITON_*`` variables: run the replay in the server's image and environment.
@@ -34,17 +34,20 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
+from jitwarm.kernels.libraries.triton import driver
 from jitwarm.kernels.spec import KernelSpec
 
 name = "triton_jit"
 #: Layout of the entries of Triton's compiles, replayed or served; part of every description.
 FORMAT = "jitwarm-triton-cache/1"
+#: The target of a spec captured from the server's Triton (its real target is in Triton's key).
+SERVED = "served"
 GROUP_PREFIX = "__grp__"  # Triton's own name for a group file (runtime/cache.py, FileCacheManager.put_group)
 
 _lock = threading.RLock()
@@ -60,9 +63,37 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
         fit it (another kernel, another Triton).
 
     """
+    served = _served(spec)
+    if served is not None:
+        kind, triton_key = served
+        return (group_description if kind == "group" else file_description)(triton_key, spec.family)
     fn = resolve(spec.family)
     key, group = triton_cache_key(fn, _specialization(spec), _target(spec))
     return group_description(key, group)
+
+
+def served_group(triton_key: str, group: str) -> KernelSpec:
+    """The spec of the compile the server's Triton asks its cache manager for: keyed ``triton_key``, named ``group``.
+
+    Its description is the one a recorded specialization of that compile has, so both name one entry; it is
+    captured from the server's compile (:mod:`jitwarm.kernels.libraries.triton.cache`), never built here.
+    """
+    return KernelSpec(group, name, SERVED, {"served": "group", "triton_key": triton_key})
+
+
+def served_file(triton_key: str, filename: str) -> KernelSpec:
+    """The spec of one file the server's Triton keeps outside a group (a launcher module, autotune results)."""
+    return KernelSpec(filename, name, SERVED, {"served": "file", "triton_key": triton_key})
+
+
+def _served(spec: KernelSpec) -> tuple[str, str] | None:
+    """``(kind, triton_key)`` of a served spec (:func:`served_group`, :func:`served_file`), None for a recorded one."""
+    params = spec.params_dict
+    if spec.target != SERVED:
+        return None
+    if params.get("served") not in ("group", "file") or not isinstance(params.get("triton_key"), str):
+        raise SpecError(f"{spec.id}: a served Triton spec names its kind (group or file) and Triton's key")
+    return str(params["served"]), str(params["triton_key"])
 
 
 def group_description(triton_key: str, group: str) -> dict[str, Any]:
@@ -81,9 +112,11 @@ def build(spec: KernelSpec, staging: Path) -> None:
 
     from triton import knobs
 
+    if _served(spec) is not None:
+        raise CompileError(f"{spec.family}: captured from the server's Triton compile, never built by jitwarm")
     fn = resolve(spec.family)
     want = description(spec)
-    with _lock, _driver_for(_target(spec)), tempfile.TemporaryDirectory(prefix=".triton-", dir=staging) as tmp, \
+    with _lock, driver.reporting(_target(spec)), tempfile.TemporaryDirectory(prefix=".triton-", dir=staging) as tmp, \
             knobs.cache.scope(), knobs.runtime.scope(), knobs.compilation.scope():
         knobs.cache.dir = tmp
         knobs.cache.manager_class = None  # Triton's own file manager, into the private dir
@@ -128,7 +161,14 @@ def read_group(directory: Path, group: str) -> dict[str, Path]:
 
 def check(spec: KernelSpec, staging: Path) -> None:
     """The one group :func:`build` wrote and its files are in ``staging``, its cubin an ELF image; LoadError if not."""
+    served = _served(spec)
+    if served is not None and served[0] == "file":
+        if not (Path(staging) / spec.family).is_file():
+            raise LoadError(f"{spec.family}: Triton's file is not among the captured files")
+        return
     groups = [p.name[len(GROUP_PREFIX):] for p in Path(staging).glob(GROUP_PREFIX + "*")]
+    if served is not None and groups != [spec.family]:
+        raise LoadError(f"{spec.family}: the captured files hold the Triton groups {groups}, not this one")
     if len(groups) != 1:
         raise LoadError(f"{spec.family}: the build wrote {len(groups)} Triton groups, not one")
     _check_group(spec, Path(staging), groups[0])
@@ -172,14 +212,14 @@ class TritonJitKernel:
             return 0
         device = torch.cuda.current_device()
         if device not in self._compiled:
-            from jitwarm.kernels import triton_cache
+            from jitwarm.kernels.libraries.triton import cache as triton_cache
 
             fn = resolve(self.spec.family)
             with triton_cache.serving():
                 kernel = fn.preload(_specialization(self.spec))
             if kernel is None:
                 raise RuntimeError(f"{self.spec.family}: Triton skipped the preload (a jit_cache_hook said so)")
-            kernel._init_handles()  # cuModuleLoadData now, not at the first launch
+            driver.load_module(kernel)  # cuModuleLoadData now, not at the first launch
             self._compiled[device] = kernel
         return 1
 
@@ -206,8 +246,11 @@ def resolve(kernel: str) -> Any:
     if not module_name or not qualname or "<locals>" in qualname:
         raise SpecError(f"{kernel}: not importable by name (a kernel defined inside a function cannot be replayed)")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure of the server's module is this spec's failure
+        # A manifest names the module, so importing it runs code we do not control: what it prints goes to
+        # stderr (stdout may be a --json report), and its sys.exit() is this spec's failure, not the command's.
+        with contextlib.redirect_stdout(sys.stderr):
+            obj: Any = importlib.import_module(module_name)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure of the server's module
         raise SpecError(f"{kernel}: cannot import {module_name}: {type(exc).__name__}: {exc}") from None
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
@@ -263,7 +306,7 @@ def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tu
         def put_group(self, filename: str, group: dict[str, str]) -> Any:
             return self._other.put_group(filename, group) if self._other is not None else None
 
-    with _lock, _driver_for(target), knobs.cache.scope(), knobs.runtime.scope():
+    with _lock, driver.reporting(target), knobs.cache.scope(), knobs.runtime.scope():
         knobs.cache.manager_class = KeyProbe
         knobs.runtime.jit_cache_hook = None
         _probing.active = True
@@ -296,65 +339,3 @@ def _target(spec: KernelSpec) -> dict[str, Any]:
     if not isinstance(target, dict) or target.get("backend") != "cuda":
         raise SpecError(f"{spec.family}: recorded for {target!r}; only CUDA targets are replayed")
     return target
-
-
-@contextlib.contextmanager
-def _driver_for(target: dict[str, Any]) -> Iterator[None]:
-    """Triton's active driver if its device is ``target``, else (a build box) one that only reports ``target``.
-
-    Triton's ``preload`` asks the active driver for the current device and target and refuses a
-    specialization recorded for another; nothing else of the driver is used before the compile.
-    """
-    from triton.runtime import driver
-
-    try:
-        if driver.active.get_current_target().__dict__ == target:
-            yield
-            return
-    except Exception:  # noqa: BLE001 - no GPU, no driver: Triton raises RuntimeError or worse
-        pass
-    # Put back exactly what was active (None: resolved lazily again); reset_active() would build the default
-    # driver right away, and on a box without a GPU that raises (runtime/driver.py, DriverConfig).
-    previous = driver._active
-    driver.set_active(_TargetOnlyDriver(target))
-    try:
-        yield
-    finally:
-        driver._active = previous
-
-
-class _TargetOnlyDriver:
-    """A Triton driver that reports a target and device 0, and nothing else: enough to compile, not to run."""
-
-    def __init__(self, target: dict[str, Any]) -> None:
-        from triton.backends.compiler import GPUTarget
-
-        self._target = GPUTarget(**target)
-
-    def is_active(self) -> bool:
-        return True
-
-    def get_current_target(self) -> Any:
-        return self._target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_active_torch_device(self) -> Any:
-        import torch
-
-        return torch.device("cpu")
-
-    def get_device_interface(self) -> Any:
-        import torch
-
-        return torch.cuda
-
-    def map_python_to_cpp_type(self, ty: str) -> str:
-        return ty
-
-    def get_benchmarker(self) -> Any:
-        raise RuntimeError("a target-only Triton driver cannot run kernels (jitwarm replays on a box without a GPU)")

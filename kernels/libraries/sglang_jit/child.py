@@ -7,8 +7,8 @@ sglang's JIT state is process-global: the arch is a module global set by ``overr
 for its whole life, and the caller's sglang (a server's, if any) is never touched:
 
 - :func:`describe`: the key sglang gives a call, from one long-lived child per arch and environment
-  (``python -m jitwarm.kernels.sglang_replay describe ARCH``: one JSON line per call on stdin, one answer per
-  line; the first line says whether sglang imported), which runs ``load_jit`` up to its cache decision.
+  (``python -m jitwarm.kernels.libraries.sglang_jit.child describe ARCH``: one JSON line per call on stdin,
+  one answer per line; the first line says whether sglang imported), which runs ``load_jit`` up to its cache decision.
 - :func:`build`: a whole ``load_jit`` into a given ``SGLANG_JIT_CACHE_DIR`` (``... build ARCH RESULT``: the
   call on stdin, the outcome in the file ``RESULT``), one child per build.
 
@@ -35,10 +35,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels import channel
 from jitwarm.kernels.backend import CompileError, SpecError, ToolchainError
+from jitwarm.kernels.toolchain import version_lines
 
 Arch = tuple[int, int, str | None]
-_CHILD = "jitwarm.kernels.sglang_replay"
+_CHILD = "jitwarm.kernels.libraries.sglang_jit.child"
 #: What sglang's key reads from the environment (toolchain.py:42-56,132-139; loader.py:90): a change starts
 #: a new describer, since the old one's fingerprint and target were computed under the old values.
 _ENV_READ = ("CUDA_HOME", "CUDA_PATH", "CXX", "PATH", "SGLANG_JIT_LOG_RESOURCE_USAGE")
@@ -119,7 +121,7 @@ class _Describer:
     def __init__(self, arch: Arch) -> None:
         self._lock = threading.Lock()
         self._log = tempfile.TemporaryFile()  # its stderr: sglang's warnings, and why it died if it does
-        self._buffer = b""
+        self._lines = channel.LineReader()
         self.proc = subprocess.Popen([sys.executable, "-m", _CHILD, "describe", json.dumps(arch)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      env=_child_env())
@@ -129,22 +131,21 @@ class _Describer:
         """The key of ``call``, or the child's error raised as SpecError or ToolchainError."""
         with self._lock:
             with contextlib.suppress(OSError):  # a dead child: the read below says why
-                self.proc.stdin.write(json.dumps(call).encode() + b"\n")
+                self.proc.stdin.write(channel.encode(call))
                 self.proc.stdin.flush()
             return self._reply(_ASK_TIMEOUT_S)["key"]
 
     def _reply(self, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
+        while (line := self._lines.next_line()) is None:
             ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else None
             if not chunk:
                 self.close()
                 why = f"did not answer within {timeout:.0f} s" if chunk is None else "exited"
                 raise ToolchainError(f"sglang's JIT loader (python -m {_CHILD} describe) {why}: {self._tail()}")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        reply = json.loads(line)
+            self._lines.feed(chunk)
+        reply = channel.decode(line)
         if "error" in reply:
             raise (ToolchainError if reply["error"] == "toolchain" else SpecError)(reply["message"])
         return reply
@@ -263,10 +264,9 @@ def _compilers() -> dict[str, str]:
     found = {}
     for role, path in zip(("host", "device"), toolchain.compilers(), strict=True):
         try:
-            text = subprocess.check_output([path, "--version"], text=True, stderr=subprocess.DEVNULL)
-        except (OSError, subprocess.SubprocessError):
-            text = "unknown"  # what sglang hashes then too; toolchain_problem says what is missing
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
+            lines = version_lines(path)
+        except ToolchainError:
+            lines = ["unknown"]  # what sglang hashes then too; toolchain_problem says what is missing
         # For people: the name line and nvcc's release and build; the fingerprint hashes the whole text
         found[role] = "; ".join(lines[:1] + [ln for ln in lines[1:] if ln.startswith(("Cuda compilation", "Build "))])
     return found
@@ -327,11 +327,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _serve_descriptions(arch: list[Any]) -> int:
-    answers = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
-    os.dup2(2, 1)  # whatever sglang or torch prints goes to the log, never into the answers
+    answers = channel.answers()  # whatever sglang or torch prints goes to the log, never into the answers
 
     def send(reply: dict[str, Any]) -> None:
-        answers.write(json.dumps(reply) + "\n")
+        channel.send(answers, reply)
 
     with tempfile.TemporaryDirectory(prefix="jitwarm-sglang-describe-") as tmp:
         os.environ["SGLANG_JIT_CACHE_DIR"] = str(Path(tmp) / "never-written")  # the crash comes before any write
@@ -342,7 +341,7 @@ def _serve_descriptions(arch: list[Any]) -> int:
             return 1
         send({"ready": True})
         for line in sys.stdin:
-            call = json.loads(line)
+            call = channel.decode(line)
             try:
                 spec, scope = observe(call, build=False)
                 problem = toolchain_problem(spec)

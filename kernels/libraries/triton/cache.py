@@ -1,22 +1,30 @@
 """A Triton ``CacheManager`` over jitwarm's cache: every compile of the server's Triton found or built exactly once.
 
-``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` (set by the jitwarm sglang plugin, or
+``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` (set by the jitwarm sglang plugin, or
 :func:`serving` around a block) makes Triton look up and store each compile through jitwarm's
 :class:`~jitwarm.cache.KernelCache`: locked, verified, layered, bundled and shared through the remote tier.
 Triton's own file manager takes no lock, so N ranks starting together compile each kernel N times; here a
 miss takes the key's lock before Triton compiles, the other processes wait for it and load what it published.
 
 Triton's flow is inverted relative to ``get_or_build``: ``compile`` asks ``get_group(name)``, compiles on a
-miss, ``put``s each file and ends with ``put_group(name, files)``. So a miss reserves the key: a thread runs
-``get_or_build`` whose build step waits for the files Triton puts (the key's lock is held meanwhile), and
-``get_group`` returns None to the compile only once that thread holds the lock; if another process published
-first, ``get_group`` returns its files instead. A compile that fails never reaches ``put_group``: when Triton
-drops the manager, the reservation is abandoned and the lock released (no entry is published).
+miss, ``put``s each file and ends with ``put_group(name, files)``. So a miss reserves the key: one thread
+runs the compile's :meth:`~jitwarm.kernels.artifacts.Artifact.get_or_build`, whose capture step waits for
+the files Triton puts (the key's lock is held meanwhile), and ``get_group`` returns None to the compile
+only once that thread holds the lock; if another process published first, ``get_group`` returns its files
+instead. The captured files are checked by the ``triton_jit`` backend before the cache seals them, as any
+build is. A compile that fails never reaches ``put_group``: when Triton drops the manager, the reservation
+is abandoned and the lock released (no entry is published).
 
-Entries are described by Triton's own key (:func:`jitwarm.kernels.triton_jit.group_description`), the very
-entries ``jitwarm warm --manifest`` replays ahead of time. Files Triton keeps outside a group (the launcher
-and utils modules it builds with the host compiler, autotune results) are single-file entries. If the cache
-cannot be opened (a bad ``JITWARM_*`` setting), the manager says so once and behaves as Triton's own.
+What Triton is handed on a hit is read under the entry's claim (``KernelCache.claim``): the files are
+copied into this manager's scratch directory while the claim is held, and Triton reads the copies
+(``CompiledKernel`` reads every file of the group as soon as ``get_group`` returns), so a ``prune`` or a
+quarantine running meanwhile never deletes a file underneath Triton.
+
+Entries are described by Triton's own key (:func:`jitwarm.kernels.libraries.triton.backend.served_group`),
+the very entries ``jitwarm warm --manifest`` replays ahead of time. Files Triton keeps outside a group (the
+launcher and utils modules it builds with the host compiler, autotune results) are single-file entries. If
+the cache cannot be opened (a bad ``JITWARM_*`` setting), the manager says so once and behaves as Triton's
+own.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,9 @@ from triton.runtime.cache import CacheManager as _TritonCacheManager
 from triton.runtime.cache import FileCacheManager
 
 from jitwarm.cache import CacheError, Entry, KernelCache
-from jitwarm.kernels.triton_jit import GROUP_PREFIX, file_description, group_description, read_group, write_group
+from jitwarm.kernels.artifacts import Artifact, artifact
+from jitwarm.kernels.backend import LoadError
+from jitwarm.kernels.libraries.triton.backend import GROUP_PREFIX, read_group, served_file, served_group, write_group
 
 log = logging.getLogger("jitwarm.triton")
 
@@ -67,7 +77,7 @@ def _cache() -> KernelCache | None:
 def serve(cache: KernelCache | None = None) -> None:
     """Make every Triton compile of this process from now on find and store its result in ``cache``.
 
-    What ``TRITON_CACHE_MANAGER=jitwarm.kernels.triton_cache:CacheManager`` does (``cache`` None: the
+    What ``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` does (``cache`` None: the
     default ``KernelCache()``, on first use).
     """
     from triton import knobs
@@ -113,45 +123,38 @@ class CacheManager(_TritonCacheManager):
         """The files of the compile ``filename`` names, from the cache; None when Triton is to compile it."""
         if self._cache is None:
             return self._own.get_group(filename)
-        group = self._find_group(filename)
+        art = artifact(served_group(self.key, filename))
+        group = self._find_group(art)
         self._compiling = group is None
         return group
 
-    def _find_group(self, filename: str) -> dict[str, str] | None:
-        description = group_description(self.key, filename)
+    def _find_group(self, art: Artifact) -> dict[str, str] | None:
         try:
-            entry = self._cache.lookup(self._cache.key(description))
+            entry = art.lookup(self._cache)
         except (CacheError, OSError) as exc:  # the server's compile must not fail on the cache: compile unshared
-            log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", filename, exc)
+            log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", art.spec.family, exc)
             return None
         if entry is None:
-            reservation = _Reservation(self._cache, description)
+            reservation = _Reservation(self._cache, art)
             entry = reservation.start()
             if entry is None:  # this process builds it: Triton compiles, put()s, and put_group() publishes
                 self._reservation = reservation
                 weakref.finalize(self, reservation.abandon)
                 return None
-        return self._group_of(entry, filename)
+        return self._hand_over(art, entry, self._copy_group)
 
     def put_group(self, filename: str, group: dict[str, str]) -> str:
         """Publish the compile whose files Triton ``put`` (the key's lock was held since ``get_group``)."""
         if self._cache is None:
             return self._own.put_group(filename, group)
-        scratch = self._scratch_dir()
-        grp = write_group(scratch, filename, [Path(child).name for child in group])
+        grp = write_group(self._scratch_dir(), filename, [Path(child).name for child in group])
         reservation, self._reservation, self._compiling = self._reservation, None, False
         if reservation is None:  # put_group without a get_group miss: publish it as it is
-            reservation = _Reservation(self._cache, group_description(self.key, filename))
+            reservation = _Reservation(self._cache, artifact(served_group(self.key, filename)))
             if reservation.start() is not None:
                 return str(grp)
-        entry = reservation.publish(scratch)
-        if entry is None:
-            return str(grp)
-        # Triton keeps the paths put() returned (CompiledKernel.metadata_group) and callers may read them later:
-        # point them at the published files, so the scratch copies can go and the paths still resolve.
-        for child in group:
-            _point_at(scratch / Path(child).name, entry.file(Path(child).name))
-        return str(entry.file(grp.name))
+        reservation.publish(grp.parent)
+        return str(grp)  # Triton keeps these paths (CompiledKernel.metadata_group): its own files, never pruned
 
     # -- files: put by a compile, or kept on their own -------------------------------------------------
 
@@ -159,45 +162,59 @@ class CacheManager(_TritonCacheManager):
         """Store one file: into the pending compile's files, or as an entry of its own."""
         if self._cache is None:
             return self._own.put(data, filename, binary)
-        scratch = self._scratch_dir()
-        path = scratch / Path(filename).name
+        path = self._scratch_dir() / Path(filename).name
         if isinstance(data, bytes):
             path.write_bytes(data)
         else:
             path.write_text(str(data))
         if self._compiling:  # part of a compile: published (or not) by put_group
             return str(path)
-        description = file_description(self.key, filename)
         try:
-            entry = self._cache.get_or_build(description, lambda staging: shutil.copy2(path, staging / path.name),
-                                             WAIT_S)
+            artifact(served_file(self.key, path.name)).get_or_build(
+                self._cache, WAIT_S, capture=lambda staging: shutil.copy2(path, staging / path.name))
         except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot store Triton's %s in the cache: %s", filename, exc)
-            return str(path)
-        path.unlink(missing_ok=True)  # Triton gets the published file's path
-        return str(entry.file(path.name))
+        return str(path)  # Triton reads (dlopens) its own copy, never the entry's file
 
     def get_file(self, filename: str) -> str | None:
         """A file put in this compile, or a single-file entry; None when there is none."""
         if self._cache is None:
             return self._own.get_file(filename)
-        if self._scratch is not None and (self._scratch / Path(filename).name).is_file():
-            return str(self._scratch / Path(filename).name)
+        name = Path(filename).name
+        if self._scratch is not None and (self._scratch / name).is_file():
+            return str(self._scratch / name)
+        art = artifact(served_file(self.key, name))
         try:
-            entry = self._cache.lookup(self._cache.key(file_description(self.key, filename)))
+            entry = art.lookup(self._cache)
         except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot look up Triton's %s in the cache (%s)", filename, exc)
             return None
-        return str(entry.file(Path(filename).name)) if entry is not None else None
+        copied = self._hand_over(art, entry, lambda e: {name: self._copy(e.file(name))}) if entry else None
+        return copied[name] if copied else None
 
-    def _group_of(self, entry: Entry, filename: str) -> dict[str, str] | None:
+    # -- hand-over: what Triton reads is a copy made under the entry's claim ----------------------------
+
+    def _hand_over(self, art: Artifact, entry: Entry,
+                   copy: Callable[[Entry], dict[str, str]]) -> dict[str, str] | None:
+        """``copy(entry)`` under the entry's claim; None (Triton compiles) if it vanished or is unusable."""
         try:
-            return {child: str(path) for child, path in read_group(Path(entry.path), filename).items()}
-        except Exception as exc:  # noqa: BLE001 - a broken entry is a miss for Triton, never a crash
+            return art.read(self._cache, entry, copy, timeout_s=WAIT_S)
+        except (LoadError, OSError) as exc:  # a broken entry is a miss for Triton, never a crash
             log.warning("jitwarm: Triton entry %s is unusable (%s): compiling it again", entry.path, exc)
             with contextlib.suppress(CacheError, OSError):  # set it aside, so this compile's result replaces it
-                self._cache.discard(entry, f"Triton group unusable: {exc}", timeout_s=10.0)
-            return None
+                self._cache.discard(entry, f"Triton entry unusable: {exc}", timeout_s=10.0)
+        except CacheError as exc:
+            log.warning("jitwarm: cannot claim Triton's entry %s (%s): compiling it", entry.path, exc)
+        return None
+
+    def _copy_group(self, entry: Entry) -> dict[str, str]:
+        group = entry.description["group"]
+        return {child: self._copy(path) for child, path in read_group(Path(entry.path), group).items()}
+
+    def _copy(self, path: Path) -> str:
+        dest = self._scratch_dir() / path.name
+        shutil.copyfile(path, dest)
+        return str(dest)
 
     def _scratch_dir(self) -> Path:
         """Where this manager's files wait for Triton to read them back; removed when this process exits."""
@@ -216,39 +233,35 @@ def _remove_scratch() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _point_at(path: Path, target: Path) -> None:
-    """Replace the scratch file ``path`` with a symlink to the published ``target`` (best effort)."""
-    link = path.with_name(f".{path.name}.link")
-    with contextlib.suppress(OSError):
-        link.symlink_to(target)
-        link.replace(path)
-
-
 class _Reservation:
-    """A key's lock held by a thread's ``get_or_build`` until Triton's files arrive (or the compile is dropped)."""
+    """A key's lock held by a thread's ``Artifact.get_or_build`` until Triton's files arrive (or never do).
 
-    def __init__(self, cache: KernelCache, description: dict[str, Any]) -> None:
+    Two handshakes: ``_decided`` (the thread holds the lock, or finished: a hit, another process's entry,
+    a failure) and ``_arrived`` (the compile's files are in, or the compile was dropped); ``publish`` then
+    joins the thread, which has copied, checked and sealed the files.
+    """
+
+    def __init__(self, cache: KernelCache, art: Artifact) -> None:
         self._cache = cache
-        self._description = description
-        self._building = False
-        self._decided = threading.Event()  # the thread holds the lock, or has an entry, or failed
+        self._art = art
+        self._capturing = False
+        self._decided = threading.Event()
+        self._arrived = threading.Event()
         self._files: Path | None = None
-        self._arrived = threading.Event()  # publish() or abandon() was called
-        self._done = threading.Event()
         self._entry: Entry | None = None
+        self._thread = threading.Thread(target=self._run, name="jitwarm-triton-reservation", daemon=True)
 
     def start(self) -> Entry | None:
         """Return the entry another process published (after waiting for its lock), or None: compile it here."""
-        threading.Thread(target=self._run, name="jitwarm-triton-reservation", daemon=True).start()
+        self._thread.start()
         self._decided.wait()
-        return None if self._building else self._entry
+        return None if self._capturing else self._entry
 
-    def publish(self, files: Path) -> Entry | None:
-        """Hand over the directory of Triton's files; return the published entry (None if it could not be)."""
+    def publish(self, files: Path) -> None:
+        """Hand over the directory of Triton's files and wait until they are sealed (or refused)."""
         self._files = files
         self._arrived.set()
-        self._done.wait()
-        return self._entry
+        self._thread.join()
 
     def abandon(self) -> None:
         """Release the lock without publishing (Triton's compile failed or never finished)."""
@@ -256,21 +269,19 @@ class _Reservation:
 
     def _run(self) -> None:
         try:
-            self._entry = self._cache.get_or_build(self._description, self._build, WAIT_S)
-        except (CacheError, OSError) as exc:
+            self._entry = self._art.get_or_build(self._cache, WAIT_S, capture=self._capture).entry
+        except Exception as exc:  # noqa: BLE001 - the server's compile goes on unshared, whatever the cache said
             if self._files is not None:  # a compile that did finish: say why it is not shared
-                log.warning("jitwarm: Triton's compile %s is not in the cache: %s",
-                            self._description.get("group"), exc)
+                log.warning("jitwarm: Triton's compile %s is not in the cache: %s", self._art.spec.family, exc)
         finally:
             self._decided.set()
-            self._done.set()
 
-    def _build(self, staging: Path) -> None:
-        self._building = True
+    def _capture(self, staging: Path) -> None:
+        self._capturing = True
         self._decided.set()
         if not self._arrived.wait(WAIT_S) or self._files is None:
             raise RuntimeError("Triton's compile did not finish")  # the cache publishes nothing
-        mine = GROUP_PREFIX + self._description["group"]
+        mine = GROUP_PREFIX + self._art.spec.family
         for path in self._files.iterdir():  # the compile's files and its group, not another group's
             if path.is_file() and (path.name == mine or not path.name.startswith(GROUP_PREFIX)):
                 shutil.copy2(path, staging / path.name)

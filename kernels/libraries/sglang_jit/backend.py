@@ -7,13 +7,12 @@ it and, from a recent manifest, ``params["arch"]`` sglang's full target (``9.0a`
 suffix for the arch is used). It implements :class:`jitwarm.kernels.backend.Backend`:
 
 ``description(spec) -> dict``
-    The call, the arch and what sglang's own build key hashes, computed by sglang: its ``load_jit`` is run in
-    a child process (one per arch, kept for the life of this one; :mod:`jitwarm.kernels.sglang_replay`) up to
-    its cache decision, so ``sglang_key`` holds sglang's ``build_key``, its target tag, the source digests,
-    the flags and the environment fingerprint (compilers, tvm-ffi/flashinfer/deep_gemm/torch versions).
-    Our key changes exactly when sglang's does. ``SpecError`` when sglang is missing here or is not the
-    version that recorded the spec; ``ToolchainError`` when nvcc or the CUDA runtime is not where sglang
-    looks (``$CUDA_HOME``).
+    The call, the arch and what sglang's own build key hashes, computed by sglang: its ``load_jit`` is run in a child
+    process (one per arch, kept for the life of this one; :mod:`.child`) up to its cache decision, so ``sglang_key``
+    holds sglang's ``build_key``, its target tag, the source digests, the flags and the environment fingerprint
+    (compilers, tvm-ffi/flashinfer/deep_gemm/torch versions). Our key changes exactly when sglang's does. ``SpecError``
+    when sglang is missing here or is not the version that recorded the spec; ``ToolchainError`` when nvcc or the CUDA
+    runtime is not where sglang looks (``$CUDA_HOME``).
 ``build(spec, staging)``
     The real ``load_jit`` in a fresh interpreter, under ``override_jit_cuda_arch`` and a private
     ``SGLANG_JIT_CACHE_DIR``; the leaf sglang published there is moved into ``staging`` at the same relative
@@ -35,8 +34,6 @@ name against the files of the node that loads it, so replay in the server's imag
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -47,14 +44,15 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels import sglang_replay
+from filelock import FileLock
+
 from jitwarm.kernels.backend import Facts, LoadError, SpecError
+from jitwarm.kernels.libraries.sglang_jit import child
 from jitwarm.kernels.spec import KernelSpec
 from jitwarm.kernels.target import Target, TargetError
 
@@ -136,10 +134,10 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
 
     """
     parsed = _parse(spec)
-    memo = (spec, sglang_replay.env_signature())
+    memo = (spec, child.env_signature())
     found = _descriptions.get(memo)
     if found is None:
-        key = sglang_replay.describe(parsed.arch, parsed.call)
+        key = child.describe(parsed.arch, parsed.call)
         if key.get("module") != spec.family:
             raise SpecError(f"{spec.family}: sglang names this call's module {key.get('module')!r}")
         found = {"format": FORMAT, "module": spec.family, "target": spec.target, "arch": key.pop("arch"),
@@ -154,7 +152,7 @@ _descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
 def build(spec: KernelSpec, staging: Path) -> None:
     """Build ``spec`` with sglang's own ``load_jit`` in a fresh interpreter and move its leaf into ``staging``.
 
-    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging`` (:func:`sglang_replay.build`),
+    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging`` (:func:`child.build`),
     so neither this process's sglang state nor the server's cache takes part; the leaf keeps its path
     relative to that directory, which is the path sglang's loader looks it up at.
 
@@ -169,7 +167,7 @@ def build(spec: KernelSpec, staging: Path) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".sglang-", dir=staging) as tmp:
         root = Path(tmp) / "jit"
-        result = sglang_replay.build(spec.family, parsed.arch, parsed.call, root)
+        result = child.build(spec.family, parsed.arch, parsed.call, root)
         leaf = result["leaf"]
         (staging / leaf).parent.mkdir(parents=True)
         (root / leaf).rename(staging / leaf)
@@ -298,15 +296,9 @@ def _kept(spec: KernelSpec, entry: Any, doc: dict[str, Any], leaf: Path) -> Path
     return leaf / doc["library"]
 
 
-@contextlib.contextmanager
-def _build_lock(scope: Path) -> Iterator[None]:
+def _build_lock(scope: Path) -> FileLock:
     """The build lock of sglang itself: ``flock`` on ``<scope>/.lock``, never unlinked (loader.py:40,247-267)."""
-    fd = os.open(scope / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return FileLock(scope / ".lock", thread_local=False, preserve_lock_file=True)
 
 
 def _copy_leaf(spec: KernelSpec, entry: Any, leaf: str, staging: Path) -> None:
@@ -365,7 +357,7 @@ class SglangJitKernel:
                                    f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
             from sglang.kernels.jit.utils import load_jit
 
-            args, kwargs = sglang_replay.call_arguments(parsed.call)
+            args, kwargs = child.call_arguments(parsed.call)
             self._module = load_jit(*args, **kwargs)
         return 1
 
