@@ -4,7 +4,9 @@ Exit codes: 0 ok (also when the plan is empty: nothing to warm); 1 a build or a 
 tier is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 verification found
 corrupt entries (or a corrupt bundle); 5 not ready (specs of the plan missing); 130 interrupted. Every error
 jitwarm raises on purpose is a :class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code: it prints
-as one line on stderr, never a traceback. The commands themselves are :mod:`jitwarm.precompile.commands`.
+as one line on stderr, never a traceback. The commands themselves are :mod:`~jitwarm.precompile.commands`
+(plan, warm, prune), :mod:`~jitwarm.precompile.coverage` (status, verify) and
+:mod:`~jitwarm.precompile.shipping` (prestart, export, import).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
-from jitwarm.precompile.config import _FlagParser, add_serving_flags, split_server_argv
+from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
 
 Command = Callable[[argparse.Namespace, WarmPlan | None], int]
@@ -117,10 +119,10 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with one subcommand per entry of :data:`COMMANDS`."""
-    parser = _FlagParser(prog="jitwarm", description="Warm JIT kernels before CUDA-graph capture.",
-                         epilog="Commands that plan take the server's own command line after --.")
+    parser = FlagParser(prog="jitwarm", description="Warm JIT kernels before CUDA-graph capture.",
+                        epilog="Commands that plan take the server's own command line after --.")
     parser.add_argument("--version", action="version", version=f"jitwarm {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_FlagParser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=FlagParser)
     for name, (help_text, _) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Help)
         if name not in PLANLESS:
@@ -187,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError(f"the plan is empty: {plan.manifest['path']} has no records for the targets asked for "
                              f"({plan.manifest['records']} records, {plan.manifest['other_targets']} for other "
                              "targets): nothing to warm")
-        if not plan.specs:
+        if not plan.specs and not (args.command == "verify" and args.all):  # --all: every entry, even so
             return commands.nothing_to_warm(args, plan)
         return COMMANDS[args.command][1](args, plan)
     except JitwarmError as exc:

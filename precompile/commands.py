@@ -83,7 +83,7 @@ def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -
     The :data:`PLAN_MODIFIERS` (``--target``, ``--ladder-source``, ``--gpu-memory-mb``...) do not: they only
     tune a plan that something else asks for.
     """
-    from jitwarm.precompile.config import serving_flags_given
+    from jitwarm.precompile.config_sources import serving_flags_given
 
     asked = argparse.Namespace(**{**vars(args), **dict.fromkeys(PLAN_MODIFIERS)})
     return serving_flags_given(asked, server_argv)
@@ -98,7 +98,7 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
     the target it was recorded on.
     """
     from jitwarm.kernels import Target, TargetError
-    from jitwarm.precompile.config import from_namespace
+    from jitwarm.precompile.config_sources import from_namespace
 
     manifests = getattr(args, "manifest", None) or []
     if not manifests or asks_for_families(args, server_argv):

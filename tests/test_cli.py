@@ -55,6 +55,19 @@ def test_verify_exits_4_on_corruption_repair_quarantines_and_warm_rebuilds(cache
     assert jitwarm("verify", *SMALL, "--cache-dir", str(cache_copy)).returncode == 0
 
 
+def test_a_corrupt_entry_is_reported_once_with_its_reason(cache_copy):
+    victim = so_files(cache_copy)[0]
+    overwrite(victim, b"flipped")
+    for argv in (["verify"], ["verify", "--repair"]):
+        proc = jitwarm(*argv, *SMALL, "--cache-dir", str(cache_copy))
+        about = [line for line in proc.stderr.splitlines() if victim.parent.name in line]
+        assert proc.returncode == 4 and len(about) == 1, proc.stderr  # not the cache's log line, then ours
+        assert about[0].startswith("jitwarm: corrupt (") and "size 7" in about[0]
+    overwrite(so_files(cache_copy)[0], b"flipped")
+    status = jitwarm("status", *SMALL, "--cache-dir", str(cache_copy))
+    assert status.returncode == 4 and status.stderr == "" and "  corrupt: " in status.stdout
+
+
 def test_verify_all_checks_every_entry(cache_copy):
     overwrite(so_files(cache_copy)[-1], b"truncated")
     proc = jitwarm("verify", *TINY, "--all", "--cache-dir", str(cache_copy), "--json")
