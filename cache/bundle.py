@@ -141,7 +141,7 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
         try:
             with tarfile.open(fileobj=raw, mode="r:*") as tar:
                 files = _check_members(path, tar, max_file_bytes=max_file_bytes, max_bytes=max_bytes)
-                _write(staging, os.mkdir, staging, dir_mode)
+                _write(staging, make_dirs, staging, dir_mode)  # made empty beforehand by the cache
                 for member, rel in files:
                     if rel == BUNDLE_MANIFEST:
                         listed = _check_bundle_manifest(path, _read_small(tar, member))

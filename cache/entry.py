@@ -336,7 +336,7 @@ def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = 
         fmt, stored_key, preimage, files = doc["format"], doc["key"], doc["preimage"], doc["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptEntry(f"{where} is not a valid manifest: {str(exc)[:200]!r}") from None
-    if fmt != FORMAT_VERSION:
+    if type(fmt) is not int or fmt != FORMAT_VERSION:  # 1.0 and true equal 1 in Python, never in a manifest
         raise CorruptEntry(f"{where} has format {fmt!r}, expected {FORMAT_VERSION}")
     if stored_key != key:
         raise CorruptEntry(f"{where} is for key {stored_key!r}, not {key}")
@@ -393,7 +393,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
     dir_mode = 0o777 if shared else 0o755
     sig, dest = {}, staging
     try:
-        staging.mkdir(mode=dir_mode)
+        staging.mkdir(mode=dir_mode, exist_ok=True)  # the cache's staging dirs are made empty beforehand
         for rel in sorted(listed):
             dest = staging / rel
             make_dirs(dest.parent, dir_mode)

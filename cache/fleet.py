@@ -53,7 +53,7 @@ class LocalSteps:
     Attributes
     ----------
     new_staging : callable
-        ``new_staging() -> Path``: a fresh, not yet created staging path of the root (named for the key,
+        ``new_staging() -> Path``: a fresh, empty staging directory of the root (named for the key,
         so a dead downloader's copy gets swept).
     publish : callable
         ``publish(staged) -> Entry``: rename a checked entry from staging into the root (the lost rename
@@ -133,6 +133,7 @@ class Fleet:
         try:
             staged = self.store.fetch(key, staging)
             if staged is None:
+                remove_tree(staging)
                 return None
             entry = steps.publish(staged)
         except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache.errors import CacheWriteError
-from jitwarm.cache.files import loads, make_dirs, read_file_stat, read_json, untrusted_reason, write_atomic
+from jitwarm.cache.files import loads, make_dirs, read_file_stat, read_json, remove_tree, untrusted_reason, write_atomic
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.locks import this_host
 
@@ -61,7 +62,6 @@ class RootLayout:
         <root>/v1/plans/<plan_id>.json    plan completion records
         <root>/v1/quarantine/             entries that failed verification
         <root>/v1/verified/<kk>/<key>-<where>.json   stat stamps of entries this host hashed (stamps.py)
-        <root>/v1/verified/sets/<digest>.json         one stamp for a set of keys claimed together
 
     Nothing here touches the filesystem except :meth:`ensure`, and the ``iter_*`` methods, which only read.
     With ``shared`` (``allow_shared``), directories are created ``0777`` minus the umask, so a team umask
@@ -99,11 +99,6 @@ class RootLayout:
         where = hashlib.sha256(os.fsencode(entry_dir)).hexdigest()[:16]
         return self.stamps / key[:2] / f"{key}-{where}.json"
 
-    def set_stamp_path(self, keys: Sequence[str]) -> Path:
-        """Where this root keeps the stamp of the key set ``keys`` (order and repeats do not matter)."""
-        digest = hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()[:32]
-        return self.stamps / "sets" / f"{digest}.json"
-
     def plan_path(self, plan_id: str) -> Path:
         """Return the path of a plan record, checking that ``plan_id`` is a safe file name.
 
@@ -122,6 +117,33 @@ class RootLayout:
     def new_staging_dir(self, tag: str) -> Path:
         """Return a fresh, not yet created, staging path for ``tag`` (a key or ``BUNDLE_TAG``)."""
         return self.staging / f"{this_host()}-{os.getpid()}-{tag}-{secrets.token_hex(4)}"
+
+    def make_staging_dir(self, tag: str) -> Path:
+        """Create and return a fresh staging directory for ``tag``; OSError when it cannot be made.
+
+        ``staging/`` itself exists only while something is staged (:meth:`drop_staging`): another process may
+        remove it between our ``mkdir`` of it and of our directory, so that is tried again.
+        """
+        for attempt in range(3):
+            path = self.new_staging_dir(tag)
+            self.ensure(self.staging)
+            try:
+                path.mkdir(mode=self.dir_mode)
+                return path
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def drop_staging(self, path: Path | None = None) -> None:
+        """Remove the staging directory ``path`` (if any), then ``staging/`` itself if nothing else is staged.
+
+        After a build, an import or a Ctrl-C no empty ``v1/staging/`` is left behind; never raises.
+        """
+        if path is not None:
+            remove_tree(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.staging)
 
     def quarantine_dir(self, name: str) -> Path:
         """Return a fresh, unique path in quarantine for a bad copy of ``name`` (a key, or ``shard-<kk>``)."""

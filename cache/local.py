@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.entry import Entry, Signature, recheck_entry, seal, unchanged, verify_entry
+from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
 from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, remove_tree
 from jitwarm.cache.fleet import Fleet, LocalSteps
@@ -35,26 +35,24 @@ from jitwarm.cache.locks import (
     LockHolder,
     OnWait,
     SharedClaim,
-    claims_held_here,
-    key_lock_path,
     ready_lock_dir,
-    release_claims_here,
     wait_until,
 )
 from jitwarm.cache.prune import sweep_staging
 from jitwarm.cache.quarantine import move_aside, quarantine_shard, shard_problem
-from jitwarm.cache.stamps import stamp_entry, stamped_entry, stamped_set, write_set_stamp, write_stamp
+from jitwarm.cache.stamps import stamped_entry, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
-#: Refresh an entry's last-used stamp (its directory mtime) at most this often per cache instance.
-TOUCH_INTERVAL_S = 600.0
-#: An entry whose last-use stamp a fresh instance finds younger than this is not stamped again: TP ranks that
-#: start together touch each entry once, not once each.
-RECENT_USE_S = 60.0
-#: Lookups whose entry vanished before it was claimed, before ``claim_all`` calls the key a miss.
-_CLAIM_ATTEMPTS = 8
+#: Refresh an entry's last use (its directory mtime) at most this often per cache instance: well under prune's
+#: grace period (``JITWARM_PRUNE_GRACE_S``, 600 s), so an entry a lookup returned is not pruned for minutes.
+TOUCH_INTERVAL_S = 60.0
+#: An entry whose last use a fresh instance finds younger than this is not touched again: TP ranks that start
+#: together touch each entry once, not once each.
+RECENT_USE_S = 30.0
+#: How long a touch waits for a prune that holds the key's lock (it then finds the entry gone, or kept).
+TOUCH_WAIT_S = 10.0
 # NFS can hide a just-renamed directory from other clients for a moment (DeepEP #683): look again.
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 
@@ -68,8 +66,7 @@ class LocalCache:
     (including unreadable, or not a directory) or rejected entry and raises ``CacheError`` only for a
     directory other users can write; quarantine and stamps are best effort and never raise.
     :meth:`get_or_build` runs ``build`` only under the key's lock, and raises ``CacheWriteError`` for what it
-    cannot write. :meth:`claim` holds the key's lock shared, and :meth:`claim_all` does so for each entry it
-    returns, answering as :meth:`lookup` would. The callers (:class:`~jitwarm.cache.KernelCache`) check keys
+    cannot write. :meth:`claim` holds the key's lock shared. The callers (:class:`~jitwarm.cache.KernelCache`) check keys
     and the read-only flag first.
     """
 
@@ -101,8 +98,7 @@ class LocalCache:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
                 entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
-            if entry is not None and not self._was_rejected(entry):
-                self._touch(entry)
+            if entry is not None and not self._was_rejected(entry) and self._touch(entry):
                 return entry
         return None
 
@@ -213,18 +209,36 @@ class LocalCache:
         with self._mutex:
             self._verified.pop(path, None)
 
-    def _touch(self, entry: Entry) -> None:
-        """Stamp the entry directory's mtime as its last use (works on noatime mounts), rate-limited."""
+    def _touch(self, entry: Entry) -> bool:
+        """Stamp the entry directory's mtime as its last use (works on noatime mounts), rate-limited.
+
+        The touch runs under the key's shared claim, so it and a prune's check-and-remove (under the
+        exclusive lock) cannot interleave: either the prune sees this use and keeps the entry (its grace
+        period), or it removed the entry first and this returns False (the lookup calls it a miss).
+        """
         if entry.read_only:
-            return
+            return True
         now = time.time()
         with self._mutex:
             if (now - self._touched.get(entry.key, 0.0) < TOUCH_INTERVAL_S
                     or now - self._last_use.get(entry.key, 0.0) < RECENT_USE_S):
-                return
+                return True
             self._touched[entry.key] = now
-        with contextlib.suppress(OSError):
+        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
+        try:
+            claim.acquire(TOUCH_WAIT_S)
+        except CacheError:  # no usable lock here (a read-only volume, no flock): touch unlocked, best effort
+            pass
+        try:
             os.utime(entry.path)
+        except FileNotFoundError:
+            self.forget(entry.path)
+            return False
+        except OSError:
+            pass
+        finally:
+            claim.release()
+        return True
 
     # -- quarantine and discard ----------------------------------------------------------------------
 
@@ -262,13 +276,10 @@ class LocalCache:
     def discard(self, entry: Entry, reason: str, timeout_s: float) -> None:
         """Reject an entry its caller could not use: quarantine it if it is the root's and unchanged, else skip it.
 
-        This thread's claims on the key are released first (a claim and the key's lock would wait for
-        each other). Raises ``LockTimeout`` if the key's lock stays held past ``timeout_s`` (it is rejected
-        all the same).
+        Raises ``LockTimeout`` if the key's lock stays held past ``timeout_s`` (it is rejected all the same).
         """
         with self._mutex:
             self._rejected.add((entry.path, entry.signature))
-        release_claims_here(key_lock_path(self.lock_dir, entry.key))
         if entry.read_only or self.read_only or entry.path != self.root.entry_dir(entry.key):
             log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
                         "on", entry.key, entry.path, reason)
@@ -287,98 +298,16 @@ class LocalCache:
         if entry.path != self.root.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
             yield entry if unchanged(entry) else None
             return
-        lock_path = key_lock_path(self.lock_dir, entry.key)
-        if any(held.verified == (entry.path, entry.signature) for held in claims_held_here().get(lock_path, ())):
-            yield entry  # this thread holds a claim under which it checked this very entry: nothing removes it
-            return
         claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
         claim.acquire(timeout_s)
         try:
             if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
-                claim.verified = (entry.path, entry.signature)
                 yield entry
             else:
                 claim.release()  # before yielding: the caller may get or build the key again in the block
                 yield None
         finally:
             claim.release()
-
-    @contextlib.contextmanager
-    def claim_all(self, keys: Sequence[str], timeout_s: float) -> Iterator[dict[str, Entry | None]]:
-        """Look up and claim each of ``keys`` for the block; see :meth:`KernelCache.claim_all`.
-
-        The set stamp of ``keys`` says what each entry was verified as: a copy it names is claimed, then its
-        stat signature is checked (no stamp read per key, and no second check after the claim). A key it
-        does not answer is looked up and claimed as :meth:`lookup` and :meth:`claim` do, and the set stamp
-        is written again with what was found.
-        """
-        deadline = time.monotonic() + timeout_s  # for the whole call, not per key
-        docs = stamped_set(self.root, keys, allow_shared=self.allow_shared)
-        found: dict[str, Entry | None] = {}
-        stale = False
-        with contextlib.ExitStack() as held:
-            for key in keys:
-                entry = self._claim_stamped(key, docs.get(key), held, max(0.0, deadline - time.monotonic()))
-                if entry is None:
-                    stale = True
-                    entry = self._claim_looked_up(key, held, max(0.0, deadline - time.monotonic()))
-                found[key] = entry
-            if stale and not self.read_only:
-                write_set_stamp(self.root, keys, [e for e in found.values() if e is not None])
-            yield found
-
-    def _claim_stamped(self, key: str, doc: dict[str, Any] | None, held: contextlib.ExitStack,
-                       timeout_s: float) -> Entry | None:
-        """The copy of ``key`` the set stamp names, claimed in ``held``, if it is still exactly that copy."""
-        where = self._stamped_copy(key, doc) if doc is not None else None
-        if where is None:
-            return None
-        layout, read_only = where
-        path = layout.entry_dir(key)
-        stamped = stamp_entry(doc, path, key, read_only)
-        if stamped is None:
-            return None
-        claim = None
-        if layout is self.root:
-            claim = SharedClaim(self.lock_dir, key, create=not self.read_only, shared=self.allow_shared)
-            claim.acquire(timeout_s)
-            held.callback(claim.release)
-        try:
-            st = os.lstat(path)
-            accepted = (self._shard_is_trusted_dir(layout, path)
-                        and recheck_entry(stamped, allow_shared=self.allow_shared, st=st) is not None)
-        except OSError:
-            accepted = False
-        if not accepted or self._was_rejected(stamped):
-            if claim is not None:
-                claim.release()
-            return None
-        if claim is not None:
-            claim.verified = (stamped.path, stamped.signature)
-        self._known(stamped, st)
-        self._touch(stamped)
-        return stamped
-
-    def _stamped_copy(self, key: str, doc: dict[str, Any]) -> tuple[RootLayout, bool] | None:
-        """``(layout, read_only)`` of the copy a stamp names, if it is the one :meth:`lookup` would look at first."""
-        for layout, read_only in self.search_order():
-            path = layout.entry_dir(key)
-            if doc.get("path") == os.fspath(path):
-                return layout, read_only
-            if os.path.lexists(path):
-                return None  # a copy that comes first in the search order, and the stamp is not of it
-        return None
-
-    def _claim_looked_up(self, key: str, held: contextlib.ExitStack, timeout_s: float) -> Entry | None:
-        """Look ``key`` up and claim its entry in ``held``; None for a miss (or one that keeps vanishing)."""
-        for _ in range(_CLAIM_ATTEMPTS):
-            entry = self.lookup(key)
-            if entry is None:
-                return None
-            claimed = held.enter_context(self.claim(entry, timeout_s))
-            if claimed is not None:
-                return claimed
-        return None
 
     # -- 2-7. get or build ---------------------------------------------------------------------------
 
@@ -422,6 +351,7 @@ class LocalCache:
             left = max(0.0, timeout_s - (time.monotonic() - start))
             return fleet.get_or_build(key, steps, left, None if waited else on_wait)      # or the fleet's
         finally:
+            self.root.drop_staging()  # the staged dir was published or removed: no empty staging/ is left
             lock.release()                                                                 # 7. release
 
     def prepare_root(self) -> None:
@@ -458,10 +388,6 @@ class LocalCache:
         # Our lock on the key proves no live builder of it; clear what dead ones of this host left.
         sweep_staging(self.root, self.lock_dir, only_key=key, shared=self.allow_shared)
         staging = self.new_staging(key)
-        try:
-            staging.mkdir(mode=self.root.dir_mode)
-        except OSError as exc:
-            raise CacheWriteError.of("create the staging directory", exc, staging) from exc
         self._count("builds")
         try:
             try:
@@ -474,16 +400,15 @@ class LocalCache:
                 raise BuildError(key, str(exc)) from exc
             return self._publish(sealed, keep_fallback=True)                               # 6. rename
         except BaseException:
-            remove_tree(staging)
+            self.root.drop_staging(staging)
             raise
 
     def new_staging(self, tag: str) -> Path:
-        """Return a fresh staging path of the root for ``tag`` (a key or ``BUNDLE_TAG``), its parent created."""
+        """Create a fresh, empty staging directory of the root for ``tag`` (a key or ``BUNDLE_TAG``)."""
         try:
-            self.root.ensure(self.root.staging)
+            return self.root.make_staging_dir(tag)
         except OSError as exc:
             raise CacheWriteError.of("create the staging directory", exc, self.root.staging) from exc
-        return self.root.new_staging_dir(tag)
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
         """Rename a sealed or checked entry from staging to ``entries/<kk>/<key>`` (the caller holds the lock).

@@ -24,7 +24,6 @@ import os
 import re
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -250,10 +249,6 @@ class KeyLock:
         """
         if self.try_acquire():
             return True
-        if claimed_here(self.lock_path):
-            # flock SH and EX conflict across descriptors of one process too: waiting would never end.
-            raise CacheError(f"cannot lock cache key {self.key}: this thread holds a claim on it "
-                             "(KernelCache.claim)", "leave the claim's with block before building or discarding it")
         clock = WaitLog(self.key, self.read_holder)
         if on_wait is not None:
             on_wait(self._current_holder())
@@ -390,37 +385,13 @@ def lock_error(lock_path: Path, exc: OSError) -> CacheError:
     return CacheError(f"cannot lock {lock_path}: {exc.strerror or exc}")
 
 
-# Claims (SharedClaim, below) this thread holds, by lock path: a blocking KeyLock.acquire of one of them
-# would wait for ever, since flock SH and EX conflict across descriptors of one process too.
-_CLAIMS = threading.local()
-
-
 @functools.lru_cache(maxsize=1 << 14)
 def key_lock_path(lock_dir: Path, key: str) -> Path:
     """The lock file of ``key`` in ``lock_dir`` (memoized: the capture hook builds it for every claim)."""
     return lock_dir / f"{key}.lock"
 
 
-def claims_held_here() -> dict[Path, list]:
-    """Return the held claims of this thread, by lock path (kept by :class:`SharedClaim`)."""
-    held = getattr(_CLAIMS, "held", None)
-    if held is None:
-        held = _CLAIMS.held = {}
-    return held
-
-
-def claimed_here(lock_path: Path) -> bool:
-    """Whether this thread holds a claim (:class:`SharedClaim`) on ``lock_path``."""
-    return bool(claims_held_here().get(lock_path))
-
-
 # -- readers' claims ---------------------------------------------------------------------------------------
-
-def release_claims_here(lock_path: Path) -> None:
-    """Release every claim this thread holds on ``lock_path`` (its owner is about to discard the entry)."""
-    for claim in list(claims_held_here().get(lock_path, ())):
-        claim.release()
-
 
 class SharedClaim:
     """A reader's claim on a key: a SHARED ``flock`` on the very lock file :class:`KeyLock` locks exclusively.
@@ -428,9 +399,9 @@ class SharedClaim:
     flock's shared and exclusive locks conflict across file descriptors (and processes), so while a claim
     is held, prune's and quarantine's non-blocking exclusive try-lock fails (they keep the entry), and a
     builder, a ``discard`` or an import of the key waits. Claims do not exclude each other. The kernel
-    drops the lock when its holder dies. A thread that holds a claim must not take the key's exclusive
-    lock (it would wait for itself): :meth:`KeyLock.acquire` raises ``CacheError`` then, and ``discard``
-    releases the thread's claims first.
+    drops the lock when its holder dies. Its holder must not take the key's exclusive lock (build, import or
+    discard the key) inside it: flock SH and EX conflict across descriptors of one process too, so that waits
+    for itself until its deadline (``LockTimeout``).
 
     Parameters
     ----------
@@ -450,9 +421,6 @@ class SharedClaim:
         self.lock_dir = lock_dir
         self.create = create
         self.shared = shared
-        #: What its holder checked while holding it (an entry's path and signature): a claim of that very
-        #: entry nested inside this one needs no lock and no check of its own.
-        self.verified: tuple[object, ...] | None = None
         self._fd: int | None = None
 
     @property
@@ -488,20 +456,13 @@ class SharedClaim:
             os.close(fd)
             raise
         self._fd = fd
-        claims_held_here().setdefault(self.lock_path, []).append(self)
         return True
 
     def release(self) -> None:
         """Drop the shared lock (idempotent)."""
         fd, self._fd = self._fd, None
-        self.verified = None
         if fd is None:
             return
-        claims = claims_held_here().get(self.lock_path, [])
-        if self in claims:
-            claims.remove(self)
-        if not claims:
-            claims_held_here().pop(self.lock_path, None)
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

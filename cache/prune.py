@@ -30,6 +30,8 @@ class PruneReport:
         Bytes of artifact files removed with them.
     skipped_locked : tuple of str
         Keys that were due for removal but whose lock was held, so were kept.
+    skipped_recent : tuple of str
+        Keys that were due for removal but were used within the grace period, so were kept.
     staging_removed : tuple of str
         Names of abandoned staging directories removed (their builder is dead).
     quarantine_removed : tuple of str
@@ -42,6 +44,7 @@ class PruneReport:
     removed: tuple[str, ...] = ()
     freed_bytes: int = 0
     skipped_locked: tuple[str, ...] = ()
+    skipped_recent: tuple[str, ...] = ()
     staging_removed: tuple[str, ...] = ()
     quarantine_removed: tuple[str, ...] = ()
     remaining_bytes: int = 0
@@ -77,11 +80,12 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
         finally:
             if lock is not None:
                 lock.release()
+    layout.drop_staging()
     return removed
 
 
-def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
-               older_than_s: float | None, shared: bool = False) -> PruneReport:
+def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, older_than_s: float | None,
+               grace_s: float = 0.0, shared: bool = False) -> PruneReport:
     """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
 
     Last use is the entry directory's mtime, which lookups refresh: it works on ``noatime`` mounts. Each
@@ -107,44 +111,55 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None,
             candidates.append((os.lstat(path).st_mtime, key, path, directory_size(path)))
     candidates.sort()
     total = sum(size for *_rest, size in candidates)
-    removed, skipped, freed = [], [], 0
+    removed, skipped, recent, freed = [], [], [], 0
     for mtime, key, path, size in candidates:
         too_old = older_than_s is not None and now - mtime > older_than_s
         too_big = max_bytes is not None and total > max_bytes
         if not (too_old or too_big):
             continue
-        if _remove_entry(layout, lock_dir, key, path, shared):
+        outcome = "recent" if now - mtime < grace_s else _remove_entry(layout, lock_dir, key, path, grace_s, shared)
+        if outcome == "removed":
             removed.append(key)
             freed += size
             total -= size
         else:
-            skipped.append(key)
+            (recent if outcome == "recent" else skipped).append(key)
     quarantine_removed = _prune_quarantine(layout, now - older_than_s) if older_than_s is not None else []
     prune_stamps(layout)
     return PruneReport(removed=tuple(removed), freed_bytes=freed, skipped_locked=tuple(skipped),
-                       staging_removed=tuple(staging_removed), quarantine_removed=tuple(quarantine_removed),
+                       skipped_recent=tuple(recent), staging_removed=tuple(staging_removed),
+                       quarantine_removed=tuple(quarantine_removed),
                        remaining_bytes=total)
 
 
-def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, shared: bool) -> bool:
-    """Move one entry out under its lock and delete it; False if its lock is held."""
+def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, grace_s: float, shared: bool) -> str:
+    """Move one entry out under its lock and delete it: ``"removed"``, ``"locked"`` or ``"recent"``.
+
+    Its last use is read again under the lock: a lookup touches an entry under the key's shared claim, so
+    one that returned it since the listing has made it recent by now, or finds it gone.
+    """
     lock = KeyLock(lock_dir, key, shared=shared)
     if not lock.try_acquire():
         log.info("prune: keeping %s, its lock is held", key)
-        return False
-    trash = layout.new_staging_dir(key)
+        return "locked"
     try:
-        layout.ensure(layout.staging)
-        path.rename(trash)
+        if time.time() - os.lstat(path).st_mtime < grace_s:
+            return "recent"
+        trash = layout.make_staging_dir(key)
+        try:
+            os.replace(path, trash)  # over the empty dir made for it: a reader sees all of the entry or none
+        except OSError:
+            layout.drop_staging(trash)
+            raise
     except FileNotFoundError:
-        return True
+        return "removed"
     except OSError as exc:  # e.g. another user's entry in a shared root
         log.warning("prune: cannot remove %s: %s", path, exc)
-        return False
+        return "locked"
     finally:
         lock.release()
-    remove_tree(trash)
-    return True
+    layout.drop_staging(trash)
+    return "removed"
 
 
 def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:

@@ -40,6 +40,7 @@ ENV_VARS: Mapping[str, str] = {
     "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES",
     "bundle_max_file_bytes": "JITWARM_BUNDLE_MAX_FILE_BYTES",
     "bundle_max_bytes": "JITWARM_BUNDLE_MAX_BYTES",
+    "prune_grace_s": "JITWARM_PRUNE_GRACE_S",
     "jobs": "JITWARM_JOBS",
     "strict": "JITWARM_STRICT",
     "sglang_plugin": "JITWARM_SGLANG_PLUGIN",
@@ -137,6 +138,11 @@ def bundle_max_file_bytes() -> int:
 def bundle_max_bytes() -> int:
     """``JITWARM_BUNDLE_MAX_BYTES``: a bundle whose files total more than this is refused (default 32 GiB)."""
     return number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, minimum=0)
+
+
+def prune_grace_s() -> float:
+    """``JITWARM_PRUNE_GRACE_S``: prune never removes an entry used this recently (default 600 s; 0 turns it off)."""
+    return number("JITWARM_PRUNE_GRACE_S", float, 600.0, minimum=0.0)
 
 
 # -- the warm service, the hook and the sglang plugin --------------------------------------------------------
@@ -250,7 +256,7 @@ def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
 def directory(path: Path, what: str) -> Path:
     """Return ``path`` unless it exists and is not a directory (then SettingError naming ``what``)."""
     if os.path.lexists(path) and not path.is_dir():
-        raise SettingError(f"{what}={path} is not a directory")
+        raise SettingError(f"{what}: {path} is not a directory")
     return path
 
 

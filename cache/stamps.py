@@ -3,8 +3,7 @@
 A stamp lets a later process accept an entry without reading its files (or its ``entry.json``) again while
 the listing and every file's inode, size, mtime and ctime are still those that were hashed (see
 docs/cache.md, "What is verified, and when"). Stamps live in ``<root>/v1/verified/<kk>/<key>-<where>.json``,
-one per entry, and ``<root>/v1/verified/sets/<digest>.json``, one for a set of keys that are claimed
-together (a capture hook's plan: one file to read instead of one per key), where only this user can write.
+one per entry, where only this user can write.
 A stamp starts with the sha256 of its own body. A stamp is a hint: one that is missing, unreadable, damaged,
 planted or stale costs a full hash, never a wrong answer.
 """
@@ -15,7 +14,6 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +24,6 @@ from jitwarm.cache.layout import RootLayout
 
 #: A stamp holds an entry's signature and manifest content; one larger than this is ignored (and never written).
 MAX_STAMP_BYTES = 1 << 20
-#: The same for a set stamp (a plan of thousands of specs).
-MAX_SET_STAMP_BYTES = 64 << 20
 
 
 def write_stamp(root: RootLayout, entry: Entry) -> None:
@@ -37,24 +33,6 @@ def write_stamp(root: RootLayout, entry: Entry) -> None:
     that finds the signature unchanged reads neither the files nor ``entry.json`` (see recheck_entry).
     """
     _write(root, root.stamp_path(entry.path, entry.key), _doc(entry), MAX_STAMP_BYTES)
-
-
-def write_set_stamp(root: RootLayout, keys: Sequence[str], entries: Sequence[Entry]) -> None:
-    """Keep the stamps of ``entries``, found for the key set ``keys``, as one file in ``root``; best effort."""
-    _write(root, root.set_stamp_path(keys), {"entries": {entry.key: _doc(entry) for entry in entries}},
-           MAX_SET_STAMP_BYTES)
-
-
-def stamped_set(root: RootLayout, keys: Sequence[str], *, allow_shared: bool) -> dict[str, dict[str, Any]]:
-    """The stamp documents the set stamp of ``keys`` holds, by key (read them with :func:`stamp_entry`).
-
-    Empty when there is none, or it is not ours, not a regular file, too large or malformed.
-    """
-    try:
-        docs = _read(root.set_stamp_path(keys), MAX_SET_STAMP_BYTES, allow_shared=allow_shared)["entries"]
-        return {key: docs[key] for key in keys if isinstance(docs.get(key), dict)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
 
 
 def _doc(entry: Entry) -> dict[str, Any]:
@@ -143,12 +121,9 @@ def prune_stamps(root: RootLayout) -> None:
                 stamps = [item.path for item in it if item.name.endswith(".json")]
         except OSError:
             continue
-        is_set = Path(shard).name == "sets"
         for stamp in stamps:
             try:
-                doc = _read(stamp, MAX_SET_STAMP_BYTES if is_set else MAX_STAMP_BYTES, allow_shared=False)
-                docs = doc["entries"].values() if is_set else [doc]
-                useless = not all(os.path.lexists(d["path"]) for d in docs)
+                useless = not os.path.lexists(_read(stamp, MAX_STAMP_BYTES, allow_shared=False)["path"])
             except OSError:
                 continue
             except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or of an older layout

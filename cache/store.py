@@ -94,8 +94,10 @@ class KernelCache:
                  lock_dir: str | os.PathLike[str] | None = None,
                  read_only: bool = False, allow_shared: bool = False, remote: str | None = None,
                  remote_prefix: str | None = None, remote_required: bool | None = None) -> None:
-        self.root = settings.absolute_path(root) if root is not None else settings.cache_dir()
-        self.layers = tuple(settings.absolute_path(p) for p in (settings.cache_path() if layers is None else layers))
+        self.root = (settings.directory(settings.absolute_path(root), "cache root") if root is not None
+                     else settings.cache_dir())
+        self.layers = settings.cache_path() if layers is None else tuple(
+            settings.directory(settings.absolute_path(p), "cache layer") for p in layers)
         self.read_only = bool(read_only)
         self.allow_shared = bool(allow_shared) or settings.allow_shared()
         layout = RootLayout(self.root, shared=self.allow_shared)
@@ -261,10 +263,9 @@ class KernelCache:
         ``prune`` keeps the entry (``skipped_locked``), a lookup does not quarantine it, and a builder, import
         or ``discard`` of the key in another thread or process waits. Released when the block ends.
 
-        Order, so that nothing waits for itself: ``discard(entry)`` inside the block releases this thread's
-        claims on the key first; a ``get_or_build`` of the key inside it is a hit, or raises ``CacheError``
-        (never waits for its own claim). Layer entries are only re-checked (nothing here removes them); a
-        root whose lock file cannot be opened (a read-only volume) is read unlocked.
+        Leave the block before discarding or rebuilding the key: inside it, those wait for the block's own
+        claim until their deadline (``LockTimeout``). Layer entries are only re-checked (nothing here removes
+        them); a root whose lock file cannot be opened (a read-only volume) is read unlocked.
 
         Raises
         ------
@@ -282,27 +283,6 @@ class KernelCache:
 
         """
         return self._local.claim(entry, timeout_s)
-
-    def claim_all(self, keys: Sequence[str], *, timeout_s: float = 600.0
-                  ) -> AbstractContextManager[dict[str, Entry | None]]:
-        """Look up every key and claim each entry found, for the block: what a loader of a whole plan does.
-
-        ``with cache.claim_all(keys) as entries:`` yields ``{key: entry or None}``: each entry is the one
-        :meth:`lookup` returns, claimed as by :meth:`claim` until the block ends; None is a miss. A
-        :meth:`claim` of one of these entries inside the block nests: it takes no lock and checks nothing
-        again. One file, the set stamp of these keys, keeps what they were verified as, so that a fresh
-        process checks each entry's stat signature without reading a stamp per key (the capture hook's hot
-        path, docs/performance.md); it is written again whenever it did not answer every key.
-
-        Raises
-        ------
-        ValueError
-            A key that is not 64 hex digits.
-        LockTimeout, CacheError
-            As :meth:`claim` and :meth:`lookup` raise them.
-
-        """
-        return self._local.claim_all(list(dict.fromkeys(check_key(k) for k in keys)), timeout_s)
 
     def wait_for(self, key: str, timeout_s: float) -> Entry:
         """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
@@ -340,7 +320,8 @@ class KernelCache:
         return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair)
 
-    def prune(self, max_bytes: int | None = None, older_than_s: float | None = None) -> PruneReport:
+    def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, *,
+              grace_s: float | None = None) -> PruneReport:
         """Remove entries of the writable root, least recently used first, and abandoned staging dirs.
 
         Parameters
@@ -349,6 +330,10 @@ class KernelCache:
             Remove least recently used entries until the root's entries total at most this many bytes.
         older_than_s : float, optional
             Remove entries not used for this long (and quarantined copies older than this).
+        grace_s : float, optional
+            Never remove an entry used this recently (default ``JITWARM_PRUNE_GRACE_S``, 600 s): an entry a
+            lookup or ``get_or_build`` returned stays at least this long minus a minute, so a caller that
+            reads it without a claim does not lose it to a concurrent prune.
 
         Returns
         -------
@@ -363,8 +348,9 @@ class KernelCache:
 
         """
         self._require_writable("prune")
+        grace = settings.prune_grace_s() if grace_s is None else max(0.0, float(grace_s))
         report = prune.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
-                                  shared=self.allow_shared)
+                                  grace_s=grace, shared=self.allow_shared)
         for key in report.removed:
             self._local.forget(self._local.root.entry_dir(key))
         return report
@@ -459,7 +445,7 @@ class KernelCache:
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))
         finally:
-            remove_tree(staging)
+            self._local.root.drop_staging(staging)
 
     def write_plan_record(self, plan_id: str, record: Mapping[str, Any]) -> Path:
         """Atomically write ``<root>/v1/plans/<plan_id>.json`` and return its path.

@@ -235,8 +235,7 @@ class CaptureHook:
                       claims: contextlib.ExitStack) -> dict[KernelSpec, Any]:
         """Step (1): return each spec's verified entry (None where this process cannot see a worker's build).
 
-        The entries found in the cache are claimed in ``claims`` (one set stamp read for all of them, see
-        ``KernelCache.claim_all``); the loads claim them again at no cost.
+        The entries found in the cache are claimed in ``claims`` (``KernelCache.claim``) until they are loaded.
         """
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
@@ -247,8 +246,11 @@ class CaptureHook:
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
         keys = {spec: artifact(spec, self.cache).key for spec in specs if entries.get(spec) is None}
         if keys:
-            found = claims.enter_context(self.cache.claim_all(list(keys.values()),
-                                                              timeout_s=max(0.0, deadline - time.perf_counter())))
+            found = {}
+            for key in keys.values():  # each found entry stays claimed until it is loaded: prune cannot take it
+                entry = self.cache.lookup(key)
+                found[key] = None if entry is None else claims.enter_context(
+                    self.cache.claim(entry, timeout_s=max(0.0, deadline - time.perf_counter())))
             entries.update((spec, found[key]) for spec, key in keys.items())
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)

@@ -43,6 +43,8 @@ def _isolated_env(monkeypatch, tmp_path_factory):
         if name.startswith("JITWARM_") or name == "SGLANG_RAGGED_VERIFY_MODE":
             monkeypatch.delenv(name)
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
+    # Tests prune what they have just built; prune's grace period is tested on its own (test_cache_prune.py).
+    monkeypatch.setenv("JITWARM_PRUNE_GRACE_S", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -116,6 +116,6 @@ def test_a_wrong_precomputed_key_builds_nothing(tmp_path):
     with pytest.raises(ValueError, match=f"key {other} is not the key of this description"):
         cache.get_or_build(desc(3), make_builder(counter, 3), key=other)
     assert build_counts(counter) == collections.Counter() and cache.lookup(other) is None
-    assert list((tmp_path / "root" / "v1" / "staging").glob("*")) == []
+    assert not (tmp_path / "root" / "v1" / "staging").exists()
     assert cache.get_or_build_ex(desc(3), make_builder(counter, 3), key=cache.key(desc(3)), timeout_s=0.5).outcome \
         == "built"  # the lock was released

@@ -87,6 +87,21 @@ def test_entry_under_the_wrong_key_is_rejected(tmp_path):
     assert moved.name in report.corrupt and "key" in report.corrupt[moved.name]
 
 
+@pytest.mark.parametrize("fmt", [1.0, True, "1"])
+def test_a_manifest_whose_format_only_equals_1_in_python_is_corrupt(tmp_path, fmt):
+    """``"format": 1.0`` (or ``true``) was accepted: 1.0 == True == 1 in Python, never in this format."""
+    import json
+
+    root = tmp_path / "root"
+    entry = cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    manifest = entry.path / "entry.json"
+    doc = json.loads(manifest.read_text())
+    doc["format"] = fmt
+    _writable(manifest).write_text(json.dumps(doc))
+    assert "format" in cache_for(root).verify().corrupt[entry.key]  # only looks: reported, left in place
+    assert cache_for(root).lookup(entry.key) is None  # a miss (and quarantined)
+
+
 @pytest.fixture
 def good_and_bad(tmp_path):
     """A root with two entries, the second with a flipped byte: ``(root, good, bad)``."""

@@ -116,6 +116,31 @@ def test_jobs_is_an_integer_from_1_to_1024(monkeypatch, value):
         settings.jobs()
 
 
+@pytest.mark.parametrize(("var", "flag"), [("JITWARM_CACHE_DIR", None), ("JITWARM_CACHE_PATH", None),
+                                         (None, "--cache-dir")])
+def test_a_cache_dir_or_layer_that_is_a_file_is_one_line_exit_2(tmp_path, monkeypatch, capsys, var, flag):
+    """JITWARM_CACHE_DIR naming a file ended in six lines and exit 1; JITWARM_CACHE_PATH naming one was ignored."""
+    from precompile_fixtures import TINY
+
+    from jitwarm.precompile.cli import main
+
+    afile = tmp_path / "not-a-dir"
+    afile.write_text("x")
+    layers = var == "JITWARM_CACHE_PATH"
+    argv = ["status", *TINY, *(["--cache-dir", str(tmp_path / "root")] if layers else [])]
+    if var is not None:
+        monkeypatch.setenv(var, f"{tmp_path / 'missing-is-fine'}:{afile}" if layers else str(afile))
+        with pytest.raises(settings.SettingError, match=f"^{var}: {afile} is not a directory$"):
+            KernelCache()
+    else:
+        argv += [flag, str(afile)]
+        with pytest.raises(settings.SettingError, match="^cache root: .* is not a directory$"):
+            KernelCache(root=afile)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jitwarm: error: ") and str(afile) in err
+
+
 def test_override_scopes_and_restores(monkeypatch, tmp_path):
     monkeypatch.setenv("JITWARM_REMOTE_LEASE_S", "3")
     monkeypatch.delenv("JITWARM_ALLOW_SHARED", raising=False)

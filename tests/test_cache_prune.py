@@ -10,7 +10,9 @@ import time
 import pytest
 from workers.cache_harness import build_counts, cache_for, desc, make_builder
 
+from jitwarm.cache import prune as prune_module
 from jitwarm.cache.locks import KeyLock, this_host
+from jitwarm.cache.settings import override
 
 
 @pytest.fixture
@@ -37,7 +39,7 @@ def test_prune_by_size_removes_least_recently_used_first(three):
     assert report.freed_bytes == total - keep
     fresh = cache_for(root)
     assert fresh.lookup(e0.key) is not None and fresh.lookup(e1.key) is None and fresh.lookup(e2.key) is None
-    assert list((root / "v1" / "staging").iterdir()) == []
+    assert not (root / "v1" / "staging").exists()
     # the verification stamps of removed entries go with them
     assert sorted(p.name.split("-")[0] for p in (root / "v1" / "verified").rglob("*.json")) == [e0.key]
 
@@ -53,6 +55,39 @@ def test_prune_never_removes_an_entry_whose_lock_is_held(three):
         holder.release()
     assert report.removed == (e0.key, e2.key) and report.skipped_locked == (e1.key,)
     assert cache_for(root).lookup(e1.key) == e1
+
+
+def test_an_entry_get_or_build_returned_is_kept_for_the_grace_period(tmp_path):
+    """A plain get_or_build then a read lost the file to a concurrent prune (9 of 3,470): no claim needed now."""
+    root = tmp_path / "root"
+    entry = cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    old = time.time() - 7200
+    os.utime(entry.path, (old, old))  # unused for two hours
+    with override(prune_grace_s=600):
+        got = cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0))  # a hit: a use
+        report = cache_for(root).prune(max_bytes=0)
+        assert report.removed == () and report.skipped_recent == (entry.key,)
+        assert got.file("kernel.bin").read_bytes()  # the caller's read, after the prune
+        os.utime(entry.path, (old, old))
+        assert cache_for(root).prune(max_bytes=0).removed == (entry.key,)  # unused again: pruned
+
+
+def test_a_use_between_prunes_listing_and_its_removal_keeps_the_entry(tmp_path, monkeypatch):
+    """The race made certain: the entry is looked up after prune listed it as unused, before it is removed."""
+    root = tmp_path / "root"
+    entry = cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    old = time.time() - 7200
+    os.utime(entry.path, (old, old))
+    real, got = prune_module._remove_entry, []
+
+    def use_then_remove(*args):
+        got.append(cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0)))
+        return real(*args)
+
+    monkeypatch.setattr(prune_module, "_remove_entry", use_then_remove)
+    with override(prune_grace_s=600):
+        report = cache_for(root).prune(older_than_s=3600)
+    assert report.removed == () and report.skipped_recent == (entry.key,) and got[0].file("kernel.bin").exists()
 
 
 def test_prune_by_age(three):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from workers.cache_harness import artifact_bytes, build_counts, cache_for, desc, make_builder
@@ -45,7 +47,7 @@ def test_manifest_is_relocatable_and_complete(tmp_path):
         ("kernel.bin", len(artifact_bytes(1))), ("meta/info.json", len(json.dumps({"n": 1})))]
     # Files are sealed read-only; nothing is left in staging.
     assert not entry.file("kernel.bin").stat().st_mode & 0o222
-    assert list((root / "v1" / "staging").iterdir()) == []
+    assert not (root / "v1" / "staging").exists()
 
 
 def test_failed_build_leaves_nothing_and_releases_lock(tmp_path):
@@ -63,7 +65,7 @@ def test_failed_build_leaves_nothing_and_releases_lock(tmp_path):
     assert isinstance(info.value.__cause__, RuntimeError) and info.value.key == key
     assert cache.lookup(key) is None
     assert not (root / "v1" / "entries" / key[:2] / key).exists()
-    assert list((root / "v1" / "staging").iterdir()) == []
+    assert not (root / "v1" / "staging").exists()
     lock = KeyLock(cache.lock_dir, key)
     assert lock.try_acquire(), "the lock must be released after a failed build"
     lock.release()
@@ -85,7 +87,7 @@ def test_unusable_build_output_is_an_error(tmp_path, bad):
                                           "manifest_name": "reserves"}[bad]):
         cache.get_or_build(desc(3), build)
     assert cache.lookup(cache.key(desc(3))) is None
-    assert list((tmp_path / "root" / "v1" / "staging").iterdir()) == []
+    assert not (tmp_path / "root" / "v1" / "staging").exists()
 
 
 def test_stats_count_this_instance(tmp_path):
@@ -174,3 +176,23 @@ def test_stale_holder_record_of_dead_process_is_ignored(tmp_path):
     assert lock.read_holder() is None
     lock.holder_path.write_text(json.dumps({"host": "elsewhere", "pid": dead, "since": 1.0}))
     assert lock.read_holder() == LockHolder(host="elsewhere", pid=dead, since=1.0)
+
+
+def test_ctrl_c_during_a_build_leaves_no_staging_directory(tmp_path):
+    """After Ctrl-C an empty v1/staging/ was left: staging/ exists only while something is staged."""
+    root, started = tmp_path / "root", tmp_path / "started"
+    code = ("import sys, time, pathlib\nfrom jitwarm.cache import KernelCache\n"
+            "def build(d):\n    pathlib.Path(sys.argv[2]).touch()\n    time.sleep(60)\n"
+            "try:\n    KernelCache(root=sys.argv[1], layers=()).get_or_build({'n': 1}, build)\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(started)])
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (root / "v1" / "staging").is_dir() and len(list((root / "v1" / "staging").iterdir())) == 1
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 130
+    assert not (root / "v1" / "staging").exists() and sorted(p.name for p in (root / "v1").iterdir()) == [
+        "entries", "locks"]
+    built = cache_for(root).get_or_build_ex(desc(0), make_builder(tmp_path / "c", 0))  # and after a build
+    assert built.outcome == "built" and not (root / "v1" / "staging").exists()

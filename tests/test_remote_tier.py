@@ -281,6 +281,29 @@ def test_remote_settings_parse_and_validate(monkeypatch):
         KernelCache(layers=(), remote="localhost:6379")
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:notaport/0", "redis://127.0.0.1:99999/0", "redis://:pw@:6379/0",
+                                 "redis://127.0.0.1:0/0", "redis://127.0.0.1:6379/zero", "rediss://h:-1/0"])
+def test_a_remote_url_redis_py_cannot_connect_with_is_a_usage_error(url, tmp_path, capsys):
+    """A bad port was a ValueError from redis-py at the first call (exit 1): now one line, exit 2, no password."""
+    from precompile_fixtures import TINY
+
+    from jitwarm.cache.errors import UsageError
+    from jitwarm.precompile.cli import main
+
+    with pytest.raises(UsageError) as info:
+        KernelCache(root=tmp_path / "root", layers=(), remote=url)
+    assert "\n" not in str(info.value) and "pw" not in str(info.value)
+    assert main(["warm", *TINY, "--cache-dir", str(tmp_path / "root"), "--remote", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jitwarm: error: ") and "pw" not in err
+
+
+def test_good_remote_urls_still_pass():
+    for url in ("redis://127.0.0.1:6390/0", "redis://cache", "rediss://:pw@cache:6380/2", "redis://[::1]:6379/1",
+                "unix:///run/redis.sock?db=1", "redis://user:pw@cache-host/"):
+        assert settings.check_remote_url(url) == url
+
+
 @pytest.mark.parametrize(("var", "value"), [("JITWARM_REMOTE_LEASE_S", "bad"), ("JITWARM_REMOTE_MAX_BYTES", "lots"),
                                             ("JITWARM_REMOTE_PREFIX", "a b"), ("JITWARM_REMOTE_REQUIRED", "maybe")])
 def test_remote_knobs_are_read_only_with_a_remote(monkeypatch, tmp_path, var, value):
