@@ -2,22 +2,19 @@
 
 The capture settings carry the names of the sglang release the sglang room mirrors (``--cuda-graph-max-bs-decode``,
 ``--tp-size``, ...) and come from jitwarm's flags, from the server's own command line after ``--`` (read by the
-room that recognises it, :mod:`jitwarm.precompile.servers`), from a TOML file, or from an sglang ``ServerArgs``
-object inside a server. Construction checks them with the room's built-in rules, and keeps that resolution for
+room that recognises it, :mod:`jitwarm.precompile.servers`), from a TOML file (those three:
+:mod:`jitwarm.precompile.config_sources`), or from an sglang ``ServerArgs`` object inside a server.
+Construction checks them with the room's built-in rules, and keeps that resolution for
 :mod:`jitwarm.precompile.shapes`, which resolves the ladder only when something it depends on was not known here.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import math
 import os
 import shutil
-import stat
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,15 +23,8 @@ from typing import Any
 from jitwarm.cache.errors import UsageError
 from jitwarm.kernels import BUILDABLE, DTYPES, ModelDims, Target, TargetError
 from jitwarm.kernels.backend import refusal as backend_refusal
-from jitwarm.precompile import servers
-from jitwarm.precompile.servers.sglang import VERSION
 from jitwarm.precompile.servers.sglang import rules as sglang_rules
 from jitwarm.precompile.servers.sglang.argv import graph_config_object
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 MODES = sglang_rules.VERIFY_MODES
 MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
@@ -46,21 +36,6 @@ MAX_BATCH_SIZE = 4096
 MAX_DRAFT_TOKENS = 64
 MAX_PARALLEL = 1024
 MAX_GPU_MEMORY_MB = 16 << 20  # 16 TiB
-#: Largest TOML config file read (a real one is a few hundred bytes; /dev/zero is not one).
-MAX_CONFIG_BYTES = 1 << 20
-
-# Older jitwarm names that stay as documented aliases of sglang 0.5.23's, and sglang's own aliases.
-ALIASES = {
-    "cuda_graph_max_bs": "cuda_graph_max_bs_decode",
-    "cuda_graph_bs": "cuda_graph_bs_decode",
-    "tp": "tp_size",
-    "tensor_parallel_size": "tp_size",
-    "data_parallel_size": "dp_size",
-    "attention_data_parallel_size": "attn_dp_size",
-    "backend": "backends",
-    "target": "targets",
-}
-
 
 class ConfigError(UsageError, ValueError):
     """A serving config or flag is invalid (exit 2); ``problems`` holds one message per problem."""
@@ -136,11 +111,11 @@ _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": MAX_DRAFT_TOKENS,
 class ServingConfig:
     """The server settings that decide the capture ladder, plus the model dims and build targets.
 
-    Capture fields are sglang 0.5.23's own (``--cuda-graph-max-bs-decode`` is ``cuda_graph_max_bs_decode``);
-    None means "not given", so sglang's default applies (the default max batch comes from the device memory,
-    ``gpu_memory_mb``, read from the local GPU when there is one). Construction normalises lists, reads
-    ``SGLANG_RAGGED_VERIFY_MODE`` when no mode is given, and validates: :class:`ConfigError` lists every
-    problem, including combinations sglang itself rejects.
+    Capture fields are sglang's own, of the release ``VERSION`` (``--cuda-graph-max-bs-decode`` is
+    ``cuda_graph_max_bs_decode``); None means "not given", so sglang's default applies (the default max batch
+    comes from the device memory, ``gpu_memory_mb``, read from the local GPU when there is one). Construction
+    normalises lists, reads ``SGLANG_RAGGED_VERIFY_MODE`` when no mode is given, and validates:
+    :class:`ConfigError` lists every problem, including combinations sglang itself rejects.
 
     Examples
     --------
@@ -302,11 +277,15 @@ class ServingConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> ServingConfig:
         """Build from a mapping with field names (dashes or underscores, or aliases); unknown keys are an error."""
-        return cls(**_fields_of(data, source))
+        from jitwarm.precompile.config_sources import fields_of
+
+        return cls(**fields_of(data, source))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> ServingConfig:
         """Build from a TOML file whose top-level keys (or ``[jitwarm]`` table) are field or flag names."""
+        from jitwarm.precompile.config_sources import read_config_file
+
         return cls(**read_config_file(path))
 
     @classmethod
@@ -320,7 +299,8 @@ class ServingConfig:
                   if name in SERVER_ARGS_FIELDS and hasattr(server_args, name)}
         if isinstance(getattr(server_args, "model_path", None), str):
             inputs["model_path"] = server_args.model_path
-        return cls(**{**_from_inputs(inputs), **overrides})
+        return cls(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items() if v is not None},
+                      **overrides})
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServingConfig:
@@ -331,91 +311,14 @@ class ServingConfig:
         as ``python -m sglang.launch_server`` or ``sglang serve``, or names ``--model-path``) is read as one.
         ``--config FILE`` is read first.
         """
-        argv = list(sys.argv[1:] if argv is None else argv)
-        own, server = split_server_argv(argv)
-        parser = _FlagParser(prog="jitwarm", add_help=False)
-        add_serving_flags(parser)
-        ns, rest = parser.parse_known_args(own)
-        if rest:
-            raise ConfigError([f"unrecognized arguments: {' '.join(rest)} (put the server's command line "
-                               "after --)"])
-        return from_namespace(ns, server)
+        from jitwarm.precompile.config_sources import from_flags
+
+        return from_flags(argv)
 
 
 #: The ServingConfig fields that are sglang ServerArgs fields of the same name (the server's capture settings).
 SERVER_ARGS_FIELDS = (frozenset(sglang_rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"}
                       | {"model_path"})
-
-
-def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
-    """Split ``argv`` into jitwarm's own flags and the server's command line (None when there is none)."""
-    argv = list(argv)
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    if servers.recognised(argv) or any(a in ("--model-path", "--model") or a.startswith(("--model-path=",
-                                                                                       "--model="))
-                                      for a in argv):
-        return [], argv
-    return argv, None
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Return the ServingConfig fields a TOML config file sets (keys checked, values checked on construction).
-
-    Raises
-    ------
-    ConfigError
-        The file cannot be read, is not TOML, is too large, or has a key that is not a field or alias.
-
-    """
-    return _fields_of(_read_toml(path), source=str(path))
-
-
-def _from_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """ServingConfig fields from rule inputs (lists to tuples, the JSON object as is)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items() if v is not None}
-
-
-def _read_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file with a size bound; ConfigError naming the file on any problem."""
-    try:
-        # O_NONBLOCK: opening a FIFO planted where the file should be must not wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ConfigError([f"--config {path} is not a regular file"])
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError([f"cannot read --config {path}: {exc.strerror or exc}"]) from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"--config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a jitwarm config"])
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError([f"--config {path} is not valid TOML: {str(exc).splitlines()[0]}"]) from None
-    table = data.get("jitwarm", data)
-    if not isinstance(table, dict):
-        raise ConfigError([f"--config {path}: [jitwarm] must be a table, got {type(table).__name__}"])
-    return table
-
-
-def _fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Map config keys (dashes or underscores, aliases) to field names; unknown keys are an error."""
-    known = {f.name for f in fields(ServingConfig)} - {"mode_from_env"}
-    values, unknown = {}, []
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        key = ALIASES.get(key, key)
-        if key not in known:
-            unknown.append(raw_key)
-            continue
-        if key in ("backends", "targets") and isinstance(value, str):
-            value = [value]
-        values[key] = tuple(value) if isinstance(value, list) else value
-    if unknown:
-        raise ConfigError([f"{source}: unknown key {k!r}" for k in unknown])
-    return values
 
 
 def _check_types(cfg: ServingConfig) -> list[str]:
@@ -490,122 +393,5 @@ def _is_int(value: Any) -> bool:
 
 def _is_names(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)
-
-
-class _FlagParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise ConfigError instead of printing usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError([message])
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """The --cuda-graph-config flag's value: the parser the server's own --cuda-graph-config goes through."""
-    try:
-        return graph_config_object(text)
-    except ValueError as exc:
-        if str(exc) == "not a JSON object":
-            raise argparse.ArgumentTypeError("must be a JSON object such as '{\"decode\": {\"max_bs\": 64}}'") from None
-        raise argparse.ArgumentTypeError(f"not JSON: {str(exc).splitlines()[0]}") from None
-
-
-def _finite_int(text: str) -> int:
-    if not text.isascii():  # int("٩٠") is 90: a flag takes ASCII digits only
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
-    try:
-        value = float(text) if "." in text or "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
-        value = int(value)
-    return value
-
-
-def add_serving_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
-    g = parser.add_argument_group(f"serving (sglang {VERSION}'s flag names; or the server's command line after --)")
-    g.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file first")
-    g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
-                   type=_finite_int, metavar="N",
-                   help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
-                        f"--cuda-graph-max-bs alias is jitwarm's only: sglang {VERSION} refuses it after --")
-    g.add_argument("--cuda-graph-bs-decode", "--cuda-graph-bs", dest="cuda_graph_bs_decode", type=_finite_int,
-                   nargs="+", metavar="BS", help="explicit decode capture batch sizes")
-    g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
-                   help="sglang's per-phase JSON, e.g. '{\"decode\": {\"max_bs\": 64}}' (wins over the flags)")
-    g.add_argument("--disable-cuda-graph", action="store_true", default=None)
-    g.add_argument("--disable-decode-cuda-graph", action="store_true", default=None)
-    g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None,
-                   help="capture every batch size up to the max")
-    g.add_argument("--speculative-algorithm", metavar="NAME",
-                   help=f"{', '.join(sglang_rules.ALGORITHMS)} (the speculative ladder needs one)")
-    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N",
-                   help="tokens verified per request")
-    g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
-                   help="EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)")
-    g.add_argument("--speculative-eagle-topk", type=_finite_int, metavar="K")
-    g.add_argument("--max-running-requests", type=_finite_int, metavar="N",
-                   help="request pool size (speculative default 48); cuts the ladder")
-    g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=_finite_int, metavar="N")
-    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=_finite_int, metavar="N")
-    g.add_argument("--attn-dp-size", type=_finite_int, metavar="N", help="attention data-parallel size")
-    g.add_argument("--enable-dp-attention", action="store_true", default=None,
-                   help="with --dp-size N: the deprecated spelling of --attn-dp-size N")
-    g.add_argument("--gpu-memory-mb", type=_finite_int, metavar="MIB",
-                   help="device memory for sglang's default max batch on a box without the GPU "
-                        "(default: read from the GPU; an H200 has 143771)")
-    g.add_argument("--ragged-verify-mode", metavar="MODE",
-                   help=f"{' | '.join(MODES)}: what {MODE_ENV} would say (default: that variable, else static)")
-    g.add_argument("--ladder-source", metavar="SOURCE",
-                   help=f"auto (the built-in rules, unless the installed sglang is not {VERSION}: then its own "
-                        f"functions, remembered per version and command line) | builtin (rules mirroring sglang "
-                        f"{VERSION}) | sglang (its own functions, every time)")
-    m = parser.add_argument_group("model (which of jitwarm's kernel families it runs, and their dims)")
-    m.add_argument("--model-architecture", metavar="NAME",
-                   help="the model's architecture as its config.json names it (DeepseekV4ForCausalLM runs jitwarm's "
-                        "families); default: read from a local --model-path, else judged from its name")
-    m.add_argument("--head-dim", type=_finite_int)
-    m.add_argument("--rope-dim", type=_finite_int)
-    m.add_argument("--num-q-heads", type=_finite_int)
-    m.add_argument("--num-kv-heads", type=_finite_int)
-    m.add_argument("--compress-ratios", type=_finite_int, nargs="+", metavar="R")
-    m.add_argument("--dtype", metavar="DTYPE", help=" | ".join(DTYPES))
-    b = parser.add_argument_group("build")
-    b.add_argument("--backend", dest="backends", action="append", metavar="NAME",
-                   help=f"{' | '.join(BUILDABLE)}; repeat for several (default tvm_ffi)")
-    b.add_argument("--target", dest="targets", action="append", metavar="ARCH",
-                   help="cpu | sm_90 | sm_100 | ...; repeat for several (default: the local GPU, else cpu)")
-
-
-_FLAG_FIELDS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
-                "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
-                "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
-                "max_running_requests", "tp_size", "dp_size", "attn_dp_size",
-                "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "model_architecture",
-                "head_dim",
-                "rope_dim", "num_q_heads", "num_kv_heads", "compress_ratios", "dtype", "backends", "targets")
-
-
-def serving_flags_given(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> bool:
-    """Whether anything describes a server: its command line, a config file, or a flag beyond --target/--backend."""
-    return server_argv is not None or bool(getattr(ns, "config", None)) or any(
-        getattr(ns, name, None) is not None for name in _FLAG_FIELDS if name not in ("targets", "backends"))
-
-
-def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> ServingConfig:
-    """Build a config from parsed flags: the TOML file (if any), then the server's command line, then flags."""
-    values: dict[str, Any] = {}
-    if getattr(ns, "config", None):
-        values.update(read_config_file(ns.config))
-    if server_argv is not None:
-        try:
-            values.update(_from_inputs(servers.adapter_for(server_argv).parse_argv(server_argv)))
-        except UsageError as exc:
-            raise ConfigError([str(exc)]) from None
-    given = {name: getattr(ns, name) for name in _FLAG_FIELDS if getattr(ns, name, None) is not None}
-    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-    return ServingConfig(**values)
 
 

@@ -43,7 +43,7 @@ class Ladder:
     Attributes
     ----------
     source : str
-        ``"built-in rules of sglang 0.5.23"`` or ``"sglang <version> (installed)"``.
+        ``"built-in rules of sglang <VERSION>"`` or ``"sglang <version> (installed)"``.
     shapes : tuple of CaptureShape
         One per captured graph, in capture order (largest first); empty when decode graphs are off.
     capture_bs : tuple of int

@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 
 from jitwarm.cache.errors import UsageError
 
-__all__ = ["DEFAULT", "ROOMS", "ServerAdapter", "UnknownServer", "adapter", "adapter_for"]
+__all__ = ["DEFAULT", "ROOMS", "ServerAdapter", "UnknownServer", "adapter", "adapter_for", "recognised"]
 
 #: Every server room, by the name of its subpackage.
 ROOMS = ("sglang",)

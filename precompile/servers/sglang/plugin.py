@@ -210,7 +210,7 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
         if server_hook is not None:
             server_hook()
         # Drain after EVERY warmup, not only the last: then the last warmup's work is drained and all ranks have
-        # met before capture starts, however many warmups a backend runs (two in 0.5.23). In tc-piecewise the
+        # met before capture starts, however many warmups a backend runs (two in VERSION). In tc-piecewise the
         # second forward is the capture: the drain (the hook, in plan mode) after the first is the one before it.
         _drain(backend)
 
@@ -268,8 +268,9 @@ def _hookable(path: str) -> bool:
 def _file_fields(path: str) -> dict[str, Any]:
     """The JITWARM_CONFIG file's fields (model dims, backends, targets); capture settings are the server's."""
     from jitwarm.precompile import config
+    from jitwarm.precompile.config_sources import read_config_file
 
-    fields = config.read_config_file(path)
+    fields = read_config_file(path)
     server = sorted(set(fields) & (config.SERVER_ARGS_FIELDS | {"ragged_verify_mode"}))
     if server:
         log.warning("jitwarm: %s sets %s: ignored, the server's own arguments (and SGLANG_RAGGED_VERIFY_MODE) "

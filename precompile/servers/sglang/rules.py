@@ -87,7 +87,7 @@ def normalize_algorithm(name: str | None) -> str | None:
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the decode graphs sglang 0.5.23 captures for these raw settings.
+    """Return the decode graphs sglang ``VERSION`` captures for these raw settings.
 
     Parameters
     ----------
