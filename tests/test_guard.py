@@ -90,3 +90,32 @@ def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypa
         ops.plan(layout, lens, torch.zeros(2, dtype=torch.int32), ratio=128)
     after = dispatch.counters()
     assert after["builds"] == before["builds"] and after["loads"] == before["loads"]
+
+
+def test_each_server_room_seals_its_own_jit(monkeypatch, tmp_path):
+    """The sglang room's seal (servers/sglang/seals.py) on a stand-in of sglang's loader module: its lookups and
+    its build lock raise inside the guard, pass outside, and are restored after. The real loader is sealed in
+    test_sglang_jit.py against the wheel."""
+    import types
+
+    from jitwarm.precompile.servers.sglang import seals
+
+    loader = types.ModuleType(seals.LOADER)
+    leaf = tmp_path / "sm90a" / "sgl_kernel_jit_clamp" / "build-k" / "deps-d" / "sgl_kernel_jit_clamp.so"
+    loader._find_prebuilt = lambda *args: leaf
+    loader._build_lock = lambda scope: "built"
+    originals = (loader._find_prebuilt, loader._build_lock)
+    monkeypatch.setitem(sys.modules, seals.LOADER, loader)
+    with capture_guard(seal_third_party=True):
+        with pytest.raises(CompileDuringCaptureError, match=r"sglang load_jit module sgl_kernel_jit_clamp \(load of"):
+            loader._find_prebuilt("x")
+        with pytest.raises(CompileDuringCaptureError, match=r"sglang load_jit module \? \(compile of"):
+            loader._build_lock(tmp_path)
+    assert (loader._find_prebuilt, loader._build_lock) == originals
+    assert loader._find_prebuilt("x") == leaf and loader._build_lock(tmp_path) == "built"
+    seal = guard_module.ThirdPartySeal()
+    seal.install()
+    try:  # installed but not armed: calls go through
+        assert loader._build_lock(tmp_path) == "built"
+    finally:
+        seal.remove()
