@@ -143,7 +143,7 @@ class RootLayout:
         if path is not None:
             remove_tree(path)
         with contextlib.suppress(OSError):
-            os.rmdir(self.staging)
+            self.staging.rmdir()
 
     def quarantine_dir(self, name: str) -> Path:
         """Return a fresh, unique path in quarantine for a bad copy of ``name`` (a key, or ``shard-<kk>``)."""

@@ -1,29 +1,75 @@
-"""KernelCache: the facade over the local tier, the remote tier, bundles and prune; and CacheResult."""
+"""KernelCache: the one public face of the cache (its protocol is :mod:`jitwarm.cache.protocol`); its counters."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from jitwarm.cache import bundle, prune, settings
+from jitwarm.cache import bundle, maintenance, settings
 from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
-from jitwarm.cache.files import directory_size, remove_tree
-from jitwarm.cache.fleet import Fleet
+from jitwarm.cache.files import directory_size
 from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
-from jitwarm.cache.local import BuildFn, LocalCache
 from jitwarm.cache.locks import OnWait
-from jitwarm.cache.prune import PruneReport
-from jitwarm.cache.remote import RemoteReport, RemoteStore
-from jitwarm.cache.remote_health import redact
-from jitwarm.cache.stats import CacheStats, StatsCounter
-from jitwarm.cache.verify import VerifyReport, verify_copies
+from jitwarm.cache.maintenance import PruneReport, VerifyReport, verify_copies
+from jitwarm.cache.protocol import BuildFn, LocalCache
+from jitwarm.cache.remote import Fleet, RemoteReport, RemoteStore, redact
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of one :class:`KernelCache` in this process (``to_json`` for ``--json`` output).
+
+    ``hits`` (served without waiting), ``misses`` (lock-free lookups that found nothing), ``builds``,
+    ``waits`` (another process held the key's lock), ``lock_wait_s``, ``corrupt`` (copies that failed
+    verification), and the remote tier's ``remote_hits`` (downloaded), ``remote_misses``, ``remote_uploads``,
+    ``lease_waits`` (another node held the fleet lease), ``remote_rejected`` (failed the check against their
+    manifest, never used) and ``remote_errors``.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    builds: int = 0
+    waits: int = 0
+    lock_wait_s: float = 0.0
+    corrupt: int = 0
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_uploads: int = 0
+    lease_waits: int = 0
+    remote_rejected: int = 0
+    remote_errors: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the counters as a JSON-able dict."""
+        return asdict(self)
+
+
+class StatsCounter:
+    """Thread-safe accumulator behind :meth:`KernelCache.stats`; the tiers get its :meth:`add`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
+
+    def add(self, name: str, amount: float = 1) -> None:
+        """Add ``amount`` to counter ``name``."""
+        with self._lock:
+            self._values[name] += amount
+
+    def snapshot(self) -> CacheStats:
+        """Return the current values."""
+        with self._lock:
+            return CacheStats(**self._values)  # type: ignore[arg-type]
+
 
 Outcome = Literal["hit", "built", "waited", "downloaded"]
 
@@ -31,9 +77,8 @@ Outcome = Literal["hit", "built", "waited", "downloaded"]
 class CacheResult(NamedTuple):
     """What :meth:`KernelCache.get_or_build_ex` returns: the entry and how this call got it.
 
-    ``outcome`` is ``"hit"`` (already published, no wait), ``"built"`` (this call ran ``build``),
-    ``"waited"`` (another process of this host held the key's lock and this call used its result) or
-    ``"downloaded"`` (the remote tier had it: checked and published into the local root).
+    ``outcome``: ``"hit"``, ``"built"`` (this call ran ``build``), ``"waited"`` (used another process's
+    build) or ``"downloaded"`` (from the remote tier, checked and published locally).
     """
 
     entry: Entry
@@ -41,51 +86,34 @@ class CacheResult(NamedTuple):
 
 
 class KernelCache:
-    """The shared, content-addressed kernel cache (see docs/cache.md).
+    """The shared, content-addressed kernel cache (docs/cache.md).
 
     Parameters
     ----------
     root : path, optional
-        The writable root; ``$JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``.
-    layers : sequence of paths, optional
-        Read-only roots searched after ``root``; None means ``$JITWARM_CACHE_PATH`` (pass ``()`` for none).
-    lock_dir : path, optional
-        Directory of the per-key lock files; ``$JITWARM_LOCK_DIR``, else ``<root>/v1/locks``.
+        The writable root; default ``JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else
+        ``~/.cache/jitwarm``. ``layers`` are read-only roots searched after it (default
+        ``JITWARM_CACHE_PATH``; ``()`` for none); ``lock_dir`` holds the key locks (``JITWARM_LOCK_DIR``, else
+        ``<root>/v1/locks``).
     read_only : bool
-        Never write: lookups only, corrupt entries are skipped rather than quarantined, and
-        ``get_or_build`` raises on a miss.
+        Lookups only: a corrupt entry is skipped, not quarantined, and a miss in ``get_or_build`` raises.
     allow_shared : bool
-        Accept roots and entries other users can write (also ``JITWARM_ALLOW_SHARED=1``).
-    remote : str, optional
-        The fleet's shared Redis, the second level after the local root and layers (``redis://``,
-        ``rediss://``, with password and db); None means ``$JITWARM_REMOTE``, ``""`` none.
-    remote_prefix : str, optional
-        Key namespace on that server; ``$JITWARM_REMOTE_PREFIX``, else ``"jitwarm"``.
-    remote_required : bool, optional
-        Raise ``RemoteUnavailable`` instead of continuing locally when the remote fails;
-        ``$JITWARM_REMOTE_REQUIRED`` when None.
+        Accept roots, lock dirs and entries other users can write (also ``JITWARM_ALLOW_SHARED=1``).
+    remote, remote_prefix, remote_required
+        The fleet's Redis (``JITWARM_REMOTE``; ``""`` for none), its key namespace, and whether its failure
+        raises ``RemoteUnavailable`` instead of going on locally.
 
     Raises
     ------
-    ValueError
-        A knob that is read does not parse (one line naming the variable). A ``JITWARM_*`` variable is read
-        only when its argument leaves it open (None; ``allow_shared=False``), the ``JITWARM_REMOTE_*`` ones
-        only with a remote.
+    SettingError
+        A setting that is read does not parse, or a root or layer is not a directory (one line). A
+        variable is read only when its argument leaves it open, the remote ones only with a remote.
 
     Notes
     -----
-    Contract. Construction reads the environment and touches no file. ``lookup`` and ``wait_for`` never
-    build; ``lookup`` returns None for a missing, corrupt (unparsable, unreadable, not a directory, in a
-    shard that is no directory) or discarded entry and raises only for an untrusted root or entry
-    (``CacheError``); nothing it reads can make it block or recurse without bound. ``verify`` changes
-    nothing unless ``repair=True``. An entry held in ``claim`` is never pruned or quarantined.
-    ``get_or_build`` runs ``build`` only while holding the key's lock, at most once per key per host (lock
-    dir) while entries stay valid. Every returned entry's files
-    were hashed by this instance (verified, or sealed and published by it), and their stat signature is
-    re-checked on every later lookup. Instances are thread-safe; two threads of one process exclude each
-    other like two processes. With a remote, a ``get_or_build`` miss asks it next (under the key's lock)
-    and ``build`` runs at most once per key per fleet; a remote failure is logged once and the call goes
-    on locally, or raises ``RemoteUnavailable`` with ``remote_required``. Everything else stays local.
+    Construction touches no file and connects to nothing. Instances are thread-safe; two threads exclude
+    each other like two processes. Every returned entry's files were hashed by this host and are re-checked
+    by their stat signature on every later lookup (:mod:`jitwarm.cache.protocol`, invariant 3).
 
     """
 
@@ -132,14 +160,7 @@ class KernelCache:
     # -- keys -------------------------------------------------------------------------------------
 
     def key(self, description: Mapping[str, Any]) -> str:
-        """Return the key of ``description``: sha256 hex of the canonical JSON of its preimage.
-
-        Raises
-        ------
-        TypeError
-            ``description`` is not a dict of plain JSON values (the message says where).
-
-        """
+        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
         return key_of(description)
 
     def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,79 +170,40 @@ class KernelCache:
     # -- lookup, get or build, discard, wait --------------------------------------------------------
 
     def lookup(self, key: str) -> Entry | None:
-        """Return the verified entry of ``key`` from the root or a layer, or None.
+        """The verified entry of ``key`` from the root or a layer, or None (missing, corrupt or discarded).
 
-        Never waits and never builds; takes no lock, except that a corrupt copy in the writable root is
-        moved to quarantine when its lock is free (a corrupt layer copy is skipped). Returns None for a
-        missing, corrupt or discarded entry.
-
-        Raises
-        ------
-        ValueError
-            ``key`` is not 64 hex digits.
-        CacheError
-            A root, layer or entry that other users can write (see ``allow_shared``).
-
+        Never waits or builds; a corrupt root copy is quarantined when its lock is free. Raises ValueError for
+        a malformed key, ``CacheError`` for a root, layer or entry other users can write.
         """
         return self._local.lookup(check_key(key))
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
-        """Return the entry for ``description``, building it here if no process has.
+        """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
 
-        Parameters
-        ----------
-        description : Mapping
-            JSON-able description of the artifact; its key is :meth:`key`.
-        build : callable
-            ``build(staging_dir: Path) -> None`` writes the artifact files (regular files, any subfolders;
-            no symlinks, no ``entry.json``). Called under the key's lock, at most once per key per host
-            (per fleet with a remote, under the key's fleet lease too).
-        timeout_s : float
-            How long to wait for another process that holds the key's lock (or another node its fleet
-            lease). Our own build is not bounded.
-        on_wait : callable, optional
-            Called once, with the holder's :class:`LockHolder` (None if not yet recorded), when this call
-            has to wait for another holder.
-        key : str, optional
-            ``cache.key(description)``, already computed by the caller, so that a description is hashed once
-            per process: lookups use it as given; before a build it is checked against ``description``.
-
-        Returns
-        -------
-        Entry
-            The verified entry. Use :meth:`get_or_build_ex` to also learn whether it was hit, built or waited.
+        ``build`` writes regular files (no links, no ``entry.json``) and runs only under the key's lock, at
+        most once per key per host (per fleet with a remote). ``timeout_s`` bounds the wait for another
+        holder, not our own build; ``on_wait(holder)`` is called once when we wait; ``key`` is
+        ``cache.key(description)`` computed once by the caller (checked against it before a build).
 
         Raises
         ------
-        CacheError
-            Miss in a read-only cache; untrusted root or entry; unusable lock dir; ``RemoteUnavailable``
-            when a required remote fails; ``CacheWriteError`` when the root, a lock file, staging or the
-            published entry cannot be written (a full disk, a read-only volume).
         LockTimeout
-            Another holder kept the lock past ``timeout_s`` (names the key and the holder).
+            Another holder kept the key past ``timeout_s``.
         BuildError
             ``build`` raised (chained) or wrote nothing usable; nothing is published, the lock is released.
+        CacheError
+            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``
+            for a write that failed; ``RemoteUnavailable`` when a required remote fails.
         TypeError, ValueError
-            ``description`` is not plain JSON; ``key`` is not a key, or not the key of ``description``.
+            ``description`` is not plain JSON; ``key`` is not a key, or not this description's.
 
         """
         return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
 
     def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                         on_wait: OnWait | None = None, *, key: str | None = None) -> CacheResult:
-        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
-
-        ``outcome`` is ``"hit"``, ``"built"``, ``"waited"`` or ``"downloaded"`` (see :class:`CacheResult`),
-        e.g. for a warm report that counts compiled versus waited kernels.
-
-        Examples
-        --------
-        >>> key = cache.key(description)           # once per process
-        >>> cache.get_or_build_ex(description, build, key=key).outcome
-        'hit'
-
-        """
+        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``."""
         key = key_of(description) if key is None else check_key(key)
         entry = self._local.lookup(key)                                              # 1. lock-free lookup
         if entry is not None:
@@ -234,122 +216,58 @@ class KernelCache:
         return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
 
     def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry this cache returned that its caller cannot use (e.g. a library dlopen rejects).
+        """Set aside an entry its caller cannot use (e.g. a library dlopen rejects); ``reason`` is the caller's.
 
-        The cache knows nothing of loading: ``reason`` is the caller's. An entry of the writable root is
-        quarantined under its key's lock, with ``reason`` beside it, if it is still the same entry on disk
-        (same stat signature; a rebuild another process published meanwhile is left alone). An entry of a
-        read-only layer (or of a read-only cache) cannot be moved: this instance remembers it as rejected
-        and its lookups skip it from now on, so :meth:`get_or_build` builds the key into the writable root.
-        Either way the next ``get_or_build`` of the key builds it again, once under its lock across processes.
-
-        Raises
-        ------
-        LockTimeout
-            The key's lock stayed held past ``timeout_s`` (the entry is still skipped by this instance).
-        CacheError
-            The lock dir is unusable.
-
+        A root entry is quarantined under its key's lock if it is still that entry on disk; a layer's (or a
+        read-only cache's) is skipped by this instance from now on. Either way the next ``get_or_build``
+        builds the key again, once. Raises ``LockTimeout`` (the entry is skipped all the same).
         """
         self._local.discard(entry, reason, timeout_s)
 
     def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> AbstractContextManager[Entry | None]:
         """Keep ``entry`` from being pruned or quarantined while the caller reads (loads) it.
 
-        ``with cache.claim(entry) as claimed:`` takes a shared ``flock`` on the key's lock file (the one that
-        builds, prune, quarantine, import and ``discard`` lock exclusively), then yields the entry if it is
-        still there with the very files that were hashed, else None (pruned, quarantined, rebuilt or
-        discarded meanwhile; nothing is held then): the caller gets it again and claims that. While held,
-        ``prune`` keeps the entry (``skipped_locked``), a lookup does not quarantine it, and a builder, import
-        or ``discard`` of the key in another thread or process waits. Released when the block ends.
-
-        Leave the block before discarding or rebuilding the key: inside it, those wait for the block's own
-        claim until their deadline (``LockTimeout``). Layer entries are only re-checked (nothing here removes
-        them); a root whose lock file cannot be opened (a read-only volume) is read unlocked.
-
-        Raises
-        ------
-        LockTimeout
-            An exclusive holder (a removal, a quarantine, a publish) kept the lock past ``timeout_s``.
-        CacheError
-            The lock file cannot be locked (no flock on this filesystem).
-
-        Examples
-        --------
-        >>> with cache.claim(entry) as claimed:
-        ...     lib = load(claimed.file("lib.so")) if claimed is not None else None
-        >>> if lib is None:                        # it vanished before the claim: get it again
-        ...     entry = cache.get_or_build(description, build, key=key)
-
+        ``with cache.claim(entry) as claimed:`` holds a shared flock on the key's lock file and yields the
+        entry if its files are still the ones hashed, else None (holding nothing: get it again). Leave the
+        block before discarding or rebuilding the key: inside it, those wait for the block's own claim until
+        their deadline. A layer's entry is only re-checked; a root whose lock file cannot be opened (a
+        read-only volume) is read unlocked. Raises ``LockTimeout`` (an exclusive holder kept the key past
+        ``timeout_s``) or ``CacheError`` (no flock here).
         """
         return self._local.claim(entry, timeout_s)
 
     def wait_for(self, key: str, timeout_s: float) -> Entry:
         """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
 
-        Polls :meth:`lookup` with a backoff from 20 ms to 0.5 s and logs once, after a few seconds, who
-        holds the key's lock.
-
-        Raises
-        ------
-        LockTimeout
-            Nothing was published within ``timeout_s``; names the key and the lock holder, if any.
-        CacheError, ValueError
-            As for :meth:`lookup`.
-
+        Raises ``LockTimeout`` (naming the holder) when nothing is published within ``timeout_s``.
         """
         return self._local.wait_for(check_key(key), timeout_s)
 
     # -- maintenance ------------------------------------------------------------------------------
 
     def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (default: every entry, and every shard path, in the root and layers).
+        """Re-hash every copy of ``keys`` (default: every entry and shard path of the root and layers).
 
-        Looking never changes the cache unless asked. With ``repair=False`` (the default: ``status``, a
-        ``verify`` that only looks) a corrupt copy is reported and left in place, and no verification stamp
-        is written. With ``repair=True`` corrupt copies in the writable root, and shard paths of it that are
-        no directory, are moved to quarantine (when their lock is free), so the next ``get_or_build``
-        rebuilds them. Corrupt copies in layers are only ever reported. Never raises for corrupt content.
-
-        Raises
-        ------
-        CacheError
-            An untrusted root or entry.
-
+        Looking changes nothing; with ``repair=True`` a corrupt root copy is quarantined when its lock is
+        free (layers are only reported). Never raises for corrupt content; ``CacheError`` for an untrusted
+        directory.
         """
         return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair)
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, *,
               grace_s: float | None = None) -> PruneReport:
-        """Remove entries of the writable root, least recently used first, and abandoned staging dirs.
+        """Remove root entries least recently used first (to ``max_bytes``, or unused ``older_than_s``).
 
-        Parameters
-        ----------
-        max_bytes : int, optional
-            Remove least recently used entries until the root's entries total at most this many bytes.
-        older_than_s : float, optional
-            Remove entries not used for this long (and quarantined copies older than this).
-        grace_s : float, optional
-            Never remove an entry used this recently (default ``JITWARM_PRUNE_GRACE_S``, 600 s): an entry a
-            lookup or ``get_or_build`` returned stays at least this long minus a minute, so a caller that
-            reads it without a claim does not lose it to a concurrent prune.
-
-        Returns
-        -------
-        PruneReport
-            What was removed, and what was kept because its lock is held. Each removal try-locks its key
-            and never waits: an entry whose key lock is held is never removed; layers are never touched.
-
-        Raises
-        ------
-        CacheError
-            The cache is read-only.
-
+        Never removes an entry whose key is locked or claimed (``skipped_locked``), nor one used within
+        ``grace_s`` (default ``JITWARM_PRUNE_GRACE_S``, 600 s; ``skipped_recent``): an entry a lookup
+        returned stays at least that long less a minute, claimed or not. Also removes abandoned staging
+        dirs and, with ``older_than_s``, old quarantined copies; never touches a layer. ``CacheError`` for a
+        read-only cache, ``UntrustedPath`` for an untrusted lock dir.
         """
         self._require_writable("prune")
         grace = settings.prune_grace_s() if grace_s is None else max(0.0, float(grace_s))
-        report = prune.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
+        report = maintenance.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
                                   grace_s=grace, shared=self.allow_shared)
         for key in report.removed:
             self._local.forget(self._local.root.entry_dir(key))
@@ -366,11 +284,7 @@ class KernelCache:
     # -- remote tier ------------------------------------------------------------------------------
 
     def check_remote(self) -> str | None:
-        """Ask the remote tier whether it answers: None if it does (or none is set), else why not.
-
-        A failure counts as in ``get_or_build``: logged once, the remote is skipped for a while, and with
-        ``remote_required`` it raises ``RemoteUnavailable`` instead.
-        """
+        """None if the remote answers (or none is set), else why not (logged once; raises if required)."""
         return None if self._remote is None else self._remote.check()
 
     @property
@@ -379,28 +293,16 @@ class KernelCache:
         return None if self._remote is None else self._remote.error
 
     def remote_report(self, keys: Iterable[str]) -> RemoteReport | None:
-        """Return which of ``keys`` the remote holds (None without a remote); nothing is downloaded.
-
-        An unreachable remote gives ``available=False``, or raises ``RemoteUnavailable`` when required.
-        """
+        """Which of ``keys`` the remote holds, nothing downloaded (None without a remote)."""
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
     # -- bundles and plan records -----------------------------------------------------------------
 
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
-        """Write the entries of ``keys`` to one relocatable tar (gzip'd if ``path`` ends in .gz/.tgz).
+        """Write the entries of ``keys`` to one relocatable tar (gzip'd for .gz/.tgz); extracted, it is a layer.
 
-        Members are ``bundle.json``, then ``v1/entries/<kk>/<key>/...``: extracted with ``tar`` into a
-        directory, the bundle is a layer (``JITWARM_CACHE_PATH``).
-
-        Raises
-        ------
-        CacheError
-            A key is missing or corrupt (nothing is written).
-        CacheWriteError
-            ``path`` is a directory, its directory is missing or unwritable, or the disk is full (no
-            partial file is left).
-
+        Raises ``CacheError`` for a missing or corrupt key and ``CacheWriteError`` for a failed write (no
+        partial file is left).
         """
         keys = sorted({check_key(k) for k in keys})
         entries = [self.lookup(k) for k in keys]
@@ -411,29 +313,12 @@ class KernelCache:
         return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0) -> ImportReport:
-        """Import a bundle made by :meth:`export_bundle` into the writable root.
+        """Import a bundle into the root: every member checked and every file hashed before anything is published.
 
-        Every member is checked (no absolute paths, ``..``, links or devices) and every entry fully
-        verified (each file hashed once) before anything is published; then each key is published by a
-        rename under its key's lock, unless the root or a layer already has it.
-
-        Sizes are capped while the headers are read, before anything is written: a member over
-        ``JITWARM_BUNDLE_MAX_FILE_BYTES`` (default 2 GiB) or a bundle over ``JITWARM_BUNDLE_MAX_BYTES``
-        (default 32 GiB) is refused. Both the ``v1/entries/...`` layout and the older ``entries/...`` one
-        are read.
-
-        Raises
-        ------
-        CacheError
-            A bad archive or entry (nothing imported), or a read-only cache.
-        CacheWriteError
-            Writing the unpacked entries failed (a full disk): nothing was published, the staging
-            directory is gone, and the message names the file and the reason.
-        LockTimeout
-            A key's lock stayed busy past ``timeout_s`` (keys published before it stay imported).
-        ValueError
-            A bad ``JITWARM_BUNDLE_MAX_*`` value.
-
+        Each key is then published by a rename under its lock unless the root or a layer has it. Members over
+        ``JITWARM_BUNDLE_MAX_FILE_BYTES`` or bundles over ``JITWARM_BUNDLE_MAX_BYTES`` are refused from their
+        headers. Raises ``CacheError`` (a bad bundle: nothing imported; a read-only cache),
+        ``CacheWriteError`` (a failed write: nothing published, no staging left) or ``LockTimeout``.
         """
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
@@ -448,20 +333,7 @@ class KernelCache:
             self._local.root.drop_staging(staging)
 
     def write_plan_record(self, plan_id: str, record: Mapping[str, Any]) -> Path:
-        """Atomically write ``<root>/v1/plans/<plan_id>.json`` and return its path.
-
-        Raises
-        ------
-        ValueError
-            ``plan_id`` is not a safe file name (``[A-Za-z0-9._-]``, 1-128 characters).
-        TypeError
-            ``record`` is not JSON-able.
-        CacheError
-            The cache is read-only.
-        CacheWriteError
-            The record cannot be written (a full disk, a read-only volume).
-
-        """
+        """Atomically write ``<root>/v1/plans/<plan_id>.json``; ValueError for a bad id, TypeError, CacheError."""
         self._require_writable("write a plan record")
         self._local.root.plan_path(plan_id)  # a bad id raises before anything is created
         self._local.prepare_root()
@@ -470,12 +342,10 @@ class KernelCache:
     # -- facts -------------------------------------------------------------------------------------------
 
     def read_fact(self, name: str) -> str | None:
-        """Return a fact a caller kept in the writable root with :meth:`write_fact`, or None.
+        """A fact a caller kept with :meth:`write_fact` (e.g. a compiler's version by its binary's stat), or None.
 
-        Facts are small strings a caller derived from this host's state and keys by it (jitwarm.kernels keeps
-        a compiler's ``--version`` under a name made from the compiler binary's inode, size and times), so a
-        later process need not derive them again. The cache knows nothing of their meaning; an unreadable or
-        untrusted fact is None. ValueError for a name outside ``[A-Za-z0-9._-]{1,128}``.
+        The cache knows nothing of their meaning; an unreadable or untrusted fact is None. ValueError for a
+        name outside ``[A-Za-z0-9._-]{1,128}``.
         """
         return read_fact(self._local.root, name, allow_shared=self.allow_shared)
 
@@ -488,10 +358,7 @@ class KernelCache:
             write_fact(self._local.root, name, value)
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
-        """Return the plan record from the root, else the first layer that has it, else None.
-
-        A record that does not parse as a JSON object is logged and skipped. ValueError for a bad ``plan_id``.
-        """
+        """The plan record from the root, else the first layer that has it, else None (a bad one is skipped)."""
         return read_plan_record([layout for layout, _ in self._local.search_order()], plan_id)
 
     def _require_writable(self, what: str) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 from workers.cache_harness import build_counts, cache_for, desc, make_builder
 
-from jitwarm.cache import prune as prune_module
+from jitwarm.cache import maintenance as prune_module
 from jitwarm.cache.locks import KeyLock, this_host
 from jitwarm.cache.settings import override
 

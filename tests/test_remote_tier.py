@@ -15,8 +15,7 @@ from remote_fixtures import RedisServer, free_port, redis_server_binary
 from workers.cache_harness import artifact_bytes, build_counts, desc, make_builder
 
 from jitwarm.cache import CacheError, KernelCache, LockTimeout, RemoteUnavailable, settings
-from jitwarm.cache.fleet import FleetLease
-from jitwarm.cache.remote import RemoteStore
+from jitwarm.cache.remote import FleetLease, RemoteStore
 from jitwarm.cache.settings import override
 
 

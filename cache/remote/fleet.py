@@ -22,7 +22,7 @@ from pathlib import Path
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.files import loads, remove_tree
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
-from jitwarm.cache.remote import RemoteFailure, RemoteStore
+from jitwarm.cache.remote.redis import RemoteFailure, RemoteStore
 
 log = logging.getLogger("jitwarm.cache")
 

@@ -1,13 +1,40 @@
-"""The local tier: verified lookups over a writable root and read-only layers, and the exactly-once publish.
+"""The cache protocol: lookup, get-or-build, publish, verify-on-read, quarantine, claims, discard.
 
-Read top to bottom, this is the protocol of docs/cache.md: 1. **lookup** (memo while the stat signature is
-unchanged, else full verification; a corrupt copy, or a shard path that is no directory, is quarantined in
-the root, skipped in a layer; discarded entries are skipped), 2. **lock** the key, looking for the holder's
-entry while waiting, 3. **look again** (with an NFS retry after a wait), 4. **build** into staging,
-5. **seal**, 6. **rename** into place (losing the race is success) -- or hand the key to
-:mod:`jitwarm.cache.fleet` with :class:`LocalSteps` -- 7. **release**. Whatever writes an entry directory
-(build, download, bundle import, quarantine, discard) runs under the key's lock; lookups take none, except
-that quarantining a corrupt copy try-locks its key; a reader's **claim** holds it shared.
+The question the cache answers: "give me the files a build of this description produces", built at most
+once per host (once per fleet with a remote tier), and never anything half-written, corrupt, or planted by
+another user. It knows nothing of kernels: a description is plain JSON, a build a callable that writes files.
+
+Keys. ``key = sha256(canonical JSON of {"format": 1, "description": ...})`` (:mod:`jitwarm.cache.keys`). The
+description names everything the bytes depend on; nothing else reaches the key.
+
+Layout (:class:`~jitwarm.cache.layout.RootLayout`)::
+
+    <root>/v1/entries/<kk>/<key>/   the artifact files and entry.json (size and sha256 of each), written last
+    <root>/v1/staging/<host>-<pid>-<key>-<rand>/   a build in flight; staging/ exists only while one is
+    <root>/v1/locks/<key>.lock      flock: exclusive to write the entry dir, shared to read it (a claim)
+    <root>/v1/verified/<kk>/        stamps: what this host hashed each entry as (a hint, never the truth)
+    <root>/v1/quarantine/           corrupt or rejected copies, with a .reason note
+
+Read-only layers (``JITWARM_CACHE_PATH``) have the same layout and are searched after the root.
+
+Invariants.
+1. An entry directory appears by one ``rename`` from staging, after every file was hashed into its
+   ``entry.json``: a reader sees all of it or none of it.
+2. Whatever writes an entry directory (build, download, import, quarantine, discard, prune) holds the key's
+   exclusive lock; a build runs only under it, so at most once per key per lock dir.
+3. An entry is returned only after this process hashed its files, or while their stat signature (inode,
+   size, mtime, ctime of every file, and the listing) still equals what this host hashed (its stamp).
+4. A reader holds a shared claim while it reads; prune and quarantine only try-lock, so they keep a claimed
+   entry. Prune also keeps an entry used within its grace period (a lookup touches an entry under a claim).
+5. A corrupt copy is a miss: moved to quarantine in the root (under its lock, after looking once more),
+   skipped in a layer. Nothing here raises for corrupt content; an untrusted directory raises.
+6. Every wait has a deadline (``LockTimeout``); every file read is bounded and never blocks.
+
+Known gaps. Exactly-once holds per lock dir: two hosts with their own lock dirs on one shared root may both
+build a key (the second rename loses and is dropped). NFS can hide a fresh rename for a moment: we look
+again, then serve our own staged copy. Inside its own claim a thread must not build or discard that key
+(flock SH and EX conflict within a process: it waits until its deadline). The stat signature trusts that
+an attacker who can rewrite a file and restore its ctime is already root.
 """
 
 from __future__ import annotations
@@ -26,8 +53,7 @@ from typing import Any
 
 from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
-from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, remove_tree
-from jitwarm.cache.fleet import Fleet, LocalSteps
+from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, remove_tree, write_atomic
 from jitwarm.cache.keys import keyed
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import (
@@ -38,8 +64,8 @@ from jitwarm.cache.locks import (
     ready_lock_dir,
     wait_until,
 )
-from jitwarm.cache.prune import sweep_staging
-from jitwarm.cache.quarantine import move_aside, quarantine_shard, shard_problem
+from jitwarm.cache.maintenance import sweep_staging
+from jitwarm.cache.remote.fleet import Fleet, LocalSteps
 from jitwarm.cache.stamps import stamped_entry, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
@@ -58,16 +84,11 @@ NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 
 
 class LocalCache:
-    """One writable root (or a read-only one) plus read-only layers, and the publish protocol into the root.
+    """One writable root (or a read-only one) plus read-only layers: the protocol above, top to bottom.
 
-    Contract: :meth:`lookup` returns an entry only after this host hashed its files (this instance, verifying
-    or publishing it; or an earlier one, whose stamp says so), only while their stat signature and listing
-    are unchanged since, and never one :meth:`discard` rejected; it returns None for a missing, corrupt
-    (including unreadable, or not a directory) or rejected entry and raises ``CacheError`` only for a
-    directory other users can write; quarantine and stamps are best effort and never raise.
-    :meth:`get_or_build` runs ``build`` only under the key's lock, and raises ``CacheWriteError`` for what it
-    cannot write. :meth:`claim` holds the key's lock shared. The callers (:class:`~jitwarm.cache.KernelCache`) check keys
-    and the read-only flag first.
+    :meth:`lookup` raises ``CacheError`` only for a directory other users can write; quarantine, stamps and
+    touches are best effort and never raise. :class:`~jitwarm.cache.KernelCache` checks keys and the
+    read-only flag before calling in.
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
@@ -104,11 +125,10 @@ class LocalCache:
 
     def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
                    repair: bool = True) -> tuple[Entry | None, str | None]:
-        """Verify one copy: ``(entry, None)``, ``(None, why)`` if corrupt (quarantined or skipped), or a miss.
+        """Verify one copy: ``(entry, None)``, ``(None, why)`` when corrupt (quarantined or skipped), or a miss.
 
-        With ``stamped``, an entry this host hashed before and whose files are unchanged since (its stamp
-        matches) is accepted without reading them again; else (and for ``verify``) every file is hashed.
-        Without ``repair`` nothing is written: a corrupt copy is only reported, and no stamp is kept.
+        ``stamped``: accept a copy whose stamp matches its files without hashing them; ``repair=False``
+        (``verify`` that only looks) writes nothing.
         """
         path = layout.entry_dir(key)
         self.forget(path)
@@ -121,7 +141,8 @@ class LocalCache:
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
         if not self._shard_is_trusted_dir(layout, path):  # a symlinked shard: the lstat above went through it
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        if stamped and (entry := self._from_stamp(path, key, read_only, st)) is not None:
+        if stamped and (entry := stamped_entry(self.root, path, key, allow_shared=self.allow_shared,
+                                                read_only=read_only, st=st)) is not None:
             self._known(entry, st)
             return entry, None
         try:
@@ -142,7 +163,7 @@ class LocalCache:
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
-        """A shard path that is no usable directory: every key of it is corrupt until it is moved aside."""
+        """A shard path that is no usable directory: every key in it is corrupt until it is moved aside."""
         why = shard_problem(shard)
         if why is None:
             return None, None  # gone meanwhile, or the problem is above it (v1 or entries): a miss
@@ -154,11 +175,7 @@ class LocalCache:
         return None, why
 
     def _shard_is_trusted_dir(self, layout: RootLayout, path: Path) -> bool:
-        """Trust-check the top directories of ``layout`` and the shard of the entry dir ``path``.
-
-        False when the shard is no directory; raises ``CacheError`` when other users can write it (and
-        OSError when it cannot be lstat'ed).
-        """
+        """Trust-check the root's top dirs and the shard of ``path``; False when the shard is no directory."""
         self.check_root(layout)
         parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
         shard = os.lstat(parent)
@@ -181,7 +198,7 @@ class LocalCache:
             self._last_use[entry.key] = st.st_mtime
 
     def check_root(self, layout: RootLayout) -> None:
-        """Trust-check a root's top directories (those that exist) by what they resolve to, once per instance each."""
+        """Trust-check a root's top directories that exist, by what they resolve to, once per instance."""
         if layout.entries in self._trusted:  # the last of the three: all of them passed
             return
         for path in (layout.root, layout.base, layout.entries):
@@ -199,10 +216,6 @@ class LocalCache:
             self._verified[entry.path] = entry
         if stamp and not self.read_only:
             write_stamp(self.root, entry)
-
-    def _from_stamp(self, path: Path, key: str, read_only: bool, st: os.stat_result) -> Entry | None:
-        """The entry at ``path`` when this host's stamp says its files are the ones it hashed (see recheck_entry)."""
-        return stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only, st=st)
 
     def forget(self, path: Path) -> None:
         """Drop what is known about the entry directory ``path`` (it was removed or replaced)."""
@@ -243,12 +256,10 @@ class LocalCache:
     # -- quarantine and discard ----------------------------------------------------------------------
 
     def _quarantine_corrupt(self, key: str, reason: str, *, locked: bool) -> None:
-        """Move the root's corrupt copy of ``key`` aside.
+        """Move the root's corrupt copy of ``key`` aside; never raises.
 
-        Without ``locked`` it takes the key's lock without waiting (a held lock means a builder or a reader's
-        claim is on it: the builder will quarantine it itself) and verifies once more, since another process
-        may have replaced the bad entry with a good one meanwhile. Never raises: a lock dir that cannot be
-        used (a read-only volume) leaves the entry where it is, still never returned.
+        Unless ``locked`` (we hold the key), try-lock it: a held lock is a builder (it quarantines the copy
+        itself) or a reader's claim; then verify once more, since another process may have replaced it.
         """
         if locked:
             self._move_to_quarantine(key, reason)
@@ -268,16 +279,13 @@ class LocalCache:
             self._move_to_quarantine(key, reason)
 
     def _move_to_quarantine(self, key: str, reason: str) -> None:
-        """Rename the root's entry of ``key`` to ``quarantine/<key>-<utc>-<pid>-<rand>`` + ``.reason`` (locked)."""
+        """Rename the root's entry of ``key`` into quarantine with a ``.reason`` note (we hold its lock)."""
         path = self.root.entry_dir(key)
         self.forget(path)
         move_aside(self.root, key, path, reason)
 
     def discard(self, entry: Entry, reason: str, timeout_s: float) -> None:
-        """Reject an entry its caller could not use: quarantine it if it is the root's and unchanged, else skip it.
-
-        Raises ``LockTimeout`` if the key's lock stays held past ``timeout_s`` (it is rejected all the same).
-        """
+        """Reject an entry its caller could not use: quarantine the root's if unchanged, else skip it from now on."""
         with self._mutex:
             self._rejected.add((entry.path, entry.signature))
         if entry.read_only or self.read_only or entry.path != self.root.entry_dir(entry.key):
@@ -313,7 +321,10 @@ class LocalCache:
 
     def get_or_build(self, key: str, description: Mapping[str, Any], build: BuildFn, timeout_s: float,
                      on_wait: OnWait | None, fleet: Fleet | None) -> tuple[Entry, str]:
-        """Steps 2-7 after a lock-free miss; returns ``(entry, outcome)`` (see ``KernelCache.get_or_build_ex``)."""
+        """Steps 2-7 after a lock-free miss: lock, look again, build (or the fleet's), publish, release.
+
+        Returns ``(entry, outcome)``; a waiter stops waiting as soon as the holder's entry is visible.
+        """
         self.prepare_root()
         waited, found = False, []
 
@@ -355,7 +366,7 @@ class LocalCache:
             lock.release()                                                                 # 7. release
 
     def prepare_root(self) -> None:
-        """Create the root's top directories and the lock dir (nothing exists before the first write); check them."""
+        """Create and trust-check the root's top directories and the lock dir (nothing exists before a write)."""
         try:
             self.root.ensure(self.root.entries)
             ready_lock_dir(self.lock_dir, shared=self.allow_shared)
@@ -377,10 +388,10 @@ class LocalCache:
         return entry
 
     def _build(self, key: str, description: Mapping[str, Any], build: BuildFn) -> Entry:
-        """Run ``build`` into a fresh staging dir, seal it and publish it (the caller holds the key's lock).
+        """Build into a fresh staging dir, seal and publish it (we hold the key's lock).
 
-        Raises ``BuildError`` (the staging dir is gone), or ValueError when ``key`` is not the key of
-        ``description`` (a caller's precomputed key is checked here, before anything is built).
+        ValueError when ``key`` is not ``description``'s (a caller's precomputed key is checked here, before
+        anything is built); ``BuildError`` otherwise, with no staging dir left.
         """
         actual, preimage = keyed(description)
         if actual != key:
@@ -411,14 +422,13 @@ class LocalCache:
             raise CacheWriteError.of("create the staging directory", exc, self.root.staging) from exc
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
-        """Rename a sealed or checked entry from staging to ``entries/<kk>/<key>`` (the caller holds the lock).
+        """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return the published entry.
 
-        The files were hashed when they were sealed, downloaded or unpacked; a rename keeps their inodes and
-        times, so an unchanged signature proves the published entry is what was hashed. Losing the rename
-        race (EEXIST/ENOTEMPTY: someone published without our lock, e.g. another host with its own lock
-        dir) is success: verify the winner and drop ours. If the winner stays invisible (NFS, DeepEP #683),
-        serve our own copy from staging rather than fail (as DeepEP PR #684 does); ``prune`` removes it
-        once this process is gone. Without ``keep_fallback`` that case raises ``CacheError``.
+        A rename keeps inodes and times, so an unchanged signature proves the published entry is what was
+        hashed. Losing the race (EEXIST/ENOTEMPTY: another host with its own lock dir) is success: verify the
+        winner and drop ours. A winner that stays invisible (NFS, DeepEP #683) means serving our own staged
+        copy (as DeepEP PR #684 does; prune removes it once we are gone), or ``CacheError`` without
+        ``keep_fallback``.
         """
         final = self.root.entry_dir(staged.key)
         for _attempt in range(2):
@@ -450,10 +460,7 @@ class LocalCache:
         return staged
 
     def publish_new(self, staged: Entry, timeout_s: float) -> bool:
-        """Publish an unpacked, verified entry (a bundle's) under its key's lock; False if the key is available.
-
-        Raises ``LockTimeout`` (the lock stayed busy past ``timeout_s``) or ``CacheError``.
-        """
+        """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout."""
         if self.lookup(staged.key) is not None:
             return False
         with KeyLock(self.lock_dir, staged.key, shared=self.allow_shared) as lock:
@@ -483,6 +490,79 @@ class LocalCache:
             return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
+
+
+
+# -- moving what failed verification aside ------------------------------------------------------------------
+
+log = logging.getLogger("jitwarm.cache")
+
+
+def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
+    """Rename ``path`` to ``quarantine/<name>-<utc>-<pid>-<rand>`` with a ``.reason`` note; False if it could not.
+
+    The caller holds the lock that guards ``path``. A move that fails (another user's entry in a shared root,
+    a read-only volume) is logged and leaves it where it is: it is still never used.
+    """
+    dest = layout.quarantine_dir(name)
+    try:
+        layout.ensure(layout.quarantine)
+        try:
+            path.rename(dest)
+        except PermissionError:
+            # Moving a directory to another parent rewrites its "..": our own unreadable (0000) entry or shard
+            # needs its owner's write bit back first. Another user's is left where it is.
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise
+            path.chmod(0o700)
+            path.rename(dest)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # e.g. another user's entry in a shared root, a read-only volume: leave it, still unused
+        log.warning("%s could not be quarantined (%s): %s", path, exc.strerror or exc, reason)
+        return False
+    with contextlib.suppress(OSError):
+        write_atomic(dest.with_name(dest.name + ".reason"), reason.encode(), durable=False)
+    log.warning("quarantined %s to %s: %s", path, dest, reason)
+    return True
+
+
+def shard_problem(shard: Path) -> str | None:
+    """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can."""
+    try:
+        st = os.lstat(shard)
+    except OSError:  # missing, or a directory above it is the problem (not for this shard to answer)
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{shard} is a symlink, not a shard directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{shard} is not a directory"
+    try:
+        with os.scandir(shard):
+            pass
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{shard} cannot be read: {exc.strerror or exc}"
+    if not os.access(shard, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return f"{shard} cannot be read: Permission denied"
+    return None
+
+
+def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, reason: str, *, shared: bool = False) -> bool:
+    """Move a bad shard path of the root aside, under the try-locked ``shard-<kk>`` and after looking again."""
+    lock = KeyLock(lock_dir, f"shard-{shard.name}", shared=shared)
+    try:
+        if not lock.try_acquire():
+            return False
+    except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
+        log.warning("not quarantining %s (%s): %s", shard, exc, reason)
+        return False
+    try:
+        return shard_problem(shard) is not None and move_aside(layout, f"shard-{shard.name}", shard, reason)
+    finally:
+        lock.release()
 
 
 def _refresh_dir(path: Path) -> None:
