@@ -47,30 +47,12 @@ class FileRecord:
 class Entry:
     """A published, verified cache entry.
 
-    Attributes
-    ----------
-    key : str
-        The sha256 key.
-    path : Path
-        The entry directory; artifact files are ``path / name`` for ``name`` in ``files``.
-    files : tuple of str
-        Relative POSIX paths of the artifact files (``entry.json`` excluded), sorted.
-    description : dict
-        The description the key was made from (as plain JSON: tuples read back as lists).
-    preimage : dict
-        The full key preimage ``{"format": ..., "description": ...}``, to explain a miss.
-    records : tuple of FileRecord
-        Size and sha256 of each file, in ``files`` order.
-    created : float
-        When the entry was sealed (``time.time()`` of the builder).
-    read_only : bool
-        True when served from a read-only layer or a read-only cache.
-    signature : tuple
-        ``(name, inode, size, mtime_ns, ctime_ns)`` of ``entry.json`` and every file, taken when the bytes
-        were last hashed; the cache compares it with the files on every later lookup
-        (:func:`unchanged`) instead of hashing again, and ``KernelCache.discard`` uses it to tell this
-        entry from a rebuild of the same key.
-
+    ``files`` are the artifact files' relative POSIX paths (``entry.json`` excluded), sorted, with their
+    size and sha256 in ``records``; ``description`` and ``preimage`` are what the key was made from (to
+    explain a miss); ``read_only`` marks a layer's (or a read-only cache's) entry. ``signature`` is
+    ``(name, inode, size, mtime_ns, ctime_ns)`` of ``entry.json`` and every file when they were last
+    hashed: later lookups compare it (:func:`unchanged`) instead of hashing again, and ``discard`` tells this
+    entry from a rebuild of its key by it.
     """
 
     key: str
@@ -98,22 +80,10 @@ class Entry:
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Turn a finished build directory into a complete entry, ready to be renamed into place.
 
-    Makes files read-only (``0o444``, or ``0o555`` when executable) and removes write access for other
-    users (and for the group, unless ``shared``) from directories, hashes every file once, writes
-    ``entry.json`` last and fsyncs the whole tree, so that after the rename no reader (or crash) can see a
-    partial entry.
-
-    Returns
-    -------
-    Entry
-        The entry at ``staging``, with the signature of what was hashed: publishing it renames the
-        directory and compares signatures (:func:`unchanged`), and hashes nothing again.
-
-    Raises
-    ------
-    CacheError
-        The build wrote no files, a symlink or special file, or a file named ``entry.json``.
-
+    Files become read-only (``0o444``, ``0o555`` when executable), directories lose write access for others
+    (and the group, unless ``shared``); every file is hashed once, ``entry.json`` written last and the tree
+    fsync'd. The entry carries the signature of what was hashed, so publishing it hashes nothing again.
+    Raises ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
     """
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
@@ -144,29 +114,13 @@ def seal_dirs(staging: Path, shared: bool) -> None:
 
 
 def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = False) -> Entry:
-    """Fully verify the entry directory at ``path`` for ``key`` and return it.
+    """Fully verify the entry directory at ``path`` for ``key`` and return it (each file hashed once).
 
-    Checks, in order: the directory and every file pass the trust check; ``entry.json`` parses, has
-    this format and key, and its preimage hashes to the key; the set of files on disk is exactly the
-    set listed (no extras, no symlinks or special files); each file's size and sha256 match (each file is
-    hashed once).
-
-    Returns
-    -------
-    Entry
-        The entry, with the stat signature that :func:`unchanged` compares against later.
-
-    Raises
-    ------
-    FileNotFoundError
-        There is no directory at ``path`` (a miss, not corruption), or a file vanished while it was read
-        (the caller tells a concurrent removal of the entry from a damaged one).
-    CorruptEntry
-        Anything else is wrong with the content, including what cannot be read (a directory or file this
-        user may not read); the message says what.
-    CacheError
-        The directory or a file in it is writable by other users (see :func:`layout.check_trusted`).
-
+    Checks the trust of the directory and every file, that ``entry.json`` parses with this format and key
+    and a preimage that hashes to it, that the files on disk are exactly those listed, and each size and
+    sha256. Raises ``FileNotFoundError`` for no directory at ``path`` (a miss) or a file that vanished while
+    read (the caller tells a concurrent removal from damage), ``CorruptEntry`` for anything else wrong
+    (including what this user cannot read), ``CacheError`` for what other users can write.
     """
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -205,23 +159,14 @@ def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) ->
 
 
 def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | None = None) -> Entry | None:
-    """Return ``stamped`` if the files at its path are exactly the ones it describes, without reading any of them.
+    """Return ``stamped`` if the files at its path are exactly the ones it describes, reading none of them.
 
-    ``stamped`` is what this host recorded right after hashing every file of the entry (a full
-    :func:`verify_entry`, or a publish of what it sealed): its manifest content and the stat signature of
-    its files. When the directory listing is still exactly the listed files and every file's (and
-    ``entry.json``'s) inode, size, mtime and ctime are still those, the bytes are the ones that were hashed
-    (a write changes mtime and ctime; a copy or a replacement changes the inode), so ``entry.json`` holds
-    what the stamp recorded from it and is not read either. The trust checks run again on every directory
-    and file. None when anything differs: the caller verifies in full. ``st`` is an ``lstat`` of the entry
-    directory already taken. Plain strings, one ``listdir`` per directory and one ``lstat`` per file: this is the
-    capture hook's hot path (docs/performance.md).
-
-    Raises
-    ------
-    CacheError
-        A directory or file other users can write.
-
+    ``stamped`` holds what this host recorded right after hashing the entry: its manifest content and stat
+    signature. While the listing is exactly the listed files and every file's (and ``entry.json``'s) inode,
+    size, mtime and ctime are unchanged, the bytes are the ones hashed (a write changes mtime and ctime, a
+    copy or replacement the inode), so ``entry.json`` is not read either. The trust checks run again. None
+    when anything differs (the caller verifies in full); ``CacheError`` for what other users can write.
+    This is the capture hook's hot path: plain strings, one ``listdir`` per directory, one ``lstat`` a file.
     """
     where = os.fspath(stamped.path)
     try:
@@ -361,23 +306,12 @@ def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = 
 
 def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, bytes],
                  executable: Collection[str] = (), *, shared: bool = False) -> Entry:
-    """Write an entry received as bytes (from the remote tier) into the new directory ``staging``.
+    """Write an entry received as bytes (from the remote tier) into the empty staging dir ``staging``.
 
-    Every byte is checked before anything is written: the manifest as :func:`verify_entry` checks it,
-    the file names exactly those listed, each size and sha256 as listed (each file hashed once). Then the
-    files are written read-only, the manifest last, and the tree is fsync'd, as :func:`seal` leaves a build.
-
-    Returns
-    -------
-    Entry
-        The entry at ``staging`` with the signature of the files as written: the bytes were checked, so
-        publishing it hashes nothing again.
-
-    Raises
-    ------
-    CorruptEntry
-        The bytes do not match their manifest; ``staging`` was not created.
-
+    Every byte is checked before anything is written (the manifest as :func:`verify_entry` checks it, the
+    names exactly those listed, each size and sha256); then the files are written as :func:`seal` leaves a
+    build, so publishing hashes nothing again. Raises ``CorruptEntry`` when the bytes do not match (nothing
+    is written), ``CacheWriteError`` for a failed write.
     """
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")

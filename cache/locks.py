@@ -81,18 +81,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who holds a key's build lock (or fleet lease): written by the holder right after it takes it.
-
-    Attributes
-    ----------
-    host : str
-        Host name of the holder.
-    pid : int
-        Its process id (on ``host``).
-    since : float
-        When it took the lock (``time.time()``).
-
-    """
+    """Who holds a key's lock (or fleet lease): ``host``, ``pid``, ``since`` (``time.time()``), written on taking it."""
 
     host: str
     pid: int
@@ -100,9 +89,9 @@ class LockHolder:
 
     @classmethod
     def from_record(cls, data: object) -> LockHolder:
-        """Read a holder record or lease token another process wrote (maybe planted): its host made safe to print.
+        """Read a record another process wrote (maybe planted), its host made safe to print.
 
-        Raises KeyError, TypeError, ValueError or OverflowError for a record that is not one.
+        Raises KeyError, TypeError, ValueError or OverflowError for one that is not a record.
         """
         if not isinstance(data, dict):
             raise TypeError("a holder record is a JSON object")
@@ -147,25 +136,10 @@ class WaitLog:
 def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                holder: Callable[[], LockHolder | None], where: str = "",
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
-    """Call ``poll`` with a backoff until it returns something other than None, and return that.
+    """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns something, and return that.
 
-    Parameters
-    ----------
-    poll : callable
-        Looks once; None means not yet. Its exceptions propagate.
-    timeout_s : float
-        Deadline; ``poll`` runs a last time at the deadline.
-    key, holder, where
-        For the single "still waiting" log line and for ``LockTimeout``: the key, a callable reading who
-        holds it, and where it is held (e.g. ``" (fleet lease on redis://...)"``).
-    backoff : (first, factor, cap)
-        Sleep ``first`` seconds before the first poll, then ``factor`` times longer each time, at most ``cap``.
-
-    Raises
-    ------
-    LockTimeout
-        Nothing turned up within ``timeout_s``; names the key and the holder at that moment.
-
+    ``poll`` runs a last time at the deadline; ``key``, ``holder`` (a callable) and ``where`` name what is
+    waited for in the one "still waiting" line and in ``LockTimeout``, raised when ``timeout_s`` passes.
     """
     clock = WaitLog(key, holder, where)
     delay, factor, cap = backoff
@@ -182,17 +156,12 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
 
 
 class KeyLock:
-    """The build lock of one cache key: ``<lock_dir>/<key>.lock`` plus ``<key>.holder``.
+    """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock through filelock) plus ``<key>.holder``.
 
-    A fresh ``FileLock`` (and so a fresh file descriptor) is used for each instance, so two threads of
-    one process exclude each other just as two processes do. The kernel drops a flock when its holder
-    dies, even by SIGKILL, so there is no stale-lock breaking.
-
-    Lock files are never deleted: unlinking a lock file while others wait on it splits them across
-    inodes and two builders could run at once (filelock's "keep Unix lock files after release").
-
-    The holder record is a separate file because the lock file belongs to the lock implementation;
-    it is replaced atomically, so a waiter never reads half a record.
+    Each instance has its own descriptor, so two threads exclude each other as two processes do; the kernel
+    drops a flock when its holder dies, even by SIGKILL, so there is no stale-lock breaking. Lock files are
+    never deleted: unlinking one while others wait on it splits them across inodes (two builders at once).
+    The holder record is its own file, replaced atomically: a waiter never reads half of one.
     """
 
     def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:
@@ -221,31 +190,12 @@ class KeyLock:
 
     def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
                 give_up: Callable[[], bool] | None = None) -> bool:
-        """Take the lock, waiting at most ``timeout_s`` seconds for another holder.
+        """Take the lock, waiting at most ``timeout_s`` (``math.inf``: for ever) for another holder.
 
-        Parameters
-        ----------
-        timeout_s : float
-            Deadline for the wait (``math.inf`` waits for ever).
-        on_wait : callable, optional
-            Called once with the holder record (or None if none is written yet) when the lock is busy.
-        give_up : callable, optional
-            Checked every :data:`LOOK_EVERY_S` while blocked (from filelock's own poll loop, as its
-            ``cancel_check``), and at the deadline; when it returns True the wait ends without the lock
-            (the caller found what it was waiting for).
-
-        Returns
-        -------
-        bool
-            True when the lock is now held; False only when ``give_up`` ended the wait.
-
-        Raises
-        ------
-        LockTimeout
-            The deadline passed; names the key and the holder.
-        CacheError
-            The lock file cannot be opened or locked (e.g. no flock on this filesystem).
-
+        ``on_wait(holder)`` is called once when the lock is busy; ``give_up()`` is asked every
+        :data:`LOOK_EVERY_S` while blocked and at the deadline, and ends the wait without the lock when True
+        (the caller found what it waited for). Returns False only then. Raises ``LockTimeout`` at the
+        deadline (naming the holder) and ``CacheError`` when the lock file cannot be opened or locked.
         """
         if self.try_acquire():
             return True
@@ -284,10 +234,9 @@ class KeyLock:
         self._lock.release()
 
     def read_holder(self) -> LockHolder | None:
-        """Return the holder record, or None if there is none, it is unreadable, or it is stale.
+        """The holder record, or None: none, unreadable, or of a dead process of this host.
 
-        A record is stale when it names a dead process of this host (a SIGKILLed holder cannot remove
-        its record). Records of other hosts cannot be checked and are returned as they are.
+        A SIGKILLed holder cannot remove its record; another host's record is returned as it is.
         """
         try:
             # Bounded, non-blocking, no link followed: in a shared sticky lock dir another user can plant a FIFO
@@ -394,25 +343,14 @@ def key_lock_path(lock_dir: Path, key: str) -> Path:
 # -- readers' claims ---------------------------------------------------------------------------------------
 
 class SharedClaim:
-    """A reader's claim on a key: a SHARED ``flock`` on the very lock file :class:`KeyLock` locks exclusively.
+    """A reader's claim: a SHARED flock on the lock file :class:`KeyLock` locks exclusively.
 
-    flock's shared and exclusive locks conflict across file descriptors (and processes), so while a claim
-    is held, prune's and quarantine's non-blocking exclusive try-lock fails (they keep the entry), and a
-    builder, a ``discard`` or an import of the key waits. Claims do not exclude each other. The kernel
-    drops the lock when its holder dies. Its holder must not take the key's exclusive lock (build, import or
-    discard the key) inside it: flock SH and EX conflict across descriptors of one process too, so that waits
-    for itself until its deadline (``LockTimeout``).
-
-    Parameters
-    ----------
-    lock_dir : Path
-        The cache's lock directory.
-    key : str
-        The cache key.
-    create : bool
-        Create the lock dir and file when missing; without it (a read-only cache) a missing or unopenable
-        lock file means no claim (:meth:`acquire` returns False): nothing of this cache can remove the entry.
-
+    While it is held, prune's and quarantine's exclusive try-lock fails (they keep the entry) and a builder,
+    import or ``discard`` of the key waits; claims do not exclude each other; the kernel drops one whose
+    holder dies. Its holder must not lock the key exclusively inside it: flock SH and EX conflict across
+    descriptors of one process too, so that waits for itself until its deadline (``LockTimeout``). With
+    ``create=False`` (a read-only cache) a lock file that is missing or cannot be opened means no claim
+    (:meth:`acquire` returns False): nothing of this cache can remove the entry then.
     """
 
     def __init__(self, lock_dir: Path, key: str, *, create: bool, shared: bool = False) -> None:
@@ -429,20 +367,9 @@ class SharedClaim:
         return self._fd is not None
 
     def acquire(self, timeout_s: float) -> bool:
-        """Take the shared lock, waiting at most ``timeout_s`` while an exclusive holder has it.
+        """Take the shared lock, waiting at most ``timeout_s`` for an exclusive holder; False without a lock file.
 
-        Returns
-        -------
-        bool
-            True when held; False when there is no lock file to lock (best effort: a read-only volume).
-
-        Raises
-        ------
-        LockTimeout
-            An exclusive holder kept the lock past ``timeout_s``.
-        CacheError
-            The lock file cannot be locked (e.g. no flock on this filesystem).
-
+        Raises ``LockTimeout`` or ``CacheError`` (no flock here).
         """
         fd = self._open()
         if fd is None:

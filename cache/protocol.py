@@ -119,7 +119,7 @@ class LocalCache:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
                 entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
-            if entry is not None and not self._was_rejected(entry) and self._touch(entry):
+            if entry is not None and not self._was_rejected(entry) and self._touch(entry, locked=locked):
                 return entry
         return None
 
@@ -222,12 +222,13 @@ class LocalCache:
         with self._mutex:
             self._verified.pop(path, None)
 
-    def _touch(self, entry: Entry) -> bool:
+    def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
         """Stamp the entry directory's mtime as its last use (works on noatime mounts), rate-limited.
 
         The touch runs under the key's shared claim, so it and a prune's check-and-remove (under the
         exclusive lock) cannot interleave: either the prune sees this use and keeps the entry (its grace
-        period), or it removed the entry first and this returns False (the lookup calls it a miss).
+        period), or it removed the entry first and this returns False (the lookup calls it a miss). With
+        ``locked`` we hold the key exclusively already (a claim would wait for ourselves).
         """
         if entry.read_only:
             return True
@@ -239,7 +240,8 @@ class LocalCache:
             self._touched[entry.key] = now
         claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
         try:
-            claim.acquire(TOUCH_WAIT_S)
+            if not locked:
+                claim.acquire(TOUCH_WAIT_S)
         except CacheError:  # no usable lock here (a read-only volume, no flock): touch unlocked, best effort
             pass
         try:

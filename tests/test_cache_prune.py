@@ -149,3 +149,21 @@ def test_prune_removes_old_quarantine(three):
         os.utime(p, (old, old))
     assert len(cache_for(root).prune(older_than_s=3600).quarantine_removed) == 2
     assert list((root / "v1" / "quarantine").iterdir()) == []
+
+
+def test_a_lookup_under_the_keys_own_lock_touches_without_waiting_for_itself(tmp_path):
+    """A touch takes a shared claim; under the key's exclusive lock (look again, publish) that would wait."""
+    import shutil
+
+    root = tmp_path / "root"
+    entry = cache_for(root).get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    shutil.rmtree(root / "v1" / "verified")  # no stamp: the fresh instance verifies in full, then touches
+    old = time.time() - 7200
+    os.utime(entry.path, (old, old))
+    cache = cache_for(root)
+    with KeyLock(cache.lock_dir, entry.key) as lock:
+        assert lock.try_acquire()
+        start = time.monotonic()
+        assert cache._local.lookup(entry.key, locked=True) == entry
+        assert time.monotonic() - start < 2
+    assert time.time() - entry.path.stat().st_mtime < 60  # touched all the same

@@ -147,23 +147,10 @@ class RemoteFailure(Exception):
 
 @dataclass(frozen=True)
 class RemoteReport:
-    """Result of :meth:`KernelCache.remote_report`: which keys the remote tier holds.
+    """Which keys the remote holds (``KernelCache.remote_report``).
 
-    Attributes
-    ----------
-    url : str
-        The remote's URL, password removed.
-    prefix : str
-        The key namespace on that server.
-    available : bool
-        False when the remote could not be asked; ``present`` and ``missing`` are then empty.
-    error : str or None
-        Why it is not available.
-    present : tuple of str
-        Keys whose entry (manifest and files) is on the remote.
-    missing : tuple of str
-        Keys the remote does not hold.
-
+    ``url`` (no password), ``prefix``, ``available`` (False: it could not be asked, ``error`` says why),
+    ``present`` and ``missing``.
     """
 
     url: str
@@ -181,28 +168,12 @@ class RemoteReport:
 class RemoteStore:
     """Entries of one cache format in one Redis namespace, and the health of that server.
 
-    Contract: every method that talks to Redis raises :class:`RemoteFailure` (never a redis exception);
-    the caller passes it to :meth:`failed`, which logs it once and turns the remote off for
-    :data:`RETRY_AFTER_S` (or raises :class:`~jitwarm.cache.errors.RemoteUnavailable` when the remote is
-    required). :meth:`fetch` writes an entry only after every byte matched its manifest; a remote entry
-    that does not is reported, counted in ``remote_rejected`` and never written. Nothing here takes a
-    lock: the caller holds the key's host lock around :meth:`fetch` and :meth:`upload`.
-
-    Parameters
-    ----------
-    url : str
-        A Redis URL (``redis://``, ``rediss://``, ``unix://``; password and db as redis-py reads them).
-    prefix : str
-        Key namespace, so that fleets can share a server.
-    required : bool
-        Raise instead of continuing locally when the remote fails.
-    max_bytes : int
-        Entries larger than this are not uploaded.
-    shared : bool
-        The local root's ``allow_shared`` (decides the modes of downloaded directories).
-    count : callable, optional
-        ``count(name, amount=1)`` adds to a ``remote_*`` counter of :class:`~jitwarm.cache.CacheStats`.
-
+    Every method that talks to Redis raises :class:`RemoteFailure` (never a redis exception); the caller
+    hands it to :meth:`failed`, which logs it once and turns the remote off for :data:`RETRY_AFTER_S`, or
+    raises ``RemoteUnavailable`` when ``required``. :meth:`fetch` writes an entry only after every byte
+    matched its manifest. Nothing here locks: the caller holds the key's host lock around fetch and upload.
+    ``max_bytes`` caps what is uploaded or downloaded; ``shared`` is the local root's ``allow_shared``;
+    ``count(name, amount=1)`` adds to a ``remote_*`` counter.
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
@@ -249,14 +220,7 @@ class RemoteStore:
             raise RemoteFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
 
     def failed(self, exc: RemoteFailure) -> None:
-        """Record a failure: raise RemoteUnavailable if required, else log once and go local-only for a while.
-
-        Raises
-        ------
-        RemoteUnavailable
-            The remote is required.
-
-        """
+        """Record a failure: ``RemoteUnavailable`` if required, else log once and go local-only for a while."""
         self._count("remote_errors")
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.required:
@@ -282,26 +246,12 @@ class RemoteStore:
     # -- entries ----------------------------------------------------------------------------------
 
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download the entry of ``key`` into the new directory ``dest``, checked against its manifest.
+        """Download ``key``'s entry into the empty staging dir ``dest``, checked against its manifest.
 
-        The entry is sized on the server first, in the same atomic step as the download: one whose files
-        total more than ``max_bytes`` (``JITWARM_REMOTE_MAX_BYTES``) is not downloaded (the caller builds it
-        locally), and one with an oversized manifest or meta field, or too many fields, is rejected unread.
-
-        Returns
-        -------
-        Entry or None
-            The complete entry at ``dest`` (sealed like a build, hashed once, not yet published); None when
-            the remote has no entry, one over the size cap, or one that failed the check (reported, counted
-            in ``remote_rejected``; ``dest`` is not left behind).
-
-        Raises
-        ------
-        RemoteFailure
-            Redis failed.
-        CacheWriteError
-            The checked entry could not be written under ``dest`` (a full disk).
-
+        It is sized on the server in the same atomic step: one over ``max_bytes`` is not downloaded (built
+        locally), one with an oversized manifest or meta, or too many fields, is rejected unread. Returns
+        None for no entry, one over the cap, or one that failed the check (reported, counted, not kept).
+        Raises ``RemoteFailure`` (Redis) or ``CacheWriteError`` (a full disk).
         """
         name = self.entry_name(key)
         args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
@@ -347,22 +297,11 @@ class RemoteStore:
                     "replaced by the next build", key, self.display, str(origin)[:200], why)
 
     def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry, replacing any remote one of its key in one transaction.
+        """Upload a verified local entry, replacing the remote one in one transaction; False when not uploaded.
 
-        The files are not hashed again: they are read, then their stat signature is compared with the one
-        taken when they were hashed (every downloader checks each sha256 anyway).
-
-        Returns
-        -------
-        bool
-            False when the entry is larger than ``max_bytes`` or its files changed since they were hashed
-            (logged; nothing uploaded).
-
-        Raises
-        ------
-        RemoteFailure
-            Redis failed; the transaction did not apply, so the remote is as it was.
-
+        The files are read, not hashed again: their signature is compared after the read (every downloader
+        checks each sha256). False for an entry over ``max_bytes`` or changed since it was hashed; raises
+        ``RemoteFailure`` (the transaction did not apply).
         """
         if entry.size_bytes > self.max_bytes:
             log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
