@@ -1,4 +1,4 @@
-"""The real sglang 0.5.23 wheel for the oracle tests: installed without its dependencies into a scratch directory.
+"""The real sglang wheel of the room's VERSION (0.5.23) for the oracle tests, installed without its dependencies.
 
 sglang's own requirements (torch 2.14.1, flashinfer, CUDA kernels: several GB) cannot be installed here, and
 need not be: the modules the oracle calls (argument parsing and resolution hooks, the runtime context, the
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SGLANG_VERSION = "0.5.23"
+from jitwarm.precompile.servers.sglang import VERSION as SGLANG_VERSION  # the release the sglang room mirrors
 
 #: What the oracle's imports need, beside the interpreter's torch, numpy and typing_extensions.
 PACKAGES = (
