@@ -282,6 +282,31 @@ def test_materialize_refuses_a_changed_entry_and_names_a_cache_dir_it_cannot_wri
     assert not list((tmp_path / "jit").rglob("*.so"))  # nothing was left where sglang looks
 
 
+@pytest.mark.nvcc
+def test_a_prune_while_a_leaf_is_copied_into_sglangs_cache_keeps_the_entry(replay, tmp_path, monkeypatch):
+    """The hand-over into sglang's cache reads the entry under its claim: a prune meanwhile skips it."""
+    from jitwarm.cache import KernelCache
+    from jitwarm.kernels.artifacts import Artifact
+    from jitwarm.kernels.libraries.sglang_jit import backend as sglang_jit
+    from jitwarm.precompile.manifest import spec_of
+
+    shutil.copytree(replay["cache"], tmp_path / "cache")  # this test prunes: not the module's shared build
+    cache = KernelCache(root=tmp_path / "cache", layers=())
+    entry = cache.lookup(replay["key"])
+    art = Artifact(spec_of(replay["records"][0]), entry.description, replay["key"])
+    monkeypatch.setenv("SGLANG_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    real_copy, pruned = sglang_jit._copy_leaf, []
+
+    def prune_then_copy(*args):  # the race made certain: a full prune while the leaf's files are read
+        pruned.append(cache.prune(max_bytes=0))
+        return real_copy(*args)
+
+    monkeypatch.setattr(sglang_jit, "_copy_leaf", prune_then_copy)
+    kernel = art.load(cache, entry)
+    assert list(pruned[0].skipped_locked) == [replay["key"]] and not pruned[0].removed
+    assert kernel.library.read_bytes()[:4] == b"\x7fELF" and cache.lookup(replay["key"]) is not None
+
+
 SPEC_ERROR = """
 import json, sys
 from jitwarm.kernels import KernelSpec, SpecError
