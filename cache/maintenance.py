@@ -1,4 +1,8 @@
-"""Pruning: least-recently-used entries by size or age, staging dirs abandoned by dead builders, PruneReport."""
+"""Upkeep of a writable root: prune, the sweep of dead builders' staging dirs, quarantine and verify.
+
+Prune removes least recently used entries (by size or age, never one locked, claimed or used within the
+grace period); quarantine moves what failed verification aside, under its lock; verify looks, or repairs.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,15 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jitwarm.cache.files import directory_size, remove_tree
+from jitwarm.cache.errors import CacheError
+from jitwarm.cache.files import directory_size, remove_tree, write_atomic
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
 from jitwarm.cache.stamps import prune_stamps
@@ -184,6 +190,76 @@ def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:
                 Path(item.path).unlink()
             removed.append(item.name)
     return removed
+
+
+# -- quarantine: moving what failed verification aside -----------------------------------------------------
+
+def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
+    """Rename ``path`` to ``quarantine/<name>-<utc>-<pid>-<rand>`` with a ``.reason`` note; False if it could not.
+
+    The caller holds the lock that guards ``path``. A move that fails (another user's entry in a shared root,
+    a read-only volume) is logged and leaves it where it is: it is still never used.
+    """
+    dest = layout.quarantine_dir(name)
+    try:
+        layout.ensure(layout.quarantine)
+        try:
+            path.rename(dest)
+        except PermissionError:
+            # Moving a directory to another parent rewrites its "..": our own unreadable (0000) entry or shard
+            # needs its owner's write bit back first. Another user's is left where it is.
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise
+            path.chmod(0o700)
+            path.rename(dest)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:  # e.g. another user's entry in a shared root, a read-only volume: leave it, still unused
+        log.warning("%s could not be quarantined (%s): %s", path, exc.strerror or exc, reason)
+        return False
+    with contextlib.suppress(OSError):
+        write_atomic(dest.with_name(dest.name + ".reason"), reason.encode(), durable=False)
+    log.warning("quarantined %s to %s: %s", path, dest, reason)
+    return True
+
+
+def shard_problem(shard: Path) -> str | None:
+    """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can."""
+    try:
+        st = os.lstat(shard)
+    except OSError:  # missing, or a directory above it is the problem (not for this shard to answer)
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{shard} is a symlink, not a shard directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{shard} is not a directory"
+    try:
+        with os.scandir(shard):
+            pass
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{shard} cannot be read: {exc.strerror or exc}"
+    if not os.access(shard, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return f"{shard} cannot be read: Permission denied"
+    return None
+
+
+def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, reason: str, *,
+                     shared: bool = False) -> bool:
+    """Move a bad shard path of the root aside, under the try-locked ``shard-<kk>`` and after looking again."""
+    lock = KeyLock(lock_dir, f"shard-{shard.name}", shared=shared)
+    try:
+        if not lock.try_acquire():
+            return False
+    except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
+        log.warning("not quarantining %s (%s): %s", shard, exc, reason)
+        return False
+    try:
+        return shard_problem(shard) is not None and move_aside(layout, f"shard-{shard.name}", shard, reason)
+    finally:
+        lock.release()
 
 
 # -- verify -------------------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ class CaptureHook:
                       claims: contextlib.ExitStack) -> dict[KernelSpec, Any]:
         """Step (1): return each spec's verified entry (None where this process cannot see a worker's build).
 
-        The entries found in the cache are claimed in ``claims`` (``KernelCache.claim``) until they are loaded.
+        The entries found are plain lookups; each is claimed while it loads (``Artifact.load``).
         """
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
@@ -246,11 +246,10 @@ class CaptureHook:
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
         keys = {spec: artifact(spec, self.cache).key for spec in specs if entries.get(spec) is None}
         if keys:
-            found = {}
-            for key in keys.values():  # each found entry stays claimed until it is loaded: prune cannot take it
-                entry = self.cache.lookup(key)
-                found[key] = None if entry is None else claims.enter_context(
-                    self.cache.claim(entry, timeout_s=max(0.0, deadline - time.perf_counter())))
+            # Each load claims its entry while it loads (Artifact.load); until then prune's grace period keeps
+            # what a lookup returned (docs/cache.md, "Prune"). Holding claims here made a discard of an entry
+            # that fails to load wait for this very hook's claim.
+            found = {key: self.cache.lookup(key) for key in keys.values()}
             entries.update((spec, found[key]) for spec, key in keys.items())
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)

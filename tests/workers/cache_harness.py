@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import json
 import os
@@ -20,7 +19,7 @@ sys.path.insert(0, str(WORKER.parent))
 from cache_worker import REJECTED, artifact_bytes, desc  # noqa: E402
 
 __all__ = ["FILES_PER_ENTRY", "OTHER_USER", "REJECTED", "WORKER", "Sha256Counter", "Workers", "artifact_bytes",
-           "as_user", "build_counts", "cache_for", "desc", "make_builder", "other_user", "pruning", "shared_dir",
+           "as_user", "build_counts", "cache_for", "desc", "make_builder", "other_user", "shared_dir",
            "wait_for_file"]
 
 #: Files :func:`make_builder` writes: kernel.bin and meta/info.json.
@@ -71,28 +70,6 @@ def wait_for_file(path: Path, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout} s")
         time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def pruning(root: Path, tmp: Path):
-    """Prune ``root`` to nothing in a loop in another process (``cache_pruner.py``) for the block.
-
-    Yields a dict that holds the pruner's report once the block ends: ``prunes``, ``removed``,
-    ``skipped_locked`` (how many times each key was kept) and ``errors``; a pruner that failed fails the test.
-    """
-    stop, ready = tmp / "pruner-stop", tmp / "pruner-ready"
-    proc = subprocess.Popen([sys.executable, str(WORKER.with_name("cache_pruner.py")), str(root), str(stop),
-                             str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    report: dict = {}
-    try:
-        wait_for_file(ready)
-        yield report
-    finally:
-        stop.touch()
-        stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr
-    report.update(json.loads(stdout.strip().splitlines()[-1]))
-    assert report["errors"] == [], report
 
 
 class Workers:
