@@ -6,6 +6,8 @@ Reported: the in-process time to have every kernel loaded (both sides have torch
 already, as a server does), the whole process wall time, and the cost per spec.
 With ``--claims both`` a third variant runs the hook with plain claims (``hook_fresh.py --plain-claims``: a
 lookup and a claim per entry, no set stamp, no nested claims), to weigh the claim layer on the same machine.
+The layer is gone since (docs/performance.md): the two variants now run the same code, and weighing it again
+means running this against a checkout that has ``KernelCache.claim_all``.
 usage: python bench/warm_hook.py [--rounds 7] [--claims layer|both] [--out DIR]
 """
 
