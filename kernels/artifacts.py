@@ -38,7 +38,11 @@ class KernelLoadError(LoadError):
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
+        self.why = reason
         super().__init__(f"{spec.id}: cannot be loaded, even after rebuilding it: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.spec, self.why))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol
 
+from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.libraries import LIBRARY_KINDS
 from jitwarm.kernels.spec import KernelSpec
 
@@ -69,15 +70,16 @@ def refusal(name: str, ability: str, flag: str = "kernel backend") -> str | None
     return f"{flag} {name!r} cannot {ability}: it can only {can}{how}; choose from {able}"
 
 
-class SpecError(ValueError):
+# Each derives from jitwarm's one error root (exit 1: the spec failed) and from the builtin it always was.
+class SpecError(JitwarmError, ValueError):
     """The backend cannot build this spec (unknown family, wrong params, unsupported target or dtype)."""
 
 
-class ToolchainError(RuntimeError):
+class ToolchainError(JitwarmError, RuntimeError):
     """A compiler the spec needs is missing or broken; the message says which and where it was looked for."""
 
 
-class CompileError(RuntimeError):
+class CompileError(JitwarmError, RuntimeError):
     """The compiler failed. ``str()`` starts with a one-line summary; ``output`` is the compiler's whole text."""
 
     def __init__(self, summary: str, output: str = "") -> None:
@@ -85,8 +87,11 @@ class CompileError(RuntimeError):
         self.output = output
         super().__init__(f"{summary}\n{output}" if output else summary)
 
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return (type(self), (self.summary, self.output))
 
-class LoadError(RuntimeError):
+
+class LoadError(JitwarmError, RuntimeError):
     """A built artifact cannot be loaded into this process, or holds another spec than the one asked for."""
 
 

@@ -11,14 +11,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from jitwarm.cache.errors import UsageError
+
 #: nvcc 13 compiles nothing older (sm_70 is "Unsupported gpu architecture").
 MIN_CUDA_ARCH = 75
 _CUDA = re.compile(r"sm_([0-9]{2,3})")  # [0-9], not \d: "sm_٩٠" (Arabic-Indic digits) is not an arch
 _ARCH_SPECIFIC = re.compile(r"sm_([0-9]{2,3})a")
 
 
-class TargetError(ValueError):
-    """A target name that is neither ``cpu`` nor a supported ``sm_XY``; the message says what to use."""
+class TargetError(UsageError, ValueError):
+    """A target name that is neither ``cpu`` nor a supported ``sm_XY`` (exit 2); the message says what to use."""
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.backend import Facts, LoadError, SpecError
 from jitwarm.kernels.libraries.sglang_jit import child
 from jitwarm.kernels.spec import KernelSpec
@@ -209,8 +210,8 @@ def _read_manifest(spec: KernelSpec, root: Path) -> dict[str, Any]:
     return doc
 
 
-class SglangCacheDirError(OSError):
-    """sglang's JIT cache directory cannot be created, locked or written; the message names it."""
+class SglangCacheDirError(JitwarmError, OSError):
+    """sglang's JIT cache directory cannot be created, locked or written (exit 1); the message names it."""
 
 
 def cache_root() -> Path:
