@@ -111,25 +111,12 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
                   max_bytes: int) -> dict[str, Entry]:
     """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
 
-    Nothing is written until every member header has passed: relative normalized names only, no ``..``,
-    no symlinks, hard links, devices or FIFOs, no duplicates, only ``bundle.json`` and
-    ``[v1/]entries/<kk>/<key>/...``, no member above ``max_file_bytes`` and no more than ``max_bytes`` in
-    all. Files are streamed to disk by this code (``tarfile.extract`` is not used), and directories are
-    sealed as a build's are (``shared``: the root's ``allow_shared``).
-
-    Returns
-    -------
-    dict of str to Entry
-        Each key and its unpacked entry under ``staging/entries``, fully verified (each file hashed once):
-        it is published by a rename, without hashing again.
-
-    Raises
-    ------
-    CacheError
-        Any problem with the archive or an entry; nothing has been published.
-    CacheWriteError
-        Writing under ``staging`` failed (a full disk): names the file and the reason.
-
+    Nothing is written until every member header has passed (relative normalized names, no ``..``, no links,
+    devices or FIFOs, no duplicates, only ``bundle.json`` and ``[v1/]entries/<kk>/<key>/...``, no member over
+    ``max_file_bytes``, at most ``max_bytes`` in all); files are streamed by this code, never
+    ``tarfile.extract``. Returns each key's fully verified entry under ``staging`` (published by a rename,
+    not hashed again). Raises ``CacheError`` for a bad archive or entry (nothing published) and
+    ``CacheWriteError`` for a failed write.
     """
     dir_mode = 0o777 if shared else 0o755
     try:

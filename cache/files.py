@@ -227,30 +227,11 @@ def untrusted_reason(st: os.stat_result) -> str | None:
 
 
 def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
-    """Raise CacheError when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
+    """Raise ``UntrustedPath`` (a CacheError) when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
 
-    The cache holds shared libraries that get loaded into the server, so a directory another user can
-    write is a code-injection path (see docs/cache.md, "Trust"). ``path`` is judged itself (``lstat``): a
-    symlink fails, as every symlink's mode is 0777; see :func:`check_trusted_dir` for the top directories.
-
-    Parameters
-    ----------
-    path : Path or str
-        What to check; it must exist (or ``st`` must be given).
-    what : str
-        How to name it in the message, e.g. ``"cache root"`` or ``"cache entry"``.
-    allow_shared : bool
-        Skip the check.
-    st : os.stat_result, optional
-        An ``lstat`` already taken.
-
-    Raises
-    ------
-    CacheError
-        Saying which path and why; its ``hint`` says how to allow it.
-    FileNotFoundError
-        ``path`` does not exist (and no ``st`` was given).
-
+    ``path`` itself is judged (``lstat``; or ``st``, one already taken): a symlink fails, as every symlink is
+    0777 (top directories go through :func:`check_trusted_dir`). ``what`` names it in the message ("cache
+    root"); FileNotFoundError when it does not exist.
     """
     if allow_shared:
         return
@@ -260,19 +241,11 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
 
 
 def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
-    """Check a top directory (a root, its ``v1`` or ``entries``, a layer) by what it resolves to.
+    """Check a top directory (a root, its ``v1`` or ``entries``, a layer, a lock dir) by what it resolves to.
 
-    A symlink there is fine (a root on another volume) when the link itself belongs to this user or root
-    (only its owner can replace it, in a sticky directory) and what it points to passes
-    :func:`check_trusted`, which judges that target, not the link's own 0777 mode.
-
-    Raises
-    ------
-    CacheError
-        The link's owner or the target is untrusted (unless ``allow_shared``), or the target is not a directory.
-    FileNotFoundError
-        ``path`` does not exist (or it is a dangling symlink).
-
+    A symlink there is fine (a root on another volume) when the link belongs to this user or root (only its
+    owner can replace it, in a sticky directory) and its target passes :func:`check_trusted`. Raises
+    ``UntrustedPath``, ``CacheError`` (the target is not a directory) or FileNotFoundError (none, or dangling).
     """
     st = os.lstat(path)
     shown = path

@@ -31,25 +31,12 @@ log = logging.getLogger("jitwarm.cache")
 
 @dataclass(frozen=True)
 class PruneReport:
-    """Result of :meth:`KernelCache.prune`.
+    """Result of :meth:`KernelCache.prune` (``to_json`` for ``--json``).
 
-    Attributes
-    ----------
-    removed : tuple of str
-        Keys whose entries were removed, least recently used first.
-    freed_bytes : int
-        Bytes of artifact files removed with them.
-    skipped_locked : tuple of str
-        Keys that were due for removal but whose lock was held, so were kept.
-    skipped_recent : tuple of str
-        Keys that were due for removal but were used within the grace period, so were kept.
-    staging_removed : tuple of str
-        Names of abandoned staging directories removed (their builder is dead).
-    quarantine_removed : tuple of str
-        Names of quarantined copies removed (only with ``older_than_s``).
-    remaining_bytes : int
-        Size of the entries left in the writable root.
-
+    ``removed`` keys (least recently used first) and their ``freed_bytes``; keys due for removal but kept,
+    because their lock was held or they were claimed (``skipped_locked``) or used within the grace period
+    (``skipped_recent``); abandoned staging dirs (``staging_removed``) and old quarantined copies
+    (``quarantine_removed``, only with ``older_than_s``) removed; ``remaining_bytes`` in the root.
     """
 
     removed: tuple[str, ...] = ()
