@@ -202,10 +202,15 @@ class KernelCache:
         return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
 
     def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
-                        on_wait: OnWait | None = None, *, key: str | None = None) -> CacheResult:
-        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``."""
+                        on_wait: OnWait | None = None, *, key: str | None = None, missed: bool = False
+                        ) -> CacheResult:
+        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
+
+        ``missed``: the caller has just looked ``key`` up and found nothing (a build worker is handed only
+        misses), so the lock-free lookup is skipped; the look under the lock stays.
+        """
         key = key_of(description) if key is None else check_key(key)
-        entry = self._local.lookup(key)                                              # 1. lock-free lookup
+        entry = None if missed else self._local.lookup(key)                          # 1. lock-free lookup
         if entry is not None:
             self._stats.add("hits")
             return CacheResult(entry, "hit")

@@ -63,14 +63,15 @@ class Artifact:
 
     def get_or_build(self, cache: KernelCache, timeout_s: float = 600.0,
                      on_wait: Callable[[Any], None] | None = None, *,
-                     capture: Callable[[Path], None] | None = None) -> CacheResult:
+                     capture: Callable[[Path], None] | None = None, missed: bool = False) -> CacheResult:
         """Return the entry and how it was got: hit, built here, waited for, or downloaded.
 
         The build runs under the key's lock: the backend compiles into the staging directory, then loads
         the result (without a device) before the cache seals it, so a library that cannot be loaded is a
         build failure, never a published entry. ``capture`` (a kind captured from a run, such as a compile
         of the server's Triton, :mod:`jitwarm.kernels.libraries.triton.cache`) writes the files instead of
-        the backend's build; they are checked all the same.
+        the backend's build; they are checked all the same. ``missed``: the caller has just looked the key
+        up and found nothing (see ``KernelCache.get_or_build_ex``).
 
         Raises
         ------
@@ -89,7 +90,7 @@ class Artifact:
                 capture(staging)
             be.check(self.spec, staging)
 
-        return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key)
+        return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key, missed=missed)
 
     def read(self, cache: KernelCache, entry: Entry, reader: Callable[[Entry], T], timeout_s: float = 600.0
              ) -> T | None:

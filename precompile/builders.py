@@ -9,7 +9,9 @@ session, so a terminal's Ctrl-C reaches only the parent, which stops them and th
 session, SIGKILL after a grace period); a build cut short leaves only a staging directory, never an entry.
 
 Errors cross the process boundary as data: the exception's type name and kind travel with the full text (a
-compiler's whole diagnostic), so an exit code never depends on parsing a message.
+compiler's whole diagnostic), so an exit code never depends on parsing a message. A worker's entry travels
+back the same way, as the worker verified it (its stat signature included), so the parent uses it without
+looking the key up again; whoever reads it claims it, and the claim re-checks that signature.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from jitwarm.cache import Entry, FileRecord
 from jitwarm.kernels import channel
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
@@ -77,7 +80,7 @@ class Task:
 
 @dataclass
 class Outcome:
-    """What a worker did with a task: hit, built, waited, downloaded, or failed (with ``failure``)."""
+    """What a worker did with a task: hit, built, waited, downloaded (with its ``entry``), or failed (``failure``)."""
 
     index: int
     outcome: str
@@ -85,6 +88,7 @@ class Outcome:
     key: str | None = None
     failure: Failure | None = None
     remote_error: str | None = None
+    entry: Entry | None = None
 
 
 @dataclass
@@ -218,8 +222,22 @@ class BuildPool:
             return None
         worker.task = None
         failure = Failure(**data["failure"]) if data.get("failure") else None
+        entry = entry_from_json(data["entry"]) if data.get("entry") else None
         return Outcome(data["index"], data["outcome"], data["seconds"], data.get("key"), failure,
-                       data.get("remote_error"))
+                       data.get("remote_error"), entry)
+
+
+def entry_to_json(entry: Entry) -> dict[str, Any]:
+    """An entry as a worker sends it: every field, the path as a string."""
+    return {**asdict(entry), "path": str(entry.path)}
+
+
+def entry_from_json(data: dict[str, Any]) -> Entry:
+    """The entry a worker sent (:func:`entry_to_json`), its records and signature as the worker hashed them."""
+    return Entry(key=data["key"], path=Path(data["path"]), files=tuple(data["files"]),
+                 description=data["description"], preimage=data["preimage"],
+                 records=tuple(FileRecord(**r) for r in data["records"]), created=data["created"],
+                 read_only=data["read_only"], signature=tuple(tuple(item) for item in data["signature"]))
 
 
 def _import_path() -> list[str]:
@@ -251,8 +269,9 @@ def _serve(config: dict[str, Any], tasks: IO[str], answers: IO[str]) -> None:
         start = time.perf_counter()
         answer: dict[str, Any] = {"index": task["index"]}
         try:
-            result = Artifact.from_json(task["artifact"]).get_or_build(cache, config["timeout_s"])
-            answer.update(outcome=result.outcome, key=result.entry.key)
+            # The parent looked the key up just before handing it over: go straight to the lock.
+            result = Artifact.from_json(task["artifact"]).get_or_build(cache, config["timeout_s"], missed=True)
+            answer.update(outcome=result.outcome, key=result.entry.key, entry=entry_to_json(result.entry))
         except Exception as exc:  # reported per spec: one bad spec must not fail the others
             answer.update(outcome="failed", failure=Failure.of(exc).to_json())
         answer.update(seconds=time.perf_counter() - start, remote_error=cache.remote_error)

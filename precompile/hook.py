@@ -269,7 +269,7 @@ class CaptureHook:
             report.waited = len(missing)
             return entries
         result = warm_specs(missing, self.plan.plan_id, self.cache, self.jobs, progress=False,
-                            timeout_s=max(1.0, deadline - time.perf_counter()))
+                            timeout_s=max(1.0, deadline - time.perf_counter()), missed=True)
         failed = [r for r in result.results if r.outcome == "failed"]
         if failed:
             detail = "; ".join(f"{r.spec.id}: {r.error}" for r in failed[:3])

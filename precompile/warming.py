@@ -23,8 +23,8 @@ Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
 class SpecResult:
     """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
 
-    ``entry`` is the spec's verified cache entry (None when it failed, or when this process could not see
-    the entry a worker published), handed to the capture hook so it does not look it up again. A failure
+    ``entry`` is the spec's verified cache entry (None when it failed): the lookup's for a hit, the worker's
+    for a build (as the worker verified it), handed to the capture hook so it does not look it up again. A failure
     keeps its first line in ``error``, its kind (``timeout``, ``compile``, ``load``, ``crash``, ...; see
     :data:`jitwarm.precompile.builders.KINDS`) and exception type, and the whole text (a compiler's full
     diagnostic) in ``detail``. ``remote_error``: why the remote tier failed, if it did.
@@ -214,12 +214,14 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
 
 def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jobs: int | None = None,
                progress: bool | None = None, timeout_s: float = 900.0,
-               on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
+               on_result: Callable[[SpecResult], None] | None = None, *, missed: bool = False) -> WarmReport:
     """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
 
-    With a remote tier, it is asked once here before any worker starts: if it does not answer, the
-    workers run local-only and the report says why (or, when it is required, ``RemoteUnavailable``
-    is raised).
+    Each spec is looked up once, here (``missed``: the caller has just looked every spec up and found
+    none, as the capture hook does: not even here); a worker gets only misses and looks again only under
+    the key's lock, and its entry is used as it sent it. With a remote tier, it is asked once here before
+    any worker starts: if it does not answer, the workers run local-only and the report says why (or,
+    when it is required, ``RemoteUnavailable`` is raised).
     """
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
@@ -238,7 +240,7 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
         t0 = time.perf_counter()
         try:
             art = artifact(spec, cache)
-            entry = art.lookup(cache)
+            entry = None if missed else art.lookup(cache)
         except Exception as exc:
             record(SpecResult.failed(spec, Failure.of(exc), time.perf_counter() - t0), listed=False)
             continue
@@ -261,7 +263,7 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
             record(SpecResult.failed(art.spec, done.failure, done.seconds, done.remote_error))
         else:
             record(SpecResult(art.spec, done.outcome, done.seconds, done.key, remote_error=done.remote_error,
-                              entry=art.lookup(cache)))
+                              entry=done.entry))  # the entry the worker verified: no lookup after a build
     order = {s: i for i, s in enumerate(specs)}
     report.results.sort(key=lambda r: order[r.spec])
     report.seconds = time.perf_counter() - start

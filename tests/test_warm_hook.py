@@ -227,6 +227,45 @@ def test_warm_report_and_plan_record(tmp_path):
     assert data["totals"]["built"] == 3 and all(s["outcome"] == "built" for s in data["specs"])
 
 
+@pytest.fixture
+def parent_lookups(monkeypatch):
+    """Every lookup this (the parent) process makes, by key: the cache protocol's, under every caller."""
+    from jitwarm.cache.protocol import LocalCache
+
+    keys, lookup = [], LocalCache.lookup
+
+    def counted(self, key, **kwargs):
+        keys.append(key)
+        return lookup(self, key, **kwargs)
+
+    monkeypatch.setattr(LocalCache, "lookup", counted)
+    return keys
+
+
+def test_warm_looks_each_fresh_spec_up_once_and_uses_the_workers_entry(tmp_path, parent_lookups):
+    """Cold: one lookup per spec before the workers, none after a build (the worker's entry is used)."""
+    cache = KernelCache(root=tmp_path / "cache")
+    plan = plan_of(TINY_FAST)
+    report = warm(plan, cache=cache, jobs=2, progress=False)
+    assert report.built == 3
+    assert sorted(parent_lookups) == sorted(artifact(s).key for s in plan.specs)
+    for result in report.results:
+        fresh = KernelCache(root=tmp_path / "cache").lookup(result.key)
+        assert result.entry == fresh and result.entry.signature == fresh.signature
+
+
+def test_the_hooks_cold_build_looks_each_spec_up_once(tmp_path, parent_lookups):
+    """The hook's own lookup is the only one in this process: warm_specs is told the specs missed."""
+    plan = plan_of(TINY_FAST)
+    hook = CaptureHook(plan, cache=KernelCache(root=tmp_path / "cache"), device="cpu", policy="build", jobs=2)
+    try:
+        report = hook()
+    finally:
+        hook.close()
+    assert report.built == 3 and report.loaded == 3
+    assert sorted(parent_lookups) == sorted(artifact(s).key for s in plan.specs)
+
+
 def test_a_crashing_compiler_fails_its_spec_not_the_run(tmp_path):
     """The compiler kills its build process for norm_rope only: that spec fails, the others are built."""
     fake = tmp_path / "crashing-c++"
