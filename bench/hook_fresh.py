@@ -1,9 +1,6 @@
 """A fresh 'server' process: import what a server has loaded (torch, tvm_ffi), then time CaptureHook().
 
-usage: hook_fresh.py [--plain-claims] CACHE_ROOT FLAGS...    Prints one JSON line.
-
-``--plain-claims`` measures the protocol without the claim layer: the hook's ``claim_all`` becomes a plain
-``lookup`` per key (each reads its own stamp) and each load takes its own shared claim.
+usage: hook_fresh.py CACHE_ROOT FLAGS...    Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -21,19 +18,6 @@ from jitwarm.cache import KernelCache  # noqa: E402
 from jitwarm.kernels import backend, dispatch  # noqa: E402
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan  # noqa: E402
 
-PLAIN = sys.argv[1] == "--plain-claims"
-if PLAIN:
-    import contextlib
-
-    del sys.argv[1]
-
-    @contextlib.contextmanager
-    def _lookups(self, keys, *, timeout_s=600.0):  # noqa: ANN001, ANN202, ARG001
-        yield {key: self.lookup(key) for key in keys}
-
-    if hasattr(KernelCache, "claim_all"):
-        KernelCache.claim_all = _lookups
-
 backend("tvm_ffi")  # the other side imports tvm_ffi.cpp before its clock starts too
 gc.collect()  # both sides: a server collected long before capture; do not time a pending collection
 imported = time.perf_counter()
@@ -43,4 +27,4 @@ report = CaptureHook(plan, cache=KernelCache(root=sys.argv[1]), device="cpu", po
 hook_s = time.perf_counter() - t0
 assert report.built == 0 and dispatch.counters()["builds"] == 0
 print(json.dumps({"hook_s": hook_s, "loaded": report.loaded, "steps": report.steps,
-                  "plain_claims": PLAIN, "import_s": imported - start, "process_s": time.perf_counter() - start}))
+                  "import_s": imported - start, "process_s": time.perf_counter() - start}))

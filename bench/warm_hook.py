@@ -4,11 +4,9 @@ Both caches are filled first. Then, alternating, a fresh process either runs Cap
 policy="strict") over jitwarm's cache, or load_inline()s the same 30 sources from tvm-ffi's cache.
 Reported: the in-process time to have every kernel loaded (both sides have torch and tvm_ffi imported
 already, as a server does), the whole process wall time, and the cost per spec.
-With ``--claims both`` a third variant runs the hook with plain claims (``hook_fresh.py --plain-claims``: a
-lookup and a claim per entry, no set stamp, no nested claims), to weigh the claim layer on the same machine.
-The layer is gone since (docs/performance.md): the two variants now run the same code, and weighing it again
-means running this against a checkout that has ``KernelCache.claim_all``.
-usage: python bench/warm_hook.py [--rounds 7] [--claims layer|both] [--out DIR]
+The claim layer was weighed with this bench's ``--claims both`` (docs/performance.md); the flag went with the
+layer: weighing it again means running the bench of a checkout that has ``KernelCache.claim_all``.
+usage: python bench/warm_hook.py [--rounds 7] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from harness import DSPARK, ROOT, alternate, jitwarm_cmd, report, run
@@ -32,8 +29,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--flags", default=" ".join(DSPARK),
                     help="serving flags of the plan, as one string (default DSpark-128)")
-    ap.add_argument("--claims", choices=("layer", "both"), default="layer",
-                    help="both: also time the hook with plain claims (no claim_all layer)")
     ap.add_argument("--out")
     args = ap.parse_args()
     plan_flags = args.flags.split()
@@ -42,29 +37,23 @@ def main() -> int:
     jw, tvm = scratch / "jitwarm", scratch / "tvm-ffi"
     run(jitwarm_cmd("warm", *flags, "--cache-dir", str(jw)))
     run([sys.executable, str(LAZY), "cpu", *plan_flags], env={"TVM_FFI_CACHE_DIR": str(tvm)})
-    inner: dict[str, list[float]] = {"jitwarm hook": [], "jitwarm hook, plain claims": [],
-                                     "tvm-ffi load_inline hits": []}
+    inner: dict[str, list[float]] = {"jitwarm hook": [], "tvm-ffi load_inline hits": []}
     specs = 0
 
-    def hook_with(*switch: str) -> Callable[[int], float]:
-        def hook(r: int) -> float:
-            nonlocal specs
-            wall, out = run([sys.executable, str(HOOK), *switch, str(jw), *flags])
-            data = json.loads(out)
-            specs = data["loaded"]
-            inner["jitwarm hook, plain claims" if switch else "jitwarm hook"].append(data["hook_s"])
-            return wall
-        return hook
+    def hook(r: int) -> float:
+        nonlocal specs
+        wall, out = run([sys.executable, str(HOOK), str(jw), *flags])
+        data = json.loads(out)
+        specs = data["loaded"]
+        inner["jitwarm hook"].append(data["hook_s"])
+        return wall
 
     def lazy(r: int) -> float:
         wall, out = run([sys.executable, str(LAZY), "cpu", *plan_flags], env={"TVM_FFI_CACHE_DIR": str(tvm)})
         inner["tvm-ffi load_inline hits"].append(json.loads(out)["load_s"])
         return wall
 
-    variants = {"jitwarm hook": hook_with()}
-    if args.claims == "both":
-        variants["jitwarm hook, plain claims"] = hook_with("--plain-claims")
-    walls = alternate({**variants, "tvm-ffi load_inline hits": lazy}, args.rounds)
+    walls = alternate({"jitwarm hook": hook, "tvm-ffi load_inline hits": lazy}, args.rounds)
     import statistics as st
 
     base_in, base_wall = st.median(inner["tvm-ffi load_inline hits"]), st.median(walls["tvm-ffi load_inline hits"])

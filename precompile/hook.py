@@ -7,7 +7,6 @@ last warmup and before ``torch.cuda.CUDAGraph()`` is created.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -201,11 +200,10 @@ class CaptureHook:
 
     def _first_call(self, specs: list[KernelSpec], start: float, report: HookReport) -> None:
         deadline = start + self.timeout_s
-        with contextlib.ExitStack() as claims:  # what was found stays claimed until it is on the device
-            entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report, claims))
-            loaded = self._step(report, "load", lambda: self._load(specs, entries))
-            report.loaded = len(loaded)
-            self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
+        entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report))
+        loaded = self._step(report, "load", lambda: self._load(specs, entries))  # each load claims its entry
+        report.loaded = len(loaded)
+        self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
         self._drain_and_meet(report)
         guard.arm()
         if self.seal:
@@ -231,11 +229,10 @@ class CaptureHook:
         if self.barrier is not None:
             self._step(report, "barrier", self.barrier)
 
-    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport,
-                      claims: contextlib.ExitStack) -> dict[KernelSpec, Any]:
-        """Step (1): return each spec's verified entry (None where this process cannot see a worker's build).
+    def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> dict[KernelSpec, Any]:
+        """Step (1): return each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one.
 
-        The entries found are plain lookups; each is claimed while it loads (``Artifact.load``).
+        Each spec is looked up once in this process; each entry is claimed while it loads (``Artifact.load``).
         """
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
