@@ -156,6 +156,12 @@ def backend(name: str) -> Backend:
     """
     if name not in _KINDS:
         raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
-    module = _KINDS[name][0]
-    # sys.modules first: import_module costs microseconds even for a loaded module, per spec on the hook's path
-    return sys.modules.get(module) or importlib.import_module(module)  # type: ignore[return-value]
+    module_name = _KINDS[name][0]
+    # sys.modules first: import_module costs microseconds even for a loaded module, per spec on the hook's path.
+    # But not a module another thread is still importing: sys.modules holds it from the start of its import, and
+    # a build pool's threads asking at once got one without its functions (AttributeError: partially initialized
+    # module); import_module waits for that import to finish.
+    module = sys.modules.get(module_name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        module = importlib.import_module(module_name)
+    return module  # type: ignore[return-value]
