@@ -199,7 +199,9 @@ def test_plan_cli_imports_no_heavy_modules_and_is_fast(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, "plan", *DSPARK_FLAGS], capture_output=True, text=True,
                          check=True, cwd=tmp_path).stdout.split(maxsplit=2)
     assert out[0] == "0" and out[2].strip() == "[]"
-    assert float(out[1]) < 0.5
+    # Not a latency claim (bench/plan_latency.py measures that, docs/performance.md): a guard against an import
+    # that takes seconds, such as sglang's (21-67 s), with room for a loaded 2-core CI box.
+    assert float(out[1]) < 5
     assert set(tmp_path.iterdir()) == before
 
 
