@@ -8,8 +8,9 @@ A record says enough to build its kernel again elsewhere and to name it to a per
 ``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": "0.5.23",
 "call": {"args": [...], "cpp_files": [...], ...}}``
 
-Appends are safe with many ranks writing one manifest: each append takes an exclusive ``flock`` on the file,
-reads what is there and adds only records it lacks, so a manifest holds each record once. Reading bounds the
+Appends are safe with many ranks writing one manifest: each append locks the file itself (filelock, as the
+cache's key locks; its ``flock`` excludes other processes and other threads alike), reads what is there and
+adds only records it lacks, so a manifest holds each record once. Reading bounds the
 file's size and each line's, and a malformed line is an error naming its line number. Pure Python.
 
 A manifest is code: replaying it imports the modules its records name. So, like the cache root, it is trusted
@@ -21,7 +22,6 @@ once, and the next append cuts it off before writing, so one short write never c
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -29,6 +29,8 @@ import os
 import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from filelock import FileLock
 
 from jitwarm.cache import settings
 from jitwarm.cache.errors import UsageError
@@ -41,6 +43,8 @@ VERSION = 1
 KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit"}  # record kind -> kernel backend
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
+#: How long an append waits for another one holding the manifest's lock (an append takes milliseconds).
+LOCK_TIMEOUT_S = 60.0
 
 
 class ManifestError(UsageError, ValueError):
@@ -147,16 +151,17 @@ def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
     """Add the records the manifest at ``path`` lacks (creating it); return how many were added.
 
-    Safe with many processes appending at once: the read and the write happen under an exclusive flock of
-    the file. A torn last line is cut off first; a write that fails (a full disk) is undone, so it leaves no
-    torn line and the count is of records that are in the file.
+    Safe with many processes appending at once: the read and the write happen under an exclusive lock of
+    the file itself. A torn last line is cut off first; a write that fails (a full disk) is undone, so it
+    leaves no torn line and the count is of records that are in the file.
 
     Raises
     ------
     ManifestError
-        ``path`` is not a regular file, is not trusted, or holds a bad record.
+        ``path`` is not a regular file, is not trusted, holds a bad record, or was replaced while it was opened.
     OSError
-        The write failed (``ENOSPC``); the file is as it was.
+        The write failed (``ENOSPC``): the file is as it was; or ``filelock.Timeout`` (a ``TimeoutError``):
+        another append held the lock past :data:`LOCK_TIMEOUT_S`.
 
     """
     new = [check_record(dict(r)) for r in records]
@@ -166,24 +171,36 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"manifest {path} is not a regular file")
         check_trusted(path, st)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        data = _read_all(fd, path)
-        known_records, torn = _parse(data, str(path))
-        end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
-        if torn:
-            os.ftruncate(fd, end)  # the torn line goes; O_APPEND then writes from the new end
-        known = {record_id(r) for r in known_records}
-        lines = []
-        for record in new:
-            rid = record_id(record)
-            if rid not in known:
-                known.add(rid)
-                lines.append(json.dumps(record, sort_keys=True) + "\n")
-        if lines:
-            lead = "\n" if data[:end] and not data[:end].endswith(b"\n") else ""  # a last record without its newline
-            _write_all(fd, (lead + "".join(lines)).encode(), end)
+        # The manifest is its own lock file: preserve_lock_file keeps filelock from ever removing it (and from
+        # its soft-lock fallback, a marker written into the file); filelock opens the path again, so the file
+        # it locked must be the one ``fd`` holds.
+        lock = FileLock(os.fspath(path), thread_local=False, preserve_lock_file=True)
+        with lock.acquire(timeout=LOCK_TIMEOUT_S):
+            locked = os.lstat(path)
+            if (locked.st_dev, locked.st_ino) != (st.st_dev, st.st_ino):
+                raise ManifestError(f"manifest {path} was replaced while it was opened")
+            return _append_locked(fd, path, new)
     finally:
-        os.close(fd)  # closing releases the flock
+        os.close(fd)
+
+
+def _append_locked(fd: int, path: str | os.PathLike[str], new: list[dict[str, Any]]) -> int:
+    """The rest of :func:`append_records`, under the manifest's lock: repair, dedupe, write."""
+    data = _read_all(fd, path)
+    known_records, torn = _parse(data, str(path))
+    end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
+    if torn:
+        os.ftruncate(fd, end)  # the torn line goes; O_APPEND then writes from the new end
+    known = {record_id(r) for r in known_records}
+    lines = []
+    for record in new:
+        rid = record_id(record)
+        if rid not in known:
+            known.add(rid)
+            lines.append(json.dumps(record, sort_keys=True) + "\n")
+    if lines:
+        lead = "\n" if data[:end] and not data[:end].endswith(b"\n") else ""  # a last record without its newline
+        _write_all(fd, (lead + "".join(lines)).encode(), end)
     return len(lines)
 
 

@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import subprocess
+import sys
+import threading
 
 import pytest
 from precompile_fixtures import jitwarm
@@ -146,3 +148,32 @@ def test_a_version_that_is_not_the_integer_1_is_refused(tmp_path, version):
     with pytest.raises(ManifestError, match="not a jitwarm manifest record"):
         read_manifest(path)
     one_line_exit_2(jitwarm("plan", "--manifest", str(path)))
+
+
+def test_an_append_waits_for_another_process_holding_the_manifest_and_adds_only_what_it_lacks(tmp_path):
+    """The manifest is its own lock file (filelock's flock on it): no sidecar file, the file never removed."""
+    path = tmp_path / "server.jsonl"
+    append_records(path, [record(1)])
+    holder = subprocess.Popen(  # another rank: holds the manifest's lock, appends record 2, then lets go
+        [sys.executable, "-c", "import fcntl, json, os, sys\n"
+         f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_APPEND)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.readline()\n"
+         f"os.write(fd, (json.dumps({record(2)!r}, sort_keys=True) + '\\n').encode())\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        added: list[int] = []
+        appender = threading.Thread(target=lambda: added.append(append_records(path, [record(2), record(3)])))
+        appender.start()
+        appender.join(0.5)
+        assert appender.is_alive() and not added  # blocked on the other process's lock, nothing written
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        appender.join(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+    assert added == [1]  # record 2 was there by the time the lock was ours: only record 3 added
+    assert read_manifest(path) == [record(1), record(2), record(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server.jsonl"]
