@@ -256,6 +256,27 @@ def test_the_plugin_sets_triton_s_cache_manager_unless_told_otherwise_and_starts
     assert triton.knobs.runtime.jit_cache_hook is before
 
 
+def test_a_setting_that_does_not_parse_is_logged_and_its_default_taken_fatal_under_strict(monkeypatch, caplog):
+    """docs/sglang.md: the plugin reads its variables through jitwarm.cache.settings, the one boolean parser."""
+    from jitwarm.cache import settings
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
+
+    manager = "jitwarm.kernels.libraries.triton.cache:CacheManager"
+    monkeypatch.setenv("TRITON_CACHE_MANAGER", "placeholder")
+    monkeypatch.delenv("TRITON_CACHE_MANAGER")  # recorded absent: _record_and_serve writes os.environ itself
+    monkeypatch.setenv("JITWARM_TRITON_CACHE", "maybe")
+    with caplog.at_level("ERROR", logger="jitwarm"):
+        sglang_plugin._record_and_serve()
+    assert os.environ.get("TRITON_CACHE_MANAGER") == manager  # the default (on) taken
+    assert any("JITWARM_TRITON_CACHE='maybe' is not a boolean" in r.getMessage() for r in caplog.records)
+    monkeypatch.delenv("TRITON_CACHE_MANAGER")
+    for strict in ("1", "sometimes"):  # a JITWARM_STRICT that does not parse counts as strict
+        monkeypatch.setenv("JITWARM_STRICT", strict)
+        with pytest.raises(settings.SettingError, match="JITWARM_TRITON_CACHE"):
+            sglang_plugin._record_and_serve()
+        assert "TRITON_CACHE_MANAGER" not in os.environ
+
+
 @pytest.mark.parametrize("architectures, specs", [(["LlamaForCausalLM"], 0), (["DeepseekV4ForCausalLM"], 3),
                                                   (None, 3)])
 def test_plan_mode_plans_the_families_of_the_model_the_runner_was_given(monkeypatch, tmp_path, architectures, specs):
