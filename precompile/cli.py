@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "prune":
             c.add_argument("--max-bytes", type=_size, metavar="SIZE", help="shrink the cache to this size (500M, 20G)")
             c.add_argument("--older-than", type=_duration, metavar="AGE", help="remove entries unused this long (7d)")
+            c.add_argument("--grace", type=_duration, metavar="SECONDS",
+                           help="keep entries used this recently (env JITWARM_PRUNE_GRACE_S; default 600; 0: off)")
         elif name in ("export", "import"):
             p.add_argument("path", metavar="BUNDLE", help="bundle file (.tar or .tar.gz)")
     return parser

@@ -244,11 +244,12 @@ def cmd_prune(args: argparse.Namespace, plan: None) -> int:
     """Remove least recently used entries down to ``--max-bytes`` and entries unused for ``--older-than``."""
     if args.max_bytes is None and args.older_than is None:
         raise UsageError("prune needs --max-bytes SIZE and/or --older-than AGE")
-    report = open_cache(args).prune(max_bytes=args.max_bytes, older_than_s=args.older_than)
+    report = open_cache(args).prune(max_bytes=args.max_bytes, older_than_s=args.older_than, grace_s=args.grace)
     if args.json:
         print(json.dumps(report.to_json()))
     else:
         kept = f"; kept {len(report.skipped_locked)} in use (locked)" if report.skipped_locked else ""
+        kept += f"; kept {len(report.skipped_recent)} used within the grace period" if report.skipped_recent else ""
         print(f"jitwarm: pruned {len(report.removed)} entries ({report.freed_bytes / 2**20:.1f} MiB) and "
               f"{len(report.staging_removed)} abandoned builds; {report.remaining_bytes / 2**20:.1f} MiB left{kept}")
     return EXIT_OK

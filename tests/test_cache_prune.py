@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -167,3 +168,22 @@ def test_a_lookup_under_the_keys_own_lock_touches_without_waiting_for_itself(tmp
         assert cache._local.lookup(entry.key, locked=True) == entry
         assert time.monotonic() - start < 2
     assert time.time() - entry.path.stat().st_mtime < 60  # touched all the same
+
+
+def test_prune_s_grace_flag_overrides_the_environment(three, monkeypatch):
+    """``jitwarm prune --grace SECONDS`` beats ``JITWARM_PRUNE_GRACE_S`` both ways; a bad value is exit 2."""
+    root, entries = three  # last used 300, 200 and 100 s ago
+
+    def prune(*flags: str, grace_env: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "JITWARM_PRUNE_GRACE_S": grace_env}
+        return subprocess.run([sys.executable, "-m", "jitwarm", "prune", "--max-bytes", "0", "--cache-dir", str(root),
+                               "--json", *flags], capture_output=True, text=True, env=env, cwd="/", check=False)
+
+    kept = json.loads(prune("--grace", "250", grace_env="0").stdout)  # 250 s: the two newer entries stay
+    assert kept["removed"] == [entries[0].key] and sorted(kept["skipped_recent"]) == sorted(e.key for e in entries[1:])
+    gone = json.loads(prune("--grace", "0", grace_env="3600").stdout)  # 0: off, whatever the environment says
+    assert sorted(gone["removed"]) == sorted(e.key for e in entries[1:]) and not gone["skipped_recent"]
+    for bad in ("-1", "nan", "soon"):
+        proc = prune("--grace", bad, grace_env="0")
+        assert proc.returncode == 2 and proc.stderr.startswith("jitwarm: error: ") and "grace" not in proc.stdout
+        assert proc.stderr.count("\n") == 1 and "invalid duration" in proc.stderr, proc.stderr

@@ -44,6 +44,7 @@ FLAG_CASES = [[*BASE, flag, value] for flag in INT_FLAGS for value in BAD_NUMBER
     *(["warm", *TINY, "--timeout", t] for t in ("-1", "0", "nan", "inf", "1e400", "x")),
     *(["prune", "--older-than", t] for t in ("-5", "nan", "inf", "1e400", "x", "-1d")),
     *(["prune", "--max-bytes", b] for b in ("inf", "1e400", "-1", "nan", "lots", "2E")),
+    *(["prune", "--max-bytes", "1", "--grace", g] for g in ("-1", "nan", "inf", "1e400", "soon")),
     ["prune"], ["import"], ["plan", "--no-such-flag"],
     ["prune", "--target", "cpu"],  # commands that need no plan take no plan flags
     [*BASE, "--", "python", "-m", "sglang.launch_server", "--cuda-graph-max-bs", "8"],  # ambiguous for sglang
