@@ -5,8 +5,9 @@ A record says enough to build its kernel again elsewhere and to name it to a per
 ``{"v": 1, "kind": "triton", "kernel": "pkg.mod:qualname", "target": "sm_90", "triton": "3.8.0",
 "specialization": <Triton's own specialization data, a JSON string>, "name": <Triton's repr>}``
 
-``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": "0.5.23",
-"call": {"args": [...], "cpp_files": [...], ...}}``
+``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": <the
+running sglang's version, the room's VERSION for the release it mirrors>, "call": {"args": [...], ...}}``
+(:data:`jitwarm.precompile.servers.sglang.VERSION`).
 
 Appends are safe with many ranks writing one manifest: each append locks the file itself (filelock, as the
 cache's key locks; its ``flock`` excludes other processes and other threads alike), reads what is there and

@@ -92,8 +92,9 @@ class Recorder:
     def _wrap_load_jit(self) -> None:
         """Record every ``load_jit`` call from inside sglang's loader, whoever imported ``load_jit`` by name.
 
-        sglang's kernel modules bind ``load_jit`` when they are imported (219 call sites in 0.5.23, most
-        imported by the scheduler before ``load_plugins()`` runs), so wrapping the function would miss them.
+        sglang's kernel modules bind ``load_jit`` when they are imported (219 call sites in the sglang release
+        the room mirrors, :data:`jitwarm.precompile.servers.sglang.VERSION`; most imported by the scheduler
+        before ``load_plugins()`` runs), so wrapping the function would miss them.
         Every call constructs a ``BuildSpec`` through the loader's module global (compile/loader.py:115), with
         ``load_jit``'s own frame one level up holding the call's arguments: that is where this records, hit
         or miss. (Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, load_jit has rewritten its flags or
