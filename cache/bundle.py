@@ -75,7 +75,8 @@ def write_bundle(entries: list[Entry], path: Path) -> Path:
     Raises
     ------
     CacheWriteError
-        ``path`` is a directory, its directory is missing or not writable, or the disk is full; no partial
+        ``path`` is a directory or another file that is not a regular one (a device, a FIFO), its directory
+        is missing or not writable, or the disk is full; no partial
         file is left.
     CacheError
         An entry file cannot be read (it changed or vanished since it was verified).
@@ -83,6 +84,9 @@ def write_bundle(entries: list[Entry], path: Path) -> Path:
     """
     if path.is_dir():
         raise CacheWriteError("write the bundle", str(path), "it is a directory")
+    if path.exists() and not path.is_file():
+        # The rename below replaces what is there: as root, `export ... /dev/null` replaced the device node.
+        raise CacheWriteError("write the bundle", str(path), "it is not a regular file (a device, FIFO or socket)")
     mode = "w:gz" if path.name.endswith((".gz", ".tgz")) else "w"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:

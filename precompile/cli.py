@@ -31,7 +31,7 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
-from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, split_server_argv
+from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
 
 Command = Callable[[argparse.Namespace, WarmPlan | None], int]
@@ -65,7 +65,8 @@ class _Help(argparse.HelpFormatter):
 
 def _number(text: str, what: str, example: str) -> float:
     try:
-        value = float(text)
+        # float() reads any script's digits ('２', '٣'): refused, as the integer flags refuse them.
+        value = float(text) if text.isascii() else float("x")
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid {what} {text!r} ({example})") from None
     if not math.isfinite(value) or value < 0:
@@ -127,14 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Help)
         if name not in PLANLESS:
             add_serving_flags(p)
-            p.add_argument("--manifest", action="append", metavar="PATH",
+            p.add_argument("--manifest", action="append", type=path_flag, metavar="PATH",
                            help="also plan the server kernels recorded in this manifest (jitwarm.precompile.record; "
                                 "JITWARM_RECORD); alone, plan only those")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             continue
         c = p.add_argument_group("cache")
-        c.add_argument("--cache-dir", metavar="DIR", help="writable cache root (env JITWARM_CACHE_DIR)")
+        c.add_argument("--cache-dir", type=path_flag, metavar="DIR",
+                       help="writable cache root (env JITWARM_CACHE_DIR)")
         if name not in PLANLESS:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         c.add_argument("--timeout", type=_timeout, default=900.0, metavar="S",
@@ -149,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail (exit 1) instead of continuing locally when the remote is down "
                             "(env JITWARM_REMOTE_REQUIRED=1)")
         if name == "prestart":
-            c.add_argument("--bundle", metavar="FILE", help="import this bundle first")
+            c.add_argument("--bundle", type=path_flag, metavar="FILE", help="import this bundle first")
             c.add_argument("--offline", action="store_true",
                            help="build nothing: a spec the bundle and the cache lack is exit 5, and so is a "
                                 "bundle that holds none of the plan's specs")

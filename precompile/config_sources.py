@@ -149,10 +149,22 @@ def _finite_int(text: str) -> int:
     return value
 
 
+def path_flag(text: str) -> str:
+    """A path flag's value; an empty one is refused.
+
+    ``--cache-dir "$DIR"`` with ``DIR`` unset reads as no flag at all: the default cache (or no config file)
+    would be used without a word.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return text
+
+
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
     g = parser.add_argument_group(f"serving (sglang {VERSION}'s flag names; or the server's command line after --)")
-    g.add_argument("--config", metavar="FILE.toml", help="read these settings from a TOML file first")
+    g.add_argument("--config", type=path_flag, metavar="FILE.toml",
+                   help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",
                    help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "

@@ -139,6 +139,8 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     target = Path(args.path)
     if target.is_dir():
         raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
+    if target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
+        raise UsageError(f"export: {args.path} is not a regular file; give the bundle's file name (kernels.tar)")
     if not target.absolute().parent.is_dir():
         raise UsageError(f"export: the directory of {args.path} does not exist")
     keys = keys_of(plan, cache, look_only=True)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import io
+import os
+import stat
 import tarfile
 from pathlib import Path
 
 import pytest
 from workers.cache_harness import artifact_bytes, cache_for, desc, make_builder
 
-from jitwarm.cache import CacheError
+from jitwarm.cache import CacheError, CacheWriteError
 
 
 @pytest.fixture
@@ -55,6 +57,20 @@ def test_export_of_missing_key_fails_and_writes_nothing(tmp_path, exported):
     with pytest.raises(CacheError, match="not in the cache"):
         src.export_bundle([src.key(desc(9))], tmp_path / "missing.tar")
     assert not (tmp_path / "missing.tar").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-fifo"])
+def test_export_onto_a_special_file_refuses_and_leaves_it(tmp_path, exported, kind):
+    # The atomic rename replaced whatever was there: as root, `jitwarm export ... /dev/null` replaced the device.
+    entries, _ = exported
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = fifo if kind == "fifo" else tmp_path / "link"
+    if kind == "link-to-fifo":
+        target.symlink_to(fifo)
+    with pytest.raises(CacheWriteError, match="not a regular file"):
+        cache_for(tmp_path / "build-box" / "cache").export_bundle([entries[0].key], target)
+    assert stat.S_ISFIFO(target.stat().st_mode) and not list(tmp_path.glob(".*.tmp"))
 
 
 def _rewrite(bundle, out, mutate):

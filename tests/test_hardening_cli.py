@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,10 @@ FLAG_CASES = [[*BASE, flag, value] for flag in INT_FLAGS for value in BAD_NUMBER
     [*BASE, "--", "python", "-m", "sglang.launch_server", "--cuda-graph-max-bs", "8"],  # ambiguous for sglang
     [*BASE, "--", "python", "-m", "sglang.launch_server", "--no-such-server-flag"],
     [*BASE, "--", "vllm", "serve", "m"],
+    # attack round 2: float() reads any script's digits, and an empty path read as no flag (the default cache)
+    ["warm", *TINY, "--timeout", "２"], ["prune", "--older-than", "٣d"], ["prune", "--max-bytes", "٣"],
+    [*BASE, "--config", ""], ["status", *TINY, "--cache-dir", ""], ["warm", *TINY, "--cache-dir", " "],
+    [*BASE, "--manifest", ""], ["prestart", *TINY, "--bundle", ""],
 ]
 
 TOML_CASES = [
@@ -241,9 +246,11 @@ def test_prestart_says_what_the_bundle_supplied_and_warns_when_nothing(tmp_path,
 
 def test_export_to_a_directory_or_a_missing_one_is_a_usage_error(tmp_path, tiny_cache):
     root = str(tiny_cache)
-    for target in (tmp_path, tmp_path / "no" / "such" / "k.tar"):
+    os.mkfifo(tmp_path / "fifo")  # as /dev/null is to root: the bundle's rename replaced it (attack round 2)
+    for target in (tmp_path, tmp_path / "no" / "such" / "k.tar", tmp_path / "fifo"):
         proc = jitwarm("export", *TINY, "--cache-dir", root, str(target))
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
 
 
 def test_prestart_offline_builds_nothing_a_miss_is_exit_5(tmp_path, tiny_cache):
