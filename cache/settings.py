@@ -17,6 +17,7 @@ Examples
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -254,7 +255,14 @@ def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
 
 
 def directory(path: Path, what: str) -> Path:
-    """Return ``path`` unless it exists and is not a directory (then SettingError naming ``what``)."""
+    """Return ``path`` unless it exists and is not a directory, or no system call can use it (SettingError)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        # A name too long or a link loop was exit 1 "File name too long" from the first open (attack round 2);
+        # missing (or a parent that is a file: the cache's own writability check says so) stays for later.
+        if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            raise SettingError(f"{what}: {path}: {exc.strerror}") from None
     if os.path.lexists(path) and not path.is_dir():
         raise SettingError(f"{what}: {path} is not a directory")
     return path

@@ -141,6 +141,23 @@ def test_a_cache_dir_or_layer_that_is_a_file_is_one_line_exit_2(tmp_path, monkey
     assert err.count("\n") == 1 and err.startswith("jitwarm: error: ") and str(afile) in err
 
 
+@pytest.mark.parametrize("var", ["JITWARM_CACHE_DIR", "JITWARM_CACHE_PATH", "JITWARM_LOCK_DIR"])
+def test_a_path_setting_no_system_call_can_use_is_one_line_exit_2(tmp_path, monkeypatch, capsys, var):
+    """A 5,000-character JITWARM_CACHE_PATH was exit 1 "File name too long" (attack round 2); a link loop too."""
+    from precompile_fixtures import TINY
+
+    from jitwarm.precompile.cli import main
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for bad in (tmp_path / ("x" * 5000), loop / "c"):
+        monkeypatch.setenv(var, str(bad))
+        assert main(["status", *TINY, *(["--cache-dir", str(tmp_path / "root")] if var != "JITWARM_CACHE_DIR"
+                                        else [])]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"jitwarm: error: {var}: "), err
+
+
 def test_override_scopes_and_restores(monkeypatch, tmp_path):
     monkeypatch.setenv("JITWARM_REMOTE_LEASE_S", "3")
     monkeypatch.delenv("JITWARM_ALLOW_SHARED", raising=False)
