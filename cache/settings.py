@@ -257,7 +257,7 @@ def check_remote_prefix(prefix: str, what: str = "remote prefix") -> str:
 def directory(path: Path, what: str) -> Path:
     """Return ``path`` unless it exists and is not a directory, or no system call can use it (SettingError)."""
     try:
-        os.stat(path)
+        path.stat()
     except OSError as exc:
         # A name too long or a link loop was exit 1 "File name too long" from the first open (attack round 2);
         # missing (or a parent that is a file: the cache's own writability check says so) stays for later.
