@@ -310,3 +310,16 @@ def test_a_worker_that_prints_on_stdout_leaves_its_answers_clean(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["totals"]["built"] == 3
     assert "Traceback" not in proc.stderr and proc.stderr.count("hello from an import") == 1  # relayed, once
+
+
+def test_an_untrusted_lock_dir_is_one_line_exit_2_before_any_build(tmp_path):
+    # Each build worker refused it: warm said exit 1 with a failure per spec (attack round 2).
+    lock_dir = tmp_path / "locks"
+    lock_dir.mkdir()
+    lock_dir.chmod(0o777)  # every user can write it, no sticky bit
+    root = tmp_path / "cache"
+    proc = jitwarm("warm", *TINY_FAST, "--cache-dir", str(root), env={"JITWARM_LOCK_DIR": str(lock_dir),
+                                                                       "JITWARM_ALLOW_SHARED": ""})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"jitwarm: error: refusing lock directory {lock_dir}: ")
+    assert not list(root.glob("v1/entries/*/*"))
