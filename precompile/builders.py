@@ -286,8 +286,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
+    from jitwarm.precompile.cli import log_lines  # the parent relays our stderr: the CLI's form of a log line
+
     try:
-        _serve(json.loads(args[0]), sys.stdin, answers)
+        with log_lines():
+            _serve(json.loads(args[0]), sys.stdin, answers)
     except BrokenPipeError:  # the parent is gone
         return 1
     return 0

@@ -12,10 +12,12 @@ as one line on stderr, never a traceback. The commands themselves are :mod:`~jit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from jitwarm.cache.errors import (
     EXIT_BUILD_FAILED,
@@ -171,8 +173,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class LogLines(logging.Formatter):
+    """A jitwarm logger's line as the operator reads it: ``jitwarm: <message>``, the prefix once.
+
+    Many messages carry the prefix already (for a server's own log, where no such handler runs): kept once.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """``jitwarm: <message>`` (no traceback: one line)."""
+        return "jitwarm: " + record.getMessage().removeprefix("jitwarm: ")
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[None]:
+    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines`.
+
+    Without it Python's last-resort handler printed them bare (a quarantine during ``warm`` had no prefix).
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(LogLines())
+    logger = logging.getLogger("jitwarm")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit code (also the console script's entry point)."""
+    with log_lines():
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args: argparse.Namespace | None = None
     try:

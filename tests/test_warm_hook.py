@@ -288,3 +288,17 @@ def test_hook_refuses_a_plan_without_this_target(tmp_path):
     plan = plan_of([*TINY[:-1], "sm_90"])
     with pytest.raises(KernelsNotReady, match="no specs for this device's target cpu"):
         CaptureHook(plan, cache=KernelCache(root=tmp_path), device="cpu")()
+
+
+def test_warm_says_every_line_with_the_jitwarm_prefix_the_cache_s_quarantine_included(tmp_path):
+    """A corrupt entry found by warm's lookup is quarantined and rebuilt; the cache's warning says ``jitwarm: ``."""
+    root = tmp_path / "cache"
+    assert jitwarm("warm", *TINY_FAST, "--cache-dir", str(root)).returncode == 0
+    victim = next(p for p in sorted(root.glob("v1/entries/*/*/*")) if p.name != "entry.json")
+    victim.chmod(0o644)
+    victim.write_bytes(victim.read_bytes() + b"\n# tampered\n")
+    proc = jitwarm("warm", *TINY_FAST, "--cache-dir", str(root))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert any("quarantined" in line and victim.parent.name in line for line in lines), lines
+    assert all(line.startswith("jitwarm: ") and not line.startswith("jitwarm: jitwarm:") for line in lines), lines
