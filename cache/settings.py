@@ -210,8 +210,8 @@ def number(var: str, kind: type, default: Any, *, minimum: float, maximum: float
     if text is None:
         return default
     try:
-        if kind is int and not (text.isascii() and text.lstrip("+-").isdigit()):
-            raise ValueError(text)  # int() also takes "٣" and "1_000"
+        if not text.isascii() or (kind is int and not text.lstrip("+-").isdigit()):
+            raise ValueError(text)  # int() and float() also take "٣"; int() takes "1_000"
         value = kind(text)
     except ValueError:
         raise SettingError(f"{var}={text!r} is not {'an integer' if kind is int else 'a number'}") from None

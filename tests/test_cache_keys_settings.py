@@ -158,6 +158,16 @@ def test_a_path_setting_no_system_call_can_use_is_one_line_exit_2(tmp_path, monk
         assert err.count("\n") == 1 and err.startswith(f"jitwarm: error: {var}: "), err
 
 
+@pytest.mark.parametrize("value", ["٣", "２.5", "1e٣"])
+def test_a_float_setting_in_another_scripts_digits_is_refused(monkeypatch, value):
+    """float() reads '٣' as 3: JITWARM_REMOTE_LEASE_S='٣' was taken (attack round 2); the integers refused it."""
+    for var, read in (("JITWARM_REMOTE_LEASE_S", settings.remote_lease_s),
+                      ("JITWARM_PRUNE_GRACE_S", settings.prune_grace_s)):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(settings.SettingError, match=f"^{var}=.* is not a number$"):
+            read()
+
+
 def test_override_scopes_and_restores(monkeypatch, tmp_path):
     monkeypatch.setenv("JITWARM_REMOTE_LEASE_S", "3")
     monkeypatch.delenv("JITWARM_ALLOW_SHARED", raising=False)
