@@ -50,12 +50,13 @@ def open_cache(args: argparse.Namespace) -> Any:
         raise UsageError(str(exc).replace("remote:", "--remote:", 1)) from None
     if from_env and cache.remote is None:
         raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
-    if cache.lock_dir.is_dir():
-        # Refused once, here, as one line and exit 2: each build worker refused it and warm said exit 1 with a
-        # failure per spec (attack round 2, JITWARM_LOCK_DIR owned by another user).
-        from jitwarm.cache.files import check_trusted_dir
+    from jitwarm.cache.files import check_trusted_dir
 
-        check_trusted_dir(cache.lock_dir, "lock directory", allow_shared=cache.allow_shared)
+    for path, what in ((cache.root, "cache root"), (cache.lock_dir, "lock directory")):
+        if path.is_dir():
+            # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
+            # with a failure per spec and status "missing" (attack round 2: a root or lock dir another user owns).
+            check_trusted_dir(path, what, allow_shared=cache.allow_shared)
     return cache
 
 

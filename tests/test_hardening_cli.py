@@ -312,14 +312,16 @@ def test_a_worker_that_prints_on_stdout_leaves_its_answers_clean(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stderr.count("hello from an import") == 1  # relayed, once
 
 
-def test_an_untrusted_lock_dir_is_one_line_exit_2_before_any_build(tmp_path):
-    # Each build worker refused it: warm said exit 1 with a failure per spec (attack round 2).
-    lock_dir = tmp_path / "locks"
-    lock_dir.mkdir()
-    lock_dir.chmod(0o777)  # every user can write it, no sticky bit
-    root = tmp_path / "cache"
-    proc = jitwarm("warm", *TINY_FAST, "--cache-dir", str(root), env={"JITWARM_LOCK_DIR": str(lock_dir),
-                                                                       "JITWARM_ALLOW_SHARED": ""})
+@pytest.mark.parametrize(("command", "what"), [("warm", "lock directory"), ("warm", "cache root"),
+                                             ("status", "cache root")])
+def test_an_untrusted_lock_dir_or_root_is_one_line_exit_2_before_any_build(tmp_path, command, what):
+    # Each build worker refused it: warm said exit 1 with a failure per spec, status "missing" (attack round 2).
+    untrusted = tmp_path / "open"
+    untrusted.mkdir()
+    untrusted.chmod(0o777)  # every user can write it, no sticky bit
+    root = untrusted if what == "cache root" else tmp_path / "cache"
+    env = {"JITWARM_ALLOW_SHARED": "", **({"JITWARM_LOCK_DIR": str(untrusted)} if what == "lock directory" else {})}
+    proc = jitwarm(command, *TINY_FAST, "--cache-dir", str(root), env=env)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(f"jitwarm: error: refusing lock directory {lock_dir}: ")
+    assert proc.stderr.startswith(f"jitwarm: error: refusing {what} {untrusted}: ")
     assert not list(root.glob("v1/entries/*/*"))
