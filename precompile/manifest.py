@@ -67,7 +67,7 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
     """Return ``record`` if it is a well-formed record of a known kind, else raise ManifestError naming ``where``."""
     # type() is int, not ==: True == 1 and 1.0 == 1, and a bool is not a version.
     if not isinstance(record, dict) or type(record.get("v")) is not int or record["v"] != VERSION \
-            or record.get("kind") not in KINDS:
+            or not isinstance(record.get("kind"), str) or record["kind"] not in KINDS:  # a list is unhashable
         raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton or sglang_jit)")
     need = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call")}
     for field in need[record["kind"]]:
@@ -103,6 +103,9 @@ def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
     check_trusted(path, st)
     records, torn = _parse(data, str(path))
+    if torn and not records:  # nothing to warn past: one line, not a warning and then "the plan is empty"
+        raise ManifestError(f"manifest {path} holds no complete record: its only line is torn (an append cut "
+                            "short) or not a record")
     if torn:
         _say_torn(str(path), len(data))
     return records

@@ -177,3 +177,23 @@ def test_an_append_waits_for_another_process_holding_the_manifest_and_adds_only_
     assert added == [1]  # record 2 was there by the time the lock was ours: only record 3 added
     assert read_manifest(path) == [record(1), record(2), record(3)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["server.jsonl"]
+
+
+@pytest.mark.parametrize("content", [b'{"v": 1, "kind": ["triton"], "target": "sm_90"}\n',  # unhashable kind
+                                     b'{"v": 1, "kind": {"a": 1}}\n'])
+def test_a_kind_that_is_not_a_string_is_refused(tmp_path, content):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(content)
+    one_line_exit_2(jitwarm("plan", "--manifest", str(path)))
+
+
+@pytest.mark.parametrize("content", [b'{"v": 1, "kind": "tri', b"\x00" * 64, b"x" * 70_000],
+                         ids=["killed-first-append", "nul", "long"])
+def test_a_manifest_whose_only_line_is_torn_is_one_error(tmp_path, content):
+    """No complete record to warn past: one line, exit 2 (not a torn-line warning, then "the plan is empty")."""
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(content)
+    proc = jitwarm("plan", "--manifest", str(path))
+    one_line_exit_2(proc)
+    assert "holds no complete record" in proc.stderr
+    assert append_records(path, []) == 0 and path.read_bytes() == b""  # the next append still repairs it
