@@ -94,9 +94,10 @@ def correctness_configs(backend: str, target: str) -> list[ServingConfig]:
     The DSpark-128 plan wherever the kernels run compiled (tvm_ffi anywhere, triton on a GPU; on the 2-core
     host, bfloat16 at DSpark size and float32 on the four-graph plan); the small plan for triton, on cpu
     because Triton's interpreter is too slow for DSpark sizes (there in float32, with bfloat16 on the four-graph
-    plan: the interpreter's bfloat16 path is the float32 one behind an upcast), and on a GPU in both dtypes. CI's second pass on the dependency floors (``JITWARM_TEST_FLOOR=1``, .ci/run)
-    checks a four-graph plan instead: the same tests, on the oldest tvm-ffi and Triton we support, in a fraction
-    of the time (the kernels' arithmetic does not change with the library; building, loading and calling do).
+    plan: the interpreter's bfloat16 path is the float32 one behind an upcast), and on a GPU in both dtypes.
+    CI's second pass on the dependency floors (``JITWARM_TEST_FLOOR=1``, .ci/run) checks a four-graph plan
+    instead: the same tests, on the oldest tvm-ffi and Triton we support, in a fraction of the time (the
+    kernels' arithmetic does not change with the library; building, loading and calling do).
     """
     if os.environ.get("JITWARM_TEST_FLOOR") == "1":
         return [floor_config(backend, target, dtype) for dtype in ("float32", "bfloat16")]

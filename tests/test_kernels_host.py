@@ -5,8 +5,9 @@
 ``test_triton_backend.test_interpreter_copy_does_not_leak``, so it shares the process with compiled Triton).
 Each backend checks every spec of ``kernel_checks.correctness_cases``: for tvm_ffi the DSpark-128 plan in
 bfloat16 and the four-graph plan in float32 (38 specs), for the interpreter the small plan in float32 and the
-four-graph plan in bfloat16 (31; its DSpark sizes would take minutes), from the session's cache of that backend (built once, ``kernel_caches``), with
-``kernel_checks.check``; the public op must dispatch exactly the planned spec.
+four-graph plan in bfloat16 (31; its DSpark sizes would take minutes), from the session's cache of that
+backend (built once, ``kernel_caches``), with ``kernel_checks.check``; the public op must dispatch exactly the
+planned spec.
 """
 
 from __future__ import annotations
