@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# The DSpark-128 profile: 35 graphs, 30 specs (DESIGN.md).
+# The DSpark-128 profile: 35 graphs, 30 specs (README.md).
 DSPARK = ["--cuda-graph-max-bs-decode", "128", "--max-running-requests", "128", "--speculative-algorithm", "DSPARK",
           "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact"]
 

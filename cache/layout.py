@@ -52,7 +52,7 @@ class StagingName:
 
 
 class RootLayout:
-    """Paths of one cache root (see DESIGN.md, "Cache").
+    """Paths of one cache root (docs/cache.md, "On-disk layout").
 
     Layout::
 

@@ -16,7 +16,7 @@ ParamValue = int | str
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Model dimensions the kernel families specialize on (illustrative defaults, DESIGN.md)."""
+    """Model dimensions the kernel families specialize on (illustrative defaults, docs/kernels.md)."""
 
     head_dim: int = 128
     rope_dim: int = 64

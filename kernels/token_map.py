@@ -8,7 +8,7 @@ from jitwarm.kernels.layout import VerifyLayout
 
 
 class TokenMap(NamedTuple):
-    """Ragged verify layout and compression plan for one batch (DESIGN.md "Kernel families", plan).
+    """Ragged verify layout and compression plan for one batch (docs/kernels.md, "plan").
 
     All fields are int32 tensors on the device of the ``verify_lens`` they were planned from. ``N`` is
     ``layout.num_tokens`` and ``R`` is ``layout.slots``. Pure container: importing this module imports

@@ -1,4 +1,4 @@
-"""Triton kernels of the three families: plan, compressor and norm_rope (DESIGN.md "Kernel families").
+"""Triton kernels of the three families: plan, compressor and norm_rope (docs/kernels.md, "The families").
 
 Every spec param is a ``tl.constexpr`` (plus ``BLOCK_*`` sizes derived from them), and every run-time
 integer is listed in ``do_not_specialize``, so the set of compiled variants is exactly the warm plan's

@@ -26,7 +26,7 @@ from jitwarm.precompile import ServingConfig, WarmPlan
 
 # -- constants ------------------------------------------------------------------------------------------
 
-#: bs=60 of the incident: 6 draft tokens over 128 slots, ragged (DESIGN.md). Never the uniform path.
+#: bs=60 of the incident (README.md): 6 draft tokens over 128 slots, ragged. Never the uniform path.
 INCIDENT = VerifyLayout((3,) * 104 + (2,) * 24)
 #: What an unwritten int32 plan element holds: every real one is >= -1, and this fits no 16-bit write.
 POISON_INT = -77777
@@ -55,7 +55,7 @@ def seeds_for(spec: KernelSpec, layout: VerifyLayout) -> range:
 
 
 def dspark_config(backend: str, target: str, dtype: str = "bfloat16") -> ServingConfig:
-    """The DSpark-128 profile of DESIGN.md: 35 shapes, 30 specs per backend, target and dtype."""
+    """The DSpark-128 profile (README.md): 35 shapes, 30 specs per backend, target and dtype."""
     return ServingConfig(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
                          speculative_num_draft_tokens=6, ragged_verify_mode="compact", dtype=dtype,
                          backends=(backend,), targets=(target,))

@@ -59,7 +59,7 @@ def warmed(tmp_path_factory) -> Warmed:
 def test_plan_is_the_30_specs_of_the_design():
     counts = collections.Counter(s.family for s in SPECS)
     assert (len(SPECS), counts) == (30, {"norm_rope": 8, "compressor": 16, "plan": 6})
-    # The same set, computed from the compact layouts directly (DESIGN.md "Capture shapes").
+    # The same set, computed from the compact layouts directly (docs/sglang.md).
     ladder = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 129, 8)]
     direct = set()
     for bs in ladder:

@@ -6,7 +6,7 @@
 // barrier-separated program. Requests are split in contiguous chunks of ceil(R / THREADS), so R may
 // exceed THREADS.
 //
-// Barrier contract (DESIGN.md: the incident's second cause was a missing barrier here): the min/max
+// Barrier contract (docs/kernels.md, "plan": the incident's second cause was a missing barrier here): the min/max
 // tree reduction and the scan write shared arrays that other threads read in the next round, so every
 // round ends with a barrier, and the uniform/ragged branch reads lo[0]/hi[0] only after the barrier
 // that ends the last round.
