@@ -1,8 +1,7 @@
-"""The one error root of jitwarm, and the exceptions the kernel cache raises.
+"""The one error root of jitwarm (:class:`JitwarmError`, with its exit code and hint) and the cache's errors.
 
-Every error jitwarm raises on purpose is a :class:`JitwarmError`: it carries the exit code a command line ends
-with and a hint for the operator, so the CLI maps errors by type alone. It lives in the lowest layer so that
-``cache``, ``kernels`` and ``precompile`` can all derive from it.
+It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it; the CLI
+maps errors by type alone.
 """
 
 from __future__ import annotations
@@ -20,15 +19,8 @@ EXIT_INTERRUPTED = 130
 class JitwarmError(Exception):
     """Base of every error jitwarm raises on purpose.
 
-    Attributes
-    ----------
-    exit_code : int
-        What a ``jitwarm`` command exits with when this error ends it (a class attribute; subclasses set it).
-    reason : str
-        The message without the hint.
-    hint : str or None
-        What the operator can do about it; ``str(exc)`` is ``"<reason>; <hint>"`` (or just the reason).
-
+    ``exit_code`` (a class attribute) is what a command exits with when this error ends it; ``reason`` is the
+    message without the hint, ``hint`` what the operator can do; ``str(exc)`` is ``"<reason>; <hint>"``.
     """
 
     exit_code: ClassVar[int] = EXIT_BUILD_FAILED
@@ -49,40 +41,18 @@ class UsageError(JitwarmError):
 
 
 class CacheError(JitwarmError):
-    """Base class of every error the cache raises on purpose.
+    """Base of every error the cache raises on purpose: one line naming the path and the reason.
 
-    Raised for misuse of a read-only cache, an untrusted root or entry, an invalid bundle, a lock
-    directory without working ``flock``, and (as subclasses) lock timeouts, failed builds, failed writes and
-    a required remote that is down. Each message is one line that names the path and the reason; it names
-    environment variables and the Python API only, never a command-line flag.
-
-    Attributes
-    ----------
-    reason : str
-        The message without the hint, e.g. ``"refusing cache root /shared/jw: it is writable by every user
-        and has no sticky bit"``. (``BuildError.reason`` and ``RemoteUnavailable.reason`` keep their own,
-        older meaning: what failed.)
-    hint : str or None
-        What to do about it in terms of the Python API and environment variables, e.g. ``"pass
-        KernelCache(allow_shared=True) or set JITWARM_ALLOW_SHARED=1 to accept it"``; a command line prints
-        ``reason`` with its own hint instead. ``str(exc)`` is ``"<reason>; <hint>"`` (or just the reason).
-
+    Its hint speaks of environment variables and the Python API, never a command-line flag (a command line
+    prints ``reason`` with its own hint).
     """
 
 
 class CacheWriteError(CacheError):
     """The cache could not write where it had to (a full disk, a missing or read-only directory).
 
-    Nothing half-written is left behind: no entry is published from a write that failed, staging
-    directories and temporary files are removed. Distinct from a corrupt bundle or entry (``CacheError``).
-
-    Attributes
-    ----------
-    path : str
-        What could not be written (a staging file, the bundle being exported, a cache directory).
-    os_reason : str
-        The operating system's reason, e.g. ``"No space left on device"``.
-
+    Nothing half-written is left behind. ``path`` is what could not be written, ``os_reason`` the operating
+    system's reason (``"No space left on device"``).
     """
 
     def __init__(self, action: str, path: str, os_reason: str, hint: str | None = None) -> None:
@@ -112,18 +82,7 @@ class RootNotWritable(CacheWriteError):
 
 
 class LockTimeout(CacheError):
-    """Waiting for another process's build of a key passed its deadline.
-
-    Attributes
-    ----------
-    key : str
-        The cache key whose lock (or entry) was awaited.
-    holder : LockHolder or None
-        Who held the lock at the deadline, when it wrote its holder record.
-    timeout_s : float
-        The deadline that passed, in seconds.
-
-    """
+    """Waiting for another process's build of ``key`` passed ``timeout_s``; ``holder`` is who held it, if known."""
 
     def __init__(self, key: str, holder: LockHolder | None, timeout_s: float) -> None:
         self.key = key
@@ -137,19 +96,10 @@ class LockTimeout(CacheError):
 
 
 class BuildError(CacheError):
-    """The build callable raised, or produced no usable artifact.
+    """The build of ``key`` raised (chained as ``__cause__``) or produced no usable artifact.
 
-    The original exception is chained as ``__cause__``. Nothing was published for the key, its staging
-    directory is gone and its lock is released, so a later call may retry.
-
-    Attributes
-    ----------
-    key : str
-        The cache key that failed to build.
-    reason : str
-        What failed, e.g. ``"RuntimeError: nvcc exploded"`` (the message is ``build of cache key K failed:
-        <reason>``).
-
+    Nothing was published, its staging directory is gone and its lock released: a later call may retry.
+    ``reason`` is what failed (``"RuntimeError: nvcc exploded"``), not the whole message.
     """
 
     def __init__(self, key: str, reason: str) -> None:
@@ -162,18 +112,9 @@ class BuildError(CacheError):
 
 
 class RemoteUnavailable(CacheError):
-    """The remote tier failed (unreachable, or an error mid-way) and it is required.
+    """The remote tier at ``url`` (no password) failed for ``reason`` and it is required.
 
-    Raised only with ``KernelCache(remote_required=True)`` or ``JITWARM_REMOTE_REQUIRED=1``; without it
-    the cache logs the failure once and continues with the local tier.
-
-    Attributes
-    ----------
-    url : str
-        The remote's URL, password removed.
-    reason : str
-        What failed, e.g. ``"ConnectionError: Error 111 connecting to 127.0.0.1:6390"``.
-
+    Without ``remote_required`` the cache logs the failure once and goes on locally instead.
     """
 
     def __init__(self, url: str, reason: str) -> None:

@@ -1,9 +1,4 @@
-"""Cache keys: the sha256 of the canonical JSON of a format version and a JSON-able description.
-
-Every key is made by one path, :func:`_preimage_text` then sha256: :func:`key_of` for a description,
-:func:`keyed` when the preimage is needed too (a build writes it into ``entry.json``), and
-:func:`stored_preimage_key` for a preimage read back from a manifest.
-"""
+"""Cache keys: the sha256 of the canonical JSON of ``{"format": 1, "description": ...}``, made by one path."""
 
 from __future__ import annotations
 
@@ -28,16 +23,8 @@ MAX_DESCRIPTION_DEPTH = MAX_JSON_DEPTH - 8
 def key_of(description: Mapping[str, Any]) -> str:
     """Return the 64-hex-digit sha256 key of ``description``.
 
-    Parameters
-    ----------
-    description : Mapping
-        What the artifact is: dicts with str keys, lists or tuples, str, int, finite float, bool, None.
-
-    Returns
-    -------
-    str
-        ``sha256(canonical_json({"format": FORMAT_VERSION, "description": description}))``, where canonical
-        JSON has sorted keys, no spaces, ASCII only and no NaN; tuples and lists hash alike.
+    ``description`` holds dicts with str keys, lists or tuples (they hash alike), str, int, finite float,
+    bool and None; canonical JSON has sorted keys, no spaces, ASCII only.
 
     Raises
     ------
@@ -50,36 +37,18 @@ def key_of(description: Mapping[str, Any]) -> str:
 
 
 def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the exact object whose canonical JSON is hashed into the key (tuples become lists).
-
-    Raises
-    ------
-    TypeError
-        As :func:`key_of`.
-
-    """
+    """Return the exact object whose canonical JSON is hashed into the key (tuples become lists); TypeError."""
     return json.loads(_preimage_text(description))
 
 
 def keyed(description: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Return ``(key_of(description), key_preimage(description))`` with one check and one serialization.
-
-    Raises
-    ------
-    TypeError
-        As :func:`key_of`.
-
-    """
+    """Return ``(key_of(description), key_preimage(description))`` with one check and one serialization."""
     text = _preimage_text(description)
     return _digest(text), json.loads(text)
 
 
 def stored_preimage_key(preimage: object) -> str | None:
-    """Return the key of a preimage read back from ``entry.json``, or None if it is not one of this format.
-
-    A preimage is ``{"format": FORMAT_VERSION, "description": <dict>}`` exactly; anything else (extra
-    fields, another format, a description that is not plain JSON) has no key.
-    """
+    """Return the key of a preimage read back from ``entry.json``; None unless exactly ``{format, description}``."""
     if not isinstance(preimage, dict) or set(preimage) != {"format", "description"}:
         return None
     if type(preimage["format"]) is not int or preimage["format"] != FORMAT_VERSION:  # not True, not 1.0
@@ -112,7 +81,6 @@ def _preimage_text(description: Mapping[str, Any]) -> str:
 
 
 def _digest(text: str) -> str:
-    """sha256 hex of canonical JSON text (ASCII by construction)."""
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
