@@ -1,9 +1,8 @@
-"""Cache entries: the ``entry.json`` manifest, sealing a staging directory, verification and unpacking.
+"""Cache entries: the ``entry.json`` manifest, sealing a build, verification and unpacking a download.
 
-Every file hash of the cache happens here, once per file on each publish path: :func:`seal` hashes a
-build, :func:`unpack_entry` a download (before writing it), :func:`verify_entry` a lookup or a bundle.
-Each returns an :class:`Entry` carrying the stat signature of what it hashed, so the publisher renames it
-into place and compares signatures instead of hashing again.
+Every file hash of the cache happens here, once per file on each publish path (:func:`seal` a build,
+:func:`unpack_entry` a download, :func:`verify_entry` a lookup or a bundle); each returns an :class:`Entry`
+carrying the stat signature of what it hashed, so publishing compares signatures instead of hashing again.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
-from jitwarm.cache.files import check_trusted, fsync_tree, loads, make_dirs, open_regular, read_file, write_atomic
+from jitwarm.cache.files import check_trusted, fsync_tree, loads, make_dirs, open_regular, read_file_stat, write_atomic
 from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
 
 #: The manifest of an entry; written last, so an entry without it was never published.
@@ -47,12 +46,10 @@ class FileRecord:
 class Entry:
     """A published, verified cache entry.
 
-    ``files`` are the artifact files' relative POSIX paths (``entry.json`` excluded), sorted, with their
-    size and sha256 in ``records``; ``description`` and ``preimage`` are what the key was made from (to
-    explain a miss); ``read_only`` marks a layer's (or a read-only cache's) entry. ``signature`` is
-    ``(name, inode, size, mtime_ns, ctime_ns)`` of ``entry.json`` and every file when they were last
-    hashed: later lookups compare it (:func:`unchanged`) instead of hashing again, and ``discard`` tells this
-    entry from a rebuild of its key by it.
+    ``files``: the artifact files' sorted relative paths (``entry.json`` excluded), sized and hashed in
+    ``records``; ``description`` and ``preimage``: what the key was made from; ``read_only``: a layer's (or a
+    read-only cache's); ``signature``: what was hashed (:func:`unchanged` compares it, ``discard`` tells this
+    entry from a rebuild of its key by it).
     """
 
     key: str
@@ -80,10 +77,8 @@ class Entry:
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Turn a finished build directory into a complete entry, ready to be renamed into place.
 
-    Files become read-only (``0o444``, ``0o555`` when executable), directories lose write access for others
-    (and the group, unless ``shared``); every file is hashed once, ``entry.json`` written last and the tree
-    fsync'd. The entry carries the signature of what was hashed, so publishing it hashes nothing again.
-    Raises ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
+    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last, the tree
+    fsync'd. Raises ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
     """
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
@@ -116,11 +111,10 @@ def seal_dirs(staging: Path, shared: bool) -> None:
 def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = False) -> Entry:
     """Fully verify the entry directory at ``path`` for ``key`` and return it (each file hashed once).
 
-    Checks the trust of the directory and every file, that ``entry.json`` parses with this format and key
-    and a preimage that hashes to it, that the files on disk are exactly those listed, and each size and
-    sha256. Raises ``FileNotFoundError`` for no directory at ``path`` (a miss) or a file that vanished while
-    read (the caller tells a concurrent removal from damage), ``CorruptEntry`` for anything else wrong
-    (including what this user cannot read), ``CacheError`` for what other users can write.
+    Trust, the manifest (format, key, a preimage that hashes to it), exactly the listed files, each size and
+    sha256. Raises ``FileNotFoundError`` for no directory (a miss) or a file that vanished while read (the
+    caller tells a removal from damage), ``CorruptEntry`` for anything else wrong (unreadable included),
+    ``CacheError`` for what other users can write.
     """
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -136,7 +130,7 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = 
 
 
 def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) -> Entry:
-    """The checks of :func:`verify_entry` after the directory itself; OSError from reading propagates."""
+    """The checks of :func:`verify_entry` after the directory itself."""
     doc, records = _read_manifest(path, key)
     listed = {r.path: r for r in records}
     on_disk = dict(_walk_files(path, error=CorruptEntry))
@@ -159,14 +153,11 @@ def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) ->
 
 
 def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | None = None) -> Entry | None:
-    """Return ``stamped`` if the files at its path are exactly the ones it describes, reading none of them.
+    """Return ``stamped`` (what this host hashed) if the files at its path are still those, reading none.
 
-    ``stamped`` holds what this host recorded right after hashing the entry: its manifest content and stat
-    signature. While the listing is exactly the listed files and every file's (and ``entry.json``'s) inode,
-    size, mtime and ctime are unchanged, the bytes are the ones hashed (a write changes mtime and ctime, a
-    copy or replacement the inode), so ``entry.json`` is not read either. The trust checks run again. None
-    when anything differs (the caller verifies in full); ``CacheError`` for what other users can write.
-    This is the capture hook's hot path: plain strings, one ``listdir`` per directory, one ``lstat`` a file.
+    An unchanged listing and inode, size, mtime and ctime of every file means unchanged bytes (a write moves
+    mtime and ctime, a replacement the inode). None when anything differs (verify in full); ``CacheError``
+    for what other users can write. The hook's hot path: plain strings, one ``lstat`` a file.
     """
     where = os.fspath(stamped.path)
     try:
@@ -205,11 +196,7 @@ def _listing(signature: Signature) -> dict[str, set[str]]:
 
 
 def unchanged(entry: Entry) -> bool:
-    """Return True while the manifest and files of ``entry`` are the very ones it was verified as.
-
-    Compares a fresh ``lstat`` of each with :attr:`Entry.signature`: it detects truncation, deletion,
-    replacement and (on filesystems with fine mtimes) rewrites, without hashing again.
-    """
+    """Return True while a fresh ``lstat`` of the manifest and every file of ``entry`` equals its signature."""
     where = os.fspath(entry.path)
     try:
         return bool(entry.signature) and all(_sig_item(item[0], os.lstat(f"{where}/{item[0]}")) == item
@@ -235,37 +222,19 @@ def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
 def _read_manifest(path: Path, key: str) -> tuple[dict[str, Any], list[FileRecord]]:
     """Read and check ``entry.json`` of the entry at ``path``; CorruptEntry on any defect."""
     try:
-        mst = os.lstat(path / MANIFEST)
+        data = read_file_stat(path / MANIFEST, MAX_MANIFEST_BYTES)[0]
     except FileNotFoundError:
         raise CorruptEntry(f"{path} has no {MANIFEST}") from None
-    if not stat.S_ISREG(mst.st_mode) or mst.st_size > MAX_MANIFEST_BYTES:
-        raise CorruptEntry(f"{path / MANIFEST} is not a regular file of at most {MAX_MANIFEST_BYTES} bytes")
-    try:
-        data = read_file(path / MANIFEST, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # replaced since the lstat: by a FIFO, a link, a bigger file
+    except OSError as exc:  # a FIFO, a link, a file over the cap
         raise CorruptEntry(f"{path / MANIFEST}: {exc.strerror}") from None
     return parse_manifest(data, key, str(path / MANIFEST))
 
 
-def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = True
-                   ) -> tuple[dict[str, Any], list[FileRecord]]:
-    """Parse and check the bytes of a manifest for ``key``; ``where`` names it in errors.
+def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], list[FileRecord]]:
+    """Return the document and file records of a manifest for ``key``; ``where`` names it in errors.
 
-    ``check_preimage=False`` skips re-hashing the stored preimage: for a manifest this host already checked
-    (see :func:`recheck_entry`).
-
-    Returns
-    -------
-    (dict, list of FileRecord)
-        The document and its file records.
-
-    Raises
-    ------
-    CorruptEntry
-        Not a valid manifest of this format for ``key`` (including a preimage that does not hash to it).
-
+    Raises ``CorruptEntry`` for anything but a valid manifest of this format for ``key`` (a preimage that
+    does not hash to it included).
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptEntry(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
@@ -285,7 +254,7 @@ def parse_manifest(data: bytes, key: str, where: str, *, check_preimage: bool = 
         raise CorruptEntry(f"{where} has format {fmt!r}, expected {FORMAT_VERSION}")
     if stored_key != key:
         raise CorruptEntry(f"{where} is for key {stored_key!r}, not {key}")
-    if check_preimage and stored_preimage_key(preimage) != key:
+    if stored_preimage_key(preimage) != key:
         raise CorruptEntry(f"{where}: the stored preimage does not hash to the key")
     if not isinstance(files, list) or not files:
         raise CorruptEntry(f"{where} lists no files")
@@ -308,10 +277,8 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
                  executable: Collection[str] = (), *, shared: bool = False) -> Entry:
     """Write an entry received as bytes (from the remote tier) into the empty staging dir ``staging``.
 
-    Every byte is checked before anything is written (the manifest as :func:`verify_entry` checks it, the
-    names exactly those listed, each size and sha256); then the files are written as :func:`seal` leaves a
-    build, so publishing hashes nothing again. Raises ``CorruptEntry`` when the bytes do not match (nothing
-    is written), ``CacheWriteError`` for a failed write.
+    Every byte is checked first (manifest, names, sizes, sha256), then written as :func:`seal` leaves a
+    build. Raises ``CorruptEntry`` when they do not match (nothing is written), ``CacheWriteError``.
     """
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
@@ -348,11 +315,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
 
 
 def is_safe_relpath(rel: object) -> bool:
-    """Return True for a normalized relative POSIX path without ``..``.
-
-    Manifests and bundles hold relative paths only, so an entry is valid wherever its root is mounted
-    (Triton's group files store absolute paths, so a moved Triton cache misses).
-    """
+    """Return True for a normalized relative POSIX path without ``..`` (an entry is valid wherever it is mounted)."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         return False
     if not rel.isascii():
@@ -366,10 +329,7 @@ def is_safe_relpath(rel: object) -> bool:
 
 
 def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.stat_result]]:
-    """List regular files under ``root`` as (relative POSIX path, lstat); ``error`` on links or specials.
-
-    ``os.scandir`` and plain strings: this runs on every first sight of an entry (the capture hook's hot path).
-    """
+    """List regular files under ``root`` as (relative path, lstat); ``error`` on links or specials (hot path)."""
     found: list[tuple[str, os.stat_result]] = []
     pending = [(os.fspath(root), "")]
     while pending:

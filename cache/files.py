@@ -1,14 +1,9 @@
 """Files another process may touch: bounded reads that never block, atomic writes, and the trust rule.
 
-Every file the cache reads may have been replaced since it was listed: by a concurrent prune or quarantine,
-or, in a shared sticky directory (a lock dir in ``/tmp``), by another user. So every open goes through
-:func:`open_regular`: ``O_NONBLOCK`` (a FIFO planted where a holder record was made a waiter block in
-``open`` past its deadline), ``O_NOFOLLOW`` (a planted symlink), then ``fstat`` must show a regular file, and
-a size cap applies before anything is read. Every JSON document goes through :func:`loads`, bounded in size
-and nesting (100,000 nested ``[`` made ``json.loads`` raise ``RecursionError`` out of lookups). Every write
-that a reader may see half-done goes through :func:`write_atomic`. What other users could change is judged by
-:func:`untrusted_reason`: the cache holds shared libraries that get loaded into the server, so a directory
-another user can write is a code-injection path (docs/cache.md, "Trust").
+Every open goes through :func:`open_regular` (``O_NONBLOCK``: a FIFO planted where a holder record was made
+waiters block past their deadline; ``O_NOFOLLOW``; a regular file by ``fstat``; a size cap); every JSON
+document through :func:`loads` (100,000 nested ``[`` made ``json.loads`` raise ``RecursionError`` out of
+lookups); :func:`untrusted_reason` judges what other users could change (docs/cache.md, "Trust").
 """
 
 from __future__ import annotations
@@ -35,12 +30,7 @@ _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 
 def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading without blocking or following a final symlink; return ``(fd, fstat)``.
 
-    Raises
-    ------
-    OSError
-        It cannot be opened (``ELOOP`` for a symlink), or it is not a regular file (``EINVAL``, "not a
-        regular file"); the descriptor is closed then.
-
+    OSError when it cannot be opened (``ELOOP`` for a symlink) or is not a regular file (``EINVAL``).
     """
     fd = os.open(path, _FLAGS)
     try:
@@ -53,20 +43,11 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def read_file(path: str | os.PathLike[str], max_bytes: int) -> bytes:
-    """Return the bytes of the regular file ``path``, at most ``max_bytes`` of them.
-
-    Raises
-    ------
-    OSError
-        As :func:`open_regular`, or the file is (or grows while read) larger than ``max_bytes`` (``EFBIG``).
-
-    """
-    return read_file_stat(path, max_bytes)[0]
-
-
 def read_file_stat(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, os.stat_result]:
-    """:func:`read_file`, also returning the ``fstat`` of what was read (to judge its owner and mode)."""
+    """Return the bytes of the regular file ``path`` and the ``fstat`` of what was read (its owner and mode).
+
+    OSError as :func:`open_regular`, or ``EFBIG`` when it is (or grows while read) over ``max_bytes``.
+    """
     fd, st = open_regular(path)
     try:
         if st.st_size > max_bytes:
@@ -85,14 +66,7 @@ def read_file_stat(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes,
 
 
 def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse JSON that nests at most ``max_depth`` deep.
-
-    Raises
-    ------
-    ValueError
-        Not JSON, or nested deeper than ``max_depth`` (never ``RecursionError``).
-
-    """
+    """Parse JSON that nests at most ``max_depth`` deep; ValueError otherwise (never ``RecursionError``)."""
     try:
         doc = json.loads(data)
     except RecursionError:
@@ -110,12 +84,10 @@ def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return doc
 
 
-def read_json(path: str | os.PathLike[str], max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """:func:`read_file` then :func:`loads`; raises OSError or ValueError."""
-    return loads(read_file(path, max_bytes), max_depth)
+def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
+    """:func:`read_file_stat` then :func:`loads`; raises OSError or ValueError."""
+    return loads(read_file_stat(path, max_bytes)[0])
 
-
-# -- writes and directories ---------------------------------------------------------------------------------
 
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (a rename or create in it) to stable storage; best effort."""
@@ -131,6 +103,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def refresh_dir(path: Path) -> None:
+    """List ``path`` to make an NFS client revalidate its cached view of the directory (DeepEP #683)."""
+    with contextlib.suppress(OSError):
+        os.listdir(path)  # noqa: PTH208 - a cheap readdir is the point, not the entries
+
+
 def fsync_tree(root: Path) -> None:
     """Fsync every regular file and directory under ``root``, children before parents."""
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
@@ -144,16 +122,9 @@ def fsync_tree(root: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix.
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace``: readers see old or new, never a mix.
 
-    The bytes go to a uniquely named temporary file in the same directory, then ``os.replace`` moves it
-    over ``path`` (atomic on POSIX, including NFS). With ``durable`` the file and directory are fsync'd.
-
-    Raises
-    ------
-    OSError
-        The directory is missing or not writable; no temporary file is left behind.
-
+    With ``durable`` the file and directory are fsync'd. OSError (no temporary file is left behind).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -206,14 +177,10 @@ def directory_size(path: Path) -> int:
     return total
 
 
-# -- the trust rule ----------------------------------------------------------------------------------------
-
 def untrusted_reason(st: os.stat_result) -> str | None:
     """Return why another user could change what ``st`` describes, or None when only we (or root) can.
 
-    A directory that is world-writable with the sticky bit (``/tmp`` style) is fine: others can add
-    names but not replace ours. A world-writable file is never fine. An owner other than us or root
-    can rewrite the object whatever its mode.
+    A world-writable directory with the sticky bit (``/tmp``) is fine: others can add names, not replace ours.
     """
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):
@@ -227,11 +194,9 @@ def untrusted_reason(st: os.stat_result) -> str | None:
 
 
 def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
-    """Raise ``UntrustedPath`` (a CacheError) when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
+    """Raise ``UntrustedPath`` when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
 
-    ``path`` itself is judged (``lstat``; or ``st``, one already taken): a symlink fails, as every symlink is
-    0777 (top directories go through :func:`check_trusted_dir`). ``what`` names it in the message ("cache
-    root"); FileNotFoundError when it does not exist.
+    ``path`` itself is judged (its ``lstat``, or ``st``): a symlink (0777) fails. FileNotFoundError if missing.
     """
     if allow_shared:
         return
@@ -243,9 +208,8 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
 def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
     """Check a top directory (a root, its ``v1`` or ``entries``, a layer, a lock dir) by what it resolves to.
 
-    A symlink there is fine (a root on another volume) when the link belongs to this user or root (only its
-    owner can replace it, in a sticky directory) and its target passes :func:`check_trusted`. Raises
-    ``UntrustedPath``, ``CacheError`` (the target is not a directory) or FileNotFoundError (none, or dangling).
+    A symlink there (a root on another volume) is fine when this user or root owns it and its target passes.
+    Raises ``UntrustedPath``, ``CacheError`` (no directory) or FileNotFoundError (none, or dangling).
     """
     st = os.lstat(path)
     shown = path

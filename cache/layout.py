@@ -52,20 +52,10 @@ class StagingName:
 
 
 class RootLayout:
-    """Paths of one cache root (docs/cache.md, "On-disk layout").
+    """Paths of one cache root (the layout: :mod:`jitwarm.cache.protocol`; also ``plans/`` and ``facts/``).
 
-    Layout::
-
-        <root>/v1/entries/<kk>/<key>/     published entries, entry.json written last
-        <root>/v1/staging/<host>-<pid>-<key|bundle>-<rand>/   builds and imports in progress
-        <root>/v1/locks/<key>.lock        default lock dir (JITWARM_LOCK_DIR moves it)
-        <root>/v1/plans/<plan_id>.json    plan completion records
-        <root>/v1/quarantine/             entries that failed verification
-        <root>/v1/verified/<kk>/<key>-<where>.json   stat stamps of entries this host hashed (stamps.py)
-
-    Nothing here touches the filesystem except :meth:`ensure`, and the ``iter_*`` methods, which only read.
-    With ``shared`` (``allow_shared``), directories are created ``0777`` minus the umask, so a team umask
-    of ``002`` makes them group-writable; otherwise ``0755`` minus the umask.
+    Only :meth:`ensure`, the staging methods and the ``iter_*`` readers touch the filesystem. Directories
+    are made ``0777`` (``shared``: a team umask of 002 makes them group-writable) or ``0755``, less the umask.
     """
 
     def __init__(self, root: Path, *, shared: bool = False) -> None:
@@ -100,32 +90,20 @@ class RootLayout:
         return self.stamps / key[:2] / f"{key}-{where}.json"
 
     def plan_path(self, plan_id: str) -> Path:
-        """Return the path of a plan record, checking that ``plan_id`` is a safe file name.
-
-        Raises
-        ------
-        ValueError
-            ``plan_id`` is empty, too long, starts with a dot or holds characters outside
-            ``[A-Za-z0-9._-]``.
-
-        """
+        """Return the path of a plan record; ValueError unless ``plan_id`` is 1-128 of ``[A-Za-z0-9._-]``."""
         if not isinstance(plan_id, str) or _PLAN_ID_RE.fullmatch(plan_id) is None:
             raise ValueError(f"bad plan id {plan_id!r}: use 1-128 characters from [A-Za-z0-9._-], "
                              "not starting with a dot or dash")
         return self.plans / f"{plan_id}.json"
 
-    def new_staging_dir(self, tag: str) -> Path:
-        """Return a fresh, not yet created, staging path for ``tag`` (a key or ``BUNDLE_TAG``)."""
-        return self.staging / f"{this_host()}-{os.getpid()}-{tag}-{secrets.token_hex(4)}"
-
     def make_staging_dir(self, tag: str) -> Path:
-        """Create and return a fresh staging directory for ``tag``; OSError when it cannot be made.
+        """Create and return a fresh staging directory for ``tag`` (a key or ``BUNDLE_TAG``); OSError.
 
-        ``staging/`` itself exists only while something is staged (:meth:`drop_staging`): another process may
-        remove it between our ``mkdir`` of it and of our directory, so that is tried again.
+        ``staging/`` exists only while something is staged (:meth:`drop_staging`): another process may remove
+        it between our two ``mkdir``, so that is tried again.
         """
         for attempt in range(3):
-            path = self.new_staging_dir(tag)
+            path = self.staging / f"{this_host()}-{os.getpid()}-{tag}-{secrets.token_hex(4)}"
             self.ensure(self.staging)
             try:
                 path.mkdir(mode=self.dir_mode)
@@ -136,10 +114,7 @@ class RootLayout:
         raise AssertionError("unreachable")
 
     def drop_staging(self, path: Path | None = None) -> None:
-        """Remove the staging directory ``path`` (if any), then ``staging/`` itself if nothing else is staged.
-
-        After a build, an import or a Ctrl-C no empty ``v1/staging/`` is left behind; never raises.
-        """
+        """Remove the staging directory ``path`` (if any), then ``staging/`` if it is empty; never raises."""
         if path is not None:
             remove_tree(path)
         with contextlib.suppress(OSError):
@@ -160,12 +135,7 @@ class RootLayout:
                     yield entry.name, entry
 
     def iter_entry_names(self) -> Iterator[tuple[str | None, Path]]:
-        """Yield what ``verify`` checks: ``(key, path)`` of each entry name, and ``(None, path)`` of each bad shard.
-
-        An entry name is yielded whatever it is (a directory, a file, a symlink: :func:`verify_entry` says
-        what is wrong). A bad shard is a ``<kk>`` in ``entries/`` that is not a directory (a file, a
-        symlink) or cannot be listed: every key of it would fail.
-        """
+        """Yield ``(key, path)`` of each entry name, ``(None, path)`` of each shard that is no listable directory."""
         try:
             with os.scandir(self.entries) as it:
                 shards = sorted((e.name, Path(e.path)) for e in it if _SHARD_RE.fullmatch(e.name))
@@ -196,13 +166,7 @@ class RootLayout:
 def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any]) -> Path:
     """Atomically write ``record`` as ``<root>/v1/plans/<plan_id>.json`` and return its path.
 
-    Raises
-    ------
-    ValueError
-        ``plan_id`` is not a safe file name (checked before anything is written).
-    TypeError
-        ``record`` is not JSON-able (likewise).
-
+    ValueError for a bad ``plan_id``, TypeError for a record that is not JSON (both before any write).
     """
     target = layout.plan_path(plan_id)
     data = json.dumps(dict(record), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
@@ -239,10 +203,7 @@ def _fact_file(name: str) -> str:
 
 
 def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, Any] | None:
-    """Return the record ``plan_id`` from the first of ``layouts`` with a readable one, else None.
-
-    A record that does not parse as a JSON object is logged and skipped. ValueError for a bad ``plan_id``.
-    """
+    """Return the record ``plan_id`` from the first of ``layouts`` with a readable one (a bad one is logged)."""
     for layout in layouts:
         path = layout.plan_path(plan_id)
         try:
@@ -259,7 +220,7 @@ def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, A
 
 
 def _sorted_dirs(path: Path) -> list[Path]:
-    """List the subdirectories of ``path`` (not following links); empty if it does not exist or cannot be read."""
+    """List the subdirectories of ``path`` (not following links); empty if it cannot be read."""
     try:
         with os.scandir(path) as it:
             return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))

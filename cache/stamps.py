@@ -1,11 +1,8 @@
-"""Verification stamps: what an entry this host hashed was verified as, kept in the writable root.
+"""Verification stamps: what this host hashed an entry as, so a later process need not hash it again.
 
-A stamp lets a later process accept an entry without reading its files (or its ``entry.json``) again while
-the listing and every file's inode, size, mtime and ctime are still those that were hashed (see
-docs/cache.md, "What is verified, and when"). Stamps live in ``<root>/v1/verified/<kk>/<key>-<where>.json``,
-one per entry, where only this user can write.
-A stamp starts with the sha256 of its own body. A stamp is a hint: one that is missing, unreadable, damaged,
-planted or stale costs a full hash, never a wrong answer.
+``<root>/v1/verified/<kk>/<key>-<where>.json`` holds the entry's stat signature and checked manifest, and
+starts with the sha256 of its own body. A stamp is a hint: one that is missing, damaged, planted or stale
+costs a full hash, never a wrong answer (docs/cache.md, "What is verified, and when").
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +25,24 @@ MAX_STAMP_BYTES = 1 << 20
 
 
 def write_stamp(root: RootLayout, entry: Entry) -> None:
-    """Keep what ``entry`` (of any root or layer) was verified as in the writable ``root``; best effort, never raises.
-
-    The stamp holds the entry's stat signature and the content of its checked manifest, so a later process
-    that finds the signature unchanged reads neither the files nor ``entry.json`` (see recheck_entry).
-    """
-    _write(root, root.stamp_path(entry.path, entry.key), _doc(entry), MAX_STAMP_BYTES)
-
-
-def _doc(entry: Entry) -> dict[str, Any]:
-    """A stamp document: flat lists, which parse (and pass the depth check) fastest."""
-    return {"path": os.fspath(entry.path), "signature": [x for item in entry.signature for x in item],
-            "files": [x for r in entry.records for x in (r.path, r.size, r.sha256)], "created": entry.created,
-            "preimage": entry.preimage}
-
-
-def _write(root: RootLayout, path: Path, doc: dict[str, Any], max_bytes: int) -> None:
+    """Keep what ``entry`` (of any root or layer) was verified as in the writable ``root``; never raises."""
+    # Flat lists: they parse (and pass the depth check) fastest.
+    doc = {"path": os.fspath(entry.path), "signature": [x for item in entry.signature for x in item],
+           "files": [x for r in entry.records for x in (r.path, r.size, r.sha256)], "created": entry.created,
+           "preimage": entry.preimage}
+    path = root.stamp_path(entry.path, entry.key)
     with contextlib.suppress(OSError, ValueError):  # a stamp only saves the next process a hash
         body = json.dumps(doc, separators=(",", ":")).encode()
         data = hashlib.sha256(body).hexdigest().encode() + b"\n" + body
-        if len(data) > max_bytes:
+        if len(data) > MAX_STAMP_BYTES:
             return  # too large to keep twice: those entries are hashed on every first sight
         root.ensure(path.parent)
         write_atomic(path, data, durable=False)
 
 
-def _read(path: Path | str, max_bytes: int, *, allow_shared: bool) -> Any:
-    """The document of the stamp at ``path``; ValueError when it is damaged, OSError when it is not ours.
-
-    A stamp starts with the sha256 of the rest: it holds manifest content (a description a loader reads), so
-    a stamp damaged on disk must be ignored, never read as a wrong answer.
-    """
-    data, st = read_file_stat(path, max_bytes)
+def _read(path: Path | str, *, allow_shared: bool) -> Any:
+    """The document of the stamp at ``path``; ValueError when it is damaged, OSError when it is not ours."""
+    data, st = read_file_stat(path, MAX_STAMP_BYTES)
     if untrusted_reason(st) and not allow_shared:
         raise OSError(f"{path}: not this user's")
     digest, _, body = data.partition(b"\n")
@@ -69,25 +53,20 @@ def _read(path: Path | str, max_bytes: int, *, allow_shared: bool) -> Any:
 
 def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool,
                   st: os.stat_result | None = None) -> Entry | None:
-    """The entry at ``path`` when ``root`` holds a stamp whose signature its files still match, else None.
+    """The entry at ``path`` when ``root`` holds a stamp its files still match (:func:`recheck_entry`), else None.
 
-    See :func:`jitwarm.cache.entry.recheck_entry` (``st``: an ``lstat`` of ``path`` already taken); a stamp
-    that is not ours (another owner), not a regular file, too large, malformed or of an older layout is
-    ignored. Raises ``CacheError`` only for an untrusted entry.
+    A stamp not ours, not a regular file, too large or malformed is ignored; ``CacheError`` for an untrusted
+    entry. ``st``: an ``lstat`` of ``path`` already taken.
     """
     try:
-        stamped = stamp_entry(_read(root.stamp_path(path, key), MAX_STAMP_BYTES, allow_shared=allow_shared), path,
-                              key, read_only)
+        stamped = _stamp_entry(_read(root.stamp_path(path, key), allow_shared=allow_shared), path, key, read_only)
     except (OSError, ValueError):
         return None
     return None if stamped is None else recheck_entry(stamped, allow_shared=allow_shared, st=st)
 
 
-def stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | None:
-    """The entry a stamp document describes, not yet checked against the disk (see recheck_entry).
-
-    None when the stamp is of another directory than ``path``, or does not hold what a stamp holds.
-    """
+def _stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | None:
+    """The entry a stamp document describes (not yet checked against the disk); None if not one of ``path``."""
     try:
         if doc["path"] != os.fspath(path):  # type: ignore[index]
             return None
@@ -111,19 +90,11 @@ def stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | N
 
 
 def prune_stamps(root: RootLayout) -> None:
-    """Delete the stamps naming an entry directory that is gone, and those that are damaged; never raises.
-
-    A stale stamp only costs a file; one that cannot be read (another user's, a FIFO) is left alone.
-    """
-    for shard in _subdirs(root.stamps):
-        try:
-            with os.scandir(shard) as it:
-                stamps = [item.path for item in it if item.name.endswith(".json")]
-        except OSError:
-            continue
-        for stamp in stamps:
+    """Delete the stamps naming an entry directory that is gone, and damaged ones; one not ours stays."""
+    for shard in _listdir(root.stamps, lambda item: item.is_dir(follow_symlinks=False)):
+        for stamp in _listdir(shard, lambda item: item.name.endswith(".json")):
             try:
-                useless = not os.path.lexists(_read(stamp, MAX_STAMP_BYTES, allow_shared=False)["path"])
+                useless = not os.path.lexists(_read(stamp, allow_shared=False)["path"])
             except OSError:
                 continue
             except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or of an older layout
@@ -133,9 +104,9 @@ def prune_stamps(root: RootLayout) -> None:
                     Path(stamp).unlink()
 
 
-def _subdirs(path: Path) -> list[str]:
+def _listdir(path: Path | str, keep: Callable[[os.DirEntry[str]], bool]) -> list[str]:
     try:
         with os.scandir(path) as it:
-            return [item.path for item in it if item.is_dir(follow_symlinks=False)]
+            return [item.path for item in it if keep(item)]
     except OSError:
         return []
