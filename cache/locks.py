@@ -1,14 +1,8 @@
 """Locking: per-key build locks (flock via filelock) with a holder record, readers' shared claims, the wait loop.
 
-A key's lock file ``<lock_dir>/<key>.lock`` is locked exclusively by whatever writes the key's entry directory
-(a build, a download, an import, a quarantine, a prune) and shared by a reader's claim (:class:`SharedClaim`):
-``prune`` beside a starting hook failed its loads in 20 of 20 trials before claims existed. Every wait has a
-deadline and says, once, who it waits for (:class:`WaitLog`); the holder record is read without blocking.
-
-Lock files are private to the cache's owner (0600; docs/cache.md, "Trust"): a 0644 lock file let any local
-user open it read-only and ``flock`` it, and root's ``warm`` timed out (exit 3). The lock directory is held to
-the cache root's rule: one every user can write without a sticky bit, or another user's, is refused unless
-``allow_shared`` (then lock files are created as before: group-readable, group-writable in a group dir).
+Lock files are private to the cache's owner (0600): a 0644 one let any local user ``flock`` it, and root's
+``warm`` timed out (exit 3). The lock directory is held to the cache root's trust rule unless ``allow_shared``
+(docs/cache.md, "Trust").
 """
 
 from __future__ import annotations
@@ -89,10 +83,7 @@ class LockHolder:
 
     @classmethod
     def from_record(cls, data: object) -> LockHolder:
-        """Read a record another process wrote (maybe planted), its host made safe to print.
-
-        Raises KeyError, TypeError, ValueError or OverflowError for one that is not a record.
-        """
+        """Read a record another process wrote (maybe planted); KeyError, TypeError, ValueError, OverflowError."""
         if not isinstance(data, dict):
             raise TypeError("a holder record is a JSON object")
         host = re.sub(r"[^A-Za-z0-9._-]", "_", str(data["host"]))[:255]  # it ends up in one-line messages
@@ -125,7 +116,7 @@ class WaitLog:
         return time.monotonic() - self.start
 
     def tick(self) -> None:
-        """Log ``still waiting for cache key K (where): held by ...`` the first time it is due."""
+        """Log ``still waiting for cache key K: held by ...`` the first time it is due."""
         if not self._logged and self.elapsed() >= WAIT_LOG_AFTER_S:
             self._logged = True
             holder = self.holder()
@@ -138,8 +129,7 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
     """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns something, and return that.
 
-    ``poll`` runs a last time at the deadline; ``key``, ``holder`` (a callable) and ``where`` name what is
-    waited for in the one "still waiting" line and in ``LockTimeout``, raised when ``timeout_s`` passes.
+    ``key``, ``holder`` and ``where`` name what is waited for; ``LockTimeout`` when ``timeout_s`` passes.
     """
     clock = WaitLog(key, holder, where)
     delay, factor, cap = backoff
@@ -158,10 +148,9 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
 class KeyLock:
     """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock through filelock) plus ``<key>.holder``.
 
-    Each instance has its own descriptor, so two threads exclude each other as two processes do; the kernel
-    drops a flock when its holder dies, even by SIGKILL, so there is no stale-lock breaking. Lock files are
-    never deleted: unlinking one while others wait on it splits them across inodes (two builders at once).
-    The holder record is its own file, replaced atomically: a waiter never reads half of one.
+    One descriptor per instance, so two threads exclude each other as two processes do; the kernel drops a
+    flock when its holder dies (no stale-lock breaking). Lock files are never deleted: unlinking one while
+    others wait on it splits them across inodes (two builders at once).
     """
 
     def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:
@@ -172,11 +161,6 @@ class KeyLock:
         self.holder_path = lock_dir / f"{key}.holder"
         self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
 
-    @property
-    def is_locked(self) -> bool:
-        """Whether this instance holds the lock."""
-        return self._lock is not None and self._lock.is_locked
-
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
         try:
@@ -184,7 +168,7 @@ class KeyLock:
         except Timeout:  # a TimeoutError, hence an OSError: catch it first
             return False
         except OSError as exc:
-            raise self._open_error(exc) from exc
+            raise lock_error(self.lock_path, exc) from exc
         self._write_holder()
         return True
 
@@ -192,10 +176,9 @@ class KeyLock:
                 give_up: Callable[[], bool] | None = None) -> bool:
         """Take the lock, waiting at most ``timeout_s`` (``math.inf``: for ever) for another holder.
 
-        ``on_wait(holder)`` is called once when the lock is busy; ``give_up()`` is asked every
-        :data:`LOOK_EVERY_S` while blocked and at the deadline, and ends the wait without the lock when True
-        (the caller found what it waited for). Returns False only then. Raises ``LockTimeout`` at the
-        deadline (naming the holder) and ``CacheError`` when the lock file cannot be opened or locked.
+        ``on_wait(holder)`` is called once when the lock is busy; ``give_up()``, asked every
+        :data:`LOOK_EVERY_S` and at the deadline, ends the wait without the lock when True: the only False.
+        Raises ``LockTimeout`` at the deadline, ``CacheError`` when the lock file cannot be opened or locked.
         """
         if self.try_acquire():
             return True
@@ -221,7 +204,7 @@ class KeyLock:
                 return False
             raise LockTimeout(self.key, self.read_holder(), timeout_s) from None
         except OSError as exc:
-            raise self._open_error(exc) from exc
+            raise lock_error(self.lock_path, exc) from exc
         self._write_holder()
         return True
 
@@ -234,10 +217,7 @@ class KeyLock:
         self._lock.release()
 
     def read_holder(self) -> LockHolder | None:
-        """The holder record, or None: none, unreadable, or of a dead process of this host.
-
-        A SIGKILLed holder cannot remove its record; another host's record is returned as it is.
-        """
+        """The holder record, or None: none, unreadable, or of a dead process of this host (SIGKILLed)."""
         try:
             # Bounded, non-blocking, no link followed: in a shared sticky lock dir another user can plant a FIFO
             # here, and a plain open() of it blocked every waiter past its deadline.
@@ -276,10 +256,6 @@ class KeyLock:
         except OSError as exc:
             log.debug("could not write holder record %s: %s", self.holder_path, exc)
 
-    def _open_error(self, exc: OSError) -> CacheError:
-        """Explain a lock failure, with the NFS advice when flock itself is missing."""
-        return lock_error(self.lock_path, exc)
-
     def __enter__(self) -> KeyLock:
         return self
 
@@ -294,8 +270,7 @@ _PRIVATE: set[Path] = set()  # lock files found private (or made so) by this pro
 def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
     """Create ``lock_dir`` if missing, check it like a cache root, and return the mode of its new lock files.
 
-    Raises ``UntrustedPath`` for a lock dir every user can write without a sticky bit, or another user's
-    (unless ``shared``); CacheError when it is not a directory; OSError when it cannot be created.
+    Raises ``UntrustedPath`` (unless ``shared``), CacheError (no directory) or OSError (cannot be created).
     """
     mode = _READY.get((lock_dir, shared))
     if mode is not None:
@@ -340,17 +315,13 @@ def key_lock_path(lock_dir: Path, key: str) -> Path:
     return lock_dir / f"{key}.lock"
 
 
-# -- readers' claims ---------------------------------------------------------------------------------------
-
 class SharedClaim:
     """A reader's claim: a SHARED flock on the lock file :class:`KeyLock` locks exclusively.
 
-    While it is held, prune's and quarantine's exclusive try-lock fails (they keep the entry) and a builder,
-    import or ``discard`` of the key waits; claims do not exclude each other; the kernel drops one whose
-    holder dies. Its holder must not lock the key exclusively inside it: flock SH and EX conflict across
-    descriptors of one process too, so that waits for itself until its deadline (``LockTimeout``). With
-    ``create=False`` (a read-only cache) a lock file that is missing or cannot be opened means no claim
-    (:meth:`acquire` returns False): nothing of this cache can remove the entry then.
+    While held, prune's and quarantine's try-lock fails (they keep the entry) and a builder, import or
+    ``discard`` waits. Its holder must not lock the key exclusively inside it: flock SH and EX conflict
+    within a process too (``LockTimeout``). With ``create=False`` (a read-only cache) a lock file that cannot
+    be opened means no claim: nothing of this cache can remove the entry then.
     """
 
     def __init__(self, lock_dir: Path, key: str, *, create: bool, shared: bool = False) -> None:
@@ -361,16 +332,8 @@ class SharedClaim:
         self.shared = shared
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        """Whether the shared lock is held now."""
-        return self._fd is not None
-
     def acquire(self, timeout_s: float) -> bool:
-        """Take the shared lock, waiting at most ``timeout_s`` for an exclusive holder; False without a lock file.
-
-        Raises ``LockTimeout`` or ``CacheError`` (no flock here).
-        """
+        """Take the shared lock within ``timeout_s``; False without a lock file. ``LockTimeout``, ``CacheError``."""
         fd = self._open()
         if fd is None:
             return False
