@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jitwarm.cache.errors import CacheError
+from jitwarm.cache.entry import verify_entry
+from jitwarm.cache.errors import CacheError, CorruptEntry
 from jitwarm.cache.files import directory_size, remove_tree, write_atomic
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
@@ -211,6 +212,36 @@ def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
     return True
 
 
+def quarantine_entry(layout: RootLayout, lock_dir: Path, key: str, reason: str, *, read_only: bool, repair: bool,
+                     locked: bool, shared: bool) -> None:
+    """Move a writable root's corrupt copy of ``key`` aside (else only log it); never raises.
+
+    Unless ``locked``, try-lock the key (a holder is a builder, which quarantines it itself, or a reader),
+    then verify once more: another process may have replaced it.
+    """
+    if read_only or not repair:
+        log.warning("corrupt cache entry %s%s: %s", key, f" in read-only {layout.root}" if read_only
+                    else " (reported, not moved)", reason)
+        return
+    path = layout.entry_dir(key)
+    if locked:
+        move_aside(layout, key, path, reason)
+        return
+    lock = KeyLock(lock_dir, key, shared=shared)
+    try:
+        if not lock.try_acquire():
+            log.warning("corrupt cache entry %s (not quarantined: its lock is held): %s", key, reason)
+            return
+    except CacheError as exc:
+        log.warning("corrupt cache entry %s (not quarantined: %s): %s", key, exc.reason, reason)
+        return
+    with lock:
+        with contextlib.suppress(CorruptEntry, OSError):
+            verify_entry(path, key, allow_shared=shared)
+            return
+        move_aside(layout, key, path, reason)
+
+
 def shard_problem(shard: Path) -> str | None:
     """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can."""
     try:
@@ -233,18 +264,28 @@ def shard_problem(shard: Path) -> str | None:
     return None
 
 
-def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, reason: str, *,
-                     shared: bool = False) -> bool:
-    """Move a bad shard path of the root aside, under the try-locked ``shard-<kk>`` and after looking again."""
+def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, *, read_only: bool, repair: bool,
+                     shared: bool) -> str | None:
+    """Why ``shard`` cannot hold entries, or None; a writable root's is moved aside under ``shard-<kk>``'s lock.
+
+    None also when it is gone meanwhile, or the problem is above it (``v1`` or ``entries``): a miss.
+    """
+    why = shard_problem(shard)
+    if why is None or read_only or not repair:
+        if why is not None:
+            log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
+        return why
     lock = KeyLock(lock_dir, f"shard-{shard.name}", shared=shared)
     try:
         if not lock.try_acquire():
-            return False
+            return why
     except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
-        log.warning("not quarantining %s (%s): %s", shard, exc, reason)
-        return False
+        log.warning("not quarantining %s (%s): %s", shard, exc, why)
+        return why
     try:
-        return shard_problem(shard) is not None and move_aside(layout, f"shard-{shard.name}", shard, reason)
+        if shard_problem(shard) is not None:
+            move_aside(layout, f"shard-{shard.name}", shard, why)
+        return why
     finally:
         lock.release()
 
@@ -292,7 +333,7 @@ def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool
     Raises ``CacheError`` only for an untrusted root or entry; corrupt content is reported.
     """
     ok, corrupt, quarantined = set(), {}, set()
-    for layout, read_only in local.search_order():
+    for layout, read_only in local.search_order:
         if keys is None:
             found = list(layout.iter_entry_names())
         else:

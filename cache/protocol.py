@@ -53,29 +53,20 @@ from typing import Any
 
 from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
-from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, remove_tree
+from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, refresh_dir, remove_tree
 from jitwarm.cache.keys import keyed
 from jitwarm.cache.layout import RootLayout
-from jitwarm.cache.locks import (
-    KeyLock,
-    LockHolder,
-    OnWait,
-    SharedClaim,
-    ready_lock_dir,
-    wait_until,
-)
-from jitwarm.cache.maintenance import move_aside, quarantine_shard, shard_problem, sweep_staging
+from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir
+from jitwarm.cache.maintenance import move_aside, quarantine_entry, quarantine_shard, sweep_staging
 from jitwarm.cache.remote.fleet import Fleet, LocalSteps
 from jitwarm.cache.stamps import stamped_entry, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
-#: Refresh an entry's last use (its directory mtime) at most this often per cache instance: well under prune's
-#: grace period (``JITWARM_PRUNE_GRACE_S``, 600 s), so an entry a lookup returned is not pruned for minutes.
+#: Refresh an entry's last use (its directory mtime) at most this often: well under prune's 600 s grace period.
 TOUCH_INTERVAL_S = 60.0
-#: An entry whose last use a fresh instance finds younger than this is not touched again: TP ranks that start
-#: together touch each entry once, not once each.
+#: A last use found younger than this is not touched again: TP ranks starting together touch an entry once.
 RECENT_USE_S = 30.0
 #: How long a touch waits for a prune that holds the key's lock (it then finds the entry gone, or kept).
 TOUCH_WAIT_S = 10.0
@@ -86,9 +77,8 @@ NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 class LocalCache:
     """One writable root (or a read-only one) plus read-only layers: the protocol above, top to bottom.
 
-    :meth:`lookup` raises ``CacheError`` only for a directory other users can write; quarantine, stamps and
-    touches are best effort and never raise. :class:`~jitwarm.cache.KernelCache` checks keys and the
-    read-only flag before calling in.
+    :class:`~jitwarm.cache.KernelCache` checks keys and the read-only flag before calling in. Lookups raise
+    only for an untrusted directory; quarantine, stamps and touches are best effort and never raise.
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
@@ -98,23 +88,19 @@ class LocalCache:
         self.lock_dir = lock_dir
         self.read_only = read_only
         self.allow_shared = allow_shared
+        #: ``(layout, read_only)`` of the root, then each layer.
+        self.search_order = [(root, read_only), *((layer, True) for layer in self.layers)]
         self._count = count
         self._mutex = threading.Lock()
         self._verified: dict[Path, Entry] = {}
         self._rejected: set[tuple[Path, Signature]] = set()
         self._trusted: set[Path] = set()
         self._touched: dict[str, float] = {}
-        self._last_use: dict[str, float] = {}  # the last-use stamps found on disk, by key
-
-    def search_order(self) -> list[tuple[RootLayout, bool]]:
-        """Return ``(layout, read_only)`` of the root, then each layer."""
-        return [(self.root, self.read_only), *((layer, True) for layer in self.layers)]
-
-    # -- 1. lookup -----------------------------------------------------------------------------------
+        self._last_use: dict[str, float] = {}  # the last uses found on disk, by key
 
     def lookup(self, key: str, *, locked: bool = False) -> Entry | None:
-        """Return the first usable entry of ``key`` in the root, then the layers; ``locked``: we hold its lock."""
-        for layout, read_only in self.search_order():
+        """Return the first usable entry of ``key`` in the root, then the layers (``locked``: we hold the key)."""
+        for layout, read_only in self.search_order:
             with self._mutex:
                 entry = self._verified.get(layout.entry_dir(key))
             if entry is None or not unchanged(entry):
@@ -127,8 +113,7 @@ class LocalCache:
                    repair: bool = True) -> tuple[Entry | None, str | None]:
         """Verify one copy: ``(entry, None)``, ``(None, why)`` when corrupt (quarantined or skipped), or a miss.
 
-        ``stamped``: accept a copy whose stamp matches its files without hashing them; ``repair=False``
-        (``verify`` that only looks) writes nothing.
+        ``stamped``: a copy whose stamp matches its files is not hashed; ``repair=False`` writes nothing.
         """
         path = layout.entry_dir(key)
         self.forget(path)
@@ -139,11 +124,15 @@ class LocalCache:
         except OSError:  # ENOTDIR, EACCES: the shard is a file, or cannot be entered (or a top dir is broken)
             self.check_root(layout)
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        if not self._shard_is_trusted_dir(layout, path):  # a symlinked shard: the lstat above went through it
+        self.check_root(layout)
+        parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
+        shard = os.lstat(parent)
+        if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
+        check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
         if stamped and (entry := stamped_entry(self.root, path, key, allow_shared=self.allow_shared,
                                                 read_only=read_only, st=st)) is not None:
-            self._known(entry, st)
+            self._remember(entry, stamp=False, last_use=st.st_mtime)
             return entry, None
         try:
             entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
@@ -152,11 +141,8 @@ class LocalCache:
                 return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
             why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
             self._count("corrupt")
-            if read_only or not repair:
-                log.warning("corrupt cache entry %s%s: %s", key, " in read-only " + str(layout.root)
-                            if read_only else " (reported, not moved)", why)
-            else:
-                self._quarantine_corrupt(key, why, locked=locked)
+            quarantine_entry(layout, self.lock_dir, key, why, read_only=read_only, repair=repair, locked=locked,
+                             shared=self.allow_shared)
             return None, why
         self._remember(entry, stamp=repair)
         return entry, None
@@ -164,25 +150,11 @@ class LocalCache:
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
         """A shard path that is no usable directory: every key in it is corrupt until it is moved aside."""
-        why = shard_problem(shard)
-        if why is None:
-            return None, None  # gone meanwhile, or the problem is above it (v1 or entries): a miss
-        self._count("corrupt")
-        if read_only or not repair:
-            log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
-        else:
-            quarantine_shard(layout, self.lock_dir, shard, why, shared=self.allow_shared)
+        why = quarantine_shard(layout, self.lock_dir, shard, read_only=read_only, repair=repair,
+                               shared=self.allow_shared)
+        if why is not None:
+            self._count("corrupt")
         return None, why
-
-    def _shard_is_trusted_dir(self, layout: RootLayout, path: Path) -> bool:
-        """Trust-check the root's top dirs and the shard of ``path``; False when the shard is no directory."""
-        self.check_root(layout)
-        parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
-        shard = os.lstat(parent)
-        if not stat.S_ISDIR(shard.st_mode):
-            return False
-        check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
-        return True
 
     def _was_rejected(self, entry: Entry) -> bool:
         """Whether :meth:`discard` rejected this very entry (its path and signature)."""
@@ -190,12 +162,6 @@ class LocalCache:
             return False
         with self._mutex:
             return (entry.path, entry.signature) in self._rejected
-
-    def _known(self, entry: Entry, st: os.stat_result) -> None:
-        """Memoize an entry accepted by its stamp; ``st``: its directory, whose mtime is its last use."""
-        with self._mutex:
-            self._verified[entry.path] = entry
-            self._last_use[entry.key] = st.st_mtime
 
     def check_root(self, layout: RootLayout) -> None:
         """Trust-check a root's top directories that exist, by what they resolve to, once per instance."""
@@ -210,25 +176,25 @@ class LocalCache:
                 return
             self._trusted.add(path)
 
-    def _remember(self, entry: Entry, *, stamp: bool = True) -> None:
-        """Memoize an entry whose files this instance has just hashed, and stamp it for the next processes."""
+    def _remember(self, entry: Entry, *, stamp: bool = True, last_use: float | None = None) -> None:
+        """Memoize a verified entry (``last_use``: its directory's mtime) and stamp it for the next processes."""
         with self._mutex:
             self._verified[entry.path] = entry
+            if last_use is not None:
+                self._last_use[entry.key] = last_use
         if stamp and not self.read_only:
             write_stamp(self.root, entry)
 
     def forget(self, path: Path) -> None:
-        """Drop what is known about the entry directory ``path`` (it was removed or replaced)."""
+        """Drop what is known about the entry directory ``path`` (removed or replaced)."""
         with self._mutex:
             self._verified.pop(path, None)
 
     def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
-        """Stamp the entry directory's mtime as its last use (works on noatime mounts), rate-limited.
+        """Stamp the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
 
-        The touch runs under the key's shared claim, so it and a prune's check-and-remove (under the
-        exclusive lock) cannot interleave: either the prune sees this use and keeps the entry (its grace
-        period), or it removed the entry first and this returns False (the lookup calls it a miss). With
-        ``locked`` we hold the key exclusively already (a claim would wait for ourselves).
+        Under the key's shared claim (unless ``locked``: we hold it), so a prune's check-and-remove either
+        sees this use and keeps the entry, or removed it first and the lookup calls it a miss (invariant 4).
         """
         if entry.read_only:
             return True
@@ -239,11 +205,9 @@ class LocalCache:
                 return True
             self._touched[entry.key] = now
         claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
-        try:
+        with contextlib.suppress(CacheError):  # no usable lock (a read-only volume, no flock): touch unlocked
             if not locked:
                 claim.acquire(TOUCH_WAIT_S)
-        except CacheError:  # no usable lock here (a read-only volume, no flock): touch unlocked, best effort
-            pass
         try:
             os.utime(entry.path)
         except FileNotFoundError:
@@ -254,37 +218,6 @@ class LocalCache:
         finally:
             claim.release()
         return True
-
-    # -- quarantine and discard ----------------------------------------------------------------------
-
-    def _quarantine_corrupt(self, key: str, reason: str, *, locked: bool) -> None:
-        """Move the root's corrupt copy of ``key`` aside; never raises.
-
-        Unless ``locked`` (we hold the key), try-lock it: a held lock is a builder (it quarantines the copy
-        itself) or a reader's claim; then verify once more, since another process may have replaced it.
-        """
-        if locked:
-            self._move_to_quarantine(key, reason)
-            return
-        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)
-        try:
-            if not lock.try_acquire():
-                log.warning("corrupt cache entry %s (not quarantined: its lock is held): %s", key, reason)
-                return
-        except CacheError as exc:
-            log.warning("corrupt cache entry %s (not quarantined: %s): %s", key, exc.reason, reason)
-            return
-        with lock:
-            with contextlib.suppress(CorruptEntry, OSError):
-                verify_entry(self.root.entry_dir(key), key, allow_shared=self.allow_shared)
-                return
-            self._move_to_quarantine(key, reason)
-
-    def _move_to_quarantine(self, key: str, reason: str) -> None:
-        """Rename the root's entry of ``key`` into quarantine with a ``.reason`` note (we hold its lock)."""
-        path = self.root.entry_dir(key)
-        self.forget(path)
-        move_aside(self.root, key, path, reason)
 
     def discard(self, entry: Entry, reason: str, timeout_s: float) -> None:
         """Reject an entry its caller could not use: quarantine the root's if unchanged, else skip it from now on."""
@@ -297,7 +230,8 @@ class LocalCache:
         with KeyLock(self.lock_dir, entry.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
             if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
-                self._move_to_quarantine(entry.key, reason)
+                self.forget(entry.path)
+                move_aside(self.root, entry.key, entry.path, reason)
 
     @contextlib.contextmanager
     def claim(self, entry: Entry, timeout_s: float) -> Iterator[Entry | None]:
@@ -319,14 +253,9 @@ class LocalCache:
         finally:
             claim.release()
 
-    # -- 2-7. get or build ---------------------------------------------------------------------------
-
     def get_or_build(self, key: str, description: Mapping[str, Any], build: BuildFn, timeout_s: float,
                      on_wait: OnWait | None, fleet: Fleet | None) -> tuple[Entry, str]:
-        """Steps 2-7 after a lock-free miss: lock, look again, build (or the fleet's), publish, release.
-
-        Returns ``(entry, outcome)``; a waiter stops waiting as soon as the holder's entry is visible.
-        """
+        """Steps 2-7 after a lock-free miss; ``(entry, outcome)``. A waiter stops once the holder's entry shows."""
         self.prepare_root()
         waited, found = False, []
 
@@ -373,9 +302,8 @@ class LocalCache:
             self.root.ensure(self.root.entries)
             ready_lock_dir(self.lock_dir, shared=self.allow_shared)
         except OSError as exc:
-            raise RootNotWritable.of("create the cache root", exc, exc.filename or self.root.root,
-                                     "set JITWARM_CACHE_DIR to a writable directory, or use "
-                                     "KernelCache(read_only=True) for lookups") from exc
+            hint = "set JITWARM_CACHE_DIR to a writable directory, or use KernelCache(read_only=True) for lookups"
+            raise RootNotWritable.of("create the cache root", exc, exc.filename or self.root.root, hint) from exc
         self.check_root(self.root)
 
     def _look_again(self, key: str, *, retry: bool) -> Entry | None:
@@ -383,17 +311,16 @@ class LocalCache:
         entry = self.lookup(key, locked=True)
         for delay in NFS_RETRY_DELAYS_S if retry and entry is None else ():
             time.sleep(delay)
-            _refresh_dir(self.root.entry_dir(key).parent)
+            refresh_dir(self.root.entry_dir(key).parent)
             entry = self.lookup(key, locked=True)
             if entry is not None:
                 break
         return entry
 
     def _build(self, key: str, description: Mapping[str, Any], build: BuildFn) -> Entry:
-        """Build into a fresh staging dir, seal and publish it (we hold the key's lock).
+        """Build into a fresh staging dir, seal and publish it (we hold the key's lock); no staging dir is left.
 
-        ValueError when ``key`` is not ``description``'s (a caller's precomputed key is checked here, before
-        anything is built); ``BuildError`` otherwise, with no staging dir left.
+        ValueError when ``key`` is not ``description``'s (checked before anything is built); ``BuildError``.
         """
         actual, preimage = keyed(description)
         if actual != key:
@@ -417,19 +344,18 @@ class LocalCache:
             raise
 
     def new_staging(self, tag: str) -> Path:
-        """Create a fresh, empty staging directory of the root for ``tag`` (a key or ``BUNDLE_TAG``)."""
+        """Create a fresh, empty staging directory for ``tag`` (a key or ``BUNDLE_TAG``); CacheWriteError."""
         try:
             return self.root.make_staging_dir(tag)
         except OSError as exc:
             raise CacheWriteError.of("create the staging directory", exc, self.root.staging) from exc
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
-        """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return the published entry.
+        """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return what is published.
 
-        A rename keeps inodes and times, so an unchanged signature proves the published entry is what was
-        hashed. Losing the race (EEXIST/ENOTEMPTY: another host with its own lock dir) is success: verify the
-        winner and drop ours. A winner that stays invisible (NFS, DeepEP #683) means serving our own staged
-        copy (as DeepEP PR #684 does; prune removes it once we are gone), or ``CacheError`` without
+        A rename keeps inodes and times: an unchanged signature proves it is what was hashed. A lost race
+        (another host's lock dir) is success: verify the winner, drop ours; a winner that stays invisible
+        (NFS, DeepEP #683) means serving our staged copy (DeepEP PR #684), or ``CacheError`` without
         ``keep_fallback``.
         """
         final = self.root.entry_dir(staged.key)
@@ -467,35 +393,7 @@ class LocalCache:
             return False
         with KeyLock(self.lock_dir, staged.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
-            if self._look_again(staged.key, retry=False) is not None:
+            if self.lookup(staged.key, locked=True) is not None:
                 return False
             self._publish(staged, keep_fallback=False)
             return True
-
-    def wait_for(self, key: str, timeout_s: float) -> Entry:
-        """Poll :meth:`lookup` until another process publishes ``key``; never builds. Raises ``LockTimeout``."""
-        entry = self.lookup(key)
-        if entry is not None:
-            self._count("hits")
-            return entry
-        self._count("misses")
-        self._count("waits")
-        parent = self.root.entry_dir(key).parent
-        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
-
-        def poll() -> Entry | None:
-            _refresh_dir(parent)
-            return self.lookup(key)
-
-        start = time.monotonic()
-        try:
-            return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
-        finally:
-            self._count("lock_wait_s", time.monotonic() - start)
-
-
-
-def _refresh_dir(path: Path) -> None:
-    """List ``path`` to make an NFS client revalidate its cached view of the directory."""
-    with contextlib.suppress(OSError):
-        os.listdir(path)  # noqa: PTH208 - a cheap readdir is the point, not the entries

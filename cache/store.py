@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
@@ -15,10 +16,10 @@ from jitwarm.cache import bundle, maintenance, settings
 from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
-from jitwarm.cache.files import directory_size
+from jitwarm.cache.files import directory_size, refresh_dir
 from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
-from jitwarm.cache.locks import OnWait
+from jitwarm.cache.locks import KeyLock, OnWait, wait_until
 from jitwarm.cache.maintenance import PruneReport, VerifyReport, verify_copies
 from jitwarm.cache.protocol import BuildFn, LocalCache
 from jitwarm.cache.remote import Fleet, RemoteReport, RemoteStore, redact
@@ -246,7 +247,25 @@ class KernelCache:
 
         Raises ``LockTimeout`` (naming the holder) when nothing is published within ``timeout_s``.
         """
-        return self._local.wait_for(check_key(key), timeout_s)
+        key = check_key(key)
+        entry = self._local.lookup(key)
+        if entry is not None:
+            self._stats.add("hits")
+            return entry
+        self._stats.add("misses")
+        self._stats.add("waits")
+        parent = self._local.root.entry_dir(key).parent
+        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
+
+        def poll() -> Entry | None:
+            refresh_dir(parent)
+            return self._local.lookup(key)
+
+        start = time.monotonic()
+        try:
+            return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
+        finally:
+            self._stats.add("lock_wait_s", time.monotonic() - start)
 
     # -- maintenance ------------------------------------------------------------------------------
 
@@ -364,7 +383,7 @@ class KernelCache:
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
         """The plan record from the root, else the first layer that has it, else None (a bad one is skipped)."""
-        return read_plan_record([layout for layout, _ in self._local.search_order()], plan_id)
+        return read_plan_record([layout for layout, _ in self._local.search_order], plan_id)
 
     def _require_writable(self, what: str) -> None:
         """Raise CacheError for a write on a read-only cache."""
