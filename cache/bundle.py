@@ -1,14 +1,8 @@
-"""Relocatable bundles: a tar of entries with relative paths, its validating unpacker, and ImportReport.
+"""Relocatable bundles: a tar of entries laid out as a cache root, and its validating, streaming unpacker.
 
-A bundle is laid out as a cache root is, so that ``tar xf bundle.tar -C /opt/layer`` makes ``/opt/layer`` a
-working layer (``JITWARM_CACHE_PATH=/opt/layer``): ``bundle.json`` first, then
-``v1/entries/<kk>/<key>/<file>`` for every file and ``entry.json``. Bundles written before that layout
-(``entries/<kk>/<key>/...``, no ``v1/``) are still imported.
-
-Sizes are capped before anything is written: a member larger than ``JITWARM_BUNDLE_MAX_FILE_BYTES``
-(default 2 GiB) or members totalling more than ``JITWARM_BUNDLE_MAX_BYTES`` (default 32 GiB) refuse the
-bundle as its headers are read, and members are streamed to disk in chunks, never read whole into memory
-(a 28 MB ``.tar.gz`` holding one 6 GiB member ended in ``MemoryError``).
+``bundle.json`` first, then ``v1/entries/<kk>/<key>/<file>``, so ``tar xf bundle.tar -C /opt/layer`` makes a
+working layer; bundles of the older layout (no ``v1/``) still import. Sizes are capped from the headers and
+members streamed in chunks (a 28 MB ``.tar.gz`` holding one 6 GiB member ended in ``MemoryError``).
 """
 
 from __future__ import annotations
@@ -41,16 +35,7 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class ImportReport:
-    """Result of :meth:`KernelCache.import_bundle`.
-
-    Attributes
-    ----------
-    imported : tuple of str
-        Keys published into the writable root by this import.
-    present : tuple of str
-        Keys of the bundle that were already available (root or layer), left as they were.
-
-    """
+    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, and those ``present`` already."""
 
     imported: tuple[str, ...] = ()
     present: tuple[str, ...] = ()
@@ -66,21 +51,10 @@ class ImportReport:
 
 
 def write_bundle(entries: list[Entry], path: Path) -> Path:
-    """Write ``entries`` to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically.
+    """Write ``entries`` to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically, owners zeroed.
 
-    Members are ``bundle.json`` then ``v1/entries/<kk>/<key>/<file>`` for every file and ``entry.json``;
-    owner and group are zeroed and modes are 0444/0555, so the archive says nothing about this host. Files
-    are streamed, not read whole.
-
-    Raises
-    ------
-    CacheWriteError
-        ``path`` is a directory or another file that is not a regular one (a device, a FIFO), its directory
-        is missing or not writable, or the disk is full; no partial
-        file is left.
-    CacheError
-        An entry file cannot be read (it changed or vanished since it was verified).
-
+    Raises ``CacheWriteError`` when ``path`` is no regular file (a device, a FIFO) or cannot be written (no
+    partial file is left), ``CacheError`` when an entry file cannot be read.
     """
     if path.is_dir():
         raise CacheWriteError("write the bundle", str(path), "it is a directory")
@@ -115,12 +89,9 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
                   max_bytes: int) -> dict[str, Entry]:
     """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
 
-    Nothing is written until every member header has passed (relative normalized names, no ``..``, no links,
-    devices or FIFOs, no duplicates, only ``bundle.json`` and ``[v1/]entries/<kk>/<key>/...``, no member over
-    ``max_file_bytes``, at most ``max_bytes`` in all); files are streamed by this code, never
-    ``tarfile.extract``. Returns each key's fully verified entry under ``staging`` (published by a rename,
-    not hashed again). Raises ``CacheError`` for a bad archive or entry (nothing published) and
-    ``CacheWriteError`` for a failed write.
+    Nothing is written until every header has passed (:func:`_check_members`); files are streamed by this
+    code, never ``tarfile.extract``. Returns each key's verified entry under ``staging``. ``CacheError`` for
+    a bad archive or entry, ``CacheWriteError`` for a failed write.
     """
     dir_mode = 0o777 if shared else 0o755
     try:
@@ -164,11 +135,7 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
 
 def _check_members(path: Path, tar: tarfile.TarFile, *, max_file_bytes: int,
                    max_bytes: int) -> list[tuple[tarfile.TarInfo, str]]:
-    """Return (member, name in staging) of the regular files; CacheError for the first unsafe member.
-
-    Each header is checked as it is read, so a member over the size cap refuses the bundle before its data
-    is even skipped.
-    """
+    """Return (member, name in staging) of the regular files; CacheError for the first unsafe member (as read)."""
     seen, files, total = set(), [], 0
     for count, m in enumerate(tar, 1):
         name = m.name
@@ -225,7 +192,7 @@ def _read_small(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
 
 
 def _stream_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, dir_mode: int) -> None:
-    """Copy one file member to the new file ``dest`` in chunks; reads raise their own errors, writes CacheWriteError."""
+    """Copy one file member to the new file ``dest`` in chunks (a failed write: CacheWriteError)."""
     src = tar.extractfile(member)
     if src is None:
         raise CacheError(f"cannot read bundle member {member.name!r}")

@@ -1,8 +1,4 @@
-"""Upkeep of a writable root: prune, the sweep of dead builders' staging dirs, quarantine and verify.
-
-Prune removes least recently used entries (by size or age, never one locked, claimed or used within the
-grace period); quarantine moves what failed verification aside, under its lock; verify looks, or repairs.
-"""
+"""Upkeep of a root: prune, the sweep of dead builders' staging dirs, quarantine, and verify."""
 
 from __future__ import annotations
 
@@ -32,12 +28,9 @@ log = logging.getLogger("jitwarm.cache")
 
 @dataclass(frozen=True)
 class PruneReport:
-    """Result of :meth:`KernelCache.prune` (``to_json`` for ``--json``).
+    """Result of :meth:`KernelCache.prune`: ``removed`` keys (least recently used first), and those kept.
 
-    ``removed`` keys (least recently used first) and their ``freed_bytes``; keys due for removal but kept,
-    because their lock was held or they were claimed (``skipped_locked``) or used within the grace period
-    (``skipped_recent``); abandoned staging dirs (``staging_removed``) and old quarantined copies
-    (``quarantine_removed``, only with ``older_than_s``) removed; ``remaining_bytes`` in the root.
+    ``skipped_locked``: due, but locked or claimed; ``skipped_recent``: used within the grace period.
     """
 
     removed: tuple[str, ...] = ()
@@ -55,12 +48,9 @@ class PruneReport:
 
 def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None, shared: bool = False
                   ) -> list[str]:
-    """Remove staging dirs left by dead processes of this host; return their names.
+    """Remove staging dirs of dead processes of this host (never another host's) whose key is not locked.
 
-    A staging dir is removed only when its name says this host, its pid is not alive (zombies count as
-    dead) and, when it belongs to a key, nobody holds that key's lock. With ``only_key`` the caller
-    holds that key's lock, and only that key's dirs are considered. Dirs of other hosts are never
-    touched: their pids mean nothing here. Takes each key's lock without waiting (a held one is skipped).
+    With ``only_key`` the caller holds that key's lock, and only its dirs are considered. Returns their names.
     """
     host = this_host()
     removed = []
@@ -87,16 +77,8 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, old
                grace_s: float = 0.0, shared: bool = False) -> PruneReport:
     """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
 
-    Last use is the entry directory's mtime, which lookups refresh: it works on ``noatime`` mounts. Each
-    removal takes the key's lock without waiting (a held lock means a build or import is in progress, so
-    the entry is kept) and renames the entry into staging under it before deleting it, so a reader sees
-    the whole entry or none of it.
-
-    Raises
-    ------
-    ValueError
-        ``max_bytes`` is negative.
-
+    Last use is the entry directory's mtime, which lookups refresh (``noatime`` mounts too). Each removal
+    try-locks the key and renames the entry into staging before deleting it. ValueError for ``max_bytes`` < 0.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
@@ -134,8 +116,7 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, old
 def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, grace_s: float, shared: bool) -> str:
     """Move one entry out under its lock and delete it: ``"removed"``, ``"locked"`` or ``"recent"``.
 
-    Its last use is read again under the lock: a lookup touches an entry under the key's shared claim, so
-    one that returned it since the listing has made it recent by now, or finds it gone.
+    Its last use is read again under the lock: a lookup since the listing touched it under a claim.
     """
     lock = KeyLock(lock_dir, key, shared=shared)
     if not lock.try_acquire():
@@ -180,13 +161,10 @@ def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:
     return removed
 
 
-# -- quarantine: moving what failed verification aside -----------------------------------------------------
-
 def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
-    """Rename ``path`` to ``quarantine/<name>-<utc>-<pid>-<rand>`` with a ``.reason`` note; False if it could not.
+    """Rename ``path`` (we hold its lock) into quarantine with a ``.reason`` note; a failed move is logged.
 
-    The caller holds the lock that guards ``path``. A move that fails (another user's entry in a shared root,
-    a read-only volume) is logged and leaves it where it is: it is still never used.
+    Returns False then (another user's entry, a read-only volume): it stays where it is, never used.
     """
     dest = layout.quarantine_dir(name)
     try:
@@ -219,27 +197,18 @@ def quarantine_entry(layout: RootLayout, lock_dir: Path, key: str, reason: str, 
     Unless ``locked``, try-lock the key (a holder is a builder, which quarantines it itself, or a reader),
     then verify once more: another process may have replaced it.
     """
+    path = layout.entry_dir(key)
     if read_only or not repair:
         log.warning("corrupt cache entry %s%s: %s", key, f" in read-only {layout.root}" if read_only
                     else " (reported, not moved)", reason)
-        return
-    path = layout.entry_dir(key)
-    if locked:
+    elif locked:
         move_aside(layout, key, path, reason)
-        return
-    lock = KeyLock(lock_dir, key, shared=shared)
-    try:
-        if not lock.try_acquire():
-            log.warning("corrupt cache entry %s (not quarantined: its lock is held): %s", key, reason)
-            return
-    except CacheError as exc:
-        log.warning("corrupt cache entry %s (not quarantined: %s): %s", key, exc.reason, reason)
-        return
-    with lock:
-        with contextlib.suppress(CorruptEntry, OSError):
-            verify_entry(path, key, allow_shared=shared)
-            return
-        move_aside(layout, key, path, reason)
+    elif (lock := _try_lock(lock_dir, key, shared, f"corrupt cache entry {key}", reason)) is not None:
+        with lock:
+            with contextlib.suppress(CorruptEntry, OSError):
+                verify_entry(path, key, allow_shared=shared)
+                return
+            move_aside(layout, key, path, reason)
 
 
 def shard_problem(shard: Path) -> str | None:
@@ -271,44 +240,33 @@ def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, *, read_on
     None also when it is gone meanwhile, or the problem is above it (``v1`` or ``entries``): a miss.
     """
     why = shard_problem(shard)
-    if why is None or read_only or not repair:
-        if why is not None:
-            log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
-        return why
-    lock = KeyLock(lock_dir, f"shard-{shard.name}", shared=shared)
+    if why is not None and (read_only or not repair):
+        log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
+    elif why is not None and (lock := _try_lock(lock_dir, f"shard-{shard.name}", shared, str(shard), why)):
+        with lock:
+            if shard_problem(shard) is not None:
+                move_aside(layout, f"shard-{shard.name}", shard, why)
+    return why
+
+
+def _try_lock(lock_dir: Path, name: str, shared: bool, what: str, reason: str) -> KeyLock | None:
+    """Take ``name``'s lock without waiting; None (logged) when it is held or cannot be had."""
+    lock = KeyLock(lock_dir, name, shared=shared)
     try:
-        if not lock.try_acquire():
-            return why
+        if lock.try_acquire():
+            return lock
+        log.warning("%s (not quarantined: its lock is held): %s", what, reason)
     except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
-        log.warning("not quarantining %s (%s): %s", shard, exc, why)
-        return why
-    try:
-        if shard_problem(shard) is not None:
-            move_aside(layout, f"shard-{shard.name}", shard, why)
-        return why
-    finally:
-        lock.release()
+        log.warning("%s (not quarantined: %s): %s", what, exc.reason, reason)
+    return None
 
-
-# -- verify -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class VerifyReport:
     """Result of :meth:`KernelCache.verify`.
 
-    Attributes
-    ----------
-    ok : tuple of str
-        Keys with at least one copy (root or layer) that verified.
-    corrupt : dict of str to str
-        Keys with a copy that failed, and why (with its path). A shard path of ``entries/`` that is no
-        directory (a file, a symlink, unreadable) holds no key: it is listed under its own path.
-    missing : tuple of str
-        Requested keys with no copy anywhere.
-    quarantined : tuple of str
-        Those of ``corrupt`` whose bad copy was moved to ``<root>/v1/quarantine`` (only with ``repair``;
-        layer copies never are).
-
+    ``ok``: keys with a copy that verified; ``corrupt``: key (or a bad shard's path) -> why; ``missing``:
+    requested keys with no copy; ``quarantined``: those of ``corrupt`` moved aside (only with ``repair``).
     """
 
     ok: tuple[str, ...] = ()
@@ -328,10 +286,7 @@ class VerifyReport:
 
 
 def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool) -> VerifyReport:
-    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None).
-
-    Raises ``CacheError`` only for an untrusted root or entry; corrupt content is reported.
-    """
+    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:
         if keys is None:

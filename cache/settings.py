@@ -1,18 +1,8 @@
 """Every ``JITWARM_*`` environment variable, each read by its own accessor when it is used, with one parser.
 
-Nothing runs at import and no accessor reads more than its own variable: a bad ``JITWARM_REMOTE_LEASE_S`` fails
-a cache that has a remote tier, never one without; a bad ``JITWARM_JOBS`` fails a ``warm``, never a kernel
-lookup. A value that does not parse raises :class:`SettingError` (a :class:`~jitwarm.cache.errors.UsageError`,
-exit 2) whose one-line message names the variable. :func:`override` scopes changes for tests (child processes
-inherit them); :func:`scoped_env` is the same for any variable.
-
-Examples
---------
->>> from jitwarm.cache import settings
->>> with settings.override(remote_lease_s=2.5, remote_prefix="fleet-a"):
-...     (settings.remote_lease_s(), settings.remote_prefix())
-(2.5, 'fleet-a')
-
+No accessor reads more than its own variable (a bad ``JITWARM_JOBS`` fails a ``warm``, never a lookup); a
+value that does not parse raises :class:`SettingError` (exit 2) naming the variable. :func:`override` scopes
+changes for tests (``with settings.override(remote_lease_s=2.5): ...``); :func:`scoped_env` any variable.
 """
 
 from __future__ import annotations
@@ -66,13 +56,8 @@ class SettingError(UsageError, ValueError):
     """A setting (an environment variable, or the same value given to the API) does not parse; exit 2."""
 
 
-# -- the cache -----------------------------------------------------------------------------------------------
-
 def cache_dir() -> Path:
-    """``JITWARM_CACHE_DIR``: the writable root; else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``.
-
-    Raises SettingError when it names something that exists and is not a directory.
-    """
+    """``JITWARM_CACHE_DIR``: the writable root; else ``$XDG_CACHE_HOME/jitwarm``, else ``~/.cache/jitwarm``."""
     for var, tail in (("JITWARM_CACHE_DIR", ()), ("XDG_CACHE_HOME", ("jitwarm",))):
         text = _text(var)
         if text:
@@ -81,20 +66,13 @@ def cache_dir() -> Path:
 
 
 def cache_path() -> tuple[Path, ...]:
-    """``JITWARM_CACHE_PATH``: read-only layers searched after the root, colon-separated; default none.
-
-    Raises SettingError when one names something that exists and is not a directory (a missing one is an
-    empty layer: a fleet image may mount it later).
-    """
+    """``JITWARM_CACHE_PATH``: read-only layers searched after the root, colon-separated (a missing one is empty)."""
     parts = (p.strip() for p in os.environ.get("JITWARM_CACHE_PATH", "").split(":"))
     return tuple(directory(absolute_path(p), "JITWARM_CACHE_PATH") for p in parts if p)
 
 
 def lock_dir() -> Path | None:
-    """``JITWARM_LOCK_DIR``: where per-key lock files live; None means ``<root>/v1/locks``.
-
-    Put it on node-local storage such as ``/dev/shm`` when the root is on NFS.
-    """
+    """``JITWARM_LOCK_DIR``: where per-key lock files live (``/dev/shm`` under an NFS root); None: the root's."""
     text = _text("JITWARM_LOCK_DIR")
     return directory(absolute_path(text), "JITWARM_LOCK_DIR") if text else None
 
@@ -146,8 +124,6 @@ def prune_grace_s() -> float:
     return number("JITWARM_PRUNE_GRACE_S", float, 600.0, minimum=0.0)
 
 
-# -- the warm service, the hook and the sglang plugin --------------------------------------------------------
-
 def jobs() -> int:
     """``JITWARM_JOBS``: parallel builds of a warm (1 to 1024); default the number of CPUs."""
     return number("JITWARM_JOBS", int, os.cpu_count() or 1, minimum=1, maximum=MAX_JOBS)
@@ -191,8 +167,6 @@ def triton_cache() -> bool:
     return flag("JITWARM_TRITON_CACHE", default=True)
 
 
-# -- the parsers ---------------------------------------------------------------------------------------------
-
 def flag(var: str, default: bool = False) -> bool:
     """The one boolean parser: 1/0, true/false, yes/no, on/off (any case); unset or blank is ``default``."""
     raw = os.environ.get(var, "")
@@ -222,11 +196,7 @@ def number(var: str, kind: type, default: Any, *, minimum: float, maximum: float
 
 
 def check_remote_url(url: str, what: str = "remote") -> str:
-    """Return ``url`` if it is a Redis URL redis-py can connect with, else raise SettingError naming ``what``.
-
-    A host URL needs a host, a port from 1 to 65535 if one is given, and a database number if one is given.
-    The message never repeats the URL itself: it may hold a password.
-    """
+    """Return ``url`` if redis-py can connect with it, else SettingError naming ``what`` (never the URL: a password)."""
     if not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES) or len(url) <= len("unix://"):
         scheme = url.split("://", 1)[0] + "://" if isinstance(url, str) and "://" in url else "no scheme"
         raise SettingError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {scheme}")
@@ -273,15 +243,11 @@ def absolute_path(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.normpath(Path(path).expanduser().absolute()))
 
 
-# -- scoped changes ------------------------------------------------------------------------------------------
-
 @contextmanager
 def override(**values: object) -> Iterator[None]:
-    """Set some settings for a ``with`` block by accessor name, then restore the environment.
+    """Set settings by accessor name for a ``with`` block (``None`` unsets; child processes inherit them).
 
-    Values (paths, a sequence of paths for ``cache_path``, bools, numbers, strings; ``None`` unsets) are
-    written to ``os.environ`` and parsed by the accessors when they are called. TypeError for an unknown name
-    or a value that cannot be an environment variable (nothing is changed). Not thread-safe.
+    TypeError for an unknown name or a value no variable can hold (nothing is changed). Not thread-safe.
     """
     unknown = sorted(set(values) - set(ENV_VARS))
     if unknown:

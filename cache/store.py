@@ -27,13 +27,10 @@ from jitwarm.cache.remote import Fleet, RemoteReport, RemoteStore, redact
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters of one :class:`KernelCache` in this process (``to_json`` for ``--json`` output).
+    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats").
 
-    ``hits`` (served without waiting), ``misses`` (lock-free lookups that found nothing), ``builds``,
-    ``waits`` (another process held the key's lock), ``lock_wait_s``, ``corrupt`` (copies that failed
-    verification), and the remote tier's ``remote_hits`` (downloaded), ``remote_misses``, ``remote_uploads``,
-    ``lease_waits`` (another node held the fleet lease), ``remote_rejected`` (failed the check against their
-    manifest, never used) and ``remote_errors``.
+    ``hits`` are served without waiting, ``misses`` are lock-free lookups that found nothing, ``waits`` found
+    the key's lock (``lease_waits``: the fleet lease) held; ``remote_rejected`` failed their manifest.
     """
 
     hits: int = 0
@@ -54,32 +51,13 @@ class CacheStats:
         return asdict(self)
 
 
-class StatsCounter:
-    """Thread-safe accumulator behind :meth:`KernelCache.stats`; the tiers get its :meth:`add`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
-
-    def add(self, name: str, amount: float = 1) -> None:
-        """Add ``amount`` to counter ``name``."""
-        with self._lock:
-            self._values[name] += amount
-
-    def snapshot(self) -> CacheStats:
-        """Return the current values."""
-        with self._lock:
-            return CacheStats(**self._values)  # type: ignore[arg-type]
-
-
 Outcome = Literal["hit", "built", "waited", "downloaded"]
 
 
 class CacheResult(NamedTuple):
-    """What :meth:`KernelCache.get_or_build_ex` returns: the entry and how this call got it.
+    """The entry and how this call got it.
 
-    ``outcome``: ``"hit"``, ``"built"`` (this call ran ``build``), ``"waited"`` (used another process's
-    build) or ``"downloaded"`` (from the remote tier, checked and published locally).
+    ``"hit"``, ``"built"`` (ran ``build``), ``"waited"`` (another process's build) or ``"downloaded"``.
     """
 
     entry: Entry
@@ -89,33 +67,14 @@ class CacheResult(NamedTuple):
 class KernelCache:
     """The shared, content-addressed kernel cache (docs/cache.md).
 
-    Parameters
-    ----------
-    root : path, optional
-        The writable root; default ``JITWARM_CACHE_DIR``, else ``$XDG_CACHE_HOME/jitwarm``, else
-        ``~/.cache/jitwarm``. ``layers`` are read-only roots searched after it (default
-        ``JITWARM_CACHE_PATH``; ``()`` for none); ``lock_dir`` holds the key locks (``JITWARM_LOCK_DIR``, else
-        ``<root>/v1/locks``).
-    read_only : bool
-        Lookups only: a corrupt entry is skipped, not quarantined, and a miss in ``get_or_build`` raises.
-    allow_shared : bool
-        Accept roots, lock dirs and entries other users can write (also ``JITWARM_ALLOW_SHARED=1``).
-    remote, remote_prefix, remote_required
-        The fleet's Redis (``JITWARM_REMOTE``; ``""`` for none), its key namespace, and whether its failure
-        raises ``RemoteUnavailable`` instead of going on locally.
+    Each argument left None is read from its setting (:mod:`jitwarm.cache.settings`): ``root``
+    (``JITWARM_CACHE_DIR``), ``layers`` (``JITWARM_CACHE_PATH``; ``()`` for none), ``lock_dir``
+    (``JITWARM_LOCK_DIR``, else ``<root>/v1/locks``), the remote ones (``""``: no remote) only with a remote.
+    ``read_only``: lookups only (a corrupt entry is skipped, a miss in ``get_or_build`` raises);
+    ``allow_shared``: accept what other users can write. ``SettingError`` when a setting does not parse.
 
-    Raises
-    ------
-    SettingError
-        A setting that is read does not parse, or a root or layer is not a directory (one line). A
-        variable is read only when its argument leaves it open, the remote ones only with a remote.
-
-    Notes
-    -----
-    Construction touches no file and connects to nothing. Instances are thread-safe; two threads exclude
-    each other like two processes. Every returned entry's files were hashed by this host and are re-checked
-    by their stat signature on every later lookup (:mod:`jitwarm.cache.protocol`, invariant 3).
-
+    Construction touches no file and connects to nothing; instances are thread-safe (two threads exclude
+    each other like two processes).
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None,
@@ -132,9 +91,10 @@ class KernelCache:
         layout = RootLayout(self.root, shared=self.allow_shared)
         self.lock_dir = (settings.absolute_path(lock_dir) if lock_dir is not None
                          else settings.lock_dir() or layout.locks)
-        self._stats = StatsCounter()
+        self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
+        self._counts_lock = threading.Lock()
         self._local = LocalCache(layout, [RootLayout(p) for p in self.layers], self.lock_dir, read_only=self.read_only,
-                                 allow_shared=self.allow_shared, count=self._stats.add)
+                                 allow_shared=self.allow_shared, count=self._count)
         self.remote = settings.remote() if remote is None else (settings.check_remote_url(remote) if remote else None)
         self.remote_prefix = settings.check_remote_prefix(remote_prefix) if remote_prefix else (
             settings.remote_prefix() if self.remote else settings.DEFAULT_REMOTE_PREFIX)
@@ -145,8 +105,12 @@ class KernelCache:
         if self.remote is not None:
             self._remote = RemoteStore(self.remote, self.remote_prefix, required=self.remote_required,
                                        max_bytes=settings.remote_max_bytes(), shared=self.allow_shared,
-                                       count=self._stats.add)
-            self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._stats.add)
+                                       count=self._count)
+            self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._count)
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] += amount
 
     @property
     def remote_display(self) -> str | None:
@@ -158,8 +122,6 @@ class KernelCache:
         mode += f", remote={redact(self.remote)!r}" if self.remote else ""
         return f"KernelCache(root={str(self.root)!r}, layers={[str(p) for p in self.layers]}{mode})"
 
-    # -- keys -------------------------------------------------------------------------------------
-
     def key(self, description: Mapping[str, Any]) -> str:
         """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
         return key_of(description)
@@ -168,13 +130,10 @@ class KernelCache:
         """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
         return key_preimage(description)
 
-    # -- lookup, get or build, discard, wait --------------------------------------------------------
-
     def lookup(self, key: str) -> Entry | None:
         """The verified entry of ``key`` from the root or a layer, or None (missing, corrupt or discarded).
 
-        Never waits or builds; a corrupt root copy is quarantined when its lock is free. Raises ValueError for
-        a malformed key, ``CacheError`` for a root, layer or entry other users can write.
+        Never waits or builds. ValueError for a malformed key, ``CacheError`` for an untrusted directory.
         """
         return self._local.lookup(check_key(key))
 
@@ -182,22 +141,21 @@ class KernelCache:
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
         """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
 
-        ``build`` writes regular files (no links, no ``entry.json``) and runs only under the key's lock, at
-        most once per key per host (per fleet with a remote). ``timeout_s`` bounds the wait for another
-        holder, not our own build; ``on_wait(holder)`` is called once when we wait; ``key`` is
-        ``cache.key(description)`` computed once by the caller (checked against it before a build).
+        ``build`` writes regular files (no links, no ``entry.json``) and runs only under the key's lock.
+        ``timeout_s`` bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once
+        when we wait; ``key``: ``cache.key(description)`` computed by the caller (checked before a build).
 
         Raises
         ------
         LockTimeout
             Another holder kept the key past ``timeout_s``.
         BuildError
-            ``build`` raised (chained) or wrote nothing usable; nothing is published, the lock is released.
+            ``build`` raised (chained) or wrote nothing usable; nothing is published.
         CacheError
-            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``
-            for a write that failed; ``RemoteUnavailable`` when a required remote fails.
+            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``;
+            ``RemoteUnavailable`` when a required remote fails.
         TypeError, ValueError
-            ``description`` is not plain JSON; ``key`` is not a key, or not this description's.
+            ``description`` is not plain JSON; ``key`` is not this description's.
 
         """
         return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
@@ -207,53 +165,46 @@ class KernelCache:
                         ) -> CacheResult:
         """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
 
-        ``missed``: the caller has just looked ``key`` up and found nothing (a build worker is handed only
-        misses), so the lock-free lookup is skipped; the look under the lock stays.
+        ``missed``: the caller has just looked ``key`` up in vain, so only the look under the lock is made.
         """
         key = key_of(description) if key is None else check_key(key)
         entry = None if missed else self._local.lookup(key)                          # 1. lock-free lookup
         if entry is not None:
-            self._stats.add("hits")
+            self._count("hits")
             return CacheResult(entry, "hit")
         if self.read_only:
             raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root})", "build it with a "
                              "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
-        self._stats.add("misses")
+        self._count("misses")
         return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
 
     def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry its caller cannot use (e.g. a library dlopen rejects); ``reason`` is the caller's.
+        """Set aside an entry its caller cannot use (e.g. one dlopen rejects); the next get builds it again.
 
-        A root entry is quarantined under its key's lock if it is still that entry on disk; a layer's (or a
-        read-only cache's) is skipped by this instance from now on. Either way the next ``get_or_build``
-        builds the key again, once. Raises ``LockTimeout`` (the entry is skipped all the same).
+        A root entry still unchanged is quarantined under its key's lock; a layer's (or a read-only cache's)
+        is skipped by this instance from now on. ``LockTimeout`` (the entry is skipped all the same).
         """
         self._local.discard(entry, reason, timeout_s)
 
     def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> AbstractContextManager[Entry | None]:
         """Keep ``entry`` from being pruned or quarantined while the caller reads (loads) it.
 
-        ``with cache.claim(entry) as claimed:`` holds a shared flock on the key's lock file and yields the
-        entry if its files are still the ones hashed, else None (holding nothing: get it again). Leave the
-        block before discarding or rebuilding the key: inside it, those wait for the block's own claim until
-        their deadline. A layer's entry is only re-checked; a root whose lock file cannot be opened (a
-        read-only volume) is read unlocked. Raises ``LockTimeout`` (an exclusive holder kept the key past
-        ``timeout_s``) or ``CacheError`` (no flock here).
+        ``with cache.claim(entry) as claimed:`` yields the entry while its files are the ones hashed, else
+        None (get it again). Leave the block before discarding or rebuilding the key (they would wait for
+        this claim). A layer's entry is only re-checked; a read-only volume is read unlocked. Raises
+        ``LockTimeout`` or ``CacheError`` (no flock here).
         """
         return self._local.claim(entry, timeout_s)
 
     def wait_for(self, key: str, timeout_s: float) -> Entry:
-        """Wait until another process publishes ``key`` and return its entry; never builds, takes no lock.
-
-        Raises ``LockTimeout`` (naming the holder) when nothing is published within ``timeout_s``.
-        """
+        """Wait until another process publishes ``key`` and return it; never builds. ``LockTimeout``."""
         key = check_key(key)
         entry = self._local.lookup(key)
         if entry is not None:
-            self._stats.add("hits")
+            self._count("hits")
             return entry
-        self._stats.add("misses")
-        self._stats.add("waits")
+        self._count("misses")
+        self._count("waits")
         parent = self._local.root.entry_dir(key).parent
         lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
 
@@ -265,16 +216,13 @@ class KernelCache:
         try:
             return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
         finally:
-            self._stats.add("lock_wait_s", time.monotonic() - start)
-
-    # -- maintenance ------------------------------------------------------------------------------
+            self._count("lock_wait_s", time.monotonic() - start)
 
     def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (default: every entry and shard path of the root and layers).
+        """Re-hash every copy of ``keys`` (default: every entry and shard of the root and layers).
 
-        Looking changes nothing; with ``repair=True`` a corrupt root copy is quarantined when its lock is
-        free (layers are only reported). Never raises for corrupt content; ``CacheError`` for an untrusted
-        directory.
+        ``repair=True`` quarantines a corrupt root copy whose lock is free. ``CacheError`` only for an
+        untrusted directory.
         """
         return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair)
@@ -283,10 +231,8 @@ class KernelCache:
               grace_s: float | None = None) -> PruneReport:
         """Remove root entries least recently used first (to ``max_bytes``, or unused ``older_than_s``).
 
-        Never removes an entry whose key is locked or claimed (``skipped_locked``), nor one used within
-        ``grace_s`` (default ``JITWARM_PRUNE_GRACE_S``, 600 s; ``skipped_recent``): an entry a lookup
-        returned stays at least that long less a minute, claimed or not. Also removes abandoned staging
-        dirs and, with ``older_than_s``, old quarantined copies; never touches a layer. ``CacheError`` for a
+        Keeps an entry locked or claimed, or used within ``grace_s`` (``JITWARM_PRUNE_GRACE_S``); also removes
+        dead builders' staging dirs and, with ``older_than_s``, old quarantined copies. ``CacheError`` for a
         read-only cache, ``UntrustedPath`` for an untrusted lock dir.
         """
         self._require_writable("prune")
@@ -303,9 +249,8 @@ class KernelCache:
 
     def stats(self) -> CacheStats:
         """Return this instance's counters: hits, misses, builds, waits, lock-wait seconds, corrupt, remote."""
-        return self._stats.snapshot()
-
-    # -- remote tier ------------------------------------------------------------------------------
+        with self._counts_lock:
+            return CacheStats(**self._counts)  # type: ignore[arg-type]
 
     def check_remote(self) -> str | None:
         """None if the remote answers (or none is set), else why not (logged once; raises if required)."""
@@ -320,13 +265,10 @@ class KernelCache:
         """Which of ``keys`` the remote holds, nothing downloaded (None without a remote)."""
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
-    # -- bundles and plan records -----------------------------------------------------------------
-
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
         """Write the entries of ``keys`` to one relocatable tar (gzip'd for .gz/.tgz); extracted, it is a layer.
 
-        Raises ``CacheError`` for a missing or corrupt key and ``CacheWriteError`` for a failed write (no
-        partial file is left).
+        ``CacheError`` for a missing or corrupt key, ``CacheWriteError`` (no partial file is left).
         """
         keys = sorted({check_key(k) for k in keys})
         entries = [self.lookup(k) for k in keys]
@@ -337,12 +279,10 @@ class KernelCache:
         return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0) -> ImportReport:
-        """Import a bundle into the root: every member checked and every file hashed before anything is published.
+        """Import a bundle: every member checked and every file hashed before anything is published.
 
-        Each key is then published by a rename under its lock unless the root or a layer has it. Members over
-        ``JITWARM_BUNDLE_MAX_FILE_BYTES`` or bundles over ``JITWARM_BUNDLE_MAX_BYTES`` are refused from their
-        headers. Raises ``CacheError`` (a bad bundle: nothing imported; a read-only cache),
-        ``CacheWriteError`` (a failed write: nothing published, no staging left) or ``LockTimeout``.
+        Each key the root and layers lack is published by a rename under its lock. ``CacheError`` (a bad
+        bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``.
         """
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
@@ -363,13 +303,10 @@ class KernelCache:
         self._local.prepare_root()
         return write_plan_record(self._local.root, plan_id, record)
 
-    # -- facts -------------------------------------------------------------------------------------------
-
     def read_fact(self, name: str) -> str | None:
-        """A fact a caller kept with :meth:`write_fact` (e.g. a compiler's version by its binary's stat), or None.
+        """A fact a caller kept with :meth:`write_fact` (a compiler's version by its binary's stat), or None.
 
-        The cache knows nothing of their meaning; an unreadable or untrusted fact is None. ValueError for a
-        name outside ``[A-Za-z0-9._-]{1,128}``.
+        An unreadable or untrusted fact is None; ValueError for a name outside ``[A-Za-z0-9._-]{1,128}``.
         """
         return read_fact(self._local.root, name, allow_shared=self.allow_shared)
 

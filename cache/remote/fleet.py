@@ -1,10 +1,7 @@
 """The fleet protocol: under a host lock, download a key from the remote, or take its lease, build and upload.
 
-Which way the dependency goes: :mod:`jitwarm.cache.local` imports this module and calls
-:meth:`Fleet.get_or_build` while it holds the key's host lock, handing it :class:`LocalSteps`: plain
-callables that make a staging path, publish a checked entry and build one. This module imports neither
-``local`` nor ``store``; it reaches the local root only through those callables, and Redis only through
-:class:`~jitwarm.cache.remote.RemoteStore`.
+:mod:`jitwarm.cache.protocol` calls :meth:`Fleet.get_or_build` while it holds the key's host lock and hands it
+:class:`LocalSteps`; this module reaches the local root only through those callables, never by import.
 """
 
 from __future__ import annotations
@@ -50,17 +47,8 @@ class LeaseWithoutExpiry(RemoteFailure):
 class LocalSteps:
     """What the local tier hands the fleet protocol for one key, all run under the key's host lock.
 
-    Attributes
-    ----------
-    new_staging : callable
-        ``new_staging() -> Path``: a fresh, empty staging directory of the root (named for the key,
-        so a dead downloader's copy gets swept).
-    publish : callable
-        ``publish(staged) -> Entry``: rename a checked entry from staging into the root (the lost rename
-        race and NFS retry included) and return what is published.
-    build : callable
-        ``build() -> Entry``: run the build into staging, seal and publish it; raises ``BuildError``.
-
+    ``new_staging()``: a fresh staging dir named for the key; ``publish(staged)``: rename a checked entry
+    into the root, returning what is published; ``build()``: build, seal and publish (``BuildError``).
     """
 
     new_staging: Callable[[], Path]
@@ -71,13 +59,11 @@ class LocalSteps:
 class Fleet:
     """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
 
-    Contract: :meth:`get_or_build` runs while the caller holds the key's host lock (so one process per
-    host talks to the remote for a key) and returns ``(entry, outcome)``, outcome ``"downloaded"`` (a
-    remote entry, checked and published into the local root) or ``"built"`` (built here under the fleet
-    lease, published locally, then uploaded). A Redis failure at any step is handed to
-    :meth:`RemoteStore.failed`: logged once and the key built locally, or ``RemoteUnavailable`` when the
-    remote is required. Raises ``LockTimeout`` when another node holds the lease past ``timeout_s`` and
-    ``BuildError`` as ``steps.build`` does; the lease is released (if still ours) on every path.
+    :meth:`get_or_build` runs under the key's host lock and returns ``(entry, "downloaded")`` or ``(entry,
+    "built")`` (under the fleet lease, then uploaded). A Redis failure at any step goes to
+    :meth:`RemoteStore.failed` (logged once, built locally; ``RemoteUnavailable`` when required). Raises
+    ``LockTimeout`` (another node kept the lease past ``timeout_s``) and ``BuildError``; the lease is
+    released (if still ours) on every path.
     """
 
     def __init__(self, store: RemoteStore, *, lease_s: float, count: Callable[..., None]) -> None:
@@ -173,25 +159,12 @@ class Fleet:
 
 
 class FleetLease:
-    """The fleet-wide build lease of one cache key: ``<prefix>:v1:lease:<key>``.
+    """The fleet-wide build lease of one cache key: ``<prefix>:v1:lease:<key>``, lifetime ``ttl_s``.
 
-    Taken with ``SET NX PX`` and a token ``{"host", "pid", "since", "nonce"}`` that waiters read to say
-    who builds. While held, a daemon thread extends it every third of its lifetime; a holder that dies
-    (even by SIGKILL) stops extending it, so it expires after at most ``ttl_s`` and another node takes
-    over. There is no lock file to break and no liveness guess: expiry is the only way a lease ends
-    without its holder. If an extension finds the lease gone (the holder stalled longer than ``ttl_s``),
-    :attr:`lost` is set and a warning logged; the build still completes, and another node may build the
-    same key once more (never a corrupt entry: uploads replace whole entries).
-
-    Parameters
-    ----------
-    store : RemoteStore
-        The remote this lease lives on.
-    key : str
-        The cache key.
-    ttl_s : float
-        Lifetime of the lease without an extension.
-
+    Taken with ``SET NX PX`` and a token ``{"host", "pid", "since", "nonce"}`` waiters read to say who builds;
+    a daemon thread extends it every third of its lifetime, so a dead holder's lease expires and another
+    node takes over (no liveness guess). An extension that finds it gone (a stall past ``ttl_s``) sets
+    :attr:`lost` and warns: another node may build the key once more, never a corrupt entry.
     """
 
     def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:

@@ -1,14 +1,8 @@
 """RemoteStore: the fleet's shared second cache level in Redis: entries as hashes, health, presence.
 
-This module only moves entries; the protocol that decides when to download, lease and upload is
-:mod:`jitwarm.cache.fleet`.
-
-One Redis hash per entry, ``<prefix>:v1:entry:<key>``, with the fields ``manifest`` (the bytes of the
-entry's ``entry.json``: every file with size and sha256), ``meta`` (who uploaded it, which files are
-executable) and ``file:<relative path>`` (each file's bytes). An upload replaces the whole hash in one
-MULTI/EXEC transaction and a download reads it with one HGETALL, so a reader sees a complete entry or
-none: an uploader that dies mid-way leaves nothing behind, and a replacement is never mixed with the entry
-it replaces. Under ``maxmemory-policy allkeys-lru`` an entry is evicted as a whole, too.
+One hash per entry, ``<prefix>:v1:entry:<key>``: ``manifest`` (the entry's ``entry.json``), ``meta`` (uploader,
+executable files) and ``file:<path>`` per file. An upload replaces the whole hash in one MULTI/EXEC and a
+download reads it in one atomic script, so a reader sees a complete entry or none (an LRU evicts it whole).
 """
 
 from __future__ import annotations
@@ -64,8 +58,6 @@ return {4, redis.call('hgetall', KEYS[1])}
 T = TypeVar("T")
 
 
-# -- health: one pooled client and one up/down record per URL in this process ------------------------------
-
 #: After a failure the remote is skipped for this long by every cache of this process, then tried again.
 RETRY_AFTER_S = 60.0
 #: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
@@ -97,8 +89,7 @@ class _Health:
 class RemoteHealth:
     """Per-process registry of each remote URL's health and pooled client, shared by every cache using it.
 
-    A failure seen by one cache turns the remote off for :data:`RETRY_AFTER_S` for all of them, and the
-    "unavailable" warning is logged once per URL per process. :meth:`reset` forgets everything (tests).
+    A failure seen by one cache turns the remote off for all of them for :data:`RETRY_AFTER_S`.
     """
 
     def __init__(self) -> None:
@@ -139,19 +130,13 @@ def reset_remote_health() -> None:
     HEALTH.reset()
 
 
-# -- entries -----------------------------------------------------------------------------------------------
-
 class RemoteFailure(Exception):
     """A Redis call failed (internal: :meth:`RemoteStore.failed` logs it, or raises RemoteUnavailable)."""
 
 
 @dataclass(frozen=True)
 class RemoteReport:
-    """Which keys the remote holds (``KernelCache.remote_report``).
-
-    ``url`` (no password), ``prefix``, ``available`` (False: it could not be asked, ``error`` says why),
-    ``present`` and ``missing``.
-    """
+    """Which keys the remote holds (``available`` False: it could not be asked, ``error`` says why)."""
 
     url: str
     prefix: str
@@ -168,12 +153,9 @@ class RemoteReport:
 class RemoteStore:
     """Entries of one cache format in one Redis namespace, and the health of that server.
 
-    Every method that talks to Redis raises :class:`RemoteFailure` (never a redis exception); the caller
-    hands it to :meth:`failed`, which logs it once and turns the remote off for :data:`RETRY_AFTER_S`, or
-    raises ``RemoteUnavailable`` when ``required``. :meth:`fetch` writes an entry only after every byte
-    matched its manifest. Nothing here locks: the caller holds the key's host lock around fetch and upload.
-    ``max_bytes`` caps what is uploaded or downloaded; ``shared`` is the local root's ``allow_shared``;
-    ``count(name, amount=1)`` adds to a ``remote_*`` counter.
+    Every call to Redis raises :class:`RemoteFailure` (never a redis exception), which the caller hands to
+    :meth:`failed`. Nothing here locks: the caller holds the key's host lock. ``max_bytes`` caps what is
+    uploaded or downloaded; ``shared`` is the local root's ``allow_shared``; ``count`` adds to a counter.
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
@@ -194,8 +176,6 @@ class RemoteStore:
     def lease_name(self, key: str) -> str:
         """Return the Redis key of the fleet build lease of ``key``."""
         return f"{self.prefix}:v{FORMAT_VERSION}:lease:{key}"
-
-    # -- health -----------------------------------------------------------------------------------
 
     @property
     def usable(self) -> bool:
@@ -243,14 +223,10 @@ class RemoteStore:
             return str(exc)
         return None
 
-    # -- entries ----------------------------------------------------------------------------------
-
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry into the empty staging dir ``dest``, checked against its manifest.
+        """Download ``key``'s entry into the empty staging dir ``dest``, sized on the server and checked.
 
-        It is sized on the server in the same atomic step: one over ``max_bytes`` is not downloaded (built
-        locally), one with an oversized manifest or meta, or too many fields, is rejected unread. Returns
-        None for no entry, one over the cap, or one that failed the check (reported, counted, not kept).
+        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept).
         Raises ``RemoteFailure`` (Redis) or ``CacheWriteError`` (a full disk).
         """
         name = self.entry_name(key)
@@ -297,11 +273,10 @@ class RemoteStore:
                     "replaced by the next build", key, self.display, str(origin)[:200], why)
 
     def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry, replacing the remote one in one transaction; False when not uploaded.
+        """Upload a verified local entry, replacing the remote one in one transaction; ``RemoteFailure``.
 
-        The files are read, not hashed again: their signature is compared after the read (every downloader
-        checks each sha256). False for an entry over ``max_bytes`` or changed since it was hashed; raises
-        ``RemoteFailure`` (the transaction did not apply).
+        Read, not hashed again (its signature is compared after the read). False for an entry over
+        ``max_bytes`` or changed since it was hashed.
         """
         if entry.size_bytes > self.max_bytes:
             log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
@@ -333,14 +308,7 @@ class RemoteStore:
         return True
 
     def report(self, keys: Iterable[str]) -> RemoteReport:
-        """Return which of ``keys`` the remote holds; an unavailable remote gives ``available=False``.
-
-        Raises
-        ------
-        RemoteUnavailable
-            The remote is required and could not be asked.
-
-        """
+        """Return which of ``keys`` the remote holds; ``RemoteUnavailable`` if a required one cannot be asked."""
         keys = list(keys)
 
         def ask(client: Any) -> list[bool]:
