@@ -139,9 +139,7 @@ def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) ->
     on_disk_files = set(on_disk) - {MANIFEST}
     if MANIFEST not in on_disk:
         raise CorruptEntry(f"{path} has no {MANIFEST}")
-    if on_disk_files != set(listed):
-        missing, extra = sorted(set(listed) - on_disk_files), sorted(on_disk_files - set(listed))
-        raise CorruptEntry(f"{path}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+    _same_files(str(path), set(listed), on_disk_files)
     sig = {MANIFEST: _sig_item(MANIFEST, on_disk[MANIFEST])}
     for rel, rec in listed.items():
         if on_disk[rel].st_size != rec.size:
@@ -214,6 +212,12 @@ def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord],
                  read_only=read_only, signature=tuple(sig[n] for n in sorted(sig)))
 
 
+def _same_files(where: str, listed: set[str], found: set[str]) -> None:
+    if found != listed:
+        missing, extra = sorted(listed - found), sorted(found - listed)
+        raise CorruptEntry(f"{where}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+
+
 def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
     """One element of a Signature."""
     return (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -283,9 +287,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
     listed = {r.path: r for r in records}
-    if set(files) != set(listed):
-        missing, extra = sorted(set(listed) - set(files)), sorted(set(files) - set(listed))
-        raise CorruptEntry(f"{where}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
+    _same_files(where, set(listed), set(files))
     for rel, rec in listed.items():
         if len(files[rel]) != rec.size:
             raise CorruptEntry(f"{where}: {rel} has size {len(files[rel])}, {MANIFEST} says {rec.size}")

@@ -126,13 +126,10 @@ class RootLayout:
         return self.quarantine / f"{name}-{stamp}-{os.getpid()}-{secrets.token_hex(4)}"
 
     def iter_entry_dirs(self) -> Iterator[tuple[str, Path]]:
-        """Yield ``(key, path)`` of every published entry directory, in key order (unlistable shards are skipped)."""
-        for shard in _sorted_dirs(self.entries):
-            if _SHARD_RE.fullmatch(shard.name) is None:
-                continue
-            for entry in _sorted_dirs(shard):
-                if is_key(entry.name) and entry.name[:2] == shard.name:
-                    yield entry.name, entry
+        """Yield ``(key, path)`` of every published entry directory (not a link), in key order."""
+        for key, path in self.iter_entry_names():
+            if key is not None and not path.is_symlink() and path.is_dir():
+                yield key, path
 
     def iter_entry_names(self) -> Iterator[tuple[str | None, Path]]:
         """Yield ``(key, path)`` of each entry name, ``(None, path)`` of each shard that is no listable directory."""

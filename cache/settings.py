@@ -18,28 +18,11 @@ from urllib.parse import urlsplit
 
 from jitwarm.cache.errors import UsageError
 
-#: Accessor (and :func:`override` field) name -> the environment variable it reads.
-ENV_VARS: Mapping[str, str] = {
-    "cache_dir": "JITWARM_CACHE_DIR",
-    "cache_path": "JITWARM_CACHE_PATH",
-    "lock_dir": "JITWARM_LOCK_DIR",
-    "allow_shared": "JITWARM_ALLOW_SHARED",
-    "remote": "JITWARM_REMOTE",
-    "remote_prefix": "JITWARM_REMOTE_PREFIX",
-    "remote_required": "JITWARM_REMOTE_REQUIRED",
-    "remote_lease_s": "JITWARM_REMOTE_LEASE_S",
-    "remote_max_bytes": "JITWARM_REMOTE_MAX_BYTES",
-    "bundle_max_file_bytes": "JITWARM_BUNDLE_MAX_FILE_BYTES",
-    "bundle_max_bytes": "JITWARM_BUNDLE_MAX_BYTES",
-    "prune_grace_s": "JITWARM_PRUNE_GRACE_S",
-    "jobs": "JITWARM_JOBS",
-    "strict": "JITWARM_STRICT",
-    "sglang_plugin": "JITWARM_SGLANG_PLUGIN",
-    "config": "JITWARM_CONFIG",
-    "manifest": "JITWARM_MANIFEST",
-    "record": "JITWARM_RECORD",
-    "triton_cache": "JITWARM_TRITON_CACHE",
-}
+#: Accessor (and :func:`override` field) name -> the environment variable it reads, ``JITWARM_<NAME>``.
+ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
+    "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
+    "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
+    "strict", "sglang_plugin", "config", "manifest", "record", "triton_cache")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -121,7 +121,7 @@ class Fleet:
             if staged is None:
                 remove_tree(staging)
                 return None
-            entry = steps.publish(staged)
+            entry = steps.publish(staged)  # it may serve the staged copy itself (NFS): never remove it then
         except BaseException:
             remove_tree(staging)
             raise

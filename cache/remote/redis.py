@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged, unpack_entry
 from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
-from jitwarm.cache.files import loads, open_regular, remove_tree
+from jitwarm.cache.files import loads, open_regular
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
 
@@ -77,57 +77,43 @@ def redact(url: str) -> str:
 
 
 class _Health:
-    """Whether one remote URL is usable in this process."""
+    """One remote URL in this process: its pooled client, and whether (and why) it is down."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
+    def __init__(self, client: Any) -> None:
+        self.client = client
         self.down_until = 0.0
         self.error: str | None = None
         self.warned = False
 
 
-class RemoteHealth:
-    """Per-process registry of each remote URL's health and pooled client, shared by every cache using it.
-
-    A failure seen by one cache turns the remote off for all of them for :data:`RETRY_AFTER_S`.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._health: dict[str, _Health] = {}
-        self._clients: dict[str, Any] = {}
-
-    def get(self, url: str) -> tuple[_Health, Any]:
-        """Return the health record and (lazily made, pooled) redis client of ``url``."""
-        with self._lock:
-            if url not in self._clients:
-                import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
-                from redis.backoff import ExponentialBackoff
-                from redis.retry import Retry
-
-                # One quick retry, not redis-py's default backoff: a startup must not hang on a dead server.
-                self._clients[url] = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                                          socket_timeout=READ_TIMEOUT_S,
-                                                          retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1))
-                self._health[url] = _Health()
-            return self._health[url], self._clients[url]
-
-    def reset(self) -> None:
-        """Close every pooled client and forget every URL's health (each remote is tried afresh)."""
-        with self._lock:
-            clients, self._clients, self._health = list(self._clients.values()), {}, {}
-        for client in clients:
-            with contextlib.suppress(Exception):
-                client.close()
+#: Per URL, shared by every cache of this process: a failure one of them sees turns the remote off for all.
+_HEALTH: dict[str, _Health] = {}
+_HEALTH_LOCK = threading.Lock()
 
 
-#: The registry of this process.
-HEALTH = RemoteHealth()
+def _health(url: str) -> _Health:
+    """The health record of ``url``, with its redis client (made on first use)."""
+    with _HEALTH_LOCK:
+        if url not in _HEALTH:
+            import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
+            from redis.backoff import ExponentialBackoff
+            from redis.retry import Retry
+
+            # One quick retry, not redis-py's default backoff: a startup must not hang on a dead server.
+            _HEALTH[url] = _Health(redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                                        socket_timeout=READ_TIMEOUT_S,
+                                                        retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1)))
+        return _HEALTH[url]
 
 
 def reset_remote_health() -> None:
-    """Forget this process's remote health and close its pooled clients (for tests; see :class:`RemoteHealth`)."""
-    HEALTH.reset()
+    """Close this process's pooled clients and forget each remote's health (for tests)."""
+    with _HEALTH_LOCK:
+        records = list(_HEALTH.values())
+        _HEALTH.clear()
+    for record in records:
+        with contextlib.suppress(Exception):
+            record.client.close()
 
 
 class RemoteFailure(Exception):
@@ -180,22 +166,20 @@ class RemoteStore:
     @property
     def usable(self) -> bool:
         """False while this process considers the remote down (a required remote is always tried)."""
-        health, _ = HEALTH.get(self.url)
-        return self.required or time.monotonic() >= health.down_until
+        return self.required or time.monotonic() >= _health(self.url).down_until
 
     @property
     def error(self) -> str | None:
         """Why the remote is considered down now, or None."""
-        health, _ = HEALTH.get(self.url)
+        health = _health(self.url)
         return health.error if time.monotonic() < health.down_until else None
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T:
         """Run ``fn(client)``; a redis or socket error becomes RemoteFailure("<what>: <error>")."""
         from redis.exceptions import RedisError
 
-        _, client = HEALTH.get(self.url)
         try:
-            return fn(client)
+            return fn(_health(self.url).client)
         except (RedisError, OSError) as exc:
             raise RemoteFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
 
@@ -205,8 +189,8 @@ class RemoteStore:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if self.required:
             raise RemoteUnavailable(self.display, reason) from exc
-        health, _ = HEALTH.get(self.url)
-        with health.lock:
+        health = _health(self.url)
+        with _HEALTH_LOCK:
             health.down_until = time.monotonic() + RETRY_AFTER_S
             health.error = reason
             warn, health.warned = not health.warned, True
@@ -227,7 +211,7 @@ class RemoteStore:
         """Download ``key``'s entry into the empty staging dir ``dest``, sized on the server and checked.
 
         None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept).
-        Raises ``RemoteFailure`` (Redis) or ``CacheWriteError`` (a full disk).
+        Raises ``RemoteFailure`` (Redis) or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
         """
         name = self.entry_name(key)
         args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
@@ -256,12 +240,8 @@ class RemoteStore:
         try:
             return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
         except CorruptEntry as exc:
-            remove_tree(dest)
             self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None
-        except BaseException:
-            remove_tree(dest)
-            raise
 
     def _reject(self, key: str, why: str, manifest_sha1: str | None, meta: dict[str, Any]) -> None:
         """Report a remote entry that failed the check; the same manifest is not downloaded again by this store."""
