@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         r.add_argument("--remote-required", action="store_true",
                        help="fail (exit 1) instead of continuing locally when the remote is down "
                             "(env JITWARM_REMOTE_REQUIRED=1)")
+        if name in ("warm", "prestart"):
+            c.add_argument("--allow-fingerprint-mismatch", action="store_true",
+                           help="restore a captured JIT cache unit even when a package, compiler, driver or arch "
+                                "its library keyed it on differs here (a warning each; default: exit 4)")
         if name == "prestart":
             c.add_argument("--bundle", type=path_flag, metavar="FILE", help="import this bundle first")
             c.add_argument("--offline", action="store_true",

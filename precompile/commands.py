@@ -236,12 +236,15 @@ def warm_exit(report: Any) -> int:
 
 def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Build every missing spec of the plan in parallel and write the plan's completion record."""
+    from jitwarm.precompile.shipping import check_fingerprints, warm_then_hand_over
     from jitwarm.precompile.warming import warm
 
-    report = warm(plan, cache=open_cache(args), jobs=args.jobs, progress=False if args.json else None,
+    check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
+    cache = open_cache(args)
+    report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
                   timeout_s=args.timeout)
     print_warm(args, report)
-    return warm_exit(report)
+    return warm_then_hand_over(args, plan, cache, warm_exit(report))  # load_jit modules, cache units: in place
 
 
 # -- the whole cache: prune ---------------------------------------------------------------------------------

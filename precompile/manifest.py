@@ -9,6 +9,12 @@ A record says enough to build its kernel again elsewhere and to name it to a per
 running sglang's version, the room's VERSION for the release it mirrors>, "call": {"args": [...], ...}}``
 (:data:`jitwarm.precompile.servers.sglang.VERSION`).
 
+``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
+"cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang" or ""}``: one
+complete unit of a JIT library's own cache, captured from the run and stored in jitwarm's cache
+(:mod:`jitwarm.kernels.libraries.jit_caches`); ``under``: the run was an sglang process, so the unit is restored
+where sglang's redirect puts that cache.
+
 Appends are safe with many ranks writing one manifest: each append locks the file itself (filelock, as the
 cache's key locks; its ``flock`` excludes other processes and other threads alike), reads what is there and
 adds only records it lacks, so a manifest holds each record once. Reading bounds the
@@ -41,7 +47,7 @@ from jitwarm.kernels import KernelSpec
 log = logging.getLogger("jitwarm.manifest")
 
 VERSION = 1
-KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit"}  # record kind -> kernel backend
+KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit", "jit_cache": "<library>_cache"}  # -> kernel backend
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
 #: How long an append waits for another one holding the manifest's lock (an append takes milliseconds).
@@ -68,8 +74,10 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
     # type() is int, not ==: True == 1 and 1.0 == 1, and a bool is not a version.
     if not isinstance(record, dict) or type(record.get("v")) is not int or record["v"] != VERSION \
             or not isinstance(record.get("kind"), str) or record["kind"] not in KINDS:  # a list is unhashable
-        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton or sglang_jit)")
-    need = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call")}
+        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton, sglang_jit or "
+                            "jit_cache)")
+    need = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call"),
+            "jit_cache": ("library", "unit", "target", "files", "fingerprint")}
     for field in need[record["kind"]]:
         if field not in record:
             raise ManifestError(f"{where}: a {record['kind']} record needs {field!r}")
@@ -81,7 +89,37 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
                             "specialization data as a string")
     if record["kind"] == "sglang_jit" and not (isinstance(record["module"], str) and isinstance(record["call"], dict)):
         raise ManifestError(f"{where}: an sglang_jit record names its module and carries the load_jit call")
+    if record["kind"] == "jit_cache":
+        _check_unit_record(record, where)
     return record
+
+
+def _check_unit_record(record: dict[str, Any], where: str) -> None:
+    from jitwarm.kernels.libraries.jit_caches import MODULES
+    from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.kernels.libraries.jit_caches.units import files_problem
+
+    if not isinstance(record["library"], str) or record["library"] not in MODULES:
+        raise ManifestError(f"{where}: a jit_cache record names its library, one of {', '.join(MODULES)}")
+    problem = files_problem(library(record["library"]), record["unit"], record["files"])
+    fingerprint = record["fingerprint"]
+    if problem is None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                      for k, v in fingerprint.items())):
+        problem = "its fingerprint is not an object of strings"
+    if problem is None and record.get("under", "") not in ("", "sglang"):
+        problem = "its 'under' is neither '' nor 'sglang'"
+    if problem is not None:
+        raise ManifestError(f"{where}: jit_cache record of {record['library']} {record['unit']!r}: {problem}")
+
+
+def unit_record(spec: KernelSpec) -> dict[str, Any]:
+    """The manifest record of a captured unit's spec (:func:`jitwarm.kernels.libraries.jit_caches.backend.store`)."""
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    params = spec.params_dict
+    return {"v": VERSION, "kind": "jit_cache", "library": library(spec.backend).name, "unit": spec.family,
+            "target": spec.target, "files": json.loads(str(params["files"])),
+            "fingerprint": json.loads(str(params["fingerprint"])), "under": str(params.get("under", ""))}
 
 
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -237,6 +275,12 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
     if record["kind"] == "triton":
         return KernelSpec(record["kernel"], "triton_jit", record["target"],
                           {"specialization": record["specialization"]})
+    if record["kind"] == "jit_cache":
+        from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
+        from jitwarm.kernels.libraries.jit_caches.census import library
+
+        return unit_spec(library(record["library"]), record["unit"], record["files"], record["fingerprint"],
+                         record["target"], str(record.get("under", "")))
     call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))
     params = {"call": call, "sglang": str(record.get("sglang", ""))}
     arch = record.get("arch")

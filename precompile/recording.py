@@ -8,19 +8,29 @@ call from inside sglang's loader; each new kernel is appended to the manifest at
 compile (or read its disk cache), a ``load_jit`` module is looked up once per process by its caller, and a
 kernel already recorded by this process is a set lookup. ``jitwarm warm --manifest path`` builds them ahead
 of time.
+
+It also captures what the run adds to the JIT libraries' own caches (Inductor, Triton's own directory when
+jitwarm's cache manager does not serve Triton, TileLang, DeepGEMM, CuTe DSL, FlashInfer, the driver's PTX
+cache: :mod:`jitwarm.kernels.libraries.jit_caches`): at start it lists each cache's complete units; at
+:meth:`Recorder.capture` (called by :meth:`Recorder.stop`, and at the process's exit) every unit added since is
+stored in jitwarm's cache through the one path (checked, sealed, published once however many processes
+capture it) and then named in the manifest as a ``jit_cache`` record. A unit that changed while it was
+copied is refused and left out; a process killed before it captures leaves no record of its units.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jitwarm.precompile.manifest import VERSION, append_records, record_id
+from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 log = logging.getLogger("jitwarm.record")
 
@@ -30,12 +40,17 @@ _LOADER = "sglang.kernels.jit.utils.compile.loader"
 class Recorder:
     """An active recording into one manifest; :meth:`stop` (or leaving the ``with`` block) ends it."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, cache: Any = None) -> None:
         self.path = Path(path)
         self.recorded = 0
+        #: Units stored from the JIT libraries' caches, per library name.
+        self.captured: dict[str, int] = {}
+        self._cache = cache
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self._undo: list[Callable[[], None]] = []
+        self._before: dict[str, Any] = {}
+        self._capturing = threading.Lock()
 
     def add(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
@@ -58,15 +73,66 @@ class Recorder:
             self.recorded += added
 
     def start(self) -> Recorder:
-        """Install the Triton hook and the load_jit wrapper (whichever of the two can be imported here)."""
+        """Install the Triton hook and the load_jit wrapper (whichever can be imported), list the JIT caches."""
         self._hook_triton()
         self._wrap_load_jit()
+        from jitwarm.kernels.libraries.jit_caches.census import snapshot
+
+        self._before = snapshot()
+        atexit.register(self.capture)
+        self._undo.append(lambda: atexit.unregister(self.capture))
         return self
 
     def stop(self) -> None:
-        """Remove what :meth:`start` installed."""
+        """Capture the JIT caches' new units (:meth:`capture`), then remove what :meth:`start` installed."""
+        self.capture()
         while self._undo:
             self._undo.pop()()
+
+    def capture(self) -> int:
+        """Store every unit the JIT libraries' caches gained since start (or the last capture); return how many.
+
+        Each is stored in jitwarm's cache (``KernelCache()`` unless the recorder was given one), then appended
+        to the manifest. Never raises: a unit that cannot be stored is said once, left out, and tried again at
+        the next capture.
+        """
+        from dataclasses import replace
+
+        from jitwarm.kernels.libraries.jit_caches.backend import SGLANG, store
+        from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
+
+        with self._capturing:
+            if not self._before:
+                return 0
+            names = [n for n in self._before if not (n == "triton" and _jitwarm_serves_triton())]
+            after = snapshot(names)
+            under = SGLANG if "sglang" in sys.modules else ""
+            records, failed = [], set()
+            for name, units in added(self._before, after).items():
+                snap = after[name]
+                for unit, files in units.items():
+                    try:
+                        spec = store(snap.library, snap.root, unit, files, self._open_cache(), under=under)
+                    except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
+                        log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
+                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                        failed.add((name, unit))
+                        continue
+                    records.append(unit_record(spec))
+                    self.captured[name] = self.captured.get(name, 0) + 1
+            for name, snap in after.items():  # what was stored is the new baseline; a failed unit stays new
+                self._before[name] = replace(snap, units={u: f for u, f in snap.units.items()
+                                                          if (name, u) not in failed})
+        for rec in records:
+            self.add(rec)
+        return len(records)
+
+    def _open_cache(self) -> Any:
+        if self._cache is None:
+            from jitwarm.cache import KernelCache
+
+            self._cache = KernelCache()
+        return self._cache
 
     def __enter__(self) -> Recorder:
         return self
@@ -123,6 +189,15 @@ class Recorder:
         self._undo.append(lambda: setattr(loader, "BuildSpec", original))
 
 
+def _jitwarm_serves_triton() -> bool:
+    """Whether Triton's compiles go through jitwarm's cache manager (then its directory holds nothing to capture)."""
+    if os.environ.get("TRITON_CACHE_MANAGER", "").startswith("jitwarm."):
+        return True
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    manager = getattr(getattr(knobs, "cache", None), "manager_class", None) if knobs is not None else None
+    return str(getattr(manager, "__module__", "")).startswith("jitwarm.")
+
+
 def triton_record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:
     """The record of one Triton specialization, from what Triton hands its ``jit_cache_hook``."""
     from importlib.metadata import version
@@ -156,8 +231,11 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def record(path: str | Path) -> Recorder:
+def record(path: str | Path, cache: Any = None) -> Recorder:
     """Start recording every JIT kernel this process compiles into the manifest at ``path``.
+
+    The units its JIT libraries add to their own caches are stored in ``cache`` (default ``KernelCache()``) when
+    the recording stops, and named in the manifest too.
 
     Examples
     --------
@@ -165,4 +243,4 @@ def record(path: str | Path) -> Recorder:
     ...     run_the_server_warmup()
 
     """
-    return Recorder(path).start()
+    return Recorder(path, cache).start()

@@ -3,6 +3,12 @@
 ``prestart`` is the init container's step: import a bundle, warm what is missing (``--offline``: nothing), verify
 every entry of the plan and hand the server's recorded kernels over to its loader. With ``--json`` it prints one
 JSON document on stdout whatever the outcome, for a readiness probe.
+
+Handing over restores the JIT libraries' captured cache units too (``jit_cache`` records), where this process's
+environment puts each library's cache: run it with the server's environment. A unit whose fingerprint (the
+package, compiler and driver versions, the arch its library keyed it on) differs from this node's is refused
+before anything is restored, exit 4 naming the family and the item, unless ``--allow-fingerprint-mismatch``.
+``warm --manifest`` hands over the same way once its builds are done.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ class HandOverFailed(JitwarmError):
     """``prestart`` could not put a recorded kernel where its server's loader finds it (exit 1)."""
 
 
+class FingerprintMismatch(JitwarmError):
+    """A captured unit was keyed on a package, compiler, driver or arch this node does not have (exit 4)."""
+
+    exit_code = EXIT_CORRUPT
+
+
 class NotReady(JitwarmError):
     """``prestart --offline`` found specs of the plan that neither the bundle nor the cache holds (exit 5)."""
 
@@ -50,6 +62,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     from jitwarm.precompile.warming import warm
 
     start = time.perf_counter()
+    check_fingerprints(args, plan)
     cache = open_cache(args)
     keys = keys_of(plan, cache)
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline) if args.bundle else None
@@ -71,7 +84,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
             print(json.dumps({**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3),
                               "missing": coverage["missing"], "corrupt": coverage["corrupt"]}))
         return readiness(coverage)
-    handed = hand_over(plan, cache)
+    handed = hand_over(plan, cache, quiet=args.json)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({**summary, "ready": True, "seconds": round(seconds, 3), "handed_over": handed}))
@@ -84,25 +97,76 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
-def hand_over(plan: WarmPlan, cache: Any) -> int:
+def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
+    """Refuse the plan's captured units whose fingerprint differs from this node's (:class:`FingerprintMismatch`).
+
+    ``--target`` stands for the arch where no GPU can be asked; ``--allow-fingerprint-mismatch`` turns each
+    refusal into a warning.
+    """
+    from jitwarm.kernels.libraries.jit_caches import KIND_OF
+    from jitwarm.kernels.libraries.jit_caches.backend import mismatch
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    target = (getattr(args, "targets", None) or [None])[0]
+    allow = getattr(args, "allow_fingerprint_mismatch", False)
+    kinds = set(KIND_OF.values())
+    for spec in plan.recorded:
+        if spec.backend not in kinds:
+            continue
+        lib = library(spec.backend)
+        found = mismatch(lib, spec, target)
+        if found is None:
+            continue
+        item, recorded, here = found
+        why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
+        if not allow:
+            raise FingerprintMismatch(f"{why}: its library would not use it (build in the server's image)",
+                                      "--allow-fingerprint-mismatch restores it anyway")
+        print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
+
+
+def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     """Load each recorded server kernel the way its server will find it; return how many were handed over.
 
     For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
-    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it).
+    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it); a
+    captured cache unit is restored into its library's cache directory (one line on stderr counts them, unless
+    ``quiet``; each unit whose library wrote a differing file of its own is named and left as the library has it).
     A failure is a ``CacheError``, a :class:`HandOverFailed` (the backend's ``LoadError``, naming the spec), or
     an ``OSError`` for a cache dir of the server that cannot be written (``SglangCacheDirError``): exit 1 each.
     """
     from jitwarm.kernels import LoadError
     from jitwarm.kernels.artifacts import artifact
 
+    outcomes: dict[str, dict[str, int]] = {}
     for spec in plan.recorded:
         try:
-            artifact(spec, cache).load(cache)
+            loaded = artifact(spec, cache).load(cache)
         except LoadError as exc:
             if isinstance(exc, JitwarmError):
                 raise
             raise HandOverFailed(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
+        placed = getattr(loaded, "placed", None)
+        if placed is not None:
+            counts = outcomes.setdefault(placed.outcome, {})
+            counts[spec.backend] = counts.get(spec.backend, 0) + 1
+            if placed.outcome == "kept":
+                print(f"jitwarm: warning: {spec.backend} unit {spec.family}: {placed.dest} holds the library's own "
+                      f"{placed.differing}, different from the recorded one: kept, the unit not restored",
+                      file=sys.stderr)
+    if outcomes and not quiet:
+        said = "; ".join(f"{outcome} {sum(c.values())} (" + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) + ")"
+                         for outcome, c in sorted(outcomes.items()))
+        print(f"jitwarm: JIT cache units: {said}", file=sys.stderr)
     return len(plan.recorded)
+
+
+def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, code: int) -> int:
+    """``warm --manifest``: once every build is done (``code`` 0), hand the recorded kernels over as prestart does."""
+    if code != EXIT_OK or not plan.recorded:
+        return code
+    hand_over(plan, cache, quiet=getattr(args, "json", False))
+    return code
 
 
 def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,

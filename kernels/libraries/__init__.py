@@ -31,10 +31,10 @@ Adding a room: a new subpackage, its ``KINDS`` listed in :data:`ROOMS` below.
 
 from __future__ import annotations
 
-from jitwarm.kernels.libraries import sglang_jit, triton
+from jitwarm.kernels.libraries import jit_caches, sglang_jit, triton
 
 #: The rooms, in the order their kinds are listed.
-ROOMS = (triton, sglang_jit)
+ROOMS = (triton, sglang_jit, jit_caches)
 
 #: Every library kind: name -> (backend module, abilities).
 LIBRARY_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {k: v for room in ROOMS for k, v in room.KINDS.items()}

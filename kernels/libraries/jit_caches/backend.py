@@ -1,0 +1,169 @@
+"""The backend every cache family shares: a captured unit as a spec, stored through the one path, restored by load.
+
+A spec of a unit: ``family`` is the unit (its path in the library's cache, the library's own key), ``backend``
+the library's kind (``inductor_cache``...), ``target`` the arch it was compiled for, and its params the unit's
+files with their sha256s (``files``), the fingerprint the recording process saw (``fingerprint``) and whether
+the destination is resolved as under sglang's redirect (``under``: ``sglang`` or empty). It implements
+:class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
+
+``description(spec)``
+    ``{"format", "library", "unit", "files", "fingerprint"}``: content-addressed (the files' digests), so every
+    process that captures the same unit names the same entry, and it is published once.
+``build``
+    Never: a unit is captured from a run (:func:`store`), or imported in a bundle.
+``check(spec, staging)``
+    The staged files are exactly the unit's and hash to its digests: a file the library rewrote between the
+    snapshot and the copy, or a half-written one, is never sealed.
+``load(spec, entry)``
+    Restores the unit into the library's cache directory as this process's environment resolves it
+    (:func:`jitwarm.kernels.libraries.jit_caches.restore.place`), under the entry's claim
+    (``Artifact.load``). Returns a :class:`RestoredUnit` saying what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jitwarm.kernels.backend import CompileError, LoadError, SpecError
+from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
+from jitwarm.kernels.libraries.jit_caches.units import Files, Library, canonical, files_problem
+from jitwarm.kernels.spec import KernelSpec
+
+#: Layout of a captured unit's entry; part of every description.
+FORMAT = "jitwarm-jit-cache/1"
+SGLANG = "sglang"
+
+
+def unit_spec(library: Library, unit: str, files: Files, fingerprint: Mapping[str, str], target: str,
+              under: str = "") -> KernelSpec:
+    """The spec of ``unit`` of ``library`` with these files (as stored) and this fingerprint."""
+    return KernelSpec(unit, library.kind, target, {"files": canonical(files), "fingerprint": canonical(fingerprint),
+                                                   "under": under})
+
+
+def unit_of(library: Library, spec: KernelSpec) -> tuple[Files, dict[str, str], str]:
+    """``(files, fingerprint, under)`` of a spec of ``library``; SpecError when its params are not a unit's."""
+    params = spec.params_dict
+    try:
+        files = json.loads(str(params["files"]))
+        fingerprint = json.loads(str(params["fingerprint"]))
+    except (KeyError, ValueError) as exc:
+        raise SpecError(f"{spec.id}: a {library.kind} spec carries its files and fingerprint as JSON: {exc}") from None
+    problem = files_problem(library, spec.family, files)
+    if problem is None and not (isinstance(fingerprint, dict)
+                                and all(isinstance(v, str) for v in fingerprint.values())):
+        problem = "its fingerprint is not a {item: value} object of strings"
+    if problem is not None:
+        raise SpecError(f"{library.name} unit {spec.family}: {problem}")
+    return files, fingerprint, str(params.get("under", ""))
+
+
+def description(library: Library, spec: KernelSpec) -> dict[str, Any]:
+    """The cache description of a unit (see the module docstring)."""
+    files, fingerprint, _ = unit_of(library, spec)
+    return {"format": FORMAT, "library": library.name, "unit": spec.family, "files": files,
+            "fingerprint": fingerprint}
+
+
+def build(library: Library, spec: KernelSpec, staging: Path) -> None:
+    """A unit is never built: it is captured from the run that compiled it, or imported in a bundle."""
+    raise CompileError(f"{library.name} unit {spec.family}: captured from a run (jitwarm.precompile.record), never "
+                       "built by jitwarm: import the bundle or cache it was stored in")
+
+
+def check(library: Library, spec: KernelSpec, staging: Path) -> None:
+    """The staged files are the unit's, each hashing to its digest; LoadError if not."""
+    import hashlib
+
+    files, _, _ = unit_of(library, spec)
+    found = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+    if found != sorted(files):
+        raise LoadError(f"{library.name} unit {spec.family}: the captured files are {found}, not {sorted(files)}")
+    for rel, digest in files.items():
+        if hashlib.sha256((staging / rel).read_bytes()).hexdigest() != digest:
+            raise LoadError(f"{library.name} unit {spec.family}: {rel} changed while it was captured")
+
+
+def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
+    """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
+    files, _, under = unit_of(library, spec)
+    root = library.root(None, under == SGLANG)
+    if root is None:
+        return RestoredUnit(spec, Placed("disabled", Path()))
+    return RestoredUnit(spec, place(library, spec.family, files, Path(entry.path), root))
+
+
+def mismatch(library: Library, spec: KernelSpec, target: str | None = None) -> tuple[str, str, str] | None:
+    """The first fingerprint item of ``spec`` that differs on this node: ``(item, recorded, node)``, or None."""
+    _, recorded, _ = unit_of(library, spec)
+    return fp.differing(recorded, fp.node(list(recorded), target))
+
+
+def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache: Any, target: str | None = None,
+          under: str = "") -> KernelSpec:
+    """Store one complete unit of ``root`` as a jitwarm entry through the one path; return its spec.
+
+    The files are hashed, then copied into the entry's staging directory under the key's lock
+    (``Artifact.get_or_build(capture=...)``), where :func:`check` hashes them again before the cache seals
+    them: a unit that changed meanwhile is refused, never half-stored. Many processes storing the same unit
+    publish it once.
+
+    Raises
+    ------
+    OSError
+        A file of the unit vanished before it was hashed.
+    jitwarm.cache.BuildError, jitwarm.cache.CacheError
+        As ``Artifact.get_or_build`` raises them (the check refused the copy, a full disk).
+
+    """
+    from jitwarm.kernels.artifacts import artifact
+
+    digests = library.digests(root, files)
+    arch = (library.arch_of(root, files) if library.arch_of is not None else None) or fp.value("arch", target)
+    values = {item: (arch if item == "arch" else fp.value(item, target)) for item in library.items}
+    spec = unit_spec(library, unit, digests, values, arch, under)
+
+    def capture(staging: Path) -> None:
+        for rel in files:
+            dest = staging / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if library.normalize is None:
+                shutil.copyfile(root / rel, dest)
+            else:
+                dest.write_bytes(library.stored_bytes(root, rel))
+            if (root / rel).stat().st_mode & 0o111:
+                dest.chmod(0o755)
+
+    artifact(spec, cache).get_or_build(cache, capture=capture)
+    return spec
+
+
+@dataclass
+class RestoredUnit:
+    """A unit put where its library looks (a :class:`~jitwarm.kernels.backend.LoadedKernel`); the library loads it."""
+
+    spec: KernelSpec
+    placed: Placed
+
+    def preload(self) -> int:
+        """Nothing to put on a device: the library loads its own cache."""
+        return 0
+
+    def run(self, *args: Any) -> None:
+        """The library runs its own kernels."""
+        raise TypeError(f"{self.spec.family}: a restored {self.spec.backend} unit is run by its library, not jitwarm")
+
+
+def bind(library: Library) -> tuple[Any, ...]:
+    """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``."""
+    return (library.kind,
+            lambda spec, facts=None: description(library, spec),
+            lambda spec, staging: build(library, spec, staging),
+            lambda spec, staging: check(library, spec, staging),
+            lambda spec, entry: load(library, spec, entry))

@@ -1,0 +1,67 @@
+"""The units of every family present now, and what a run added: the recorder's and the start-up ledger's view.
+
+A :func:`snapshot` lists, for each library, the directory this process's environment resolves and the complete
+units in it (:meth:`~.units.Library.present`); :func:`added` compares two snapshots. A unit is added when its
+name is new, or when its files changed (the driver's PTX cache grows inside its one unit); a directory that
+moved between the two (sglang's redirect, Inductor's own ``TORCHINDUCTOR_CACHE_DIR`` default) counts whole.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
+from jitwarm.kernels.libraries.jit_caches.units import Library
+
+
+def library(name: str) -> Library:
+    """The :class:`Library` of ``name`` (a key of :data:`MODULES`) or of its kind (``inductor_cache``)."""
+    for lib, kind in KIND_OF.items():
+        if name in (lib, kind):
+            return importlib.import_module(f"jitwarm.kernels.libraries.jit_caches.{MODULES[lib]}").LIBRARY
+    raise KeyError(f"no JIT cache family {name!r}; known: {', '.join(MODULES)}")
+
+
+def libraries(names: Iterable[str] | None = None) -> list[Library]:
+    """The libraries ``names`` (default: all), in :data:`MODULES` order."""
+    wanted = set(MODULES if names is None else names)
+    return [library(name) for name in MODULES if name in wanted]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One library's cache directory and its complete units at one moment (``root`` None: turned off)."""
+
+    library: Library
+    root: Path | None
+    units: Mapping[str, tuple[str, ...]]
+
+
+def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
+             under_sglang: bool | None = None) -> dict[str, Snapshot]:
+    """Each library's directory and complete units now. ``under_sglang`` default: sglang is imported here."""
+    import sys
+
+    env = os.environ if environ is None else environ
+    sglang = "sglang" in sys.modules if under_sglang is None else under_sglang
+    taken = {}
+    for lib in libraries(names):
+        root = lib.root(env, sglang)
+        taken[lib.name] = Snapshot(lib, root, lib.present(root))
+    return taken
+
+
+def added(before: Mapping[str, Snapshot], after: Mapping[str, Snapshot]) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Per library, the units of ``after`` that ``before`` lacked (or held with other files)."""
+    new: dict[str, dict[str, tuple[str, ...]]] = {}
+    for name, now in after.items():
+        then = before.get(name)
+        old = then.units if then is not None and then.root == now.root else {}
+        fresh = {unit: files for unit, files in now.units.items() if old.get(unit) != files}
+        if fresh:
+            new[name] = fresh
+    return new

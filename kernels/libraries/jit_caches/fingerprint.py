@@ -1,0 +1,144 @@
+"""What a captured unit's library keyed it on that the node must match: package, compiler and driver versions, arch.
+
+A cache copied to a node where one of these differs is transferred "successfully" and never hit (modelexpress
+#560, dynamo #10119 and #10695): the library's key changes and it compiles again, or, worse, a unit built for
+another toolchain is loaded. Each library lists its items (:attr:`~.units.Library.items`); a unit carries their
+values as the recording process saw them, and a restore compares them with the node's (:func:`differing`).
+
+Items: the installed distribution's version (``torch``, ``triton``, ``tilelang``, ``deep_gemm``,
+``flashinfer``, ``sglang``; ``cutlass-dsl`` joins every ``nvidia-cutlass-dsl*`` distribution, as CuTe DSL's
+own key does); ``nvcc`` and ``cxx``, the compiler's ``--version`` line (through
+:func:`jitwarm.kernels.backend.version_lines`); ``arch``, the GPU's ``sm_XY`` (``cpu`` without one); ``driver``,
+the NVIDIA driver's version (the driver's PTX cache is keyed by it). A value that cannot be found is ``absent``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ABSENT = "absent"
+#: item -> the distribution names that may provide it (the first installed one counts).
+PACKAGES = {"torch": ("torch",), "triton": ("triton",), "tilelang": ("tilelang",),
+            "deep_gemm": ("deep_gemm", "deep-gemm"), "flashinfer": ("flashinfer-python", "flashinfer"),
+            "sglang": ("sglang",)}
+ITEMS = (*PACKAGES, "cutlass-dsl", "nvcc", "cxx", "arch", "driver")
+
+
+def node(items: Iterable[str], target: str | None = None) -> dict[str, str]:
+    """The node's value of each item; ``target`` stands for the arch where no GPU can be asked (``--target``)."""
+    return {item: value(item, target) for item in items}
+
+
+def value(item: str, target: str | None = None) -> str:
+    """The node's value of one item (see the module docstring)."""
+    if item in PACKAGES:
+        return package_version(PACKAGES[item])
+    if item == "cutlass-dsl":
+        return _cutlass_dsl()
+    if item == "nvcc":
+        return _compiler(_nvcc(), "nvcc")
+    if item == "cxx":
+        return _compiler(os.environ.get("CXX") or "c++", "c++")
+    if item == "arch":
+        return gpu_arch() or target or "cpu"
+    if item == "driver":
+        return _driver()
+    raise ValueError(f"unknown fingerprint item {item!r}; known: {', '.join(ITEMS)}")
+
+
+def differing(recorded: Mapping[str, str], here: Mapping[str, str]) -> tuple[str, str, str] | None:
+    """The first item whose recorded value is not the node's: ``(item, recorded, node)``; None when all match."""
+    for item in sorted(recorded):
+        if item in here and recorded[item] != here[item]:
+            return item, recorded[item], here[item]
+    return None
+
+
+@functools.cache
+def package_version(names: tuple[str, ...]) -> str:
+    """The version of the first installed distribution of ``names``, or ``absent``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return ABSENT
+
+
+@functools.lru_cache(maxsize=1)
+def _cutlass_dsl() -> str:
+    """Every ``nvidia-cutlass-dsl*`` distribution as ``name==version``: the CUDA variant is in the name."""
+    from importlib.metadata import distributions
+
+    found = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions()
+                    if str(d.metadata.get("Name") or "").lower().startswith("nvidia-cutlass-dsl")})
+    return ",".join(found) or ABSENT
+
+
+def _nvcc() -> str:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").is_file():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc") or "nvcc"
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler(exe: str, name: str) -> str:
+    """The line of ``exe --version`` that names the release (nvcc's last, a C++ compiler's first), or ``absent``."""
+    from jitwarm.kernels.backend import ToolchainError, version_lines
+
+    try:
+        lines = version_lines(exe, name, timeout_s=30.0)
+    except ToolchainError:
+        return ABSENT
+    return next((line for line in lines if "release" in line), lines[0])
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_arch() -> str | None:
+    """The GPU's ``sm_XY``: from torch when it has initialized CUDA in this process, else nvidia-smi; else None."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                major, minor = torch.cuda.get_device_capability()
+                return f"sm_{major}{minor}"
+        except Exception:  # noqa: BLE001 - a broken CUDA stack answers "no GPU", as nvidia-smi's absence does
+            pass
+    answer = _nvidia_smi("compute_cap")
+    if answer and answer.replace(".", "").isdigit():
+        return "sm_" + answer.replace(".", "")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> str:
+    answer = _nvidia_smi("driver_version")
+    if answer:
+        return answer
+    try:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
+        line = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+        return next(part for part in line.split() if part[:1].isdigit() and "." in part)
+    except (OSError, IndexError, StopIteration):
+        return ABSENT
+
+
+def _nvidia_smi(query: str) -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    return lines[0] if proc.returncode == 0 and lines else None

@@ -1,0 +1,104 @@
+"""Triton's own cache directory (``TRITON_CACHE_DIR``), when jitwarm's cache manager is not serving Triton.
+
+Where (triton/knobs.py, ``cache_knobs``): ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (home by
+default); under sglang ``<SGLANG_CACHE_DIR>/triton`` (srt/environ.py:2308-2320); under Inductor
+``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``.
+
+A unit is one key directory (``<base32 sha256>/``, Triton's ``get_cache_key``). Triton's
+``FileCacheManager.put`` replaces each file atomically and ``compile`` writes the group file
+``__grp__<name>.json`` last, so a directory with a group is complete when every file the group names is there
+(``get_group``'s own test, runtime/cache.py); one without a group is complete when it holds only files Triton
+keeps alone (a launcher ``.so``, ``*.autotune.json``), never a compile's stages without their group.
+
+A group file names its files by absolute path, so a moved cache misses: the unit stores it with bare names
+and the restore writes the destination's paths. The arch comes from the compile's metadata (``target.arch``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from jitwarm.kernels.libraries.jit_caches.backend import bind
+from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, sglang_base, subdirs
+
+GROUP = "__grp__"
+_ALONE = (".so", ".autotune.json")
+
+
+def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
+    """Triton's ``knobs.cache.dir`` in ``environ``."""
+    if environ.get("TRITON_CACHE_DIR"):
+        return Path(environ["TRITON_CACHE_DIR"])
+    if under_sglang:
+        return Path(sglang_base(environ)) / "triton"
+    return Path(environ.get("TRITON_HOME") or "~").expanduser() / ".triton" / "cache"
+
+
+def _children(data: bytes) -> list[str]:
+    """The file names a group file lists (bare names: the paths' last parts)."""
+    paths = json.loads(data)["child_paths"]
+    return [Path(str(p)).name for p in paths.values()]
+
+
+def units(root: Path) -> dict[str, tuple[str, ...]]:
+    """The complete key directories under ``root`` (see the module docstring)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for key_dir in subdirs(root):
+        if key_dir.name.startswith("tmp."):
+            continue
+        names = set(regular_files(key_dir))
+        groups = sorted(n for n in names if n.startswith(GROUP))
+        if not groups:
+            if names and all(n.endswith(_ALONE) for n in names):
+                found[key_dir.name] = tuple(sorted(f"{key_dir.name}/{n}" for n in names))
+            continue
+        members: set[str] = set(groups)
+        try:
+            for group in groups:
+                members.update(_children((key_dir / group).read_bytes()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a group file Triton itself would call corrupt
+        if members <= names:
+            found[key_dir.name] = tuple(sorted(f"{key_dir.name}/{n}" for n in members))
+    return found
+
+
+def normalize(rel: str, data: bytes) -> bytes:
+    """A group file with bare names (relocatable); any other file as it is."""
+    if not Path(rel).name.startswith(GROUP):
+        return data
+    names = {str(k): Path(str(v)).name for k, v in json.loads(data)["child_paths"].items()}
+    return json.dumps({"child_paths": names}, sort_keys=True).encode()
+
+
+def localize(rel: str, data: bytes, root: Path) -> bytes:
+    """A stored group file with the destination's absolute paths, as Triton's ``put_group`` writes them."""
+    if not Path(rel).name.startswith(GROUP):
+        return data
+    where = root / Path(rel).parent
+    names = json.loads(data)["child_paths"]
+    return json.dumps({"child_paths": {k: str(where / v) for k, v in names.items()}}).encode()
+
+
+def _groups_last(files: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(files, key=lambda rel: (Path(rel).name.startswith(GROUP), rel)))
+
+
+def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
+    """``sm_XY`` from the compile's metadata file (``{"target": {"backend": "cuda", "arch": 90}}``)."""
+    for rel in files:
+        if rel.endswith(".json") and not Path(rel).name.startswith(GROUP) and not rel.endswith(".autotune.json"):
+            try:
+                target = json.loads((root / rel).read_bytes()).get("target", {})
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(target, dict) and target.get("backend") == "cuda":
+                return f"sm_{target.get('arch')}"
+    return None
+
+
+LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), commit_last=_groups_last,
+                  normalize=normalize, localize=localize, arch_of=arch_of)
+name, description, build, check, load = bind(LIBRARY)
