@@ -1,18 +1,15 @@
 """ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
 
-The capture settings carry the names of the sglang release the sglang room mirrors (``--cuda-graph-max-bs-decode``,
-``--tp-size``, ...) and come from jitwarm's flags, from the server's own command line after ``--`` (read by the
-room that recognises it, :mod:`jitwarm.precompile.servers`), from a TOML file (those three:
-:mod:`jitwarm.precompile.config_sources`), or from an sglang ``ServerArgs`` object inside a server.
-Construction checks them with the room's built-in rules, and keeps that resolution for
-:mod:`jitwarm.precompile.shapes`, which resolves the ladder only when something it depends on was not known here.
+The capture fields carry sglang's names (``--cuda-graph-max-bs-decode``, ``--tp-size``, ...); the server room
+named by ``server`` gives them its server's meaning (:mod:`jitwarm.precompile.servers`). They come from jitwarm's
+flags, the server's command line after ``--`` or a TOML file (:mod:`jitwarm.precompile.config_sources`), or from
+the server's own arguments inside it (its room's plugin).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -23,12 +20,7 @@ from typing import Any
 from jitwarm.cache.errors import UsageError
 from jitwarm.kernels import BUILDABLE, DTYPES, ModelDims, Target, TargetError
 from jitwarm.kernels.backend import refusal as backend_refusal
-from jitwarm.precompile.servers.sglang import rules as sglang_rules
-from jitwarm.precompile.servers.sglang.argv import graph_config_object
-
-MODES = sglang_rules.VERIFY_MODES
-MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
-LADDER_SOURCES = ("auto", "builtin", "sglang")
+from jitwarm.precompile import servers
 
 #: Largest batch size, draft-token count and parallel size accepted: larger is not a real server, and a
 #: million-entry ladder would take minutes and gigabytes to enumerate.
@@ -111,11 +103,12 @@ _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": MAX_DRAFT_TOKENS,
 class ServingConfig:
     """The server settings that decide the capture ladder, plus the model dims and build targets.
 
-    Capture fields are sglang's own, of the release ``VERSION`` (``--cuda-graph-max-bs-decode`` is
-    ``cuda_graph_max_bs_decode``); None means "not given", so sglang's default applies (the default max batch
-    comes from the device memory, ``gpu_memory_mb``, read from the local GPU when there is one). Construction
-    normalises lists, reads ``SGLANG_RAGGED_VERIFY_MODE`` when no mode is given, and validates:
-    :class:`ConfigError` lists every problem, including combinations sglang itself rejects.
+    None means "not given", so the server's default applies (the default max batch comes from the device
+    memory, ``gpu_memory_mb``, read from the local GPU when there is one). ``server`` names the room that gives
+    the capture fields their meaning, ``server_options`` holds the room's settings that no field holds (a JSON
+    object, kept as canonical JSON text). Construction normalises lists, takes the room's defaults for unset
+    fields (sglang's ``SGLANG_RAGGED_VERIFY_MODE``), and validates: :class:`ConfigError` lists every problem,
+    including combinations the server itself rejects.
 
     Examples
     --------
@@ -154,21 +147,23 @@ class ServingConfig:
     dtype: str = ModelDims.dtype
     backends: tuple[str, ...] = ("tvm_ffi",)
     targets: tuple[str, ...] | None = None
+    server: str = servers.DEFAULT
+    server_options: str | None = None  # a JSON object of the room's own settings, as canonical JSON text
     mode_from_env: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        if self.ragged_verify_mode is None:
-            env_mode = os.environ.get(MODE_ENV)
-            set_("ragged_verify_mode", env_mode if env_mode is not None else "static")
-            set_("mode_from_env", env_mode is not None)
+        room = self.room
+        for name, value in (room.defaults(self) if room else {}).items():
+            set_(name, value)
         problems = _check_types(self)
         if problems:  # report the value problems of the well-typed fields with them, then stop
             self.validate(problems)
         if self.cuda_graph_bs_decode is not None:
             set_("cuda_graph_bs_decode", tuple(sorted(set(self.cuda_graph_bs_decode))))
-        if isinstance(self.cuda_graph_config, Mapping):
-            set_("cuda_graph_config", json.dumps(self.cuda_graph_config, sort_keys=True))
+        for name in ("cuda_graph_config", "server_options"):
+            if isinstance(getattr(self, name), Mapping):
+                set_(name, json.dumps(getattr(self, name), sort_keys=True))
         if self.speculative_algorithm is not None:
             set_("speculative_algorithm", self.speculative_algorithm.upper())
         set_("compress_ratios", tuple(sorted(set(self.compress_ratios))))
@@ -178,11 +173,20 @@ class ServingConfig:
         set_("targets", tuple(dict.fromkeys(self.targets)))
         self.validate()
 
+    @property
+    def room(self) -> servers.ServerAdapter | None:
+        """The server room of ``server`` (None for a name no room has: :meth:`validate` says so)."""
+        return servers.adapter(self.server) if self.server in servers.ROOMS else None
+
     def validate(self, problems: Sequence[str] = ()) -> None:
         """Raise :class:`ConfigError` listing every problem (``problems`` found before, then these), or return."""
         problems = list(problems)
-        if self.ladder_source not in LADDER_SOURCES:
-            problems.append(f"unknown --ladder-source {self.ladder_source!r}; choose from {', '.join(LADDER_SOURCES)}")
+        room = self.room
+        if room is None:
+            problems.append(f"unknown server {self.server!r}; choose from {', '.join(servers.ROOMS)}")
+        elif self.ladder_source not in room.LADDER_SOURCES:
+            problems.append(f"unknown --ladder-source {self.ladder_source!r}; choose from "
+                            f"{', '.join(room.LADDER_SOURCES)}")
         if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 2 \
                 or self.rope_dim % 2:
             problems.append(f"--rope-dim must be a positive even integer, got {self.rope_dim!r}")
@@ -204,42 +208,10 @@ class ServingConfig:
                 Target.parse(target)
             except TargetError as exc:
                 problems.append(f"--target: {exc}")
-        source = f" (from {MODE_ENV})" if self.mode_from_env else ""
-        if not isinstance(self.ragged_verify_mode, str):
-            pass  # reported by the type checks
-        elif self.ragged_verify_mode not in MODES and not (self.mode_from_env and not self.uses_verify_mode):
-            # sglang reads the variable only where an algorithm could use it (ragged_verify.py:19-27).
-            problems.append(f"unknown ragged verify mode {self.ragged_verify_mode!r}{source}; choose from "
-                            f"{', '.join(MODES)}")
-        elif not problems:
-            try:
-                sglang_rules.normalize_algorithm(self.speculative_algorithm)
-                self._check_ladder()
-            except sglang_rules.ResolutionError as exc:
-                problems.append(str(exc))
+        if room is not None:
+            problems += room.check(self, resolve=not problems)
         if problems:
             raise ConfigError(problems)
-
-    def _check_ladder(self) -> None:
-        """Resolve with the built-in rules (sglang refuses what they refuse) and keep the answer for the plan.
-
-        Where the ladder reads the device memory and none is given, it is checked on an 80 GiB device and the
-        answer is not kept: :func:`jitwarm.precompile.shapes.resolve_ladder` resolves it for the real one.
-        """
-        inputs = self.rule_inputs()
-        if inputs["gpu_memory_mb"] is None and sglang_rules.reads_memory(inputs):
-            inputs["gpu_memory_mb"] = 80 * 1024
-        object.__setattr__(self, "_resolution", (inputs, sglang_rules.resolve(inputs)))
-
-    def builtin_resolution(self, inputs: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The built-in rules' answer that construction computed, if it was for exactly ``inputs``; else None."""
-        kept = getattr(self, "_resolution", None)
-        return kept[1] if kept is not None and kept[0] == dict(inputs) else None
-
-    @property
-    def uses_verify_mode(self) -> bool:
-        """True when sglang reads the verify mode: with any speculative algorithm (spec_info.py:249-253)."""
-        return self.speculative_algorithm is not None
 
     @property
     def model(self) -> ModelDims:
@@ -248,28 +220,13 @@ class ServingConfig:
                          num_kv_heads=self.num_kv_heads, compress_ratios=self.compress_ratios,
                          dtype=self.dtype)
 
-    @property
-    def speculative(self) -> bool:
-        """True when a speculative algorithm is set (draft tokens alone do not switch sglang's ladder)."""
-        return self.speculative_algorithm is not None
-
-    def rule_inputs(self, gpu_memory_mb: int | None = None) -> dict[str, Any]:
-        """The raw settings :func:`jitwarm.precompile.sglang_rules.resolve` takes."""
-        inputs = {name: getattr(self, name) for name in sglang_rules.INPUT_KEYS
-                  if name not in ("kv_capacity", "gpu_memory_mb", "cuda_graph_config")}
-        inputs["kv_capacity"] = None  # profiled by the server at start-up: a plan assumes it cuts nothing
-        inputs["cuda_graph_bs_decode"] = list(self.cuda_graph_bs_decode) if self.cuda_graph_bs_decode else None
-        inputs["cuda_graph_config"] = json.loads(self.cuda_graph_config) if self.cuda_graph_config else None
-        inputs["gpu_memory_mb"] = gpu_memory_mb if gpu_memory_mb is not None else self.gpu_memory_mb
-        inputs["ragged_verify_mode"] = self.ragged_verify_mode if self.ragged_verify_mode in MODES else "static"
-        return inputs
-
     def to_json(self) -> dict[str, Any]:
         """Return the config as a JSON-able dict (the keys a TOML config file takes; unset ones omitted)."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "mode_from_env"}
-        if data["cuda_graph_config"] is not None:
-            data["cuda_graph_config"] = json.loads(data["cuda_graph_config"])
+        for name in ("cuda_graph_config", "server_options"):
+            if data[name] is not None:
+                data[name] = json.loads(data[name])
         return {k: v for k, v in data.items() if v is not None}
 
     # -- construction from files, flags, command lines and sglang's own ServerArgs ---------------------
@@ -289,20 +246,6 @@ class ServingConfig:
         return cls(**read_config_file(path))
 
     @classmethod
-    def from_server_args(cls, server_args: Any, **overrides: Any) -> ServingConfig:
-        """Build from an sglang ``ServerArgs`` inside the server: its raw capture settings, as given.
-
-        The verify mode is read from the environment, as sglang does; model dims, backends and targets
-        come from ``overrides`` (e.g. a jitwarm TOML file).
-        """
-        inputs = {name: getattr(server_args, name) for name in sglang_rules.INPUT_KEYS
-                  if name in SERVER_ARGS_FIELDS and hasattr(server_args, name)}
-        if isinstance(getattr(server_args, "model_path", None), str):
-            inputs["model_path"] = server_args.model_path
-        return cls(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items() if v is not None},
-                      **overrides})
-
-    @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServingConfig:
         """Build from command-line flags.
 
@@ -314,11 +257,6 @@ class ServingConfig:
         from jitwarm.precompile.config_sources import from_flags
 
         return from_flags(argv)
-
-
-#: The ServingConfig fields that are sglang ServerArgs fields of the same name (the server's capture settings).
-SERVER_ARGS_FIELDS = (frozenset(sglang_rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"}
-                      | {"model_path"})
 
 
 def _check_types(cfg: ServingConfig) -> list[str]:
@@ -348,12 +286,12 @@ def _check_types(cfg: ServingConfig) -> list[str]:
         elif value > _LIMITS[kind]:
             problems.append(f"{flag} {value} is larger than any real server (at most {_LIMITS[kind]})")
     for name, flag in (("speculative_algorithm", "--speculative-algorithm"), ("ragged_verify_mode", "mode"),
-                       ("dtype", "--dtype"), ("ladder_source", "--ladder-source")):
+                       ("dtype", "--dtype"), ("ladder_source", "--ladder-source"), ("server", "server")):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
             problems.append(f"{flag} must be a string, got {value!r}")
-    if cfg.cuda_graph_config is not None:
-        problems.extend(_check_graph_config(cfg.cuda_graph_config))
+    if cfg.server_options is not None:
+        problems.extend(_option_problems(cfg))
     ratios = cfg.compress_ratios
     if not isinstance(ratios, (tuple, list)) or not ratios:
         problems.append(f"--compress-ratios needs a list of positive integers, got {ratios!r}")
@@ -366,25 +304,17 @@ def _check_types(cfg: ServingConfig) -> list[str]:
     return problems
 
 
-def _check_graph_config(value: Any) -> list[str]:
-    """Problems of a --cuda-graph-config value (a JSON object, or its text)."""
-    if isinstance(value, str):
-        try:
-            value = graph_config_object(value)
-        except ValueError as exc:
-            return [f"--cuda-graph-config is not a JSON object: {str(exc).splitlines()[0]}"]
-    if not isinstance(value, Mapping):
-        return [f"--cuda-graph-config must be a JSON object, got {type(value).__name__}"]
-    decode = value.get("decode", {})
-    if not isinstance(decode, Mapping):
-        return ["--cuda-graph-config: decode must be an object"]
-    problems = []
-    if "max_bs" in decode and (not _is_int(decode["max_bs"]) or not 1 <= decode["max_bs"] <= MAX_BATCH_SIZE):
-        problems.append(f"--cuda-graph-config decode.max_bs must be a batch size up to {MAX_BATCH_SIZE}")
-    if "bs" in decode and (not isinstance(decode["bs"], list) or not decode["bs"] or len(decode["bs"]) > MAX_BATCH_SIZE
-                           or any(not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE for b in decode["bs"])):
-        problems.append(f"--cuda-graph-config decode.bs must be a list of batch sizes up to {MAX_BATCH_SIZE}")
-    return problems
+def _option_problems(cfg: ServingConfig) -> list[str]:
+    """``server_options`` must be a JSON object whose keys are settings of the config's room."""
+    options = cfg.server_options
+    try:
+        options = servers.json_object(options) if isinstance(options, str) else options
+    except ValueError as exc:
+        return [f"server_options is not a JSON object: {str(exc).splitlines()[0]}"]
+    if not isinstance(options, Mapping):
+        return [f"server_options must be a table of the server's settings, got {type(options).__name__}"]
+    known = cfg.room.OPTIONS if cfg.room else {}
+    return [f"server_options: {cfg.server} has no setting {name!r}" for name in options if name not in known]
 
 
 def _is_int(value: Any) -> bool:

@@ -1,8 +1,8 @@
 """Where a ServingConfig's values come from: jitwarm's own flags, a TOML file and the server's command line.
 
-The flags carry the names of the sglang release the sglang room mirrors; the server's own command line (after
-``--``) is read by the room that recognises its launcher (:mod:`jitwarm.precompile.servers`); a TOML file holds
-the same keys as the flags. :func:`from_namespace` merges them: the file, then the server's line, then the flags.
+The flags carry sglang's names; the server's own command line (after ``--``) is read by the room that recognises
+its launcher (:mod:`jitwarm.precompile.servers`); a TOML file holds the same keys as the flags.
+:func:`from_namespace` merges them: the file, then the server's line, then the flags.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from typing import Any
 from jitwarm.cache.errors import UsageError
 from jitwarm.kernels import BUILDABLE, DTYPES
 from jitwarm.precompile import servers
-from jitwarm.precompile.config import MODE_ENV, MODES, ConfigError, ServingConfig
-from jitwarm.precompile.servers.sglang import VERSION
-from jitwarm.precompile.servers.sglang import rules as sglang_rules
-from jitwarm.precompile.servers.sglang.argv import graph_config_object
+from jitwarm.precompile.config import ConfigError, ServingConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +30,7 @@ else:  # pragma: no cover
 #: Largest TOML config file read (a real one is a few hundred bytes; /dev/zero is not one).
 MAX_CONFIG_BYTES = 1 << 20
 
-# Older jitwarm names that stay as documented aliases of sglang's (VERSION), and sglang's own aliases.
+# Older jitwarm names that stay as documented aliases of sglang's, and sglang's own aliases.
 ALIASES = {
     "cuda_graph_max_bs": "cuda_graph_max_bs_decode",
     "cuda_graph_bs": "cuda_graph_bs_decode",
@@ -128,7 +125,7 @@ class FlagParser(argparse.ArgumentParser):
 def _json_object(text: str) -> dict[str, Any]:
     """The --cuda-graph-config flag's value: the parser the server's own --cuda-graph-config goes through."""
     try:
-        return graph_config_object(text)
+        return servers.json_object(text)
     except ValueError as exc:
         if str(exc) == "not a JSON object":
             raise argparse.ArgumentTypeError("must be a JSON object such as '{\"decode\": {\"max_bs\": 64}}'") from None
@@ -162,13 +159,14 @@ def path_flag(text: str) -> str:
 
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
-    g = parser.add_argument_group(f"serving (sglang {VERSION}'s flag names; or the server's command line after --)")
+    version = f"{servers.DEFAULT} {servers.adapter(servers.DEFAULT).VERSION}"
+    g = parser.add_argument_group(f"serving ({version}'s flag names; or the server's command line after --)")
     g.add_argument("--config", type=path_flag, metavar="FILE.toml",
                    help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",
                    help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
-                        f"--cuda-graph-max-bs alias is jitwarm's only: sglang {VERSION} refuses it after --")
+                        f"--cuda-graph-max-bs alias is jitwarm's only: {version} refuses it after --")
     g.add_argument("--cuda-graph-bs-decode", "--cuda-graph-bs", dest="cuda_graph_bs_decode", type=_finite_int,
                    nargs="+", metavar="BS", help="explicit decode capture batch sizes")
     g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
@@ -178,7 +176,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None,
                    help="capture every batch size up to the max")
     g.add_argument("--speculative-algorithm", metavar="NAME",
-                   help=f"{', '.join(sglang_rules.ALGORITHMS)} (the speculative ladder needs one)")
+                   help="the server's algorithm, e.g. DSPARK, EAGLE, NGRAM (the speculative ladder needs one)")
     g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N",
                    help="tokens verified per request")
     g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
@@ -195,11 +193,12 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    help="device memory for sglang's default max batch on a box without the GPU "
                         "(default: read from the GPU; an H200 has 143771)")
     g.add_argument("--ragged-verify-mode", metavar="MODE",
-                   help=f"{' | '.join(MODES)}: what {MODE_ENV} would say (default: that variable, else static)")
+                   help="static | cap-accept | compact: what SGLANG_RAGGED_VERIFY_MODE would say (default: that "
+                        "variable, else static)")
     g.add_argument("--ladder-source", metavar="SOURCE",
-                   help=f"auto (the built-in rules, unless the installed sglang is not {VERSION}: then its own "
-                        f"functions, remembered per version and command line) | builtin (rules mirroring sglang "
-                        f"{VERSION}) | sglang (its own functions, every time)")
+                   help=f"auto (the built-in rules, unless the installed server is not {version}: then its own "
+                        f"functions, remembered per version and command line) | builtin (rules mirroring "
+                        f"{version}) | {servers.DEFAULT} (its own functions, every time)")
     m = parser.add_argument_group("model (which of jitwarm's kernel families it runs, and their dims)")
     m.add_argument("--model-architecture", metavar="NAME",
                    help="the model's architecture as its config.json names it (DeepseekV4ForCausalLM runs jitwarm's "
@@ -239,7 +238,8 @@ def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = N
         values.update(read_config_file(ns.config))
     if server_argv is not None:
         try:
-            values.update(_from_inputs(servers.adapter_for(server_argv).parse_argv(server_argv)))
+            room = servers.adapter_for(server_argv)
+            values.update(_from_inputs(room.parse_argv(server_argv)), server=room.NAME)
         except UsageError as exc:
             raise ConfigError([str(exc)]) from None
     given = {name: getattr(ns, name) for name in _FLAG_FIELDS if getattr(ns, name, None) is not None}

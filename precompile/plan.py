@@ -10,7 +10,7 @@ from typing import Any
 
 from jitwarm.kernels import FAMILIES, KernelSpec
 from jitwarm.precompile.config import ServingConfig
-from jitwarm.precompile.servers.sglang.model import ModelFamilies, model_families
+from jitwarm.precompile.servers import ModelFamilies
 from jitwarm.precompile.shapes import CaptureShape, Ladder, resolve_ladder
 
 
@@ -88,7 +88,8 @@ class WarmPlan:
 
         """
         ladder = resolve_ladder(config)
-        families = model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
+        assert config.room is not None  # a ServingConfig names a room: construction checks it
+        families = config.room.model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
         shapes = ladder.shapes
         needed: dict[KernelSpec, list[int]] = {}
         introduced: dict[int, tuple[KernelSpec, ...]] = {}

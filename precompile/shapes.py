@@ -1,9 +1,7 @@
-"""Capture shapes: the decode graphs sglang captures for a config, each with its graph key and verify_lens.
+"""Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens.
 
-The server room resolves the ladder (:mod:`jitwarm.precompile.servers.sglang`): with its built-in rules, which
-:class:`ServingConfig` has already applied once on construction (that answer is reused, not recomputed), or,
-for an installed sglang release the rules do not mirror, with sglang's own functions in a child process, so
-that planning never imports torch.
+The config's server room resolves the ladder (:meth:`~jitwarm.precompile.servers.ServerAdapter.resolve_ladder`);
+this module asks it once per config and process, with the device memory filled in where the ladder reads it.
 """
 
 from __future__ import annotations
@@ -14,14 +12,12 @@ from typing import Any
 
 from jitwarm.cache.errors import UsageError
 from jitwarm.kernels import VerifyLayout
-from jitwarm.precompile import servers
 from jitwarm.precompile.config import ConfigError, ServingConfig, local_gpu_memory_mb
-from jitwarm.precompile.servers.sglang import rules as sglang_rules
 
 
 @dataclass(frozen=True)
 class CaptureShape:
-    """One CUDA graph the server captures: its batch size, the key sglang stores it under, its verify layout.
+    """One CUDA graph the server captures: its batch size, the key the server stores it under, its verify layout.
 
     ``graph_key`` is the token count (``bs * draft tokens``) for compact ragged-verify graphs, else ``bs``.
     """
@@ -43,7 +39,7 @@ class Ladder:
     Attributes
     ----------
     source : str
-        ``"built-in rules of sglang <VERSION>"`` or ``"sglang <version> (installed)"``.
+        Where the rules came from: ``"built-in rules of sglang <VERSION>"``, ``"sglang <version> (installed)"``.
     shapes : tuple of CaptureShape
         One per captured graph, in capture order (largest first); empty when decode graphs are off.
     capture_bs : tuple of int
@@ -51,9 +47,9 @@ class Ladder:
     width : int
         Tokens per request in a captured batch (1, or the draft tokens of a speculative verify).
     compact : bool
-        Compact ragged-verify graphs (DSPARK with ``SGLANG_RAGGED_VERIFY_MODE=compact``).
+        Compact ragged-verify graphs (sglang's DSPARK with ``SGLANG_RAGGED_VERIFY_MODE=compact``).
     max_running_requests : int or None
-        After sglang's speculative default of 48.
+        After the server's defaults (sglang's speculative 48).
     gpu_memory_mb : int or None
         The device memory the default max batch was taken from, when it mattered.
     disabled : str or None
@@ -77,31 +73,28 @@ class Ladder:
                 "gpu_memory_mb": self.gpu_memory_mb, "disabled": self.disabled}
 
 
+@functools.lru_cache(maxsize=64)
 def resolve_ladder(config: ServingConfig) -> Ladder:
-    """Resolve the decode graphs ``config``'s server captures (see the module docstring for the source).
+    """Resolve the decode graphs ``config``'s server captures (once per config and process).
 
     Raises
     ------
     ConfigError
-        The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), sglang rejects the
-        settings, or sglang's own functions were needed and cannot run.
+        The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), the server rejects the
+        settings, or its own functions were needed and cannot run.
 
     """
-    return _resolve(config)
-
-
-@functools.lru_cache(maxsize=64)
-def _resolve(config: ServingConfig) -> Ladder:
-    inputs = config.rule_inputs()
-    if inputs["gpu_memory_mb"] is None and sglang_rules.depends_on_memory(inputs):
+    room = config.room
+    assert room is not None  # a ServingConfig names a room: construction checks it
+    inputs = room.ladder_inputs(config)
+    if inputs["gpu_memory_mb"] is None and room.needs_memory(inputs):
         inputs["gpu_memory_mb"] = local_gpu_memory_mb()
         if inputs["gpu_memory_mb"] is None:
-            raise ConfigError(["the capture ladder depends on the GPU's memory (sglang's default max batch) "
+            raise ConfigError(["the capture ladder depends on the GPU's memory (the server's default max batch) "
                                "and there is no GPU here: give --gpu-memory-mb N (an H200 has 143771) or "
                                "--cuda-graph-max-bs-decode N"])
-    room = servers.adapter("sglang")
     try:
-        result = room.resolve_ladder(inputs, config.ladder_source, builtin=config.builtin_resolution(inputs))
+        result = room.resolve_ladder(inputs, config.ladder_source)
     except UsageError as exc:
         raise ConfigError([str(exc)]) from None
     shapes = tuple(CaptureShape(s["bs"], VerifyLayout(tuple(s["verify_lens"])), s["graph_key"])

@@ -206,6 +206,7 @@ def test_the_ladder_is_resolved_once_per_config(monkeypatch):
     calls = []
     real = rules.resolve
     monkeypatch.setattr(rules, "resolve", lambda inputs: calls.append(1) or real(inputs))
+    rules._builtin.cache_clear()  # earlier tests of this process resolved some of these inputs already
     cfg = ServingConfig(cuda_graph_max_bs_decode=96, max_running_requests=96, targets=("cpu",),
                         ladder_source="builtin")
     WarmPlan.build(cfg)
@@ -213,5 +214,6 @@ def test_the_ladder_is_resolved_once_per_config(monkeypatch):
     # unknown memory that the ladder reads: checked on an assumed device at construction, resolved for the real
     # one (given here) by the plan; never a third time
     calls.clear()
+    rules._builtin.cache_clear()
     WarmPlan.build(ServingConfig(gpu_memory_mb=143771, targets=("cpu",), ladder_source="builtin"))
     assert len(calls) == 1

@@ -342,7 +342,7 @@ def test_auto_keeps_another_release_s_answer_and_reads_it_back(tmp_path):
     assert failed["rc"] == 2 and failed["err"].count("\n") == 1
     assert "sglang's own ladder functions failed" in failed["err"]
     cfg = ServingConfig.from_args([*COMPACT, *SERVER])
-    inputs = {**rules.INPUT_KEYS, **cfg.rule_inputs()}
+    inputs = {**rules.INPUT_KEYS, **cfg.room.ladder_inputs(cfg)}
     answer = {**rules.resolve(inputs), "source": "sglang 9.9.9 (installed)"}
     key = resolution_memo.key("sglang", "9.9.9", inputs)
     with settings.override(cache_dir=tmp_path / "cache"):

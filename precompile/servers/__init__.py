@@ -1,70 +1,94 @@
 """The servers jitwarm plans for, one room each, and the registry that picks a room from a server command line.
 
-A room is a subpackage of this one (``servers/sglang/`` now; vLLM 0.33.0 is the next, ``servers/vllm/``) that
-holds everything jitwarm knows about one server: its command line, its flag table, the rules that turn its
-settings into the CUDA graphs it captures, the plugin that loads into it, the seals that refuse its JIT inside
-capture, and the one constant naming the release all of that mirrors. Nothing outside a room names the
-server's own modules or private functions; a new server is a new folder plus one line in :data:`ROOMS`.
+A room is a subpackage (``servers/sglang/``; vLLM is the next, ``servers/vllm/``) holding everything jitwarm knows
+about one server: its command line, the rules that turn its settings into the CUDA graphs it captures, which of
+jitwarm's kernel families its models run, the plugin that loads into it, the seals that refuse its JIT inside
+capture, and the one constant naming the release all of that mirrors. Nothing outside a room names a room's
+modules: the core reaches a server only through the room package's module-level names that
+:class:`ServerAdapter` lists, so a new server is a new folder plus one name in :data:`ROOMS`.
 
-The package of a room is its adapter: it provides, at module level, what :class:`ServerAdapter` lists.
+The contract in short. A :class:`~jitwarm.precompile.config.ServingConfig` names its room (``server``); its
+capture fields carry sglang's names, and a room gives them its server's meaning (a vLLM room maps
+``--max-num-seqs`` to ``max_running_requests``); settings no field holds go in ``server_options``. The room
+turns a command line into those fields (:meth:`~ServerAdapter.parse_argv`), judges them
+(:meth:`~ServerAdapter.check`), turns a config into raw ladder inputs (:meth:`~ServerAdapter.ladder_inputs`) and
+those into capture shapes (:meth:`~ServerAdapter.resolve_ladder`: ``{"source", "shapes": [{"bs", "graph_key",
+"verify_lens"}, ...] largest first, "capture_bs", "width", "compact", "max_running_requests", "disabled"}``).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
 
-__all__ = ["DEFAULT", "ROOMS", "ServerAdapter", "UnknownServer", "adapter", "adapter_for", "recognised"]
+__all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ServerAdapter", "UnknownServer", "adapter", "adapter_for",
+           "json_object", "recognised"]
 
 #: Every server room, by the name of its subpackage.
 ROOMS = ("sglang",)
 #: The room that reads a server command line given without its launcher (bare flags such as ``--tp 4``).
 DEFAULT = "sglang"
+#: The longest JSON-object flag value read (a real one is a few dozen bytes), and how deep it may nest.
+MAX_JSON_BYTES, MAX_JSON_DEPTH = 1 << 16, 8
+
+
+@dataclass(frozen=True)
+class ModelFamilies:
+    """Which of jitwarm's families a plan holds for the served model (``planned``, ``skipped``), and ``why``."""
+
+    planned: tuple[str, ...]
+    skipped: tuple[str, ...]
+    architecture: str | None
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``jitwarm plan --json`` reports it."""
+        return {"architecture": self.architecture, "planned": list(self.planned), "skipped": list(self.skipped),
+                "why": self.why}
 
 
 class ServerAdapter(Protocol):
-    """What the package of a server room provides (module-level names).
+    """What the package of a server room provides (module-level names)."""
 
-    Attributes
-    ----------
-    NAME : str
-        The room's name, as in :data:`ROOMS`.
-    VERSION : str
-        The server release the room mirrors: its flag table, its resolution rules, the line numbers its
-        comments cite. Every other mention of that version in jitwarm reads this constant.
-    LAUNCHERS : str
-        How the server's command line starts, for messages (``python -m sglang.launch_server ... or sglang
-        serve ...``).
-    PLUGIN : str
-        The ``module:function`` the server loads as jitwarm's plugin (setup.py's entry point names it).
-
-    """
-
-    NAME: str
-    VERSION: str
-    LAUNCHERS: str
-    PLUGIN: str
+    NAME: str  #: the room's name, as in :data:`ROOMS`
+    VERSION: str  #: the server release the room mirrors; every other mention of it reads this constant
+    LAUNCHERS: str  #: how the server's command line starts, for messages
+    PLUGIN: str  #: the ``module:function`` the server loads as jitwarm's plugin (setup.py's entry point)
+    LADDER_SOURCES: tuple[str, ...]  #: ``--ladder-source`` values: ``auto``, ``builtin`` and the server's own
+    OPTIONS: Mapping[str, str]  #: room-only settings (``server_options`` keys) -> their flag, for messages
 
     def recognises(self, argv: Sequence[str]) -> bool:
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""
 
     def parse_argv(self, argv: Sequence[str]) -> dict[str, Any]:
-        """The capture settings of a command line (launcher optional), as raw ladder inputs.
+        """The ServingConfig fields a command line (launcher optional) sets; ``server_options`` for the rest.
 
-        Raises a :class:`~jitwarm.cache.errors.UsageError` subclass for a line the server would refuse.
+        Raises a :class:`~jitwarm.cache.errors.UsageError` for a line the server would refuse.
         """
 
-    def resolve_ladder(self, inputs: Mapping[str, Any], source: str,
-                       builtin: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The decode graphs the server captures for ``inputs``, from ``source``.
+    def defaults(self, config: Any) -> dict[str, Any]:
+        """Values for the fields ``config`` left unset that the server takes from elsewhere (its environment)."""
 
-        ``source`` is ``auto``, ``builtin`` or the server's own functions (named after the server); ``builtin``
-        is the built-in rules' answer for these inputs when the caller has it. Raises a UsageError subclass for
-        settings the server rejects.
-        """
+    def check(self, config: Any, *, resolve: bool) -> list[str]:
+        """Problems of ``config``'s server settings, one message each; ``resolve``: also try the built-in rules."""
+
+    def ladder_inputs(self, config: Any) -> dict[str, Any]:
+        """The raw inputs :meth:`resolve_ladder` takes for ``config`` (JSON-able; ``gpu_memory_mb`` among them)."""
+
+    def needs_memory(self, inputs: Mapping[str, Any]) -> bool:
+        """True when the captured graphs differ between device-memory sizes (so the memory must be known)."""
+
+    def resolve_ladder(self, inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """The graphs the server captures for ``inputs``, from ``source``; UsageError for refused settings."""
+
+    def model_families(self, families: tuple[str, ...], model_path: str | None,
+                       architecture: str | None) -> ModelFamilies:
+        """Which of ``families`` a server of this model runs; UsageError for an unreadable local checkpoint."""
 
     def seal(self, undo: list[Any]) -> None:
         """Make the server's own JIT refuse to compile or load while capture is guarded; append the undo calls."""
@@ -75,14 +99,7 @@ class UnknownServer(UsageError):
 
 
 def adapter(name: str) -> ServerAdapter:
-    """Return the room called ``name`` (one of :data:`ROOMS`).
-
-    Raises
-    ------
-    UnknownServer
-        No room has that name.
-
-    """
+    """Return the room called ``name`` (one of :data:`ROOMS`); :class:`UnknownServer` for any other."""
     if name not in ROOMS:
         raise UnknownServer(f"unknown server {name!r}; jitwarm knows {', '.join(ROOMS)}")
     return cast(ServerAdapter, importlib.import_module(f"{__name__}.{name}"))
@@ -111,6 +128,19 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
 def recognised(argv: Sequence[str]) -> bool:
     """True when some room recognises ``argv`` as its server's command line (launcher first)."""
     return any(adapter(name).recognises(argv) for name in ROOMS)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """Parse a JSON-object flag value (``--cuda-graph-config``), bounded in size and nesting; ValueError else.
+
+    30,000 nested ``[`` made ``json.loads`` raise ``RecursionError``: a traceback instead of one line.
+    """
+    if len(text) > MAX_JSON_BYTES:
+        raise ValueError(f"longer than {MAX_JSON_BYTES} characters")
+    value = files.loads(text, max_depth=MAX_JSON_DEPTH)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def _is_assignment(word: str) -> bool:

@@ -19,13 +19,9 @@ from typing import Any
 
 from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import json_object
 from jitwarm.precompile.servers.sglang import VERSION
 from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS
-
-#: The longest --cuda-graph-config text read (a real one is a few dozen bytes).
-MAX_GRAPH_CONFIG_BYTES = 1 << 16
-#: How deep a --cuda-graph-config JSON may nest (a real one nests three levels).
-MAX_GRAPH_CONFIG_DEPTH = 8
 
 
 class ServerArgvError(UsageError, ValueError):
@@ -118,7 +114,7 @@ def _strip_program(args: list[str]) -> list[str]:
                           "`python -m sglang.launch_server ...` or `sglang serve ...`)")
 
 
-def is_server_command(argv: Sequence[str]) -> bool:
+def recognises(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with an sglang launcher."""
     args = list(argv)
     while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
@@ -235,32 +231,12 @@ def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> 
         if kind == "int_list":
             return [int(v) for v in given]
         if kind == "json":
-            return graph_config_object(given[-1])
+            return json_object(given[-1])
         return given[-1]
     except (ValueError, IndexError) as exc:
         shown = " ".join(given)
         shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"  # one readable line
         raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
-
-
-def graph_config_object(text: str) -> dict[str, Any]:
-    """Parse a ``--cuda-graph-config`` value: a JSON object, bounded in size and nesting.
-
-    The same parser reads jitwarm's own ``--cuda-graph-config`` flag and the server's: 30,000 nested ``[``
-    made ``json.loads`` raise ``RecursionError``, a traceback instead of one line.
-
-    Raises
-    ------
-    ValueError
-        Not JSON, too large, nested too deep, or not an object.
-
-    """
-    if len(text) > MAX_GRAPH_CONFIG_BYTES:
-        raise ValueError(f"longer than {MAX_GRAPH_CONFIG_BYTES} characters")
-    value = files.loads(text, max_depth=MAX_GRAPH_CONFIG_DEPTH)
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    return value
 
 
 def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
@@ -277,3 +253,6 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
                                   f"--speculative-dspark-block-size + 1 = {block + 1} (sglang rejects it)")
         values["speculative_num_draft_tokens"] = block + 1
     return {k: v for k, v in values.items() if k in INPUT_KEYS or k == "model_path"}
+
+
+parse_argv = parse_server_argv  # the adapter's name (ServerAdapter.parse_argv)

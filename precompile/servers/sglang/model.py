@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import errno
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import ModelFamilies
 
 #: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
@@ -32,32 +31,6 @@ _DSV4_NAME = re.compile(r"deepseek[-_ .]?v4|(?<![a-z0-9])dsv4", re.IGNORECASE)
 
 class ModelConfigError(UsageError):
     """The local checkpoint's config.json cannot be read or is malformed (exit 2)."""
-
-
-@dataclass(frozen=True)
-class ModelFamilies:
-    """Which families a plan holds for the model, and why.
-
-    Attributes
-    ----------
-    planned, skipped : tuple of str
-        Family names, in the order given.
-    architecture : str or None
-        The architecture decided on (None: unknown).
-    why : str
-        One line: where the architecture came from and what it meant for the families.
-
-    """
-
-    planned: tuple[str, ...]
-    skipped: tuple[str, ...]
-    architecture: str | None
-    why: str
-
-    def to_json(self) -> dict[str, Any]:
-        """As ``jitwarm plan --json`` reports it."""
-        return {"architecture": self.architecture, "planned": list(self.planned), "skipped": list(self.skipped),
-                "why": self.why}
 
 
 def model_families(families: tuple[str, ...], model_path: str | None,

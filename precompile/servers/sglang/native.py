@@ -6,7 +6,7 @@ rules against.
 :func:`resolve` takes the same raw settings as :func:`.rules.resolve` and answers with the same dict, computed
 by calling the installed sglang (the cited lines are those of the room's ``VERSION``): the resolution hooks that
 build ``cuda_graph_config``, the decode runner's batch-size cut, its capture width, its graph keys and its
-compact verify layouts. :func:`resolve_from` chooses between the two sources.
+compact verify layouts. :func:`resolve_ladder` chooses between the two sources.
 
 What stands in for what, and why: the device memory is ``get_device_memory_capacity`` patched to the given
 MiB (there is no GPU); the topology is a runtime context sglang builds from the config (no process groups
@@ -35,7 +35,7 @@ from typing import Any
 
 from jitwarm.cache.settings import scoped_env
 from jitwarm.precompile.servers import resolution_memo
-from jitwarm.precompile.servers.sglang import VERSION, rules
+from jitwarm.precompile.servers.sglang import LADDER_SOURCES, VERSION, rules
 from jitwarm.precompile.servers.sglang.rules import ResolutionError
 
 #: The raw settings :func:`resolve` reads (every key is required): the keys of :data:`.rules.INPUT_KEYS`.
@@ -56,7 +56,6 @@ _SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_fr
                   "_handle_eagle_family", "_handle_ngram")
 #: Seconds the child process may take (its imports are the cost: 21 to 67 s in a server's image).
 CHILD_TIMEOUT_S = 300.0
-SOURCES = ("auto", "builtin", "sglang")
 
 
 def installed_version() -> str | None:
@@ -67,33 +66,20 @@ def installed_version() -> str | None:
         return None
 
 
-def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return the decode graphs sglang captures for ``inputs``, from ``source``.
+def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Return the decode graphs sglang captures for ``inputs`` (the keys of :data:`.rules.INPUT_KEYS`), from ``source``.
 
-    Parameters
-    ----------
-    inputs
-        The keys of :data:`.rules.INPUT_KEYS` (missing ones take their defaults).
-    source
-        ``builtin``: the rules. ``sglang``: the installed sglang's own functions, run every time.
-        ``auto``: the rules when no sglang is installed or the installed one is the release they mirror
-        (read from its metadata, without importing it); for any other release its own functions, whose
-        answer is kept in a memo keyed by that release and ``inputs`` (:mod:`..resolution_memo`), so only the
-        first plan of a command line pays for importing sglang.
-    builtin
-        The rules' answer for exactly these ``inputs``, when the caller has it already (it is not recomputed).
-
-    Raises
-    ------
-    ResolutionError
-        sglang rejects the settings, or its own functions were needed and could not run.
-
+    ``builtin``: the rules. ``sglang``: the installed sglang's own functions, run every time. ``auto``: the rules
+    when no sglang is installed or the installed one is the release they mirror (read from its metadata, without
+    importing it); for any other release its own functions, whose answer is kept in a memo keyed by that release
+    and ``inputs`` (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing sglang.
+    Raises :class:`.rules.ResolutionError` when sglang rejects the settings or its own functions could not run.
     """
-    if source not in SOURCES:
-        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(SOURCES)}")
+    if source not in LADDER_SOURCES:
+        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(LADDER_SOURCES)}")
     installed = installed_version() if source != "builtin" else None
     if source == "builtin" or (source == "auto" and installed in (None, VERSION)):
-        return builtin if builtin is not None else rules.resolve(inputs)
+        return rules.builtin(inputs)
     full = {**rules.INPUT_KEYS, **inputs}
     if source == "sglang" or "sglang" in sys.modules:
         return _native(full)

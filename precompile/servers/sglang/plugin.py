@@ -83,13 +83,12 @@ class _Plan:
             raise self.error  # JITWARM_STRICT=1: a bad config file stops the scheduler here
         if self.plan is not None or (self.fields is None and self.manifest is None) or self.error is not None:
             return
-        from jitwarm.precompile.config import ServingConfig
         from jitwarm.precompile.plan import WarmPlan
         from jitwarm.precompile.warming import start_warm
 
         if self.fields is not None:
             fields = {"model_architecture": architecture, **self.fields} if architecture else self.fields
-            plan = WarmPlan.build(ServingConfig.from_server_args(server_args, **fields))
+            plan = WarmPlan.build(_config(server_args, fields))
             targets = plan.config.targets
         else:  # JITWARM_MANIFEST alone: the server's recorded kernels only, for this process's target
             plan, targets = WarmPlan.empty(), (_BackendDevice().target,)
@@ -265,13 +264,28 @@ def _hookable(path: str) -> bool:
     return True
 
 
+def _config(server_args: Any, fields: dict[str, Any]) -> Any:
+    """The ServingConfig of ``server_args`` (its raw capture settings, as given) and the file's ``fields``.
+
+    The verify mode is read from the environment, as sglang does.
+    """
+    from jitwarm.precompile.config import ServingConfig
+    from jitwarm.precompile.servers.sglang.fields import SERVER_ARGS_FIELDS
+
+    given = {name: getattr(server_args, name, None) for name in SERVER_ARGS_FIELDS}
+    if not isinstance(given["model_path"], str):
+        given["model_path"] = None
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+    return ServingConfig(**{**given, **fields})
+
+
 def _file_fields(path: str) -> dict[str, Any]:
     """The JITWARM_CONFIG file's fields (model dims, backends, targets); capture settings are the server's."""
-    from jitwarm.precompile import config
     from jitwarm.precompile.config_sources import read_config_file
+    from jitwarm.precompile.servers.sglang.fields import SERVER_ARGS_FIELDS
 
     fields = read_config_file(path)
-    server = sorted(set(fields) & (config.SERVER_ARGS_FIELDS | {"ragged_verify_mode"}))
+    server = sorted(set(fields) & (SERVER_ARGS_FIELDS | {"ragged_verify_mode"}))
     if server:
         log.warning("jitwarm: %s sets %s: ignored, the server's own arguments (and SGLANG_RAGGED_VERIFY_MODE) "
                     "decide what is captured", path, ", ".join(server))

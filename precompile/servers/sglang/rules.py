@@ -11,6 +11,8 @@ target worker's decode runner captures, largest first.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -147,6 +149,16 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max_bs,
             "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": compact,
             "shapes": graph_shapes(capture_bs, width, compact)}
+
+
+def builtin(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`resolve`, computed once per process for each distinct ``inputs`` (the config's check, then the plan)."""
+    return _builtin(json.dumps(dict(inputs), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _builtin(inputs: str) -> dict[str, Any]:
+    return resolve(json.loads(inputs))
 
 
 def _decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from jitwarm.kernels.capture import CompileDuringCaptureError, stream_is_capturi
 LOADER = "sglang.kernels.jit.utils.compile.loader"
 
 
-def seal_load_jit(undo: list[Any]) -> None:
+def seal(undo: list[Any]) -> None:
     """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
 
     Kernel modules bind ``load_jit`` when they are imported, so wrapping it would miss them; the loader
