@@ -1,8 +1,7 @@
-"""Kernel families: specialization rules, sources, build, load and dispatch of jitwarm's JIT kernels.
+"""How one kernel is built, loaded and run: specs, families, the backend contract, the one path, dispatch.
 
-The rules (``VerifyLayout``, ``KernelSpec``, ``FAMILIES``, ``Target``) and the backend contract are pure
-Python. ``artifact`` (the one path from a spec to an entry and a loaded kernel) and ``dispatch`` import the
-cache; ``ops`` and ``reference`` import torch. Those four are loaded on first access.
+The rules and the contract are pure Python; ``artifact`` and ``dispatch`` (which import the cache) and ``ops``
+and ``reference`` (which import torch) are loaded on first access.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The one path from a spec to a cache entry and to a loaded kernel: description, key, lookup, build, load.
 
-Warm, the capture hook, run-time dispatch and the CLI all go through :func:`artifact`, which computes a spec's
-description and key once per process, so a cold hook over N specs runs each backend's toolchain probe once
-and hashes each description once. A build is checked (loaded, without a device) before it is sealed, and an
-entry that still fails to load at run time is quarantined and rebuilt once under its lock.
+Warm, the capture hook, dispatch and the CLI all go through :func:`artifact`, which computes a spec's
+description and key once per process (a build worker is handed both, :meth:`Artifact.from_json`). A build is
+checked before it is sealed; an entry that still fails to load is quarantined and rebuilt once under its lock.
 """
 
 from __future__ import annotations
@@ -27,14 +26,7 @@ _MAX_VANISHED = 8
 
 
 class KernelLoadError(LoadError):
-    """A spec's entry failed to load, was quarantined and rebuilt, and its rebuild failed to load too.
-
-    Attributes
-    ----------
-    spec : KernelSpec
-        The spec that cannot be loaded.
-
-    """
+    """A spec's entry failed to load, was quarantined and rebuilt, and its rebuild failed to load too (``.spec``)."""
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
@@ -47,11 +39,7 @@ class KernelLoadError(LoadError):
 
 @dataclass(frozen=True)
 class Artifact:
-    """One spec as the cache knows it: its backend's description of it and the key of that description.
-
-    Build one with :func:`artifact` (memoized per process) or :meth:`from_json` (what a build worker is
-    handed, so it computes nothing again).
-    """
+    """One spec as the cache knows it: its backend's description and that description's key (:func:`artifact`)."""
 
     spec: KernelSpec
     description: dict[str, Any]
@@ -66,12 +54,10 @@ class Artifact:
                      capture: Callable[[Path], None] | None = None, missed: bool = False) -> CacheResult:
         """Return the entry and how it was got: hit, built here, waited for, or downloaded.
 
-        The build runs under the key's lock: the backend compiles into the staging directory, then loads
-        the result (without a device) before the cache seals it, so a library that cannot be loaded is a
-        build failure, never a published entry. ``capture`` (a kind captured from a run, such as a compile
-        of the server's Triton, :mod:`jitwarm.kernels.libraries.triton.cache`) writes the files instead of
-        the backend's build; they are checked all the same. ``missed``: the caller has just looked the key
-        up and found nothing (see ``KernelCache.get_or_build_ex``).
+        Under the key's lock the backend builds into staging (handed this description, so it computes nothing
+        again) or ``capture(staging)`` writes the files a run produced (the server's Triton compile); then
+        ``check`` loads them without a device before the cache seals them. ``missed``: the caller has just
+        looked the key up and found nothing (``KernelCache.get_or_build_ex``).
 
         Raises
         ------
@@ -85,7 +71,7 @@ class Artifact:
 
         def build(staging: Path) -> None:
             if capture is None:
-                be.build(self.spec, staging)
+                be.build(self.spec, staging, self.description)
             else:
                 capture(staging)
             be.check(self.spec, staging)
@@ -96,20 +82,18 @@ class Artifact:
              ) -> T | None:
         """Return ``reader(entry)``, run while the entry is claimed; None when it vanished before its claim.
 
-        Whatever is handed to a consumer (our loader, Triton's cache manager, sglang's ``load_jit`` cache) is
-        read here, so a ``prune`` or a quarantine never deletes a file while it is read (``KernelCache.claim``).
+        Whatever a consumer is handed (our loader, Triton's cache manager, sglang's ``load_jit`` cache) is read
+        here, so a ``prune`` or a quarantine never deletes a file while it is read (``KernelCache.claim``).
         """
         with cache.claim(entry, timeout_s=timeout_s) as claimed:
             return None if claimed is None else reader(claimed)
 
     def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0) -> LoadedKernel:
-        """Load the spec's kernel from ``entry`` (or from the cache, building it if needed).
+        """Load the spec's kernel from ``entry`` (or from the cache, building it if needed), under its claim.
 
-        The entry is claimed while it loads (``KernelCache.claim``), so a ``prune`` cannot delete it between
-        the lookup and the load: ``prune`` beside a starting hook failed that load in 20 of 20 trials. An
-        entry that vanished before its claim is got again; one that fails to load is discarded from the
-        cache (quarantined, or skipped when it is in a read-only layer) and the spec is built again, once,
-        under its lock.
+        Unclaimed, a ``prune`` beside a starting hook failed that load in 20 of 20 trials. An entry that vanished
+        before its claim is got again; one that fails to load is discarded (quarantined, or skipped in a
+        read-only layer) and the spec built again, once, under its lock.
 
         Raises
         ------
@@ -158,8 +142,8 @@ _memo: dict[KernelSpec, Artifact] = {}
 def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
     """Return ``spec``'s artifact, its description and key computed once per process.
 
-    ``facts`` (the cache the caller is about to use) lets the backend keep its toolchain probes between
-    processes, so a fresh process with a warm cache runs no ``--version`` either.
+    ``facts`` (the cache about to be used) keeps the backend's toolchain probes between processes, so a fresh
+    process with a warm cache runs no ``--version`` either.
 
     Raises
     ------

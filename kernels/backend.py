@@ -1,27 +1,27 @@
-"""The backend contract: how one spec is described, built, checked and loaded; and the registry of backends.
+"""The backend contract: how one spec is described, built, checked and loaded; and the registry of kinds.
 
-A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend`` for jitwarm's own
-families; ``triton_jit``, ``sglang_jit`` for the server's kernels, in their JIT library's room,
-:mod:`jitwarm.kernels.libraries`), found by name with :func:`backend`. Each declares what it can do
-(:func:`abilities`: build, replay, capture), and a command asked for what a backend cannot do is a usage
-error (:func:`refusal`). Its failure rules:
+A backend is a module implementing :class:`Backend`: ``tvm_backend`` and ``triton_backend`` for jitwarm's own
+families, ``triton_jit`` and ``sglang_jit`` for the server's kernels (in their library's room,
+:mod:`jitwarm.kernels.libraries`). Each declares what it can do (:func:`abilities`), and a command asked for
+what a backend cannot do is a usage error (:func:`refusal`). The failure rules:
 
-- ``description(spec)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or device
-  presence. It raises :class:`SpecError` for a spec the backend cannot build and :class:`ToolchainError`
+- ``description(spec, facts)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or
+  device presence. Raises :class:`SpecError` for a spec the backend cannot build, :class:`ToolchainError`
   when the compiler it needs is missing.
-- ``build(spec, staging)`` writes the artifact files into the empty directory ``staging``; it runs under the
-  cache's key lock. It raises :class:`CompileError` carrying the compiler's whole output, and leaves nothing
-  but files in ``staging`` (the cache removes the directory on any failure).
-- ``check(spec, staging)`` loads what ``build`` wrote, in the build's own process and without a device, so
-  a library that cannot be loaded is never published (sglang's loader also loads before it publishes). It
-  raises :class:`LoadError`.
-- ``load(spec, entry)`` loads a published entry into this process and returns a :class:`LoadedKernel`; it
-  raises :class:`LoadError` when the artifact cannot be loaded or holds another spec.
+- ``build(spec, staging, described)`` writes the artifact files into the empty directory ``staging``; it runs
+  under the cache's key lock; ``described`` is the description the key was computed from (None: compute it).
+  Raises :class:`CompileError` with the compiler's whole output; leaves nothing but files in ``staging`` (the
+  cache removes it on any failure).
+- ``check(spec, staging)`` loads what ``build`` wrote, in the build's process and without a device, so a
+  library that cannot be loaded is never published. Raises :class:`LoadError`.
+- ``load(spec, entry)`` loads a published entry into this process and returns a :class:`LoadedKernel`. Raises
+  :class:`LoadError` when the artifact cannot be loaded or holds another spec; it never returns None.
 """
 
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,12 +30,8 @@ from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.libraries import LIBRARY_KINDS
 from jitwarm.kernels.spec import KernelSpec
 
-#: What a kind of kernel can do: ``build`` a spec here from a plan, ``replay`` a record of a server's run
-#: (:mod:`jitwarm.precompile.manifest`), ``capture`` what the server's own JIT compiles while it runs.
-ABILITIES = ("build", "replay", "capture")
-
-#: Backend name -> (the module that implements it, imported on first use; what it can do). jitwarm's own
-#: families are built here; the server's kernels are the JIT libraries' kinds (:mod:`jitwarm.kernels.libraries`).
+#: Backend name -> (its module, imported on first use; what it can do: ``build`` a spec from a plan,
+#: ``replay`` a record of a server's run, ``capture`` what the server's own JIT compiles while it runs).
 _KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "tvm_ffi": ("jitwarm.kernels.tvm_backend", frozenset({"build"})),
     "triton": ("jitwarm.kernels.triton_backend", frozenset({"build"})),
@@ -47,7 +43,7 @@ BUILDABLE: tuple[str, ...] = tuple(n for n, (_, can) in _KINDS.items() if "build
 
 
 def abilities(name: str) -> frozenset[str]:
-    """What the backend ``name`` can do (a subset of :data:`ABILITIES`); empty for an unknown name."""
+    """What the backend ``name`` can do (``build``, ``replay``, ``capture``); empty for an unknown name."""
     return _KINDS.get(name, ("", frozenset()))[1]
 
 
@@ -95,11 +91,30 @@ class LoadError(JitwarmError, RuntimeError):
     """A built artifact cannot be loaded into this process, or holds another spec than the one asked for."""
 
 
-class Facts(Protocol):
-    """Where a backend may keep what it derived from this host's toolchain between processes (a KernelCache).
+def version_lines(exe: str, name: str | None = None, timeout_s: float = 60.0) -> list[str]:
+    """The non-empty lines ``exe --version`` prints, stripped: the one toolchain probe of every backend.
 
-    A backend names a fact by the state it was derived from (a compiler binary's inode, size and times), so a
-    fact can only be stale if that state is.
+    Raises
+    ------
+    ToolchainError
+        ``exe`` cannot be run, times out, exits non-zero or prints nothing (the message names ``name``).
+
+    """
+    try:
+        proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ToolchainError(f"{name or exe} --version cannot run: {exc}") from None
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        raise ToolchainError(f"{name or exe} --version failed: {proc.stderr.strip()[:500]}")
+    return lines
+
+
+class Facts(Protocol):
+    """Where a backend keeps what it derived from this host's toolchain between processes (a KernelCache).
+
+    A fact is named by the state it was derived from (a compiler binary's inode, size and times), so it can
+    only be stale if that state is.
     """
 
     def read_fact(self, name: str) -> str | None:
@@ -112,10 +127,10 @@ class Facts(Protocol):
 class LoadedKernel(Protocol):
     """One spec's kernel loaded into this process.
 
-    ``run(*args)`` launches it with the family's positional arguments (:attr:`Family.run_args`; on the
-    tensors' device and current stream). ``preload()`` forces the module onto the current CUDA device (a
-    module load: never inside capture) and returns how many kernels it touched, 0 with no device call for a
-    ``cpu`` spec; it is idempotent.
+    ``run(*args)`` launches it with the family's positional arguments (``Family.run_args``) on the tensors'
+    device and current stream. ``preload()`` forces the module onto the current CUDA device (a module load:
+    never inside capture) and returns how many kernels it touched, 0 with no device call for a ``cpu`` spec;
+    it is idempotent.
     """
 
     spec: KernelSpec
@@ -135,7 +150,7 @@ class Backend(Protocol):
     def description(self, spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
         """The cache description of ``spec`` (``facts`` may spare it re-running a toolchain probe)."""
 
-    def build(self, spec: KernelSpec, staging: Path) -> None:
+    def build(self, spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
         """Write ``spec``'s artifact files into ``staging``."""
 
     def check(self, spec: KernelSpec, staging: Path) -> None:
@@ -146,21 +161,13 @@ class Backend(Protocol):
 
 
 def backend(name: str) -> Backend:
-    """Return the backend called ``name``.
-
-    Raises
-    ------
-    SpecError
-        ``name`` is not one of :data:`BACKEND_NAMES`.
-
-    """
+    """Return the backend called ``name``; SpecError when it is not one of :data:`BACKEND_NAMES`."""
     if name not in _KINDS:
         raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
     module_name = _KINDS[name][0]
-    # sys.modules first: import_module costs microseconds even for a loaded module, per spec on the hook's path.
-    # But not a module another thread is still importing: sys.modules holds it from the start of its import, and
-    # a build pool's threads asking at once got one without its functions (AttributeError: partially initialized
-    # module); import_module waits for that import to finish.
+    # sys.modules first: import_module costs microseconds, per spec on the hook's path. But not a module another
+    # thread is still importing (sys.modules holds it from the start): a build pool's threads got one without
+    # its functions (AttributeError: partially initialized module); import_module waits for that import.
     module = sys.modules.get(module_name)
     if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
         module = importlib.import_module(module_name)

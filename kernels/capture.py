@@ -1,8 +1,7 @@
-"""What a kernel dispatch must know about CUDA-graph capture: whether one is running, and the error it raises.
+"""What dispatch must know about CUDA-graph capture: whether one is running, and the error a miss raises then.
 
-A compile or module load that lands inside capture issues driver calls (``cuModuleLoadData``) into the
-capturing stream (sglang #33356, #33795). The dispatcher therefore refuses any miss while the current stream
-captures, guard or no guard; :mod:`jitwarm.precompile.guard` adds an explicitly armed state on top.
+A compile or module load inside capture issues driver calls (``cuModuleLoadData``) into the capturing stream
+(sglang #33356, #33795); :mod:`jitwarm.precompile.guard` adds an explicitly armed state on top.
 """
 
 from __future__ import annotations
@@ -24,16 +23,14 @@ class CompileDuringCaptureError(RuntimeError):
                         "load happen outside the graph.")
 
     def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
-        self.what = what
         super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}. {hint}")
 
 
 def stream_is_capturing() -> bool:
     """True when torch is loaded, CUDA is initialized in this process and the current stream is capturing.
 
-    ``is_initialized``, not ``is_available``: no stream captures before CUDA is initialized; it is a flag,
-    where ``is_available`` asks the driver (twice per kernel on the capture hook's path); and asking for the
-    current stream of a process whose CUDA is not initialized would initialize it (a forked child fails).
+    ``is_initialized`` is a flag, where ``is_available`` asks the driver (twice per kernel on the hook's path),
+    and asking an uninitialized process for its current stream would initialize CUDA (a forked child fails).
     """
     torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
     if torch is None or not torch.cuda.is_initialized():

@@ -2,8 +2,8 @@
 
 The build workers (:mod:`jitwarm.precompile.builders`) and sglang's describe child
 (:mod:`jitwarm.kernels.libraries.sglang_jit.child`) speak it. The child answers on a private copy of its stdout
-and points stdout itself at stderr (:func:`answers`): whatever the code it imports prints (a module that prints
-on import, a sitecustomize) goes to the log, never into the answers.
+and points stdout itself at stderr (:func:`answers`): whatever the code it imports prints goes to the log,
+never into the answers.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 
 def encode(message: Any) -> bytes:
@@ -22,6 +22,22 @@ def encode(message: Any) -> bytes:
 def decode(line: bytes | str) -> Any:
     """The message of one line; ValueError when the line is not JSON."""
     return json.loads(line)
+
+
+def send(stream: BinaryIO, message: Any) -> None:
+    """Write one message and flush it (the other side waits for whole lines)."""
+    stream.write(encode(message))
+    stream.flush()
+
+
+def answers() -> BinaryIO:
+    """In the child: the stream its answers go to, a copy of stdout; stdout itself goes to stderr from now on.
+
+    Call it before importing anything that might print.
+    """
+    stream = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    return stream
 
 
 class LineReader:
@@ -50,19 +66,3 @@ class LineReader:
     def pending(self) -> bool:
         """True when part of a line is waiting for its end."""
         return bool(self._buffer)
-
-
-def answers() -> TextIO:
-    """In the child: the stream its answers go to, a copy of stdout; stdout itself goes to stderr from now on.
-
-    Call it before importing anything that might print.
-    """
-    stream = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
-    os.dup2(2, 1)
-    return stream
-
-
-def send(stream: TextIO, message: Any) -> None:
-    """Write one message and flush it (the other side waits for whole lines)."""
-    stream.write(json.dumps(message) + "\n")
-    stream.flush()

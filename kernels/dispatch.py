@@ -1,12 +1,11 @@
 """Dispatch: the process's table of loaded kernels, the hooks that may forbid a miss, and the miss path.
 
-:class:`Dispatcher` holds them; the module functions act on the process's default instance, which
-:func:`reset` clears for tests. A hit is a dict read. A miss while the current CUDA stream is capturing raises
+A hit is a dict read. A miss while the current CUDA stream is capturing raises
 :class:`~jitwarm.kernels.capture.CompileDuringCaptureError` before anything is built or loaded, guard or no
-guard; otherwise every hook added with :meth:`Dispatcher.add_miss_hook` is called as ``hook(spec, shape)`` and
-may raise to forbid the compile or load (the capture guard of :mod:`jitwarm.precompile` does; its exception
-propagates unchanged); then the spec goes the one path of :mod:`jitwarm.kernels.artifacts`: built through the
-cache if missing, loaded, and recorded.
+guard; otherwise every miss hook is called as ``hook(spec, shape)`` and may raise to forbid the compile or load
+(the capture guard of :mod:`jitwarm.precompile` does; its exception propagates unchanged); then the spec goes
+the one path (:mod:`jitwarm.kernels.artifacts`): built if missing, loaded, recorded. The module functions act
+on :data:`default`.
 """
 
 from __future__ import annotations
@@ -36,8 +35,10 @@ class Dispatcher:
         self._cache = cache
         self._counts = {"builds": 0, "loads": 0, "misses": 0}
 
-    def get_cache(self) -> Any:
-        """The cache misses use: the one given, else ``KernelCache()`` from the environment, made on first need."""
+    def _cache_or(self, cache: Any) -> Any:
+        """``cache``, else the one given, else ``KernelCache()`` from the environment, made on first need."""
+        if cache is not None:
+            return cache
         with self._lock:
             if self._cache is None:
                 from jitwarm.cache import KernelCache
@@ -69,13 +70,9 @@ class Dispatcher:
     def ensure_built(self, spec: KernelSpec, cache: Any = None) -> Any:
         """Return the cache entry of ``spec``, building it (exactly once per cache) if it is missing.
 
-        Raises
-        ------
-        Exception
-            What ``Artifact.get_or_build`` raises (build failure, lock timeout, read-only cache).
-
+        Raises what ``Artifact.get_or_build`` raises (build failure, lock timeout, read-only cache).
         """
-        cache = cache if cache is not None else self.get_cache()
+        cache = self._cache_or(cache)
         result = artifact(spec, cache).get_or_build(cache)
         if result.outcome == "built":
             with self._lock:
@@ -85,17 +82,9 @@ class Dispatcher:
     def ensure_loaded(self, spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None) -> Any:
         """Return the loaded kernel of ``spec``, loading it (and building it if needed) on first use.
 
-        Parameters
-        ----------
-        spec
-            The spec to dispatch.
-        cache
-            Cache to build or find it in (default :meth:`get_cache`); unused on a table hit.
-        shape
-            What asked for the spec (a ``VerifyLayout`` from ``ops``), passed to miss hooks for their message.
-        entry
-            The spec's verified cache entry when the caller already holds it (the capture hook does): it is
-            loaded as is, without a lookup.
+        ``cache`` defaults to the dispatcher's (unused on a table hit); ``shape`` is what asked for the spec (a
+        ``VerifyLayout`` from ``ops``), for the miss hooks' message; ``entry`` is its verified cache entry when
+        the caller holds it already (the capture hook), loaded as is.
 
         Raises
         ------
@@ -119,11 +108,10 @@ class Dispatcher:
                                                         " (the current stream is capturing)")
             for hook in list(self._miss_hooks):
                 hook(spec, shape)
-            cache = cache if cache is not None else self.get_cache()
+            cache = self._cache_or(cache)
             if entry is None:
                 entry = self.ensure_built(spec, cache)
-            kernel = artifact(spec, cache).load(cache, entry)
-            self._loaded[spec] = kernel
+            kernel = self._loaded[spec] = artifact(spec, cache).load(cache, entry)
             self._counts["loads"] += 1
             return kernel
 
@@ -152,56 +140,10 @@ class Dispatcher:
 
 #: The process's dispatcher: ``jitwarm.kernels.ops`` dispatches through it.
 default = Dispatcher()
-
-
-def ensure_loaded(spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None) -> Any:
-    """:meth:`Dispatcher.ensure_loaded` of the default dispatcher."""
-    return default.ensure_loaded(spec, cache, shape, entry)
-
-
-def ensure_built(spec: KernelSpec, cache: Any = None) -> Any:
-    """:meth:`Dispatcher.ensure_built` of the default dispatcher."""
-    return default.ensure_built(spec, cache)
-
-
-def add_miss_hook(hook: MissHook) -> None:
-    """:meth:`Dispatcher.add_miss_hook` of the default dispatcher."""
-    default.add_miss_hook(hook)
-
-
-def remove_miss_hook(hook: MissHook) -> None:
-    """:meth:`Dispatcher.remove_miss_hook` of the default dispatcher."""
-    default.remove_miss_hook(hook)
-
-
-def is_loaded(spec: KernelSpec) -> bool:
-    """:meth:`Dispatcher.is_loaded` of the default dispatcher."""
-    return default.is_loaded(spec)
-
-
-def loaded_specs() -> tuple[KernelSpec, ...]:
-    """:meth:`Dispatcher.loaded_specs` of the default dispatcher."""
-    return default.loaded_specs()
-
-
-def counters() -> dict[str, int]:
-    """:meth:`Dispatcher.counters` of the default dispatcher."""
-    return default.counters()
-
-
-def get_cache() -> Any:
-    """:meth:`Dispatcher.get_cache` of the default dispatcher."""
-    return default.get_cache()
-
-
-def set_cache(cache: Any) -> Any:
-    """:meth:`Dispatcher.set_cache` of the default dispatcher."""
-    return default.set_cache(cache)
-
-
-def reset() -> None:
-    """:meth:`Dispatcher.reset` of the default dispatcher (tests)."""
-    default.reset()
+ensure_loaded, ensure_built, is_loaded, loaded_specs = (default.ensure_loaded, default.ensure_built,
+                                                       default.is_loaded, default.loaded_specs)
+add_miss_hook, remove_miss_hook = default.add_miss_hook, default.remove_miss_hook
+counters, set_cache, reset = default.counters, default.set_cache, default.reset
 
 
 def target_of(device: Any) -> str:

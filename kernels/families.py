@@ -1,9 +1,7 @@
-"""The kernel families, in one table: each one's specialization rule, params, run() arguments and sources.
+"""The kernel families in one table: each one's specialization rule, params, run() arguments and sources.
 
-Planning and run-time dispatch call the same :meth:`Family.specs_for`, so a warm plan provably covers what
-capture asks for; both backends read the params and argument order from here, so they cannot drift apart.
-Pure Python: importing this module imports neither torch nor any compiler. The math of each family is
-:mod:`jitwarm.kernels.reference`.
+Planning and dispatch call the same :meth:`Family.specs_for`, so a warm plan covers what capture asks for; both
+backends read params and argument order from here. Pure Python; the math is :mod:`jitwarm.kernels.reference`.
 """
 
 from __future__ import annotations
@@ -18,36 +16,22 @@ from jitwarm.kernels.spec import KernelSpec, ModelDims
 Rule = Callable[[VerifyLayout, ModelDims], list[dict[str, int | str]]]
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two at or above ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def plan_threads(slots: int) -> int:
     """Threads of the plan kernel's single CTA: ``min(1024, max(32, next_pow2(slots)))``."""
-    return min(1024, max(32, 1 << max(0, slots - 1).bit_length()))
+    return min(1024, max(32, next_pow2(slots)))
 
 
 @dataclass(frozen=True)
 class Family:
-    """One kernel family.
+    """One kernel family (docs/kernels.md gives each one's ``run()`` argument shapes).
 
-    Attributes
-    ----------
-    name : str
-        The family's name, the first part of every spec id.
-    params : tuple of str
-        The spec params, sorted (as :class:`KernelSpec` stores them).
-    run_args : tuple of str
-        The positional arguments of ``LoadedKernel.run``, in order (shapes: ``N`` tokens, ``R`` requests,
-        ``D`` head dim). plan: ``verify_lens, prefix_lens int32[R]``, outputs ``cu_lens int32[R+1]``,
-        ``token_req, token_pos, token_out_row int32[N]``, ``num_out, uniform int32[1]``. compressor:
-        ``kv, score [N, D]``, ``state float32[R, 3, D]`` (updated), ``out [rows, D]``. norm_rope:
-        ``q [N, Hq, D]`` and ``k [N, Hk, D]`` (in place), ``positions int32[N]``, weights ``[D]``, floats
-        ``eps`` and ``theta``.
-    source : str
-        The C++/CUDA header of the tvm_ffi backend (``csrc/``).
-    cxx_kernel : str
-        The kernel's C++ type in that header, with ``{param}`` fields (the template parameters are exactly
-        the spec params).
-    triton_kernel : str
-        The ``@triton.jit`` function in ``triton_kernels.py``.
-
+    ``params`` are sorted as :class:`KernelSpec` stores them; ``source`` is the tvm_ffi header in ``csrc/`` and
+    ``cxx_kernel`` its C++ type with one ``{param}`` field per spec param.
     """
 
     name: str
@@ -102,14 +86,7 @@ def specs_for(layout: VerifyLayout, model: ModelDims, backend: str, target: str)
 
 
 def family(spec: KernelSpec) -> Family:
-    """The family of ``spec``, checking that its params are exactly that family's.
-
-    Raises
-    ------
-    SpecError
-        An unknown family, or params that are not the family's.
-
-    """
+    """The family of ``spec``; SpecError for an unknown family or params that are not exactly the family's."""
     fam = FAMILIES.get(spec.family)
     if fam is None:
         raise SpecError(f"{spec.id}: unknown family {spec.family!r}; known: {', '.join(FAMILIES)}")

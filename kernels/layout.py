@@ -7,15 +7,10 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, repr=False)
 class VerifyLayout:
-    """Tokens verified per request slot, as the runner holds them on the host.
+    """Tokens verified per request slot (each at least 1), as the runner holds them on the host.
 
-    Planning and run-time dispatch both read this value (sglang's ``RaggedVerifyLayout`` carries the same
-    ``verify_lens_cpu``), so a kernel is never chosen from data read back from the device.
-
-    Parameters
-    ----------
-    verify_lens
-        Tokens per request slot, each at least 1 (every request verifies its anchor token).
+    Planning and dispatch both read it (sglang's ``RaggedVerifyLayout`` carries the same ``verify_lens_cpu``),
+    so a kernel is never chosen from data read back from the device.
 
     Examples
     --------

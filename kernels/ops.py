@@ -1,19 +1,9 @@
-"""Public kernel API: validate the arguments, derive the spec, dispatch, run.
+"""Public kernel API: validate the arguments, derive the spec, dispatch, run (docs/kernels.md, "Specs and dispatch").
 
-Each op reads the model dims, dtype and target from its tensors and the host-side
-:class:`~jitwarm.kernels.VerifyLayout`, asks the family's ``specs_for`` (the same function the warm
-planner uses) for the one spec, gets it from :func:`jitwarm.kernels.dispatch.ensure_loaded`, and runs it.
-Every argument is checked before any kernel runs; a bad one raises ``ValueError`` naming it. Nothing is
-read back from the device. The math is :mod:`jitwarm.kernels.reference`.
-
-Examples
---------
->>> import torch
->>> from jitwarm.kernels import VerifyLayout, ops
->>> layout = VerifyLayout((3,) * 104 + (2,) * 24)
->>> lens = torch.tensor(layout.verify_lens, dtype=torch.int32)
->>> p = ops.plan(layout, lens, torch.zeros_like(lens), ratio=4)  # doctest: +SKIP
-
+Each op reads the model dims, dtype and target from its tensors and the host-side ``VerifyLayout``, asks the
+family's ``specs_for`` (the warm planner's function) for the one spec, and runs it through
+:func:`jitwarm.kernels.dispatch.ensure_loaded`. Every argument is checked before any kernel runs (a bad one
+raises ``ValueError`` naming it); nothing is read back from the device. The math: :mod:`jitwarm.kernels.reference`.
 """
 
 from __future__ import annotations
@@ -35,8 +25,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _tensor(name: str, x: Any, shape: tuple[int | None, ...], dtypes: tuple[torch.dtype, ...],
-            device: torch.device | None = None) -> torch.Tensor:
-    """Check one tensor argument; ``None`` in ``shape`` accepts any size in that dim."""
+            device: torch.device | None = None) -> torch.Tensor:  # None in shape: any size in that dim
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -77,32 +66,11 @@ def spec_for(family: str, layout: VerifyLayout, model: ModelDims, backend: str, 
 
 def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int = 4, *,
          out: TokenMap | None = None, backend: str = "tvm_ffi") -> TokenMap:
-    """Plan a ragged verify batch on the device of ``verify_lens``.
+    """Plan a ragged verify batch on the device of ``verify_lens``; return ``out`` or a fresh :class:`TokenMap`.
 
-    Parameters
-    ----------
-    layout
-        Host-side layout; it picks the spec (``threads`` from ``layout.slots``) and sizes the outputs.
-    verify_lens, prefix_lens
-        ``int32[R]`` on one device, ``R = layout.slots``; ``verify_lens`` must equal the layout's lengths
-        and ``prefix_lens`` be non-negative (device data is never read back to check).
-    ratio
-        Positions per compressed block.
-    out
-        Optional preallocated :class:`TokenMap` to write into (CUDA-graph friendly); allocated when None.
-    backend
-        ``"tvm_ffi"`` or ``"triton"``.
-
-    Returns
-    -------
-    TokenMap
-        ``out``, or fresh int32 tensors on the input device.
-
-    Raises
-    ------
-    ValueError
-        A bad argument, named in the message, before any kernel runs.
-
+    ``verify_lens`` and ``prefix_lens`` are ``int32[R]``, ``R = layout.slots``; ``verify_lens`` must equal the
+    layout's lengths and ``prefix_lens`` be non-negative (never read back to check). ``out`` is a preallocated
+    :class:`TokenMap` to write into (CUDA-graph friendly); ``backend`` is ``"tvm_ffi"`` or ``"triton"``.
     """
     layout = _layout(layout)
     ratio = _positive_int("ratio", ratio)
@@ -123,28 +91,11 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
 
 def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: TokenMap, state: torch.Tensor,
              out: torch.Tensor, ratio: int = 4, *, backend: str = "tvm_ffi") -> None:
-    """Fold the batch into the per-request softmax state and write every block the plan closes.
+    """Fold the batch into the per-request softmax ``state`` (updated) and write every block the plan closes.
 
-    Parameters
-    ----------
-    layout
-        Host-side layout (``uniform`` and ``max_len`` pick the spec).
-    kv, score
-        ``[N, D]``, float32 or bfloat16, ``N = layout.num_tokens``.
-    p
-        The batch's :class:`TokenMap` from :func:`plan` with the same ``ratio``.
-    state
-        ``float32[R, 3, D]``: running max, sum and weighted sum per request and channel; updated.
-    out
-        ``[rows, D]`` in the dtype of ``kv``, ``rows >= max_out_rows(layout, ratio)``.
-    ratio, backend
-        As for :func:`plan`.
-
-    Raises
-    ------
-    ValueError
-        A bad argument, named in the message, before any kernel runs.
-
+    ``kv`` and ``score`` are ``[N, D]`` float32 or bfloat16, ``p`` the batch's :class:`TokenMap` from :func:`plan`
+    with the same ``ratio``, ``state`` ``float32[R, 3, D]``, ``out`` ``[rows, D]`` in the dtype of ``kv`` with
+    ``rows >= max_out_rows(layout, ratio)``.
     """
     layout = _layout(layout)
     ratio = _positive_int("ratio", ratio)
@@ -171,30 +122,10 @@ def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Tok
 def norm_rope(layout: VerifyLayout, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
               q_weight: torch.Tensor, k_weight: torch.Tensor, rope_dim: int = 64, eps: float = 1e-6,
               theta: float = 10000.0, *, backend: str = "tvm_ffi") -> None:
-    """RMSNorm + NeoX rotary embedding of ``q`` and ``k``, in place.
+    """RMSNorm + NeoX rotary embedding of ``q [N, Hq, D]`` and ``k [N, Hk, D]`` (one dtype), in place.
 
-    Parameters
-    ----------
-    layout
-        Host-side layout (``uniform`` and ``max_len`` pick the spec); ``N = layout.num_tokens``.
-    q, k
-        ``[N, Hq, D]`` and ``[N, Hk, D]``, one dtype (float32 or bfloat16).
-    positions
-        ``int32[N]``: the plan's ``token_pos``.
-    q_weight, k_weight
-        ``[D]`` in the dtype of ``q``.
-    rope_dim
-        Rotated dims: even, ``2 <= rope_dim <= D``.
-    eps, theta
-        RMSNorm epsilon (``>= 0``) and rotary base (``> 0``).
-    backend
-        ``"tvm_ffi"`` or ``"triton"``.
-
-    Raises
-    ------
-    ValueError
-        A bad argument, named in the message, before any kernel runs.
-
+    ``positions`` is the plan's ``token_pos``; weights are ``[D]``; ``rope_dim`` is even and at most ``D``;
+    ``eps >= 0`` and ``theta > 0``.
     """
     layout = _layout(layout)
     n = layout.num_tokens

@@ -1,13 +1,8 @@
-"""Torch reference of the three kernel families: the definition every backend is tested against.
+"""Torch reference of the three kernel families: the definition every backend is tested against (docs/kernels.md).
 
-Plain torch, any device, written for clarity. Arithmetic is float32 whatever the input dtype; results
-are rounded once to the output dtype (round to nearest even for bfloat16).
-
-Rotary angles, the one place where bit-level agreement matters (at positions near ``2**20`` one ulp of
-``inv_freq`` moves the angle by about 0.06 rad): ``inv_freq[i]`` is ``theta ** (-2 i / rope_dim)``
-evaluated in float64 and rounded once to float32, and ``angle = float32(pos) * inv_freq[i]`` is one
-float32 multiply. Every backend computes both the same way, so angles agree exactly and only the float32
-``cos``/``sin`` (about 1 ulp) differ.
+Plain torch, any device. Arithmetic is float32 whatever the input dtype, rounded once to the output dtype.
+Rotary angles agree bit for bit with every backend: ``inv_freq`` in float64 rounded once to float32, times
+``float32(pos)`` in one float32 multiply; only the float32 ``cos``/``sin`` (about 1 ulp) differ.
 """
 
 from __future__ import annotations
@@ -21,23 +16,7 @@ __all__ = ["TokenMap", "compress", "norm_rope", "plan", "rope_inv_freq"]
 
 
 def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Tensor, ratio: int) -> TokenMap:
-    """Plan a ragged verify batch: token offsets, positions and compressed output rows.
-
-    Parameters
-    ----------
-    layout
-        Host-side layout; ``num_tokens`` sizes the per-token outputs.
-    verify_lens, prefix_lens
-        ``int32[R]``: tokens verified per request and tokens already in its context.
-    ratio
-        Positions per compressed block.
-
-    Returns
-    -------
-    TokenMap
-        int32 tensors on ``verify_lens.device`` (see :class:`~jitwarm.kernels.token_map.TokenMap`).
-
-    """
+    """Plan a ragged verify batch (``int32[R]`` lengths and prefixes): token offsets, positions, output rows."""
     dev = verify_lens.device
     lens = verify_lens.long()
     prefix = prefix_lens.long()
@@ -60,32 +39,10 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
 
 def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: TokenMap, state: torch.Tensor,
              out: torch.Tensor, ratio: int) -> None:
-    """Fold each request's tokens into its online-softmax state; write every block the plan closes.
+    """Fold each request's tokens into its online-softmax ``state`` (updated); write every block ``p`` closes.
 
-    Per request and channel the state is (running max ``m``, running sum ``s``, running weighted sum
-    ``a``), fresh ``(-inf, 0, 0)``. A token ``(x, score)`` folds in as::
-
-        m' = max(m, score); c = exp(m - m'); w = exp(score - m')
-        s' = s * c + w;     a' = a * c + x * w          (c = 1, w = 0 when m' is -inf)
-
-    When the token's ``token_out_row`` is not -1, ``a' / s'`` goes to that row of ``out`` (in out's
-    dtype) and the state resets, so a partial block carries over to the next call.
-
-    Parameters
-    ----------
-    layout
-        Host-side layout of the batch.
-    kv, score
-        ``[N, D]`` float32 or bfloat16.
-    p
-        The batch's plan (``cu_lens`` and ``token_out_row`` are read).
-    state
-        ``float32[R, 3, D]``, updated in place.
-    out
-        ``[rows, D]``, dtype of ``kv``; only the rows the plan names are written.
-    ratio
-        Positions per block (the plan already encodes it).
-
+    ``m' = max(m, score); c = exp(m - m'); w = exp(score - m'); s' = s c + w; a' = a c + x w`` (``c = 1, w = 0``
+    while ``m'`` is -inf); a token with an output row writes ``a' / s'`` there and resets the state.
     """
     cu = p.cu_lens.long()
     lens = cu[1:] - cu[:-1]
@@ -133,26 +90,9 @@ def _norm_rope_(x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, 
 def norm_rope(layout: VerifyLayout, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
               q_weight: torch.Tensor, k_weight: torch.Tensor, rope_dim: int = 64, eps: float = 1e-6,
               theta: float = 10000.0) -> None:
-    """RMSNorm over the head dim, then NeoX rotary embedding of the first ``rope_dim`` dims, in place.
+    """RMSNorm over the head dim, then NeoX rotary embedding of the first ``rope_dim`` dims of ``q`` and ``k``.
 
-    Per token ``t`` and head: ``y = x * rsqrt(mean(x**2) + eps) * weight``; for ``i < rope_dim/2``,
-    ``(y_i, y_{i+h}) -> (y_i cos - y_{i+h} sin, y_{i+h} cos + y_i sin)`` with ``h = rope_dim/2`` and
-    angle ``positions[t] * inv_freq[i]`` (see the module docstring); dims at and past ``rope_dim`` are
-    only normed.
-
-    Parameters
-    ----------
-    layout
-        Host-side layout of the batch (``num_tokens`` rows of q and k).
-    q, k
-        ``[N, Hq, D]`` and ``[N, Hk, D]``, float32 or bfloat16, updated in place.
-    positions
-        ``int32[N]``: the plan's ``token_pos``.
-    q_weight, k_weight
-        ``[D]``, dtype of ``q``.
-    rope_dim, eps, theta
-        Rotated dims (even, at most D), RMSNorm epsilon and rotary base.
-
+    In place; ``positions`` is the plan's ``token_pos``; dims at and past ``rope_dim`` are only normed.
     """
     _norm_rope_(q, positions, q_weight, rope_dim, eps, theta)
     _norm_rope_(k, positions, k_weight, rope_dim, eps, theta)

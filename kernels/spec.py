@@ -28,10 +28,7 @@ class ModelDims:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One kernel specialization: the unit that is compiled, cached, loaded and dispatched.
-
-    ``params`` are stored sorted by name, so two specs with the same values are equal and hash alike
-    whatever order they were given in.
+    """One kernel specialization: the unit that is compiled, cached, loaded and dispatched (params sorted by name).
 
     Examples
     --------
@@ -73,11 +70,7 @@ class KernelSpec:
 
     @functools.cached_property
     def id(self) -> str:
-        """Stable readable identifier: ``family/backend/target/k=v,...``.
-
-        A value too long or too odd to read in one line (a recorded kernel's Triton specialization data, a
-        ``load_jit`` call) is shown as ``#`` and the first 12 hex digits of its sha256.
-        """
+        """``family/backend/target/k=v,...``; a value too long or odd for one line is ``#`` and 12 hex of its sha256."""
         args = ",".join(f"{k}={_readable(v)}" for k, v in self.params)
         return f"{self.family}/{self.backend}/{self.target}/{args}"
 

@@ -1,9 +1,4 @@
-"""Target: where a kernel runs, the host (``cpu``) or one CUDA arch (``sm_90``), parsed in one place.
-
-Config validation, both backends, the dispatcher and the capture hook all read targets through
-:meth:`Target.parse` and :meth:`Target.of_device`, so a plan's target is spelled exactly as the run-time
-dispatcher spells the device it finds.
-"""
+"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``), parsed in one place for plan and dispatch."""
 
 from __future__ import annotations
 
@@ -63,14 +58,7 @@ class Target:
 
     @classmethod
     def of_device(cls, device: Any) -> Target:
-        """The target of a torch device: ``cpu``, or ``sm_XY`` from a CUDA device's compute capability.
-
-        Raises
-        ------
-        TargetError
-            The device is neither cpu nor cuda.
-
-        """
+        """The target of a torch device: ``cpu``, or ``sm_XY`` from its compute capability; TargetError otherwise."""
         import torch
 
         device = torch.device(device)

@@ -8,29 +8,10 @@ from jitwarm.kernels.layout import VerifyLayout
 
 
 class TokenMap(NamedTuple):
-    """Ragged verify layout and compression plan for one batch (docs/kernels.md, "plan").
+    """Ragged verify layout and compression plan of one batch, int32 tensors (docs/kernels.md, "plan").
 
-    All fields are int32 tensors on the device of the ``verify_lens`` they were planned from. ``N`` is
-    ``layout.num_tokens`` and ``R`` is ``layout.slots``. Pure container: importing this module imports
-    no torch.
-
-    Attributes
-    ----------
-    cu_lens
-        ``[R + 1]``: exclusive prefix sum of ``verify_lens``; request ``r`` owns tokens
-        ``cu_lens[r] .. cu_lens[r+1]``.
-    token_req
-        ``[N]``: the request of each token.
-    token_pos
-        ``[N]``: the position of each token, ``prefix_lens[r] + j``.
-    token_out_row
-        ``[N]``: for a token whose position closes a block of ``ratio`` positions
-        (``(pos + 1) % ratio == 0``), its row in the compressed output, numbered in token order; else -1.
-    num_out
-        ``[1]``: number of compressed rows this batch writes.
-    uniform
-        ``[1]``: 1 when every request has the same length, decided on the device.
-
+    ``cu_lens [R+1]``, ``token_req``, ``token_pos`` and ``token_out_row [N]`` (-1 for a token that closes no
+    block), ``num_out [1]`` (rows written) and ``uniform [1]`` (decided on the device). Importing it imports no torch.
     """
 
     cu_lens: Any
@@ -42,10 +23,7 @@ class TokenMap(NamedTuple):
 
 
 def max_out_rows(layout: VerifyLayout, ratio: int) -> int:
-    """Return the most compressed rows one batch with ``layout`` can write, whatever its prefixes.
-
-    A request of ``L`` tokens covers ``L`` consecutive positions, so it closes at most ``ceil(L / ratio)``
-    blocks. ``out`` passed to ``compress`` must have at least this many rows.
+    """Return the most compressed rows a batch with ``layout`` can write, whatever its prefixes: ``sum(ceil(L / r))``.
 
     Examples
     --------

@@ -1,38 +1,22 @@
-"""The Triton backend: cache description, ahead-of-time build to a cubin, load and launch of one spec.
+"""The Triton backend: description, ahead-of-time build to a cubin, load and launch of one spec.
 
-It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
+``build`` runs ``triton.compile`` with an explicit signature, constexprs, attrs and ``GPUTarget("cuda", XX, 32)``
+(no GPU or driver needed) into a private Triton cache, and writes ``<kernel>.cubin``, ``<kernel>.json``
+(Triton's metadata, paths reduced to file names) and ``launch.json``; ``check`` can only see that the cubin is
+an ELF image (loading it needs a device). The description holds the sha256 of ``triton_kernels.py``, the
+signature and options, Triton's version and ``triton_key()`` digest, the ptxas Triton uses for the arch and
+Triton's cache-invalidating env vars.
 
-``description(spec) -> dict``
-    What the artifact is, as plain JSON for the cache key: family, backend, target, params, the sha256 of
-    ``triton_kernels.py``, the kernel signature and compile options, and the toolchain (Triton version
-    and ``triton_key()`` digest, the ``ptxas --version`` of the ptxas Triton uses for that arch, the
-    cubin arch and Triton's cache-invalidating env vars). No paths, host names or device presence.
-``build(spec, staging_dir) -> None``
-    For an ``sm_XX`` target: ``triton.compile`` with an explicit signature, constexprs, attrs and
-    ``GPUTarget("cuda", XX, 32)`` (no GPU or driver needed), then writes ``<kernel>.cubin``,
-    ``<kernel>.json`` (Triton's own metadata, paths reduced to file names) and ``launch.json``. For
-    ``cpu``: writes ``launch.json`` only. Raises ``CompileError`` with Triton's message. Triton's own cache
-    is pointed at a private directory inside ``staging_dir``, removed before returning; only ptxas's
-    scratch files go to the system temp directory.
-``check(spec, staging_dir)``
-    Reads what ``build`` wrote as ``load`` does, and checks the cubin is an ELF image: a cubin needs a
-    device to be loaded, so this is all a build box can check.
-``load(spec, entry) -> TritonKernel``
-    Reads ``launch.json`` (``LoadError`` if it is for another spec or format) and returns a kernel with
-    ``.spec``, ``.preload() -> int`` and ``.run(*args)`` (argument order: the family's ``run_args``).
-    Loading touches no device: ``preload()`` does that.
-
-Target ``cpu`` runs the very same kernels under Triton's interpreter (``TRITON_INTERPRET``), for
-correctness checks on machines without a GPU; it is slow (numpy per program) and not for serving. The
-interpreter flag is read when ``@triton.jit`` decorates, so the interpreter copy is a second import of
-``triton_kernels.py`` under its own module name with the flag scoped to that import: the normal module
-and every other Triton kernel in the process stay compiled kernels.
+Target ``cpu`` runs the same kernels under Triton's interpreter, for correctness checks without a GPU (slow,
+not for serving). ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, so the interpreter copy is a
+second import of ``triton_kernels.py`` under its own name with the flag scoped to that import.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -42,12 +26,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, LoadError, SpecError
+from jitwarm.kernels.backend import CompileError, LoadError, SpecError, version_lines
 from jitwarm.kernels.families import family
 from jitwarm.kernels.libraries.triton import driver
 from jitwarm.kernels.spec import KernelSpec
 from jitwarm.kernels.target import Target, TargetError
-from jitwarm.kernels.toolchain import version_lines
 from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
 
 name = "triton"
@@ -59,35 +42,23 @@ WARP_SIZE = driver.WARP_SIZE
 _KERNELS_PY = Path(__file__).with_name("triton_kernels.py")
 _INTERPRETED = "jitwarm.kernels._triton_kernels_interpreted"
 _interpreted_lock = threading.Lock()
-_compile_lock = threading.Lock()
 
 
-def cuda_arch(target: str) -> int | None:
-    """Return the CUDA arch number of ``target`` (``sm_90`` -> 90), None for ``cpu``.
-
-    Raises
-    ------
-    SpecError
-        ``target`` is not a :class:`~jitwarm.kernels.target.Target` name.
-
-    """
+def _checked(spec: KernelSpec) -> tuple[KernelSignature, int | None]:
+    """The spec's kernel signature and CUDA arch (None for cpu); SpecError for a spec this backend cannot build."""
+    if spec.backend != name:
+        raise SpecError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
+    family(spec)
     try:
-        return Target.parse(target).arch
+        arch = Target.parse(spec.target).arch
     except TargetError as exc:
         raise SpecError(f"triton backend: {exc}") from None
+    return kernel_signature(spec), arch
 
 
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
-    """Return the JSON-able cache description of ``spec`` (see the module docstring).
-
-    Raises
-    ------
-    SpecError
-        ``spec`` is not a triton spec, or its target, family or dtype is unsupported.
-
-    """
-    sig = _signature(spec)
-    arch = cuda_arch(spec.target)
+    """Return the JSON-able cache description of ``spec``; SpecError for an unsupported target, family or dtype."""
+    sig, arch = _checked(spec)
     toolchain: dict[str, Any] = dict(_triton_identity())
     if arch is None:
         toolchain["mode"] = "interpreter"
@@ -103,8 +74,8 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
             "kernel": sig.to_json(), "toolchain": toolchain}
 
 
-def build(spec: KernelSpec, staging_dir: Path) -> None:
-    """Compile ``spec`` ahead of time into ``staging_dir`` (see the module docstring).
+def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None = None) -> None:
+    """Compile ``spec`` ahead of time into ``staging_dir`` (``launch.json`` only for cpu); CompileError if it fails.
 
     Examples
     --------
@@ -113,28 +84,23 @@ def build(spec: KernelSpec, staging_dir: Path) -> None:
     ['launch.json', 'plan_kernel.cubin', 'plan_kernel.json']
 
     """
-    sig = _signature(spec)
-    arch = cuda_arch(spec.target)
+    sig, arch = _checked(spec)
     staging_dir = Path(staging_dir)
+    # triton_version, not triton_key(): that costs 0.3 s per worker
     launch: dict[str, Any] = {"format": FORMAT, "spec": spec.to_json(), **sig.to_json(),
-                              "triton_version": _triton_version()}  # not triton_key(): 0.3 s per worker
+                              "triton_version": importlib.metadata.version("triton")}
     if arch is None:
         launch["mode"] = "interpreter"
         _write_json(staging_dir / LAUNCH_JSON, launch)
         return
     import triton
     from triton import knobs
-    fn = _kernel_fn(spec, _compiled_kernels())
-    # Triton's knobs are process-global: one knob-scoped compile at a time in this process.
-    with _compile_lock, tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, \
-            knobs.cache.scope(), knobs.compilation.scope():
-        # A private Triton cache, removed before the entry is sealed: every build is a real compile
-        # (never a stale ~/.triton hit), and Triton's group files, which hold absolute paths, never
-        # reach the entry.
-        knobs.cache.dir = tmp
-        knobs.cache.manager_class = None  # Triton's own file manager into tmp, whatever TRITON_CACHE_MANAGER says
-        knobs.compilation.override = False  # TRITON_KERNEL_OVERRIDE would swap in foreign IR
-        knobs.compilation.dump_ir = False
+
+    from jitwarm.kernels import triton_kernels
+
+    fn = _kernel_fn(spec, triton_kernels)
+    # The private cache is removed before the entry is sealed: Triton's group files hold absolute paths.
+    with tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, driver.private_cache(tmp):
         # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two
         # boxes would differ byte for byte (the cost: profilers show no source lines).
         knobs.compilation.disable_line_info = True
@@ -159,7 +125,7 @@ def check(spec: KernelSpec, staging_dir: Path) -> None:
     """Read what :func:`build` wrote as :func:`load` would, and check the cubin is an ELF image; LoadError if not."""
     root = Path(staging_dir)
     launch = _read_launch(spec, root)
-    if cuda_arch(spec.target) is not None:
+    if spec.target != "cpu":
         cubin = root / str(launch.get("cubin"))
         try:
             with cubin.open("rb") as f:
@@ -171,27 +137,19 @@ def check(spec: KernelSpec, staging_dir: Path) -> None:
             raise LoadError(f"{spec.id}: {cubin.name} is not a cubin (no ELF header)")
 
 
-def load(spec: KernelSpec, entry: Any) -> TritonKernel:
-    """Return the kernel of ``entry`` (a cache ``Entry``: ``.path`` and ``.files``) ready to preload.
+def load(spec: KernelSpec, entry: Any) -> CudaKernel | InterpretedKernel:
+    """Return the kernel of ``entry`` (a cache Entry), ready to preload, touching no device.
 
-    Raises
-    ------
-    LoadError
-        The entry's ``launch.json`` is missing, of another format, or for another spec.
-
+    LoadError when its ``launch.json`` is missing, of another format, or for another spec.
     """
     root = Path(entry.path)
-    files = set(getattr(entry, "files", ()) or ())
-    if files and LAUNCH_JSON not in files:
+    if getattr(entry, "files", None) and LAUNCH_JSON not in entry.files:
         raise LoadError(f"{spec.id}: cache entry {root} has no {LAUNCH_JSON}; it is not a triton build")
     launch = _read_launch(spec, root)
-    if cuda_arch(spec.target) is None:
-        return InterpretedKernel(spec)
-    return CudaKernel(spec, root, launch)
+    return InterpretedKernel(spec) if spec.target == "cpu" else CudaKernel(spec, root, launch)
 
 
 def _read_launch(spec: KernelSpec, root: Path) -> dict[str, Any]:
-    """Read and check ``launch.json`` of a build of ``spec``."""
     try:
         launch = json.loads((root / LAUNCH_JSON).read_text())
         built_for = KernelSpec.from_json(launch["spec"])
@@ -204,41 +162,16 @@ def _read_launch(spec: KernelSpec, root: Path) -> dict[str, Any]:
     return launch
 
 
-class TritonKernel:
-    """A loaded kernel of one spec (a :class:`~jitwarm.kernels.backend.LoadedKernel`).
+class CudaKernel:
+    """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel`` (a ``LoadedKernel``).
 
-    ``preload()`` puts the kernel on the current device (a module load, so never call it inside CUDA
-    graph capture) and returns how many kernels it forced onto a device (0 for target cpu); it is
-    idempotent. ``run(*args)`` launches on the current stream of the tensors'
-    device, with the family's argument order (``triton_launch.RUN_ARGS``), and raises ValueError on
-    arguments that do not fit the spec (dtype, shape, device, contiguity, 16-byte alignment).
-    """
-
-    def __init__(self, spec: KernelSpec) -> None:
-        self.spec = spec
-
-    def preload(self) -> int:
-        """Make the first ``run()`` do no module load; return the number of kernels put on a device."""
-        raise NotImplementedError
-
-    def run(self, *args: Any) -> None:
-        """Launch the kernel on ``args``."""
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.spec.id})"
-
-
-class CudaKernel(TritonKernel):
-    """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel``.
-
-    One module per device, created by ``preload()`` (Triton's ``_init_handles``: ``cuModuleLoadData``
-    and the launcher) on the current device. A ``run()`` on a device that was not preloaded loads it
-    first, except while the stream is capturing, where that load would break the capture: it raises.
+    One module per device, loaded by ``preload()`` on the current device. ``run()`` on a device not preloaded
+    loads it first, except while the stream is capturing (that load would break the capture): it raises.
+    ``run()`` raises ValueError on arguments that do not fit the spec (``triton_launch.bind``).
     """
 
     def __init__(self, spec: KernelSpec, root: Path, launch: dict[str, Any]) -> None:
-        super().__init__(spec)
+        self.spec = spec
         self._root = root
         self._launch = launch
         self._arch = int(launch["target"]["arch"])
@@ -264,9 +197,10 @@ class CudaKernel(TritonKernel):
         if major * 10 + minor != self._arch:
             raise RuntimeError(f"{self.spec.id}: built for sm_{self._arch}, but cuda:{device} is "
                                f"sm_{major}{minor}; warm a plan for target sm_{major}{minor}")
-        sig = _signature(self.spec)
-        src = ASTSource(_kernel_fn(self.spec, _compiled_kernels()), dict(sig.types), dict(sig.constexprs),
-                        sig.attrs())
+        from jitwarm.kernels import triton_kernels
+
+        sig = kernel_signature(self.spec)
+        src = ASTSource(_kernel_fn(self.spec, triton_kernels), dict(sig.types), dict(sig.constexprs), sig.attrs())
         group = {name: str(self._root / name) for name in (self._launch["metadata"], self._launch["cubin"])}
         kernel = CompiledKernel(src, group, self._launch["hash"])
         with torch.cuda.device(device):
@@ -299,11 +233,15 @@ class CudaKernel(TritonKernel):
                 kernel[grid](*kernel_args, stream=stream)
 
 
-class InterpretedKernel(TritonKernel):
-    """The spec's kernel run by Triton's interpreter on CPU tensors (target ``cpu``)."""
+    def __repr__(self) -> str:
+        return f"CudaKernel({self.spec.id})"
+
+
+class InterpretedKernel:
+    """The spec's kernel run by Triton's interpreter on CPU tensors (target ``cpu``; a ``LoadedKernel``)."""
 
     def __init__(self, spec: KernelSpec) -> None:
-        super().__init__(spec)
+        self.spec = spec
         self._fn: Any = None
 
     def preload(self) -> int:
@@ -321,13 +259,12 @@ class InterpretedKernel(TritonKernel):
         if grid[0]:
             self._fn[grid](*kernel_args)
 
+    def __repr__(self) -> str:
+        return f"InterpretedKernel({self.spec.id})"
+
 
 def interpreted_kernels() -> ModuleType:
-    """Return ``triton_kernels`` imported a second time, decorated in interpreter mode.
-
-    ``TRITON_INTERPRET`` is read when ``@triton.jit`` runs, so the flag is set (through Triton's knobs,
-    which also restore the environment) around this one import only.
-    """
+    """Return ``triton_kernels`` imported a second time, decorated in interpreter mode (the flag scoped by knobs)."""
     with _interpreted_lock:
         module = sys.modules.get(_INTERPRETED)
         if module is None:
@@ -342,12 +279,6 @@ def interpreted_kernels() -> ModuleType:
         return module
 
 
-def _compiled_kernels() -> ModuleType:
-    from jitwarm.kernels import triton_kernels
-
-    return triton_kernels
-
-
 def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
     fn = getattr(module, family(spec).triton_kernel)
     names = tuple(getattr(fn, "arg_names", ()))
@@ -357,29 +288,13 @@ def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
     return fn
 
 
-def _signature(spec: KernelSpec) -> KernelSignature:
-    if spec.backend != name:
-        raise SpecError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
-    family(spec)
-    cuda_arch(spec.target)
-    return kernel_signature(spec)
-
-
 def _source_digest() -> str:
     """sha256 of ``triton_kernels.py`` (content, not path; Triton also keys on line numbers)."""
     return hashlib.sha256(_KERNELS_PY.read_bytes()).hexdigest()
 
 
-def _triton_version() -> str:
-    """The installed Triton's version, from its package metadata (no import)."""
-    from importlib.metadata import version
-
-    return version("triton")
-
-
 @functools.cache
-def _triton_identity() -> dict[str, str]:
-    """Triton's version and a digest of ``triton_key()`` (its compiler, backends and libtriton)."""
+def _triton_identity() -> dict[str, str]:  # triton_key(): its compiler, backends and libtriton
     import triton
     from triton.runtime.cache import triton_key
 
@@ -387,14 +302,12 @@ def _triton_identity() -> dict[str, str]:
 
 
 @functools.cache
-def _ptxas(arch: int) -> dict[str, str]:
-    """Return the ptxas Triton uses for ``arch`` (``ptxas-blackwell`` for arch >= 90) and its version."""
+def _ptxas(arch: int) -> dict[str, str]:  # ptxas-blackwell for arch >= 90 in Triton 3.9
     tool = driver.ptxas(arch)
     return {"ptxas": tool.name, "ptxas_version": "\n".join(version_lines(str(tool), "ptxas"))}
 
 
-def _without_dirs(value: Any) -> Any:
-    """Replace absolute paths (e.g. ``extern_libs``' libdevice) by file names: entries are relocatable."""
+def _without_dirs(value: Any) -> Any:  # absolute paths (extern_libs' libdevice) to file names: relocatable
     if isinstance(value, dict):
         return {k: _without_dirs(v) for k, v in value.items()}
     if isinstance(value, list):

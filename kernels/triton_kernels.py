@@ -1,18 +1,11 @@
 """Triton kernels of the three families: plan, compressor and norm_rope (docs/kernels.md, "The families").
 
-Every spec param is a ``tl.constexpr`` (plus ``BLOCK_*`` sizes derived from them), and every run-time
-integer is listed in ``do_not_specialize``, so the set of compiled variants is exactly the warm plan's
-spec set: Triton's JIT would otherwise fork a variant for ``num_tokens == 1`` or ``% 16 == 0``
-(``specialize.cc`` ``handle_long_type``), and such a variant is a compile that nobody planned.
-Pointers are assumed 16-byte aligned (``tt.divisibility = 16``); ``triton_backend`` checks that before a
-launch. bfloat16 inputs are upcast to float32 right after the load and results are cast back on the
-store: all arithmetic is float32 (which also keeps ``TRITON_INTERPRET=1`` exact, whose bf16 arithmetic
-is wrong). Offsets are int32: every tensor must hold fewer than 2**31 elements.
-
-This file is imported twice in one process at most: normally (``@triton.jit``), and as an interpreter copy
-under another module name by ``triton_backend`` for the ``cpu`` target. It must therefore stay
-self-contained. Its content digest is part of each cache key, and Triton keys kernels on their line
-numbers too, so any edit here rebuilds every Triton entry.
+Every spec param is a ``tl.constexpr`` and every run-time integer is in ``do_not_specialize``, so the compiled
+variants are exactly the warm plan's specs (Triton would fork unplanned variants for ``num_tokens == 1`` or
+``% 16 == 0``, ``specialize.cc`` ``handle_long_type``). Pointers are 16-byte aligned (``triton_launch`` checks);
+arithmetic is float32 (bf16 upcast on load: ``TRITON_INTERPRET=1``'s bf16 arithmetic is wrong); offsets are
+int32. ``triton_backend`` imports this file a second time for the interpreter, so it stays self-contained; its
+digest and line numbers are in every key, so any edit here rebuilds every Triton entry.
 """
 
 from __future__ import annotations
@@ -21,10 +14,8 @@ import triton
 import triton.language as tl
 
 
-# tl.sum, tl.min, tl.max and tl.cumsum are @triton.jit functions themselves, decorated once when triton
-# is imported; the interpreter copy of this module (see the module docstring) could not call them. Their
-# expansion, the builtins tl.reduce / tl.associative_scan with combine functions defined here, works in
-# both modes.
+# tl.sum/min/max/cumsum are @triton.jit functions decorated once at import, which the interpreter copy could
+# not call; tl.reduce / tl.associative_scan with combine functions defined here work in both modes.
 @triton.jit
 def _add(a, b):
     return a + b

@@ -1,8 +1,7 @@
 """How a family's ``run()`` arguments map onto its Triton kernel: signature, constexprs, checks and grid.
 
-Pure Python: importing this module imports neither torch nor triton. ``triton_backend`` uses
-:func:`kernel_signature` to compile (AOT) and :func:`bind` to launch, so the compiled signature and the
-launched argument list come from one table and cannot drift apart.
+Pure Python. ``triton_backend`` compiles with :func:`kernel_signature` and launches with :func:`bind`, so the
+compiled signature and the launched arguments come from one table.
 """
 
 from __future__ import annotations
@@ -13,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jitwarm.kernels.backend import SpecError
-from jitwarm.kernels.families import FAMILIES
+from jitwarm.kernels.families import FAMILIES, next_pow2
 from jitwarm.kernels.spec import KernelSpec
 
 #: Every pointer argument must be this aligned: the AOT signature promises ``tt.divisibility = 16``.
 ALIGN = 16
 
-#: ``run()`` argument order per family: the family table's, which the tvm_ffi backend follows too.
+#: ``run()`` argument order per family (the family table's).
 RUN_ARGS: dict[str, tuple[str, ...]] = {name: fam.run_args for name, fam in FAMILIES.items()}
 
 _KERNEL_ARGS: dict[str, tuple[str, ...]] = {
@@ -34,28 +33,12 @@ _TRITON_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "int32": "i32"}
 _TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "int32": "torch.int32"}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class KernelSignature:
     """The compile-time view of one spec's kernel.
 
-    Attributes
-    ----------
-    kernel
-        Name of the ``@triton.jit`` function in ``triton_kernels``.
-    arg_names
-        Every kernel parameter in order, constexprs included (the launcher skips those).
-    types
-        Parameter name to Triton type: ``*fp32``, ``*bf16``, ``*i32``, ``i32``, ``fp32``, ``fp64``
-        (``theta``: rotary frequencies are computed in float64) or ``constexpr``.
-    constexprs
-        Values of the ``constexpr`` parameters: the spec params plus block sizes derived from them.
-    num_warps
-        Warps of each program.
-
+    Every parameter in order with its Triton type (``*fp32``, ``i32``, ``fp64`` for ``theta``, ``constexpr``),
+    the constexpr values (spec params and derived block sizes) and the warps of each program.
     """
 
     kernel: str
@@ -82,16 +65,7 @@ class KernelSignature:
 
 @functools.lru_cache(maxsize=1024)
 def kernel_signature(spec: KernelSpec) -> KernelSignature:
-    """Return the kernel, signature, constexprs and launch options that ``spec`` compiles to.
-
-    Memoized per spec (every launch asks); treat the result as read-only.
-
-    Raises
-    ------
-    ValueError
-        For an unknown family or a dtype other than float32 / bfloat16.
-
-    """
+    """Return what ``spec`` compiles to, memoized (every launch asks; read-only); SpecError for a bad family/dtype."""
     p = spec.params_dict
     if spec.family == "plan":
         ptr = dict.fromkeys(RUN_ARGS["plan"], "*i32")
@@ -102,7 +76,7 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
         dt = _dtype(spec)
         types = {"kv": f"*{dt}", "score": f"*{dt}", "cu_lens": "*i32", "token_out_row": "*i32",
                  "state": "*fp32", "out": f"*{dt}"}
-        block_d = _next_pow2(int(p["head_dim"]))
+        block_d = next_pow2(int(p["head_dim"]))
         constexprs = {"RATIO": int(p["ratio"]), "HEAD_DIM": int(p["head_dim"]), "BLOCK_D": block_d,
                       "UNIFORM": int(p["uniform"]), "MAX_LEN": int(p["max_len"])}
         num_warps = max(1, min(4, block_d // 128))
@@ -110,11 +84,11 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
         dt = _dtype(spec)
         types = {"q": f"*{dt}", "k": f"*{dt}", "positions": "*i32", "q_weight": f"*{dt}",
                  "k_weight": f"*{dt}", "num_tokens": "i32", "eps": "fp32", "theta": "fp64"}
-        block_d = _next_pow2(int(p["head_dim"]))
-        block_qh = _next_pow2(int(p["num_q_heads"]))
+        block_d = next_pow2(int(p["head_dim"]))
+        block_qh = next_pow2(int(p["num_q_heads"]))
         constexprs = {"HEAD_DIM": int(p["head_dim"]), "BLOCK_D": block_d, "ROPE_DIM": int(p["rope_dim"]),
                       "NUM_Q_HEADS": int(p["num_q_heads"]), "BLOCK_QH": block_qh,
-                      "NUM_KV_HEADS": int(p["num_kv_heads"]), "BLOCK_KH": _next_pow2(int(p["num_kv_heads"])),
+                      "NUM_KV_HEADS": int(p["num_kv_heads"]), "BLOCK_KH": next_pow2(int(p["num_kv_heads"])),
                       "UNIFORM": int(p["uniform"]), "MAX_LEN": int(p["max_len"])}
         num_warps = max(1, min(8, block_qh * block_d // 512))
     else:
@@ -128,16 +102,9 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
 def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
     """Check ``run()`` arguments against ``spec`` and return ``(grid, kernel_args)``.
 
-    ``kernel_args`` holds every kernel parameter in signature order, constexpr values included, as
-    Triton's launcher (``CompiledKernel.__getitem__``) and interpreter both expect. Nothing is read
-    from the device: the checks use shapes, dtypes, strides and addresses only.
-
-    Raises
-    ------
-    ValueError
-        On a wrong argument count, dtype, shape, device, a non-contiguous tensor or a pointer that is
-        not 16-byte aligned.
-
+    ``kernel_args`` holds every parameter in signature order, constexprs included, as Triton's launcher and
+    interpreter expect. Nothing is read from the device. ValueError on a wrong count, dtype, shape, device, a
+    non-contiguous tensor or a pointer that is not 16-byte aligned.
     """
     names = RUN_ARGS[spec.family]
     if len(args) != len(names):
@@ -187,7 +154,6 @@ def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], t
 
 
 def _ordered(sig: KernelSignature, run_args: dict[str, Any], **scalars: Any) -> tuple[Any, ...]:
-    """Every kernel parameter's value in signature order: run() args, run-time scalars, constexprs."""
     values = {**run_args, **scalars, **sig.constexprs}
     return tuple(values[name] for name in sig.arg_names)
 
@@ -209,7 +175,6 @@ def _expect(spec: KernelSpec, name: str, ok: bool, what: str) -> None:
 
 
 def _check_tensors(spec: KernelSpec, sig: KernelSignature, tensors: dict[str, Any]) -> None:
-    """Dtype, contiguity, one device and 16-byte alignment of every pointer argument."""
     to_name = {v: k for k, v in _TRITON_DTYPE.items()}
     devices = set()
     for name, t in tensors.items():

@@ -1,15 +1,9 @@
 """tvm-ffi backend: build one kernel spec into a shared library with g++ (cpu) or nvcc (sm_XY), and load it.
 
-It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
-
-- :func:`description`: family, backend, target, params, source digest and toolchain fingerprint.
-- :func:`build` writes exactly ``kernel.so`` and ``kernel.json`` into the staging directory; the translation
-  unit is compiled from a private temporary directory, so nothing else lands there.
-- :func:`check` and :func:`load` ``dlopen`` the library through tvm-ffi and read back the spec it was built
-  for. Loading a CUDA library works without a GPU; running it does not.
-
-Builds invoke the compiler directly (not ``tvm_ffi.cpp.build_inline``): the flags are then exactly the
-ones in the key, nothing probes ``nvidia-smi``, and no ninja files land in the entry.
+:func:`build` writes exactly ``kernel.so`` and ``kernel.json`` (the unit is compiled in a private temporary
+directory); :func:`check` and :func:`load` ``dlopen`` it through tvm-ffi and read back the spec it was built
+for, which needs no GPU. The compiler is invoked directly (not ``tvm_ffi.cpp.build_inline``): the flags are
+exactly the ones in the key, nothing probes ``nvidia-smi``, and no ninja files land in the entry.
 """
 
 from __future__ import annotations
@@ -30,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError
-from jitwarm.kernels.families import Family, family
+from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, version_lines
+from jitwarm.kernels.families import family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
-from jitwarm.kernels.toolchain import version_lines
 
 name = "tvm_ffi"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -54,7 +47,7 @@ LINK_FLAGS = ("-ltvm_ffi",)
 
 
 def _check_spec(spec: KernelSpec) -> Target:
-    """The spec's target, after checking the spec is one this backend builds; SpecError otherwise."""
+    """The spec's target, after checking it is a spec this backend builds; SpecError otherwise."""
     if spec.backend != name:
         raise SpecError(f"{spec.id}: not a {name} spec")
     family(spec)
@@ -71,15 +64,11 @@ def _check_spec(spec: KernelSpec) -> Target:
     return target
 
 
-def translation_unit(spec: KernelSpec) -> str:
-    """Return the generated C++/CUDA source that instantiates and exports ``spec``'s kernel."""
-    _check_spec(spec)
-    return _unit(spec)
-
-
-def _unit(spec: KernelSpec, fam: Family | None = None) -> str:
-    """:func:`translation_unit` of a spec :func:`_check_spec` accepted (``fam``: its family, when at hand)."""
-    fam = fam or family(spec)
+def translation_unit(spec: KernelSpec, checked: bool = False) -> str:
+    """Return the generated C++/CUDA source that instantiates and exports ``spec``'s kernel (``checked``: spec is)."""
+    if not checked:
+        _check_spec(spec)
+    fam = family(spec)
     source, kernel = fam.source, fam.cxx_kernel
     params: dict[str, Any] = spec.params_dict
     if "dtype" in params:
@@ -96,38 +85,24 @@ def _unit(spec: KernelSpec, fam: Family | None = None) -> str:
 
 
 @functools.cache
-def _family_source_digest(source: str) -> str:
+def _family_source_digest(source: str) -> str:  # once per family and process
     h = hashlib.sha256()
     for file in sorted((COMMON_HEADER, source)):
-        data = _source_bytes(file)
+        data = (CSRC / file).read_bytes()
         h.update(f"{file}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
 
 
-@functools.cache
-def _source_bytes(file: str) -> bytes:
-    """A file of ``csrc/``, read once per process (the common header is in every family's digest)."""
-    return (CSRC / file).read_bytes()
-
-
 def forget_sources() -> None:
     """Read the sources again on the next digest (tests that edit ``csrc/``)."""
-    _source_bytes.cache_clear()
     _family_source_digest.cache_clear()
 
 
-def source_digest(spec: KernelSpec) -> str:
+def source_digest(spec: KernelSpec, checked: bool = False) -> str:
     """sha256 over the contents (never the paths) of the family's sources and the generated unit."""
-    _check_spec(spec)
-    return _source_digest(spec)
-
-
-def _source_digest(spec: KernelSpec) -> str:
-    """:func:`source_digest` of a spec :func:`_check_spec` accepted."""
-    fam = family(spec)
-    h = hashlib.sha256(_family_source_digest(fam.source).encode())
-    h.update(_unit(spec, fam).encode())
+    h = hashlib.sha256(_family_source_digest(family(spec).source).encode())
+    h.update(translation_unit(spec, checked).encode())
     return h.hexdigest()
 
 
@@ -137,7 +112,7 @@ def gencode(target: Target) -> tuple[str, ...]:
 
 
 def cxx_compiler() -> str:
-    """Return the host compiler: ``$CXX`` or ``g++`` (read at call time, never at import)."""
+    """Return the host compiler: ``$CXX`` or ``g++``."""
     return os.environ.get("CXX") or "g++"
 
 
@@ -147,30 +122,21 @@ def nvcc_compiler() -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _nvcc_in(home: str | None) -> str:
-    """:func:`nvcc_compiler` for one ``$CUDA_HOME``, looked for once (every CUDA description asks)."""
+def _nvcc_in(home: str | None) -> str:  # looked for once per $CUDA_HOME: every CUDA description asks
     if home and (Path(home) / "bin" / "nvcc").is_file():
         return str(Path(home) / "bin" / "nvcc")
     return "nvcc"
 
 
-#: Facts derived from this host's toolchain, memoized per process by name (see :func:`_kept`).
-_derived: dict[str, str] = {}
+_derived: dict[str, str] = {}  # toolchain facts memoized in this process, by name (_kept)
 
 
 def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
     """Identity line(s) from ``compiler --version``, memoized per process and, with ``facts``, per binary.
 
-    The fact is named by the compiler binary's path, inode, size, mtime and ctime, as sccache and ccache
-    key a compiler by its binary: an upgrade or a reinstall changes them, so the next probe runs again. A
-    compiler that is a script (a wrapper that execs another binary) is probed every time: its own file
-    says nothing about the compiler it runs.
-
-    Raises
-    ------
-    ToolchainError
-        The compiler is missing or ``--version`` fails.
-
+    The fact is named by the binary's path, inode, size, mtime and ctime, as sccache and ccache key a compiler:
+    an upgrade or a reinstall changes them. A script (a wrapper that execs another binary) is probed every
+    time. ToolchainError when the compiler is missing or ``--version`` fails.
     """
     exe = shutil.which(compiler)
     if exe is None:
@@ -185,7 +151,6 @@ def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
 
 
 def _probe(exe: str, compiler: str) -> str:
-    """Run ``compiler --version`` and keep its identity lines."""
     lines = version_lines(exe, compiler)
     if "nvcc" in Path(compiler).name:
         # "Cuda compilation tools, release 13.0, V13.0.88" and "Build cuda_13.0.r13.0/compiler.N_0"
@@ -194,13 +159,8 @@ def _probe(exe: str, compiler: str) -> str:
 
 
 def tvm_ffi_version(facts: Facts | None = None) -> str:
-    """Installed apache-tvm-ffi version, read from package metadata (no import of tvm_ffi).
-
-    Memoized per process and, with ``facts``, per installed package, as :func:`compiler_identity` keeps a
-    compiler's identity: the fact is named by the path, inode, size, mtime and ctime of the ``tvm_ffi``
-    package's ``__init__.py`` (found without importing it), which an upgrade or a reinstall rewrites.
-    Finding the distribution scans every ``sys.path`` entry, 0.15 ms of a fresh capture hook's 8.
-    """
+    """Installed apache-tvm-ffi version, from package metadata (no import), kept as a fact like a compiler's."""
+    # Named by the stat of tvm_ffi/__init__.py: finding the distribution scans sys.path, 0.15 ms of a fresh hook's 8.
     name = _package_fact("tvm_ffi")
     return _kept(name, facts if name else None, lambda: _metadata_version("apache-tvm-ffi"))
 
@@ -217,13 +177,11 @@ def _package_fact(module: str) -> str:
 
 
 def _stat_name(prefix: str, label: str, st: os.stat_result) -> str:
-    """``<prefix>-<digest>``: a fact's name, from the file it derives from (``label`` names it) and its stat."""
     stamp = f"{label}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     return f"{prefix}-" + hashlib.sha256(stamp.encode()).hexdigest()[:40]
 
 
-def _kept(name: str, facts: Facts | None, probe: Callable[[], str]) -> str:
-    """The fact ``name``: memoized in this process, else read from ``facts``, else ``probe()``d and kept in both."""
+def _kept(name: str, facts: Facts | None, probe: Callable[[], str]) -> str:  # memo, else facts, else probe()
     value = _derived.get(name) or (facts.read_fact(name) if facts is not None else None)
     if value is None:
         value = probe()
@@ -234,19 +192,13 @@ def _kept(name: str, facts: Facts | None, probe: Callable[[], str]) -> str:
 
 
 def _metadata_version(distribution_name: str) -> str:
-    """The ``Version:`` header of a distribution's METADATA.
-
-    Read directly: ``importlib.metadata.version`` parses the whole file (the long description too) with the
-    email parser, 0.35 ms more.
-    """
+    # The Version: header read directly: importlib.metadata.version parses the whole file, 0.35 ms more.
     from importlib.metadata import distribution
 
     dist = distribution(distribution_name)
     for line in (dist.read_text("METADATA") or "").splitlines():
-        if not line:  # the end of the headers
-            break
-        if line.startswith("Version:"):
-            return line.partition(":")[2].strip()
+        if line.startswith("Version:") or not line:  # an empty line ends the headers
+            return line.partition(":")[2].strip() or dist.version
     return dist.version
 
 
@@ -256,14 +208,13 @@ _toolchains: dict[tuple[Target, str, str | None], dict[str, Any]] = {}
 def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
     """Return the toolchain fingerprint of a target: compilers, tvm-ffi version, exact flags, arch.
 
-    The same for every spec of a target: computed once per target and compiler choice (``$CXX``,
-    ``$CUDA_HOME``) per process. Treat the result as read-only.
+    Computed once per target and compiler choice (``$CXX``, ``$CUDA_HOME``) per process; read-only.
     """
     choice = (target, cxx_compiler(), nvcc_compiler() if target.is_cuda else None)
     found = _toolchains.get(choice)
     if found is not None:
         return found
-    host, nvcc = choice[1], choice[2]
+    _, host, nvcc = choice
     fp: dict[str, Any] = {"host_compiler": compiler_identity(host, facts), "tvm_ffi": tvm_ffi_version(facts),
                           "link": list(LINK_FLAGS)}
     if nvcc is not None:
@@ -274,9 +225,7 @@ def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
 
 
 def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
-    """Return the cache description of ``spec`` (JSON-able; no paths, hosts, times or device presence).
-
-    ``facts`` (a KernelCache) keeps each compiler's ``--version`` between processes (:func:`compiler_identity`).
+    """Return the cache description of ``spec``: params, source digest and toolchain fingerprint.
 
     Raises
     ------
@@ -287,8 +236,8 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
 
     """
     target = _check_spec(spec)
-    return {"family": spec.family, "backend": spec.backend, "target": spec.target,
-            "params": spec.params_dict, "sources": _source_digest(spec), "toolchain": toolchain(target, facts)}
+    return {"family": spec.family, "backend": spec.backend, "target": spec.target, "params": spec.params_dict,
+            "sources": source_digest(spec, checked=True), "toolchain": toolchain(target, facts)}
 
 
 def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:
@@ -309,18 +258,11 @@ def _command(target: Target, source: str, output: Path, workdir: str) -> list[st
             *LINK_FLAGS]
 
 
-def build(spec: KernelSpec, staging: Path) -> None:
-    """Compile ``spec`` into ``staging/kernel.so`` and describe it in ``staging/kernel.json``.
-
-    Raises
-    ------
-    CompileError
-        The compiler failed or timed out; ``output`` holds its whole text.
-
-    """
+def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
+    """Compile ``spec`` into ``staging/kernel.so``, described in ``staging/kernel.json``; CompileError if it fails."""
     staging = Path(staging)
     target = _check_spec(spec)
-    unit = translation_unit(spec)
+    unit = translation_unit(spec, checked=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jitwarm-tvm-") as work:
         source = "kernel.cu" if target.is_cuda else "kernel.cc"
@@ -336,12 +278,10 @@ def build(spec: KernelSpec, staging: Path) -> None:
         output = (proc.stderr + proc.stdout).strip()
         raise CompileError(f"{spec.id}: compile failed (exit {proc.returncode})",
                            f"{' '.join(cmd)}\n{output[-20000:]}")
-    # The toolchain is in the entry's key preimage (entry.json); not again here, where computing it would run
-    # `c++ --version` once more in every build worker.
+    # The toolchain is in the entry's key preimage (entry.json): not here, where it would cost a `c++ --version`.
     manifest = {"spec": spec.to_json(), "library": LIBRARY, "exports": list(EXPORTS),
                 "compile_seconds": round(time.perf_counter() - start, 3)}
-    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-    (staging / MANIFEST).write_text(text, encoding="utf-8")
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def check(spec: KernelSpec, staging: Path) -> None:
@@ -351,11 +291,7 @@ def check(spec: KernelSpec, staging: Path) -> None:
 
 @dataclass(frozen=True, eq=False)
 class TvmKernel:
-    """One spec's library loaded into this process (a :class:`~jitwarm.kernels.backend.LoadedKernel`).
-
-    ``preload()`` calls ``cudaFuncGetAttributes`` on every kernel instantiation of the module, which puts
-    it on the current device under CUDA lazy loading.
-    """
+    """One spec's library loaded into this process (a :class:`~jitwarm.kernels.backend.LoadedKernel`)."""
 
     spec: KernelSpec
     path: str
@@ -368,28 +304,20 @@ class TvmKernel:
         self._run(*args)
 
     def preload(self) -> int:
-        """Force every kernel instantiation of the module onto the device; 0 for a cpu spec."""
+        """``cudaFuncGetAttributes`` on every kernel of the module: on the device under lazy loading; 0 for cpu."""
         if self.spec.target == "cpu":
             return 0
         return int(self._preload())
 
 
 def load(spec: KernelSpec, entry: Any) -> TvmKernel:
-    """Load the library of a published entry of ``spec`` (a :class:`jitwarm.cache.Entry`).
-
-    Raises
-    ------
-    LoadError
-        The entry has no library, it does not load, or it was built for another spec.
-
-    """
+    """Load the library of ``entry`` (a cache Entry); LoadError if it has none, does not load or holds another spec."""
     if LIBRARY not in entry.files:
         raise LoadError(f"{spec.id}: cache entry {entry.path} has no {LIBRARY} (files: {list(entry.files)})")
     return _open(spec, f"{entry.path}/{LIBRARY}")
 
 
 def _open(spec: KernelSpec, path: str) -> TvmKernel:
-    """Dlopen ``path`` through tvm-ffi and check the spec it was built for."""
     import tvm_ffi
 
     try:
@@ -411,12 +339,9 @@ _links: list[str] = []
 def _dlopen_name(path: str) -> str:
     """A name under which dlopen loads the file now at ``path``, not one it loaded from that path before.
 
-    dlopen answers a name it has loaded already with the library it loaded then (glibc compares names before
-    it opens anything, elf/dl-load.c ``_dl_map_object``), and nothing unloads a tvm-ffi module. So once an
-    entry that held another spec's library is quarantined and rebuilt at the same path, the path still gives
-    the old library and the rebuild "does not load". A path whose file changed since it was opened is opened
-    through a link named by the new file's identity (dlopen then compares the file's device and inode, and
-    loads it).
+    dlopen answers a name it has loaded with the library it loaded then (glibc compares names first,
+    elf/dl-load.c ``_dl_map_object``) and nothing unloads a tvm-ffi module, so an entry rebuilt at the same
+    path still gave the old library. A changed file is opened through a link named by its device and inode.
     """
     st = Path(path).stat()
     seen = _opened.setdefault(path, (st.st_dev, st.st_ino))

@@ -1,42 +1,17 @@
-"""The server's own sglang ``load_jit`` modules, replayed from a manifest: keyed, built and looked up by sglang.
+"""The server's own sglang ``load_jit`` modules (kind ``sglang_jit``): keyed, built and looked up by sglang.
 
-A spec of this backend is one recorded ``load_jit`` call (:mod:`jitwarm.precompile.manifest`): ``family`` is
-sglang's module name, ``target`` the arch it was recorded on (``sm_90``), ``params["call"]`` the call as
-canonical JSON (``{"args": [...], "cuda_files": [...], ...}``), ``params["sglang"]`` the version that recorded
-it and, from a recent manifest, ``params["arch"]`` sglang's full target (``9.0a``; without it sglang's default
-suffix for the arch is used). It implements :class:`jitwarm.kernels.backend.Backend`:
-
-``description(spec) -> dict``
-    The call, the arch and what sglang's own build key hashes, computed by sglang: its ``load_jit`` is run in a child
-    process (one per arch, kept for the life of this one; :mod:`.child`) up to its cache decision, so ``sglang_key``
-    holds sglang's ``build_key``, its target tag, the source digests, the flags and the environment fingerprint
-    (compilers, tvm-ffi/flashinfer/deep_gemm/torch versions). Our key changes exactly when sglang's does. ``SpecError``
-    when sglang is missing here or is not the version that recorded the spec; ``ToolchainError`` when nvcc or the CUDA
-    runtime is not where sglang looks (``$CUDA_HOME``).
-``build(spec, staging)``
-    The real ``load_jit`` in a fresh interpreter, under ``override_jit_cuda_arch`` and a private
-    ``SGLANG_JIT_CACHE_DIR``; the leaf sglang published there is moved into ``staging`` at the same relative
-    path (``sm90a/<module>/build-<key>/deps-<key>/``), beside ``sglang_jit.json``. ``CompileError`` with
-    sglang's and nvcc's whole text.
-``check(spec, staging)``
-    ``sglang_jit.json`` names this spec and a leaf of its module; the library is an ELF image and the leaf
-    carries sglang's dependency list. ``LoadError`` otherwise.
-``load(spec, entry)`` / :func:`materialize`
-    Put the leaf into the server's sglang JIT cache at the path sglang's loader looks it up, atomically,
-    under sglang's own build lock, never replacing a complete leaf (``LoadError`` for a bad entry,
-    :class:`SglangCacheDirError` for a cache dir it cannot write). The server launches these kernels
-    itself: the loaded kernel's ``run()`` raises, its ``preload()`` calls the recorded ``load_jit`` (a cache
-    hit) on a CUDA device.
-
-A leaf is self-verifying for sglang (``compile/cache.py:369-418``): its dependency list must re-hash to its
-name against the files of the node that loads it, so replay in the server's image.
+A spec is one recorded ``load_jit`` call: ``family`` sglang's module name, ``target`` the recording arch,
+``params`` the call as canonical JSON, the sglang version and (recent manifests) sglang's full arch (``9.0a``).
+Its description is what sglang's own build key hashes, computed by sglang (:mod:`.child`), so our key changes
+exactly when sglang's does; ``load`` puts the leaf where sglang's loader looks, under sglang's build lock
+(docs/kernels.md, "sglang's own JIT modules"). A leaf re-hashes against the files of the node that loads it
+(``compile/cache.py:369-418``): replay in the server's image.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -44,7 +19,6 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from importlib import metadata, util
 from pathlib import Path
 from typing import Any
@@ -58,7 +32,6 @@ from jitwarm.kernels.spec import KernelSpec
 from jitwarm.kernels.target import Target, TargetError
 
 name = "sglang_jit"
-log = logging.getLogger("jitwarm.sglang_jit")
 #: Layout of this backend's entries; part of every description.
 FORMAT = "jitwarm-sglang-jit/1"
 MANIFEST = "sglang_jit.json"
@@ -67,17 +40,8 @@ MODULE_PREFIX = "sgl_kernel_jit_"  # compile/spec.py:20, BuildSpec.module_name (
 _ARCH = re.compile(r"([0-9]+)\.([0-9])([a-z]*)")  # ArchInfo.target_name (utils/arch.py:33-35)
 
 
-@dataclass(frozen=True)
-class _Call:
-    """A spec's recorded call, checked: what the replay children are handed."""
-
-    call: dict[str, Any]
-    arch: tuple[int, int, str | None]  # (major, minor, suffix); None: sglang's default for the arch
-    sglang: str
-
-
-def _parse(spec: KernelSpec) -> _Call:
-    """The spec's call and arch, after checking the spec and that the installed sglang recorded it."""
+def _parse(spec: KernelSpec) -> tuple[dict[str, Any], child.Arch, str]:
+    """The spec's call, arch and sglang version, after checking the spec and that the installed sglang recorded it."""
     if spec.backend != name:
         raise SpecError(f"{spec.id}: not an {name} spec")
     params = spec.params_dict
@@ -106,7 +70,7 @@ def _parse(spec: KernelSpec) -> _Call:
     if recorded != installed:
         raise SpecError(f"{spec.family}: recorded with sglang {recorded or '(unknown)'}, but sglang {installed} is "
                         "installed here; record the manifest again with this sglang")
-    return _Call(call, (major, minor, suffix), installed)
+    return call, (major, minor, suffix), installed
 
 
 def installed_sglang() -> str:
@@ -120,9 +84,7 @@ def installed_sglang() -> str:
 
 
 def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
-    """Return the cache description of ``spec`` (JSON-able; no paths, hosts, times or device presence).
-
-    ``facts`` is not used: sglang fingerprints its compilers itself, once per describer process.
+    """Return the cache description of ``spec`` (``facts`` unused: sglang fingerprints its compilers itself).
 
     Raises
     ------
@@ -134,41 +96,35 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
         sglang's loader does not answer.
 
     """
-    parsed = _parse(spec)
-    memo = (spec, child.env_signature())
-    found = _descriptions.get(memo)
+    call, arch, sglang = _parse(spec)
+    signature = child.env_signature()
+    found = _descriptions.get((spec, signature))
     if found is None:
-        key = child.describe(parsed.arch, parsed.call)
+        key = child.describe(arch, call, signature)
         if key.get("module") != spec.family:
             raise SpecError(f"{spec.family}: sglang names this call's module {key.get('module')!r}")
         found = {"format": FORMAT, "module": spec.family, "target": spec.target, "arch": key.pop("arch"),
-                 "sglang": parsed.sglang, "call": parsed.call, "sglang_key": key}
-        _descriptions[memo] = found
+                 "sglang": sglang, "call": call, "sglang_key": key}
+        _descriptions[spec, signature] = found
     return json.loads(json.dumps(found))  # a copy: callers may not change the memo
 
 
 _descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
 
 
-def build(spec: KernelSpec, staging: Path) -> None:
+def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
     """Build ``spec`` with sglang's own ``load_jit`` in a fresh interpreter and move its leaf into ``staging``.
 
-    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging`` (:func:`child.build`),
-    so neither this process's sglang state nor the server's cache takes part; the leaf keeps its path
-    relative to that directory, which is the path sglang's loader looks it up at.
-
-    Raises
-    ------
-    CompileError
-        ``load_jit`` failed, timed out or published nothing; ``output`` holds sglang's whole text.
-
+    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging``: neither this process's sglang
+    state nor the server's cache takes part. CompileError when ``load_jit`` failed, timed out or published
+    nothing (``output``: sglang's whole text).
     """
     staging = Path(staging)
-    parsed = _parse(spec)
+    call, arch, _ = _parse(spec)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".sglang-", dir=staging) as tmp:
         root = Path(tmp) / "jit"
-        result = child.build(spec.family, parsed.arch, parsed.call, root)
+        result = child.build(spec.family, arch, call, root)
         leaf = result["leaf"]
         (staging / leaf).parent.mkdir(parents=True)
         (root / leaf).rename(staging / leaf)
@@ -178,13 +134,9 @@ def build(spec: KernelSpec, staging: Path) -> None:
     (staging / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def check(spec: KernelSpec, staging: Path) -> None:
-    """Check what :func:`build` wrote, without a device (see the module docstring); LoadError if it is wrong."""
-    _read_manifest(spec, Path(staging))
-
-
-def _read_manifest(spec: KernelSpec, root: Path) -> dict[str, Any]:
-    """``root``'s sglang_jit.json, checked against ``spec`` and the leaf it names."""
+def check(spec: KernelSpec, staging: Path) -> dict[str, Any]:
+    """Check what :func:`build` wrote, without a device, and return its manifest; LoadError if it is wrong."""
+    root = Path(staging)
     try:
         doc = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
         leaf = str(doc["leaf"])
@@ -217,8 +169,8 @@ class SglangCacheDirError(JitwarmError, OSError):
 def cache_root() -> Path:
     """The sglang JIT cache root as its loader resolves it: ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
 
-    sglang's own function when sglang's cache module is loaded here (cache.py:317-319); otherwise the same
-    rule read from the environment (``EnvStr(None)``, srt/environ.py:1397), without importing sglang.
+    sglang's own function when its cache module is loaded (cache.py:317-319), else the same rule
+    (``EnvStr(None)``, srt/environ.py:1397) without importing sglang.
     """
     loaded = sys.modules.get("sglang.kernels.jit.utils.compile.cache")
     if loaded is not None:
@@ -229,11 +181,9 @@ def cache_root() -> Path:
 def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Put ``entry``'s leaf into sglang's JIT cache (``cache_dir``, default :func:`cache_root`); return its library.
 
-    The returned path is the one sglang's ``find_prebuilt`` returns for the leaf. A complete leaf already
-    there (sglang built it, or an earlier materialize did) is kept as it is. Otherwise the files are copied
-    into a staging directory beside it, each checked against the entry's sha256 as it is written, and
-    renamed into place under sglang's build lock, so sglang's loader (which reads without a lock) sees the
-    leaf whole or not at all; an incomplete leaf of the same name is replaced.
+    The path returned is the one sglang's ``find_prebuilt`` returns. A complete leaf already there is kept.
+    Otherwise the files are copied beside it, each checked against the entry's sha256 as written, and renamed
+    into place under sglang's build lock, so sglang's lock-free loader sees the leaf whole or not at all.
 
     Raises
     ------
@@ -248,7 +198,7 @@ def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] 
     >>> lib = materialize(spec, cache.lookup(artifact(spec).key))  # doctest: +SKIP
 
     """
-    doc = _read_manifest(spec, Path(entry.path))
+    doc = check(spec, Path(entry.path))
     described = entry.description.get("sglang_key", {})
     if (described.get("target_tag"), described.get("build_key")) != (doc["target_tag"], doc["build_key"]):
         raise LoadError(f"{spec.family}: built as sglang {doc['target_tag']}/build-{doc['build_key']} but described "
@@ -256,10 +206,13 @@ def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] 
                         "changed between describing and building")
     leaf = Path(cache_dir if cache_dir is not None else cache_root()) / doc["leaf"]
     try:
-        if _complete(leaf, doc):  # sglang's own fast path takes no lock either (loader.py:135)
-            return _kept(spec, entry, doc, leaf)
+        # A complete leaf is kept as it is, whoever built it: sglang only publishes whole leaves, and its own
+        # fast path takes no lock either (loader.py:135).
+        if _complete(leaf, doc):
+            return leaf / doc["library"]
         leaf.parent.mkdir(parents=True, exist_ok=True)
-        with _build_lock(leaf.parent):
+        # sglang's own build lock: flock on <scope>/.lock, never unlinked (loader.py:40,247-267)
+        with FileLock(leaf.parent / ".lock", thread_local=False, preserve_lock_file=True):
             if not _complete(leaf, doc):
                 _place(spec, entry, doc["leaf"], leaf)
     except OSError as exc:
@@ -267,8 +220,7 @@ def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] 
     return leaf / doc["library"]
 
 
-def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:
-    """Copy the entry's leaf beside ``leaf`` and rename it into place (under sglang's lock)."""
+def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:  # under sglang's lock
     staging = leaf.parent / f".staging-jitwarm-{uuid.uuid4().hex}"
     try:
         _copy_leaf(spec, entry, rel_leaf, staging)
@@ -281,29 +233,11 @@ def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _complete(leaf: Path, doc: dict[str, Any]) -> bool:
-    """What sglang's lookup needs of a leaf besides its dependencies re-hashing (cache.py:392-403)."""
+def _complete(leaf: Path, doc: dict[str, Any]) -> bool:  # sglang's lookup, besides the re-hash (cache.py:392-403)
     return (leaf / DEPS_FILE).is_file() and (leaf / doc["library"]).is_file()
 
 
-def _kept(spec: KernelSpec, entry: Any, doc: dict[str, Any], leaf: Path) -> Path:
-    """A complete leaf already in place, kept as it is (sglang only ever publishes whole leaves)."""
-    records = {r.path: r.sha256 for r in entry.records}
-    for rel in (DEPS_FILE, doc["library"]):
-        if hashlib.sha256((leaf / rel).read_bytes()).hexdigest() != records.get(f"{doc['leaf']}/{rel}"):
-            # Same leaf name, other bytes: sglang built it on this node, and for sglang it is as valid as ours.
-            log.info("jitwarm: %s: keeping the build sglang published at %s (not jitwarm's bytes)", spec.family, leaf)
-            break
-    return leaf / doc["library"]
-
-
-def _build_lock(scope: Path) -> FileLock:
-    """The build lock of sglang itself: ``flock`` on ``<scope>/.lock``, never unlinked (loader.py:40,247-267)."""
-    return FileLock(scope / ".lock", thread_local=False, preserve_lock_file=True)
-
-
 def _copy_leaf(spec: KernelSpec, entry: Any, leaf: str, staging: Path) -> None:
-    """Copy the entry's leaf files into ``staging``, each hashed as written and compared with the entry."""
     records = [r for r in entry.records if r.path.startswith(leaf + "/")]
     for record in records:
         rel = record.path[len(leaf) + 1:]
@@ -332,7 +266,7 @@ def load(spec: KernelSpec, entry: Any) -> SglangJitKernel:
 
 
 class SglangJitKernel:
-    """A recorded sglang JIT module, present in sglang's cache (a :class:`~jitwarm.kernels.backend.LoadedKernel`)."""
+    """A recorded sglang JIT module, present in sglang's cache (a ``LoadedKernel``)."""
 
     def __init__(self, spec: KernelSpec, library: Path) -> None:
         self.spec = spec
@@ -342,8 +276,7 @@ class SglangJitKernel:
     def preload(self) -> int:
         """On a CUDA device of the spec's arch: the recorded ``load_jit`` (a cache hit) loads the module; else 0.
 
-        The device's capability must be the spec's (its arch is the device's own target, arch.py:104-128):
-        for another device the call would compile at once, for that device's arch.
+        Another device's capability is refused: there the call would compile at once (arch.py:104-128).
         """
         try:
             import torch
@@ -352,13 +285,13 @@ class SglangJitKernel:
         if not torch.cuda.is_available():
             return 0
         if self._module is None:
-            parsed = _parse(self.spec)
-            if torch.cuda.get_device_capability() != parsed.arch[:2]:
+            call, arch, _ = _parse(self.spec)
+            if torch.cuda.get_device_capability() != arch[:2]:
                 raise RuntimeError(f"{self.spec.family}: recorded for {self.spec.target}, but this device is "
                                    f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
             from sglang.kernels.jit.utils import load_jit
 
-            args, kwargs = child.call_arguments(parsed.call)
+            args, kwargs = child.call_arguments(call)
             self._module = load_jit(*args, **kwargs)
         return 1
 

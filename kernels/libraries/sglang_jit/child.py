@@ -3,14 +3,12 @@
 sglang's JIT state is process-global: the arch is a module global set by ``override_jit_cuda_arch``
 (utils/arch.py:162-185), the target tag and the environment fingerprint are computed once per process
 (``cache_once``, compile/cache.py:214,233), the cache dir and the crash flag are read from the environment
-(srt/environ.py:1397,1411). So every replay runs in a fresh interpreter of ``sys.executable`` with one arch
-for its whole life, and the caller's sglang (a server's, if any) is never touched:
+(srt/environ.py:1397,1411). So every replay runs in a fresh interpreter with one arch for its whole life:
 
-- :func:`describe`: the key sglang gives a call, from one long-lived child per arch and environment
-  (``python -m jitwarm.kernels.libraries.sglang_jit.child describe ARCH``: one JSON line per call on stdin,
-  one answer per line; the first line says whether sglang imported), which runs ``load_jit`` up to its cache decision.
-- :func:`build`: a whole ``load_jit`` into a given ``SGLANG_JIT_CACHE_DIR`` (``... build ARCH RESULT``: the
-  call on stdin, the outcome in the file ``RESULT``), one child per build.
+- :func:`describe`: one long-lived child per arch and environment (``python -m ...child describe ARCH``: one
+  JSON line per call on stdin, one answer per line, the first saying whether sglang imported) runs
+  ``load_jit`` up to its cache decision;
+- :func:`build`: one child per build (``... build ARCH RESULT``: the call on stdin, the outcome in ``RESULT``).
 
 ``ARCH`` is ``[major, minor, suffix or null]`` (null: sglang's default suffix for the arch, arch.py:82-101).
 """
@@ -36,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels import channel
-from jitwarm.kernels.backend import CompileError, SpecError, ToolchainError
-from jitwarm.kernels.toolchain import version_lines
+from jitwarm.kernels.backend import CompileError, SpecError, ToolchainError, version_lines
 
 Arch = tuple[int, int, str | None]
 _CHILD = "jitwarm.kernels.libraries.sglang_jit.child"
@@ -50,12 +47,14 @@ _BUILD_TIMEOUT_S = 1800 + 300  # sglang's own ninja timeout (compile/ninja.py:36
 
 
 def env_signature() -> tuple[Any, ...]:
-    """What a description depends on in this process besides the spec: the variables sglang reads, the path."""
+    """What a description depends on besides the spec: the variables sglang reads, and the import path."""
     return (*(os.environ.get(k) for k in _ENV_READ), tuple(sys.path))
 
 
-def describe(arch: Arch, call: dict[str, Any]) -> dict[str, Any]:
-    """The parts of sglang's build key of ``load_jit(call)`` for ``arch`` (:func:`sglang_key`, plus ``arch``).
+def describe(arch: Arch, call: dict[str, Any], signature: tuple[Any, ...]) -> dict[str, Any]:
+    """The parts of sglang's build key of ``load_jit(call)`` (:func:`sglang_key`), by the child of ``arch``.
+
+    ``signature`` is :func:`env_signature`, computed once by the caller.
 
     Raises
     ------
@@ -65,27 +64,18 @@ def describe(arch: Arch, call: dict[str, Any]) -> dict[str, Any]:
         nvcc, the CUDA runtime or the host compiler is not where sglang looks, or the child died or hung.
 
     """
-    key = (arch, env_signature())
     with _describers_lock:
-        found = _describers.get(key)
+        found = _describers.get((arch, signature))
         if found is None or found.proc.poll() is not None:
-            found = _describers[key] = _Describer(arch)
+            found = _describers[arch, signature] = _Describer(arch)
     return found.ask(call)
 
 
 def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
-    """Run ``load_jit(call)`` for ``arch`` to completion into ``cache_dir``; return ``{"leaf", "key", "driver"}``.
+    """Run ``load_jit(call)`` for ``arch`` into ``cache_dir``; return ``{"leaf", "key", "driver"}`` (leaf: relative).
 
-    ``module`` names the module in errors; ``leaf`` is the directory sglang published, relative to
-    ``cache_dir``. ``SGLANG_CRASH_ON_JIT_COMPILE`` and ``SGLANG_JIT_FORCE_RECOMPILE`` are off and
-    ``SGLANG_JIT_CACHE_KEEP`` unset in the child (a server's environment may set them).
-
-    Raises
-    ------
-    CompileError
-        ``load_jit`` failed, timed out or published nothing; ``output`` holds sglang's whole text, ninja's
-        and nvcc's output included.
-
+    The child runs with sglang's crash, force-recompile and keep switches off, whatever the server set.
+    CompileError when ``load_jit`` failed, timed out or published nothing (``output``: sglang's, ninja's, nvcc's text).
     """
     result_file = cache_dir.parent / f".{cache_dir.name}-result.json"
     env = _child_env(SGLANG_JIT_CACHE_DIR=str(cache_dir), SGLANG_CRASH_ON_JIT_COMPILE="0",
@@ -108,11 +98,8 @@ def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dic
 
 
 def _child_env(**overrides: str) -> dict[str, str]:
-    """A child's environment: ours, with our import path, so it imports the sglang the caller checked."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.update(overrides)
-    return env
+    """Our environment with our import path, so the child imports the sglang the caller checked."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **overrides}
 
 
 class _Describer:
@@ -131,8 +118,7 @@ class _Describer:
         """The key of ``call``, or the child's error raised as SpecError or ToolchainError."""
         with self._lock:
             with contextlib.suppress(OSError):  # a dead child: the read below says why
-                self.proc.stdin.write(channel.encode(call))
-                self.proc.stdin.flush()
+                channel.send(self.proc.stdin, call)
             return self._reply(_ASK_TIMEOUT_S)["key"]
 
     def _reply(self, timeout: float) -> dict[str, Any]:
@@ -195,9 +181,8 @@ def observe(call: dict[str, Any], *, build: bool) -> tuple[Any, Path]:
     """Run sglang's ``load_jit`` on ``call``; return the BuildSpec it resolved and the directory it keyed.
 
     Without ``build``, ``SGLANG_CRASH_ON_JIT_COMPILE`` stops it at its cache decision, before its lock
-    (loader.py:148-156; the cache dir is empty, so it is a miss). The BuildSpec and the key are seen where
-    load_jit hands them to ``cache.compute_build_key`` and ``cache.build_key_dir`` (loader.py:130-133), the
-    real functions, so every branch load_jit takes (dependencies, HIP/SAIL flags, resource logging) is in them.
+    (loader.py:148-156). Both are seen where load_jit hands them to the real ``cache.compute_build_key`` and
+    ``cache.build_key_dir`` (loader.py:130-133), so every branch load_jit takes is in them.
     """
     from sglang.kernels.jit.utils.compile import cache, loader
 
@@ -295,19 +280,14 @@ def toolchain_problem(spec: Any) -> str | None:
 def driver() -> str:
     """Make modules linked with ``-lcuda`` loadable here: "present" (a driver), "stub" or "absent".
 
-    load_jit dlopens what it built before it publishes it (loader.py:189-198). The CUDA runtime loads the
-    driver lazily, but a module linked ``-lcuda`` (kernels/ops/attention/dsv4/wo_a.py:28) needs libcuda.so.1,
-    which a build box without a driver lacks. The toolkit's stub, the library those modules link against
-    (toolchain.py:59-68), has that soname: once loaded, it satisfies the dependency and the dlopen succeeds.
-    Only this build child loads it; the files built are the same either way.
+    load_jit dlopens what it built before publishing it (loader.py:189-198); a ``-lcuda`` module (dsv4/wo_a.py:28)
+    needs libcuda.so.1, which the toolkit's stub (toolchain.py:59-68) provides on a box without a driver.
     """
     from sglang.kernels.jit.utils.compile import toolchain
 
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libcuda.so.1")
         return "present"
-    except OSError:
-        pass
     stub = Path(toolchain.cuda_stubs_dir()) / "libcuda.so"
     if not stub.is_file():
         return "absent"
@@ -318,8 +298,7 @@ def driver() -> str:
 def _enter_arch(arch: list[Any]) -> None:
     from sglang.kernels.jit.utils import override_jit_cuda_arch
 
-    major, minor, suffix = arch
-    _process_arch.enter_context(override_jit_cuda_arch(major, minor, suffix))
+    _process_arch.enter_context(override_jit_cuda_arch(*arch))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -328,26 +307,23 @@ def _one_line(exc: BaseException) -> str:
 
 def _serve_descriptions(arch: list[Any]) -> int:
     answers = channel.answers()  # whatever sglang or torch prints goes to the log, never into the answers
-
-    def send(reply: dict[str, Any]) -> None:
-        channel.send(answers, reply)
-
     with tempfile.TemporaryDirectory(prefix="jitwarm-sglang-describe-") as tmp:
         os.environ["SGLANG_JIT_CACHE_DIR"] = str(Path(tmp) / "never-written")  # the crash comes before any write
         try:
             _enter_arch(arch)
         except Exception as exc:  # ImportError, or whatever sglang's own imports raise
-            send({"error": "spec", "message": f"cannot import sglang's JIT loader: {_one_line(exc)}"})
+            channel.send(answers, {"error": "spec", "message": f"cannot import sglang's JIT loader: {_one_line(exc)}"})
             return 1
-        send({"ready": True})
+        channel.send(answers, {"ready": True})
         for line in sys.stdin:
             call = channel.decode(line)
             try:
                 spec, scope = observe(call, build=False)
                 problem = toolchain_problem(spec)
-                send({"error": "toolchain", "message": problem} if problem else {"key": sglang_key(spec, scope)})
+                reply = {"error": "toolchain", "message": problem} if problem else {"key": sglang_key(spec, scope)}
             except Exception as exc:  # load_jit's ValueError (unknown dependency), TypeError (a bad keyword)
-                send({"error": "spec", "message": f"load_jit{tuple(call.get('args', ()))}: {_one_line(exc)}"})
+                reply = {"error": "spec", "message": f"load_jit{tuple(call.get('args', ()))}: {_one_line(exc)}"}
+            channel.send(answers, reply)
     return 0
 
 
@@ -371,13 +347,7 @@ def _build_one(arch: list[Any], result: Path) -> int:
     return 1 if "error" in out else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one child mode (see the module docstring)."""
-    mode, arch, *rest = sys.argv[1:] if argv is None else argv
-    if mode == "describe":
-        return _serve_descriptions(json.loads(arch))
-    return _build_one(json.loads(arch), Path(rest[0]))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    _mode, _arch, *_rest = sys.argv[1:]
+    sys.exit(_serve_descriptions(json.loads(_arch)) if _mode == "describe" else
+             _build_one(json.loads(_arch), Path(_rest[0])))

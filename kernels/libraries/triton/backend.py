@@ -1,32 +1,10 @@
-"""The server's own Triton kernels, replayed from a manifest: described by Triton's own cache key, built by Triton.
+"""The server's own Triton kernels (kind ``triton_jit``): described by Triton's own cache key, built by Triton.
 
-A spec of this backend is one recorded specialization (:mod:`jitwarm.precompile.manifest`): ``family`` is the
-kernel as ``module:qualname``, ``params["specialization"]`` is the specialization data Triton handed its
-``jit_cache_hook`` (signature, constexprs, attrs, options, target), ``target`` the arch it was recorded on.
-It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
-
-``description(spec) -> dict``
-    ``{"format", "triton_key", "group"}``: the key Triton's ``compile`` makes its cache manager with for this
-    specialization and the name of the metadata file it asks the manager for, found by running Triton's own
-    ``preload`` up to its cache lookup (:func:`triton_cache_key`). It is exactly what
-    :class:`jitwarm.kernels.libraries.triton.cache.CacheManager` computes when the server's Triton compiles the same
-    specialization, so the entry a CPU build box replays is the entry the GPU server's JIT finds. Triton's
-    key covers its version and backend, the kernel's source and everything it calls, the options and the
-    cache-invalidating ``TRITON_*`` variables: run the replay in the server's image and environment.
-``build(spec, staging)``
-    Triton's own ``preload(specialization)`` into a private Triton cache, with a driver that only reports
-    the recorded target when this box has no such device; the files Triton wrote (IRs, cubin, metadata)
-    go to ``staging`` with the group file naming them relative to the entry. ``CompileError`` with
-    Triton's message, or when Triton keyed the compile differently than the description said.
-``check(spec, staging)`` / ``load(spec, entry)``
-    The group and its files are there and the cubin is an ELF image. ``load`` returns a kernel whose
-    ``preload()``, on a device, runs Triton's ``preload`` again through jitwarm's cache manager (a hit: no
-    compile) and loads the module onto the device (``_init_handles``: ``cuModuleLoadData``, which Triton
-    otherwise does at the first launch, inside capture if that is where the first launch is). The server
-    launches these kernels itself: ``run()`` raises.
-
-Triton's knobs and its active driver are process-global: descriptions and builds here take one lock, and the
-target-only driver is only ever installed by the CLI or a build worker, for the length of one call.
+A recorded spec is one specialization (``family`` ``module:qualname``, ``params["specialization"]`` what Triton
+handed its ``jit_cache_hook``); a served spec (target ``served``) is a compile the server's Triton asked
+:mod:`.cache` for, captured, never built here. Both are described by the key Triton's ``compile`` makes its
+cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds (docs/triton.md). Triton's
+knobs and active driver are process-global: descriptions and builds hold ``driver.LOCK``.
 """
 
 from __future__ import annotations
@@ -50,11 +28,9 @@ FORMAT = "jitwarm-triton-cache/1"
 SERVED = "served"
 GROUP_PREFIX = "__grp__"  # Triton's own name for a group file (runtime/cache.py, FileCacheManager.put_group)
 
-_lock = threading.RLock()
-
 
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
-    """Return ``{"format", "triton_key", "group"}`` for ``spec`` (see the module docstring).
+    """Return ``{"format", "triton_key", "group"}`` for ``spec`` (``"file"`` for a served single file).
 
     Raises
     ------
@@ -66,17 +42,15 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
     served = _served(spec)
     if served is not None:
         kind, triton_key = served
-        return (group_description if kind == "group" else file_description)(triton_key, spec.family)
-    fn = resolve(spec.family)
-    key, group = triton_cache_key(fn, _specialization(spec), _target(spec))
-    return group_description(key, group)
+        return {"format": FORMAT, "triton_key": triton_key, kind: spec.family}
+    key, group = triton_cache_key(resolve(spec.family), _specialization(spec), _target(spec))
+    return {"format": FORMAT, "triton_key": key, "group": group}
 
 
 def served_group(triton_key: str, group: str) -> KernelSpec:
     """The spec of the compile the server's Triton asks its cache manager for: keyed ``triton_key``, named ``group``.
 
-    Its description is the one a recorded specialization of that compile has, so both name one entry; it is
-    captured from the server's compile (:mod:`jitwarm.kernels.libraries.triton.cache`), never built here.
+    Its description is a recorded specialization's of that compile, so both name one entry.
     """
     return KernelSpec(group, name, SERVED, {"served": "group", "triton_key": triton_key})
 
@@ -87,7 +61,7 @@ def served_file(triton_key: str, filename: str) -> KernelSpec:
 
 
 def _served(spec: KernelSpec) -> tuple[str, str] | None:
-    """``(kind, triton_key)`` of a served spec (:func:`served_group`, :func:`served_file`), None for a recorded one."""
+    """``(kind, triton_key)`` of a served spec, None for a recorded one."""
     params = spec.params_dict
     if spec.target != SERVED:
         return None
@@ -96,33 +70,19 @@ def _served(spec: KernelSpec) -> tuple[str, str] | None:
     return str(params["served"]), str(params["triton_key"])
 
 
-def group_description(triton_key: str, group: str) -> dict[str, Any]:
-    """The description of Triton's compile keyed ``triton_key`` whose metadata file is ``group``."""
-    return {"format": FORMAT, "triton_key": triton_key, "group": group}
+def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
+    """Compile ``spec`` with Triton's own ``preload`` into ``staging``; CompileError with Triton's message.
 
-
-def file_description(triton_key: str, filename: str) -> dict[str, Any]:
-    """The description of one file Triton stores outside a group (a launcher or utils module, autotune results)."""
-    return {"format": FORMAT, "triton_key": triton_key, "file": filename}
-
-
-def build(spec: KernelSpec, staging: Path) -> None:
-    """Compile ``spec`` with Triton's own ``preload`` into ``staging`` (see the module docstring)."""
+    ``described`` (the description the key was made from) spares a second key probe.
+    """
     import tempfile
-
-    from triton import knobs
 
     if _served(spec) is not None:
         raise CompileError(f"{spec.family}: captured from the server's Triton compile, never built by jitwarm")
     fn = resolve(spec.family)
-    want = description(spec)
-    with _lock, driver.reporting(_target(spec)), tempfile.TemporaryDirectory(prefix=".triton-", dir=staging) as tmp, \
-            knobs.cache.scope(), knobs.runtime.scope(), knobs.compilation.scope():
-        knobs.cache.dir = tmp
-        knobs.cache.manager_class = None  # Triton's own file manager, into the private dir
-        knobs.runtime.jit_cache_hook = None  # a recorder or a guard of this process must not see the replay
-        knobs.compilation.override = False  # TRITON_KERNEL_OVERRIDE would swap in foreign IR
-        knobs.compilation.dump_ir = False
+    want = described or description(spec)
+    with driver.LOCK, driver.reporting(_target(spec)), \
+            tempfile.TemporaryDirectory(prefix=".triton-", dir=staging) as tmp, driver.private_cache(tmp):
         try:
             fn.preload(_specialization(spec))
         except Exception as exc:  # Triton's CompilationError, ptxas's RuntimeError: the message is the diagnostic
@@ -194,7 +154,7 @@ def _check_group(spec: KernelSpec, root: Path, group: str) -> None:
 
 
 class TritonJitKernel:
-    """A recorded Triton specialization, present in the cache (a :class:`~jitwarm.kernels.backend.LoadedKernel`)."""
+    """A recorded Triton specialization, present in the cache (a ``LoadedKernel``)."""
 
     def __init__(self, spec: KernelSpec) -> None:
         self.spec = spec
@@ -203,8 +163,8 @@ class TritonJitKernel:
     def preload(self) -> int:
         """On a CUDA device: Triton's ``preload`` through jitwarm's cache (a hit), then the module load; else 0.
 
-        The kernel lands in the ``JITFunction``'s own kernel cache for the current device, so the server's
-        first launch of this specialization neither compiles nor loads a module.
+        The kernel lands in the ``JITFunction``'s own cache for the device: the server's first launch neither
+        compiles nor loads a module.
         """
         import torch
 
@@ -237,7 +197,8 @@ def resolve(kernel: str) -> Any:
     Raises
     ------
     SpecError
-        The module cannot be imported, has no such attribute, or it is not a Triton kernel.
+        The module cannot be imported (its ``sys.exit()`` included), has no such attribute, or it is not a
+        Triton kernel.
 
     """
     from triton.runtime.jit import JITFunction
@@ -246,8 +207,8 @@ def resolve(kernel: str) -> Any:
     if not module_name or not qualname or "<locals>" in qualname:
         raise SpecError(f"{kernel}: not importable by name (a kernel defined inside a function cannot be replayed)")
     try:
-        # A manifest names the module, so importing it runs code we do not control: what it prints goes to
-        # stderr (stdout may be a --json report), and its sys.exit() is this spec's failure, not the command's.
+        # Code a manifest names: its sys.exit() is this spec's failure; what it prints goes to stderr, since the
+        # parent imports it too (to describe the spec) and its stdout may be a --json report.
         with contextlib.redirect_stdout(sys.stderr):
             obj: Any = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure of the server's module
@@ -277,9 +238,8 @@ _probing = threading.local()
 def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tuple[str, str]:
     """Return the key Triton makes its cache manager with for this compile, and the group it asks for.
 
-    Runs Triton's own ``preload`` with a cache manager that stops at ``get_group``: Triton's ``compile``
-    computes the key from the source, backend, options and environment itself (compiler.py, ``compile``),
-    so nothing of it is repeated here. Other threads' compiles meanwhile get the manager they had.
+    Triton's own ``preload`` runs with a cache manager that stops at ``get_group``, so the key is Triton's
+    (compiler.py, ``compile``), nothing of it repeated here. Other threads' compiles get the manager they had.
     """
     from triton import knobs
     from triton.runtime.cache import CacheManager, FileCacheManager
@@ -287,26 +247,23 @@ def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tu
     previous = knobs.cache.manager_class or FileCacheManager
 
     class KeyProbe(CacheManager):
+        def __new__(cls, key: str, override: bool = False, dump: bool = False) -> Any:
+            if getattr(_probing, "active", False) and not (override or dump):
+                return super().__new__(cls)
+            return previous(key, override=override, dump=dump)  # another thread's compile: the manager it had
+
         def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
             self.key = key
-            mine = getattr(_probing, "active", False) and not (override or dump)
-            self._other = None if mine else previous(key, override=override, dump=dump)
 
         def get_group(self, filename: str) -> Any:
-            if self._other is None:
-                raise _Described(self.key, filename)
-            return self._other.get_group(filename)
+            raise _Described(self.key, filename)
 
-        def get_file(self, filename: str) -> Any:
-            return self._other.get_file(filename) if self._other is not None else None
+        def _unreached(self, *args: Any, **kwargs: Any) -> None:  # get_group comes first and stops the compile
+            return None
 
-        def put(self, data: Any, filename: str, binary: bool = True) -> Any:
-            return self._other.put(data, filename, binary) if self._other is not None else None
+        get_file = put = put_group = _unreached
 
-        def put_group(self, filename: str, group: dict[str, str]) -> Any:
-            return self._other.put_group(filename, group) if self._other is not None else None
-
-    with _lock, driver.reporting(target), knobs.cache.scope(), knobs.runtime.scope():
+    with driver.LOCK, driver.reporting(target), knobs.cache.scope(), knobs.runtime.scope():
         knobs.cache.manager_class = KeyProbe
         knobs.runtime.jit_cache_hook = None
         _probing.active = True

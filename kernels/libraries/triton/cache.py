@@ -1,30 +1,8 @@
 """A Triton ``CacheManager`` over jitwarm's cache: every compile of the server's Triton found or built exactly once.
 
-``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` (set by the jitwarm sglang plugin, or
-:func:`serving` around a block) makes Triton look up and store each compile through jitwarm's
-:class:`~jitwarm.cache.KernelCache`: locked, verified, layered, bundled and shared through the remote tier.
-Triton's own file manager takes no lock, so N ranks starting together compile each kernel N times; here a
-miss takes the key's lock before Triton compiles, the other processes wait for it and load what it published.
-
-Triton's flow is inverted relative to ``get_or_build``: ``compile`` asks ``get_group(name)``, compiles on a
-miss, ``put``s each file and ends with ``put_group(name, files)``. So a miss reserves the key: one thread
-runs the compile's :meth:`~jitwarm.kernels.artifacts.Artifact.get_or_build`, whose capture step waits for
-the files Triton puts (the key's lock is held meanwhile), and ``get_group`` returns None to the compile
-only once that thread holds the lock; if another process published first, ``get_group`` returns its files
-instead. The captured files are checked by the ``triton_jit`` backend before the cache seals them, as any
-build is. A compile that fails never reaches ``put_group``: when Triton drops the manager, the reservation
-is abandoned and the lock released (no entry is published).
-
-What Triton is handed on a hit is read under the entry's claim (``KernelCache.claim``): the files are
-copied into this manager's scratch directory while the claim is held, and Triton reads the copies
-(``CompiledKernel`` reads every file of the group as soon as ``get_group`` returns), so a ``prune`` or a
-quarantine running meanwhile never deletes a file underneath Triton.
-
-Entries are described by Triton's own key (:func:`jitwarm.kernels.libraries.triton.backend.served_group`),
-the very entries ``jitwarm warm --manifest`` replays ahead of time. Files Triton keeps outside a group (the
-launcher and utils modules it builds with the host compiler, autotune results) are single-file entries. If
-the cache cannot be opened (a bad ``JITWARM_*`` setting), the manager says so once and behaves as Triton's
-own.
+``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager``. A miss reserves the key: a thread
+holds its lock in ``Artifact.get_or_build`` while Triton compiles, and captures what ``put_group`` hands over
+(checked, then sealed). A hit hands Triton copies made under the entry's claim. docs/triton.md, "Serving".
 """
 
 from __future__ import annotations
@@ -75,11 +53,7 @@ def _cache() -> KernelCache | None:
 
 
 def serve(cache: KernelCache | None = None) -> None:
-    """Make every Triton compile of this process from now on find and store its result in ``cache``.
-
-    What ``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` does (``cache`` None: the
-    default ``KernelCache()``, on first use).
-    """
+    """Make every later Triton compile of this process find and store its result in ``cache`` (None: the default)."""
     from triton import knobs
 
     if cache is not None:
@@ -98,15 +72,9 @@ def serving() -> Iterator[None]:
 
 
 class CacheManager(_TritonCacheManager):
-    """Triton's cache manager interface over jitwarm's cache (see the module docstring).
+    """Triton's cache manager interface over jitwarm's cache, for Triton's key of one compile.
 
-    Parameters
-    ----------
-    key : str
-        Triton's key of one compile (or of one host-compiled module), as ``get_cache_manager`` passes it.
-    override, dump : bool
-        Triton's IR override and dump directories: debugging aids, left to Triton's own file manager.
-
+    ``override`` and ``dump`` (Triton's IR override and dump directories) are left to Triton's own file manager.
     """
 
     def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
@@ -116,8 +84,6 @@ class CacheManager(_TritonCacheManager):
         self._reservation: _Reservation | None = None
         self._compiling = False  # get_group said None: the files Triton puts next belong to that compile
         self._scratch: Path | None = None
-
-    # -- groups: one compile ---------------------------------------------------------------------
 
     def get_group(self, filename: str) -> dict[str, str] | None:
         """The files of the compile ``filename`` names, from the cache; None when Triton is to compile it."""
@@ -135,7 +101,7 @@ class CacheManager(_TritonCacheManager):
             log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", art.spec.family, exc)
             return None
         if entry is None:
-            reservation = _Reservation(self._cache, art)
+            reservation = _Reservation(self._cache, art, missed=True)
             entry = reservation.start()
             if entry is None:  # this process builds it: Triton compiles, put()s, and put_group() publishes
                 self._reservation = reservation
@@ -155,8 +121,6 @@ class CacheManager(_TritonCacheManager):
                 return str(grp)
         reservation.publish(grp.parent)
         return str(grp)  # Triton keeps these paths (CompiledKernel.metadata_group): its own files, never pruned
-
-    # -- files: put by a compile, or kept on their own -------------------------------------------------
 
     def put(self, data: Any, filename: str, binary: bool = True) -> str:
         """Store one file: into the pending compile's files, or as an entry of its own."""
@@ -191,8 +155,6 @@ class CacheManager(_TritonCacheManager):
             return None
         copied = self._hand_over(art, entry, lambda e: {name: self._copy(e.file(name))}) if entry else None
         return copied[name] if copied else None
-
-    # -- hand-over: what Triton reads is a copy made under the entry's claim ----------------------------
 
     def _hand_over(self, art: Artifact, entry: Entry,
                    copy: Callable[[Entry], dict[str, str]]) -> dict[str, str] | None:
@@ -236,14 +198,14 @@ def _remove_scratch() -> None:
 class _Reservation:
     """A key's lock held by a thread's ``Artifact.get_or_build`` until Triton's files arrive (or never do).
 
-    Two handshakes: ``_decided`` (the thread holds the lock, or finished: a hit, another process's entry,
-    a failure) and ``_arrived`` (the compile's files are in, or the compile was dropped); ``publish`` then
-    joins the thread, which has copied, checked and sealed the files.
+    ``_decided``: the thread holds the lock, or finished (a hit, another process's entry, a failure).
+    ``_arrived``: the compile's files are in, or the compile was dropped.
     """
 
-    def __init__(self, cache: KernelCache, art: Artifact) -> None:
+    def __init__(self, cache: KernelCache, art: Artifact, missed: bool = False) -> None:
         self._cache = cache
         self._art = art
+        self._missed = missed  # just looked up and not found: straight to the lock
         self._capturing = False
         self._decided = threading.Event()
         self._arrived = threading.Event()
@@ -269,7 +231,8 @@ class _Reservation:
 
     def _run(self) -> None:
         try:
-            self._entry = self._art.get_or_build(self._cache, WAIT_S, capture=self._capture).entry
+            self._entry = self._art.get_or_build(self._cache, WAIT_S, capture=self._capture,
+                                                  missed=self._missed).entry
         except Exception as exc:  # noqa: BLE001 - the server's compile goes on unshared, whatever the cache said
             if self._files is not None:  # a compile that did finish: say why it is not shared
                 log.warning("jitwarm: Triton's compile %s is not in the cache: %s", self._art.spec.family, exc)

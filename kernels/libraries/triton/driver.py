@@ -1,26 +1,23 @@
-"""Every use of Triton's driver and backend internals in jitwarm, in one place.
+"""Every use of Triton's driver and backend internals in jitwarm, so a Triton upgrade is fixed here alone.
 
-jitwarm's own Triton backend (:mod:`jitwarm.kernels.triton_backend`) and the replay of the server's Triton
-kernels (:mod:`jitwarm.kernels.libraries.triton.backend`) reach past Triton's public API in four spots; a
-Triton upgrade that moves one of them is fixed here and nowhere else:
-
-- ``triton.runtime.driver.active`` / ``_active`` / ``set_active``: a build box without a GPU compiles under
-  a driver that only reports the recorded target (:func:`reporting`);
-- ``triton.backends.compiler.GPUTarget``: the target a compile is for (:func:`gpu_target`);
-- ``triton.backends.nvidia.compiler.get_ptxas``: which ptxas Triton assembles an arch with (:func:`ptxas`);
-- ``CompiledKernel._init_handles``: the module load Triton otherwise does at the first launch
-  (:func:`load_module`), which would land inside a CUDA-graph capture.
+``driver.active``/``_active``/``set_active`` (:func:`reporting`: a box without a GPU compiles under a driver that
+only reports the target), ``GPUTarget`` (:func:`gpu_target`), ``nvidia.compiler.get_ptxas`` (:func:`ptxas`) and
+``CompiledKernel._init_handles`` (:func:`load_module`: the module load Triton otherwise does at the first launch,
+inside a CUDA-graph capture if that is where it is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 #: Threads per warp of every CUDA target Triton compiles for.
 WARP_SIZE = 32
+#: Triton's knobs and active driver are process-global: every change of them in jitwarm holds this lock.
+LOCK = threading.RLock()
 
 
 def gpu_target(arch: int) -> Any:
@@ -42,6 +39,24 @@ def ptxas(arch: int) -> Path:
         return Path(knobs.nvidia.ptxas.path)
 
 
+@contextlib.contextmanager
+def private_cache(directory: str) -> Iterator[None]:
+    """Under :data:`LOCK`, Triton's own file cache in ``directory``, whatever this process's knobs say.
+
+    Every build is then a real compile (never a stale ``~/.triton`` hit), and no ``TRITON_CACHE_MANAGER``,
+    ``TRITON_KERNEL_OVERRIDE`` (foreign IR), IR dump or ``jit_cache_hook`` (a recorder, a guard) takes part.
+    """
+    from triton import knobs
+
+    with LOCK, knobs.cache.scope(), knobs.runtime.scope(), knobs.compilation.scope():
+        knobs.cache.dir = directory
+        knobs.cache.manager_class = None
+        knobs.runtime.jit_cache_hook = None
+        knobs.compilation.override = False
+        knobs.compilation.dump_ir = False
+        yield
+
+
 def load_module(kernel: Any) -> None:
     """Load a ``CompiledKernel``'s module onto the current device now (``cuModuleLoadData``), not at its launch."""
     kernel._init_handles()
@@ -51,8 +66,8 @@ def load_module(kernel: Any) -> None:
 def reporting(target: dict[str, Any]) -> Iterator[None]:
     """Triton's active driver if its device is ``target``, else (a build box) one that only reports ``target``.
 
-    Triton's ``preload`` asks the active driver for the current device and target and refuses a
-    specialization recorded for another; nothing else of the driver is used before the compile.
+    Triton's ``preload`` asks the driver for the current device and target only, and refuses another target's
+    specialization.
     """
     from triton.runtime import driver
 
