@@ -1,8 +1,6 @@
 """The shared kernel cache: content-addressed entries, per-key file locks, exactly-once builds, a remote tier.
 
-See docs/cache.md for the modules, the on-disk layout and the publish protocol. Environment knobs are read
-through :mod:`jitwarm.cache.settings`, each when it is used. Importing this package reads no environment
-and touches no file.
+The protocol and its design note: :mod:`jitwarm.cache.protocol`. Importing it reads no environment, touches no file.
 """
 
 from __future__ import annotations

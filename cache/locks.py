@@ -365,9 +365,7 @@ class SharedClaim:
                 mode = ready_lock_dir(self.lock_dir, shared=self.shared)
                 private_lock_file(self.lock_path, mode, shared=self.shared)
                 return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, mode)
-            except CacheError:
-                raise
-            except OSError as exc:
+            except OSError as exc:  # (an untrusted lock dir or file is a CacheError, not an OSError: it raises)
                 log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.key, self.lock_path, exc)
         try:
             return os.open(self.lock_path, flags | os.O_RDONLY)  # a shared flock needs no write access

@@ -22,7 +22,7 @@ from jitwarm.cache.errors import UsageError
 ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
     "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
-    "strict", "sglang_plugin", "config", "manifest", "record", "triton_cache")}
+    "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -143,6 +143,17 @@ def record() -> Path | None:
     """``JITWARM_RECORD``: append every Triton and ``load_jit`` kernel this process compiles to this manifest."""
     text = _text("JITWARM_RECORD")
     return absolute_path(text) if text else None
+
+
+def record_caches() -> tuple[str, ...] | None:
+    """``JITWARM_RECORD_CACHES``: the JIT cache families a recording captures, comma-separated; ``none``: none.
+
+    Unset, blank or ``all``: every family (None). The names are the kernels layer's to check.
+    """
+    text = _text("JITWARM_RECORD_CACHES")
+    if text is None or text.lower() == "all":
+        return None
+    return () if text.lower() in ("none", "0") else tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def triton_cache() -> bool:

@@ -119,7 +119,7 @@ class KernelCache:
 
     def __repr__(self) -> str:
         mode = ", read_only=True" if self.read_only else ""
-        mode += f", remote={redact(self.remote)!r}" if self.remote else ""
+        mode += f", remote={self.remote_display!r}" if self.remote else ""
         return f"KernelCache(root={str(self.root)!r}, layers={[str(p) for p in self.layers]}{mode})"
 
     def key(self, description: Mapping[str, Any]) -> str:
