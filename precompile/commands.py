@@ -1,9 +1,7 @@
 """What the planning ``jitwarm`` commands share, and ``plan``, ``warm`` and ``prune``.
 
-Each ``cmd_*`` takes the parsed arguments and the plan (None for the commands that act on the whole cache) and
-returns its exit code (:mod:`jitwarm.precompile.cli` has the table). Output goes to stdout (one JSON object with
-``--json``), problems to stderr. ``status`` and ``verify`` are :mod:`~jitwarm.precompile.coverage`'s;
-``prestart``, ``export`` and ``import`` are :mod:`~jitwarm.precompile.shipping`'s.
+Each ``cmd_*`` takes the parsed arguments and the plan (None for the commands on the whole cache) and returns its
+exit code; output goes to stdout (one JSON object with ``--json``), problems to stderr.
 """
 
 from __future__ import annotations
@@ -61,10 +59,10 @@ def open_cache(args: argparse.Namespace) -> Any:
 
 
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
-    """Each spec's cache key (the one path: ``artifact(spec, facts)``).
+    """Each spec's cache key (``artifact(spec, facts)``, once per process).
 
-    A spec that cannot be keyed here (a recorded kernel whose module does not import in this environment,
-    a missing toolchain) is left out, with one line on stderr saying why: it counts as missing.
+    A spec that cannot be keyed here (a recorded kernel whose module does not import here, a missing toolchain)
+    is left out, with one line on stderr saying why: it counts as missing.
     """
     from jitwarm.kernels import SpecError, ToolchainError
     from jitwarm.kernels.artifacts import artifact
@@ -99,10 +97,8 @@ def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -
 def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmPlan:
     """The plan the flags describe: the serving config's, plus the recorded kernels of each ``--manifest``.
 
-    ``--manifest`` alone (no server command line, config file or serving flag that asks for jitwarm's own
-    families, :func:`asks_for_families`) plans only the recorded kernels. The plan's targets (``--target``;
-    with serving flags, the config's default too) select the records made on them: each record is built for
-    the target it was recorded on.
+    ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels; the plan's
+    targets select the records made on them (each is built for the target it was recorded on).
     """
     from jitwarm.kernels import Target, TargetError
     from jitwarm.precompile.config_sources import from_namespace
@@ -124,9 +120,8 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
 def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     """An empty plan is success, said once: a server that captures no decode graphs needs no kernels warmed.
 
-    An init container that shares the server's template (``--disable-cuda-graph``) must not block the pod; only
-    ``export`` refuses, as there is no bundle to write. (A manifest none of whose records is for the targets
-    asked for is a usage error, raised by the caller: there, something was asked for and nothing matched.)
+    An init container sharing the server's template (``--disable-cuda-graph``) must not block the pod; only
+    ``export`` refuses, as there is no bundle to write.
     """
     why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
     what = "the server captures no decode CUDA graphs"
@@ -236,11 +231,12 @@ def warm_exit(report: Any) -> int:
 
 def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Build every missing spec of the plan in parallel and write the plan's completion record."""
-    from jitwarm.precompile.shipping import check_fingerprints, warm_then_hand_over
+    from jitwarm.precompile.shipping import check_fingerprints, warm_then_hand_over, without_absent_units
     from jitwarm.precompile.warming import warm
 
     check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
     cache = open_cache(args)
+    plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
     report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
                   timeout_s=args.timeout)
     print_warm(args, report)

@@ -52,11 +52,12 @@ class Recorder:
         self._before: dict[str, Any] = {}
         self._capturing = threading.Lock()
 
-    def add(self, record: Mapping[str, Any]) -> None:
+    def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
 
         A record counts as recorded only once its append succeeded: after a failed one (a full disk) the next
-        time Triton or ``load_jit`` hands it over, it is appended again.
+        time Triton or ``load_jit`` hands it over, it is appended again. :attr:`recorded` counts the kernel
+        records (``kernel``); captured cache units are counted in :attr:`captured`.
         """
         rid = record_id(record)
         with self._lock:
@@ -70,7 +71,8 @@ class Recorder:
             return
         with self._lock:
             self._seen.add(rid)
-            self.recorded += added
+            if kernel:
+                self.recorded += added
 
     def start(self) -> Recorder:
         """Install the Triton hook and the load_jit wrapper (whichever can be imported), list the JIT caches."""
@@ -78,7 +80,7 @@ class Recorder:
         self._wrap_load_jit()
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
 
-        self._before = snapshot()
+        self._before = snapshot(_families())
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
         return self
@@ -124,7 +126,7 @@ class Recorder:
                 self._before[name] = replace(snap, units={u: f for u, f in snap.units.items()
                                                           if (name, u) not in failed})
         for rec in records:
-            self.add(rec)
+            self.add(rec, kernel=False)
         return len(records)
 
     def _open_cache(self) -> Any:
@@ -187,6 +189,26 @@ class Recorder:
 
         loader.BuildSpec = build_spec
         self._undo.append(lambda: setattr(loader, "BuildSpec", original))
+
+
+def _families() -> list[str]:
+    """The cache families ``JITWARM_RECORD_CACHES`` asks for (all by default); an unknown name is said, skipped."""
+    from jitwarm.cache import settings
+    from jitwarm.cache.settings import SettingError
+    from jitwarm.kernels.libraries.jit_caches import MODULES
+
+    try:
+        asked = settings.record_caches()
+    except SettingError as exc:
+        log.warning("jitwarm: %s: capturing every JIT cache family", exc)
+        asked = None
+    if asked is None:
+        return list(MODULES)
+    for name in asked:
+        if name not in MODULES:
+            log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
+                        ", ".join(MODULES))
+    return [name for name in MODULES if name in asked]
 
 
 def _jitwarm_serves_triton() -> bool:

@@ -67,9 +67,9 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     keys = keys_of(plan, cache)
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline) if args.bundle else None
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
-    if not args.offline:
-        report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
-                      timeout_s=args.timeout)
+    if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
+        report = warm(without_absent_units(plan, cache), cache=cache, jobs=args.jobs,
+                      progress=False if args.json else None, timeout_s=args.timeout)
         summary.update(report.to_json())
         if not report.ok:
             print_warm(args, report, {**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3)})
@@ -161,6 +161,32 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     return len(plan.recorded)
 
 
+def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> WarmPlan:
+    """The plan without its captured JIT cache units that ``cache`` lacks (said once on stderr).
+
+    A unit is captured from a run, never built: where the recording run's cache (or its bundle) has not been
+    imported, ``warm`` and ``export`` go on with what they can build or hold. With a remote tier the units stay
+    (a build worker downloads them).
+    """
+    from dataclasses import replace
+
+    from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.jit_caches import KIND_OF
+
+    kinds = set(KIND_OF.values())
+    if cache.remote is not None:
+        return plan
+    absent = {s for s in plan.recorded if s.backend in kinds and artifact(s, cache).lookup(cache) is None}
+    if not absent:
+        return plan
+    if not quiet:
+        print(f"jitwarm: warning: {len(absent)} captured JIT cache units of the manifest are not in {cache.root} "
+              "(captured by the recording run into its own cache: import its bundle, `jitwarm export --manifest` "
+              "there): left out", file=sys.stderr)
+    return replace(plan, specs=tuple(s for s in plan.specs if s not in absent),
+                   needed_by={s: b for s, b in plan.needed_by.items() if s not in absent})
+
+
 def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, code: int) -> int:
     """``warm --manifest``: once every build is done (``code`` 0), hand the recorded kernels over as prestart does."""
     if code != EXIT_OK or not plan.recorded:
@@ -207,6 +233,7 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
         raise UsageError(f"export: {args.path} is not a regular file; give the bundle's file name (kernels.tar)")
     if not target.absolute().parent.is_dir():
         raise UsageError(f"export: the directory of {args.path} does not exist")
+    plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
     if coverage["missing"] or coverage["corrupt"]:
