@@ -76,8 +76,10 @@ def spec_layouts(config: ServingConfig) -> dict[KernelSpec, list[VerifyLayout]]:
     return {spec: list(dict.fromkeys(layouts[bs] for bs in plan.needed_by[spec])) for spec in plan.specs}
 
 
-#: CI's second pass, on the dependency floors (.ci/run sets JITWARM_TEST_FLOOR=1): the same tests on smaller
-#: matrices, since the kernels' arithmetic does not change with the library (building, loading, calling do).
+#: CI's second pass, on the dependency floors (.ci/run sets JITWARM_TEST_FLOOR=1 and selects the tests marked
+#: ``floor``): the same tests on smaller matrices, since the kernels' arithmetic does not change with the library
+#: (building, loading, calling do). Read once, at import (during collection): conftest's ``_isolated_env`` drops
+#: every JITWARM_* variable while a test runs, and a session cache may first be built inside one.
 FLOOR = os.environ.get("JITWARM_TEST_FLOOR") == "1"
 
 
@@ -99,7 +101,7 @@ def correctness_configs(backend: str, target: str) -> list[ServingConfig]:
     instead: the same tests, on the oldest tvm-ffi and Triton we support, in a fraction of the time (the
     kernels' arithmetic does not change with the library; building, loading and calling do).
     """
-    if os.environ.get("JITWARM_TEST_FLOOR") == "1":
+    if FLOOR:
         return [floor_config(backend, target, dtype) for dtype in ("float32", "bfloat16")]
     configs = []
     if backend == "tvm_ffi" and target == "cpu":  # two cores: the served dtype at full size, float32 small
@@ -119,11 +121,20 @@ def correctness_cases(backend: str, target: str) -> dict[KernelSpec, list[Verify
     A plan spec serves uniform and ragged layouts alike (the kernel chooses on the device), so it is checked
     on every layout that dispatches it; a compressor or norm_rope spec fixes uniformity and ``max_len`` itself
     and is checked on its largest layout. Plan specs do not depend on the dtype: both plans share them.
+
+    On CI's floor pass (:data:`FLOOR`) one spec of each path is kept, the first of each (family, uniform, dtype):
+    each family's source, in each dtype, ragged and uniform, is built, loaded and called on the oldest
+    libraries; the other specs of a path differ only in template constants the library never sees.
     """
     cases: dict[KernelSpec, list[VerifyLayout]] = {}
     for config in correctness_configs(backend, target):
         for spec, layouts in spec_layouts(config).items():
             cases[spec] = list(dict.fromkeys(cases.get(spec, []) + layouts))
+    if FLOOR:
+        firsts: dict[tuple, KernelSpec] = {}
+        for spec in cases:
+            firsts.setdefault((spec.family, spec.params_dict.get("uniform"), spec.params_dict.get("dtype")), spec)
+        cases = {spec: cases[spec] for spec in firsts.values()}
     return {spec: layouts if spec.family == "plan" else layouts[:1] for spec, layouts in cases.items()}
 
 

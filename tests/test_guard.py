@@ -13,7 +13,8 @@ from precompile_fixtures import WORKERS
 from jitwarm.precompile import CompileDuringCaptureError, capture_guard
 from jitwarm.precompile import guard as guard_module
 
-# CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
+# CI's floor pass reruns the ones marked floor on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and
+# vLLM's pin).
 pytestmark = pytest.mark.tvm_ffi
 
 
@@ -33,6 +34,7 @@ def test_guard_disarms_when_the_block_raises():
     assert not guard_module.is_armed()
 
 
+@pytest.mark.floor  # CI's floor pass: the seal patches tvm-ffi's own functions
 @pytest.mark.parametrize("owner, name", [(tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
                                          (tvm_ffi, "load_module")])
 def test_tvm_ffi_seal_raises_inside_and_restores_after(owner, name, tmp_path):
@@ -45,6 +47,7 @@ def test_tvm_ffi_seal_raises_inside_and_restores_after(owner, name, tmp_path):
     assert getattr(owner, name) is original
 
 
+@pytest.mark.floor
 def test_tvm_ffi_seal_lets_calls_through_outside_capture(tmp_path):
     seal = guard_module.ThirdPartySeal()
     seal.install()

@@ -10,8 +10,9 @@ import pytest
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec, tvm_backend
 
-# CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
-pytestmark = pytest.mark.tvm_ffi
+# CI's floor pass (-m floor) reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's
+# pin): the description names tvm-ffi's version and headers.
+pytestmark = [pytest.mark.tvm_ffi, pytest.mark.floor]
 
 PLAN = KernelSpec("plan", "tvm_ffi", "cpu", {"ratio": 4, "threads": 128})
 ROPE = KernelSpec("norm_rope", "tvm_ffi", "cpu", {"head_dim": 128, "rope_dim": 64, "num_q_heads": 16,

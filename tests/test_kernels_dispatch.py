@@ -19,7 +19,8 @@ from jitwarm.kernels import (
     reference,
 )
 
-# CI's floor pass reruns these on the lowest apache-tvm-ffi setup.py allows (0.1.11: sglang's and vLLM's pin).
+# CI's floor pass reruns the ones marked floor (what calls a loaded module) on the lowest apache-tvm-ffi setup.py
+# allows (0.1.11: sglang's and vLLM's pin).
 pytestmark = pytest.mark.tvm_ffi
 
 
@@ -75,6 +76,7 @@ def test_miss_hook_sees_the_spec_and_can_forbid_the_load(use_kernel_cache):
     assert p.token_out_row.tolist() == [-1, 0, 1, -1, 2]  # positions 3 4 | 4 | 8 9, ratio 5
 
 
+@pytest.mark.floor
 def test_loaded_kernel_contract(use_kernel_cache):
     spec = use_kernel_cache.specs[0]
     kernel = dispatch.ensure_loaded(spec)
@@ -166,6 +168,7 @@ def test_non_contiguous_and_wrong_device_are_rejected():
         ops.plan(**plan_args(), backend="cuda-magic")
 
 
+@pytest.mark.floor
 def test_the_c_abi_checks_its_arguments_too(use_kernel_cache):
     """A direct ``run`` with a bad tensor raises instead of reading out of bounds."""
     spec = FAMILIES["plan"].specs_for(INCIDENT, ModelDims(compress_ratios=(4,)), "tvm_ffi", "cpu")[0]
@@ -178,6 +181,7 @@ def test_the_c_abi_checks_its_arguments_too(use_kernel_cache):
         kernel.run(lens, lens.float(), *outs)
 
 
+@pytest.mark.floor
 def test_the_c_abi_takes_a_tensor_without_elements_whatever_its_strides(use_kernel_cache):
     """torch (and so ops.py) calls a tensor without elements contiguous whatever its strides; so must the module.
 

@@ -40,8 +40,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 CUDA = "cuda"
 TARGET = dispatch.target_of(CUDA) if HAS_CUDA else "sm_90"
 BACKENDS = ("tvm_ffi", "triton")
-#: CI's floor pass reruns the tvm_ffi ones on the lowest apache-tvm-ffi setup.py allows (0.1.11).
-MARKS = {"tvm_ffi": [pytest.mark.tvm_ffi], "triton": []}
+#: CI's floor pass (``-m floor``) reruns the tvm_ffi ones on the lowest apache-tvm-ffi setup.py allows (0.1.11).
+MARKS = {"tvm_ffi": [pytest.mark.tvm_ffi, pytest.mark.floor], "triton": []}
 CASES = {backend: correctness_cases(backend, TARGET) for backend in BACKENDS}
 #: Back-to-back plan launches on the incident layout, cycling over this many random prefixes.
 INCIDENT_RUNS, INCIDENT_PREFIXES = 3000, 100

@@ -30,14 +30,14 @@ from jitwarm.kernels import ModelDims, VerifyLayout, ops, reference
 from jitwarm.precompile import WarmPlan
 
 BACKENDS = ("tvm_ffi", "triton")
-#: CI's floor pass reruns the tvm_ffi ones on the lowest apache-tvm-ffi setup.py allows (0.1.11).
-MARKS = {"tvm_ffi": [pytest.mark.tvm_ffi], "triton": []}
+#: CI's floor pass (``-m floor``) reruns the tvm_ffi ones on the lowest apache-tvm-ffi setup.py allows (0.1.11).
+MARKS = {"tvm_ffi": [pytest.mark.tvm_ffi, pytest.mark.floor], "triton": []}
 CASES = {backend: correctness_cases(backend, "cpu") for backend in BACKENDS}
 # tvm_ffi: 6 plan specs, 24 bfloat16 and 8 float32 others; triton: 2 plan specs, 7 norm_rope and 14 compressor in
 # float32 (the small plan), 4 and 4 in bfloat16 (the four-graph plan)
 COUNTS = {"tvm_ffi": 6 + 24 + 8, "triton": 2 + (7 + 14) + (4 + 4)}
-if FLOOR:  # CI's floor pass: kernel_checks.floor_config for both
-    COUNTS = {"tvm_ffi": 1 + 2 * (4 + 4), "triton": 1 + 2 * (4 + 4)}
+if FLOOR:  # CI's floor pass: kernel_checks.floor_config for both, one spec per family, uniformity and dtype
+    COUNTS = {"tvm_ffi": 1 + 2 * (2 + 2), "triton": 1 + 2 * (2 + 2)}
 
 
 def per_backend(*extra):

@@ -19,9 +19,11 @@ from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import CaptureHook, KernelLoadFailed
 from jitwarm.precompile.builders import Failure
 
-# tvm_ffi: CI's floor pass reruns the tests whose subject is loading a tvm-ffi library (the others test the
-# protocol around it, which does not change with the library).
+# tvm_ffi: the tests whose subject is loading a tvm-ffi library (the others test the protocol around it, which
+# does not change with the library); floor: those CI's floor pass reruns on the oldest tvm-ffi, what its loader
+# answers for a library that is junk or another spec's.
 tvm_ffi = pytest.mark.tvm_ffi
+floor = pytest.mark.floor
 
 
 def fake_cxx(tmp_path, body: str):
@@ -90,6 +92,7 @@ def test_the_tvm_ffi_version_is_kept_until_its_package_changes(tmp_path, monkeyp
 
 
 @tvm_ffi
+@floor
 def test_a_library_that_cannot_be_loaded_is_never_published(tmp_path):
     # exits 0 but writes garbage where the shared library should be
     cxx, _ = fake_cxx(tmp_path, 'for a; do [ "$prev" = -o ] && out=$a; prev=$a; done\n'
@@ -118,6 +121,7 @@ def test_the_compilers_whole_diagnostic_reaches_the_user(tmp_path):
 
 
 @tvm_ffi
+@floor
 def test_an_entry_that_fails_to_load_at_run_time_is_quarantined_and_rebuilt_once(tmp_path):
     cache = KernelCache(root=tmp_path / "cache", layers=())
     spec = plan_of(TINY).specs[-1]
@@ -215,6 +219,7 @@ def test_the_dispatcher_resets(tmp_path):
 
 
 @tvm_ffi
+@floor
 def test_an_entry_holding_another_loadable_library_is_rebuilt_and_the_rebuild_loads(tmp_path, caplog):
     """dlopen answers a path it loaded before with the library it loaded then: the rebuild must not get the swap."""
     cache = KernelCache(root=tmp_path / "cache", layers=())
