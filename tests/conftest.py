@@ -1,5 +1,6 @@
 """Shared pytest setup and fixtures: every test runs with its own empty cache root, no inherited JITWARM_* env,
-and a fresh default dispatcher and capture guard; the kernel caches are built once per session.
+and a fresh default dispatcher and capture guard; the kernel caches, the prestarted cache and the sglang wheel
+are built once per run, whatever the number of pytest-xdist workers (:func:`built_once`).
 
 No torch import here (the config and plan tests do not pay for one): the kernel fixtures import
 ``kernel_checks`` when first used.
@@ -7,14 +8,19 @@ No torch import here (the config and plan tests do not pay for one): the kernel 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # helper modules beside the tests (kernel_checks, precompile_fixtures, ...)
@@ -26,14 +32,38 @@ import remote_fixtures  # noqa: E402
 TEST_REDIS_URL = os.environ.get("JITWARM_TEST_REDIS_URL", "").strip() or None
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """``build(directory)`` once per pytest run; return the directory and the JSON record ``build`` returned.
+
+    Without pytest-xdist the directory is in the session's base temp. With it, every worker's base temp lies in
+    the run's (``popen-gwN``): the first worker to ask builds there under a file lock while the others wait,
+    then each reads the record, so a session's compiles and pip install are paid once, not once per worker.
+    A build that raises records nothing: the next worker to ask builds again from an empty directory.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path, record = base / name, base / f"{name}.json"
+    with FileLock(str(base / f"{name}.lock")):
+        if not record.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            record.write_text(json.dumps(build(path)), encoding="utf-8")
+    return path, json.loads(record.read_text(encoding="utf-8"))
+
+
 @pytest.fixture(scope="session")
 def prestarted(tmp_path_factory):
-    """A cache root filled by `jitwarm prestart` with the SMALL plan (built once per session)."""
-    root = tmp_path_factory.mktemp("prestarted") / "cache"
-    proc = precompile_fixtures.jitwarm("prestart", *precompile_fixtures.SMALL, "--cache-dir", str(root),
-                                       "--jobs", "2")
+    """A cache root filled by `jitwarm prestart` with the SMALL plan (built once per run), and that prestart."""
+    def prestart(path: Path) -> dict:
+        proc = precompile_fixtures.jitwarm("prestart", *precompile_fixtures.SMALL, "--cache-dir", str(path / "cache"),
+                                           "--jobs", "2")
+        return {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    path, record = built_once(tmp_path_factory, "prestarted", prestart)
+    proc = subprocess.CompletedProcess(**record)
     assert proc.returncode == 0, proc.stderr
-    return root, proc
+    return path / "cache", proc
 
 
 @pytest.fixture(autouse=True)
@@ -94,8 +124,9 @@ def file_hashes(monkeypatch):
 def kernel_caches(tmp_path_factory):
     """``get(backend, target)``: a cache holding every spec ``kernel_checks.correctness_cases`` checks there.
 
-    Each one is built on first ask, once per session whatever module asks first, its compiles spread over the
-    cores. Tests that use one through ``ops`` make it the dispatcher's cache per test (``use_kernel_cache``).
+    Each one is built on first ask, once per run whatever module (or xdist worker) asks first, its compiles
+    spread over the cores. Tests that use one through ``ops`` make it the dispatcher's cache per test
+    (``use_kernel_cache``).
     """
     built: dict[tuple[str, str], BuiltCache] = {}
 
@@ -105,11 +136,16 @@ def kernel_caches(tmp_path_factory):
 
             from jitwarm.cache import KernelCache
 
-            cache = KernelCache(tmp_path_factory.mktemp(f"kernels-{backend}-{target}"), layers=())
             specs = tuple(kernel_checks.correctness_cases(backend, target))
-            start = time.perf_counter()
-            builds = kernel_checks.build_all(cache, specs)
-            built[backend, target] = BuiltCache(cache, specs, time.perf_counter() - start, builds)
+
+            def build(root: Path) -> dict:
+                start = time.perf_counter()
+                builds = kernel_checks.build_all(KernelCache(root, layers=()), specs)
+                return {"seconds": time.perf_counter() - start, "builds": builds}
+
+            root, record = built_once(tmp_path_factory, f"kernels-{backend}-{target}", build)
+            built[backend, target] = BuiltCache(KernelCache(root, layers=()), specs, record["seconds"],
+                                                record["builds"])
         return built[backend, target]
 
     return get
@@ -135,7 +171,16 @@ def sglang_env(tmp_path_factory):
     """Environment (PYTHONPATH) under which a subprocess of this interpreter imports the real sglang 0.5.23 wheel."""
     import sglang_wheel
 
-    return sglang_wheel.sglang_env(tmp_path_factory)
+    def install(path: Path) -> dict:
+        try:
+            return {"env": sglang_wheel.install(path)}
+        except sglang_wheel.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
+            return {"skip": str(exc)}
+
+    _, record = built_once(tmp_path_factory, "sglang-wheel", install)
+    if "skip" in record:
+        pytest.skip(record["skip"])
+    return record["env"]
 
 
 @pytest.fixture(scope="session")

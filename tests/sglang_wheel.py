@@ -123,12 +123,3 @@ def install(target: Path) -> dict[str, str]:
     (stub / "__init__.py").write_text(TORCHVISION_STUB, encoding="utf-8")
     return {"PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
-
-def sglang_env(tmp_path_factory) -> dict[str, str]:
-    """Body of the session fixture ``sglang_env``: install once per session, or skip saying why not."""
-    import pytest
-
-    try:
-        return install(tmp_path_factory.mktemp("sglang-wheel"))
-    except WheelUnavailable as exc:
-        pytest.skip(str(exc))
