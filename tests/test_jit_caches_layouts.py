@@ -28,7 +28,6 @@ from jitwarm.kernels.libraries.jit_caches.census import added, library, snapshot
 from jitwarm.precompile import record
 from jitwarm.precompile.manifest import read_manifest
 
-
 #: Units each writer of tests/jit_cache_trees.py lays out (Inductor: a graph, an AOT entry, a module, a C++ kernel).
 UNITS = {family: 4 if family == "inductor" else 1 for family in MODULES}
 
