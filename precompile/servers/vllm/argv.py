@@ -1,0 +1,270 @@
+"""vLLM's command line: read the settings that shape CUDA-graph capture, skip the rest.
+
+``jitwarm plan -- vllm serve MODEL --max-num-seqs 256 ...`` (or ``python -m vllm.entrypoints.openai.api_server
+--model MODEL ...``) hands the server's argv to :func:`parse_server_argv`. It reads the capture flags as vLLM's
+``FlexibleArgumentParser`` does (utils/argparse_utils.py:313-470): underscores and dashes alike in a flag's name,
+``--flag=value``, ``-O3`` / ``-O 3`` / ``-O=3``, the JSON of ``--compilation-config`` / ``-cc`` and
+``--speculative-config`` / ``-sc``, and their dotted form (``-cc.cudagraph_mode=FULL``, later keys win). Every
+other flag is skipped with its value (a following word that is not a flag), so it is a reader of the capture
+flags, not a validator of the whole line: vLLM itself refuses a line it does not know. Pure Python.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import PurePath
+from typing import Any
+
+from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import json_object
+from jitwarm.precompile.servers.vllm import VERSION
+
+
+class ServerArgvError(UsageError, ValueError):
+    """The vLLM command line does not parse as vLLM would read it: exit 2."""
+
+
+# `python -m vllm.entrypoints.openai.api_server ...`; `vllm serve ...` (vllm/entrypoints/cli/serve.py).
+_SERVER_MODULES = ("vllm.entrypoints.openai.api_server",)
+_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+#: flag -> (setting, kind) for the flags that shape capture (engine/arg_utils.py:1824-1913 and the groups above).
+FLAGS: dict[str, tuple[str, str]] = {
+    "--max-num-seqs": ("max_num_seqs", "int"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", "int"),
+    "--max-model-len": ("max_model_len", "human_int"),
+    "--cudagraph-capture-sizes": ("cudagraph_capture_sizes", "int_list"),
+    "--max-cudagraph-capture-size": ("max_cudagraph_capture_size", "int"),
+    "--optimization-level": ("optimization_level", "int"),
+    "--performance-mode": ("performance_mode", "str"),
+    "--enforce-eager": ("enforce_eager", "true"),
+    "--no-enforce-eager": ("enforce_eager", "false"),
+    "--enable-chunked-prefill": ("enable_chunked_prefill", "true"),
+    "--no-enable-chunked-prefill": ("enable_chunked_prefill", "false"),
+    "--spec-tokens": ("num_speculative_tokens", "int"),
+    "--tensor-parallel-size": ("tp_size", "int"),
+    "-tp": ("tp_size", "int"),
+    "--model": ("model_path", "str"),
+    "--compilation-config": ("compilation_config", "json"),
+    "-cc": ("compilation_config", "json"),
+    "--speculative-config": ("speculative_config", "json"),
+    "-sc": ("speculative_config", "json"),
+}
+#: Flags whose graphs the rules do not mirror (LoRA adds a graph per adapter count; DBO microbatches them).
+UNMIRRORED = {"--enable-lora": "LoRA graphs", "--enable-dbo": "dual-batch-overlap graphs",
+              "--config": "a server config file (jitwarm does not read it; put the capture flags on the line)"}
+#: Flags of vLLM's serve parser that take no value, so the word after them is not skipped as theirs.
+NO_VALUE = frozenset({
+    "--trust-remote-code", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-auto-tool-choice", "--headless",
+    "--disable-custom-all-reduce", "--enable-expert-parallel", "--async-scheduling", "--no-async-scheduling",
+    "--disable-frontend-multiprocessing", "--enable-sleep-mode", "--disable-uvicorn-access-log",
+    "--enable-prompt-tokens-details", "--enable-force-include-usage", "--enable-server-load-tracking",
+    "--skip-tokenizer-init", "--enable-eplb", "--no-enable-eplb", "--disable-cascade-attn", "--allow-credentials",
+    "--return-tokens-as-token-ids", "--enable-request-id-headers", "--enable-tokenizer-info-endpoint",
+    "--disable-fastapi-docs", "--enable-log-outputs", "--disable-hybrid-kv-cache-manager",
+})
+#: Compilation-config keys read (config/compilation.py: cudagraph_mode :610, capture sizes, the max).
+_COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
+_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _strip_program(args: list[str]) -> tuple[list[str], bool]:
+    """Drop ``vllm serve`` or ``python [-u ...] -m vllm.entrypoints.openai.api_server``; True for ``serve``."""
+    if not args or args[0].startswith("-"):
+        return args, False
+    program = PurePath(args[0]).name
+    if program.startswith("python"):
+        rest = args[1:]
+        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options such as -u, -X dev
+            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
+        if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _SERVER_MODULES:
+            return rest[2:], False
+    elif program == "vllm" and len(args) >= 2 and args[1] == "serve":
+        return args[2:], True
+    raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected "
+                          "`vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server ...`)")
+
+
+def is_server_command(argv: Sequence[str]) -> bool:
+    """True when ``argv`` starts (after any ``NAME=value`` words) with a vLLM launcher."""
+    args = list(argv)
+    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+        args.pop(0)
+    if not args or args[0].startswith("-"):
+        return False
+    try:
+        _strip_program(args)
+    except ServerArgvError:
+        return False
+    return True
+
+
+def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """Return the capture settings of a vLLM command line as raw inputs for :mod:`.rules`, its model and TP size.
+
+    Parameters
+    ----------
+    argv
+        The server's command line (launcher optional). A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1
+        model runner, as vLLM's environment would (config/vllm.py:748-750).
+
+    Returns
+    -------
+    dict
+        The :data:`.rules.INPUT_KEYS` the line sets, plus ``model_path`` (``vllm serve``'s positional, or
+        ``--model``) and ``tp_size``.
+
+    Raises
+    ------
+    ServerArgvError
+        A launcher that is not vLLM's, a capture flag without its value or with a bad one, a second positional
+        argument, or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
+
+    """
+    args = list(argv)
+    values: dict[str, Any] = {}
+    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+        name, _, value = args.pop(0).partition("=")
+        if name == _MODEL_RUNNER_ENV:
+            values["model_runner"] = "v1" if value.strip().lower() in ("0", "false") else "v2"
+    args, serve = _strip_program(args)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if not token.startswith("-") or token == "-":
+            if serve and "model_path" not in values:
+                values["model_path"] = token  # `vllm serve MODEL` (utils/argparse_utils.py:324-356)
+                continue
+            raise ServerArgvError(f"unexpected argument {token!r} in the vLLM command line")
+        name, eq, inline = _normalised(token).partition("=")
+        if name.startswith("-O") and name not in ("-O",) and not name.startswith("-O."):
+            name, eq, inline = "--optimization-level", "=", (inline if eq else name[2:])  # -O3 / -O=3
+        elif name == "-O":
+            name = "--optimization-level"
+        base, dot, path = name.partition(".")
+        if base in UNMIRRORED:
+            raise ServerArgvError(f"{base}: {UNMIRRORED[base]} are not mirrored by jitwarm's vLLM {VERSION} rules")
+        if base not in FLAGS:
+            if not eq and base not in NO_VALUE and not base.startswith("--no-") and i < len(args) \
+                    and not _is_flag(args[i]):
+                i += 1  # its value
+            continue
+        dest, kind = FLAGS[base]
+        if kind in ("true", "false"):
+            values[dest] = kind == "true"
+            continue
+        if eq:
+            given = [inline]
+        elif kind == "int_list":
+            start = i
+            while i < len(args) and not _is_flag(args[i]):
+                i += 1
+            given = args[start:i]
+        elif i < len(args) and not _is_flag(args[i]):
+            given, i = [args[i]], i + 1
+        else:
+            given = []
+        if not given:
+            raise ServerArgvError(f"argument {name}: expected {'at least ' if kind == 'int_list' else ''}one "
+                                  "argument")
+        if dot and kind == "json":  # -cc.cudagraph_mode=FULL: a nested key of the JSON flag
+            _merge(values.setdefault(dest, {}), path.split("."), given[-1])
+            continue
+        values[dest] = _convert(name, kind, given, values.get(dest))
+    return _to_inputs(values)
+
+
+def _normalised(token: str) -> str:
+    """Dashes for underscores in a long flag's name, up to its first ``.`` (utils/argparse_utils.py:378-394)."""
+    if not token.startswith("--"):
+        return token
+    name, eq, value = token.partition("=")
+    head, dot, tail = name[2:].partition(".")
+    return f"--{head.replace('_', '-')}{dot}{tail}{eq}{value}"
+
+
+def _is_flag(token: str) -> bool:
+    """Argparse's test: a token starting with '-' is an option unless it reads as a negative number."""
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def _convert(option: str, kind: str, given: list[str], previous: Any) -> Any:
+    """Turn the strings given to a capture flag into its value (a JSON flag merges over earlier dotted keys)."""
+    try:
+        if kind == "int":
+            return int(given[-1])
+        if kind == "human_int":
+            return human_int(given[-1])
+        if kind == "int_list":
+            return [int(v) for v in given]
+        if kind == "json":
+            value = json_object(given[-1])
+            return {**(previous or {}), **value}
+        return given[-1]
+    except ValueError as exc:
+        shown = " ".join(given)
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+        raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
+
+
+def human_int(text: str) -> int:
+    """``--max-model-len`` as vLLM reads it: ``32768``, ``32k`` (x1000) or ``32K`` (x1024), ``1m`` / ``1M``.
+
+    ``human_readable_int`` (utils/argparse_utils.py); ``-1`` (the model's own maximum) is refused here: jitwarm
+    cannot read it from the model.
+    """
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text.strip())
+    if not match:
+        raise ValueError("expected a token count such as 32768, 32k or 32K")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[suffix]
+    if "." in number and suffix.isupper():
+        raise ValueError("a binary suffix (K, M, G, T) takes a whole number")
+    return int(float(number) * scale) if "." in number else int(number) * scale
+
+
+def _merge(target: dict[str, Any], keys: list[str], raw: str) -> None:
+    """``-cc.a.b=value``: set ``target[a][b]``, the value read as JSON where it parses (else the string)."""
+    try:
+        value: Any = json_object(f'{{"v": {raw}}}')["v"]
+    except ValueError:
+        value = raw
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+    target[keys[-1]] = value
+
+
+def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
+    """Map the parsed flags to rule inputs: the JSON configs' capture keys, the speculative token count."""
+    out = {k: v for k, v in values.items() if k not in ("compilation_config", "speculative_config")}
+    compilation = values.get("compilation_config") or {}
+    for key in _COMPILATION_KEYS:
+        if key in compilation and key not in out:
+            out[key] = compilation[key]
+    if isinstance(out.get("cudagraph_capture_sizes"), list):
+        sizes = out["cudagraph_capture_sizes"]
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            raise ServerArgvError("cudagraph_capture_sizes must be a list of integers")
+    if "mode" in compilation and compilation["mode"] in (0, "NONE", "none") and "cudagraph_mode" not in out:
+        out["optimization_level"] = 0  # no compilation: nothing to capture piecewise
+    speculative = values.get("speculative_config") or {}
+    if "num_speculative_tokens_per_batch_size" in speculative:
+        raise ServerArgvError("--speculative-config num_speculative_tokens_per_batch_size: dynamic speculative "
+                              f"decoding is not mirrored by jitwarm's vLLM {VERSION} rules")
+    if "num_speculative_tokens" in speculative and "num_speculative_tokens" not in out:
+        out["num_speculative_tokens"] = speculative["num_speculative_tokens"]
+    if str(speculative.get("method", "")).lower() in ("suffix", "custom_class") and "model_runner" not in out:
+        out["model_runner"] = "v1"  # the V2 runner does not support them (config/vllm.py:3066-3068)
+    spec = out.get("num_speculative_tokens")
+    if spec is not None and (type(spec) is not int or spec < 0):
+        raise ServerArgvError(f"num_speculative_tokens must be a count, got {spec!r}")
+    return out

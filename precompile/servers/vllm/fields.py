@@ -1,0 +1,102 @@
+"""What ServingConfig's fields mean to vLLM: the command line into fields, their checks, the ladder's inputs.
+
+A ServingConfig's capture fields carry sglang's names; for vLLM, ``max_running_requests`` is ``--max-num-seqs``,
+``tp_size`` is ``--tensor-parallel-size`` and ``gpu_memory_mb`` is the device memory vLLM's defaults read. Every
+other vLLM setting is a ``server_options`` key (:data:`.OPTIONS`), among them the two stand-ins for what vLLM
+reads from the device and the model: ``device_capability`` (major*10+minor: 90 Hopper, 100 data-center Blackwell;
+else taken from a single ``--target sm_XY``) and ``attention_cudagraph_support`` (the attention backend's
+``AttentionCGSupport``, default ``ALWAYS``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jitwarm.precompile.servers.vllm import rules
+from jitwarm.precompile.servers.vllm.argv import parse_server_argv
+
+#: ServingConfig fields that mean nothing to vLLM (sglang's flags): set, they are a problem, not silently dropped.
+SGLANG_ONLY = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
+               "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
+               "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk", "ragged_verify_mode")
+_FIELD_OF = {"max_num_seqs": "max_running_requests", "tp_size": "tp_size", "model_path": "model_path"}
+_SM = re.compile(r"sm_(\d+)(\d)[af]?")
+#: Device memory samples (MiB) per capability, to tell whether the graphs depend on the memory.
+_MEMORY_SAMPLES = (40 * 1024, 80 * 1024, 141 * 1024, 180 * 1024)
+
+
+def parse_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """The ServingConfig fields a vLLM command line sets; its other capture settings as ``server_options``."""
+    values = parse_server_argv(argv)
+    out: dict[str, Any] = {_FIELD_OF[k]: values.pop(k) for k in list(values) if k in _FIELD_OF}
+    if values:
+        out["server_options"] = values
+    return out
+
+
+def defaults(config: Any) -> dict[str, Any]:
+    """Nothing: vLLM's capture settings come from its command line, not from jitwarm's environment.
+
+    ``VLLM_USE_V2_MODEL_RUNNER`` is read from the line's own ``NAME=value`` words (:mod:`.argv`).
+    """
+    del config
+    return {}
+
+
+def options(config: Any) -> dict[str, Any]:
+    """The config's ``server_options`` as a dict ({} when unset)."""
+    value = json.loads(config.server_options) if config.server_options else {}
+    return value if isinstance(value, dict) else {}  # the config reports a server_options that is not an object
+
+
+def check(config: Any, *, resolve: bool) -> list[str]:
+    """Problems vLLM would find in ``config``: sglang's flags set, what its rules refuse.
+
+    The rules run (``resolve``) on the config's device, or where the graphs read it and none is given on an
+    80 GiB Hopper: :func:`jitwarm.precompile.shapes.resolve_ladder` resolves for the real one.
+    """
+    problems = [f"{name} is an sglang setting; a vLLM server line does not take it" for name in SGLANG_ONLY
+                if getattr(config, name, None) not in (None, False)]
+    if resolve and not problems:  # the config has checked server_options' keys against OPTIONS
+        inputs = ladder_inputs(config)
+        if inputs["gpu_memory_mb"] is None and rules.reads_device(inputs):
+            inputs["gpu_memory_mb"] = 80 * 1024
+        try:
+            rules.resolve(inputs)
+        except rules.ResolutionError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def ladder_inputs(config: Any) -> dict[str, Any]:
+    """The raw settings :func:`.rules.resolve` takes: the options, the fields, the capability from the target."""
+    inputs = {**dict(rules.INPUT_KEYS), **{k: v for k, v in options(config).items() if k in rules.INPUT_KEYS}}
+    inputs["max_num_seqs"] = config.max_running_requests
+    inputs["gpu_memory_mb"] = config.gpu_memory_mb
+    if inputs["device_capability"] is None:
+        inputs["device_capability"] = target_capability(config.targets or ())
+    return inputs
+
+
+def target_capability(targets: Sequence[str]) -> int | None:
+    """The compute capability a single CUDA build target names (``sm_90a`` -> 90, ``sm_100`` -> 100), else None."""
+    found = {int(m.group(1) + m.group(2)) for t in targets if (m := _SM.fullmatch(str(t)))}
+    return found.pop() if len(found) == 1 else None
+
+
+def needs_memory(inputs: Mapping[str, Any]) -> bool:
+    """True when the graphs differ between device-memory sizes on the inputs' device (a Hopper when unknown)."""
+    if not rules.reads_device(inputs):
+        return False
+    capability = inputs.get("device_capability") or 90
+    results = set()
+    for memory in _MEMORY_SAMPLES:
+        try:
+            shapes = rules.resolve({**inputs, "gpu_memory_mb": memory, "device_capability": capability})["shapes"]
+        except rules.ResolutionError:
+            return False  # resolve() reports it with the memory given
+        results.add(tuple((s["mode"], s["num_tokens"]) for s in shapes))
+    return len(results) > 1

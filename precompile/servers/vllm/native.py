@@ -1,0 +1,316 @@
+"""vLLM's CUDA graphs by the installed vLLM's own functions, and the choice of ladder source.
+
+It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those rules
+against. :func:`resolve` takes the same raw settings as :func:`.rules.resolve` and answers with the same dict,
+computed by vLLM's own code (the lines cited are those of the room's ``VERSION``): ``EngineArgs``'s scheduler
+defaults, the optimization level's mode, ``VllmConfig._set_cudagraph_sizes`` on a real ``CompilationConfig``,
+``CompilationConfig.resolve_cudagraph_mode_and_sizes`` and the graphs of the V2 runner's ``CudaGraphManager`` or
+the V1 runner's ``CudagraphDispatcher``. :func:`resolve_from` chooses between the two sources.
+
+What stands in for what, and why: the device is a ``Platform`` whose capability, memory and name are the inputs
+(there is no GPU); ``self`` of the config methods is a namespace holding the few attributes they read (a real
+``VllmConfig`` needs a model). The dummy batch each graph is captured with (``bs``, ``verify_lens``) is not
+computed by vLLM here (``InputBatch.make_dummy`` and ``_dummy_run`` need device buffers and a model): it comes
+from the rules' own helper, so the oracle checks the keys, modes and order, not that layout.
+
+It imports vLLM (and so torch) only inside functions; outside a server it runs in a child process::
+
+    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.vllm.native
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from jitwarm.precompile.servers import resolution_memo
+from jitwarm.precompile.servers.vllm import LADDER_SOURCES, VERSION, rules
+from jitwarm.precompile.servers.vllm.rules import ResolutionError
+
+INPUT_KEYS = tuple(rules.INPUT_KEYS)
+#: Seconds the child process may take (importing vLLM's config modules: 10 to 40 s).
+CHILD_TIMEOUT_S = 300.0
+#: A model length that never binds (the rules' assumption when ``max_model_len`` is unknown).
+_LONG_MODEL_LEN = 1 << 30
+
+
+def installed_version() -> str | None:
+    """Return the installed vLLM's version, or None when it is not installed (vLLM is not imported)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The graphs vLLM captures for ``inputs``, from ``source`` (the adapter's entry: :func:`resolve_from`)."""
+    return resolve_from(inputs, source)
+
+
+def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return the graphs vLLM captures for ``inputs``, from ``source``.
+
+    ``builtin``: the rules. ``vllm``: the installed vLLM's own functions, every time. ``auto``: the rules when no
+    vLLM is installed or the installed one is the release they mirror (read from its metadata, without importing
+    it); for any other release its own functions, whose answer is kept in a memo keyed by that release and the
+    inputs (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing vLLM.
+
+    Raises
+    ------
+    ResolutionError
+        vLLM rejects the settings, or its own functions were needed and could not run.
+
+    """
+    if source not in LADDER_SOURCES:
+        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(LADDER_SOURCES)}")
+    installed = installed_version() if source != "builtin" else None
+    if source == "builtin" or (source == "auto" and installed in (None, VERSION)):
+        return builtin if builtin is not None else rules.resolve(inputs)
+    full = {**rules.INPUT_KEYS, **inputs}
+    if source == "vllm" or "vllm" in sys.modules:
+        return _native(full)
+    key = resolution_memo.key("vllm", installed, full)
+    found = resolution_memo.load(key)
+    if found is not None:
+        return found
+    result = _native(full)
+    resolution_memo.store(key, result)
+    return result
+
+
+def _native(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Resolve with the installed vLLM: here when vLLM is loaded (a server), else in a child process."""
+    if "vllm" in sys.modules:
+        try:
+            return resolve(inputs)
+        except ValueError as exc:
+            raise ResolutionError(str(exc)) from None
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"inputs": inputs}),
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ResolutionError(f"cannot run vLLM's own capture functions ({exc})",
+                              hint="use --ladder-source builtin") from None
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    if proc.returncode == 2:
+        raise ResolutionError(last)
+    if proc.returncode != 0:
+        raise ResolutionError(f"vLLM's own capture functions failed ({last})",
+                              hint=f"use --ladder-source builtin for the rules mirroring vLLM {VERSION}")
+    try:
+        return json.loads(proc.stdout)
+    except ValueError:
+        raise ResolutionError("vLLM's own capture functions printed something that is not their answer",
+                              hint="use --ladder-source builtin") from None
+
+
+def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the graphs the installed vLLM captures for these raw settings, by its own functions.
+
+    Parameters
+    ----------
+    inputs
+        Every key of :data:`INPUT_KEYS` (as :func:`.rules.resolve` reads them).
+
+    Returns
+    -------
+    dict
+        As :func:`.rules.resolve`, with ``source`` naming the installed vLLM.
+
+    Raises
+    ------
+    ValueError
+        Malformed inputs, or settings vLLM itself rejects (its own exception's message, with its type).
+
+    """
+    cfg = _checked_inputs(inputs)
+    try:
+        with _device(cfg["gpu_memory_mb"], cfg["device_capability"]):
+            return _resolve(cfg)
+    except (ValueError, AssertionError, TypeError, KeyError) as exc:
+        raise ValueError(f"vLLM rejects these settings ({type(exc).__name__}): {exc}") from exc
+
+
+@contextlib.contextmanager
+def _device(memory_mb: int | None, capability: int | None) -> Iterator[None]:
+    """VLLM's ``current_platform`` replaced by one reporting this device (its memory, capability and name).
+
+    A capability of 8.0 is named an A100 (vLLM tells it by name, engine/arg_utils.py:2985-2988); unknown memory
+    makes the memory query raise, as it does on a box without the device (:2964-2968).
+    """
+    import vllm.platforms as platforms
+    from vllm.engine import arg_utils
+    from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform
+
+    class StandInDevice(UnspecifiedPlatform):
+        device_name = "cuda"
+
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
+            return None if capability is None else DeviceCapability(capability // 10, capability % 10)
+
+        @classmethod
+        def get_device_total_memory(cls, device_id: int = 0) -> int:
+            if memory_mb is None:
+                raise RuntimeError("no device")
+            return memory_mb << 20
+
+        @classmethod
+        def get_device_name(cls, device_id: int = 0) -> str:
+            return "NVIDIA A100-SXM4-80GB" if capability == 80 else "NVIDIA stand-in"
+
+    saved = (platforms._current_platform, getattr(arg_utils, "current_platform", None))
+    platforms._current_platform = arg_utils.current_platform = StandInDevice()
+    try:
+        yield
+    finally:
+        platforms._current_platform, arg_utils.current_platform = saved
+
+
+def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The resolution itself, inside the stand-in device."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG, VllmConfig
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    seqs, tokens = _scheduler_limits(cfg)
+    spec = cfg["num_speculative_tokens"]
+    q = 1 + spec  # VllmConfig.uniform_decode_query_len (config/vllm.py:695-713)
+    level = cfg["optimization_level"]
+    mode = cfg["cudagraph_mode"] or OPTIMIZATION_LEVEL_TO_CONFIG[level]["compilation_config"]["cudagraph_mode"].name
+    if cfg["enforce_eager"]:
+        mode = "NONE"  # config/vllm.py:1766-1768
+    given = {k: cfg[k] for k in ("cudagraph_capture_sizes", "max_cudagraph_capture_size") if cfg[k] is not None}
+    compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE if level >= 1 else CompilationMode.NONE,
+                                    cudagraph_mode=CUDAGraphMode[mode], **given)
+    compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter", data_parallel_size=1)
+    speculative = SimpleNamespace(num_speculative_tokens=spec, uses_dynamic_speculative_decoding=lambda: False)
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=cfg["enforce_eager"]), compilation_config=compilation,
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=tokens),
+        speculative_config=speculative if spec else None, uniform_decode_query_len=q, num_speculative_tokens=spec,
+        performance_mode=cfg["performance_mode"], lora_config=None,
+        cache_config=SimpleNamespace(use_kda_recoverssm=False))
+    base = {"source": _source(), "max_num_seqs": seqs, "max_running_requests": seqs, "max_num_batched_tokens": tokens,
+            "width": q, "compact": False}
+    VllmConfig._set_cudagraph_sizes(config)
+    if compilation.cudagraph_mode == CUDAGraphMode.NONE:
+        return {**base, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
+                "disabled": "cudagraph_mode NONE", "capture_bs": []}
+    v2 = cfg["model_runner"] == "v2"
+    resolved = compilation.resolve_cudagraph_mode_and_sizes(
+        AttentionCGSupport[cfg["attention_cudagraph_support"]], "jitwarm stand-in", q, use_v2_model_runner=v2,
+        max_num_reqs=seqs, piecewise_capture_available=level >= 1)
+    sizes, top = list(compilation.cudagraph_capture_sizes), compilation.max_cudagraph_capture_size
+    if resolved == CUDAGraphMode.NONE:
+        return {**base, "cudagraph_mode": "NONE", "capture_sizes": sizes, "max_capture_size": top, "shapes": [],
+                "disabled": "cudagraph_mode NONE", "capture_bs": []}
+    graphs = _v2_graphs(config, resolved, q) if v2 else _v1_graphs(config, resolved, q)
+    shapes = [rules._graph(mode_name, n, reqs, q, uniform=uniform, runner=cfg["model_runner"], max_num_seqs=seqs)
+              for mode_name, n, reqs, uniform in graphs]
+    return {**base, "cudagraph_mode": resolved.name, "capture_sizes": sizes, "max_capture_size": top,
+            "shapes": shapes, "capture_bs": sorted({s["bs"] for s in shapes})}
+
+
+def _scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
+    """``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` for ``vllm serve``, then the check.
+
+    SchedulerConfig's check of the two (config/scheduler.py:331-336) is by hand: the dataclass needs a model config.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    model_len = cfg["max_model_len"]
+    args = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, performance_mode=cfg["performance_mode"],
+                           max_num_batched_tokens=cfg["max_num_batched_tokens"], max_num_seqs=cfg["max_num_seqs"],
+                           enable_chunked_prefill=True if model_len is None else cfg["enable_chunked_prefill"] is not
+                           False, get_batch_defaults=EngineArgs.get_batch_defaults)
+    model = SimpleNamespace(max_model_len=model_len or _LONG_MODEL_LEN, is_multimodal_model=False,
+                            is_mm_prefix_lm=False, model="jitwarm-stand-in")
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args(args, UsageContext.OPENAI_API_SERVER, model,
+                                                                  SimpleNamespace(use_batched_dp_moe=False))
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be greater than or equal "
+                         f"to max_num_seqs ({args.max_num_seqs}).")
+    return args.max_num_seqs, args.max_num_batched_tokens
+
+
+def _v2_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | None, bool]]:
+    """``CudaGraphManager._init_candidates`` on a manager holding what it reads (its __init__ needs the PP group)."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    manager = object.__new__(CudaGraphManager)
+    manager.__dict__.update(vllm_config=config, compilation_config=config.compilation_config, cudagraph_mode=mode,
+                            max_num_reqs=config.scheduler_config.max_num_seqs, decode_query_len=q,
+                            varlen_decode=False, lora_capture_cases=[0], ubatch_runner=None, _candidates={},
+                            _capture_descs={})
+    manager._init_candidates()
+    order = [m for m in ("PIECEWISE", "FULL") if any(k.name == m for k in manager._capture_descs)]
+    return [(name, d.num_tokens, d.num_reqs, d.uniform_token_count is not None)
+            for name in order for d in manager._capture_descs[next(k for k in manager._capture_descs
+                                                                   if k.name == name)]]
+
+
+def _v1_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | None, bool]]:
+    """``CudagraphDispatcher.initialize_cudagraph_keys`` then ``get_capture_descs`` (v1/cudagraph_dispatcher.py)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    dispatcher = object.__new__(CudagraphDispatcher)  # its __init__ checks the compiled model's splitting ops
+    dispatcher.__dict__.update(vllm_config=config, compilation_config=config.compilation_config,
+                               uniform_decode_query_len=q, keys_initialized=False, specialize_lora_count=False,
+                               cudagraph_mode=CUDAGraphMode.NONE,
+                               cudagraph_keys={CUDAGraphMode.PIECEWISE: set(), CUDAGraphMode.FULL: set()})
+    dispatcher.initialize_cudagraph_keys(mode, q)
+    return [(runtime.name, d.num_tokens, d.num_reqs, d.uniform)
+            for runtime, descs in dispatcher.get_capture_descs() for d in descs]
+
+
+def _source() -> str:
+    return f"vLLM {installed_version()} (installed)"
+
+
+def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"inputs must be a JSON object, got {type(inputs).__name__}")
+    missing = [k for k in INPUT_KEYS if k not in inputs]
+    unknown = sorted(set(inputs) - set(INPUT_KEYS))
+    if missing or unknown:
+        raise ValueError(f"inputs: missing {missing}, unknown {unknown}")
+    cfg = dict(inputs)
+    if cfg["cudagraph_mode"] is not None:
+        cfg["cudagraph_mode"] = str(cfg["cudagraph_mode"]).upper()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read ``{"inputs": {...}}`` on stdin and print the resolution as one JSON object.
+
+    Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with one
+    line) when vLLM cannot be imported.
+    """
+    del argv
+    try:
+        request = json.loads(sys.stdin.read())
+        if not isinstance(request, dict) or set(request) != {"inputs"}:
+            raise ValueError('expected one JSON object: {"inputs": {...}}')
+        answer = resolve(request["inputs"])
+    except (ValueError, RecursionError) as exc:
+        print(f"{__spec__.name if __spec__ else __name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"{__spec__.name if __spec__ else __name__}: cannot import vllm: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
