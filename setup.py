@@ -42,5 +42,6 @@ setup(
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"],
-                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.servers.sglang.plugin:register"]},
+                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.servers.sglang.plugin:register"],
+                  "vllm.general_plugins": ["jitwarm = jitwarm.precompile.servers.vllm.plugin:register"]},
 )

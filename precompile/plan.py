@@ -16,11 +16,9 @@ from jitwarm.precompile.shapes import CaptureShape, Ladder, resolve_ladder
 
 @dataclass(frozen=True)
 class WarmPlan:
-    """The unique kernel specs of a capture ladder and which shapes need each.
+    """The unique kernel specs of a capture ladder, in the order capture first needs them, and which shapes need each.
 
-    ``specs`` are in the order capture first needs them (largest batch first), so warming in that order
-    readies the first graphs first. ``plan_id`` hashes the sorted spec set: two configs that need the
-    same kernels share a plan id and a completion record.
+    ``plan_id`` hashes the sorted spec set: two configs that need the same kernels share a plan id and record.
 
     Examples
     --------
@@ -38,9 +36,7 @@ class WarmPlan:
     needed_by: dict[KernelSpec, tuple[int, ...]]
     introduced: dict[int, tuple[KernelSpec, ...]]
     ladder: Ladder | None = None
-    #: Where the plan's recorded kernels came from: ``{"path", "records", "other_targets"}``.
-    manifest: dict[str, Any] | None = None
-    #: Which of jitwarm's families the served model runs (the others are not planned), and why.
+    manifest: dict[str, Any] | None = None  # the recorded kernels' source: {"path", "records", "other_targets"}
     families: ModelFamilies | None = None
 
     @classmethod
@@ -52,14 +48,7 @@ class WarmPlan:
                        targets: Iterable[str] | None = None) -> WarmPlan:
         """Return the plan with the server kernels recorded in ``paths`` after its own (needed by no shape of ours).
 
-        ``targets`` selects the records made on those targets (each is built for the target it was recorded
-        on); None takes them all.
-
-        Raises
-        ------
-        ManifestError
-            A manifest cannot be read or holds a bad record; the message names the file and line.
-
+        ``targets`` selects the records made on those targets (None: all); ManifestError names a bad file, line.
         """
         from jitwarm.precompile.manifest import read_manifest, specs_of
 
@@ -79,13 +68,7 @@ class WarmPlan:
     def build(cls, config: ServingConfig) -> WarmPlan:
         """Map every capture shape of ``config`` to the specs of the families its model runs, per backend and target.
 
-        Raises
-        ------
-        ConfigError
-            The ladder cannot be resolved (:func:`~jitwarm.precompile.shapes.resolve_ladder`).
-        ModelConfigError
-            The local ``--model-path``'s config.json is unreadable or malformed.
-
+        ConfigError when the ladder cannot be resolved, ModelConfigError for an unreadable local checkpoint.
         """
         ladder = resolve_ladder(config)
         assert config.room is not None  # a ServingConfig names a room: construction checks it
@@ -121,7 +104,8 @@ class WarmPlan:
             "ladder": self.ladder.to_json() if self.ladder else None,
             "shapes": [{"bs": sh.bs, "graph_key": sh.graph_key, "num_tokens": sh.num_tokens, "slots": sh.layout.slots,
                         "verify_lens": list(sh.layout.verify_lens), "uniform": sh.layout.uniform,
-                        "new_specs": [s.id for s in self.introduced[sh.bs]]} for sh in self.shapes],
+                        "new_specs": [s.id for s in self.introduced[sh.bs]], **({"key": sh.key} if sh.key else {})}
+                       for sh in self.shapes],
             "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],
             "manifest": self.manifest,
             "families": self.families.to_json() if self.families else None,

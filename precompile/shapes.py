@@ -25,6 +25,7 @@ class CaptureShape:
     bs: int
     layout: VerifyLayout
     graph_key: int
+    key: str | None = None  # how the server dispatches the graph, in its own terms (vLLM: mode and batch descriptor)
 
     @property
     def num_tokens(self) -> int:
@@ -34,27 +35,12 @@ class CaptureShape:
 
 @dataclass(frozen=True)
 class Ladder:
-    """The resolved decode capture of a config: every shape, largest first, and where the rules came from.
+    """The resolved decode capture of a config, as its room's :meth:`resolve_ladder` answered.
 
-    Attributes
-    ----------
-    source : str
-        Where the rules came from: ``"built-in rules of sglang <VERSION>"``, ``"sglang <version> (installed)"``.
-    shapes : tuple of CaptureShape
-        One per captured graph, in capture order (largest first); empty when decode graphs are off.
-    capture_bs : tuple of int
-        The batch sizes, ascending.
-    width : int
-        Tokens per request in a captured batch (1, or the draft tokens of a speculative verify).
-    compact : bool
-        Compact ragged-verify graphs (sglang's DSPARK with ``SGLANG_RAGGED_VERIFY_MODE=compact``).
-    max_running_requests : int or None
-        After the server's defaults (sglang's speculative 48).
-    gpu_memory_mb : int or None
-        The device memory the default max batch was taken from, when it mattered.
-    disabled : str or None
-        Why there are no decode graphs (``--disable-cuda-graph``), else None.
-
+    ``shapes`` are in capture order (largest first; empty when decode graphs are off, ``disabled`` says why),
+    ``capture_bs`` ascending; ``width`` is the tokens per request (1, or a speculative verify's draft tokens);
+    ``compact``: compact ragged-verify graphs; ``gpu_memory_mb``: the device memory the default max batch was
+    taken from, when it mattered.
     """
 
     source: str
@@ -97,7 +83,7 @@ def resolve_ladder(config: ServingConfig) -> Ladder:
         result = room.resolve_ladder(inputs, config.ladder_source)
     except UsageError as exc:
         raise ConfigError([str(exc)]) from None
-    shapes = tuple(CaptureShape(s["bs"], VerifyLayout(tuple(s["verify_lens"])), s["graph_key"])
+    shapes = tuple(CaptureShape(s["bs"], VerifyLayout(tuple(s["verify_lens"])), s["graph_key"], s.get("key"))
                    for s in result["shapes"])
     return Ladder(source=result["source"], shapes=shapes, capture_bs=tuple(result.get("capture_bs", ())),
                   width=result.get("width", 1), compact=result.get("compact", False),
@@ -116,14 +102,7 @@ def capture_batch_sizes(config: ServingConfig) -> list[int]:
 
 
 def verify_lens_for(config: ServingConfig, bs: int) -> tuple[int, ...]:
-    """Return the ``verify_lens`` the captured batch of ``bs`` requests carries.
-
-    Raises
-    ------
-    KeyError
-        ``bs`` is not a captured size of ``config``.
-
-    """
+    """Return the ``verify_lens`` the captured batch of ``bs`` requests carries (KeyError: not captured)."""
     for shape in resolve_ladder(config).shapes:
         if shape.bs == bs:
             return shape.layout.verify_lens

@@ -30,7 +30,7 @@ __all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ServerAdapter", "UnknownServer"
            "json_object", "recognised"]
 
 #: Every server room, by the name of its subpackage.
-ROOMS = ("sglang",)
+ROOMS = ("sglang", "vllm")
 #: The room that reads a server command line given without its launcher (bare flags such as ``--tp 4``).
 DEFAULT = "sglang"
 #: The longest JSON-object flag value read (a real one is a few dozen bytes), and how deep it may nest.

@@ -76,9 +76,9 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
         (after the backend's downgrades), ``capture_sizes`` and ``max_capture_size`` (the compilation config's
         final ones), ``width`` (the uniform decode query length, ``1 + num_speculative_tokens``) and ``shapes``:
         one per graph in capture order, ``{"mode", "num_tokens", "num_reqs", "uniform", "bs", "graph_key",
-        "verify_lens", "key"}`` (``key``: the dispatch key in words) (``num_reqs`` None for a PIECEWISE graph, which any request count replays; ``bs`` and
-        ``verify_lens`` are the dummy batch vLLM captures it with). With graphs off: ``shapes`` is empty and
-        ``disabled`` says why.
+        "verify_lens", "key"}`` (``key``: the dispatch key in words; ``num_reqs`` None for a PIECEWISE graph,
+        which any request count replays; ``bs`` and ``verify_lens``: the dummy batch vLLM captures it with).
+        With graphs off: ``shapes`` is empty and ``disabled`` says why.
 
     Raises
     ------
