@@ -164,6 +164,6 @@ def bind(library: Library) -> tuple[Any, ...]:
     """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``."""
     return (library.kind,
             lambda spec, facts=None: description(library, spec),
-            lambda spec, staging: build(library, spec, staging),
+            lambda spec, staging, described=None: build(library, spec, staging),
             lambda spec, staging: check(library, spec, staging),
             lambda spec, entry: load(library, spec, entry))
