@@ -24,8 +24,10 @@ ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
     "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache")}
 
-#: URL schemes the remote tier accepts (redis-py's own URL forms).
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+#: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
+#: An S3 bucket name (3-63 of lower-case letters, digits, dots and hyphens).
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 #: Key namespace on the remote when none is set.
 DEFAULT_REMOTE_PREFIX = "jitwarm"
 #: More parallel builds than this is a typo, not a machine (a 20,000-process pool would take the host down).
@@ -66,7 +68,7 @@ def allow_shared() -> bool:
 
 
 def remote() -> str | None:
-    """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``); None means none."""
+    """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``) or ``s3://`` bucket."""
     text = _text("JITWARM_REMOTE")
     return check_remote_url(text, "JITWARM_REMOTE") if text else None
 
@@ -193,8 +195,15 @@ def check_remote_url(url: str, what: str = "remote") -> str:
     """Return ``url`` if redis-py can connect with it, else SettingError naming ``what`` (never the URL: a password)."""
     if not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES) or len(url) <= len("unix://"):
         scheme = url.split("://", 1)[0] + "://" if isinstance(url, str) and "://" in url else "no scheme"
-        raise SettingError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES)}...), got {scheme}")
+        raise SettingError(f"{what}: expected a Redis URL ({', '.join(REMOTE_SCHEMES[:-1])}...) or "
+                           f"s3://BUCKET/PREFIX, got {scheme}")
     if url.startswith("unix://"):
+        return url
+    if url.startswith("s3://"):
+        parts = urlsplit(url)
+        if _BUCKET_RE.fullmatch(parts.netloc) is None or parts.query or parts.fragment:
+            raise SettingError(f"{what}: expected s3://BUCKET/PREFIX with a bucket name of 3-63 characters "
+                               "from [a-z0-9.-]")
         return url
     parts = urlsplit(url)
     try:

@@ -108,3 +108,76 @@ class Remote:
             cmd += [opt] if value is True else [opt, str(value)]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, **(env or {})})
+
+
+class MotoServer:
+    """A moto S3 server of our own on 127.0.0.1 (``moto_server -H 127.0.0.1 -p PORT``), in memory."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = workdir / f"moto-{self.port}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                          str(self.port)], stdout=log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited ({self.proc.returncode}); see {self.log}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"moto_server did not listen on port {self.port} within {timeout} s")
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: a store that vanishes) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+#: What a client of a loopback moto server needs (any credentials do), and nothing from the developer's ~/.aws.
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The AWS environment that points boto3 (and so jitwarm) at ``endpoint``."""
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "jitwarm-test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+class Bucket:
+    """One test's empty bucket on the shared S3 endpoint: its ``s3://`` URL, a client, and "nodes"."""
+
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.name = f"jwtest-{uuid.uuid4().hex[:12]}"
+        self.prefix = "jitwarm"
+        self.url = f"s3://{self.name}/fleet"
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                                   aws_access_key_id="jitwarm-test", aws_secret_access_key="test")
+        self.client.create_bucket(Bucket=self.name)
+
+    def cache(self, root: Path, **kwargs) -> KernelCache:
+        """A "node": a KernelCache on its own ``root`` that shares this bucket."""
+        kwargs.setdefault("layers", ())
+        return KernelCache(root=root, remote=self.url, remote_prefix=self.prefix, **kwargs)
+
+    def flags(self) -> list[str]:
+        """The jitwarm CLI flags that point at this bucket."""
+        return ["--remote", self.url, "--remote-prefix", self.prefix]
+
+    def keys(self, under: str = "") -> dict[str, int]:
+        """Object key -> size of every object under ``fleet/jitwarm/v1/<under>``."""
+        listed = self.client.list_objects_v2(Bucket=self.name, Prefix=f"fleet/{self.prefix}/v1/{under}")
+        return {o["Key"]: o["Size"] for o in listed.get("Contents", [])}
+
+    def read(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
+
+    def write(self, key: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.name, Key=key, Body=body)

@@ -15,11 +15,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.files import loads, remove_tree
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
 from jitwarm.cache.remote.redis import RemoteFailure, RemoteStore
+
+if TYPE_CHECKING:
+    from jitwarm.cache.remote.s3 import ObjectStore
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -56,6 +60,24 @@ class LocalSteps:
     build: Callable[[], Entry]
 
 
+class Lease(Protocol):
+    """What the fleet needs of a key's build lease: :class:`FleetLease` (Redis), ``s3_lease.ObjectLease``."""
+
+    lost: bool
+
+    def try_acquire(self) -> bool:
+        """Take the lease if nobody holds it (or its holder's expired); RemoteFailure."""
+
+    def holder(self) -> LockHolder | None:
+        """Who holds it now, or None; RemoteFailure."""
+
+    def check_expiry(self) -> None:
+        """Heal a lease that would never expire (LeaseWithoutExpiry); RemoteFailure."""
+
+    def release(self) -> None:
+        """Give it up if still ours; never raises for store errors."""
+
+
 class Fleet:
     """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
 
@@ -66,7 +88,7 @@ class Fleet:
     released (if still ours) on every path.
     """
 
-    def __init__(self, store: RemoteStore, *, lease_s: float, count: Callable[..., None]) -> None:
+    def __init__(self, store: RemoteStore | ObjectStore, *, lease_s: float, count: Callable[..., None]) -> None:
         self.store = store
         self.lease_s = lease_s
         self._count = count
@@ -129,9 +151,9 @@ class Fleet:
         return entry
 
     def _lease_or_download(self, key: str, steps: LocalSteps, timeout_s: float,
-                           on_wait: OnWait | None) -> tuple[FleetLease | None, Entry | None]:
+                           on_wait: OnWait | None) -> tuple[Lease | None, Entry | None]:
         """Take the key's lease, or wait (polling with backoff) until its holder's upload can be downloaded."""
-        lease = FleetLease(self.store, key, self.lease_s)
+        lease = self.store.new_lease(key, self.lease_s)
         if lease.try_acquire():
             return lease, None
         lease.check_expiry()
@@ -140,7 +162,7 @@ class Fleet:
         if on_wait is not None:
             on_wait(first)
 
-        def poll() -> tuple[FleetLease | None, Entry | None] | None:
+        def poll() -> tuple[Lease | None, Entry | None] | None:
             entry = self._download(key, steps)
             if entry is not None:
                 return None, entry

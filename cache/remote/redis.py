@@ -163,6 +163,12 @@ class RemoteStore:
         """Return the Redis key of the fleet build lease of ``key``."""
         return f"{self.prefix}:v{FORMAT_VERSION}:lease:{key}"
 
+    def new_lease(self, key: str, ttl_s: float) -> Any:
+        """Return the fleet build lease of ``key`` (a :class:`~jitwarm.cache.remote.fleet.FleetLease`)."""
+        from jitwarm.cache.remote.fleet import FleetLease  # fleet builds on this module
+
+        return FleetLease(self, key, ttl_s)
+
     @property
     def usable(self) -> bool:
         """False while this process considers the remote down (a required remote is always tried)."""

@@ -1,0 +1,395 @@
+"""ObjectStore: the fleet's shared second cache level in an S3 bucket: content-addressed blobs, the record last.
+
+Under ``s3://BUCKET/PATH/<prefix>/v1/``: ``blobs/<sha256>`` (one file's bytes; entries holding the same bytes
+share it), ``entries/<key>.json`` (the entry's record: its ``entry.json`` text, executable files, uploader) and
+``leases/<key>.json`` (the fleet build lease, :mod:`.s3_lease`). An upload puts the blobs first and the
+record last with ``If-None-Match: *``, so a reader sees a complete entry or none and two publishers of one
+key cannot both win (412: the other node's entry stands). Every read is sized and hashed before anything is
+written locally (docs/cache.md, "Object-store tier").
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+from urllib.parse import urlsplit
+
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, parse_manifest, unchanged, unpack_entry
+from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
+from jitwarm.cache.files import loads, open_regular
+from jitwarm.cache.keys import FORMAT_VERSION
+from jitwarm.cache.locks import this_host
+from jitwarm.cache.remote.redis import RETRY_AFTER_S, RemoteFailure, RemoteReport
+
+log = logging.getLogger("jitwarm.cache")
+
+T = TypeVar("T")
+
+#: An entry record is its manifest as a JSON string (escaping at most doubles it, bar control characters
+#: nobody writes) plus a small ``uploader``/``executable`` part; more than this is not ours.
+MAX_RECORD_BYTES = 4 * MAX_MANIFEST_BYTES + (1 << 20)
+#: Blobs this large or larger go up in parts of this size (S3 caps a single PUT at 5 GiB; parts retry alone).
+MULTIPART_BYTES = 64 << 20
+#: Deadlines and attempts of every request (botocore's "standard" retry mode backs off exponentially on
+#: 500, 503, throttling and connection errors): a fleet start-up must not hang on a dead store.
+CONNECT_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 10.0
+MAX_ATTEMPTS = 3
+
+
+class _Health:
+    """One store URL in this process: its client (made on first use), and whether (and why) it is down."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.down_until = 0.0
+        self.error: str | None = None
+        self.warned = False
+
+
+_HEALTH: dict[str, _Health] = {}
+_HEALTH_LOCK = threading.Lock()
+
+
+def _health(url: str) -> _Health:
+    with _HEALTH_LOCK:
+        return _HEALTH.setdefault(url, _Health())
+
+
+def _client(url: str) -> Any:
+    """The S3 client of ``url``: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
+    health = _health(url)
+    with _HEALTH_LOCK:
+        if health.client is None:
+            import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
+            from botocore.config import Config
+
+            config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+            health.client = boto3.session.Session().client("s3", config=config)
+        return health.client
+
+
+def reset_health() -> None:
+    """Close this process's S3 clients and forget each store's health (for tests)."""
+    with _HEALTH_LOCK:
+        records = list(_HEALTH.values())
+        _HEALTH.clear()
+    for record in records:
+        if record.client is not None:
+            with contextlib.suppress(Exception):
+                record.client.close()
+
+
+class Got(NamedTuple):
+    """One object read: its bytes, ETag, Last-Modified and the server's clock (both epoch seconds)."""
+
+    body: bytes
+    etag: str
+    modified: float
+    server_now: float
+
+
+class ObjectStore:
+    """Entries of one cache format under one bucket prefix, and the health of that store.
+
+    The same calls as :class:`~jitwarm.cache.remote.redis.RemoteStore`; every request raises
+    :class:`RemoteFailure` (never a botocore exception), which the caller hands to :meth:`failed`.
+    """
+
+    def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
+                 shared: bool = False, count: Callable[..., None] | None = None) -> None:
+        parts = urlsplit(url)
+        self.url = url
+        self.display = f"s3://{parts.netloc}{parts.path}"
+        self.bucket = parts.netloc
+        self.base = "/".join(p for p in (parts.path.strip("/"), prefix, f"v{FORMAT_VERSION}") if p)
+        self.prefix = prefix
+        self.required = required
+        self.max_bytes = max_bytes
+        self.shared = shared
+        self._count = count or (lambda name, amount=1: None)
+        self._rejected: dict[str, str] = {}  # key -> ETag of a record already rejected
+
+    def entry_name(self, key: str) -> str:
+        """Return the object key of ``key``'s entry record."""
+        return f"{self.base}/entries/{key}.json"
+
+    def blob_name(self, sha256: str) -> str:
+        """Return the object key of the blob whose bytes hash to ``sha256``."""
+        return f"{self.base}/blobs/{sha256}"
+
+    def lease_name(self, key: str) -> str:
+        """Return the object key of the fleet build lease of ``key``."""
+        return f"{self.base}/leases/{key}.json"
+
+    def new_lease(self, key: str, ttl_s: float) -> Any:
+        """Return the fleet build lease of ``key`` (an :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`)."""
+        from jitwarm.cache.remote.s3_lease import ObjectLease  # it builds on this module
+
+        return ObjectLease(self, key, ttl_s)
+
+    @property
+    def usable(self) -> bool:
+        """False while this process considers the store down (a required store is always tried)."""
+        return self.required or time.monotonic() >= _health(self.url).down_until
+
+    @property
+    def error(self) -> str | None:
+        """Why the store is considered down now, or None."""
+        health = _health(self.url)
+        return health.error if time.monotonic() < health.down_until else None
+
+    def call(self, what: str, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(client)``; a botocore or socket error becomes RemoteFailure("<what>: <error>")."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(_client(self.url))
+        except ClientError as exc:
+            raise RemoteFailure(f"{what}: {describe(exc)}") from exc
+        except (BotoCoreError, OSError) as exc:
+            raise RemoteFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    def failed(self, exc: RemoteFailure) -> None:
+        """Record a failure: ``RemoteUnavailable`` if required, else log once and go local-only for a while."""
+        self._count("remote_errors")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if self.required:
+            raise RemoteUnavailable(self.display, reason) from exc
+        health = _health(self.url)
+        with _HEALTH_LOCK:
+            health.down_until = time.monotonic() + RETRY_AFTER_S
+            health.error = reason
+            warn, health.warned = not health.warned, True
+        (log.warning if warn else log.debug)("remote cache %s unavailable (%s): continuing with the local "
+                                             "cache only", self.display, reason)
+
+    def check(self) -> str | None:
+        """HEAD the bucket: None when it answers, else why not (after :meth:`failed`, which may raise)."""
+        try:
+            self.call("check", lambda c: c.head_bucket(Bucket=self.bucket))
+        except RemoteFailure as exc:
+            self.failed(exc)
+            return str(exc)
+        return None
+
+    def get(self, name: str, limit: int, what: str, *, clip: bool = False) -> Got | None:
+        """Read object ``name`` (None if absent); RemoteFailure for a store fault or a body cut short.
+
+        A body over ``limit`` is ``CorruptEntry`` (never read), or with ``clip`` its first ``limit`` bytes.
+        """
+        def read(client: Any) -> Got | None:
+            try:
+                reply = client.get_object(Bucket=self.bucket, Key=name)
+            except client.exceptions.NoSuchKey:
+                return None
+            size = reply.get("ContentLength", 0)
+            if size > limit and not clip:
+                reply["Body"].close()
+                raise CorruptEntry(f"object {name} is {size} bytes, over its cap of {limit}")
+            body = reply["Body"].read(min(size, limit))
+            reply["Body"].close()
+            if len(body) < min(size, limit):  # the connection dropped mid-body: a fault, not a bad object
+                raise RemoteFailure(f"{what}: {name}: body cut short at {len(body)} of {size} bytes")
+            headers = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            modified = reply["LastModified"].timestamp() if reply.get("LastModified") else time.time()
+            return Got(body, reply.get("ETag", ""), modified, _server_time(headers.get("date")))
+
+        return self.call(what, read)
+
+    def put(self, name: str, body: bytes, what: str, **condition: str) -> str | None:
+        """PUT ``body`` at ``name``, under a condition if given (``IfNoneMatch="*"``, ``IfMatch=etag``).
+
+        Returns its new ETag, or None when the condition failed (412, or 409 for a concurrent conditional
+        write). RemoteFailure for anything else.
+        """
+        checksum = base64.b64encode(hashlib.sha256(body).digest()).decode()
+
+        def write(client: Any) -> str | None:
+            try:
+                return client.put_object(Bucket=self.bucket, Key=name, Body=body, ChecksumSHA256=checksum,
+                                         **condition)["ETag"]
+            except client.exceptions.ClientError as exc:
+                if condition and _status(exc) in (409, 412):
+                    return None
+                raise
+
+        return self.call(what, write)
+
+    def fetch(self, key: str, dest: Path) -> Entry | None:
+        """Download ``key``'s entry into the empty staging dir ``dest``, every object sized and hashed first.
+
+        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept; with a
+        required store that is ``RemoteFailure`` naming the bad object). Raises ``RemoteFailure`` (the store)
+        or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
+        """
+        got = self.get(self.entry_name(key), MAX_RECORD_BYTES, "download", clip=True)
+        if got is None or self._rejected.get(key) == got.etag:
+            return None  # nothing there, or the record we rejected before: not worth a download
+        uploader: dict[str, Any] = {}
+        try:
+            manifest, executable, uploader = _parse_record(got.body, key)
+            _doc, records = parse_manifest(manifest, key, f"remote entry {key} {MANIFEST}")
+            total = sum(rec.size for rec in records)
+            if total > self.max_bytes:
+                log.info("not downloading cache key %s from %s: its files total %d bytes, over the remote size "
+                         "cap of %d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display,
+                         total, self.max_bytes)
+                return None
+            files = {rec.path: self._blob(key, rec.path, rec.size, rec.sha256) for rec in records}
+            return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
+        except CorruptEntry as exc:
+            self._reject(key, str(exc), got.etag, uploader)
+            if self.required:
+                raise RemoteFailure(f"download: rejected entry {key}: {exc}") from exc
+            return None
+
+    def _blob(self, key: str, rel: str, size: int, sha256: str) -> bytes:
+        """Read the blob of ``rel``: CorruptEntry unless it is exactly ``size`` bytes hashing to ``sha256``."""
+        got = self.get(self.blob_name(sha256), size, "download")
+        where = f"remote entry {key}: {rel} (object {self.blob_name(sha256)})"
+        if got is None:
+            raise CorruptEntry(f"{where} is missing")
+        if len(got.body) != size:
+            raise CorruptEntry(f"{where} has {len(got.body)} bytes, {MANIFEST} says {size}")
+        if hashlib.sha256(got.body).hexdigest() != sha256:
+            raise CorruptEntry(f"{where}: sha256 does not match {MANIFEST}")
+        return got.body
+
+    def _reject(self, key: str, why: str, etag: str, uploader: dict[str, Any]) -> None:
+        """Report a remote entry that failed the check; the same record is not downloaded again by this store."""
+        self._rejected[key] = etag
+        self._count("remote_rejected")
+        origin = f"pid {uploader.get('pid')} on {uploader.get('host')}" if uploader.get("host") else \
+            "unknown uploader"
+        log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
+                    "replaced by the next build", key, self.display, str(origin)[:200], why)
+
+    def upload(self, entry: Entry) -> bool:
+        """Upload a verified local entry: blobs first, the record last and only if absent; ``RemoteFailure``.
+
+        False for an entry over ``max_bytes`` or changed since it was hashed. True when the record is there
+        (ours, or another node's that won the race: content-addressed, so theirs is as good). A record this
+        store rejected is replaced, blobs and all, only if it is still that record (``If-Match``).
+        """
+        if entry.size_bytes > self.max_bytes:
+            log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
+                     "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
+            return False
+        manifest = _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
+        blobs, executable = {}, []
+        for rec in entry.records:
+            path = entry.path / rec.path
+            blobs[rec.sha256] = _read(path, rec.size)
+            if os.lstat(path).st_mode & 0o111:
+                executable.append(rec.path)
+        if not unchanged(entry):  # checked after reading: what was read is what was hashed
+            log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
+            return False
+        replacing = self._rejected.get(entry.key)
+        for sha256, data in blobs.items():
+            self._put_blob(sha256, data, overwrite=replacing is not None)
+        record = json.dumps({"manifest": manifest.decode("utf-8"), "executable": executable,
+                             "uploader": {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
+                                          "nonce": os.urandom(8).hex()}}).encode()
+        condition = {"IfMatch": replacing} if replacing else {"IfNoneMatch": "*"}
+        if self.put(self.entry_name(entry.key), record, "upload", **condition) is None:
+            log.info("cache key %s was published on %s by another node first; keeping theirs", entry.key,
+                     self.display)
+        self._rejected.pop(entry.key, None)
+        self._count("remote_uploads")
+        return True
+
+    def _put_blob(self, sha256: str, data: bytes, *, overwrite: bool) -> None:
+        """Put one blob, unless it is there with the right size (``overwrite``: a reader found it bad)."""
+        name = self.blob_name(sha256)
+        if not overwrite:
+            def size_of(client: Any) -> int | None:
+                try:
+                    return client.head_object(Bucket=self.bucket, Key=name)["ContentLength"]
+                except client.exceptions.ClientError as exc:
+                    if _status(exc) == 404:
+                        return None
+                    raise
+
+            if self.call("upload", size_of) == len(data):
+                return
+        if len(data) < MULTIPART_BYTES:
+            self.put(name, data, "upload")
+            return
+        import io
+
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+        self.call("upload", lambda c: c.upload_fileobj(io.BytesIO(data), self.bucket, name, Config=config,
+                                                       ExtraArgs={"ChecksumAlgorithm": "SHA256"}))
+
+    def report(self, keys: Iterable[str]) -> RemoteReport:
+        """Return which of ``keys`` the store holds; ``RemoteUnavailable`` if a required one cannot be asked."""
+        keys = list(keys)
+
+        def exists(client: Any, key: str) -> bool:
+            try:
+                client.head_object(Bucket=self.bucket, Key=self.entry_name(key))
+            except client.exceptions.ClientError as exc:
+                if _status(exc) == 404:
+                    return False
+                raise
+            return True
+
+        try:
+            found = [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
+        except RemoteFailure as exc:
+            self.failed(exc)
+            return RemoteReport(self.display, self.prefix, available=False, error=str(exc))
+        return RemoteReport(self.display, self.prefix, available=True,
+                            present=tuple(k for k, f in zip(keys, found, strict=True) if f),
+                            missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
+
+
+def describe(exc: Any) -> str:
+    """A botocore ClientError in one line: ``HTTP 403 AccessDenied: Access Denied``."""
+    error = exc.response.get("Error", {})
+    return f"HTTP {_status(exc)} {error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
+
+
+def _status(exc: Any) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _server_time(date: str | None) -> float:
+    """The store's clock from its ``Date`` header (leases expire by the store's clock, not a node's)."""
+    with contextlib.suppress(TypeError, ValueError, IndexError):
+        return parsedate_to_datetime(date).timestamp()
+    return time.time()
+
+
+def _parse_record(body: bytes, key: str) -> tuple[bytes, list[str], dict[str, Any]]:
+    """Split an entry record into (manifest bytes, executable files, uploader); CorruptEntry if malformed."""
+    try:
+        doc = loads(body)
+        manifest = doc["manifest"].encode("utf-8")
+        executable = [p for p in doc.get("executable", []) if isinstance(p, str)]
+        uploader = doc.get("uploader") if isinstance(doc.get("uploader"), dict) else {}
+    except (TypeError, ValueError, KeyError, AttributeError, UnicodeError) as exc:
+        raise CorruptEntry(f"remote entry {key}: its record does not parse ({type(exc).__name__})") from None
+    return manifest, executable, uploader
+
+
+def _read(path: Path, size: int) -> bytes:
+    """Read a file of a local entry to upload it (a replaced or grown file fails the signature check after)."""
+    fd, _st = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(size + 1)

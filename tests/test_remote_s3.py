@@ -1,0 +1,236 @@
+"""The object-store tier against a real S3-protocol server (moto_server on loopback).
+
+Each "node" has its own cache root; all share one bucket. The nodes of the fleet tests are real processes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
+from remote_fixtures import Bucket, MotoServer, s3_env
+
+from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
+from jitwarm.cache.remote.s3 import ObjectStore
+from jitwarm.cache.remote.s3_lease import ObjectLease
+from jitwarm.kernels.artifacts import artifact
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+DESC = {"kind": "s3-test", "n": 1}
+PAYLOAD = b"kernel bytes " * 400
+
+
+def _build(staging):
+    (staging / "kernel.bin").write_bytes(PAYLOAD)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """The S3 endpoint the tests share: $JITWARM_TEST_S3_URL, else a moto_server of our own for the session."""
+    url = os.environ.get("JITWARM_TEST_S3_URL")
+    if url:
+        yield url
+        return
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint, monkeypatch):
+    """An empty bucket of this test's own; boto3 (in this process and in the nodes) points at the endpoint."""
+    for name, value in s3_env(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    reset_remote_health()
+    yield Bucket(s3_endpoint)
+    reset_remote_health()
+
+
+def test_three_nodes_warm_one_plan_on_an_empty_bucket_each_spec_built_once(bucket, tmp_path):
+    keys = [artifact(spec).key for spec in plan_of(TINY_FAST).specs]
+    procs = [start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(tmp_path / f"node{i}"),
+                           *bucket.flags()) for i in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _out, err in outs]
+    totals = collections.Counter()
+    for out, _err in outs:
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["ok"] and report["remote"]["available"]
+        totals.update(report["totals"])
+    assert totals["built"] == len(keys) == 3 and totals["downloaded"] == 2 * len(keys)
+    assert len(bucket.keys("entries/")) == 3 and not bucket.keys("leases/")  # every lease released
+    for i in range(3):
+        assert sorted(KernelCache(root=tmp_path / f"node{i}", layers=()).verify(keys).ok) == sorted(keys)
+    status = jitwarm("status", *TINY_FAST, "--json", "--cache-dir", str(tmp_path / "fresh"), *bucket.flags())
+    assert status.returncode == 5 and json.loads(status.stdout)["remote"]["present"] == 3
+
+
+# A publisher that stops between its blobs and its record: SIGKILL it there.
+_PUBLISHER = """
+import pathlib, sys, time
+from jitwarm.cache import KernelCache
+from jitwarm.cache.remote import s3
+put = s3.ObjectStore.put
+def put_or_hang(self, name, body, what, **condition):
+    if "/entries/" in name:
+        pathlib.Path(sys.argv[3]).touch()
+        time.sleep(600)
+    return put(self, name, body, what, **condition)
+s3.ObjectStore.put = put_or_hang
+cache = KernelCache(root=sys.argv[1], layers=(), remote=sys.argv[2])
+cache.get_or_build({"kind": "s3-test", "n": 1}, lambda d: (d / "kernel.bin").write_bytes(b"kernel bytes " * 400))
+"""
+
+
+def test_publisher_killed_between_files_and_record_leaves_nothing_a_reader_uses(bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("JITWARM_REMOTE_LEASE_S", "1")
+    monkeypatch.setenv("JITWARM_REMOTE_PREFIX", bucket.prefix)
+    marker = tmp_path / "blobs-up"
+    proc = subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(tmp_path / "a"), bucket.url, str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert bucket.keys("blobs/") and not bucket.keys("entries/") and bucket.keys("leases/")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    reader = bucket.cache(tmp_path / "b")
+    start = time.monotonic()
+    result = reader.get_or_build_ex(DESC, _build, timeout_s=30)
+    assert result.outcome == "built" and reader.stats().lease_waits == 1  # waited out the dead holder's lease
+    assert time.monotonic() - start < 10 and reader.stats().remote_rejected == 0
+    late = bucket.cache(tmp_path / "c").get_or_build_ex(DESC, lambda d: pytest.fail("must download"))
+    assert late.outcome == "downloaded" and late.entry.file("kernel.bin").read_bytes() == PAYLOAD
+
+
+def _blob_and_record(bucket):
+    [blob] = bucket.keys("blobs/")
+    [record] = bucket.keys("entries/")
+    return blob, record
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "missing", "record"])
+def test_a_damaged_object_is_refused_reported_and_replaced_by_a_build(bucket, tmp_path, damage):
+    key = bucket.cache(tmp_path / "a").get_or_build(DESC, _build).key
+    blob, record = _blob_and_record(bucket)
+    if damage == "flipped":
+        body = bytearray(bucket.read(blob))
+        body[7] ^= 1
+        bucket.write(blob, bytes(body))
+    elif damage == "truncated":
+        bucket.write(blob, bucket.read(blob)[:-10])
+    elif damage == "missing":
+        bucket.client.delete_object(Bucket=bucket.name, Key=blob)
+    else:
+        bucket.write(record, b'{"manifest": 42}')
+    reader = bucket.cache(tmp_path / "b")
+    result = reader.get_or_build_ex(DESC, _build)
+    assert result.outcome == "built" and reader.stats().remote_rejected == 1
+    assert reader.verify([key]).ok == (key,)
+    # The builder replaced what it rejected (If-Match on that record): the next node downloads a good entry.
+    again = bucket.cache(tmp_path / "c").get_or_build_ex(DESC, lambda d: pytest.fail("must download"))
+    assert again.outcome == "downloaded" and again.entry.file("kernel.bin").read_bytes() == PAYLOAD
+
+
+def test_a_damaged_object_under_a_required_store_is_exit_1_naming_it(bucket, tmp_path):
+    bucket.cache(tmp_path / "a").get_or_build(DESC, _build)
+    blob, _record = _blob_and_record(bucket)
+    bucket.write(blob, b"X" * len(PAYLOAD))
+    with pytest.raises(RemoteUnavailable, match="sha256 does not match"):
+        bucket.cache(tmp_path / "b", remote_required=True).get_or_build(DESC, _build)
+    assert not (tmp_path / "b" / "v1" / "entries").exists() or not any((tmp_path / "b" / "v1" / "entries").iterdir())
+
+
+def test_two_publishers_of_one_key_one_record_wins(bucket, tmp_path):
+    published = bucket.cache(tmp_path / "a").get_or_build(DESC, _build)
+    _blob, record = _blob_and_record(bucket)
+    first = bucket.read(record)
+    late = KernelCache(root=tmp_path / "b", layers=()).get_or_build(DESC, _build)  # built without the store
+    assert ObjectStore(bucket.url, bucket.prefix).upload(late) is True  # 412: the first record stands
+    assert bucket.read(record) == first and late.key == published.key
+
+
+def test_lease_is_exclusive_renewed_and_taken_over_only_after_it_expires(bucket):
+    store = ObjectStore(bucket.url, bucket.prefix)
+    first = ObjectLease(store, "a" * 64, ttl_s=1.0)
+    assert first.try_acquire() and not ObjectLease(store, "a" * 64, ttl_s=1.0).try_acquire()
+    time.sleep(1.5)  # renewed every third of its life: still held
+    assert not ObjectLease(store, "a" * 64, ttl_s=1.0).try_acquire() and not first.lost
+    holder = ObjectLease(store, "a" * 64, ttl_s=1.0).holder()
+    assert holder is not None and holder.pid == os.getpid()
+    first._stop.set()  # the holder dies: no more renewals, no release
+    first._thread.join()
+    second = ObjectLease(store, "a" * 64, ttl_s=30)
+    assert not second.try_acquire()  # not at once: it expires a lifetime after its last renewal
+    deadline = time.monotonic() + 10
+    while not second.try_acquire():
+        assert time.monotonic() < deadline, "the dead holder's lease never expired"
+        time.sleep(0.2)
+    first.release()  # no longer ours: the new holder's lease stays
+    assert bucket.keys("leases/")
+    second.release()
+    assert not bucket.keys("leases/")
+
+
+def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
+    server = MotoServer(tmp_path / "moto")
+    try:
+        for name, value in s3_env(server.url).items():
+            monkeypatch.setenv(name, value)
+        bucket = Bucket(server.url)
+        root = tmp_path / "node"
+        proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *bucket.flags())
+        deadline = time.monotonic() + 60
+        while not any((root / "v1" / "entries").glob("*/*")):  # the first spec is published locally
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        server.stop()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, stderr
+    report = json.loads(stdout)
+    assert report["ok"] and report["totals"]["built"] == 3
+    assert report["remote"]["available"] is False and "Error" in report["remote"]["error"]
+    assert KernelCache(root=root, layers=()).verify([s["key"] for s in report["specs"]]).clean
+
+
+def test_required_store_stopped_mid_run_fails_naming_the_fault(tmp_path, monkeypatch):
+    server = MotoServer(tmp_path / "moto")
+    try:
+        for name, value in s3_env(server.url).items():
+            monkeypatch.setenv(name, value)
+        reset_remote_health()
+        bucket = Bucket(server.url)
+        node = bucket.cache(tmp_path / "a", remote_required=True)
+        assert node.get_or_build_ex(DESC, _build).outcome == "built" and bucket.keys("entries/")
+        server.stop()
+        with pytest.raises(RemoteUnavailable, match=r"s3://.* is unavailable \(download: .*connect"):
+            node.get_or_build({"kind": "s3-test", "n": 2}, _build)
+    finally:
+        server.stop()
+        reset_remote_health()
+
+
+def test_s3_without_boto3_is_one_line_exit_2(tmp_path):
+    hide = ("import sys; sys.modules['boto3'] = None; from jitwarm.precompile.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", hide, "warm", *TINY_FAST, "--cache-dir", str(tmp_path),
+                           "--remote", "s3://some-bucket/fleet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "jitwarm: error: remote s3://some-bucket/fleet needs boto3, which is not installed: pip install "
+        "'jitwarm[s3]'"]
+    bad = jitwarm("status", *TINY_FAST, "--cache-dir", str(tmp_path), "--remote", "s3://A_B/x")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "bucket name" in bad.stderr
