@@ -214,7 +214,10 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
         _drain(backend)
 
     bound.arguments["post_warmup_hook"] = post_warmup_hook
-    return original(*bound.args, **bound.kwargs)
+    graph = original(*bound.args, **bound.kwargs)
+    if _recorder is not None:  # JITWARM_RECORD: store the JIT cache units compiled so far now; a server is
+        _recorder.capture()    # stopped by a signal, so its recorder's stop and atexit never run
+    return graph
 
 
 def _drain(backend: Any) -> None:
