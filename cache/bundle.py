@@ -8,6 +8,7 @@ members streamed in chunks (a 28 MB ``.tar.gz`` holding one 6 GiB member ended i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -86,12 +87,13 @@ def write_bundle(entries: list[Entry], path: Path) -> Path:
 
 
 def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_bytes: int,
-                  max_bytes: int) -> dict[str, Entry]:
+                  max_bytes: int, sha256: str | None = None) -> dict[str, Entry]:
     """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
 
     Nothing is written until every header has passed (:func:`_check_members`); files are streamed by this
     code, never ``tarfile.extract``. Returns each key's verified entry under ``staging``. ``CacheError`` for
-    a bad archive or entry, ``CacheWriteError`` for a failed write.
+    a bad archive or entry, ``CacheWriteError`` for a failed write. ``sha256``: the file must hash to it
+    (hashed on the descriptor it is then read from, so a file swapped after the check is never imported).
     """
     dir_mode = 0o777 if shared else 0o755
     try:
@@ -100,6 +102,9 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
         raise CacheError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
     listed = None
     with os.fdopen(fd, "rb") as raw:
+        if sha256 is not None and (digest := file_sha256(raw)) != sha256.lower():
+            raise CacheError(f"bundle {path} has sha256 {digest}, not the pinned {sha256.lower()}: refused "
+                             "before importing anything")
         try:
             with tarfile.open(fileobj=raw, mode="r:*") as tar:
                 files = _check_members(path, tar, max_file_bytes=max_file_bytes, max_bytes=max_bytes)
@@ -268,3 +273,13 @@ def _add(tar: tarfile.TarFile, name: str, size: int, data: Any, mode: int, mtime
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+def file_sha256(f: Any) -> str:
+    """Return the sha256 of the open binary file ``f`` from its start (as ``sha256sum`` prints it); rewinds it."""
+    f.seek(0)
+    digest = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
+    f.seek(0)
+    return digest.hexdigest()

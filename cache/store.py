@@ -278,18 +278,21 @@ class KernelCache:
             raise CacheError(f"cannot export to {path}: {len(missing)} key(s) not in the cache {self.root}: {shown}")
         return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
 
-    def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0) -> ImportReport:
+    def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0, *,
+                      sha256: str | None = None) -> ImportReport:
         """Import a bundle: every member checked and every file hashed before anything is published.
 
         Each key the root and layers lack is published by a rename under its lock. ``CacheError`` (a bad
-        bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``.
+        bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``. ``sha256``: a
+        bundle file that does not hash to it is refused (``CacheError``) before anything is unpacked.
         """
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
         self._local.prepare_root()
         staging = self._local.new_staging(BUNDLE_TAG)
         try:
-            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared, **caps)
+            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared,
+                                          sha256=sha256, **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))

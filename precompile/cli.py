@@ -105,6 +105,13 @@ def _timeout(text: str) -> float:
     return value
 
 
+def _sha256(text: str) -> str:
+    t = text.strip().lower()
+    if len(t) != 64 or not all(c in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(f"invalid --sha256 {text[:80]!r}: 64 hex digits, as sha256sum prints them")
+    return t
+
+
 def _jobs(text: str) -> int:
     if not text.strip().isascii() or not text.strip().isdigit() or not 1 <= int(text) <= MAX_JOBS:
         raise argparse.ArgumentTypeError(f"invalid --jobs {text!r}: an integer from 1 to {MAX_JOBS}")
@@ -145,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="deadline for waiting on another process's build")
         r = p.add_argument_group("remote tier (one compile per spec across a fleet)")
         r.add_argument("--remote", nargs="?", const=REMOTE_FROM_ENV, metavar="URL",
-                       help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://... "
-                            "(env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
+                       help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://..., or "
+                            "bucket, s3://BUCKET/PREFIX (the s3 extra; env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
         r.add_argument("--remote-prefix", metavar="PREFIX",
                        help="key namespace on that server (env JITWARM_REMOTE_PREFIX; default jitwarm)")
         r.add_argument("--remote-required", action="store_true",
@@ -158,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "its library keyed it on differs here (a warning each; default: exit 4)")
         if name == "prestart":
             c.add_argument("--bundle", type=path_flag, metavar="FILE", help="import this bundle first")
+            c.add_argument("--sha256", type=_sha256, metavar="DIGEST",
+                           help="refuse a --bundle whose sha256 (as sha256sum prints it, and export reports it) is "
+                                "not DIGEST, before importing anything (exit 4)")
             c.add_argument("--offline", action="store_true",
                            help="build nothing: a spec the bundle and the cache lack is exit 5, and so is a "
                                 "bundle that holds none of the plan's specs")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.bundle import file_sha256
 from jitwarm.cache.errors import EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK, CacheError, JitwarmError, UsageError
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
@@ -65,7 +66,8 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     check_fingerprints(args, plan)
     cache = open_cache(args)
     keys = keys_of(plan, cache)
-    supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline) if args.bundle else None
+    supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
+                               sha256=getattr(args, "sha256", None)) if args.bundle else None
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
     if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
         report = warm(without_absent_units(plan, cache), cache=cache, jobs=args.jobs,
@@ -196,13 +198,13 @@ def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, co
 
 
 def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,
-                    offline: bool = False) -> dict[str, Any]:
+                    offline: bool = False, sha256: str | None = None) -> dict[str, Any]:
     """Import a bundle and say how many of the plan's entries it supplied.
 
     One that supplies none (exported for another target, backend or toolchain?) is a warning when the warm
     will build them, and ``NotReady`` (exit 5) under ``offline``, which builds nothing.
     """
-    report = import_bundle(cache, path)
+    report = import_bundle(cache, path, sha256=sha256)
     supplied = sorted(set(keys.values()) & set(report.keys))
     targets = sorted({str(e.description.get("target")) for k in report.keys if (e := cache.lookup(k)) is not None})
     info = {"path": path, "entries": len(report.keys), "imported": len(report.imported),
@@ -239,12 +241,14 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     if coverage["missing"] or coverage["corrupt"]:
         raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                          f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    cache.export_bundle(list(keys.values()), args.path)
-    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path}")
+    written = cache.export_bundle(list(keys.values()), args.path)
+    with open(written, "rb") as f:  # the digest `prestart --bundle F --sha256 DIGEST` pins
+        digest = file_sha256(f)
+    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
     return EXIT_OK
 
 
-def import_bundle(cache: Any, path: str) -> Any:
+def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
     """Import a bundle file: UsageError when there is none at ``path``, CorruptBundle when it does not import.
 
     A failed write (``CacheWriteError``: a full disk) and the cache's own refusals (an untrusted root, a lock
@@ -253,7 +257,7 @@ def import_bundle(cache: Any, path: str) -> Any:
     if not Path(path).is_file():
         raise UsageError(f"bundle {path} does not exist or is not a file")
     try:
-        return cache.import_bundle(path)
+        return cache.import_bundle(path, sha256=sha256)
     except CacheError as exc:
         if type(exc) is not CacheError:  # a subclass: a write, a lock, a trust problem, not the bundle's content
             raise

@@ -181,3 +181,80 @@ class Bucket:
 
     def write(self, key: str, body: bytes) -> None:
         self.client.put_object(Bucket=self.name, Key=key, Body=body)
+
+
+class FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that breaks the requests it is told to.
+
+    ``fault`` (set at any time) is None (pass through), an HTTP status (``403``, ``412``, ``500``: an S3
+    error reply), ``"slow"`` (answer after ``delay`` seconds) or ``"truncated"`` (half the body, then close).
+    Only requests whose path contains ``only`` (``"/blobs/"``) are broken. ``hits`` counts broken requests.
+    """
+
+    def __init__(self, upstream: str, only: str = "") -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.fault: int | str | None = None
+        self.only = only
+        self.delay = 3.0
+        self.hits = 0
+        target = urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fault = proxy.fault if proxy.only in self.path else None
+                if isinstance(fault, int):
+                    proxy.hits += 1
+                    code = {403: "AccessDenied", 412: "PreconditionFailed", 500: "InternalError"}[fault]
+                    reply = f"<Error><Code>{code}</Code><Message>injected {fault}</Message></Error>".encode()
+                    self.send_response(fault)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                if fault == "slow":
+                    proxy.hits += 1
+                    time.sleep(proxy.delay)
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "host")}
+                headers["Host"] = target.netloc
+                conn.request(self.command, self.path, body=body, headers=headers)
+                upstream_reply = conn.getresponse()
+                data = upstream_reply.read()
+                self.send_response(upstream_reply.status)
+                for k, v in upstream_reply.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
+                        self.send_header(k, v)
+                size = upstream_reply.getheader("Content-Length") if self.command == "HEAD" else len(data)
+                self.send_header("Content-Length", str(size or 0))
+                cut = fault == "truncated" and self.command == "GET" and len(data) > 1
+                if cut:
+                    proxy.hits += 1
+                    self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2] if cut else data)
+                self.close_connection = cut
+                conn.close()
+
+            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -15,9 +15,10 @@ import time
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
-from remote_fixtures import Bucket, MotoServer, s3_env
+from remote_fixtures import Bucket, FaultyProxy, MotoServer, s3_env
 
 from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
+from jitwarm.cache.remote import s3
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.remote.s3_lease import ObjectLease
 from jitwarm.kernels.artifacts import artifact
@@ -234,3 +235,43 @@ def test_s3_without_boto3_is_one_line_exit_2(tmp_path):
         "'jitwarm[s3]'"]
     bad = jitwarm("status", *TINY_FAST, "--cache-dir", str(tmp_path), "--remote", "s3://A_B/x")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "bucket name" in bad.stderr
+
+
+FAULTS = {403: "HTTP 403 AccessDenied", 412: "HTTP 412 PreconditionFailed", 500: "HTTP 500 InternalError",
+          "slow": "Read timeout", "truncated": "body cut short"}
+#: Requests each fault breaks: 500 and a timeout are retried (with backoff), the rest are not.
+ATTEMPTS = {403: 1, 412: 1, 500: 2, "slow": 2, "truncated": 1}
+
+
+@pytest.fixture
+def faulty(bucket, tmp_path, monkeypatch):
+    """The bucket with one entry published, and a proxy in front of the store that breaks blob requests."""
+    bucket.cache(tmp_path / "origin").get_or_build(DESC, _build)
+    proxy = FaultyProxy(bucket.endpoint, only="/blobs/")
+    reset_remote_health()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(s3, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.mark.parametrize("fault", list(FAULTS), ids=str)
+def test_each_store_fault_falls_back_to_a_local_build(faulty, bucket, tmp_path, fault):
+    faulty.fault, faulty.delay = fault, 2.0
+    node = bucket.cache(tmp_path / "b")
+    result = node.get_or_build_ex(DESC, _build)
+    assert result.outcome == "built" and faulty.hits == ATTEMPTS[fault]
+    assert node.stats().remote_errors == 1 and node.stats().remote_rejected == 0
+    assert FAULTS[fault] in node.remote_error, node.remote_error  # reported; the store is skipped for a while
+    assert node.verify([result.entry.key]).clean
+
+
+@pytest.mark.parametrize("fault", [403, 500, "truncated"], ids=str)
+def test_each_store_fault_under_a_required_store_names_it(faulty, bucket, tmp_path, fault):
+    faulty.fault = fault
+    with pytest.raises(RemoteUnavailable, match=FAULTS[fault]):
+        bucket.cache(tmp_path / "b", remote_required=True).get_or_build(DESC, _build)
+    faulty.fault = None  # the store answers again: the same node downloads
+    again = bucket.cache(tmp_path / "c", remote_required=True).get_or_build_ex(DESC, _build)
+    assert again.outcome == "downloaded"

@@ -75,7 +75,7 @@ def _client(url: str) -> Any:
             from botocore.config import Config
 
             config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+                            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
             health.client = boto3.session.Session().client("s3", config=config)
         return health.client
 
