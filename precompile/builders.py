@@ -1,17 +1,12 @@
 """Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
 
-Each worker is ``python -m jitwarm.precompile.builders``, reading one task per line (the spec's artifact: spec,
-description, key) and answering one JSON line (:mod:`jitwarm.kernels.channel`; what it prints goes to stderr).
-A fresh interpreter, not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (a script
-without an ``if __name__ == "__main__":`` guard, or ``sglang.launch_server``), and a worker that dies is known
-by the task it held. Workers run in their own
-session, so a terminal's Ctrl-C reaches only the parent, which stops them and their compilers (SIGTERM to the
-session, SIGKILL after a grace period); a build cut short leaves only a staging directory, never an entry.
-
-Errors cross the process boundary as data: the exception's type name and kind travel with the full text (a
-compiler's whole diagnostic), so an exit code never depends on parsing a message. A worker's entry travels
-back the same way, as the worker verified it (its stat signature included), so the parent uses it without
-looking the key up again; whoever reads it claims it, and the claim re-checks that signature.
+Each worker is ``python -m jitwarm.precompile.builders``, reading one task per line (the spec's artifact) and
+answering one JSON line (:mod:`jitwarm.kernels.channel`; what it prints goes to stderr). A fresh interpreter,
+not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (``sglang.launch_server``), and a
+worker that dies is known by the task it held. Workers run in their own session, so a terminal's Ctrl-C reaches
+only the parent, which stops them and their compilers; a build cut short leaves only a staging directory.
+Errors and entries cross as data (the exception's type and kind with its full text; the entry as the worker
+verified it, stat signature included, so the parent uses it without a second lookup).
 """
 
 from __future__ import annotations
@@ -152,8 +147,7 @@ class BuildPool:
     def close(self) -> None:
         """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period.
 
-        A second Ctrl-C while this runs does not interrupt it (the first one is why it runs): it cannot leave
-        a worker or a compiler behind.
+        A second Ctrl-C while this runs does not interrupt it: it cannot leave a worker or a compiler behind.
         """
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -286,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
-    from jitwarm.precompile.cli import log_lines  # the parent relays our stderr: the CLI's form of a log line
+    from jitwarm.precompile.log_lines import log_lines  # the parent relays our stderr: the CLI's form of a line
 
     try:
         with log_lines():

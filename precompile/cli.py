@@ -1,23 +1,18 @@
 """The ``jitwarm`` command line: its parser, its flags' checks, and how every error becomes one line and an exit code.
 
-Exit codes: 0 ok (also when the plan is empty: nothing to warm); 1 a build or a write failed (or a required remote
-tier is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 verification found
-corrupt entries (or a corrupt bundle); 5 not ready (specs of the plan missing); 130 interrupted. Every error
-jitwarm raises on purpose is a :class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code: it prints
-as one line on stderr, never a traceback. The commands themselves are :mod:`~jitwarm.precompile.commands`
-(plan, warm, prune), :mod:`~jitwarm.precompile.coverage` (status, verify) and
-:mod:`~jitwarm.precompile.shipping` (prestart, export, import).
+Exit codes: 0 ok (also for an empty plan: nothing to warm); 1 a build or a write failed (or a required remote tier
+is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 corrupt entries or
+bundle; 5 not ready (specs of the plan missing); 130 interrupted. Every error jitwarm raises on purpose is a
+:class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code, printed as one line, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from jitwarm.cache.errors import (
     EXIT_BUILD_FAILED,
@@ -34,6 +29,7 @@ from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
 from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, path_flag, split_server_argv
+from jitwarm.precompile.log_lines import log_lines
 from jitwarm.precompile.plan import WarmPlan
 
 Command = Callable[[argparse.Namespace, WarmPlan | None], int]
@@ -185,34 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("export", "import"):
             p.add_argument("path", metavar="BUNDLE", help="bundle file (.tar or .tar.gz)")
     return parser
-
-
-class LogLines(logging.Formatter):
-    """A jitwarm logger's line as the operator reads it: ``jitwarm: <message>``, the prefix once.
-
-    Many messages carry the prefix already (for a server's own log, where no such handler runs): kept once.
-    """
-
-    def format(self, record: logging.LogRecord) -> str:
-        """``jitwarm: <message>`` (no traceback: one line)."""
-        return "jitwarm: " + record.getMessage().removeprefix("jitwarm: ")
-
-
-@contextlib.contextmanager
-def log_lines() -> Iterator[None]:
-    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines`.
-
-    Without it Python's last-resort handler printed them bare (a quarantine during ``warm`` had no prefix).
-    """
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(LogLines())
-    logger = logging.getLogger("jitwarm")
-    logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

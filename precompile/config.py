@@ -72,28 +72,15 @@ def local_gpu_memory_mb() -> int | None:
         return None
 
 
-# Field -> (kind, flag used in messages). Kinds: "count" a positive int; "count0" zero or positive;
-# "flag" a bool; "bs_list" a list of batch sizes.
-_CHECKS: dict[str, tuple[str, str]] = {
-    "cuda_graph_max_bs_decode": ("batch", "--cuda-graph-max-bs-decode"),
-    "cuda_graph_bs_decode": ("bs_list", "--cuda-graph-bs-decode"),
-    "disable_cuda_graph": ("flag", "--disable-cuda-graph"),
-    "disable_decode_cuda_graph": ("flag", "--disable-decode-cuda-graph"),
-    "disable_cuda_graph_padding": ("flag", "--disable-cuda-graph-padding"),
-    "speculative_num_draft_tokens": ("draft", "--speculative-num-draft-tokens"),
-    "speculative_num_steps": ("draft", "--speculative-num-steps"),
-    "speculative_eagle_topk": ("draft", "--speculative-eagle-topk"),
-    "max_running_requests": ("count", "--max-running-requests"),
-    "tp_size": ("parallel", "--tp-size"),
-    "dp_size": ("parallel", "--dp-size"),
-    "attn_dp_size": ("parallel", "--attn-dp-size"),
-    "enable_dp_attention": ("flag", "--enable-dp-attention"),
-    "gpu_memory_mb": ("memory", "--gpu-memory-mb"),
-    "head_dim": ("count", "--head-dim"),
-    "model_path": ("text", "--model-path"),
-    "model_architecture": ("text", "--model-architecture"),
-    "num_q_heads": ("count", "--num-q-heads"),
-    "num_kv_heads": ("count", "--num-kv-heads"),
+# The checked fields by kind (each named in messages by its flag): "batch", "draft", "count", "parallel" and
+# "memory" positive ints up to their limit; "flag" a bool; "bs_list" a list of batch sizes; "text" a string.
+_KINDS = {
+    "batch": ("cuda_graph_max_bs_decode",), "bs_list": ("cuda_graph_bs_decode",),
+    "flag": ("disable_cuda_graph", "disable_decode_cuda_graph", "disable_cuda_graph_padding", "enable_dp_attention"),
+    "draft": ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk"),
+    "count": ("max_running_requests", "head_dim", "num_q_heads", "num_kv_heads"),
+    "parallel": ("tp_size", "dp_size", "attn_dp_size"), "memory": ("gpu_memory_mb",),
+    "text": ("model_path", "model_architecture"),
 }
 _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": MAX_DRAFT_TOKENS, "parallel": MAX_PARALLEL,
            "memory": MAX_GPU_MEMORY_MB}
@@ -229,8 +216,6 @@ class ServingConfig:
                 data[name] = json.loads(data[name])
         return {k: v for k, v in data.items() if v is not None}
 
-    # -- construction from files, flags, command lines and sglang's own ServerArgs ---------------------
-
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> ServingConfig:
         """Build from a mapping with field names (dashes or underscores, or aliases); unknown keys are an error."""
@@ -247,12 +232,9 @@ class ServingConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServingConfig:
-        """Build from command-line flags.
+        """Build from jitwarm's flags, then optionally ``--`` and the server's command line (``--config`` first).
 
-        ``argv`` holds jitwarm's own flags (sglang's names), then optionally ``--`` and the server's command
-        line; an argv that is a server command line (it starts with a launcher a server room recognises, such
-        as ``python -m sglang.launch_server`` or ``sglang serve``, or names ``--model-path``) is read as one.
-        ``--config FILE`` is read first.
+        An argv that is a server command line (a launcher a room recognises, or ``--model-path``) is read as one.
         """
         from jitwarm.precompile.config_sources import from_flags
 
@@ -262,8 +244,8 @@ class ServingConfig:
 def _check_types(cfg: ServingConfig) -> list[str]:
     """Type and range problems of the fields, one message each (before anything else looks at them)."""
     problems = []
-    for name, (kind, flag) in _CHECKS.items():
-        value = getattr(cfg, name)
+    for kind, name in ((kind, name) for kind, names in _KINDS.items() for name in names):
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
         if value is None:
             continue
         if kind == "text":

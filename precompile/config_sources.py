@@ -57,20 +57,8 @@ def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Return the ServingConfig fields a TOML config file sets (keys checked, values checked on construction).
-
-    Raises
-    ------
-    ConfigError
-        The file cannot be read, is not TOML, is too large, or has a key that is not a field or alias.
-
-    """
+    """Return the ServingConfig fields a TOML file sets; ConfigError for an unreadable file or an unknown key."""
     return fields_of(_read_toml(path), source=str(path))
-
-
-def _from_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """ServingConfig fields from rule inputs (lists to tuples, the JSON object as is)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in inputs.items() if v is not None}
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
@@ -216,13 +204,9 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    help="cpu | sm_90 | sm_100 | ...; repeat for several (default: the local GPU, else cpu)")
 
 
-_FLAG_FIELDS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
-                "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
-                "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
-                "max_running_requests", "tp_size", "dp_size", "attn_dp_size",
-                "enable_dp_attention", "gpu_memory_mb", "ragged_verify_mode", "ladder_source", "model_architecture",
-                "head_dim",
-                "rope_dim", "num_q_heads", "num_kv_heads", "compress_ratios", "dtype", "backends", "targets")
+#: The fields jitwarm's own flags set (every one but the model path, the room and its options).
+_FLAG_FIELDS = tuple(f.name for f in fields(ServingConfig)
+                     if f.name not in ("model_path", "server", "server_options", "mode_from_env"))
 
 
 def serving_flags_given(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> bool:
@@ -239,12 +223,16 @@ def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = N
     if server_argv is not None:
         try:
             room = servers.adapter_for(server_argv)
-            values.update(_from_inputs(room.parse_argv(server_argv)), server=room.NAME)
+            values.update(_fields(room.parse_argv(server_argv)), server=room.NAME)
         except UsageError as exc:
             raise ConfigError([str(exc)]) from None
-    given = {name: getattr(ns, name) for name in _FLAG_FIELDS if getattr(ns, name, None) is not None}
-    values.update({k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    values.update(_fields({name: getattr(ns, name, None) for name in _FLAG_FIELDS}))
     return ServingConfig(**values)
+
+
+def _fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values that are set (not None), lists as tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None}
 
 
 def from_flags(argv: Sequence[str] | None = None) -> ServingConfig:

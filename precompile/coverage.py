@@ -1,8 +1,4 @@
-"""What the cache holds of a plan: ``status`` and ``verify``, which only look (``--repair`` moves corrupt ones aside).
-
-Each spec of the plan is present, missing or corrupt; a corrupt entry is reported once, with its reason, by the
-command (the cache's own warning for it is muted while the command looks).
-"""
+"""What the cache holds of a plan: ``status`` and ``verify``, which only look (``--repair`` moves corrupt ones)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,7 @@ from jitwarm.precompile.plan import WarmPlan
 
 
 def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
-    """``cache.verify``, with the cache's own warning per corrupt entry muted: the command reports each one.
-
-    Its report carries every corrupt entry's reason and whether it was quarantined, so the command's line is
-    the only one (the cache's logger line, then the ``jitwarm:`` line, said it twice).
-    """
+    """``cache.verify``, its own warning per corrupt entry muted: the command reports each one, once."""
     logger = logging.getLogger("jitwarm.cache")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -35,10 +27,10 @@ def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
 
 def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
                   keys: dict[KernelSpec, str] | None = None) -> dict[str, Any]:
-    """Sort the plan's specs into present, missing and corrupt; corrupt ones are moved aside only with ``repair``.
+    """Sort the plan's specs into present, missing and corrupt (moved aside only with ``repair``).
 
-    ``keys`` are the plan's keys when the caller has them already (:func:`keys_of`). Also returns ``why``
-    (each corrupt spec's reason) and ``quarantined`` (those moved aside).
+    ``keys``: the plan's, when the caller has them (:func:`keys_of`). Also ``why`` (each corrupt spec's reason)
+    and ``quarantined``.
     """
     if keys is None:
         keys = keys_of(plan, cache, look_only=not repair)
@@ -64,13 +56,14 @@ def readiness(coverage: dict[str, list[str]]) -> int:
 def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Show how much of the plan the cache holds (and what the remote holds) and its size; never changes it."""
     cache = open_cache(args)
-    coverage = plan_coverage(plan, cache)
+    keys = keys_of(plan, cache, look_only=True)  # once: a spec that cannot be keyed is said once
+    coverage = plan_coverage(plan, cache, keys=keys)
     record = cache.read_plan_record(plan.plan_id)
     data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
             "complete": bool(record and record.get("complete")) and not coverage["missing"],
             **{k: len(coverage[k]) for k in ("present", "missing", "corrupt")}, "specs": coverage}
     if cache.remote:
-        data["remote"] = remote_coverage(plan, cache)
+        data["remote"] = remote_coverage(cache, {spec.id: key for spec, key in keys.items()})
     if args.json:
         print(json.dumps(data))
         return readiness(coverage)
@@ -91,9 +84,8 @@ def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
     return readiness(coverage)
 
 
-def remote_coverage(plan: WarmPlan, cache: Any) -> dict[str, Any]:
-    """Sort the plan's specs into present on the remote tier and missing there (nothing is downloaded)."""
-    keys = {spec.id: key for spec, key in keys_of(plan, cache, look_only=True).items()}
+def remote_coverage(cache: Any, keys: dict[str, str]) -> dict[str, Any]:
+    """Sort the specs (id -> key) into present on the remote tier and missing there (nothing is downloaded)."""
     report = cache.remote_report(keys.values())
     present = set(report.present)
     specs = {"present": [s for s, k in keys.items() if k in present],

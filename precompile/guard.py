@@ -65,19 +65,7 @@ def disarm() -> None:
 
 @contextlib.contextmanager
 def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
-    """Arm the guard for the block: any dispatch miss inside raises :class:`CompileDuringCaptureError`.
-
-    Parameters
-    ----------
-    seal_third_party
-        Also make Triton's JIT and tvm-ffi's build/load entry points raise inside the block.
-
-    Examples
-    --------
-    >>> with capture_guard():          # doctest: +SKIP
-    ...     graph.capture(forward)
-
-    """
+    """Arm the guard for the block (``seal_third_party``: and :class:`ThirdPartySeal`); a miss inside raises."""
     arm()
     seal = ThirdPartySeal() if seal_third_party else None
     if seal:
@@ -91,11 +79,10 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Make Triton's JIT compile, tvm-ffi's build and load and each server's own JIT raise while armed.
+    """Make Triton's JIT compile, tvm-ffi's build and load and each server's own JIT raise while guarded.
 
-    Off by default: it patches other libraries' process-wide hooks. Only guards while
-    :func:`is_armed` or :func:`stream_is_capturing`; outside capture those calls go through untouched.
-    A server's JIT (sglang's ``load_jit``) is sealed by its room (:func:`jitwarm.precompile.servers.sglang.seal`).
+    Off by default: it patches other libraries' process-wide hooks; outside capture those calls pass untouched.
+    A server's own JIT (sglang's ``load_jit``) is sealed by its room (``ServerAdapter.seal``).
     """
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jitwarm.cache import KernelCache, LockTimeout, settings
 from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_NOT_READY, EXIT_TIMEOUT, JitwarmError
@@ -51,15 +51,6 @@ class KernelLoadFailed(KernelsNotReady):
         return (type(self), (self.spec, self.load_reason))
 
 
-class Device(Protocol):
-    """What the hook needs of a device: its build target and a way to drain it."""
-
-    target: str
-
-    def synchronize(self) -> None:
-        """Block until all work queued on the device is done."""
-
-
 class TorchDevice:
     """A torch device: ``cuda`` (the current one) when available, else ``cpu``."""
 
@@ -89,11 +80,7 @@ def default_barrier() -> Callable[[], None] | None:
 
 @dataclass
 class HookReport:
-    """What a hook call did. ``first`` is False for the cheap repeat calls (sync and barrier only).
-
-    ``built`` specs were compiled by this call, ``waited`` ones by another process, ``downloaded`` ones came
-    from the fleet's remote tier, ``hits`` were already in the cache; ``steps`` times each step.
-    """
+    """What a hook call did (``first``: False for the cheap repeat calls); ``steps`` times each step."""
 
     target: str
     first: bool
@@ -109,46 +96,19 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call (1) waits until every key of the plan for this device's target is in the cache —
-    building what is missing (``policy="build"``), waiting for another process to build it (``"wait"``), or
-    failing at once (``"strict"``, also forced by ``JITWARM_STRICT=1``) — with a deadline; (2) loads every
-    module into this process; (3) forces every kernel onto the device; (4) synchronizes the device; (5)
-    meets the other TP ranks at the barrier; then arms the guard. Later calls only synchronize and meet
-    at the barrier, so the hook fits sglang's ``post_warmup_hook`` slot.
+    The first call (1) makes every key of the plan for this device's target present, with a deadline: building
+    what is missing (``policy="build"``), waiting for another process (``"wait"``) or failing at once
+    (``"strict"``, also forced by ``JITWARM_STRICT=1``); (2) loads every module; (3) forces every kernel onto the
+    device; (4) synchronizes it; (5) meets the other TP ranks at ``barrier``; then arms the guard. Later calls
+    only synchronize and meet, so the hook fits sglang's ``post_warmup_hook`` slot.
 
-    Parameters
-    ----------
-    plan
-        The warm plan; only specs whose target matches the device are loaded.
-    cache
-        The cache (default ``KernelCache()``).
-    barrier
-        A callable all TP ranks call (default: torch.distributed's barrier when initialised, else none).
-    device
-        A torch device, or any object with ``target`` and ``synchronize()`` (default: the current CUDA
-        device, else cpu).
-    timeout_s
-        Deadline for step (1).
-    policy
-        ``build``, ``wait`` or ``strict``.
-    warm
-        A :class:`~jitwarm.precompile.warming.WarmHandle` from ``start_warm`` to join first.
-    manifest
-        A manifest path (or several) of the server's recorded kernels (:func:`jitwarm.precompile.record`):
-        their records for this device's target join the plan, so they too are present, loaded and on the
-        device before capture (a Triton module is otherwise loaded at its first launch). Triton's compiles
-        of this process then go through ``cache`` (:mod:`jitwarm.kernels.libraries.triton.cache`).
-    serve_triton
-        Make every Triton compile of this process find and store its result in ``cache`` from now on, as
-        ``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager`` does (implied by ``manifest``).
-
-    Raises
-    ------
-    KernelsNotReady
-        A spec failed to build, or ``strict`` found one missing; the message names the specs.
-    WarmTimeout
-        The deadline passed.
-
+    ``device`` is a torch device or any object with ``target`` and ``synchronize()`` (default: the current CUDA
+    device, else cpu); ``barrier`` defaults to torch.distributed's when initialised; ``warm`` is a
+    :class:`~jitwarm.precompile.warming.WarmHandle` to join first. ``manifest`` (one path or several) adds the
+    server's recorded kernels for this target, so they too are loaded before capture; with it, or with
+    ``serve_triton``, every Triton compile of this process goes through ``cache``
+    (:mod:`jitwarm.kernels.libraries.triton.cache`). :class:`KernelsNotReady` (a build failed, ``strict`` found a
+    miss) and :class:`WarmTimeout` name the specs.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
@@ -182,33 +142,27 @@ class CaptureHook:
     def __call__(self) -> HookReport:
         """Run the steps (all five the first time, sync and barrier after); see the class docstring."""
         start = time.perf_counter()
-        if self.ready:
-            report = HookReport(self.device.target, first=False)
-            self._drain_and_meet(report)
-            report.seconds = time.perf_counter() - start
-            return report
-        specs = self.specs()
-        if not specs:
-            targets = sorted({s.target for s in self.plan.specs})
-            raise KernelsNotReady(f"plan {self.plan.plan_id} has no specs for this device's target "
-                                  f"{self.device.target} (its targets: {', '.join(targets)}); "
-                                  f"warm with --target {self.device.target}")
-        report = HookReport(self.device.target, first=True)
-        self._first_call(specs, start, report)
+        report = HookReport(self.device.target, first=not self.ready)
+        if report.first:
+            specs = self.specs()
+            if not specs:
+                targets = sorted({s.target for s in self.plan.specs})
+                raise KernelsNotReady(f"plan {self.plan.plan_id} has no specs for this device's target "
+                                      f"{self.device.target} (its targets: {', '.join(targets)}); "
+                                      f"warm with --target {self.device.target}")
+            deadline = start + self.timeout_s
+            entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report))
+            loaded = self._step(report, "load", lambda: self._load(specs, entries))  # each load claims its entry
+            report.loaded = len(loaded)
+            self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
+        self._drain_and_meet(report)
+        if report.first:
+            guard.arm()
+            if self.seal:
+                self.seal.install()
+            self.ready = True
         report.seconds = time.perf_counter() - start
         return report
-
-    def _first_call(self, specs: list[KernelSpec], start: float, report: HookReport) -> None:
-        deadline = start + self.timeout_s
-        entries = self._step(report, "present", lambda: self._make_present(specs, deadline, report))
-        loaded = self._step(report, "load", lambda: self._load(specs, entries))  # each load claims its entry
-        report.loaded = len(loaded)
-        self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
-        self._drain_and_meet(report)
-        guard.arm()
-        if self.seal:
-            self.seal.install()
-        self.ready = True
 
     def close(self) -> None:
         """Disarm the guard (and remove third-party seals) armed by the first call."""
@@ -259,8 +213,7 @@ class CaptureHook:
         if self.policy == "wait":
             for spec in missing:
                 try:
-                    entries[spec] = self.cache.wait_for(artifact(spec, self.cache).key,
-                                                        max(0.0, deadline - time.perf_counter()))
+                    entries[spec] = self.cache.wait_for(keys[spec], max(0.0, deadline - time.perf_counter()))
                 except LockTimeout as exc:
                     raise WarmTimeout(f"timed out after {self.timeout_s:.0f}s waiting for {spec.id}: {exc}") from None
             report.waited = len(missing)
@@ -290,31 +243,12 @@ class CaptureHook:
 def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,
                    warmups: int = 2, graph_factory: Callable[[], Any] | None = None,
                    capture: Callable[[Any], Any] | None = None) -> dict[int, tuple[Any, Any]]:
-    """Capture one graph per shape, largest batch first, the way sglang's ``capture_one`` does.
+    """Capture one graph per shape, largest batch first, as sglang's ``capture_one`` does: ``{bs: (graph, outputs)}``.
 
-    For each shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then create
-    the graph and capture ``forward(shape)`` into it. The hook is also called once before the ladder, so
-    the warmups themselves find every kernel loaded.
-
-    Parameters
-    ----------
-    plan
-        The warm plan whose ``shapes`` are captured.
-    forward
-        ``forward(shape)`` runs one batch of that shape and returns its outputs.
-    hook
-        The capture hook (default ``CaptureHook(plan)``); its device and barrier are used for the warmups.
-    warmups
-        Warmup forwards per shape before its capture (sglang runs two).
-    graph_factory, capture
-        ``torch.cuda.CUDAGraph`` and ``lambda g: torch.cuda.graph(g, pool=<shared pool>)`` by default;
-        tests pass recording fakes.
-
-    Returns
-    -------
-    dict
-        ``{bs: (graph, outputs)}``.
-
+    Per shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then ``forward(shape)``
+    captured into a new graph. The hook is also called once before the ladder, so the warmups find every kernel
+    loaded. ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` on one
+    shared pool; tests pass recording fakes.
     """
     hook = hook or CaptureHook(plan)
     if graph_factory is None or capture is None:

@@ -23,11 +23,9 @@ Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
 class SpecResult:
     """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
 
-    ``entry`` is the spec's verified cache entry (None when it failed): the lookup's for a hit, the worker's
-    for a build (as the worker verified it), handed to the capture hook so it does not look it up again. A failure
-    keeps its first line in ``error``, its kind (``timeout``, ``compile``, ``load``, ``crash``, ...; see
-    :data:`jitwarm.precompile.builders.KINDS`) and exception type, and the whole text (a compiler's full
-    diagnostic) in ``detail``. ``remote_error``: why the remote tier failed, if it did.
+    ``entry`` is the verified cache entry (the lookup's, or the worker's as it verified it), handed to the capture
+    hook so it does not look it up again. A failure keeps its first line (``error``), kind
+    (:data:`~jitwarm.precompile.builders.KINDS`), type and whole text (``detail``).
     """
 
     spec: KernelSpec
@@ -113,9 +111,8 @@ def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
 class Progress:
     """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
 
-    :meth:`start` says what is about to happen before the first build; hits are counted there, not listed.
-    Each update says the time since the start and an estimate of the time left (the mean so far per spec, times
-    the specs left: builds of one plan take alike, and a 6-minute ``warm --target sm_90`` should say so early).
+    Each update says the time since the start and the time left (the mean so far per spec, times the specs left:
+    builds of one plan take alike, and a 6-minute ``warm --target sm_90`` should say so early).
     """
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
@@ -174,33 +171,13 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
     """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
 
-    Every build runs in a fresh worker process through ``KernelCache.get_or_build``, so concurrent warms
-    (other ranks, a prestart container) build each spec once in total, and a crashing compiler fails its
-    spec, not the run. When every spec is present the plan's completion record is written (best effort: a
-    read-only cache cannot hold one, and does not need to).
-
-    Parameters
-    ----------
-    plan
-        The plan to warm.
-    cache
-        The cache (default: ``KernelCache()`` from the environment).
-    jobs
-        Parallel builds (default ``JITWARM_JOBS``, else the core count).
-    progress
-        Progress on stderr unless False: a redrawn bar on a terminal, one plain line per build otherwise
-        (container logs).
-    timeout_s
-        Per-spec deadline for waiting on another process's lock.
-    on_result
-        Called with each :class:`SpecResult` as it finishes.
-
-    Returns
-    -------
-    WarmReport
-        Never raises for a failed build: check ``report.ok`` / ``report.failed``. ``KeyboardInterrupt``
-        stops every worker first, then propagates.
-
+    Every build runs in a fresh worker process through the cache's ``get_or_build``, so concurrent warms (other
+    ranks, a prestart container) build each spec once in total, and a crashing compiler fails its spec, not the
+    run. ``jobs`` defaults to ``JITWARM_JOBS``, else the core count; ``progress`` (unless False) goes to stderr, a
+    bar on a terminal, else a line per build; ``timeout_s`` bounds each wait on another process's lock;
+    ``on_result`` sees each :class:`SpecResult`. Never raises for a failed build (see ``report.ok``);
+    ``KeyboardInterrupt`` stops every worker first. When every spec is present the plan's completion record is
+    written (best effort: a read-only cache cannot hold one, and does not need to).
     """
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
@@ -217,11 +194,9 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
                on_result: Callable[[SpecResult], None] | None = None, *, missed: bool = False) -> WarmReport:
     """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
 
-    Each spec is looked up once, here (``missed``: the caller has just looked every spec up and found
-    none, as the capture hook does: not even here); a worker gets only misses and looks again only under
-    the key's lock, and its entry is used as it sent it. With a remote tier, it is asked once here before
-    any worker starts: if it does not answer, the workers run local-only and the report says why (or,
-    when it is required, ``RemoteUnavailable`` is raised).
+    Each spec is looked up once, here (not at all with ``missed``: the capture hook has just found none); a worker
+    gets only misses, looks again only under the key's lock, and its entry is used as it sent it. A remote tier is
+    asked once before any worker starts: down, the workers run local-only (``RemoteUnavailable`` if required).
     """
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()

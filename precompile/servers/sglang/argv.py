@@ -64,18 +64,11 @@ def flag_table() -> dict[str, Any]:
 
 
 def strip_launcher(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Split the launcher off the server's flags: ``python -m sglang.launch_server`` or ``sglang serve``.
+    """Split the launcher (``python -m sglang.launch_server``, ``sglang serve``) and leading ``NAME=value`` words off.
 
-    Leading ``NAME=value`` words (a shell's environment assignments) are returned as the second item.
-    ``sglang serve MODEL`` takes the model path as its first positional argument, and ``--model-type`` is
-    the serve command's own (sglang/cli/serve.py:30-60, 184-187): the first becomes ``--model-path MODEL``,
-    the second is dropped. An argv that starts with a flag is returned as is.
-
-    Raises
-    ------
-    ServerArgvError
-        The argv starts with a program that is not an sglang server launcher.
-
+    ``sglang serve MODEL`` takes the model path as its first positional argument and ``--model-type`` is the
+    serve command's own (sglang/cli/serve.py:30-60, 184-187): the first becomes ``--model-path MODEL``, the
+    second is dropped. :class:`ServerArgvError` for a program that is not an sglang launcher.
     """
     args = list(argv)
     env = {}
@@ -96,9 +89,7 @@ def _strip_program(args: list[str]) -> list[str]:
             rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
         if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _SERVER_MODULES:
             return rest[2:]
-        raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:4])} ... (expected "
-                              "`python -m sglang.launch_server ...` or `sglang serve ...`)")
-    if program == "sglang" and len(args) >= 2 and args[1] == "serve":
+    elif program == "sglang" and len(args) >= 2 and args[1] == "serve":
         rest, i = [], 2
         while i < len(args):
             if args[i] == "--model-type":
@@ -110,48 +101,27 @@ def _strip_program(args: list[str]) -> list[str]:
         if rest and not rest[0].startswith("-"):
             rest = ["--model-path", rest[0], *rest[1:]]
         return rest
-    raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:3])} ... (expected "
+    raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:4])} ... (expected "
                           "`python -m sglang.launch_server ...` or `sglang serve ...`)")
 
 
 def recognises(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with an sglang launcher."""
-    args = list(argv)
-    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
-        args.pop(0)
-    if not args or args[0].startswith("-"):
-        return False
+    words = [a for a in argv if not _ENV_ASSIGNMENT.fullmatch(a)][:1]
     try:
-        _strip_program(args)
+        return bool(words) and not words[0].startswith("-") and strip_launcher(argv) is not None
     except ServerArgvError:
         return False
-    return True
 
 
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
-    """Return the capture settings of a server command line as raw inputs for :mod:`.rules`, and its model path.
+    """Return the capture settings of a server command line (launcher optional) as raw :mod:`.rules` inputs.
 
-    Parameters
-    ----------
-    argv
-        The server's command line, with or without its launcher.
-
-    Returns
-    -------
-    dict
-        The keys of :data:`.rules.INPUT_KEYS` that the command line sets (device
-        memory and KV capacity are not the command line's; the verify mode is, when the line starts with a
-        ``SGLANG_RAGGED_VERIFY_MODE=...`` assignment), with
-        ``--dp-size N --enable-dp-attention`` kept as given (the rules resolve it) and
-        DSpark's ``--speculative-dspark-block-size G`` turned into ``speculative_num_draft_tokens = G + 1``
-        (speculative_hook.py:807-835); and ``model_path`` when the line names one (``sglang serve MODEL`` too).
-
-    Raises
-    ------
-    ServerArgvError
-        A flag sglang does not know, an ambiguous prefix, a missing or malformed value, a positional
-        argument, or a server ``--config`` file (its contents are not read).
-
+    The keys of :data:`.rules.INPUT_KEYS` the line sets (the verify mode when it starts with
+    ``SGLANG_RAGGED_VERIFY_MODE=...``), and ``model_path``; DSpark's ``--speculative-dspark-block-size G`` becomes
+    ``speculative_num_draft_tokens = G + 1`` (speculative_hook.py:807-835). :class:`ServerArgvError` for a flag
+    sglang does not know, an ambiguous prefix, a missing or malformed value, a positional argument, or a server
+    ``--config`` file (its contents are not read).
     """
     table = flag_table()
     options: dict[str, dict[str, Any]] = table["options"]

@@ -37,21 +37,9 @@ def model_families(families: tuple[str, ...], model_path: str | None,
                    architecture: str | None = None) -> ModelFamilies:
     """Decide which of ``families`` (jitwarm's, all DSV4's) a server of this model runs.
 
-    Parameters
-    ----------
-    families
-        The family names to choose from.
-    model_path
-        The server's ``--model-path`` (None: not given).
-    architecture
-        ``--model-architecture`` (or, inside a server, what its model config says): wins over the path.
-
-    Raises
-    ------
-    ModelConfigError
-        ``model_path`` is a local directory whose config.json is not a readable regular file of bounded size,
-        is not JSON, or has an ``architectures`` entry that is not a list of names.
-
+    ``architecture`` (``--model-architecture``, or the server's own model config) wins over ``model_path``.
+    :class:`ModelConfigError` when ``model_path`` is a local directory whose config.json is unreadable, too
+    large, not JSON, or whose ``architectures`` is not a list of names.
     """
     if architecture is not None:
         return _decided(families, architecture, f"architecture {architecture} (--model-architecture, or the "

@@ -1,22 +1,15 @@
 """sglang's decode CUDA-graph ladder by the installed sglang's own functions, and the choice of ladder source.
 
-It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those
-rules against.
+It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those rules
+against. :func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by calling the
+installed sglang (lines cited: the room's ``VERSION``): the hooks that build ``cuda_graph_config``, the decode
+runner's batch-size cut, capture width, graph keys and compact verify layouts.
 
-:func:`resolve` takes the same raw settings as :func:`.rules.resolve` and answers with the same dict, computed
-by calling the installed sglang (the cited lines are those of the room's ``VERSION``): the resolution hooks that
-build ``cuda_graph_config``, the decode runner's batch-size cut, its capture width, its graph keys and its
-compact verify layouts. :func:`resolve_ladder` chooses between the two sources.
-
-What stands in for what, and why: the device memory is ``get_device_memory_capacity`` patched to the given
-MiB (there is no GPU); the topology is a runtime context sglang builds from the config (no process groups
-exist); the model runner and the KV configurator are namespaces holding the few attributes the ladder
-code reads (building the real ones loads a model). Everything else is sglang's code, and the few steps
-that cannot be called in isolation are reproduced by hand where they occur, each saying so and citing
-the lines. The patches and environment variables are restored on exit; they are process-wide while a
-call runs, so do not resolve while another thread of the same process resolves server arguments.
-
-It imports sglang (and so torch) only inside functions; outside a server it runs in a child process::
+What stands in for what: the device memory is ``get_device_memory_capacity`` patched to the given MiB (there is
+no GPU); the topology a runtime context sglang builds from the config; the model runner and KV configurator
+namespaces holding the few attributes the ladder code reads (the real ones load a model). The few steps that
+cannot be called in isolation are reproduced by hand, each citing its lines. Patches and environment variables
+are process-wide while a call runs. Outside a server it runs in a child process (sglang imports torch)::
 
     echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.sglang.native
 """
@@ -122,27 +115,11 @@ def _native(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the decode graphs the installed sglang captures for these raw settings, by its own functions.
+    """Return what :func:`.rules.resolve` returns, computed by the installed sglang's own functions.
 
-    Parameters
-    ----------
-    inputs
-        Every key of :data:`INPUT_KEYS`: raw server flags, ``gpu_memory_mb`` (None: sglang's
-        unknown-memory fallback), ``ragged_verify_mode`` (``SGLANG_RAGGED_VERIFY_MODE``) and
-        ``kv_capacity`` (the KV pool's token capacity; None: unbounded).
-
-    Returns
-    -------
-    dict
-        ``source``, ``max_running_requests``, ``decode_max_bs``, ``decode_bs``, ``capture_bs``, ``width``,
-        ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per graph, in capture order,
-        largest first); or ``{"source", "shapes": [], "disabled": <why>}`` when decode graphs are off.
-
-    Raises
-    ------
-    ValueError
-        Malformed inputs, or settings sglang itself rejects (its own exception's message, with its type).
-
+    ``inputs`` holds every key of :data:`INPUT_KEYS` (``gpu_memory_mb`` None: sglang's unknown-memory fallback;
+    ``kv_capacity`` None: unbounded). ValueError for malformed inputs or settings sglang rejects (its own
+    exception's message, with its type).
     """
     cfg = _checked_inputs(inputs)
     try:
@@ -336,11 +313,7 @@ def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Read ``{"inputs": {...}}`` on stdin and print the resolution as one JSON object.
-
-    Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with
-    one line) when sglang cannot be imported.
-    """
+    """Read ``{"inputs": {...}}`` on stdin, print the resolution as JSON: 0; 2 bad request; 1 no sglang."""
     del argv  # no options: the request is on stdin
     try:
         request = json.loads(sys.stdin.read())

@@ -132,17 +132,10 @@ _drained = False
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: install the capture drain, and plan mode with ``JITWARM_CONFIG``.
 
-    sglang's ``load_plugins()`` calls it in every process that loads plugins (scheduler ranks, detokenizer,
-    DP controller, engine), then applies the hooks; only a scheduler starts a model runner and captures, so
-    only there does anything run. Logs one line: what it installed, or that it is inert.
-
-    Raises
-    ------
-    Exception
-        Only under ``JITWARM_STRICT=1`` (sglang logs it and runs on without the plugin); otherwise every
-        failure of the plugin's own setup is logged. An unusable ``JITWARM_CONFIG`` is raised under strict
-        when the scheduler starts its model runner, which stops the server; a failed hook, from capture.
-
+    sglang's ``load_plugins()`` calls it in every process that loads plugins; only a scheduler starts a model
+    runner and captures, so only there does anything run. Logs one line: what it installed, or that it is inert.
+    Raises only under ``JITWARM_STRICT=1`` (sglang logs it and runs on); an unusable ``JITWARM_CONFIG`` is then
+    raised when the scheduler starts its model runner, which stops the server.
     """
     global _plan
     if not _setting(settings.sglang_plugin, True):

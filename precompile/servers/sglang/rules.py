@@ -1,12 +1,9 @@
 """sglang's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
 
 Every rule cites the file and line of the sglang wheel it mirrors (the room's ``VERSION``);
-``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`) over a grid
-of configs. Pure Python: no torch, no sglang import, so ``jitwarm plan`` stays fast on a box without either.
-
-The input is :data:`INPUT_KEYS`: the raw, unresolved server settings (what the command line says, plus
-the device memory and the verify-mode environment variable). The output describes the decode graphs the
-target worker's decode runner captures, largest first.
+``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`). Pure Python:
+no torch, no sglang import. The input is :data:`INPUT_KEYS`, the raw settings (the command line, the device
+memory, the verify-mode variable); the output the decode graphs the target worker captures, largest first.
 """
 
 from __future__ import annotations
@@ -71,14 +68,7 @@ class ResolutionError(UsageError, ValueError):
 
 
 def normalize_algorithm(name: str | None) -> str | None:
-    """Upper-case ``name`` and resolve aliases (``NEXTN`` is ``EAGLE``); None stays None.
-
-    Raises
-    ------
-    ResolutionError
-        ``name`` is not a built-in sglang algorithm (sglang's ``SpeculativeAlgorithm.from_string``).
-
-    """
+    """Upper-case ``name`` and resolve aliases (``NEXTN`` is ``EAGLE``); ResolutionError for an unknown one."""
     if name is None:
         return None
     upper = ALIASES.get(name.upper(), name.upper())
@@ -89,28 +79,13 @@ def normalize_algorithm(name: str | None) -> str | None:
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the decode graphs sglang ``VERSION`` captures for these raw settings.
+    """Return the decode graphs sglang ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`).
 
-    Parameters
-    ----------
-    inputs
-        Keys of :data:`INPUT_KEYS` (missing ones take their defaults).
-
-    Returns
-    -------
-    dict
-        ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
-        ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's
-        cut), ``width`` (tokens per request in a captured batch), ``compact`` and ``shapes``: one
-        ``{"bs", "graph_key", "verify_lens"}`` per graph, largest first. With decode graphs disabled:
-        ``{"source", "disabled": <why>, "shapes": []}``.
-
-    Raises
-    ------
-    ResolutionError
-        A combination sglang rejects (compact layouts with ``--disable-cuda-graph-padding``, an unknown
-        algorithm or verify mode, a missing draft-token count).
-
+    The answer: ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
+    ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width``
+    (tokens per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}``
+    per graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
+    :class:`ResolutionError` for a combination sglang rejects.
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])

@@ -14,10 +14,10 @@ LOADER = "sglang.kernels.jit.utils.compile.loader"
 def seal(undo: list[Any]) -> None:
     """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
 
-    Kernel modules bind ``load_jit`` when they are imported, so wrapping it would miss them; the loader
-    looks up ``_find_prebuilt`` (a hit: a dlopen follows) and ``_build_lock`` (a compile) as module
-    globals on each call (loader.py:135, :158). The load is refused at the lookup: sglang catches any
-    exception of the dlopen itself and rebuilds (loader.py:136-145). Appends one undo call per patched name.
+    Kernel modules bind ``load_jit`` at import, so wrapping it would miss them; the loader looks up
+    ``_find_prebuilt`` (a hit: a dlopen follows) and ``_build_lock`` (a compile) as module globals on each call
+    (loader.py:135, :158). The load is refused at the lookup: sglang catches any exception of the dlopen itself
+    and rebuilds (loader.py:136-145).
     """
     loader = sys.modules.get(LOADER)
     if loader is None:  # never imported: no load_jit can run in this process without importing it first
