@@ -299,3 +299,32 @@ def test_a_full_disk_restores_no_half_unit_and_stores_no_half_entry(tmp_path, po
                         os.urandom(96 << 10))
         assert recorder.captured == {} and not (tmp_path / "m2.jsonl").exists()
         assert not list((full / "cache").rglob("entry.json"))
+
+
+def test_the_sglang_plugin_stores_what_each_graph_compiled_before_the_server_is_killed(tmp_path, point, monkeypatch):
+    """The plugin's capture_one hook captures after each graph: a server ends by a signal, not by stop()."""
+    from types import SimpleNamespace
+
+    from jitwarm.precompile.servers.sglang import plugin
+
+    monkeypatch.setenv("JITWARM_RECORD_CACHES", "tilelang")
+    env = point(tmp_path / "src")
+    recorder = record(tmp_path / "m.jsonl", KernelCache(tmp_path / "cache"))
+    monkeypatch.setattr(plugin, "_recorder", recorder)
+    calls = []
+    # The one mock: the CUDA-graph backend's device and TP group, whose drain the hook runs after the warmup.
+    backend = SimpleNamespace(_device_module=SimpleNamespace(synchronize=lambda: calls.append("sync")),
+                              _tp_group=SimpleNamespace(barrier=lambda: calls.append("barrier")))
+
+    def capture_one(backend, post_warmup_hook=None):
+        trees.tilelang(Path(env["TILELANG_CACHE_DIR"]))  # the warmup compiles a TileLang kernel
+        post_warmup_hook()
+        return "graph"
+
+    try:
+        assert plugin._around_capture_one(capture_one, backend) == "graph"
+        assert calls == ["sync", "barrier"]
+        [rec] = read_manifest(tmp_path / "m.jsonl")  # stored when the graph was captured, not at the exit
+        assert rec["library"] == "tilelang" and rec["unit"].endswith("/kernels/6f1b3c")
+    finally:
+        recorder.stop()

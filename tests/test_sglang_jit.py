@@ -227,6 +227,20 @@ def test_a_node_prestarted_from_the_bundle_serves_sglangs_loader_without_compili
 
 
 @pytest.mark.nvcc
+def test_warm_with_the_manifest_hands_the_module_over_to_sglangs_cache_as_prestart_does(replay, base_env):
+    """``warm --manifest`` in the server's image leaves the module where ``load_jit`` finds it (issue #21)."""
+    warm_jit = replay["tmp"] / "warm-jit"
+    proc = subprocess.run([sys.executable, "-m", "jitwarm", "warm", "--manifest", str(replay["manifest_path"]),
+                           "--target", "sm_90", "--cache-dir", str(replay["cache"])], capture_output=True, text=True,
+                          env={**base_env, "SGLANG_JIT_CACHE_DIR": str(warm_jit)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    serving = _run(SERVE, {**base_env, "SGLANG_CRASH_ON_JIT_COMPILE": "1",
+                           "SGLANG_JIT_CACHE_DIR": str(replay["tmp"] / "empty")}, warm_jit)
+    assert "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling" in serving["refused"]  # the flag is in force
+    assert serving["found"] == [str(warm_jit / replay["manifest"]["leaf"] / f"{MODULE}.so")]  # loaded, no compile
+
+
+@pytest.mark.nvcc
 def test_load_materializes_into_sglangs_cache_dir_and_leaves_launching_to_the_server(replay):
     assert Path(replay["loaded"]) == replay["default"] / replay["manifest"]["leaf"] / f"{MODULE}.so"
     assert replay["preload"] == 0  # no CUDA device here
