@@ -119,3 +119,24 @@ def test_refusals_are_one_usage_error(line, message):
     with pytest.raises(argv.ServerArgvError, match=message) as caught:
         argv.parse_server_argv(line)
     assert caught.value.exit_code == 2
+
+
+def test_jitwarm_plan_reads_a_vllm_line_end_to_end(tmp_path):
+    """The real CLI: ``jitwarm plan --json -- vllm serve ...`` names vLLM's rules, modes and dispatch keys; a bad
+    line is one ``jitwarm: error:`` line and exit 2."""
+    import json
+
+    from precompile_fixtures import jitwarm
+
+    env = {"JITWARM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = jitwarm("plan", "--json", "--target", "sm_100", "--gpu-memory-mb", "183359", "--model-architecture",
+                   "LlamaForCausalLM", "--", "vllm", "serve", "meta-llama/Llama-3.1-8B", "--max-num-seqs", "32",
+                   env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["ladder"]["source"] == "built-in rules of vLLM 0.33.0" and plan["ladder"]["max_running_requests"] == 32
+    keys = [s["key"] for s in plan["shapes"]]
+    assert keys[0] == "PIECEWISE num_tokens=64 num_reqs=None" and keys[-1] == "FULL num_tokens=1 num_reqs=1 uniform=1"
+    assert plan["families"]["skipped"] and plan["specs"] == []  # a Llama runs none of jitwarm's families
+    bad = jitwarm("plan", "--", "vllm", "serve", "m", "--max-num-seqs", "lots", env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("jitwarm: error: ") and bad.stderr.count("\n") == 1, bad.stderr
