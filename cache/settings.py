@@ -22,7 +22,8 @@ from jitwarm.cache.errors import UsageError
 ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
     "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
-    "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache")}
+    "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache", "trust_key",
+    "trust_key_file")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
@@ -92,6 +93,28 @@ def remote_lease_s() -> float:
 def remote_max_bytes() -> int:
     """``JITWARM_REMOTE_MAX_BYTES``: larger entries are neither uploaded nor downloaded (default 256 MiB)."""
     return number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
+
+
+def trust_key() -> bytes | None:
+    """``JITWARM_TRUST_KEY`` (the key itself) or ``JITWARM_TRUST_KEY_FILE``: the fleet key entries are signed with.
+
+    At least 16 bytes (a file's trailing newline is not part of it); both set, or a file that cannot be read,
+    is a SettingError. None: no key (entries are neither signed nor checked).
+    """
+    text, path = _text("JITWARM_TRUST_KEY"), _text("JITWARM_TRUST_KEY_FILE")
+    if text and path:
+        raise SettingError("JITWARM_TRUST_KEY and JITWARM_TRUST_KEY_FILE are both set: set one")
+    if path:
+        try:
+            key = Path(path).read_bytes().rstrip(b"\r\n")
+        except OSError as exc:
+            raise SettingError(f"JITWARM_TRUST_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
+    else:
+        key = text.encode() if text else None
+    if key is not None and len(key) < 16:
+        raise SettingError(f"{'JITWARM_TRUST_KEY_FILE' if path else 'JITWARM_TRUST_KEY'}: the key is shorter "
+                           "than 16 bytes")
+    return key
 
 
 def bundle_max_file_bytes() -> int:

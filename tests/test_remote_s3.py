@@ -21,6 +21,7 @@ from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
 from jitwarm.cache.remote import s3
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.remote.s3_lease import ObjectLease
+from jitwarm.cache.signing import UntrustedEntry
 from jitwarm.kernels.artifacts import artifact
 
 pytest.importorskip("boto3")
@@ -275,3 +276,53 @@ def test_each_store_fault_under_a_required_store_names_it(faulty, bucket, tmp_pa
     faulty.fault = None  # the store answers again: the same node downloads
     again = bucket.cache(tmp_path / "c", remote_required=True).get_or_build_ex(DESC, _build)
     assert again.outcome == "downloaded"
+
+
+# -- the fleet key: signed on upload, checked on download ----------------------------------------------------
+
+KEY, OTHER_KEY = "fleet-key-0123456789abcdef", "another-key-0123456789abcdef"
+
+
+def test_signed_entries_download_and_unsigned_or_altered_ones_are_refused(bucket, tmp_path, monkeypatch):
+    key = bucket.cache(tmp_path / "unsigned").get_or_build(DESC, _build).key  # published without a key
+    monkeypatch.setenv("JITWARM_TRUST_KEY", KEY)
+    with pytest.raises(UntrustedEntry, match=f"remote entry {key} on s3://.* is not signed") as refused:
+        bucket.cache(tmp_path / "a").get_or_build(DESC, lambda d: pytest.fail("must not build"))
+    assert refused.value.exit_code == 4 and not list((tmp_path / "a").glob("v1/entries/*/*"))
+
+    _blob, record = _blob_and_record(bucket)
+    bucket.client.delete_object(Bucket=bucket.name, Key=record)
+    assert bucket.cache(tmp_path / "b").get_or_build_ex(DESC, _build).outcome == "built"  # signed upload
+    doc = json.loads(bucket.read(record))
+    assert set(doc["signature"]) == {"key_id", "hmac"}
+    assert bucket.cache(tmp_path / "c").get_or_build_ex(DESC, _build).outcome == "downloaded"
+
+    doc["manifest"] = doc["manifest"].replace("{", "{ ", 1)  # the same manifest to a parser, not to the key
+    bucket.write(record, json.dumps(doc).encode())
+    with pytest.raises(UntrustedEntry, match="signature does not verify"):
+        bucket.cache(tmp_path / "d").get_or_build(DESC, _build)
+    monkeypatch.setenv("JITWARM_TRUST_KEY", OTHER_KEY)
+    with pytest.raises(UntrustedEntry, match="signed with another key"):
+        bucket.cache(tmp_path / "e").get_or_build(DESC, _build)
+
+
+def test_redis_tier_signs_and_checks_too(remote, tmp_path, monkeypatch):
+    monkeypatch.setenv("JITWARM_TRUST_KEY", KEY)
+    key = remote.cache(tmp_path / "a").get_or_build(DESC, _build).key
+    assert remote.cache(tmp_path / "b").get_or_build_ex(DESC, _build).outcome == "downloaded"
+    meta = json.loads(remote.client().hget(remote.entry_name(key), "meta"))
+    meta["executable"] = ["kernel.bin"]  # a changed mode: not what was signed
+    remote.client().hset(remote.entry_name(key), "meta", json.dumps(meta))
+    with pytest.raises(UntrustedEntry, match=f"remote entry {key} on redis://.*does not verify"):
+        remote.cache(tmp_path / "c").get_or_build(DESC, _build)
+
+
+def test_a_bad_key_setting_is_one_line_exit_2(tmp_path):
+    short = jitwarm("status", *TINY_FAST, "--cache-dir", str(tmp_path), "--remote", "s3://some-bucket/x",
+                    env={"JITWARM_TRUST_KEY": "short"})
+    assert short.returncode == 2 and short.stderr.strip().splitlines() == [
+        "jitwarm: error: JITWARM_TRUST_KEY: the key is shorter than 16 bytes"]
+    (tmp_path / "key").write_text(KEY + "\n")
+    both = jitwarm("status", *TINY_FAST, "--cache-dir", str(tmp_path), "--remote", "s3://some-bucket/x",
+                   env={"JITWARM_TRUST_KEY": KEY, "JITWARM_TRUST_KEY_FILE": str(tmp_path / "key")})
+    assert both.returncode == 2 and "both set" in both.stderr

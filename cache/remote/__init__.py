@@ -18,7 +18,7 @@ from jitwarm.cache.remote.fleet import Fleet, FleetLease, LocalSteps
 from jitwarm.cache.remote.redis import RemoteFailure, RemoteReport, RemoteStore, redact
 from jitwarm.cache.remote.redis import reset_remote_health as _reset_redis_health
 from jitwarm.cache.remote.s3 import ObjectStore
-from jitwarm.cache.settings import SettingError
+from jitwarm.cache.settings import SettingError, trust_key
 
 __all__ = ["Fleet", "FleetLease", "LocalSteps", "ObjectStore", "RemoteFailure", "RemoteReport", "RemoteStore",
            "open_store", "redact", "reset_remote_health"]
@@ -28,14 +28,19 @@ def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared:
                count: Callable[..., None]) -> RemoteStore | ObjectStore:
     """Return the store of ``url`` (``s3://``: :class:`ObjectStore`, else Redis); connects to nothing.
 
-    Raises ``SettingError`` (exit 2) for ``s3://`` without boto3 installed (the ``s3`` extra).
+    The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``, :mod:`jitwarm.cache.signing`) is read here: entries
+    are signed on upload and checked on download with it. Raises ``SettingError`` (exit 2) for ``s3://``
+    without boto3 installed (the ``s3`` extra), or a bad key setting.
     """
+    key = trust_key()
     if url.startswith("s3://"):
         if _missing("boto3"):
             raise SettingError(f"remote {redact(url)} needs boto3, which is not installed: "
                                "pip install 'jitwarm[s3]'")
-        return ObjectStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count)
-    return RemoteStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count)
+        return ObjectStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
+                           trust_key=key)
+    return RemoteStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
+                       trust_key=key)
 
 
 def reset_remote_health() -> None:

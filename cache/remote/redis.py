@@ -25,6 +25,7 @@ from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
 from jitwarm.cache.files import loads, open_regular
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
+from jitwarm.cache.signing import check, sign
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -145,7 +146,9 @@ class RemoteStore:
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
-                 shared: bool = False, count: Callable[..., None] | None = None) -> None:
+                 shared: bool = False, count: Callable[..., None] | None = None,
+                 trust_key: bytes | None = None) -> None:
+        self.trust_key = trust_key  # the fleet key (jitwarm.cache.signing): sign uploads, check downloads
         self.url = url
         self.display = redact(url)
         self.prefix = prefix
@@ -243,6 +246,8 @@ class RemoteStore:
         files = {k[5:].decode("utf-8", "replace"): v for k, v in raw.items() if k.startswith(b"file:")}
         executable = [p for p in meta.get("executable", ()) if isinstance(p, str)] \
             if isinstance(meta.get("executable"), list) else []
+        if self.trust_key is not None:  # before anything is written: UntrustedEntry (exit 4)
+            check(self.trust_key, key, manifest, executable, meta.get("signature"), self.display)
         try:
             return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
         except CorruptEntry as exc:
@@ -278,8 +283,11 @@ class RemoteStore:
         if not unchanged(entry):  # checked after reading: what was read is what was hashed
             log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
             return False
-        fields["meta"] = json.dumps({"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
-                                     "executable": executable}).encode()
+        meta: dict[str, Any] = {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
+                                "executable": executable}
+        if self.trust_key is not None:
+            meta["signature"] = sign(self.trust_key, entry.key, fields["manifest"], executable)
+        fields["meta"] = json.dumps(meta).encode()
         name = self.entry_name(entry.key)
 
         def replace(client: Any) -> None:

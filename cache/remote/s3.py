@@ -30,6 +30,7 @@ from jitwarm.cache.files import loads, open_regular
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
 from jitwarm.cache.remote.redis import RETRY_AFTER_S, RemoteFailure, RemoteReport
+from jitwarm.cache.signing import check, sign
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -108,8 +109,10 @@ class ObjectStore:
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
-                 shared: bool = False, count: Callable[..., None] | None = None) -> None:
+                 shared: bool = False, count: Callable[..., None] | None = None,
+                 trust_key: bytes | None = None) -> None:
         parts = urlsplit(url)
+        self.trust_key = trust_key  # the fleet key (jitwarm.cache.signing): sign uploads, check downloads
         self.url = url
         self.display = f"s3://{parts.netloc}{parts.path}"
         self.bucket = parts.netloc
@@ -239,8 +242,10 @@ class ObjectStore:
             return None  # nothing there, or the record we rejected before: not worth a download
         uploader: dict[str, Any] = {}
         try:
-            manifest, executable, uploader = _parse_record(got.body, key)
+            manifest, executable, uploader, signature = _parse_record(got.body, key)
             _doc, records = parse_manifest(manifest, key, f"remote entry {key} {MANIFEST}")
+            if self.trust_key is not None:  # before any blob is read: UntrustedEntry (exit 4)
+                check(self.trust_key, key, manifest, executable, signature, self.display)
             total = sum(rec.size for rec in records)
             if total > self.max_bytes:
                 log.info("not downloading cache key %s from %s: its files total %d bytes, over the remote size "
@@ -300,9 +305,12 @@ class ObjectStore:
         replacing = self._rejected.get(entry.key)
         for sha256, data in blobs.items():
             self._put_blob(sha256, data, overwrite=replacing is not None)
-        record = json.dumps({"manifest": manifest.decode("utf-8"), "executable": executable,
-                             "uploader": {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
-                                          "nonce": os.urandom(8).hex()}}).encode()
+        doc: dict[str, Any] = {"manifest": manifest.decode("utf-8"), "executable": executable,
+                               "uploader": {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
+                                            "nonce": os.urandom(8).hex()}}
+        if self.trust_key is not None:
+            doc["signature"] = sign(self.trust_key, entry.key, manifest, executable)
+        record = json.dumps(doc).encode()
         condition = {"IfMatch": replacing} if replacing else {"IfNoneMatch": "*"}
         if self.put(self.entry_name(entry.key), record, "upload", **condition) is None:
             log.info("cache key %s was published on %s by another node first; keeping theirs", entry.key,
@@ -376,16 +384,17 @@ def _server_time(date: str | None) -> float:
     return time.time()
 
 
-def _parse_record(body: bytes, key: str) -> tuple[bytes, list[str], dict[str, Any]]:
-    """Split an entry record into (manifest bytes, executable files, uploader); CorruptEntry if malformed."""
+def _parse_record(body: bytes, key: str) -> tuple[bytes, list[str], dict[str, Any], Any]:
+    """Split an entry record into (manifest bytes, executable files, uploader, signature); CorruptEntry."""
     try:
         doc = loads(body)
         manifest = doc["manifest"].encode("utf-8")
-        executable = [p for p in doc.get("executable", []) if isinstance(p, str)]
+        listed = doc.get("executable", [])
+        executable = [p for p in listed if isinstance(p, str)] if isinstance(listed, list) else []
         uploader = doc.get("uploader") if isinstance(doc.get("uploader"), dict) else {}
     except (TypeError, ValueError, KeyError, AttributeError, UnicodeError) as exc:
         raise CorruptEntry(f"remote entry {key}: its record does not parse ({type(exc).__name__})") from None
-    return manifest, executable, uploader
+    return manifest, executable, uploader, doc.get("signature")
 
 
 def _read(path: Path, size: int) -> bytes:
