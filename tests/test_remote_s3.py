@@ -35,6 +35,14 @@ def _build(staging):
     (staging / "kernel.bin").write_bytes(PAYLOAD)
 
 
+def _use_endpoint(monkeypatch, endpoint: str) -> None:
+    """Point boto3 here and in every node at ``endpoint``, whatever the developer's AWS profile says."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_env(endpoint).items():
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory):
     """The S3 endpoint the tests share: $JITWARM_TEST_S3_URL, else a moto_server of our own for the session."""
@@ -50,8 +58,7 @@ def s3_endpoint(tmp_path_factory):
 @pytest.fixture
 def bucket(s3_endpoint, monkeypatch):
     """An empty bucket of this test's own; boto3 (in this process and in the nodes) points at the endpoint."""
-    for name, value in s3_env(s3_endpoint).items():
-        monkeypatch.setenv(name, value)
+    _use_endpoint(monkeypatch, s3_endpoint)
     reset_remote_health()
     yield Bucket(s3_endpoint)
     reset_remote_health()
@@ -188,8 +195,7 @@ def test_lease_is_exclusive_renewed_and_taken_over_only_after_it_expires(bucket)
 def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
     server = MotoServer(tmp_path / "moto")
     try:
-        for name, value in s3_env(server.url).items():
-            monkeypatch.setenv(name, value)
+        _use_endpoint(monkeypatch, server.url)
         bucket = Bucket(server.url)
         root = tmp_path / "node"
         proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *bucket.flags())
@@ -211,8 +217,7 @@ def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
 def test_required_store_stopped_mid_run_fails_naming_the_fault(tmp_path, monkeypatch):
     server = MotoServer(tmp_path / "moto")
     try:
-        for name, value in s3_env(server.url).items():
-            monkeypatch.setenv(name, value)
+        _use_endpoint(monkeypatch, server.url)
         reset_remote_health()
         bucket = Bucket(server.url)
         node = bucket.cache(tmp_path / "a", remote_required=True)
