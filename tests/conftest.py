@@ -73,7 +73,7 @@ def _isolated_env(monkeypatch, tmp_path_factory):
         if name.startswith("JITWARM_") or name == "SGLANG_RAGGED_VERIFY_MODE":
             monkeypatch.delenv(name)
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
-    # A recording captures no JIT cache unit unless its test asks (tests/test_jit_caches*.py): another process's
+    # A test's recording captures no JIT cache unit unless it asks (tests/test_jit_caches*.py): another process's
     # compiles in a shared default cache (~/.triton/cache, /tmp/torchinductor_*) are not the run's records.
     monkeypatch.setenv("JITWARM_RECORD_CACHES", "none")
     # Tests prune what they have just built; prune's grace period is tested on its own (test_cache_prune.py).

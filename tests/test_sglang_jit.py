@@ -140,7 +140,8 @@ def _run(script: str, env: dict[str, str], *args: str | Path, timeout: float = 3
 def base_env(sglang_env) -> dict[str, str]:
     """The wheel's environment, without a developer's JITWARM_*/SGLANG_* knobs, with CUDA_HOME set."""
     kept = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "SGLANG_"))}
-    return {**kept, **sglang_env, "CUDA_HOME": CUDA_HOME, "PYTHONWARNINGS": "ignore"}
+    return {**kept, **sglang_env, "CUDA_HOME": CUDA_HOME, "PYTHONWARNINGS": "ignore",
+            "JITWARM_RECORD_CACHES": "none"}  # load_jit records only (the JIT cache units: test_jit_caches_*.py)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from jitwarm.precompile.manifest import append_records, read_manifest
 WORKERS = Path(__file__).with_name("workers")
 MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 ENV = {"PYTHONPATH": os.pathsep.join([str(WORKERS), os.environ.get("PYTHONPATH", "")]),
-       "TRITON_DEFAULT_FP_FUSION": "1"}  # Triton 3.9 warns without it; the value is Triton's default
+       "TRITON_DEFAULT_FP_FUSION": "1",  # Triton 3.9 warns without it; the value is Triton's default
+       "JITWARM_RECORD_CACHES": "none"}  # kernel records only: Triton's own directory is test_jit_caches_real.py's
 SPECIALIZATIONS = 4  # server_kernels.warm_up: fill_lens for BLOCK 1, 4, 64 and one scaled_copy
 
 
