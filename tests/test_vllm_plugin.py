@@ -36,7 +36,8 @@ targets = ["cpu"]
 """
 SCENARIOS = {
     "without_plugin": ({"VLLM_PLUGINS": "someone_else"}, ()),
-    "with_plugin": ({"VLLM_PLUGINS": "jitwarm"}, ()),
+    "with_plugin": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_RECORD": "{tmp}/server.jsonl", "CUDA_CACHE_PATH": "{tmp}/nv"},
+                    ()),
     "inert": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_VLLM_PLUGIN": "0"}, ()),
     "with_plan": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/jitwarm.toml"}, ("--plan",)),
 }
@@ -68,6 +69,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
         assert proc.returncode == 0, f"{name}: {stderr[-6000:]}"
         result = json.loads((tmp / "result.json").read_text())
         result["log"] = [line for line in stderr.splitlines() if line.startswith("LOG ")]
+        result["tmp"] = str(tmp)
         results[name] = result, [line for line in result["log"]
                                  if line.startswith("LOG jitwarm.precompile.servers.vllm.plugin ")]
     return results
@@ -144,3 +146,13 @@ def test_plan_mode_runs_the_capture_hook_before_the_first_capture(runs):
     assert result["plan_specs"] and result["plan_specs"] > 0
     assert any("capture hook ready" in line for line in lines), lines
     assert v2_spans(result["v2"]) == [DRAIN] * 4  # the hook synchronizes and meets, first and later calls alike
+
+
+def test_recording_stores_the_units_a_capture_compiled_right_after_it(runs):
+    """JITWARM_RECORD: the driver's PTX cache entry written at the first capture (by the device fake) is stored as a
+    jit_cache unit when that capture returns, not only at exit (a worker is stopped by a signal)."""
+    result, lines = runs["with_plugin"]
+    assert result["captured"] == {"ptx": 1}  # read by the worker before it exits
+    records = [json.loads(line) for line in (Path(result["tmp"]) / "server.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["library"], r["unit"]) for r in records] == [("jit_cache", "ptx", ".")]
+    assert any("recording every Triton kernel" in line for line in lines)

@@ -52,6 +52,20 @@ class FakeGroup:
 class RecordedCUDAGraph:
     def __init__(self, *args, **kwargs) -> None:
         CALLS.append("CUDAGraph()")
+        driver_jit()
+
+
+def driver_jit() -> None:
+    """The device's driver JIT-compiling PTX at the first capture: its cache (``CUDA_CACHE_PATH``) gains an entry
+    and its index, as the CUDA driver writes them (the ``ptx`` family's unit)."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("CUDA_CACHE_PATH")
+    if root and not (Path(root) / "index").exists():
+        (Path(root) / "sm90").mkdir(parents=True, exist_ok=True)
+        (Path(root) / "sm90" / "0a1b2c3d").write_bytes(b"SASS for the captured graph")
+        (Path(root) / "index").write_bytes(b"driver index")
 
 
 @contextlib.contextmanager
@@ -147,6 +161,9 @@ def main() -> int:
         result["runner_init"] = start_runner(2)
     result["v2"] = v2_capture()
     result["v1"] = v1_capture(V1Runner)
+    from jitwarm.precompile.servers.vllm import plugin
+
+    result["captured"] = dict(plugin._recorder.captured) if plugin._recorder is not None else None
     if plan:
         from jitwarm.precompile.servers.vllm import plan_mode
 

@@ -81,6 +81,15 @@ def _record_and_serve() -> None:
         os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
 
 
+def _store_units() -> None:
+    """``JITWARM_RECORD``: store the JIT cache units compiled so far, after each capture.
+
+    A vLLM worker is stopped by a signal, so its recorder's stop and atexit may never run (as in sglang).
+    """
+    if _recorder is not None:
+        _recorder.capture()
+
+
 def before_capture(owner: Any) -> None:
     """Right before a capture: the plan's capture hook in plan mode, else drain the device and meet the TP group.
 
@@ -131,7 +140,9 @@ def _capture(original: Callable[..., Any]) -> Callable[..., Any]:
                 return forward_fn(mode)
             return forward
 
-        return original(self, create, *args, **kwargs)
+        graphs = original(self, create, *args, **kwargs)
+        _store_units()
+        return graphs
     return capture
 
 
@@ -144,9 +155,13 @@ def _dummy_run(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if signature.bind(self, *args, **kwargs).arguments.get("is_graph_capturing"):
+        capturing = signature.bind(self, *args, **kwargs).arguments.get("is_graph_capturing")
+        if capturing:
             before_capture(self)
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if capturing:
+            _store_units()
+        return out
     return dummy_run
 
 
