@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -95,7 +96,7 @@ def big_entry_section(mib: int, redis_url: str, bucket: Bucket, scratch: Path, r
             shutil.rmtree(scratch / f"{name}-down{r}")
             print(f"  round {r + 1}/{rounds} {name}: up {ups[-1]:.2f}s down {downs[-1]:.2f}s", file=sys.stderr)
         for what, xs in (("build + publish + upload", ups), ("download + verify + publish", downs)):
-            median = sorted(xs)[len(xs) // 2]
+            median = statistics.median(xs)
             rows.append({"store": name, "step": what, "median_s": median, "MiB_per_s": mib / median,
                          "bytes_moved": moved})
     return rows
