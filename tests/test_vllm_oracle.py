@@ -81,13 +81,33 @@ def random_grid(n: int, seed: int = 33) -> list[dict[str, Any]]:
 
 GRID = [*NAMED.values(), *random_grid(300)]
 
+#: Server lines (after `python -m vllm.entrypoints.openai.api_server`), read by vLLM's own parser and by jitwarm's.
+ARGV_CASES = [
+    ["--model", "m", "--max_num_seqs", "128", "-tp", "2", "-O3", "-cc.cudagraph_mode=FULL_DECODE_ONLY",
+     "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}', "--max-model-len", "32K",
+     "--cudagraph-capture-sizes", "1", "2", "4", "--enforce-eager"],
+    ["--model=/m", "--max-num-batched-tokens=4096", "--compilation-config",
+     '{"cudagraph_capture_sizes": [8, 16], "max_cudagraph_capture_size": 16}', "--performance-mode", "interactivity"],
+    ["--model", "m", "--trust-remote-code", "--port", "8000", "--host", "0.0.0.0", "--gpu-memory-utilization", "0.9",
+     "--max-cudagraph-capture-size", "256", "--no-enable-chunked-prefill", "--spec-tokens", "2"],
+    ["--model", "m", "-O", "1", "--max-model-len", "4k", "--tensor-parallel-size=4", "-cc",
+     '{"cudagraph_mode": "PIECEWISE"}', "--max-num-seqs=64"],
+    ["--model", "m", "--cudagraph-capture-sizes", "8", "-cc.cudagraph_capture_sizes=[8]"],
+    ["--model", "m", "--spec-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 3}'],
+]
+ARGV_DEFAULTS = {"model_path": None, "max_num_seqs": None, "max_num_batched_tokens": None, "tp_size": 1,
+                 "optimization_level": 2, "enforce_eager": False, "performance_mode": "balanced",
+                 "enable_chunked_prefill": None, "max_model_len": None, "cudagraph_mode": None,
+                 "cudagraph_capture_sizes": None, "max_cudagraph_capture_size": None, "num_speculative_tokens": 0}
+
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     """The worker's answers to the whole grid (one vLLM import for the module)."""
     env = vllm_wheel.vllm_env()
     out = tmp_path_factory.mktemp("vllm-oracle") / "answer.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], input=json.dumps({"grid": GRID}), text=True,
+    proc = subprocess.run([sys.executable, str(WORKER), str(out)], input=json.dumps({"grid": GRID, "argv": ARGV_CASES}),
+                          text=True,
                           capture_output=True, env={**os.environ, **env}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(out.read_text(encoding="utf-8"))
@@ -184,6 +204,24 @@ def test_capture_oracle(native):
     print(f"\nvLLM oracle: {len(pairs) - len(diffs)} configs equal / {len(pairs)} ({refusals} refused by vLLM, "
           f"{graphs} graphs compared; vLLM's side took {native['seconds']:.1f} s)")
     assert not diffs, f"{len(diffs)} of {len(pairs)} configs differ; first ones:\n" + "\n".join(diffs[:6])
+
+
+def test_argv_oracle(native):
+    """jitwarm's reading of each server line against vLLM's own serve parser (and its refusals)."""
+    from jitwarm.precompile.servers.vllm.argv import ServerArgvError, parse_server_argv
+
+    disagreements = []
+    for args, theirs in zip(ARGV_CASES, native["argv"], strict=True):
+        try:
+            read = parse_server_argv(["python", "-m", "vllm.entrypoints.openai.api_server", *args])
+            ours = {"ok": {**ARGV_DEFAULTS, **{k: v for k, v in read.items() if k in ARGV_DEFAULTS}}}
+        except ServerArgvError as exc:
+            ours = {"error": str(exc)}
+        if ("ok" in ours) != ("ok" in theirs) or ours.get("ok") != theirs.get("ok"):
+            disagreements.append(f"{args}: vLLM {theirs}, jitwarm {ours}")
+    print(f"\nvLLM argv oracle: {len(ARGV_CASES) - len(disagreements)} command lines agree / {len(ARGV_CASES)}")
+    assert not disagreements, "\n".join(disagreements)
+    assert [("error" in r) for r in native["argv"]] == [False] * 4 + [True] * 2
 
 
 def test_plan_never_imports_vllm_torch_triton_or_tvm_ffi(tmp_path):

@@ -248,7 +248,9 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in values.items() if k not in ("compilation_config", "speculative_config")}
     compilation = values.get("compilation_config") or {}
     for key in _COMPILATION_KEYS:
-        if key in compilation and key not in out:
+        if key in compilation and key in out:  # engine/arg_utils.py:2834-2849
+            raise ServerArgvError(f"{key} and compilation_config.{key} are mutually exclusive (vLLM refuses both)")
+        if key in compilation:
             out[key] = compilation[key]
     if isinstance(out.get("cudagraph_capture_sizes"), list):
         sizes = out["cudagraph_capture_sizes"]
@@ -260,7 +262,10 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
     if "num_speculative_tokens_per_batch_size" in speculative:
         raise ServerArgvError("--speculative-config num_speculative_tokens_per_batch_size: dynamic speculative "
                               f"decoding is not mirrored by jitwarm's vLLM {VERSION} rules")
-    if "num_speculative_tokens" in speculative and "num_speculative_tokens" not in out:
+    if "num_speculative_tokens" in speculative:
+        if "num_speculative_tokens" in out:  # engine/arg_utils.py:2108-2119
+            raise ServerArgvError("--spec-tokens and --speculative-config['num_speculative_tokens'] are mutually "
+                                  "exclusive (vLLM refuses both)")
         out["num_speculative_tokens"] = speculative["num_speculative_tokens"]
     if str(speculative.get("method", "")).lower() in ("suffix", "custom_class") and "model_runner" not in out:
         out["model_runner"] = "v1"  # the V2 runner does not support them (config/vllm.py:3066-3068)

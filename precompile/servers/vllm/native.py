@@ -149,7 +149,7 @@ def _device(memory_mb: int | None, capability: int | None) -> Iterator[None]:
     from vllm.platforms.interface import DeviceCapability, UnspecifiedPlatform
 
     class StandInDevice(UnspecifiedPlatform):
-        device_name = "cuda"
+        device_name = device_type = "cuda"  # DeviceConfig's default reads the type (config/device.py:55)
 
         @classmethod
         def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
