@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_OK, EXIT_TIMEOUT, UsageError
+from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_CORRUPT, EXIT_OK, EXIT_TIMEOUT, UsageError
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.plan import WarmPlan
 
@@ -222,10 +222,13 @@ def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None
 
 
 def warm_exit(report: Any) -> int:
-    """0 when every spec is there; 3 when the only failures are waits past the deadline; else 1."""
+    """0 when every spec is there; 3 when the only failures are waits past the deadline; 4 when an entry from a
+    remote tier failed the fleet key (an attack or a misconfigured fleet, not a build to retry); else 1."""
     failed = [r for r in report.results if r.outcome == "failed"]
     if not failed:
         return EXIT_OK
+    if any(r.error_type == "UntrustedEntry" for r in failed):
+        return EXIT_CORRUPT
     return EXIT_TIMEOUT if all(r.timed_out for r in failed) else EXIT_BUILD_FAILED
 
 

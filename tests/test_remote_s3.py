@@ -311,6 +311,18 @@ def test_signed_entries_download_and_unsigned_or_altered_ones_are_refused(bucket
         bucket.cache(tmp_path / "e").get_or_build(DESC, _build)
 
 
+def test_warm_under_a_fleet_key_refuses_an_unsigned_entry_with_exit_4(bucket, tmp_path):
+    """The CLI's answer to an unsigned entry under a key is 4 (untrusted), not 1 (a build to retry)."""
+    plain = jitwarm("warm", *TINY_FAST, "--json", "--cache-dir", str(tmp_path / "unsigned"), *bucket.flags())
+    assert plain.returncode == 0, plain.stderr  # published without a key
+    keyed = jitwarm("warm", *TINY_FAST, "--json", "--cache-dir", str(tmp_path / "keyed"), *bucket.flags(),
+                    env={"JITWARM_TRUST_KEY": KEY})
+    assert keyed.returncode == 4, keyed.stderr
+    failed = [r for r in json.loads(keyed.stdout)["specs"] if r["outcome"] == "failed"]
+    assert failed and {r["error_type"] for r in failed} == {"UntrustedEntry"}
+    assert not list((tmp_path / "keyed").glob("v1/entries/*/*"))  # nothing of theirs was written here
+
+
 def test_redis_tier_signs_and_checks_too(remote, tmp_path, monkeypatch):
     monkeypatch.setenv("JITWARM_TRUST_KEY", KEY)
     key = remote.cache(tmp_path / "a").get_or_build(DESC, _build).key
