@@ -22,6 +22,7 @@ the destination is resolved as under sglang's redirect (``under``: ``sglang`` or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Mapping
@@ -79,8 +80,6 @@ def build(library: Library, spec: KernelSpec, staging: Path) -> None:
 
 def check(library: Library, spec: KernelSpec, staging: Path) -> None:
     """The staged files are the unit's, each hashing to its digest; LoadError if not."""
-    import hashlib
-
     files, _, _ = unit_of(library, spec)
     found = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
     if found != sorted(files):

@@ -26,6 +26,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.backend import LoadError
@@ -71,7 +72,8 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
 
 def _empty_or_absent(path: Path) -> bool:
     try:
-        return not any(os.scandir(path))
+        with os.scandir(path) as it:
+            return next(it, None) is None
     except FileNotFoundError:
         return True
     except NotADirectoryError:
@@ -168,7 +170,7 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
     dest.chmod(0o755 if executable else 0o644)
 
 
-def _check(library: Library, rel: str, digest: str, h: hashlib._Hash) -> None:
+def _check(library: Library, rel: str, digest: str, h: Any) -> None:
     if h.hexdigest() != digest:
         raise LoadError(f"{library.name}: the cache entry's {rel} does not match its recorded sha256")
 
