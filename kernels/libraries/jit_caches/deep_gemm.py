@@ -9,8 +9,8 @@ signature, the flags with ``sm_XY`` and the generated code with its headers' has
 ``tmp/<uuid>/``, fsyncs and renames the whole directory into place (compiler.hpp). It is complete when it
 holds ``kernel.cu`` and ``kernel.cubin``, what DeepGEMM's loader asserts (kernel_runtime.hpp). It is looked for
 at any depth below the root (sglang has kept a subdirectory per process, PR #27604), never under ``tmp/`` or
-``locks/`` (sglang's precompile locks, compile_utils.py:130-138). A completion marker sglang may write beside
-its units (#32124) is captured as a unit of its own when it is a ``kernel.*`` directory's sibling file.
+``locks/`` (sglang's precompile locks, compile_utils.py:130-138). sglang 0.5.23 writes no completion marker
+(#32124 asks for one); when it does, it is to be listed here as a unit of its own.
 """
 
 from __future__ import annotations
