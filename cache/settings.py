@@ -23,7 +23,7 @@ ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
     "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
     "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache", "trust_key",
-    "trust_key_file")}
+    "trust_key_file", "ledger")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
@@ -167,6 +167,12 @@ def manifest() -> Path | None:
 def record() -> Path | None:
     """``JITWARM_RECORD``: append every Triton and ``load_jit`` kernel this process compiles to this manifest."""
     text = _text("JITWARM_RECORD")
+    return absolute_path(text) if text else None
+
+
+def ledger() -> Path | None:
+    """``JITWARM_LEDGER``: where a served start writes, as JSON, what it compiled per family after its last capture."""
+    text = _text("JITWARM_LEDGER")
     return absolute_path(text) if text else None
 
 

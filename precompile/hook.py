@@ -109,12 +109,17 @@ class CaptureHook:
     ``serve_triton``, every Triton compile of this process goes through ``cache``
     (:mod:`jitwarm.kernels.libraries.triton.cache`). :class:`KernelsNotReady` (a build failed, ``strict`` found a
     miss) and :class:`WarmTimeout` name the specs.
+
+    :attr:`ledger` is this process's start-up ledger (:mod:`jitwarm.precompile.ledger`; its snapshot taken now
+    unless the server's plugin took it at start): :meth:`ledger_report`, after the last capture, says per family
+    what was served from cache and what still compiled.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
                  device: Any = None, timeout_s: float = 900.0, policy: str = "build",
                  warm: WarmHandle | None = None, jobs: int | None = None, seal_third_party: bool = False,
-                 manifest: str | Path | Sequence[str | Path] | None = None, serve_triton: bool = False) -> None:
+                 manifest: str | Path | Sequence[str | Path] | None = None, serve_triton: bool = False,
+                 ledger: Any = None) -> None:
         if settings.strict():
             policy = "strict"
         if policy not in POLICIES:
@@ -134,6 +139,11 @@ class CaptureHook:
 
             triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call
+        if ledger is None:
+            from jitwarm.precompile import ledger as start_ledger
+
+            ledger = start_ledger.begin()
+        self.ledger = ledger
 
     def specs(self) -> list[KernelSpec]:
         """The plan's specs for this device's target."""
@@ -163,6 +173,14 @@ class CaptureHook:
             self.ready = True
         report.seconds = time.perf_counter() - start
         return report
+
+    def ledger_report(self) -> Any:
+        """What this process served from cache and still compiled since its ledger's snapshot, per family.
+
+        A :class:`~jitwarm.precompile.ledger.LedgerReport`; call it after the last capture
+        (:func:`~jitwarm.precompile.ledger.report_after_capture` also logs it and writes ``JITWARM_LEDGER``).
+        """
+        return self.ledger.report()
 
     def close(self) -> None:
         """Disarm the guard (and remove third-party seals) armed by the first call."""

@@ -33,6 +33,16 @@ WAIT_S = 600.0
 
 _state_lock = threading.Lock()
 _state: dict[str, Any] = {"cache": None, "failed": None}
+#: Each compile this process's managers answered, in order: ``("<kernel> <Triton key>", "served")`` (an entry
+#: handed to Triton) or ``(..., "compiled")`` (Triton compiled it here): the start-up ledger's signal
+#: (jitwarm.precompile.ledger).
+_served: list[tuple[str, str]] = []
+
+
+def served() -> list[tuple[str, str]]:
+    """A copy of what this process's managers did, compile by compile (see ``_served``)."""
+    with _state_lock:
+        return list(_served)
 
 
 def use_cache(cache: KernelCache | None) -> None:
@@ -92,6 +102,8 @@ class CacheManager(_TritonCacheManager):
         art = artifact(served_group(self.key, filename))
         group = self._find_group(art)
         self._compiling = group is None
+        with _state_lock:
+            _served.append((f"{Path(filename).stem} {self.key}", "compiled" if group is None else "served"))
         return group
 
     def _find_group(self, art: Artifact) -> dict[str, str] | None:

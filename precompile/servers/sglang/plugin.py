@@ -9,7 +9,9 @@ capture (sglang #33356; the fix, #33795 / #34286, is not in that release). Loade
 ``sglang.srt.plugins`` entry point ``jitwarm`` (``SGLANG_PLUGINS=jitwarm``), :func:`register` wraps every
 backend's ``post_warmup_hook``: the server's own hook, then the drain. With ``JITWARM_CONFIG=FILE.toml`` the
 drain is a :class:`~jitwarm.precompile.hook.CaptureHook` for the plan of the server's own capture settings,
-warmed in the background from model-runner start. See ``docs/sglang.md``.
+warmed in the background from model-runner start. After each model runner's ``init_cuda_graphs`` (its last
+graph captured) the start-up ledger (:mod:`jitwarm.precompile.ledger`) says per family what was served from
+cache and what still compiled, and writes it to ``JITWARM_LEDGER``. See ``docs/sglang.md``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 
 # The variables the plugin reads, each through its accessor in jitwarm.cache.settings (named here for messages):
 # JITWARM_SGLANG_PLUGIN (0: inert), JITWARM_CONFIG (plan mode), JITWARM_MANIFEST (recorded kernels loaded before
-# capture too), JITWARM_RECORD (record every kernel compiled), JITWARM_TRITON_CACHE (0: Triton's own manager).
+# capture too), JITWARM_RECORD (record every kernel compiled), JITWARM_TRITON_CACHE (0: Triton's own manager),
+# JITWARM_LEDGER (the start-up ledger's JSON, read by jitwarm.precompile.ledger).
 ENABLE_ENV, CONFIG_ENV, MANIFEST_ENV = (settings.ENV_VARS[name] for name in ("sglang_plugin", "config", "manifest"))
 TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 
@@ -153,6 +156,8 @@ def register() -> None:
             HookRegistry.register(f"{path}.capture_one", _around_capture_one, HookType.AROUND)
         names = ", ".join(path.rsplit(".", 1)[1] for path in hooked)
         _record_and_serve()
+        _begin_ledger()
+        HookRegistry.register(f"{MODEL_RUNNER}.init_cuda_graphs", _around_init_cuda_graphs, HookType.AROUND)
         config = str(_setting(settings.config, None) or "")
         manifest = str(_setting(settings.manifest, None) or "")
         if config or manifest:  # the model-runner hook also raises a bad file under JITWARM_STRICT=1
@@ -187,6 +192,33 @@ def _record_and_serve() -> None:
         log.info("jitwarm: recording every Triton and load_jit kernel this process compiles into %s", path)
     if _setting(settings.triton_cache, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
         os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
+
+
+def _begin_ledger() -> None:
+    """Take the start-up ledger's snapshot now: before the model loads, so every compile of the start counts."""
+    try:
+        from jitwarm.precompile import ledger
+        from jitwarm.precompile.servers.sglang.loader_calls import LoaderCalls
+
+        ledger.begin({"load_jit": LoaderCalls().install()})
+    except Exception as exc:  # the ledger only reports: it never takes the drain away
+        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
+
+
+def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``ModelRunner.init_cuda_graphs``: once its last graph is captured, report the ledger.
+
+    sglang's scheduler calls it for the target runner, then the draft's (scheduler.py:1122-1126): each reports
+    everything since the start, so the last report, and ``JITWARM_LEDGER``, covers every graph.
+    """
+    graphs = original(runner, *args, **kwargs)
+    try:
+        from jitwarm.precompile import ledger
+
+        ledger.report_after_capture()
+    except Exception as exc:  # the server has its graphs: a ledger that fails is said, never fatal
+        log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
+    return graphs
 
 
 def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
