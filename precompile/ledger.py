@@ -264,9 +264,8 @@ def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
 def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
     """Log the ledger's lines and write them to ``JITWARM_LEDGER`` when set: the one call after the last capture.
 
-    ``ledger`` defaults to this process's (:func:`begin`). A path that is a directory or cannot be written,
-    and a ``JITWARM_LEDGER`` that does not parse, are one warning line each: the server goes on. Returns the
-    report.
+    ``ledger`` defaults to this process's (:func:`begin`). A path that is a directory or cannot be written is
+    one warning line: the server goes on. Returns the report.
     """
     from jitwarm.cache import settings
 
@@ -275,11 +274,7 @@ def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
         log.info("%s", count.line())
     for line in report.warnings():
         log.warning("%s", line)
-    try:
-        path = settings.ledger()
-    except settings.SettingError as exc:
-        log.warning("jitwarm: ledger not written: %s", exc)
-        return report
+    path = settings.ledger()
     if path is not None:
         try:
             report.write(path)
