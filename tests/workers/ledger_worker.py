@@ -91,8 +91,10 @@ def sglang() -> None:
         for name, backend in fakes.make_backends().items():
             captured.append((name, fakes.capture(backend, "keyword", size=2)))
         jit_cache_trees.tilelang(Path(os.environ["TILELANG_CACHE_DIR"]), key="compiled-in-capture")
-        load_jit_twice(Path(os.environ["SGLANG_JIT_CACHE_DIR"]))
+        load_jit_twice(jit)
 
+    jit = Path(os.environ["SGLANG_JIT_CACHE_DIR"])
+    publish_a_build(jit)  # as prestart would have left it
     ModelRunner.init_cuda_graphs = init_cuda_graphs  # before load_plugins: the plugin's hook wraps it
     from sglang.srt.plugins import load_plugins
 
@@ -105,29 +107,38 @@ def sglang() -> None:
     print(json.dumps({"captured": captured}))
 
 
-def load_jit_twice(root: Path) -> None:
-    """sglang's loader as ``load_jit`` calls it (loader.py:135-160), its own functions on real directories.
-
-    A build published by sglang's ``cache.commit_build`` is found (served); a module with no build is looked up
-    again behind ``_build_lock`` and not found, so load_jit would compile it (compiled). The compile itself
-    (nvcc for sm_90) is left out: the loader's lookups are the signal.
-    """
+def publish_a_build(root: Path) -> None:
+    """One module's build published by sglang's own ``cache.commit_build`` (its bytes made up: never loaded)."""
     import types
 
-    from sglang.kernels.jit.utils.compile import cache, loader
+    from sglang.kernels.jit.utils.compile import cache
 
     source = root / "kernel.cu"
     source.parent.mkdir(parents=True, exist_ok=True)
     source.write_text("// a JIT kernel's source")
-    served = root / "sm90" / "sgl_kernel_jit_restored" / "build-0123"
-    spec = types.SimpleNamespace(module_name="sgl_kernel_jit_restored", sources=(str(source),))
-    staging = served / ".staging-0"
+    staging = root / "sm90" / "sgl_kernel_jit_restored" / "build-0123" / ".staging-0"
     staging.mkdir(parents=True)
     (staging / "sgl_kernel_jit_restored.so").write_bytes(b"\x7fELF")
-    cache.commit_build(spec, scope=served, staging=staging, dependencies=[source])
+    spec = types.SimpleNamespace(module_name="sgl_kernel_jit_restored", sources=(str(source),))
+    cache.commit_build(spec, scope=staging.parent, staging=staging, dependencies=[source])
+
+
+def load_jit_twice(root: Path) -> None:
+    """sglang's loader as ``load_jit`` calls it (loader.py:135-160), its own functions on real directories.
+
+    The published build is found (served); a module with no build is looked up again behind ``_build_lock``
+    and not found, so load_jit would compile it (compiled). The compile itself (nvcc for sm_90) is left out:
+    the loader's lookups are the signal.
+    """
+    import types
+
+    from sglang.kernels.jit.utils.compile import loader
+
+    served = root / "sm90" / "sgl_kernel_jit_restored" / "build-0123"
+    spec = types.SimpleNamespace(module_name="sgl_kernel_jit_restored", sources=(str(root / "kernel.cu"),))
     assert loader._find_prebuilt(spec=spec, scope=served) is not None
     missing = root / "sm90" / "sgl_kernel_jit_new" / "build-4567"
-    spec = types.SimpleNamespace(module_name="sgl_kernel_jit_new", sources=(str(source),))
+    spec = types.SimpleNamespace(module_name="sgl_kernel_jit_new", sources=(str(root / "kernel.cu"),))
     assert loader._find_prebuilt(spec=spec, scope=missing) is None
     with loader._build_lock(missing):
         assert loader._find_prebuilt(spec=spec, scope=missing) is None

@@ -25,6 +25,9 @@ class LoaderCalls:
     def __init__(self) -> None:
         self.scopes: dict[str, str] = {}
         self.watched = False
+        #: sglang's JIT cache (``SGLANG_JIT_CACHE_DIR``) and the builds in it at install (restored ones among them).
+        self.root: Path | None = None
+        self.present: int | None = None
         self._lock = threading.Lock()
         self._undo: list[Any] = []
 
@@ -57,6 +60,10 @@ class LoaderCalls:
                 self.scopes[str(scope)] = "building"
             return lock(scope, *args, **kwargs)
 
+        cache = getattr(loader, "cache", None)  # compile/cache.py, as the loader imports it
+        if cache is not None and hasattr(cache, "cache_root"):
+            self.root = Path(cache.cache_root())
+            self.present = len(builds(self.root))
         loader._find_prebuilt, loader._build_lock = find_prebuilt, build_lock
         self._undo.append(lambda: (setattr(loader, "_find_prebuilt", find), setattr(loader, "_build_lock", lock)))
         self.watched = True
@@ -74,7 +81,12 @@ class LoaderCalls:
         compiled = sorted(module_key(s) for s, state in scopes.items() if state == "compiled")
         signal = "sglang's loader" if self.watched else "sglang's loader: sglang not running here"
         return FamilyCount("load_jit", signal, sum(s == "served" for s in scopes.values()), len(compiled),
-                           tuple(compiled))
+                           tuple(compiled), self.present, str(self.root) if self.root else None)
+
+
+def builds(root: Path) -> list[Path]:
+    """The published builds under sglang's JIT cache: ``<tag>/<module>/build-<key>/deps-<key>/`` (compile/cache.py)."""
+    return [p for p in root.glob("*/*/build-*/deps-*") if p.is_dir()]
 
 
 def module_key(scope: str) -> str:
