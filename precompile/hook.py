@@ -110,9 +110,9 @@ class CaptureHook:
     (:mod:`jitwarm.kernels.libraries.triton.cache`). :class:`KernelsNotReady` (a build failed, ``strict`` found a
     miss) and :class:`WarmTimeout` name the specs.
 
-    :attr:`ledger` is this process's start-up ledger (:mod:`jitwarm.precompile.ledger`; its snapshot taken now
-    unless the server's plugin took it at start): :meth:`ledger_report`, after the last capture, says per family
-    what was served from cache and what still compiled.
+    :attr:`ledger` is ``ledger`` or this process's start-up ledger (:mod:`jitwarm.precompile.ledger`; its
+    snapshot taken now unless the server's plugin took it at start): :meth:`ledger_report`, after the last
+    capture, says per family what was served from cache and what still compiled.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,

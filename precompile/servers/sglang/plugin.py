@@ -206,7 +206,7 @@ def _begin_ledger() -> None:
 
 
 def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``ModelRunner.init_cuda_graphs``: once its last graph is captured, report the ledger.
+    """AROUND hook of ``ModelRunner.init_cuda_graphs`` (model_runner.py:1170): its last graph captured, the ledger.
 
     sglang's scheduler calls it for the target runner, then the draft's (scheduler.py:1122-1126): each reports
     everything since the start, so the last report, and ``JITWARM_LEDGER``, covers every graph.
