@@ -1,6 +1,6 @@
 """The servers jitwarm plans for, one room each, and the registry that picks a room from a server command line.
 
-A room is a subpackage (``servers/sglang/``; vLLM is the next, ``servers/vllm/``) holding everything jitwarm knows
+A room is a subpackage (``servers/sglang/``, ``servers/vllm/``) holding everything jitwarm knows
 about one server: its command line, the rules that turn its settings into the CUDA graphs it captures, which of
 jitwarm's kernel families its models run, the plugin that loads into it, the seals that refuse its JIT inside
 capture, and the one constant naming the release all of that mirrors. Nothing outside a room names a room's
