@@ -22,8 +22,8 @@ from jitwarm.cache.errors import UsageError
 ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
     "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
-    "strict", "sglang_plugin", "config", "manifest", "record", "record_caches", "triton_cache", "trust_key",
-    "trust_key_file", "ledger")}
+    "strict", "sglang_plugin", "vllm_plugin", "config", "manifest", "record", "record_caches", "triton_cache",
+    "trust_key", "trust_key_file", "ledger")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
@@ -150,6 +150,11 @@ def strict() -> bool:
 def sglang_plugin() -> bool:
     """``JITWARM_SGLANG_PLUGIN``: 0 makes the sglang plugin inert (default on)."""
     return flag("JITWARM_SGLANG_PLUGIN", default=True)
+
+
+def vllm_plugin() -> bool:
+    """``JITWARM_VLLM_PLUGIN``: 0 makes the vLLM plugin inert (default on)."""
+    return flag("JITWARM_VLLM_PLUGIN", default=True)
 
 
 def config() -> Path | None:

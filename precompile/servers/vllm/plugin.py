@@ -31,7 +31,7 @@ from jitwarm.precompile.servers.vllm import plan_mode
 
 log = logging.getLogger(__name__)
 
-ENABLE_ENV = "JITWARM_VLLM_PLUGIN"  # 0: inert; read with settings.flag, the one boolean parser
+ENABLE_ENV = settings.ENV_VARS["vllm_plugin"]  # 0: inert
 TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
@@ -47,7 +47,7 @@ def register() -> None:
     vLLM imports its runner modules, which only a worker does. Logs one line: what it installed, or that it is
     inert. A failure of its own setup is logged (raised under ``JITWARM_STRICT=1``).
     """
-    if not plan_mode.setting(lambda: settings.flag(ENABLE_ENV, default=True), True):
+    if not plan_mode.setting(settings.vllm_plugin, True):
         log.info("jitwarm: vllm plugin inert (%s=0): nothing installed", ENABLE_ENV)
         return
     try:
