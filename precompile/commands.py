@@ -222,8 +222,10 @@ def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None
 
 
 def warm_exit(report: Any) -> int:
-    """0 when every spec is there; 3 when the only failures are waits past the deadline; 4 when an entry from a
-    remote tier failed the fleet key (an attack or a misconfigured fleet, not a build to retry); else 1."""
+    """0 when every spec is there; 3 when the only failures are waits past the deadline; 4 (untrusted); else 1.
+
+    4 when an entry from a remote tier failed the fleet key: an attack or a misconfigured fleet, not a build to retry.
+    """
     failed = [r for r in report.results if r.outcome == "failed"]
     if not failed:
         return EXIT_OK
