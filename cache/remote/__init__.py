@@ -4,7 +4,8 @@ A *store* moves whole entries: :mod:`.redis` (``redis://``) or :mod:`.s3` (``s3:
 its lease in :mod:`.s3_lease`); the *fleet protocol* (:mod:`.fleet`) decides when to download, lease, wait,
 build and upload. :func:`open_store` picks the store from the URL's scheme. A store offers ``usable``,
 ``failed``, ``fetch(key, dest)``, ``upload(entry)``, ``report(keys)``, ``check()``, ``display``, ``error`` and
-``new_lease(key, ttl_s)``. What it returns goes through :func:`jitwarm.cache.entry.unpack_entry`: a remote is
+``new_lease(key, ttl_s)``; what both do alike (health, failures, reports, reading an entry to upload) is
+:class:`~jitwarm.cache.remote.base.StoreBase`. What it returns goes through :func:`jitwarm.cache.entry.unpack_entry`: a remote is
 never trusted (docs/cache.md, "Remote tier").
 """
 
@@ -13,10 +14,9 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
-from jitwarm.cache.remote import s3
+from jitwarm.cache.remote.base import RemoteFailure, RemoteReport, reset_health
 from jitwarm.cache.remote.fleet import Fleet, FleetLease, LocalSteps
-from jitwarm.cache.remote.redis import RemoteFailure, RemoteReport, RemoteStore, redact
-from jitwarm.cache.remote.redis import reset_remote_health as _reset_redis_health
+from jitwarm.cache.remote.redis import RemoteStore, redact
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.settings import SettingError, trust_key
 
@@ -45,8 +45,7 @@ def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared:
 
 def reset_remote_health() -> None:
     """Close this process's pooled clients and forget each remote's health (for tests)."""
-    _reset_redis_health()
-    s3.reset_health()
+    reset_health()
 
 
 def _missing(module: str) -> bool:

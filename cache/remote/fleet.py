@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.files import loads, remove_tree
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
-from jitwarm.cache.remote.redis import RemoteFailure, RemoteStore
+from jitwarm.cache.remote.base import RemoteFailure
+from jitwarm.cache.remote.redis import RemoteStore
 
 if TYPE_CHECKING:
     from jitwarm.cache.remote.s3 import ObjectStore

@@ -16,25 +16,22 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, parse_manifest, unchanged, unpack_entry
-from jitwarm.cache.errors import CorruptEntry, RemoteUnavailable
-from jitwarm.cache.files import loads, open_regular
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, parse_manifest, unpack_entry
+from jitwarm.cache.errors import CorruptEntry
+from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.locks import this_host
-from jitwarm.cache.remote.redis import RETRY_AFTER_S, RemoteFailure, RemoteReport
+from jitwarm.cache.remote.base import RemoteFailure, StoreBase
 from jitwarm.cache.signing import check, sign
 
 log = logging.getLogger("jitwarm.cache")
-
-T = TypeVar("T")
 
 #: An entry record is its manifest as a JSON string (escaping at most doubles it, bar control characters
 #: nobody writes) plus a small ``uploader``/``executable`` part; more than this is not ours.
@@ -48,50 +45,6 @@ READ_TIMEOUT_S = 10.0
 MAX_ATTEMPTS = 3
 
 
-class _Health:
-    """One store URL in this process: its client (made on first use), and whether (and why) it is down."""
-
-    def __init__(self) -> None:
-        self.client: Any = None
-        self.down_until = 0.0
-        self.error: str | None = None
-        self.warned = False
-
-
-_HEALTH: dict[str, _Health] = {}
-_HEALTH_LOCK = threading.Lock()
-
-
-def _health(url: str) -> _Health:
-    with _HEALTH_LOCK:
-        return _HEALTH.setdefault(url, _Health())
-
-
-def _client(url: str) -> Any:
-    """The S3 client of ``url``: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
-    health = _health(url)
-    with _HEALTH_LOCK:
-        if health.client is None:
-            import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
-            from botocore.config import Config
-
-            config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-            health.client = boto3.session.Session().client("s3", config=config)
-        return health.client
-
-
-def reset_health() -> None:
-    """Close this process's S3 clients and forget each store's health (for tests)."""
-    with _HEALTH_LOCK:
-        records = list(_HEALTH.values())
-        _HEALTH.clear()
-    for record in records:
-        if record.client is not None:
-            with contextlib.suppress(Exception):
-                record.client.close()
-
-
 class Got(NamedTuple):
     """One object read: its bytes, ETag, Last-Modified and the server's clock (both epoch seconds)."""
 
@@ -101,28 +54,20 @@ class Got(NamedTuple):
     server_now: float
 
 
-class ObjectStore:
+class ObjectStore(StoreBase):
     """Entries of one cache format under one bucket prefix, and the health of that store.
 
-    The same calls as :class:`~jitwarm.cache.remote.redis.RemoteStore`; every request raises
-    :class:`RemoteFailure` (never a botocore exception), which the caller hands to :meth:`failed`.
+    The calls of :class:`~jitwarm.cache.remote.base.StoreBase`; a botocore or socket error is a RemoteFailure.
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
                  shared: bool = False, count: Callable[..., None] | None = None,
                  trust_key: bytes | None = None) -> None:
         parts = urlsplit(url)
-        self.trust_key = trust_key  # the fleet key (jitwarm.cache.signing): sign uploads, check downloads
-        self.url = url
-        self.display = f"s3://{parts.netloc}{parts.path}"
+        super().__init__(url, f"s3://{parts.netloc}{parts.path}", prefix, required=required, max_bytes=max_bytes,
+                         shared=shared, count=count, trust_key=trust_key)
         self.bucket = parts.netloc
         self.base = "/".join(p for p in (parts.path.strip("/"), prefix, f"v{FORMAT_VERSION}") if p)
-        self.prefix = prefix
-        self.required = required
-        self.max_bytes = max_bytes
-        self.shared = shared
-        self._count = count or (lambda name, amount=1: None)
-        self._rejected: dict[str, str] = {}  # key -> ETag of a record already rejected
 
     def entry_name(self, key: str) -> str:
         """Return the object key of ``key``'s entry record."""
@@ -142,50 +87,28 @@ class ObjectStore:
 
         return ObjectLease(self, key, ttl_s)
 
-    @property
-    def usable(self) -> bool:
-        """False while this process considers the store down (a required store is always tried)."""
-        return self.required or time.monotonic() >= _health(self.url).down_until
+    def _connect(self) -> Any:
+        """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
+        import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
+        from botocore.config import Config
 
-    @property
-    def error(self) -> str | None:
-        """Why the store is considered down now, or None."""
-        health = _health(self.url)
-        return health.error if time.monotonic() < health.down_until else None
+        config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                        retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+        return boto3.session.Session().client("s3", config=config)
 
-    def call(self, what: str, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(client)``; a botocore or socket error becomes RemoteFailure("<what>: <error>")."""
+    def _errors(self) -> tuple[type[BaseException], ...]:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            return fn(_client(self.url))
-        except ClientError as exc:
-            raise RemoteFailure(f"{what}: {describe(exc)}") from exc
-        except (BotoCoreError, OSError) as exc:
-            raise RemoteFailure(f"{what}: {type(exc).__name__}: {exc}") from exc
+        return (ClientError, BotoCoreError, OSError)
 
-    def failed(self, exc: RemoteFailure) -> None:
-        """Record a failure: ``RemoteUnavailable`` if required, else log once and go local-only for a while."""
-        self._count("remote_errors")
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if self.required:
-            raise RemoteUnavailable(self.display, reason) from exc
-        health = _health(self.url)
-        with _HEALTH_LOCK:
-            health.down_until = time.monotonic() + RETRY_AFTER_S
-            health.error = reason
-            warn, health.warned = not health.warned, True
-        (log.warning if warn else log.debug)("remote cache %s unavailable (%s): continuing with the local "
-                                             "cache only", self.display, reason)
+    def _describe(self, exc: BaseException) -> str:
+        from botocore.exceptions import ClientError
 
-    def check(self) -> str | None:
-        """HEAD the bucket: None when it answers, else why not (after :meth:`failed`, which may raise)."""
-        try:
-            self.call("check", lambda c: c.head_bucket(Bucket=self.bucket))
-        except RemoteFailure as exc:
-            self.failed(exc)
-            return str(exc)
-        return None
+        return describe(exc) if isinstance(exc, ClientError) else super()._describe(exc)
+
+    def _probe(self) -> None:
+        """HEAD the bucket."""
+        self.call("check", lambda c: c.head_bucket(Bucket=self.bucket))
 
     def get(self, name: str, limit: int, what: str, *, clip: bool = False) -> Got | None:
         """Read object ``name`` (None if absent); RemoteFailure for a store fault or a body cut short.
@@ -272,15 +195,6 @@ class ObjectStore:
             raise CorruptEntry(f"{where}: sha256 does not match {MANIFEST}")
         return got.body
 
-    def _reject(self, key: str, why: str, etag: str, uploader: dict[str, Any]) -> None:
-        """Report a remote entry that failed the check; the same record is not downloaded again by this store."""
-        self._rejected[key] = etag
-        self._count("remote_rejected")
-        origin = f"pid {uploader.get('pid')} on {uploader.get('host')}" if uploader.get("host") else \
-            "unknown uploader"
-        log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
-                    "replaced by the next build", key, self.display, str(origin)[:200], why)
-
     def upload(self, entry: Entry) -> bool:
         """Upload a verified local entry: blobs first, the record last and only if absent; ``RemoteFailure``.
 
@@ -288,20 +202,11 @@ class ObjectStore:
         (ours, or another node's that won the race: content-addressed, so theirs is as good). A record this
         store rejected is replaced, blobs and all, only if it is still that record (``If-Match``).
         """
-        if entry.size_bytes > self.max_bytes:
-            log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
-                     "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
+        read = self._read_entry(entry)
+        if read is None:
             return False
-        manifest = _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
-        blobs, executable = {}, []
-        for rec in entry.records:
-            path = entry.path / rec.path
-            blobs[rec.sha256] = _read(path, rec.size)
-            if os.lstat(path).st_mode & 0o111:
-                executable.append(rec.path)
-        if not unchanged(entry):  # checked after reading: what was read is what was hashed
-            log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
-            return False
+        manifest, files, executable = read
+        blobs = {rec.sha256: data for rec, data in files}
         replacing = self._rejected.get(entry.key)
         for sha256, data in blobs.items():
             self._put_blob(sha256, data, overwrite=replacing is not None)
@@ -344,10 +249,7 @@ class ObjectStore:
         self.call("upload", lambda c: c.upload_fileobj(io.BytesIO(data), self.bucket, name, Config=config,
                                                        ExtraArgs={"ChecksumAlgorithm": "SHA256"}))
 
-    def report(self, keys: Iterable[str]) -> RemoteReport:
-        """Return which of ``keys`` the store holds; ``RemoteUnavailable`` if a required one cannot be asked."""
-        keys = list(keys)
-
+    def _present(self, keys: list[str]) -> list[bool]:
         def exists(client: Any, key: str) -> bool:
             try:
                 client.head_object(Bucket=self.bucket, Key=self.entry_name(key))
@@ -357,14 +259,7 @@ class ObjectStore:
                 raise
             return True
 
-        try:
-            found = [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
-        except RemoteFailure as exc:
-            self.failed(exc)
-            return RemoteReport(self.display, self.prefix, available=False, error=str(exc))
-        return RemoteReport(self.display, self.prefix, available=True,
-                            present=tuple(k for k, f in zip(keys, found, strict=True) if f),
-                            missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
+        return [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
 
 
 def describe(exc: Any) -> str:
@@ -395,10 +290,3 @@ def _parse_record(body: bytes, key: str) -> tuple[bytes, list[str], dict[str, An
     except (TypeError, ValueError, KeyError, AttributeError, UnicodeError) as exc:
         raise CorruptEntry(f"remote entry {key}: its record does not parse ({type(exc).__name__})") from None
     return manifest, executable, uploader, doc.get("signature")
-
-
-def _read(path: Path, size: int) -> bytes:
-    """Read a file of a local entry to upload it (a replaced or grown file fails the signature check after)."""
-    fd, _st = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        return f.read(size + 1)

@@ -19,7 +19,7 @@ import time
 
 from jitwarm.cache.files import loads
 from jitwarm.cache.locks import LockHolder, this_host
-from jitwarm.cache.remote.redis import RemoteFailure
+from jitwarm.cache.remote.base import RemoteFailure
 from jitwarm.cache.remote.s3 import Got, ObjectStore
 
 log = logging.getLogger("jitwarm.cache")
