@@ -5,8 +5,8 @@ its lease in :mod:`.s3_lease`); the *fleet protocol* (:mod:`.fleet`) decides whe
 build and upload. :func:`open_store` picks the store from the URL's scheme. A store offers ``usable``,
 ``failed``, ``fetch(key, dest)``, ``upload(entry)``, ``report(keys)``, ``check()``, ``display``, ``error`` and
 ``new_lease(key, ttl_s)``; what both do alike (health, failures, reports, reading an entry to upload) is
-:class:`~jitwarm.cache.remote.base.StoreBase`. What it returns goes through :func:`jitwarm.cache.entry.unpack_entry`: a remote is
-never trusted (docs/cache.md, "Remote tier").
+:class:`~jitwarm.cache.remote.base.StoreBase`. What it returns goes through
+:func:`jitwarm.cache.entry.unpack_entry`: a remote is never trusted (docs/cache.md, "Remote tier").
 """
 
 from __future__ import annotations
