@@ -11,7 +11,6 @@ refused, as argparse does. Only the settings in :data:`CAPTURE_DESTS` (and the m
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import PurePath
@@ -20,6 +19,7 @@ from typing import Any
 from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers import json_object
+from jitwarm.precompile.servers.command_line import ENV_ASSIGNMENT, after_interpreter, is_flag, shown_value
 from jitwarm.precompile.servers.sglang import VERSION
 from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS
 
@@ -52,7 +52,6 @@ CAPTURE_DESTS = {
 
 # `python -m sglang.launch_server ...`, `sglang serve ...`: the program and module or subcommand come first.
 _SERVER_MODULES = ("sglang.launch_server",)
-_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 _VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 
 
@@ -72,7 +71,7 @@ def strip_launcher(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """
     args = list(argv)
     env = {}
-    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
         name, _, value = args.pop(0).partition("=")
         env[name] = value
     return _strip_program(args), env
@@ -84,11 +83,9 @@ def _strip_program(args: list[str]) -> list[str]:
         return args
     program = PurePath(args[0]).name
     if program.startswith("python"):
-        rest = args[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options such as -u, -X dev
-            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
-        if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _SERVER_MODULES:
-            return rest[2:]
+        rest = after_interpreter(args, _SERVER_MODULES)
+        if rest is not None:
+            return rest
     elif program == "sglang" and len(args) >= 2 and args[1] == "serve":
         rest, i = [], 2
         while i < len(args):
@@ -107,7 +104,7 @@ def _strip_program(args: list[str]) -> list[str]:
 
 def recognises(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with an sglang launcher."""
-    words = [a for a in argv if not _ENV_ASSIGNMENT.fullmatch(a)][:1]
+    words = [a for a in argv if not ENV_ASSIGNMENT.fullmatch(a)][:1]
     try:
         return bool(words) and not words[0].startswith("-") and strip_launcher(argv) is not None
     except ServerArgvError:
@@ -147,7 +144,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
         elif nargs == 0:
             given = []
         elif nargs in (1, "?"):
-            if i < len(args) and not _is_flag(args[i]):
+            if i < len(args) and not is_flag(args[i]):
                 given, i = [args[i]], i + 1
             elif nargs == 1:
                 raise ServerArgvError(f"argument {option}: expected one argument")
@@ -155,7 +152,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
                 given = []
         else:  # "+" or "*": every following token up to the next flag
             start = i
-            while i < len(args) and not _is_flag(args[i]):
+            while i < len(args) and not is_flag(args[i]):
                 i += 1
             given = list(args[start:i])
             if nargs == "+" and not given:
@@ -180,17 +177,6 @@ def _match_option(name: str, options: dict[str, Any], *, allow_abbrev: bool) -> 
     raise ServerArgvError(f"unrecognized server argument {name} (not a flag of sglang {VERSION})")
 
 
-def _is_flag(token: str) -> bool:
-    """Argparse's test: a token starting with '-' is an option unless it reads as a negative number."""
-    if not token.startswith("-") or token == "-":
-        return False
-    try:
-        float(token)
-    except ValueError:
-        return True
-    return False
-
-
 def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> Any:
     """Turn the strings given to a capture flag into its value."""
     try:
@@ -204,8 +190,7 @@ def _convert(option: str, kind: str, given: list[str], spec: dict[str, Any]) -> 
             return json_object(given[-1])
         return given[-1]
     except (ValueError, IndexError) as exc:
-        shown = " ".join(given)
-        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"  # one readable line
+        shown = shown_value(given)
         raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
 
 

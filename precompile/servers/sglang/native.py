@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
-import subprocess
 import sys
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 from jitwarm.cache.settings import scoped_env
-from jitwarm.precompile.servers import resolution_memo
+from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
 from jitwarm.precompile.servers.sglang import LADDER_SOURCES, VERSION, rules
 from jitwarm.precompile.servers.sglang.rules import ResolutionError
 
@@ -49,14 +47,15 @@ _SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_fr
                   "_handle_eagle_family", "_handle_ngram")
 #: Seconds the child process may take (its imports are the cost: 21 to 67 s in a server's image).
 CHILD_TIMEOUT_S = 300.0
+#: sglang's own ladder functions as a ladder source: chosen, run (in a child outside a server) and memoised.
+OWN = OwnFunctions(server="sglang", title="sglang", functions="sglang's own ladder functions",
+                   module="jitwarm.precompile.servers.sglang.native", version=VERSION, sources=LADDER_SOURCES,
+                   error=ResolutionError, timeout_s=CHILD_TIMEOUT_S)
 
 
 def installed_version() -> str | None:
     """Return the installed sglang's version, or None when it is not installed (sglang is not imported)."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return OWN.installed_version()
 
 
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -66,52 +65,12 @@ def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
     when no sglang is installed or the installed one is the release they mirror (read from its metadata, without
     importing it); for any other release its own functions, whose answer is kept in a memo keyed by that release
     and ``inputs`` (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing sglang.
-    Raises :class:`.rules.ResolutionError` when sglang rejects the settings or its own functions could not run.
+    Outside a server they run in a child process (:meth:`..own_functions.OwnFunctions.run`): importing sglang
+    would import torch into the planning process. Raises :class:`.rules.ResolutionError` when sglang rejects the
+    settings or its own functions could not run.
     """
-    if source not in LADDER_SOURCES:
-        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(LADDER_SOURCES)}")
-    installed = installed_version() if source != "builtin" else None
-    if source == "builtin" or (source == "auto" and installed in (None, VERSION)):
-        return rules.builtin(inputs)
-    full = {**rules.INPUT_KEYS, **inputs}
-    if source == "sglang" or "sglang" in sys.modules:
-        return _native(full)
-    key = resolution_memo.key("sglang", installed, full)
-    found = resolution_memo.load(key)
-    if found is not None:
-        return found
-    result = _native(full)
-    resolution_memo.store(key, result)
-    return result
-
-
-def _native(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Resolve with the installed sglang's functions: here when sglang is loaded (a server), else in a child.
-
-    Anywhere but inside a server, importing sglang would import torch into the planning process.
-    """
-    if "sglang" in sys.modules:
-        try:
-            return resolve(inputs)
-        except ValueError as exc:
-            raise ResolutionError(str(exc)) from None
-    try:
-        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"inputs": inputs}),
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ResolutionError(f"cannot run sglang's own ladder functions ({exc})",
-                              hint="use --ladder-source builtin") from None
-    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-    if proc.returncode == 2:
-        raise ResolutionError(last)
-    if proc.returncode != 0:
-        raise ResolutionError(f"sglang's own ladder functions failed ({last})",
-                              hint=f"use --ladder-source builtin for the rules mirroring sglang {VERSION}")
-    try:
-        return json.loads(proc.stdout)
-    except ValueError:
-        raise ResolutionError("sglang's own ladder functions printed something that is not their answer",
-                              hint="use --ladder-source builtin") from None
+    return OWN.resolve_from(inputs, source, defaults=rules.INPUT_KEYS, builtin=lambda: rules.builtin(inputs),
+                            resolve=resolve)
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,31 +262,13 @@ def _source() -> str:
 
 def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
-    if not isinstance(inputs, Mapping):
-        raise ValueError(f"inputs must be a JSON object, got {type(inputs).__name__}")
-    missing = [k for k in INPUT_KEYS if k not in inputs]
-    unknown = sorted(set(inputs) - set(INPUT_KEYS))
-    if missing or unknown:
-        raise ValueError(f"inputs: missing {missing}, unknown {unknown}")
-    return dict(inputs)
+    return checked_inputs(inputs, INPUT_KEYS)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Read ``{"inputs": {...}}`` on stdin, print the resolution as JSON: 0; 2 bad request; 1 no sglang."""
     del argv  # no options: the request is on stdin
-    try:
-        request = json.loads(sys.stdin.read())
-        if not isinstance(request, dict) or set(request) != {"inputs"}:
-            raise ValueError('expected one JSON object: {"inputs": {...}}')
-        answer = resolve(request["inputs"])
-    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
-        print(f"{__spec__.name if __spec__ else __name__}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        print(f"{__spec__.name if __spec__ else __name__}: cannot import sglang: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(answer))
-    return 0
+    return OWN.child_main(resolve, __spec__.name if __spec__ else __name__)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 
 from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers import json_object
+from jitwarm.precompile.servers.command_line import ENV_ASSIGNMENT, after_interpreter, is_flag, shown_value
 from jitwarm.precompile.servers.vllm import VERSION
 
 
@@ -27,7 +28,6 @@ class ServerArgvError(UsageError, ValueError):
 
 # `python -m vllm.entrypoints.openai.api_server ...`; `vllm serve ...` (vllm/entrypoints/cli/serve.py).
 _SERVER_MODULES = ("vllm.entrypoints.openai.api_server",)
-_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 #: flag -> (setting, kind) for the flags that shape capture (engine/arg_utils.py:1824-1913 and the groups above).
 FLAGS: dict[str, tuple[str, str]] = {
     "--max-num-seqs": ("max_num_seqs", "int"),
@@ -75,11 +75,9 @@ def _strip_program(args: list[str]) -> tuple[list[str], bool]:
         return args, False
     program = PurePath(args[0]).name
     if program.startswith("python"):
-        rest = args[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":  # interpreter options such as -u, -X dev
-            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
-        if len(rest) >= 2 and rest[0] == "-m" and rest[1] in _SERVER_MODULES:
-            return rest[2:], False
+        rest = after_interpreter(args, _SERVER_MODULES)
+        if rest is not None:
+            return rest, False
     elif program == "vllm" and len(args) >= 2 and args[1] == "serve":
         return args[2:], True
     raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected "
@@ -89,7 +87,7 @@ def _strip_program(args: list[str]) -> tuple[list[str], bool]:
 def is_server_command(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with a vLLM launcher."""
     args = list(argv)
-    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
         args.pop(0)
     if not args or args[0].startswith("-"):
         return False
@@ -124,7 +122,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     """
     args = list(argv)
     values: dict[str, Any] = {}
-    while args and _ENV_ASSIGNMENT.fullmatch(args[0]):
+    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
         name, _, value = args.pop(0).partition("=")
         if name == _MODEL_RUNNER_ENV:
             values["model_runner"] = "v1" if value.strip().lower() in ("0", "false") else "v2"
@@ -148,7 +146,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
             raise ServerArgvError(f"{base}: {UNMIRRORED[base]} are not mirrored by jitwarm's vLLM {VERSION} rules")
         if base not in FLAGS:
             if not eq and base not in NO_VALUE and not base.startswith("--no-") and i < len(args) \
-                    and not _is_flag(args[i]):
+                    and not is_flag(args[i]):
                 i += 1  # its value
             continue
         dest, kind = FLAGS[base]
@@ -159,10 +157,10 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
             given = [inline]
         elif kind == "int_list":
             start = i
-            while i < len(args) and not _is_flag(args[i]):
+            while i < len(args) and not is_flag(args[i]):
                 i += 1
             given = args[start:i]
-        elif i < len(args) and not _is_flag(args[i]):
+        elif i < len(args) and not is_flag(args[i]):
             given, i = [args[i]], i + 1
         else:
             given = []
@@ -185,17 +183,6 @@ def _normalised(token: str) -> str:
     return f"--{head.replace('_', '-')}{dot}{tail}{eq}{value}"
 
 
-def _is_flag(token: str) -> bool:
-    """Argparse's test: a token starting with '-' is an option unless it reads as a negative number."""
-    if not token.startswith("-") or token == "-":
-        return False
-    try:
-        float(token)
-    except ValueError:
-        return True
-    return False
-
-
 def _convert(option: str, kind: str, given: list[str], previous: Any) -> Any:
     """Turn the strings given to a capture flag into its value (a JSON flag merges over earlier dotted keys)."""
     try:
@@ -210,8 +197,7 @@ def _convert(option: str, kind: str, given: list[str], previous: Any) -> Any:
             return {**(previous or {}), **value}
         return given[-1]
     except ValueError as exc:
-        shown = " ".join(given)
-        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+        shown = shown_value(given)
         raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
 
 

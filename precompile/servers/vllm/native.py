@@ -21,31 +21,29 @@ It imports vLLM (and so torch) only inside functions; outside a server it runs i
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import json
-import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from jitwarm.precompile.servers import resolution_memo
+from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
 from jitwarm.precompile.servers.vllm import LADDER_SOURCES, VERSION, rules
 from jitwarm.precompile.servers.vllm.rules import ResolutionError
 
 INPUT_KEYS = tuple(rules.INPUT_KEYS)
 #: Seconds the child process may take (importing vLLM's config modules: 10 to 40 s).
 CHILD_TIMEOUT_S = 300.0
+#: vLLM's own capture functions as a ladder source: chosen, run (in a child outside a server) and memoised.
+OWN = OwnFunctions(server="vllm", title="vLLM", functions="vLLM's own capture functions",
+                   module="jitwarm.precompile.servers.vllm.native", version=VERSION, sources=LADDER_SOURCES,
+                   error=ResolutionError, timeout_s=CHILD_TIMEOUT_S)
 #: A model length that never binds (the rules' assumption when ``max_model_len`` is unknown).
 _LONG_MODEL_LEN = 1 << 30
 
 
 def installed_version() -> str | None:
     """Return the installed vLLM's version, or None when it is not installed (vLLM is not imported)."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return OWN.installed_version()
 
 
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -59,7 +57,8 @@ def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any]
     ``builtin``: the rules. ``vllm``: the installed vLLM's own functions, every time. ``auto``: the rules when no
     vLLM is installed or the installed one is the release they mirror (read from its metadata, without importing
     it); for any other release its own functions, whose answer is kept in a memo keyed by that release and the
-    inputs (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing vLLM.
+    inputs (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing vLLM. Outside
+    a server they run in a child process (:meth:`..own_functions.OwnFunctions.run`).
 
     Raises
     ------
@@ -67,47 +66,8 @@ def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any]
         vLLM rejects the settings, or its own functions were needed and could not run.
 
     """
-    if source not in LADDER_SOURCES:
-        raise ResolutionError(f"unknown --ladder-source {source!r}; choose from {', '.join(LADDER_SOURCES)}")
-    installed = installed_version() if source != "builtin" else None
-    if source == "builtin" or (source == "auto" and installed in (None, VERSION)):
-        return builtin if builtin is not None else rules.resolve(inputs)
-    full = {**rules.INPUT_KEYS, **inputs}
-    if source == "vllm" or "vllm" in sys.modules:
-        return _native(full)
-    key = resolution_memo.key("vllm", installed, full)
-    found = resolution_memo.load(key)
-    if found is not None:
-        return found
-    result = _native(full)
-    resolution_memo.store(key, result)
-    return result
-
-
-def _native(inputs: dict[str, Any]) -> dict[str, Any]:
-    """Resolve with the installed vLLM: here when vLLM is loaded (a server), else in a child process."""
-    if "vllm" in sys.modules:
-        try:
-            return resolve(inputs)
-        except ValueError as exc:
-            raise ResolutionError(str(exc)) from None
-    try:
-        proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps({"inputs": inputs}),
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ResolutionError(f"cannot run vLLM's own capture functions ({exc})",
-                              hint="use --ladder-source builtin") from None
-    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-    if proc.returncode == 2:
-        raise ResolutionError(last)
-    if proc.returncode != 0:
-        raise ResolutionError(f"vLLM's own capture functions failed ({last})",
-                              hint=f"use --ladder-source builtin for the rules mirroring vLLM {VERSION}")
-    try:
-        return json.loads(proc.stdout)
-    except ValueError:
-        raise ResolutionError("vLLM's own capture functions printed something that is not their answer",
-                              hint="use --ladder-source builtin") from None
+    return OWN.resolve_from(inputs, source, defaults=rules.INPUT_KEYS, resolve=resolve,
+                            builtin=lambda: builtin if builtin is not None else rules.resolve(inputs))
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -278,13 +238,7 @@ def _source() -> str:
 
 def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
-    if not isinstance(inputs, Mapping):
-        raise ValueError(f"inputs must be a JSON object, got {type(inputs).__name__}")
-    missing = [k for k in INPUT_KEYS if k not in inputs]
-    unknown = sorted(set(inputs) - set(INPUT_KEYS))
-    if missing or unknown:
-        raise ValueError(f"inputs: missing {missing}, unknown {unknown}")
-    cfg = dict(inputs)
+    cfg = checked_inputs(inputs, INPUT_KEYS)
     if cfg["cudagraph_mode"] is not None:
         cfg["cudagraph_mode"] = str(cfg["cudagraph_mode"]).upper()
     return cfg
@@ -296,20 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with one
     line) when vLLM cannot be imported.
     """
-    del argv
-    try:
-        request = json.loads(sys.stdin.read())
-        if not isinstance(request, dict) or set(request) != {"inputs"}:
-            raise ValueError('expected one JSON object: {"inputs": {...}}')
-        answer = resolve(request["inputs"])
-    except (ValueError, RecursionError) as exc:
-        print(f"{__spec__.name if __spec__ else __name__}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        print(f"{__spec__.name if __spec__ else __name__}: cannot import vllm: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(answer))
-    return 0
+    del argv  # no options: the request is on stdin
+    return OWN.child_main(resolve, __spec__.name if __spec__ else __name__)
 
 
 if __name__ == "__main__":
