@@ -181,6 +181,13 @@ def test_stale_holder_record_of_dead_process_is_ignored(tmp_path):
     assert lock.read_holder() == LockHolder(host="elsewhere", pid=dead, since=1.0)
 
 
+def _foreground_sigint() -> None:
+    """In the child: SIGINT as a terminal's foreground process has it. A test run started in the background of a
+    non-interactive shell (``cmd &``) inherits SIGINT ignored, and a Python child then never raises
+    KeyboardInterrupt: the Ctrl-C under test would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_build_leaves_no_staging_directory(tmp_path):
     """After Ctrl-C an empty v1/staging/ was left: staging/ exists only while something is staged."""
     root, started = tmp_path / "root", tmp_path / "started"
@@ -188,7 +195,7 @@ def test_ctrl_c_during_a_build_leaves_no_staging_directory(tmp_path):
             "def build(d):\n    pathlib.Path(sys.argv[2]).touch()\n    time.sleep(60)\n"
             "try:\n    KernelCache(root=sys.argv[1], layers=()).get_or_build({'n': 1}, build)\n"
             "except KeyboardInterrupt:\n    sys.exit(130)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(started)])
+    proc = subprocess.Popen([sys.executable, "-c", code, str(root), str(started)], preexec_fn=_foreground_sigint)
     deadline = time.monotonic() + 30
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.02)

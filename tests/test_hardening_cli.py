@@ -161,7 +161,10 @@ def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
     cxx.chmod(0o755)
     root = tmp_path / "cache"
     proc = subprocess.Popen([sys.executable, "-m", "jitwarm", "warm", *TINY, "--cache-dir", str(root), "--jobs", "2"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "CXX": str(cxx)})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "CXX": str(cxx)},
+                            # SIGINT as a terminal's foreground process has it, even when this run was started in
+                            # the background of a non-interactive shell (`cmd &`), which leaves it ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not (pids.exists() and len(pids.read_text().split()) >= 2):  # both workers are compiling
         assert time.monotonic() < deadline and proc.poll() is None
