@@ -59,6 +59,7 @@ from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir
 from jitwarm.cache.maintenance import move_aside, quarantine_entry, quarantine_shard, sweep_staging
 from jitwarm.cache.remote.fleet import Fleet, LocalSteps
+from jitwarm.cache.signing import check_local, signature_path
 from jitwarm.cache.stamps import stamped_entry, write_stamp
 
 log = logging.getLogger("jitwarm.cache")
@@ -82,8 +83,10 @@ class LocalCache:
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
-                 allow_shared: bool, count: Callable[..., None]) -> None:
+                 allow_shared: bool, count: Callable[..., None],
+                 trust_key: Callable[[], bytes | None] = lambda: None) -> None:
         self.root = root
+        self.trust_key = trust_key  # the fleet key: a shared layer's entries must carry its signature
         self.layers = tuple(layers)
         self.lock_dir = lock_dir
         self.read_only = read_only
@@ -132,6 +135,7 @@ class LocalCache:
         check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
         if stamped and (entry := stamped_entry(self.root, path, key, allow_shared=self.allow_shared,
                                                 read_only=read_only, st=st)) is not None:
+            self._check_signed(layout, entry)
             self._remember(entry, stamp=False, last_use=st.st_mtime)
             return entry, None
         try:
@@ -144,8 +148,15 @@ class LocalCache:
             quarantine_entry(layout, self.lock_dir, key, why, read_only=read_only, repair=repair, locked=locked,
                              shared=self.allow_shared)
             return None, why
+        self._check_signed(layout, entry)
         self._remember(entry, stamp=repair)
         return entry, None
+
+    def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
+        """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
+        if layout is not self.root and self.allow_shared and (key := self.trust_key()) is not None:
+            check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
+                        f"layer {layout.root}")
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:

@@ -5,18 +5,33 @@ With a key (``JITWARM_TRUST_KEY`` holding it, or ``JITWARM_TRUST_KEY_FILE``), ea
 ``{"key_id", "hmac"}``: HMAC-SHA256 under the key over the entry's key, its ``entry.json`` bytes and its
 executable files. A download whose signature is missing or does not verify raises :class:`UntrustedEntry`
 (exit 4, naming the entry) before anything is written; one signed with another key says so (``key_id``).
+
+Bundles and shared layers carry the same signature as a file of their own, ``v1/signatures/<kk>/<key>.json``
+(:data:`SIGNATURES_DIR`), beside the entries rather than in an entry directory: an entry verifies as exactly
+the files its manifest lists, and a signature cannot be listed in the manifest it signs. The path is the same
+in a bundle and in the layer ``tar xf bundle.tar -C /opt/layer`` makes of it, so one signed export serves both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged
 from jitwarm.cache.errors import EXIT_CORRUPT, CacheError
+from jitwarm.cache.files import loads, read_file_stat
 
 _DOMAIN = b"jitwarm-entry-signature-v1\0"
+#: Where a bundle or a layer keeps its entries' signatures, under ``v1/``: ``signatures/<kk>/<key>.json``.
+SIGNATURES_DIR = "signatures"
+#: A signature file is ``{"key_id", "hmac"}``: anything larger is not one.
+MAX_SIGNATURE_BYTES = 4096
+_HINT = "sign it: publish or export it from a node that has JITWARM_TRUST_KEY (or _FILE), or remove it"
 
 
 class UntrustedEntry(CacheError):
@@ -36,17 +51,55 @@ def sign(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str
 
 
 def check(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str], signature: Any,
-          where: str) -> None:
-    """Raise UntrustedEntry unless ``signature`` is this entry's under ``key``; ``where`` names the store."""
+          where: str, *, subject: str | None = None) -> None:
+    """Raise UntrustedEntry unless ``signature`` is this entry's under ``key``; ``where`` names the store.
+
+    ``subject`` names the entry in the message (default ``remote entry <key> on <where>``).
+    """
+    name = subject or f"remote entry {entry_key} on {where}"
     if not isinstance(signature, dict) or not isinstance(signature.get("hmac"), str):
-        raise UntrustedEntry(f"remote entry {entry_key} on {where} is not signed, and a fleet key is configured",
-                             "publish it from a node that has JITWARM_TRUST_KEY (or _FILE), or remove it")
+        raise UntrustedEntry(f"{name} is not signed, and a fleet key is configured", _HINT)
     if signature.get("key_id") != key_id(key):
-        raise UntrustedEntry(f"remote entry {entry_key} on {where} is signed with another key "
+        raise UntrustedEntry(f"{name} is signed with another key "
                              f"({str(signature.get('key_id'))[:16]!r}, ours is {key_id(key)!r})")
     if not hmac.compare_digest(signature["hmac"], _mac(key, entry_key, manifest, executable)):
-        raise UntrustedEntry(f"remote entry {entry_key} on {where}: its signature does not verify "
-                             "(altered after it was signed)")
+        raise UntrustedEntry(f"{name}: its signature does not verify (altered after it was signed)")
+
+
+def signature_path(base: Path, entry_key: str) -> Path:
+    """Where the signature of ``entry_key`` is under ``base`` (a root's or a staging dir's ``v1``-level folder)."""
+    return base / SIGNATURES_DIR / entry_key[:2] / f"{entry_key}.json"
+
+
+def executable_files(entry: Entry) -> list[str]:
+    """The files of a verified local entry that are executable, as its signature names them."""
+    return [rec.path for rec in entry.records if os.lstat(entry.path / rec.path).st_mode & 0o111]
+
+
+def signature_file(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str]) -> bytes:
+    """The bytes of the signature file of one entry (for a bundle: a layer made from it has them too)."""
+    return json.dumps(sign(key, entry_key, manifest, executable), sort_keys=True).encode()
+
+
+def check_local(key: bytes, entry: Entry, signature: Path, subject: str) -> None:
+    """Raise UntrustedEntry unless the file ``signature`` signs the verified local ``entry`` under ``key``.
+
+    A missing or unreadable signature file is an unsigned entry. The entry's manifest is read again and
+    :func:`~jitwarm.cache.entry.unchanged` checked after: what was checked is what was hashed.
+    """
+    doc = None
+    try:
+        data, _st = read_file_stat(signature, MAX_SIGNATURE_BYTES)
+        doc = loads(data)
+    except (OSError, ValueError):
+        pass
+    try:
+        manifest, _st = read_file_stat(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        raise UntrustedEntry(f"{subject}: cannot read its {MANIFEST}: {exc.strerror or exc}") from None
+    check(key, entry.key, manifest, executable_files(entry), doc, "", subject=subject)
+    if not unchanged(entry):
+        raise UntrustedEntry(f"{subject}: its files changed while its signature was checked")
 
 
 def _mac(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str]) -> str:

@@ -93,8 +93,9 @@ class KernelCache:
                          else settings.lock_dir() or layout.locks)
         self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
         self._counts_lock = threading.Lock()
+        self._trust_key: tuple[bytes | None] | None = None
         self._local = LocalCache(layout, [RootLayout(p) for p in self.layers], self.lock_dir, read_only=self.read_only,
-                                 allow_shared=self.allow_shared, count=self._count)
+                                 allow_shared=self.allow_shared, count=self._count, trust_key=self.trust_key)
         self.remote = settings.remote() if remote is None else (settings.check_remote_url(remote) if remote else None)
         self.remote_prefix = settings.check_remote_prefix(remote_prefix) if remote_prefix else (
             settings.remote_prefix() if self.remote else settings.DEFAULT_REMOTE_PREFIX)
@@ -107,6 +108,16 @@ class KernelCache:
                                       max_bytes=settings.remote_max_bytes(), shared=self.allow_shared,
                                       count=self._count)
             self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._count)
+
+    def trust_key(self) -> bytes | None:
+        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one.
+
+        With one, bundles are exported signed and imported only signed, and a shared layer's entries are used
+        only signed (docs/cache.md, "What each tier trusts").
+        """
+        if self._trust_key is None:
+            self._trust_key = (settings.trust_key(),)
+        return self._trust_key[0]
 
     def _count(self, name: str, amount: float = 1) -> None:
         with self._counts_lock:
@@ -268,7 +279,8 @@ class KernelCache:
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
         """Write the entries of ``keys`` to one relocatable tar (gzip'd for .gz/.tgz); extracted, it is a layer.
 
-        ``CacheError`` for a missing or corrupt key, ``CacheWriteError`` (no partial file is left).
+        With a fleet key (:meth:`trust_key`) each entry's signature goes in too. ``CacheError`` for a missing or
+        corrupt key, ``CacheWriteError`` (no partial file is left).
         """
         keys = sorted({check_key(k) for k in keys})
         entries = [self.lookup(k) for k in keys]
@@ -276,7 +288,8 @@ class KernelCache:
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
             raise CacheError(f"cannot export to {path}: {len(missing)} key(s) not in the cache {self.root}: {shown}")
-        return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path))
+        return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path),
+                                   trust_key=self.trust_key())
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0, *,
                       sha256: str | None = None) -> ImportReport:
@@ -284,7 +297,8 @@ class KernelCache:
 
         Each key the root and layers lack is published by a rename under its lock. ``CacheError`` (a bad
         bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``. ``sha256``: a
-        bundle file that does not hash to it is refused (``CacheError``) before anything is unpacked.
+        bundle file that does not hash to it is refused (``CacheError``) before anything is unpacked. With a
+        fleet key, an entry whose signature is missing or does not verify is ``UntrustedEntry`` (exit 4).
         """
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
@@ -292,7 +306,7 @@ class KernelCache:
         staging = self._local.new_staging(BUNDLE_TAG)
         try:
             staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared,
-                                          sha256=sha256, **caps)
+                                          sha256=sha256, trust_key=self.trust_key(), **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))
