@@ -8,24 +8,38 @@ fingerprint.
 The driver keeps one ``index`` file naming every entry of the tree, so the tree is one unit (``.``): complete
 when its index is there, new when any file was added. Restored whole into an empty cache, or file by file
 beside the node's own entries with the index last; an index the node's driver wrote itself is kept.
+
+The driver rewrites its index in place while the process runs, so a plain read can see it torn (truncated and
+half rewritten). Every file of this unit is therefore read whole (:func:`settled_bytes`): from one open file
+whose size and times did not change during the read and had not changed for :data:`QUIET_S` before it; the
+hash and the copy of a capture each read it so, and the entry's check refuses the unit if the two differ
+(it is captured again at the next capture). A torn index is never stored.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, sglang_base, tree_files
 
 INDEX = "index"
+#: Seconds a file must have been left alone before it is read as a whole version of itself.
+QUIET_S = 0.25
+#: Seconds a capture waits for a quiet moment before it gives the unit up (to the next capture).
+SETTLE_TIMEOUT_S = 10.0
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
-    """The driver's ``CUDA_CACHE_PATH`` in ``environ``."""
+def resolve(environ: Mapping[str, str], server: str | bool) -> Path:
+    """The driver's ``CUDA_CACHE_PATH`` in ``environ`` (``server``: the process's server, :class:`~.units.Library`)."""
     if environ.get("CUDA_CACHE_PATH"):
         return Path(environ["CUDA_CACHE_PATH"])
-    if under_sglang:
+    if server in (True, "sglang"):
         return Path(sglang_base(environ)) / "nv"
     return Path("~").expanduser() / ".nv" / "ComputeCache"
 
@@ -36,9 +50,49 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return {".": tuple(files)} if INDEX in files else {}
 
 
+def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTLE_TIMEOUT_S) -> bytes:
+    """The bytes of ``path`` as one whole version: unchanged for ``quiet_s`` before and during the read.
+
+    Raises
+    ------
+    OSError
+        The file vanished, or it kept changing for ``timeout_s`` (``EAGAIN``: the driver is still writing it).
+
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with open(path, "rb") as f:
+            before = os.fstat(f.fileno())
+            age = time.time() - max(before.st_mtime, before.st_ctime)
+            if age >= quiet_s:
+                data = f.read()
+                after = os.fstat(f.fileno())
+                if _same(before, after) and len(data) == after.st_size:
+                    return data
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OSError(errno.EAGAIN, f"{path.name} kept changing for {timeout_s:g} s (the driver is writing it)")
+        time.sleep(min(left, max(quiet_s - max(age, 0.0), 0.01)))
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
+
+
 def _index_last(files: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(files, key=lambda rel: (rel == INDEX, rel)))
 
 
-LIBRARY = Library("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), commit_last=_index_last)
+@dataclass(frozen=True)
+class _DriverCache(Library):
+    """The PTX cache's library: its files are read settled (the module docstring), never as they are being rewritten."""
+
+    def stored_bytes(self, root: Path, rel: str) -> bytes:
+        """The settled bytes of ``root/rel`` (:func:`settled_bytes`)."""
+        return settled_bytes(root / rel)
+
+
+# normalize: the identity, so that a capture copies the settled bytes (jit_caches.backend.store), not the file.
+LIBRARY = _DriverCache("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), commit_last=_index_last,
+                       normalize=lambda rel, data: data)
 name, description, build, check, load = bind(LIBRARY)

@@ -1,0 +1,102 @@
+"""The driver's PTX cache index, captured while a real writer process rewrites it in place: never stored torn.
+
+The CUDA driver rewrites ``ComputeCache/index`` while a process runs (no GPU here: the writer is a second
+process that rewrites the file the way an in-place writer does, truncate then write in two parts with a pause
+between, in bursts). Each version carries its own length and sha256, so a torn one is seen for what it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import subprocess
+import sys
+import time
+
+from jitwarm.cache import KernelCache
+from jitwarm.kernels.artifacts import artifact
+from jitwarm.kernels.libraries.jit_caches import ptx
+from jitwarm.kernels.libraries.jit_caches.backend import store
+
+WRITER = r"""
+import hashlib, struct, sys, time
+from pathlib import Path
+index, until = Path(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+v = 0
+while time.monotonic() < until:
+    burst = time.monotonic() + 0.3
+    while time.monotonic() < burst:  # a burst of rewrites, then a quiet moment (the driver between compiles)
+        v += 1
+        body = bytes([v % 251]) * (2000 + 37 * (v % 50))
+        head = b"IDX1" + struct.pack("<QI", v, len(body))
+        with open(index, "r+b") as f:
+            f.truncate(0)
+            f.write(head + body[: len(body) // 2])
+            f.flush()
+            time.sleep(0.02)  # half written: a reader now sees a torn index
+            f.write(body[len(body) // 2:] + hashlib.sha256(head + body).digest())
+        entry = index.parent / "a" / f"{v:x}"
+        entry.parent.mkdir(exist_ok=True)
+        entry.write_bytes(body[:64])
+        time.sleep(0.01)
+    time.sleep(0.4)
+"""
+
+
+def whole(data: bytes) -> bool:
+    """Whether ``data`` is one whole version the writer wrote."""
+    if len(data) < 16 + 32 or data[:4] != b"IDX1":
+        return False
+    _, n = struct.unpack("<QI", data[4:16])
+    return len(data) == 16 + n + 32 and hashlib.sha256(data[:16 + n]).digest() == data[16 + n:]
+
+
+def test_a_capture_never_stores_an_index_the_driver_is_rewriting(tmp_path):
+    root = tmp_path / "nv"
+    root.mkdir()
+    (root / ptx.INDEX).write_bytes(b"")
+    cache = KernelCache(tmp_path / "cache")
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root / ptx.INDEX), "3.5"])
+    stored, refused, torn_reads = [], 0, 0
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            torn_reads += not whole((root / ptx.INDEX).read_bytes())  # what a plain read would have captured
+            files = ptx.LIBRARY.units(root)["."]
+            try:
+                stored.append(store(ptx.LIBRARY, root, ".", files, cache, target="sm_90"))
+            except Exception:  # noqa: BLE001 - refused by the entry's check: the two reads saw two versions
+                refused += 1
+    finally:
+        writer.wait(timeout=30)
+    assert torn_reads > 0  # the writer did leave the index torn for plain readers to see
+    assert stored, f"no capture succeeded ({refused} refused)"
+    for spec in stored:
+        entry = artifact(spec).lookup(cache)
+        assert entry is not None
+        assert whole((entry.path / ptx.INDEX).read_bytes()), spec.params_dict["files"]
+    assert not cache.verify().corrupt
+
+
+def test_a_settled_read_waits_for_a_quiet_file_and_gives_up_on_one_that_keeps_changing(tmp_path):
+    path = tmp_path / "index"
+    path.write_bytes(b"v1")
+    t0 = time.monotonic()
+    assert ptx.settled_bytes(path, quiet_s=0.2) == b"v1"
+    assert time.monotonic() - t0 >= 0.15  # written just now: read only once it had been left alone
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "t = time.monotonic() + 2\nwhile time.monotonic() < t:\n"
+                               "    Path(sys.argv[1]).write_bytes(str(time.time()).encode()); time.sleep(0.02)",
+                               str(path)])
+    try:
+        deadline = time.monotonic() + 30
+        while path.read_bytes() == b"v1" and time.monotonic() < deadline:  # the writer has started
+            time.sleep(0.01)
+        try:
+            ptx.settled_bytes(path, quiet_s=0.2, timeout_s=0.8)
+        except OSError as exc:
+            assert "kept changing" in str(exc)
+        else:
+            raise AssertionError("a file rewritten every 20 ms was read as settled")
+    finally:
+        writer.wait(timeout=30)
