@@ -16,6 +16,9 @@ family          signal
 ``load_jit``    sglang's loader, watched by the sglang room (:mod:`jitwarm.precompile.servers.sglang.
                 loader_calls`, a :class:`Watcher` the plugin hands to :func:`begin`): found (served) or
                 compiled, per build directory
+``vllm_compile`` vLLM's ``compilation_counter`` (AOT artifacts and compiled graphs loaded: served); the units
+                new in its compile tree (compiled), each with the cache key factor that differs from the units
+                there at start (:func:`~jitwarm.kernels.libraries.jit_caches.vllm_compile.why_missed`)
 the others      TileLang, DeepGEMM, CuTe DSL, FlashInfer, the driver's PTX cache: no hit signal; what
                 compiled is the units new in the family's cache directory (:mod:`~jitwarm.kernels.libraries.
                 jit_caches.census`), served is unknown, and the units present at start are counted
@@ -44,8 +47,11 @@ log = logging.getLogger("jitwarm.ledger")
 
 VERSION = 1
 #: The families a ledger reports, in order (the JIT cache families with ``load_jit`` after Triton).
-FAMILIES = ("inductor", "triton", "load_jit", "tilelang", "deep_gemm", "cute_dsl", "flashinfer", "ptx")
+FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "tilelang", "deep_gemm", "cute_dsl", "flashinfer",
+            "ptx")
 _TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache"
+_VLLM_COUNTER = "vllm.compilation.counter"
+_VLLM_LOADS = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
 _NO_SIGNAL = "new units in its cache directory"
 _SHOWN_KEYS = 3
 
@@ -168,6 +174,7 @@ class Ledger:
         self._before = snapshot()
         self._inductor = _inductor_counters()
         self._triton = len(_triton_served())
+        self._vllm_loads = _vllm_loads()
         self.watchers: dict[str, Watcher] = dict(watchers or {})
 
     def watch(self, watchers: Mapping[str, Watcher]) -> None:
@@ -187,6 +194,8 @@ class Ledger:
                 counts.append(self._inductor_count(after, new.get(name, {})))
             elif name == "triton" and _triton_served_by_jitwarm():
                 counts.append(self._triton_count())
+            elif name == "vllm_compile":
+                counts.append(self._vllm_count(after[name].root, new.get(name, {})))
             elif name in self.watchers:
                 counts.append(self.watchers[name].count())
             elif name == "load_jit":
@@ -204,11 +213,27 @@ class Ledger:
         now = _inductor_counters()
         hits = now.get("fxgraph_cache_hit", 0) - self._inductor.get("fxgraph_cache_hit", 0)
         misses = now.get("fxgraph_cache_miss", 0) - self._inductor.get("fxgraph_cache_miss", 0)
-        # An FX graph unit is fxgraph/<2 chars>/<key>/<entry>: the key is the graph's (codecache.py).
-        keys = sorted({unit.split("/")[2] for unit in new if unit.startswith("fxgraph/") and unit.count("/") >= 3})
+        from jitwarm.kernels.libraries.jit_caches.inductor import graph_keys
+
+        keys = graph_keys(new)
         root = after["inductor"].root
         return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
                            tuple(f"fxgraph {k}" for k in keys), len(self._before["inductor"].units),
+                           str(root) if root else None)
+
+    def _vllm_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
+        from jitwarm.kernels.libraries.jit_caches.vllm_compile import why_missed
+
+        present = self._before["vllm_compile"].units
+        keys = []
+        for unit in sorted(new):
+            why = why_missed(root, unit, present) if root is not None and present else None
+            keys.append(f"{unit} ({why})" if why else unit)
+        loads = _vllm_loads()
+        served = None if loads is None else loads - (self._vllm_loads or 0)
+        signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
+                  else _NO_SIGNAL)
+        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), len(present) if root else None,
                            str(root) if root else None)
 
     def _triton_count(self) -> FamilyCount:
@@ -241,9 +266,15 @@ def _triton_served() -> list[tuple[str, str]]:
 
 def _triton_served_by_jitwarm() -> bool:
     """Whether Triton's compiles go through jitwarm's manager here (then its directory holds none of them)."""
-    from jitwarm.precompile.recording import _jitwarm_serves_triton
+    from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
 
-    return _jitwarm_serves_triton() or bool(_triton_served())
+    return served_by_jitwarm() or bool(_triton_served())
+
+
+def _vllm_loads() -> int | None:
+    """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: vLLM's counter not imported)."""
+    counter = getattr(sys.modules.get(_VLLM_COUNTER), "compilation_counter", None)
+    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in _VLLM_LOADS)
 
 
 _process: Ledger | None = None

@@ -1,6 +1,6 @@
 """Record the server's own JIT kernels as a run compiles them: every Triton specialization, every load_jit module.
 
-``record(path)`` (or ``JITWARM_RECORD=path`` in a server with the jitwarm sglang plugin) chains Triton's
+``record(path)`` (or ``JITWARM_RECORD=path`` in a server with the jitwarm sglang or vLLM plugin) chains Triton's
 ``knobs.runtime.jit_cache_hook`` (Triton calls it before each compile a process has not done yet, with the
 kernel and its own serialized specialization data) and, when sglang is importable, sees every ``load_jit``
 call from inside sglang's loader; each new kernel is appended to the manifest at ``path``
@@ -10,8 +10,9 @@ kernel already recorded by this process is a set lookup. ``jitwarm warm --manife
 of time.
 
 It also captures what the run adds to the JIT libraries' own caches (Inductor, Triton's own directory when
-jitwarm's cache manager does not serve Triton, TileLang, DeepGEMM, CuTe DSL, FlashInfer, the driver's PTX
-cache: :mod:`jitwarm.kernels.libraries.jit_caches`): at start it lists each cache's complete units; at
+jitwarm's cache manager does not serve Triton, vLLM's torch.compile tree, TileLang, DeepGEMM, CuTe DSL,
+FlashInfer, the driver's PTX cache: :mod:`jitwarm.kernels.libraries.jit_caches`; each resolved as the server
+this process runs in resolves it): at start it lists each cache's complete units; at
 :meth:`Recorder.capture` (called by :meth:`Recorder.stop`, and at the process's exit) every unit added since is
 stored in jitwarm's cache through the one path (checked, sealed, published once however many processes
 capture it) and then named in the manifest as a ``jit_cache`` record. A unit that changed while it was
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -100,15 +100,17 @@ class Recorder:
         """
         from dataclasses import replace
 
-        from jitwarm.kernels.libraries.jit_caches.backend import SGLANG, store
+        from jitwarm.kernels.libraries.jit_caches.backend import store
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
+        from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
+        from jitwarm.kernels.libraries.jit_caches.units import running_server
 
         with self._capturing:
             if not self._before:
                 return 0
-            names = [n for n in self._before if not (n == "triton" and _jitwarm_serves_triton())]
+            names = [n for n in self._before if not (n == "triton" and served_by_jitwarm())]
             after = snapshot(names)
-            under = SGLANG if "sglang" in sys.modules else ""
+            under = running_server()  # where the restore resolves each cache: as this server does
             records, failed = [], set()
             for name, units in added(self._before, after).items():
                 snap = after[name]
@@ -209,15 +211,6 @@ def _families() -> list[str]:
             log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
                         ", ".join(MODULES))
     return [name for name in MODULES if name in asked]
-
-
-def _jitwarm_serves_triton() -> bool:
-    """Whether Triton's compiles go through jitwarm's cache manager (then its directory holds nothing to capture)."""
-    if os.environ.get("TRITON_CACHE_MANAGER", "").startswith("jitwarm."):
-        return True
-    knobs = getattr(sys.modules.get("triton"), "knobs", None)
-    manager = getattr(getattr(knobs, "cache", None), "manager_class", None) if knobs is not None else None
-    return str(getattr(manager, "__module__", "")).startswith("jitwarm.")
 
 
 def triton_record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:

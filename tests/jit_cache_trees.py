@@ -16,12 +16,14 @@ from pathlib import Path
 #: family -> the environment variable that points the library at a directory (the root given to the writer).
 ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR",
        "deep_gemm": "DG_JIT_CACHE_DIR", "cute_dsl": "SGLANG_CUTE_AOT_CACHE_DIR",
-       "flashinfer": "FLASHINFER_WORKSPACE_BASE", "ptx": "CUDA_CACHE_PATH"}
+       "flashinfer": "FLASHINFER_WORKSPACE_BASE", "ptx": "CUDA_CACHE_PATH", "vllm_compile": "VLLM_CACHE_ROOT"}
 ELF = b"\x7fELF" + bytes(60)
 
 
 def cache_root(family: str, directory: Path) -> Path:
     """Where the library's cache is when its variable is ``directory`` (FlashInfer appends .cache/flashinfer)."""
+    if family == "vllm_compile":
+        return directory / "torch_compile_cache"  # vLLM's compile tree under VLLM_CACHE_ROOT
     return directory / ".cache" / "flashinfer" if family == "flashinfer" else directory
 
 
@@ -100,5 +102,16 @@ def ptx(root: Path) -> None:
     write(root / "index", b"\x00index")
 
 
+def vllm_compile(root: Path, digest: str = "3f9a0c1b2d") -> None:
+    """One ``<hash>/rank_0_0/backbone/`` directory of vLLM's compile tree, ``computation_graph.py`` written last.
+
+    (vLLM's own functions write such a tree in ``test_vllm_caches.py``; this one is hand-laid, with one env factor.)
+    """
+    d = root / digest / "rank_0_0" / "backbone"
+    write(d / "cache_key_factors.json", json.dumps({"env": {"VLLM_TARGET_DEVICE": "cuda"}, "config_hash": "c0",
+                                                    "code_hash": "c1", "compiler_hash": "c2"}))
+    write(d / "computation_graph.py", "# the split graph\n")
+
+
 WRITERS = {"inductor": inductor, "triton": triton, "tilelang": tilelang, "deep_gemm": deep_gemm, "cute_dsl": cute_dsl,
-           "flashinfer": flashinfer, "ptx": ptx}
+           "flashinfer": flashinfer, "ptx": ptx, "vllm_compile": vllm_compile}

@@ -1,7 +1,9 @@
 """The JIT caches a server fills at start, one family each: captured from a run, stored as entries, restored.
 
-Beside the kernels jitwarm builds or replays, an sglang server's libraries compile into caches of their own
-(sglang points them all under ``SGLANG_CACHE_DIR``, srt/environ.py:2308-2320). Each family is one module here,
+Beside the kernels jitwarm builds or replays, a server's libraries compile into caches of their own (sglang
+points them all under ``SGLANG_CACHE_DIR``, srt/environ.py:2308-2320; vLLM keeps torch.compile's, with the
+Inductor and Triton directories it uses, under ``VLLM_CACHE_ROOT/torch_compile_cache``, and DeepGEMM's under
+``VLLM_CACHE_ROOT/deep_gemm``). Each family is one module here,
 a :class:`~.units.Library` and the backend of its kind, all sharing :mod:`.backend`:
 
 ========================  ====================  =============================================================
@@ -9,6 +11,7 @@ kind                      module                the cache
 ========================  ====================  =============================================================
 ``inductor_cache``        :mod:`.inductor`      ``TORCHINDUCTOR_CACHE_DIR``: FX graphs, AOTAutograd, code
 ``triton_cache``          :mod:`.triton_dir`    ``TRITON_CACHE_DIR``, when jitwarm's manager does not serve it
+``vllm_compile_cache``    :mod:`.vllm_compile`  ``VLLM_CACHE_ROOT/torch_compile_cache``: vLLM's graphs, AOT artifacts
 ``tilelang_cache``        :mod:`.tilelang`      ``TILELANG_CACHE_DIR``
 ``deep_gemm_cache``       :mod:`.deep_gemm`     ``DG_JIT_CACHE_DIR`` (sglang: ``SGLANG_DG_CACHE_DIR``)
 ``cute_dsl_cache``        :mod:`.cute_dsl`      ``SGLANG_CUTE_AOT_CACHE_DIR``
@@ -26,10 +29,11 @@ from __future__ import annotations
 
 _PACKAGE = "jitwarm.kernels.libraries.jit_caches"
 #: library name -> module, in the order they are captured and reported.
-MODULES = {"inductor": "inductor", "triton": "triton_dir", "tilelang": "tilelang", "deep_gemm": "deep_gemm",
-           "cute_dsl": "cute_dsl", "flashinfer": "flashinfer", "ptx": "ptx"}
+MODULES = {"inductor": "inductor", "triton": "triton_dir", "vllm_compile": "vllm_compile", "tilelang": "tilelang",
+           "deep_gemm": "deep_gemm", "cute_dsl": "cute_dsl", "flashinfer": "flashinfer", "ptx": "ptx"}
 #: library name -> its kind (the backend name of its units' specs).
-KIND_OF = {"inductor": "inductor_cache", "triton": "triton_cache", "tilelang": "tilelang_cache",
+KIND_OF = {"inductor": "inductor_cache", "triton": "triton_cache", "vllm_compile": "vllm_compile_cache",
+           "tilelang": "tilelang_cache",
            "deep_gemm": "deep_gemm_cache", "cute_dsl": "cute_dsl_cache", "flashinfer": "flashinfer_cache",
            "ptx": "cuda_ptx_cache"}
 KINDS = {KIND_OF[lib]: (f"{_PACKAGE}.{module}", ("capture",)) for lib, module in MODULES.items()}

@@ -2,9 +2,9 @@
 
 A spec of a unit: ``family`` is the unit (its path in the library's cache, the library's own key), ``backend``
 the library's kind (``inductor_cache``...), ``target`` the arch it was compiled for, and its params the unit's
-files with their sha256s (``files``), the fingerprint the recording process saw (``fingerprint``) and whether
-the destination is resolved as under sglang's redirect (``under``: ``sglang`` or empty). It implements
-:class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
+files with their sha256s (``files``), the fingerprint the recording process saw (``fingerprint``) and the server
+the destination is resolved under (``under``: ``sglang``, ``vllm`` or empty; :attr:`~.units.Library.resolve`).
+It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
 
 ``description(spec)``
     ``{"format", "library", "unit", "files", "fingerprint"}``: content-addressed (the files' digests), so every
@@ -33,12 +33,11 @@ from typing import Any
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
-from jitwarm.kernels.libraries.jit_caches.units import Files, Library, canonical, files_problem
+from jitwarm.kernels.libraries.jit_caches.units import SERVERS, Files, Library, canonical, files_problem
 from jitwarm.kernels.spec import KernelSpec
 
 #: Layout of a captured unit's entry; part of every description.
 FORMAT = "jitwarm-jit-cache/1"
-SGLANG = "sglang"
 
 
 def unit_spec(library: Library, unit: str, files: Files, fingerprint: Mapping[str, str], target: str,
@@ -60,9 +59,12 @@ def unit_of(library: Library, spec: KernelSpec) -> tuple[Files, dict[str, str], 
     if problem is None and not (isinstance(fingerprint, dict)
                                 and all(isinstance(v, str) for v in fingerprint.values())):
         problem = "its fingerprint is not a {item: value} object of strings"
+    under = str(params.get("under", ""))
+    if problem is None and under and under not in SERVERS:
+        problem = f"it is restored under server {under!r}, not one of {', '.join(SERVERS)}"
     if problem is not None:
         raise SpecError(f"{library.name} unit {spec.family}: {problem}")
-    return files, fingerprint, str(params.get("under", ""))
+    return files, fingerprint, under
 
 
 def description(library: Library, spec: KernelSpec) -> dict[str, Any]:
@@ -92,16 +94,23 @@ def check(library: Library, spec: KernelSpec, staging: Path) -> None:
 def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
     """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
     files, _, under = unit_of(library, spec)
-    root = library.root(None, under == SGLANG)
+    root = library.root(None, under)
     if root is None:
         return RestoredUnit(spec, Placed("disabled", Path()))
     return RestoredUnit(spec, place(library, spec.family, files, Path(entry.path), root))
 
 
 def mismatch(library: Library, spec: KernelSpec, target: str | None = None) -> tuple[str, str, str] | None:
-    """The first fingerprint item of ``spec`` that differs on this node: ``(item, recorded, node)``, or None."""
+    """The first fingerprint item of ``spec`` that differs on this node: ``(item, recorded, node)``, or None.
+
+    The library's own items (:attr:`~.units.Library.node_factors`) are compared where the node can compute them.
+    """
     _, recorded, _ = unit_of(library, spec)
-    return fp.differing(recorded, fp.node(list(recorded), target))
+    here = fp.node([item for item in recorded if item in fp.ITEMS], target)
+    own = [item for item in recorded if item not in fp.ITEMS]
+    if own and library.node_factors is not None:
+        here.update(library.node_factors(own))
+    return fp.differing(recorded, here)
 
 
 def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache: Any, target: str | None = None,
@@ -126,6 +135,8 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
     digests = library.digests(root, files)
     arch = (library.arch_of(root, files) if library.arch_of is not None else None) or fp.value("arch", target)
     values = {item: (arch if item == "arch" else fp.value(item, target)) for item in library.items}
+    if library.factors_of is not None:
+        values.update(library.factors_of(root, files))
     spec = unit_spec(library, unit, digests, values, arch, under)
 
     def capture(staging: Path) -> None:

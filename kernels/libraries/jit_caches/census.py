@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
-from jitwarm.kernels.libraries.jit_caches.units import Library
+from jitwarm.kernels.libraries.jit_caches.units import Library, running_server
 
 
 def library(name: str) -> Library:
@@ -42,15 +42,16 @@ class Snapshot:
 
 
 def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
-             under_sglang: bool | None = None) -> dict[str, Snapshot]:
-    """Each library's directory and complete units now. ``under_sglang`` default: sglang is imported here."""
-    import sys
+             under_sglang: bool | str | None = None) -> dict[str, Snapshot]:
+    """Each library's directory and complete units now, under the server ``under_sglang``.
 
+    A server's name, or True for sglang; default: the one imported here (:func:`~.units.running_server`).
+    """
     env = os.environ if environ is None else environ
-    sglang = "sglang" in sys.modules if under_sglang is None else under_sglang
+    server = running_server() if under_sglang is None else under_sglang
     taken = {}
     for lib in libraries(names):
-        root = lib.root(env, sglang)
+        root = lib.root(env, server)
         taken[lib.name] = Snapshot(lib, root, lib.present(root))
     return taken
 

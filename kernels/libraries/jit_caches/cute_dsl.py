@@ -18,7 +18,7 @@ from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, sglang_base, tree_files
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path | None:
+def resolve(environ: Mapping[str, str], server: str) -> Path | None:
     """The ``SGLANG_CUTE_AOT_CACHE_DIR`` sglang reads in ``environ`` (None: turned off), under sglang or not."""
     value = environ.get("SGLANG_CUTE_AOT_CACHE_DIR")
     if value is not None:

@@ -19,18 +19,28 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, sglang_base, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import (
+    SGLANG,
+    VLLM,
+    Library,
+    regular_files,
+    sglang_base,
+    subdirs,
+    vllm_root,
+)
 
 REQUIRED = ("kernel.cu", "kernel.cubin")
 _SKIP = ("tmp", "locks")
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
+def resolve(environ: Mapping[str, str], server: str) -> Path:
     """The directory DeepGEMM's JIT uses in ``environ`` (sglang's override first, when under sglang)."""
-    if under_sglang:
+    if server == SGLANG:
         return Path(environ.get("SGLANG_DG_CACHE_DIR") or Path(sglang_base(environ)) / "deep_gemm")
     if environ.get("DG_JIT_CACHE_DIR"):
         return Path(environ["DG_JIT_CACHE_DIR"])
+    if server == VLLM:  # vLLM sets DG_JIT_CACHE_DIR to it when unset (utils/deep_gemm.py:281-285)
+        return vllm_root(environ) / "deep_gemm"
     return Path("~").expanduser() / ".deep_gemm"
 
 

@@ -17,14 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, lock_held, sglang_base, subdirs, tree_files
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_base, subdirs, tree_files
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
+def resolve(environ: Mapping[str, str], server: str) -> Path:
     """FlashInfer's ``FLASHINFER_CACHE_DIR`` in ``environ``."""
     base = environ.get("FLASHINFER_WORKSPACE_BASE")
     if not base:
-        base = sglang_base(environ) if under_sglang else str(Path("~").expanduser())
+        base = sglang_base(environ) if server == SGLANG else str(Path("~").expanduser())
     return Path(base) / ".cache" / "flashinfer"
 
 

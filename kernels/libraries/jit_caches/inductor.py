@@ -2,7 +2,11 @@
 
 Where (torch/_inductor/runtime/cache_dir_utils.py, ``cache_dir``): ``TORCHINDUCTOR_CACHE_DIR``, else
 ``$TMPDIR/torchinductor_<user>``; under sglang, ``<SGLANG_CACHE_DIR>/inductor`` (``redirect_third_party_caches``,
-srt/environ.py:2308-2320).
+srt/environ.py:2308-2320). Under vLLM, whose compile cache sets ``TORCHINDUCTOR_CACHE_DIR`` whatever it was
+(``compilation/compiler_interface.py:29-35``, ``decorators.py:585-589``) to an ``inductor_cache/`` per hash
+directory of its compile tree, the root is that tree (``VLLM_CACHE_ROOT/torch_compile_cache``) and the units
+are those of each ``inductor_cache/`` in it, named by their path in the tree (:mod:`.vllm_compile`); with
+``VLLM_DISABLE_COMPILE_CACHE=1`` vLLM leaves Inductor's own directory as it is.
 
 Units, each named by Inductor's own hash:
 
@@ -21,11 +25,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from jitwarm.kernels.libraries.jit_caches import vllm_compile
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
+    SGLANG,
+    VLLM,
     Library,
     lock_held,
     regular_files,
@@ -40,11 +47,13 @@ _WHOLE_FILES = ("fxgraph", "aotautograd")
 _BUILD_DIR = "_CxxBuild"  # cpp_builder.py: _BUILD_TEMP_DIR
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
-    """Inductor's ``cache_dir()`` in ``environ``."""
+def resolve(environ: Mapping[str, str], server: str) -> Path:
+    """Inductor's ``cache_dir()`` in ``environ`` under ``server`` (vLLM's: its whole compile tree)."""
+    if server == VLLM and vllm_compile.compile_cache_on(environ):
+        return vllm_compile.tree(environ)
     if environ.get("TORCHINDUCTOR_CACHE_DIR") is not None:
         return Path(environ["TORCHINDUCTOR_CACHE_DIR"])
-    if under_sglang:
+    if server == SGLANG:
         return Path(sglang_base(environ)) / "inductor"
     try:
         import getpass
@@ -56,7 +65,14 @@ def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete units under ``root`` (see the module docstring)."""
+    """The complete units under ``root``; under vLLM's compile tree, those of each of its Inductor directories."""
+    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1095, decorators.py:574)
+        return vllm_compile.nested(root, vllm_compile.inductor_dirs(root), _units)
+    return _units(root)
+
+
+def _units(root: Path) -> dict[str, tuple[str, ...]]:
+    """The complete units of one Inductor cache directory (see the module docstring)."""
     found: dict[str, tuple[str, ...]] = {}
     for top in subdirs(root):
         if top.name in _NOT_UNITS:
@@ -77,6 +93,18 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
                 continue  # a build of it is running, or was cut short and its .so may be torn
             found[f"{top.name}/{stem}"] = tuple(sorted(f"{top.name}/{m}" for m in members))
     return found
+
+
+def graph_keys(units: Iterable[str]) -> list[str]:
+    """The FX graph keys of ``units``: an FX graph unit is ``[<vLLM dir>/]fxgraph/<2 chars>/<key>/<entry>``."""
+    keys = set()
+    for unit in units:
+        parts = unit.split("/")
+        if "fxgraph" in parts:
+            rest = parts[parts.index("fxgraph") + 1:]
+            if len(rest) >= 3:
+                keys.add(rest[1])  # codecache.py: the graph's key directory
+    return sorted(keys)
 
 
 def _so_last(files: tuple[str, ...]) -> tuple[str, ...]:

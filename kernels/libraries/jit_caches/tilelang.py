@@ -17,17 +17,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, sglang_base, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_base, subdirs
 
 MANIFEST = "manifest.json"
 REQUIRED = ("kernel_lib.so", "params.json")
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
+def resolve(environ: Mapping[str, str], server: str) -> Path:
     """TileLang's ``env.TILELANG_CACHE_DIR`` in ``environ``."""
     if environ.get("TILELANG_CACHE_DIR"):
         return Path(environ["TILELANG_CACHE_DIR"])
-    if under_sglang:
+    if server == SGLANG:
         return Path(sglang_base(environ)) / "tilelang"
     return Path("~/.tilelang/cache").expanduser()
 

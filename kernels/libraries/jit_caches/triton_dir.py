@@ -2,7 +2,12 @@
 
 Where (triton/knobs.py, ``cache_knobs``): ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (home by
 default); under sglang ``<SGLANG_CACHE_DIR>/triton`` (srt/environ.py:2308-2320); under Inductor
-``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``.
+``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``. Under vLLM,
+which points it at ``<rank dir>/triton_cache`` of its compile tree unless the user chose one
+(``compilation/compiler_interface.py:36-42``; with AOT compile, the default, it is Inductor's
+``inductor_cache/triton/<device>`` there), the root is that tree (``VLLM_CACHE_ROOT/torch_compile_cache``) and the
+units those of each of its Triton directories (:mod:`.vllm_compile`); a ``TRITON_CACHE_DIR`` outside the tree is
+the user's and is used as it is.
 
 A unit is one key directory (``<base32 sha256>/``, Triton's ``get_cache_key``). Triton's
 ``FileCacheManager.put`` replaces each file atomically and ``compile`` writes the group file
@@ -17,21 +22,29 @@ and the restore writes the destination's paths. The arch comes from the compile'
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.libraries.jit_caches import vllm_compile
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, sglang_base, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, VLLM, Library, regular_files, sglang_base, subdirs
 
 GROUP = "__grp__"
 _ALONE = (".so", ".autotune.json")
 
 
-def resolve(environ: Mapping[str, str], under_sglang: bool) -> Path:
-    """Triton's ``knobs.cache.dir`` in ``environ``."""
-    if environ.get("TRITON_CACHE_DIR"):
-        return Path(environ["TRITON_CACHE_DIR"])
-    if under_sglang:
+def resolve(environ: Mapping[str, str], server: str) -> Path:
+    """Triton's ``knobs.cache.dir`` in ``environ`` under ``server`` (vLLM's: its compile tree, see above)."""
+    given = environ.get("TRITON_CACHE_DIR")
+    if server == VLLM and vllm_compile.compile_cache_on(environ):
+        tree = vllm_compile.tree(environ)
+        if not given or Path(os.path.abspath(given)).is_relative_to(os.path.abspath(tree)):  # noqa: PTH100
+            return tree
+    if given:
+        return Path(given)
+    if server == SGLANG:
         return Path(sglang_base(environ)) / "triton"
     return Path(environ.get("TRITON_HOME") or "~").expanduser() / ".triton" / "cache"
 
@@ -42,8 +55,24 @@ def _children(data: bytes) -> list[str]:
     return [Path(str(p)).name for p in paths.values()]
 
 
+def served_by_jitwarm() -> bool:
+    """Whether Triton's compiles go through jitwarm's cache manager here (then no Triton directory holds them)."""
+    if os.environ.get("TRITON_CACHE_MANAGER", "").startswith("jitwarm."):
+        return True
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)
+    manager = getattr(getattr(knobs, "cache", None), "manager_class", None) if knobs is not None else None
+    return str(getattr(manager, "__module__", "")).startswith("jitwarm.")
+
+
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete key directories under ``root`` (see the module docstring)."""
+    """The complete key directories under ``root``; under vLLM's compile tree, those of each Triton directory."""
+    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1095, decorators.py:574)
+        return vllm_compile.nested(root, vllm_compile.triton_dirs(root), _units)
+    return _units(root)
+
+
+def _units(root: Path) -> dict[str, tuple[str, ...]]:
+    """The complete key directories of one Triton cache directory (see the module docstring)."""
     found: dict[str, tuple[str, ...]] = {}
     for key_dir in subdirs(root):
         if key_dir.name.startswith("tmp."):

@@ -23,13 +23,16 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 #: A unit's files: paths relative to the cache root -> their bytes' sha256 (as stored, :attr:`Library.normalize`).
 Files = dict[str, str]
 _SHA = re.compile(r"[0-9a-f]{64}")
+#: The servers whose redirects the libraries' ``resolve`` knows ("": a process that is neither).
+SGLANG, VLLM = "sglang", "vllm"
+SERVERS = (SGLANG, VLLM)
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,10 @@ class Library:
     name, kind : str
         ``inductor`` and its backend kind ``inductor_cache``.
     resolve : callable
-        ``resolve(environ, under_sglang) -> Path | None``: the cache directory the library uses in a process
-        with that environment (``under_sglang``: sglang's ``redirect_third_party_caches`` ran first);
-        None when the library's persistent cache is turned off there.
+        ``resolve(environ, server) -> Path | None``: the cache directory the library uses in a process with
+        that environment, run by ``server`` (:data:`SERVERS`: ``"sglang"``, whose ``redirect_third_party_caches``
+        ran first; ``"vllm"``, which points some caches into its own compile tree; ``""``: none); None when the
+        library's persistent cache is turned off there.
     units : callable
         ``units(root) -> {unit: files}``: the complete units present under ``root``, each with its files
         relative to ``root``.
@@ -58,6 +62,15 @@ class Library:
         (made absolute under the destination): Triton's group files.
     arch_of : callable or None
         The arch a unit was compiled for, read from the unit itself (Triton's metadata), else the node's.
+    settle : callable or None
+        ``settle(root, unit, files)``, called once a restore placed the unit's files: what the library's build
+        tool reads beside their bytes (FlashInfer's ninja: the modification times it logged).
+    factors_of : callable or None
+        ``factors_of(root, files) -> {item: value}``: fingerprint items of the library's own (beyond
+        :mod:`.fingerprint`'s), as the unit or the recording process records them (vLLM's cache key factors).
+    node_factors : callable or None
+        ``node_factors(items) -> {item: value}``: this node's values of those items, for the ones it can compute
+        (an item it leaves out is not compared).
 
     """
 
@@ -71,10 +84,17 @@ class Library:
     normalize: Callable[[str, bytes], bytes] | None = None
     localize: Callable[[str, bytes, Path], bytes] | None = None
     arch_of: Callable[[Path, tuple[str, ...]], str | None] | None = None
+    settle: Callable[[Path, str, tuple[str, ...]], None] | None = None
+    factors_of: Callable[[Path, tuple[str, ...]], dict[str, str]] | None = None
+    node_factors: Callable[[Iterable[str]], dict[str, str]] | None = None
 
-    def root(self, environ: Mapping[str, str] | None = None, under_sglang: bool = False) -> Path | None:
-        """The cache directory in ``environ`` (default: this process's), absolute; None when turned off."""
-        found = self.resolve(os.environ if environ is None else environ, under_sglang)
+    def root(self, environ: Mapping[str, str] | None = None, server: str | bool = "") -> Path | None:
+        """The cache directory in ``environ`` (default: this process's) under ``server``, absolute; None: off.
+
+        ``server`` True / False stand for ``"sglang"`` / ``""`` (the form of the sglang-only releases).
+        """
+        name = SGLANG if server is True else "" if server is False else server
+        found = self.resolve(os.environ if environ is None else environ, name)
         return None if found is None else Path(os.path.abspath(Path(found).expanduser()))  # noqa: PTH100 - no symlinks resolved
 
     def present(self, root: Path | None) -> dict[str, tuple[str, ...]]:
@@ -149,6 +169,22 @@ def lock_held(path: Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def running_server() -> str:
+    """The server this process runs in, by what it has imported: ``"sglang"``, ``"vllm"`` or ``""``."""
+    import sys
+
+    return next((name for name in SERVERS if name in sys.modules), "")
+
+
+def vllm_root(environ: Mapping[str, str]) -> Path:
+    """``VLLM_CACHE_ROOT`` as vLLM reads it: default ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``.
+
+    vLLM's own expression (envs.py:340-344, :714-719), ``os.getenv`` with a default: a variable set empty counts.
+    """
+    base = environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))  # noqa: PTH111, PTH118
+    return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm"))))  # noqa: PTH111, PTH118
 
 
 def sglang_base(environ: Mapping[str, str]) -> str:

@@ -1,0 +1,241 @@
+"""vLLM's torch.compile cache (``VLLM_CACHE_ROOT/torch_compile_cache``): its compiled graphs and AOT artifacts.
+
+Where (vLLM 0.33.0, the vLLM room's ``VERSION``; file:line of its wheel): ``VLLM_CACHE_ROOT``, default
+``$XDG_CACHE_HOME/vllm`` else ``~/.cache/vllm`` (``envs.py:340-344``, ``:714-719``), then ``torch_compile_cache``;
+``VLLM_DISABLE_COMPILE_CACHE=1`` turns it off (``envs.py:375-376``). That tree holds two layouts:
+
+- ``<hash>/rank_<r>_<dp>/<prefix>/`` (``compilation/backends.py:1083-1105``): ``hash`` is
+  ``sha256(str([env_hash, config_hash, code_hash, compiler_hash]))[:10]`` (:1094), ``prefix`` the model part
+  (``backbone`` by default, :804, :869). vLLM writes ``cache_key_factors.json`` first (:1150-1165: the raw env
+  factors of ``envs.compile_factors()`` and the three hashes), the compiled artifacts and their index
+  ``vllm_compile_cache.py`` after every graph is compiled (``save_to_file``, :231-237, :1261; the index is what
+  ``initialize_cache`` reads for a hit, :197-224) and ``computation_graph.py`` last (:1292-1303). A unit is one
+  such directory, complete once ``computation_graph.py`` is there and every artifact the index names is too;
+  restored with the index last. Beside the prefixes, ``inductor_cache/`` and ``triton_cache/`` are where vLLM
+  points ``TORCHINDUCTOR_CACHE_DIR`` and, unless the user chose one, ``TRITON_CACHE_DIR``
+  (``compilation/compiler_interface.py:29-42``): the ``inductor`` and ``triton`` families' units.
+- ``torch_aot_compile/<sha256>/`` (``compilation/decorators.py:555-594``, the default with torch >= 2.10,
+  ``envs.py:379-388``): ``inductor_cache/`` (``TORCHINDUCTOR_CACHE_DIR``, shared by the node's ranks, :589;
+  Inductor puts Triton in ``inductor_cache/triton/<device>``) and per rank ``rank_<r>_<dp>/model``, the AOT
+  artifact, written to ``model.<pid>.tmp`` and renamed (:748-750); vLLM loads it when it is there (:596-606).
+  A unit is one rank directory holding ``model``.
+
+Fingerprint: vllm, torch, triton, the arch and vLLM's own cache key factors: each env factor as
+``vllm:env:<NAME>`` and ``vllm:config_hash`` / ``code_hash`` / ``compiler_hash``, from the unit's
+``cache_key_factors.json`` (an AOT unit has none: the recording process's ``envs.compile_factors()`` when vLLM is
+imported there). The node computes its env factors with vLLM's own ``compile_factors()`` in a child process
+with its environment (:func:`node_factors`), so a restore whose env factors differ is refused naming the factor;
+the three hashes need the model and the traced sources and are compared only after the fact, by the ledger
+(:func:`why_missed`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+from jitwarm.kernels.libraries.jit_caches.backend import bind
+from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, subdirs, tree_files, vllm_root
+
+TREE, AOT = "torch_compile_cache", "torch_aot_compile"
+INDUCTOR_DIR, TRITON_DIR = "inductor_cache", "triton_cache"
+FACTORS, INDEX, GRAPH, MODEL = "cache_key_factors.json", "vllm_compile_cache.py", "computation_graph.py", "model"
+HASHES = ("config_hash", "code_hash", "compiler_hash")
+ENV = "vllm:env:"
+_NODE_TIMEOUT_S = 300.0
+_FACTORS_CODE = "import json, vllm.envs as e; print(json.dumps(e.compile_factors(), sort_keys=True))"
+
+
+def compile_cache_on(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM's compile cache is on: ``disable_compile_cache()`` negated (``envs.py:375-376``).
+
+    A value vLLM cannot parse counts as on (vLLM itself fails on it).
+    """
+    try:
+        return not int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
+    except ValueError:
+        return True
+
+
+def tree(environ: Mapping[str, str]) -> Path:
+    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``."""
+    return vllm_root(environ) / TREE
+
+
+def resolve(environ: Mapping[str, str], server: str) -> Path | None:
+    """The compile tree of vLLM in ``environ`` (whoever runs: only vLLM writes it); None when its cache is off."""
+    return tree(environ) if compile_cache_on(environ) else None
+
+
+def _rank_dirs(root: Path) -> Iterator[Path]:
+    """The ``rank_<r>_<dp>`` directories of both layouts under the tree ``root``."""
+    for top in subdirs(root):
+        for hashed in subdirs(top) if top.name == AOT else (top,):
+            yield from (d for d in subdirs(hashed) if d.name.startswith("rank_"))
+
+
+def inductor_dirs(root: Path) -> Iterator[Path]:
+    """Every Inductor cache directory vLLM keeps under the tree ``root`` (one per rank, or one per AOT hash)."""
+    for top in subdirs(root):
+        parents = subdirs(top) if top.name == AOT else (d for d in subdirs(top) if d.name.startswith("rank_"))
+        yield from (p / INDUCTOR_DIR for p in parents if (p / INDUCTOR_DIR).is_dir())
+
+
+def triton_dirs(root: Path) -> Iterator[Path]:
+    """Every Triton cache directory under the tree: a rank's ``triton_cache``, Inductor's ``triton/<device>``."""
+    for rank in _rank_dirs(root):
+        if (rank / TRITON_DIR).is_dir():
+            yield rank / TRITON_DIR
+    for inductor in inductor_dirs(root):
+        if (inductor / "triton").is_dir():
+            yield from subdirs(inductor / "triton")
+
+
+def nested(root: Path, dirs: Iterable[Path], units: Callable[[Path], dict[str, tuple[str, ...]]]
+           ) -> dict[str, tuple[str, ...]]:
+    """Another family's ``units`` in each of ``dirs``, named by their paths relative to the tree ``root``."""
+    found: dict[str, tuple[str, ...]] = {}
+    for folder in dirs:
+        rel = folder.relative_to(root).as_posix()
+        for unit, files in units(folder).items():
+            found[f"{rel}/{unit}"] = tuple(f"{rel}/{f}" for f in files)
+    return found
+
+
+def _indexed(folder: Path) -> list[str] | None:
+    """The artifact names ``vllm_compile_cache.py`` lists (``graph_handle[0]``), or None when it does not parse."""
+    try:
+        cache = ast.literal_eval((folder / INDEX).read_text())
+        return [str(value["graph_handle"][0]) for value in cache.values()]
+    except (OSError, ValueError, SyntaxError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
+def units(root: Path) -> dict[str, tuple[str, ...]]:
+    """The complete prefix directories and AOT rank directories under the tree ``root``."""
+    found: dict[str, tuple[str, ...]] = {}
+    for rank in _rank_dirs(root):
+        rel = rank.relative_to(root).as_posix()
+        if rel.startswith(f"{AOT}/"):
+            names = [n for n in regular_files(rank) if not n.endswith(".tmp")]  # model.<pid>.tmp: being saved
+            if MODEL in names:
+                found[rel] = tuple(sorted(f"{rel}/{n}" for n in names))
+            continue
+        for prefix in subdirs(rank):
+            if prefix.name in (INDUCTOR_DIR, TRITON_DIR) or not (prefix / GRAPH).is_file():
+                continue
+            files = tree_files(prefix)
+            if INDEX in files and not all(
+                    any(f == name or f.startswith(f"{name}/") for f in files) for name in _indexed(prefix) or [""]):
+                continue  # an index that does not parse, or names an artifact that is not there
+            unit = f"{rel}/{prefix.name}"
+            found[unit] = tuple(f"{unit}/{f}" for f in files)
+    return found
+
+
+def _index_last(files: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(files, key=lambda rel: (rel.endswith(f"/{INDEX}"), rel)))
+
+
+def read_factors(data: bytes) -> dict[str, str]:
+    """``cache_key_factors.json`` as fingerprint items: ``vllm:env:<NAME>`` and ``vllm:<hash>``, JSON values."""
+    raw = json.loads(data)
+    items = {f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in dict(raw.get("env", {})).items()}
+    items.update({f"vllm:{name}": str(raw[name]) for name in HASHES if name in raw})
+    return items
+
+
+def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
+    """The unit's own vLLM items: its ``cache_key_factors.json``, else this process's env factors (if vLLM is here)."""
+    items = {"vllm": fp.package_version(("vllm",))}
+    found = [rel for rel in files if rel.endswith(f"/{FACTORS}")]
+    if found:
+        try:
+            items.update(read_factors((root / found[0]).read_bytes()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass  # a factors file vLLM wrote badly ("best-effort only", backends.py:1167): the versions alone
+        return items
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None:
+        try:
+            raw = json.loads(json.dumps(envs.compile_factors(), sort_keys=True))
+            items.update({f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in raw.items()})
+        except Exception:  # noqa: BLE001 - vLLM's own function failed: the unit keeps the versions only
+            pass
+    return items
+
+
+@functools.cache
+def _node_env_factors() -> tuple[dict[str, str], str | None]:
+    """The node's ``envs.compile_factors()`` by vLLM itself, in a child with this environment: (items, why not)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _FACTORS_CODE], capture_output=True, text=True,
+                              timeout=_NODE_TIMEOUT_S, check=False, env=dict(os.environ))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {}, f"vLLM's compile_factors() did not run here: {exc}"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {}, f"vLLM's compile_factors() failed here: {last}"
+    try:
+        raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {}, "vLLM's compile_factors() printed no JSON here"
+    return {f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in raw.items()}, None
+
+
+def node_factors(items: Iterable[str]) -> dict[str, str]:
+    """The node's values of ``items``: the vllm version, and each env factor vLLM computes here.
+
+    A factor the node lacks is ``absent``; when vLLM cannot compute them here at all, each is ``unknown (why)``.
+    The three hashes are left out: they need the model and its traced sources.
+    """
+    wanted = list(items)
+    here: dict[str, str] = {}
+    if "vllm" in wanted:
+        here["vllm"] = fp.package_version(("vllm",))
+    env = [item for item in wanted if item.startswith(ENV)]
+    if env:
+        found, why = _node_env_factors()
+        for item in env:
+            here[item] = f"unknown ({why})" if why else found.get(item, fp.ABSENT)
+    return here
+
+
+def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
+    """Which factor made vLLM compile ``unit`` (new in the tree ``root``) beside the ``present`` units; None if unknown.
+
+    The new unit's ``cache_key_factors.json`` is compared with that of the present unit of the same rank and
+    prefix (else any present one): the first factor that differs, as ``config_hash '1a..' (now '3c..')``.
+    """
+    def factors(name: str) -> dict[str, str] | None:
+        try:
+            return read_factors((root / name / FACTORS).read_bytes())
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+
+    now = factors(unit)
+    if now is None:
+        return None
+    tail = unit.split("/", 1)[-1]
+    ordered = sorted(present, key=lambda other: (other.split("/", 1)[-1] != tail, other))
+    for other in ordered:
+        then = factors(other)
+        if then is None:
+            continue
+        differs = fp.differing(then, now)
+        if differs is not None:
+            item, recorded, here = differs
+            return f"{item} {recorded!r} (now {here!r})"
+    return None
+
+
+LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("torch", "triton", "arch"),
+                  commit_last=_index_last, factors_of=factors_of, node_factors=node_factors)
+name, description, build, check, load = bind(LIBRARY)
