@@ -23,6 +23,7 @@ from jitwarm.cache.locks import KeyLock, OnWait, wait_until
 from jitwarm.cache.maintenance import PruneReport, VerifyReport, verify_copies
 from jitwarm.cache.protocol import BuildFn, LocalCache
 from jitwarm.cache.remote import Fleet, ObjectStore, RemoteReport, RemoteStore, open_store, redact
+from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
 
 
 @dataclass(frozen=True)
@@ -291,22 +292,44 @@ class KernelCache:
         return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path),
                                    trust_key=self.trust_key())
 
+    def export_bundle_to_store(self, keys: Iterable[str], url: str) -> str:
+        """Stream the entries of ``keys`` as one bundle to the object ``s3://BUCKET/KEY.tar``; return its sha256.
+
+        A multipart upload, one part in memory at a time; the object appears only once it is complete.
+        ``CacheError`` for a missing key, ``BundleStoreError`` (a store fault: no object is left).
+        """
+        from jitwarm.cache.remote.s3_bundle import upload_bundle
+
+        keys = sorted({check_key(k) for k in keys})
+        entries = [self.lookup(k) for k in keys]
+        missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
+        if missing:
+            raise CacheError(f"cannot export to {url}: {len(missing)} key(s) not in the cache {self.root}: "
+                             f"{', '.join(missing[:3])}")
+        return upload_bundle(url, [e for e in entries if e is not None], trust_key=self.trust_key())
+
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0, *,
                       sha256: str | None = None) -> ImportReport:
-        """Import a bundle: every member checked and every file hashed before anything is published.
+        """Import a bundle (a file, or an object ``s3://BUCKET/KEY.tar``): nothing published before all verified.
 
         Each key the root and layers lack is published by a rename under its lock. ``CacheError`` (a bad
         bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``. ``sha256``: a
         bundle file that does not hash to it is refused (``CacheError``) before anything is unpacked. With a
-        fleet key, an entry whose signature is missing or does not verify is ``UntrustedEntry`` (exit 4).
+        fleet key, an entry whose signature is missing or does not verify is ``UntrustedEntry`` (exit 4). From
+        the object store: ``BundleStoreError`` for a store fault, ``UsageError`` for no such object.
         """
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
         self._local.prepare_root()
         staging = self._local.new_staging(BUNDLE_TAG)
         try:
-            staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared,
-                                          sha256=sha256, trust_key=self.trust_key(), **caps)
+            if is_bundle_url(path):  # read as a stream, hashed as read: nothing published before the pin is met
+                with open_bundle(str(path)) as body:
+                    staged = bundle.unpack_stream(body, str(path), staging, shared=self.allow_shared, sha256=sha256,
+                                                  trust_key=self.trust_key(), **caps)
+            else:
+                staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared,
+                                              sha256=sha256, trust_key=self.trust_key(), **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="restore a captured JIT cache unit even when a package, compiler, driver or arch "
                                 "its library keyed it on differs here (a warning each; default: exit 4)")
         if name == "prestart":
-            c.add_argument("--bundle", type=path_flag, metavar="FILE", help="import this bundle first")
+            c.add_argument("--bundle", type=path_flag, metavar="FILE",
+                           help="import this bundle first (a file, or an object s3://BUCKET/KEY.tar, streamed)")
             c.add_argument("--sha256", type=_sha256, metavar="DIGEST",
                            help="refuse a --bundle whose sha256 (as sha256sum prints it, and export reports it) is "
                                 "not DIGEST, before importing anything (exit 4)")
@@ -179,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--grace", type=_duration, metavar="SECONDS",
                            help="keep entries used this recently (env JITWARM_PRUNE_GRACE_S; default 600; 0: off)")
         elif name in ("export", "import"):
-            p.add_argument("path", metavar="BUNDLE", help="bundle file (.tar or .tar.gz)")
+            p.add_argument("path", metavar="BUNDLE",
+                           help="bundle file (.tar or .tar.gz), or an object s3://BUCKET/KEY.tar (streamed; boto3)")
     return parser
 
 

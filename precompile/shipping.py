@@ -22,6 +22,7 @@ from typing import Any
 
 from jitwarm.cache.bundle import file_sha256
 from jitwarm.cache.errors import EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK, CacheError, JitwarmError, UsageError
+from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
 from jitwarm.precompile.coverage import plan_coverage, readiness
@@ -226,35 +227,49 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
 
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Write the plan's entries to one relocatable bundle (only when every one is there)."""
+    """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there)."""
     cache = open_cache(args)
-    target = Path(args.path)
-    if target.is_dir():
-        raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
-    if target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
-        raise UsageError(f"export: {args.path} is not a regular file; give the bundle's file name (kernels.tar)")
-    if not target.absolute().parent.is_dir():
-        raise UsageError(f"export: the directory of {args.path} does not exist")
+    if is_bundle_url(args.path):
+        split_url(args.path)  # a bad URL is exit 2 before any lookup
+    else:
+        check_export_path(args.path)
     plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
     if coverage["missing"] or coverage["corrupt"]:
         raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                          f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    written = cache.export_bundle(list(keys.values()), args.path)
-    with open(written, "rb") as f:  # the digest `prestart --bundle F --sha256 DIGEST` pins
-        digest = file_sha256(f)
+    if is_bundle_url(args.path):  # streamed up as it is written: its digest is computed on the way
+        digest = cache.export_bundle_to_store(list(keys.values()), args.path)
+    else:
+        written = cache.export_bundle(list(keys.values()), args.path)
+        with open(written, "rb") as f:  # the digest `prestart --bundle F --sha256 DIGEST` pins
+            digest = file_sha256(f)
     print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
     return EXIT_OK
 
 
+def check_export_path(path: str) -> None:
+    """UsageError unless ``path`` can be a bundle file: not a directory, device or FIFO, in a directory."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"export: {path} is a directory; give the bundle's file name (kernels.tar)")
+    if target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
+        raise UsageError(f"export: {path} is not a regular file; give the bundle's file name (kernels.tar)")
+    if not target.absolute().parent.is_dir():
+        raise UsageError(f"export: the directory of {path} does not exist")
+
+
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
-    """Import a bundle file: UsageError when there is none at ``path``, CorruptBundle when it does not import.
+    """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, CorruptBundle when it is bad.
 
     A failed write (``CacheWriteError``: a full disk) and the cache's own refusals (an untrusted root, a lock
-    timeout) keep their types and exit codes: only what is wrong with the bundle itself is exit 4.
+    timeout, a fault of the object store holding it) keep their types and exit codes: only what is wrong with
+    the bundle itself is exit 4.
     """
-    if not Path(path).is_file():
+    if is_bundle_url(path):
+        split_url(path)
+    elif not Path(path).is_file():
         raise UsageError(f"bundle {path} does not exist or is not a file")
     try:
         return cache.import_bundle(path, sha256=sha256)

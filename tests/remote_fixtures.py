@@ -140,6 +140,14 @@ class MotoServer:
         self.proc.wait(timeout=10)
 
 
+def use_endpoint(monkeypatch, endpoint: str) -> None:
+    """Point boto3 here and in every node at ``endpoint``, whatever the developer's AWS profile says."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_env(endpoint).items():
+        monkeypatch.setenv(name, value)
+
+
 #: What a client of a loopback moto server needs (any credentials do), and nothing from the developer's ~/.aws.
 def s3_env(endpoint: str) -> dict[str, str]:
     """The AWS environment that points boto3 (and so jitwarm) at ``endpoint``."""
@@ -258,3 +266,4 @@ class FaultyProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
-from remote_fixtures import Bucket, FaultyProxy, MotoServer, s3_env
+from remote_fixtures import Bucket, FaultyProxy, MotoServer, use_endpoint
 
 from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
 from jitwarm.cache.remote import s3
@@ -26,6 +26,7 @@ from jitwarm.kernels.artifacts import artifact
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
+pytest_plugins = ["s3_fixtures"]  # the moto_server endpoint and each test's bucket, shared with other modules
 
 DESC = {"kind": "s3-test", "n": 1}
 PAYLOAD = b"kernel bytes " * 400
@@ -33,35 +34,6 @@ PAYLOAD = b"kernel bytes " * 400
 
 def _build(staging):
     (staging / "kernel.bin").write_bytes(PAYLOAD)
-
-
-def _use_endpoint(monkeypatch, endpoint: str) -> None:
-    """Point boto3 here and in every node at ``endpoint``, whatever the developer's AWS profile says."""
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in s3_env(endpoint).items():
-        monkeypatch.setenv(name, value)
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory):
-    """The S3 endpoint the tests share: $JITWARM_TEST_S3_URL, else a moto_server of our own for the session."""
-    url = os.environ.get("JITWARM_TEST_S3_URL")
-    if url:
-        yield url
-        return
-    server = MotoServer(tmp_path_factory.mktemp("moto"))
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture
-def bucket(s3_endpoint, monkeypatch):
-    """An empty bucket of this test's own; boto3 (in this process and in the nodes) points at the endpoint."""
-    _use_endpoint(monkeypatch, s3_endpoint)
-    reset_remote_health()
-    yield Bucket(s3_endpoint)
-    reset_remote_health()
 
 
 def test_three_nodes_warm_one_plan_on_an_empty_bucket_each_spec_built_once(bucket, tmp_path):
@@ -195,7 +167,7 @@ def test_lease_is_exclusive_renewed_and_taken_over_only_after_it_expires(bucket)
 def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
     server = MotoServer(tmp_path / "moto")
     try:
-        _use_endpoint(monkeypatch, server.url)
+        use_endpoint(monkeypatch, server.url)
         bucket = Bucket(server.url)
         root = tmp_path / "node"
         proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *bucket.flags())
@@ -217,7 +189,7 @@ def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
 def test_required_store_stopped_mid_run_fails_naming_the_fault(tmp_path, monkeypatch):
     server = MotoServer(tmp_path / "moto")
     try:
-        _use_endpoint(monkeypatch, server.url)
+        use_endpoint(monkeypatch, server.url)
         reset_remote_health()
         bucket = Bucket(server.url)
         node = bucket.cache(tmp_path / "a", remote_required=True)

@@ -88,13 +88,7 @@ class ObjectStore(StoreBase):
         return ObjectLease(self, key, ttl_s)
 
     def _connect(self) -> Any:
-        """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
-        import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
-        from botocore.config import Config
-
-        config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                        retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-        return boto3.session.Session().client("s3", config=config)
+        return new_client()
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -260,6 +254,16 @@ class ObjectStore(StoreBase):
             return True
 
         return [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
+
+
+def new_client() -> Any:
+    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
+    import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
+    from botocore.config import Config
+
+    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                    retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+    return boto3.session.Session().client("s3", config=config)
 
 
 def describe(exc: Any) -> str:

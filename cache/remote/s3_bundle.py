@@ -1,0 +1,178 @@
+"""Bundles in the object store: ``export s3://BUCKET/KEY.tar`` and ``import`` / ``prestart --bundle s3://...``.
+
+Both stream: the tar is written into a multipart upload one part at a time (:data:`PART_BYTES` in memory,
+never a local copy of the bundle), and read from the object's body front to back into the cache's
+validating unpacker (:func:`jitwarm.cache.bundle.unpack_stream`), which hashes every byte it reads so a
+``--sha256`` pin is compared before anything is published. The object appears only when its upload
+completes: an export cut short (a store fault, a full disk, Ctrl-C) aborts it and leaves no object. A fault
+of the store (down, 403, a body cut short) is :class:`BundleStoreError` (exit 1) naming it; what is wrong
+with the bundle itself stays the unpacker's ``CacheError`` (exit 4 from the CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from jitwarm.cache.bundle import is_gzip_name, write_members
+from jitwarm.cache.entry import Entry
+from jitwarm.cache.errors import CacheError, UsageError
+from jitwarm.cache.remote.s3 import MULTIPART_BYTES, describe, new_client
+from jitwarm.cache.settings import SettingError
+
+#: Size of each uploaded part (S3: 5 MiB at least but the last, 10,000 parts at most: 640 GiB at 64 MiB).
+PART_BYTES = MULTIPART_BYTES
+
+
+class BundleStoreError(CacheError):
+    """The object store failed while a bundle was written to it or read from it (exit 1): nothing is published."""
+
+
+def is_bundle_url(path: object) -> bool:
+    """Whether a bundle argument names an object (``s3://BUCKET/KEY``) rather than a file."""
+    return isinstance(path, str) and path.startswith("s3://")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(bucket, key)`` of ``s3://BUCKET/KEY``; ``UsageError`` (exit 2) when either is missing."""
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
+    if not parts.netloc or not key or key.endswith("/"):
+        raise UsageError(f"bundle {url}: give the object as s3://BUCKET/KEY.tar")
+    return parts.netloc, key
+
+
+def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = None) -> str:
+    """Stream ``entries`` as one tar (gzip'd for ``.gz``/``.tgz``) to the object ``url``; return its sha256.
+
+    ``BundleStoreError`` for a store fault (the upload is aborted: no object), ``CacheError`` when an entry
+    file cannot be read.
+    """
+    bucket, key = split_url(url)
+    client = _client(url)
+    out = _MultipartWriter(client, bucket, key, url)
+    try:
+        with tarfile.open(fileobj=out, mode="w|gz" if is_gzip_name(key) else "w|", format=tarfile.PAX_FORMAT) as tar:
+            write_members(tar, entries, trust_key)
+        out.complete()
+    except BaseException:
+        out.abort()
+        raise
+    return out.sha256.hexdigest()
+
+
+@contextlib.contextmanager
+def open_bundle(url: str) -> Iterator[Any]:
+    """Yield the body of the object ``url`` as a stream (``read(n)``); close it after.
+
+    ``UsageError`` (exit 2) for no such object, ``BundleStoreError`` for a store fault, then or while reading
+    (a body shorter than its ``Content-Length`` included).
+    """
+    bucket, key = split_url(url)
+    client = _client(url)
+    try:
+        reply = client.get_object(Bucket=bucket, Key=key)
+    except client.exceptions.NoSuchKey:
+        raise UsageError(f"bundle {url} does not exist") from None
+    except _errors() as exc:
+        raise BundleStoreError(f"cannot read bundle {url}: {_say(exc)}") from exc
+    body = _Body(reply["Body"], int(reply.get("ContentLength") or 0), url)
+    try:
+        yield body
+    finally:
+        with contextlib.suppress(Exception):
+            reply["Body"].close()
+
+
+def _client(url: str) -> Any:
+    try:
+        return new_client()
+    except ImportError:
+        raise SettingError(f"bundle {url} needs boto3, which is not installed: pip install 'jitwarm[s3]'") from None
+    except _errors() as exc:  # no region, a bad profile: boto3 fails here, before any request
+        raise BundleStoreError(f"bundle {url}: {_say(exc)}") from exc
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
+
+    return (ClientError, BotoCoreError, HTTPError, OSError)
+
+
+def _say(exc: BaseException) -> str:
+    from botocore.exceptions import ClientError
+
+    return describe(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
+
+
+class _Body:
+    """An object's body read by the unpacker: store errors and a short body are BundleStoreError."""
+
+    def __init__(self, raw: Any, size: int, url: str) -> None:
+        self._raw, self._size, self._url, self.read_bytes = raw, size, url, 0
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self._raw.read(n if n >= 0 else None)
+        except _errors() as exc:
+            raise BundleStoreError(f"cannot read bundle {self._url}: {_say(exc)} after {self.read_bytes} of "
+                                   f"{self._size} bytes") from exc
+        self.read_bytes += len(data)
+        if not data and n != 0 and self.read_bytes < self._size:
+            raise BundleStoreError(f"cannot read bundle {self._url}: body cut short at {self.read_bytes} of "
+                                   f"{self._size} bytes")
+        return data
+
+
+class _MultipartWriter:
+    """What ``tarfile`` writes to (``w|``): each :data:`PART_BYTES` goes up as one part, hashed as it passes."""
+
+    def __init__(self, client: Any, bucket: str, key: str, url: str) -> None:
+        self._client, self._bucket, self._key, self._url = client, bucket, key, url
+        self._buf = bytearray()
+        self._parts: list[dict[str, Any]] = []
+        self._upload_id: str | None = None
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self._buf += data
+        while len(self._buf) >= PART_BYTES:
+            self._send(bytes(self._buf[:PART_BYTES]))
+            del self._buf[:PART_BYTES]
+        return len(data)
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(Bucket=self._bucket, Key=self._key, **kwargs)
+        except _errors() as exc:
+            raise BundleStoreError(f"cannot write bundle {self._url}: {what}: {_say(exc)}") from exc
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._call("start the upload", self._client.create_multipart_upload)["UploadId"]
+        number = len(self._parts) + 1
+        reply = self._call(f"part {number}", self._client.upload_part, UploadId=self._upload_id, PartNumber=number,
+                           Body=part)
+        self._parts.append({"PartNumber": number, "ETag": reply["ETag"]})
+
+    def complete(self) -> None:
+        """Send the last part and complete the upload: only now does the object appear."""
+        if self._buf or not self._parts:
+            self._send(bytes(self._buf))
+            self._buf.clear()
+        self._call("complete the upload", self._client.complete_multipart_upload, UploadId=self._upload_id,
+                   MultipartUpload={"Parts": self._parts})
+        self._upload_id = None
+
+    def abort(self) -> None:
+        """Abort an upload begun and not completed (best effort: a lifecycle rule reaps what this cannot)."""
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
+            self._upload_id = None
