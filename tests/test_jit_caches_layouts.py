@@ -54,7 +54,9 @@ def test_each_family_lists_the_unit_its_library_wrote_whole(family, tmp_path):
     units = library(family).present(root)
     assert len(units) == UNITS[family], units
     files = [rel for unit_files in units.values() for rel in unit_files]
-    assert all(not Path(rel).name.startswith(".") and "tmp" not in rel.split("/")[:-1] for rel in files)
+    own = {".committed", ".ninja_log", ".ninja_deps"}  # the dot-files a library reads (DeepGEMM's marker, ninja's)
+    assert all((Path(rel).name in own or not Path(rel).name.startswith(".")) and "tmp" not in rel.split("/")[:-1]
+               for rel in files)
     assert all((root / rel).is_file() for rel in files)
 
 
@@ -64,11 +66,11 @@ def test_a_unit_the_library_has_not_finished_is_not_listed(tmp_path):
     assert library("triton").present(t) == {}
     d = tmp_path / "dg"
     trees.deep_gemm(d)
-    next(d.glob("cache/kernel.*/kernel.cubin")).unlink()
+    next(d.glob("cache/*/.committed")).unlink()  # deep_jit's marker, written last: a lookup there is a miss
     assert library("deep_gemm").present(d) == {}
     tl = tmp_path / "tl"
     trees.tilelang(tl)
-    next(tl.glob("*/*/kernels/*/manifest.json")).unlink()
+    next(tl.glob("*/*/kernels/*/executable.so")).unlink()
     assert library("tilelang").present(tl) == {}
     ind = tmp_path / "ind"
     trees.inductor(ind)
@@ -80,8 +82,8 @@ def test_a_unit_whose_build_lock_is_held_is_not_listed(tmp_path):
     ind, fi = tmp_path / "ind", tmp_path / "fi"
     trees.inductor(ind)
     trees.flashinfer(fi)
-    locks = [ind / "locks" / "cha2vxhltf3ggcv4o6ch3.lock", fi / "0.7.4" / "90" / "cached_ops" / "tmp" /
-             "batch_decode_with_kv_cache.lock"]
+    locks = [ind / "locks" / "cha2vxhltf3ggcv4o6ch3.lock", fi / "0.7.2" / "90a" / "cached_ops" / "tmp" /
+             "silu_and_mul.lock"]
     fds = [os.open(p, os.O_RDWR) for p in locks]
     try:
         for fd in fds:
@@ -104,7 +106,7 @@ def test_each_cache_is_resolved_as_its_library_and_sglang_resolve_it(tmp_path):
     for family, rel in expect_sglang.items():
         assert library(family).root(base, True) == tmp_path / rel, family
     plain = {"triton": f"{home}/.triton/cache", "tilelang": f"{home}/.tilelang/cache",
-             "deep_gemm": f"{home}/.deep_gemm", "flashinfer": f"{home}/.cache/flashinfer",
+             "deep_gemm": f"{home}/.dj", "flashinfer": f"{home}/.cache/flashinfer",
              "ptx": f"{home}/.nv/ComputeCache"}
     for family, path in plain.items():
         assert str(library(family).root({}, False)) == path, family
@@ -195,7 +197,7 @@ def test_a_differing_file_the_library_wrote_is_kept_and_the_unit_not_restored(ca
     manifest, cache_dir, src = captured
     dst = tmp_path / "dst"
     theirs = trees.write(dst / "inductor" / "nu" / "cnuzvpm3hgka6oqixh2.py", "# the node's own compile")
-    cu = trees.write(dst / "deep_gemm" / "cache" / "kernel.sm90_fp8_gemm_1d2d.9f2c4e" / "kernel.cu",
+    cu = trees.write(dst / "deep_gemm" / "cache" / "sm90_fp8_gemm_1d2d.9f2c4e0a1b2c3d4e" / "kernel.cu",
                      "// the node's own")
     proc = jitwarm("prestart", "--manifest", str(manifest), "--cache-dir", str(cache_dir), "--offline",
                    "--allow-fingerprint-mismatch", env=env_for(dst))
@@ -220,7 +222,7 @@ with record(tmp / "m.jsonl", KernelCache(tmp / "cache")) as r:
     if index == 0:  # one library process compiles; every recorder sees the unit appear
         trees.deep_gemm(tmp / "dg")
         if size:
-            trees.write(next((tmp / "dg").glob("cache/kernel.*")) / "kernel.cubin", bytes(size))
+            trees.write(next((tmp / "dg").glob("cache/*.*")) / "kernel.cubin", bytes(size))
         (tmp / "written").touch()
     while not (tmp / "written").exists():
         time.sleep(0.01)
@@ -276,7 +278,7 @@ def test_a_full_disk_restores_no_half_unit_and_stores_no_half_entry(tmp_path, po
     src = point(tmp_path / "src")
     with record(tmp_path / "m.jsonl", KernelCache(tmp_path / "cache")):
         trees.deep_gemm(Path(src["DG_JIT_CACHE_DIR"]))
-        trees.write(next(Path(src["DG_JIT_CACHE_DIR"]).glob("cache/kernel.*")) / "kernel.cubin", os.urandom(200 << 10))
+        trees.write(next(Path(src["DG_JIT_CACHE_DIR"]).glob("cache/*.*")) / "kernel.cubin", os.urandom(200 << 10))
         trees.write(Path(src["TORCHINDUCTOR_CACHE_DIR"]) / "ha" / "cbig.main.cpp", "// small, placed first")
         trees.write(Path(src["TORCHINDUCTOR_CACHE_DIR"]) / "ha" / "cbig.main.so", os.urandom(200 << 10))
     records = read_manifest(tmp_path / "m.jsonl")
@@ -295,7 +297,7 @@ def test_a_full_disk_restores_no_half_unit_and_stores_no_half_entry(tmp_path, po
         env = point(tmp_path / "src2")
         with record(tmp_path / "m2.jsonl", KernelCache(full / "cache")) as recorder:
             trees.deep_gemm(Path(env["DG_JIT_CACHE_DIR"]))
-            trees.write(next(Path(env["DG_JIT_CACHE_DIR"]).glob("cache/kernel.*")) / "kernel.cubin",
+            trees.write(next(Path(env["DG_JIT_CACHE_DIR"]).glob("cache/*.*")) / "kernel.cubin",
                         os.urandom(96 << 10))
         assert recorder.captured == {} and not (tmp_path / "m2.jsonl").exists()
         assert not list((full / "cache").rglob("entry.json"))

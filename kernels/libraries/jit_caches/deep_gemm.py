@@ -1,16 +1,22 @@
 """DeepGEMM's JIT cache (``DG_JIT_CACHE_DIR``): the FP8 GEMMs, minutes cold (sglang PR #18823).
 
-Where: ``DG_JIT_CACHE_DIR``, else ``$HOME/.deep_gemm`` (csrc/jit/compiler.hpp); sglang overrides it with
-``SGLANG_DG_CACHE_DIR``, default ``<SGLANG_CACHE_DIR>/deep_gemm`` (srt/environ.py:1373), exported as
-``DG_JIT_CACHE_DIR`` when its wrapper is imported (srt/layers/deep_gemm_wrapper/compile_utils.py:51).
+Where (sgl-deep-gemm 0.2.3.post2, sglang 0.5.23's pin, whose JIT is deep_jit: ``DiskCache::from_env`` in
+include/deep_jit/cache/disk.hpp, with the prefix ``DG``): ``DG_JIT_CACHE_DIR``, else ``DJ_JIT_CACHE_DIR``, a
+``:``-separated list whose first path is the one written (the others are read-only lookup roots), else
+``$HOME/.dj``. sglang overrides it with ``SGLANG_DG_CACHE_DIR``, default ``<SGLANG_CACHE_DIR>/deep_gemm``
+(srt/environ.py:1373), exported as ``DG_JIT_CACHE_DIR`` when its wrapper is imported
+(srt/layers/deep_gemm_wrapper/compile_utils.py:51); vLLM sets an unset ``DG_JIT_CACHE_DIR`` to
+``VLLM_CACHE_ROOT/deep_gemm`` (vLLM 0.33.0 utils/deep_gemm.py:281-285).
 
-A unit is one kernel directory ``kernel.<name>.<hex digest>`` (DeepGEMM's key: the name, the NVCC or NVRTC
-signature, the flags with ``sm_XY`` and the generated code with its headers' hash): DeepGEMM compiles into
-``tmp/<uuid>/``, fsyncs and renames the whole directory into place (compiler.hpp). It is complete when it
-holds ``kernel.cu`` and ``kernel.cubin``, what DeepGEMM's loader asserts (kernel_runtime.hpp). It is looked for
-at any depth below the root (sglang has kept a subdirectory per process, PR #27604), never under ``tmp/`` or
-``locks/`` (sglang's precompile locks, compile_utils.py:130-138). sglang 0.5.23 writes no completion marker
-(#32124 asks for one); when it does, it is to be listed here as a unit of its own.
+A unit is one entry directory ``cache/<kernel name>.<digest>/`` (deep_jit's key: an FNV-1a hex digest of the
+compiler's signature, the options and the generated code with its headers): deep_jit compiles into
+``tmp/<uuid>/``, writes and fsyncs the completion marker ``.committed`` last, and renames the whole directory
+into place (``DiskCacheEntry::commit``); a lookup is a hit exactly when ``.committed`` is there. So a unit is
+complete when it holds ``.committed``, and the marker goes with its unit, restored last (the kind of marker
+sglang #32124 asks for). Older DeepGEMM releases (csrc/jit/compiler.hpp: ``kernel.<name>.<digest>/`` with
+``kernel.cu`` and ``kernel.cubin``, no marker, default ``$HOME/.deep_gemm``) are listed too. Units are looked
+for at any depth below the root (sglang has kept a subdirectory per process, PR #27604), never under ``tmp/``
+or ``locks/`` (sglang's precompile locks, compile_utils.py:130-138).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from jitwarm.kernels.libraries.jit_caches.units import (
     vllm_root,
 )
 
+#: deep_jit's completion marker (disk.hpp ``kCommitFileName``), written last into the entry before its rename.
+COMMITTED = ".committed"
+#: What an older DeepGEMM's loader asserts in a ``kernel.*`` directory (kernel_runtime.hpp).
 REQUIRED = ("kernel.cu", "kernel.cubin")
 _SKIP = ("tmp", "locks")
 
@@ -37,15 +46,16 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
     """The directory DeepGEMM's JIT uses in ``environ`` (sglang's override first, when under sglang)."""
     if server == SGLANG:
         return Path(environ.get("SGLANG_DG_CACHE_DIR") or Path(sglang_base(environ)) / "deep_gemm")
-    if environ.get("DG_JIT_CACHE_DIR"):
-        return Path(environ["DG_JIT_CACHE_DIR"])
+    for var in ("DG_JIT_CACHE_DIR", "DJ_JIT_CACHE_DIR"):  # Env::get: the library's prefix, then deep_jit's own
+        if environ.get(var):
+            return Path(environ[var].split(":")[0])
     if server == VLLM:  # vLLM sets DG_JIT_CACHE_DIR to it when unset (utils/deep_gemm.py:281-285)
         return vllm_root(environ) / "deep_gemm"
-    return Path("~").expanduser() / ".deep_gemm"
+    return Path(environ.get("HOME") or Path("~").expanduser()) / ".dj"
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete ``kernel.*`` directories under ``root``."""
+    """The committed entry directories (and older releases' complete ``kernel.*`` directories) under ``root``."""
     found: dict[str, tuple[str, ...]] = {}
     pending = [root]
     while pending:
@@ -53,15 +63,22 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
         for sub in subdirs(folder):
             if folder == root and sub.name in _SKIP:
                 continue
-            if not sub.name.startswith("kernel."):
+            names = set(regular_files(sub))
+            committed = (sub / COMMITTED).is_file() and not (sub / COMMITTED).is_symlink()
+            if committed:
+                names.add(COMMITTED)
+            elif not (sub.name.startswith("kernel.") and set(REQUIRED) <= names):
                 pending.append(sub)
                 continue
-            names = set(regular_files(sub))
-            if set(REQUIRED) <= names:
-                unit = sub.relative_to(root).as_posix()
-                found[unit] = tuple(sorted(f"{unit}/{n}" for n in names))
+            unit = sub.relative_to(root).as_posix()
+            found[unit] = tuple(sorted(f"{unit}/{n}" for n in names))
     return found
 
 
-LIBRARY = Library("deep_gemm", "deep_gemm_cache", resolve, units, ("deep_gemm", "nvcc", "arch"))
+def _marker_last(files: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(files, key=lambda rel: (rel.endswith("/" + COMMITTED), rel)))
+
+
+LIBRARY = Library("deep_gemm", "deep_gemm_cache", resolve, units, ("deep_gemm", "nvcc", "arch"),
+                  commit_last=_marker_last)
 name, description, build, check, load = bind(LIBRARY)

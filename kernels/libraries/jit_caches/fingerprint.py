@@ -5,11 +5,12 @@ A cache copied to a node where one of these differs is transferred "successfully
 another toolchain is loaded. Each library lists its items (:attr:`~.units.Library.items`); a unit carries their
 values as the recording process saw them, and a restore compares them with the node's (:func:`differing`).
 
-Items: the installed distribution's version (``torch``, ``triton``, ``tilelang``, ``deep_gemm``,
-``flashinfer``, ``sglang``; ``cutlass-dsl`` joins every ``nvidia-cutlass-dsl*`` distribution, as CuTe DSL's
-own key does); ``nvcc`` and ``cxx``, the compiler's ``--version`` line (through
-:func:`jitwarm.kernels.backend.version_lines`); ``arch``, the GPU's ``sm_XY`` (``cpu`` without one); ``driver``,
-the NVIDIA driver's version (the driver's PTX cache is keyed by it). A value that cannot be found is ``absent``.
+Items: the installed distribution's version (``torch``, ``triton``, ``tilelang``, ``deep_gemm`` (sglang's
+``sgl-deep-gemm`` or DeepGEMM's own), ``flashinfer``, ``sglang``; ``cutlass-dsl`` joins every
+``nvidia-cutlass-dsl*`` distribution, as CuTe DSL's own key does); ``nvcc`` and ``cxx``, the compiler's
+``--version`` line (through :func:`jitwarm.kernels.backend.version_lines`); ``arch``, the GPU's ``sm_XY``
+(``cpu`` without one); ``driver``, the NVIDIA driver's version (the driver's PTX cache is keyed by it). A value
+that cannot be found is ``absent``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 ABSENT = "absent"
 #: item -> the distribution names that may provide it (the first installed one counts).
 PACKAGES = {"torch": ("torch",), "triton": ("triton",), "tilelang": ("tilelang",),
-            "deep_gemm": ("deep_gemm", "deep-gemm"), "flashinfer": ("flashinfer-python", "flashinfer"),
+            "deep_gemm": ("sgl-deep-gemm", "deep_gemm", "deep-gemm"), "flashinfer": ("flashinfer-python", "flashinfer"),
             "sglang": ("sglang",)}
 ITEMS = (*PACKAGES, "cutlass-dsl", "nvcc", "cxx", "arch", "driver")
 

@@ -1,23 +1,39 @@
 """FlashInfer's JIT cache (``FLASHINFER_WORKSPACE_BASE``/.cache/flashinfer): its ``cached_ops`` modules.
 
 Where (flashinfer/jit/env.py): ``FLASHINFER_WORKSPACE_BASE`` (default: home) ``/.cache/flashinfer``, each
-module in ``<version>/<sorted archs>/cached_ops/<name>/``; under sglang the base is ``SGLANG_CACHE_DIR``
-itself (srt/environ.py:2318-2319).
+module in ``<version>/<archs>/cached_ops/<name>/`` (``<archs>``: the sorted target archs with FlashInfer's
+suffix, ``90a`` for sm_90, ``_get_workspace_dir_name``); under sglang the base is ``SGLANG_CACHE_DIR`` itself
+(srt/environ.py:2318-2319).
 
-A unit is one module directory: ninja builds it in place under ``cached_ops/tmp/<name>.lock``
-(flashinfer/jit/core.py, ``build_and_load``), so it is complete when ``<name>.so`` is there and no build
-holds that lock. The whole directory (``build.ninja``, ninja's log, the objects, the ``.so``) is the unit: the
-JIT path's freshness is ninja's, which reads them all. ``cubins/`` holds FlashInfer's downloaded cubins,
-verified by their own checksums: not units here.
+A unit is one module: ninja builds it in place under ``cached_ops/tmp/<name>.lock`` (flashinfer/jit/core.py,
+``JitSpecNvcc.build``), so it is complete when ``<name>.so`` is there and no build holds that lock. FlashInfer
+never loads a JIT-built ``.so`` without running ninja first (``try_load`` returns only AOT artifacts): the
+JIT path's freshness is ninja's. So the unit is everything ninja reads for it: the module directory whole
+(``build.ninja``, ninja's own ``.ninja_log`` and ``.ninja_deps``, the objects, the ``.so``) and the sources
+FlashInfer generated for it under ``<version>/<archs>/generated/`` (the inputs ``build.ninja`` names there, and
+``generated/<name>/`` with the headers they include): generated anew on the node they would be newer than the
+restored objects, and ninja would build again. ``cubins/`` holds FlashInfer's downloaded cubins, verified by
+their own checksums: not units here.
+
+Ninja also compares times: an output older than an input, or newer than the time its ``.ninja_deps`` and
+``.ninja_log`` records hold, is rebuilt. A restore therefore gives each output the modification time ninja
+logged for it, and each generated input the earliest of those (:func:`settle`), so that ``ninja`` has no work
+on the node as long as the module's paths and commands are the recording box's (the same image, the same
+``FLASHINFER_WORKSPACE_BASE``: ``build.ninja`` holds absolute paths).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_base, subdirs, tree_files
+
+#: Ninja's own files in the module directory (dot-files, which the shared listing leaves out).
+NINJA_FILES = (".ninja_log", ".ninja_deps")
 
 
 def resolve(environ: Mapping[str, str], server: str) -> Path:
@@ -29,7 +45,7 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete module directories under ``root``."""
+    """The complete modules under ``root``, each with its generated sources."""
     found: dict[str, tuple[str, ...]] = {}
     for version in subdirs(root):
         for arch in subdirs(version):
@@ -42,8 +58,63 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
                 if lock_held(ops / "tmp" / f"{module.name}.lock"):
                     continue
                 unit = module.relative_to(root).as_posix()
-                found[unit] = tuple(f"{unit}/{rel}" for rel in tree_files(module))
+                files = {f"{unit}/{rel}" for rel in tree_files(module)}
+                files |= {f"{unit}/{n}" for n in NINJA_FILES if _regular(module / n)}
+                files |= {p.relative_to(root).as_posix() for p in _generated(arch, module)}
+                found[unit] = tuple(sorted(files))
     return found
+
+
+def _regular(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _generated(arch: Path, module: Path) -> set[Path]:
+    """The files under ``arch/generated/`` the module's build reads: those ``build.ninja`` names, its own folder."""
+    gen = arch / "generated"
+    own = gen / module.name
+    found = {own / rel for rel in tree_files(own)} if own.is_dir() and not own.is_symlink() else set()
+    try:
+        text = (module / "build.ninja").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return found
+    prefix = f"{gen}/"
+    for line in text.splitlines():
+        if line.startswith("build ") and ":" in line:
+            for word in line.split(":", 1)[1].split():
+                if word.startswith(prefix) and _regular(Path(word)):
+                    found.add(Path(word))
+    return found
+
+
+def logged_mtimes(log: Path) -> dict[str, int]:
+    """Ninja's ``.ninja_log`` (v5 and later): each output's path -> the mtime (ns) ninja recorded for it, last wins."""
+    found: dict[str, int] = {}
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return found
+    for line in lines[1:]:  # "# ninja log vN", then start, end, mtime, output, command hash
+        fields = line.split("\t")
+        if len(fields) == 5 and fields[2].isdigit():
+            found[fields[3]] = int(fields[2])
+    return found
+
+
+def settle(root: Path, unit: str, files: tuple[str, ...]) -> None:
+    """Give a restored module the times ninja logged (the module docstring); nothing when it has no log."""
+    logged = logged_mtimes(root / unit / ".ninja_log")
+    if not logged:
+        return
+    earliest = min(logged.values())
+    for rel in files:
+        path = root / rel
+        mtime = logged.get(str(path), logged.get(os.path.realpath(path)))  # ninja logs resolved paths
+        if mtime is None and not rel.startswith(f"{unit}/"):
+            mtime = earliest  # a generated source: no newer than anything built from it
+        if mtime is not None:
+            with contextlib.suppress(OSError):
+                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
 
 
 def _so_last(files: tuple[str, ...]) -> tuple[str, ...]:
@@ -51,5 +122,5 @@ def _so_last(files: tuple[str, ...]) -> tuple[str, ...]:
 
 
 LIBRARY = Library("flashinfer", "flashinfer_cache", resolve, units, ("flashinfer", "nvcc", "arch"),
-                  commit_last=_so_last)
+                  unit_is_dir=False, commit_last=_so_last, settle=settle)
 name, description, build, check, load = bind(LIBRARY)

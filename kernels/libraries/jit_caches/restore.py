@@ -11,6 +11,10 @@ Two ways, chosen by what is at the destination:
   ``.so`` Inductor builds from its ``.cpp``). Until it is there the library sees no unit; a failure part-way
   removes the files this call placed.
 
+Once placed, a library's :attr:`~.units.Library.settle` gives the files what its build tool reads beside
+their bytes: a restore writes every file anew (now), and FlashInfer's ninja rebuilds an output newer than the
+time it logged for it.
+
 A destination file that exists already is compared with the unit's (as the unit stores it): the same bytes
 count as present; different bytes are the library's own compile and are kept (the unit is not restored, and the
 caller is told which file differed). Every byte copied is hashed against the entry's manifest on the way.
@@ -63,11 +67,14 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
 
     """
     unit_dir = root if unit == "." else root / unit
+    done = None
     if library.unit_is_dir and _empty_or_absent(unit_dir):
         done = _rename_dir(library, unit, files, source, root, unit_dir)
-        if done is not None:
-            return done
-    return _link_files(library, unit, files, source, root, unit_dir)
+    if done is None:
+        done = _link_files(library, unit, files, source, root, unit_dir)
+    if done.outcome == "placed" and library.settle is not None:
+        library.settle(root, unit, tuple(files))  # e.g. the times FlashInfer's ninja logged (flashinfer.settle)
+    return done
 
 
 def _empty_or_absent(path: Path) -> bool:

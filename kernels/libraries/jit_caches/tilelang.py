@@ -5,9 +5,13 @@ Where (tilelang/env.py): ``TILELANG_CACHE_DIR``, else ``~/.tilelang/cache``; und
 warming, mounting or baking SGLANG_CACHE_DIR" (srt/environ.py:2313-2316).
 
 A unit is one kernel directory ``<version>/<platform>-<machine>/kernels/<key>/`` (tilelang/cache/
-kernel_cache.py, ``_get_cache_path``): TileLang writes it in ``.staging`` and renames the whole directory
-into place, its ``manifest.json`` (size and sha256 of every file) written last. Complete: the manifest is
-there, and so is every file it lists, ``kernel_lib.so`` and ``params.json`` among them (``_get_required_files``).
+kernel_cache.py, ``_get_cache_namespace`` and ``_get_cache_path``): TileLang writes it in ``.staging/`` beside
+``kernels/`` and renames the whole directory into place once it holds every file its execution backend's
+``_get_complete_cache_files`` names. Complete: from 0.1.15 on, its ``manifest.json`` (written last) is there
+with every file it lists; in 0.1.12 (sglang 0.5.23's pin), which writes no manifest, the files of one backend:
+``device_kernel.cu``, ``host_kernel.cu``, ``params.pkl`` and ``executable.so`` (tvm_ffi, the default),
+``kernel_lib.so`` (cython, torch), ``kernel.cubin`` and ``kernel.py`` (nvrtc); or CuTe DSL's ``device_kernel.py``,
+``host_kernel.py``, ``kernel.py``, ``params.pkl`` and ``launcher_lib.so`` (jit/adapter/*/kernel_cache.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_base, subdirs
 
 MANIFEST = "manifest.json"
-REQUIRED = ("kernel_lib.so", "params.json")
+_SOURCES = ("device_kernel.cu", "host_kernel.cu", "params.pkl")
+#: TileLang 0.1.12's complete sets, one per execution backend's cache class (without a manifest).
+COMPLETE = (frozenset({*_SOURCES, "executable.so"}), frozenset({*_SOURCES, "kernel_lib.so"}),
+            frozenset({*_SOURCES, "kernel.cubin", "kernel.py"}),
+            frozenset({"device_kernel.py", "host_kernel.py", "kernel.py", "params.pkl", "launcher_lib.so"}))
 
 
 def resolve(environ: Mapping[str, str], server: str) -> Path:
@@ -42,15 +50,21 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
                 continue
             for key_dir in subdirs(kernels):
                 names = set(regular_files(key_dir))
-                try:
-                    listed = set(json.loads((key_dir / MANIFEST).read_bytes())["files"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue  # no manifest yet: TileLang has not finished it
-                if not (listed | set(REQUIRED)) <= names:
+                if not _complete(key_dir, names):
                     continue
                 unit = key_dir.relative_to(root).as_posix()
                 found[unit] = tuple(sorted(f"{unit}/{n}" for n in names))
     return found
+
+
+def _complete(key_dir: Path, names: set[str]) -> bool:
+    if MANIFEST not in names:
+        return any(complete <= names for complete in COMPLETE)
+    try:
+        listed = json.loads((key_dir / MANIFEST).read_bytes())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: TileLang itself rejects the entry
+    return isinstance(listed, dict) and bool(listed) and set(listed) <= names
 
 
 def _manifest_last(files: tuple[str, ...]) -> tuple[str, ...]:
