@@ -11,9 +11,10 @@ Which writer is the library's own and which is laid by hand:
   (``include/deep_jit/cache/disk.hpp``), which test_jit_caches_libraries.py reads from the wheel. It cannot run
   here: ``import deep_gemm`` loads ``_C.so``, which needs ``libnvrtc.so.13`` (CUDA 13 runtime) and a CUDA torch,
   and deep_jit's cache is C++20 (``std::format``, elfutils), which this box's GCC 12 cannot compile on its own.
-- CuTe DSL: by hand, in the layout of sglang's ``kernels/jit/cute_aot_cache.py``; its key needs
-  ``cutlass.__version__``, whose package is in the CUDA library wheels of nvidia-cutlass-dsl (about 190 MB to
-  download, 480 MB installed: not installed for tests).
+- CuTe DSL: by hand here, in the layout of sglang's ``kernels/jit/cute_aot_cache.py``; in
+  test_jit_caches_libraries.py sglang's own ``JITPersistentCache`` exports the objects. Its source-fingerprint
+  directory's name needs ``cutlass.__version__``, whose package is in nvidia-cutlass-dsl's CUDA library wheels
+  (about 190 MB to download, 480 MB installed: not installed for tests), so that directory is named by hand.
 - The driver's PTX cache: by hand (no driver here); its index is rewritten under capture in test_jit_caches_ptx.py.
 
 The hand-laid bytes are made up. Triton's and Inductor's trees are written by the real libraries in

@@ -45,7 +45,9 @@ _SKIP = ("tmp", "locks")
 def resolve(environ: Mapping[str, str], server: str) -> Path:
     """The directory DeepGEMM's JIT uses in ``environ`` (sglang's override first, when under sglang)."""
     if server == SGLANG:
-        return Path(environ.get("SGLANG_DG_CACHE_DIR") or Path(sglang_base(environ)) / "deep_gemm")
+        if environ.get("SGLANG_DG_CACHE_DIR"):  # exported as DG_JIT_CACHE_DIR, which deep_jit reads as a list
+            return Path(environ["SGLANG_DG_CACHE_DIR"].split(":")[0])
+        return Path(sglang_base(environ)) / "deep_gemm"
     for var in ("DG_JIT_CACHE_DIR", "DJ_JIT_CACHE_DIR"):  # Env::get: the library's prefix, then deep_jit's own
         if environ.get(var):
             return Path(environ[var].split(":")[0])
