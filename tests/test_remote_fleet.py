@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
-from remote_fixtures import RedisServer, Remote, redis_server_binary
+from remote_fixtures import RedisServer, Remote, assert_built_locally, redis_server_binary, warm_while_the_store_stops
 from workers.cache_harness import artifact_bytes, build_counts, desc, wait_for_file
 
 from jitwarm.cache import KernelCache
@@ -140,26 +140,12 @@ def test_redis_stopped_in_the_middle_of_a_warm(tmp_path, required):
     server = RedisServer(tmp_path / "redis")
     remote = Remote(server.url())
     root = tmp_path / "node"
-    try:
-        flags = ["--remote-required"] if required else []
-        proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *remote.flags(),
-                             *flags)
-        deadline = time.monotonic() + 60
-        while not any((root / "v1" / "entries").glob("*/*")):  # the first spec is published locally
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.01)
-        server.stop()
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        server.stop()
+    code, stdout, stderr = warm_while_the_store_stops(server, root, *remote.flags(),
+                                                      *(["--remote-required"] if required else []))
     if not required:
-        assert proc.returncode == 0, stderr
-        report = json.loads(stdout)
-        assert report["ok"] and report["totals"]["built"] == 3
-        assert report["remote"]["available"] is False and "Error" in report["remote"]["error"]
-        assert KernelCache(root=root, layers=()).verify([s["key"] for s in report["specs"]]).clean
+        assert_built_locally(root, code, stdout, stderr)
     else:
-        assert proc.returncode == 1
+        assert code == 1
         report = json.loads(stdout)
         assert report["totals"]["failed"] >= 1
         assert all(s["error_kind"] == "remote_unavailable" and s["error_type"] == "RemoteUnavailable"

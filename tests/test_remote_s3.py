@@ -15,10 +15,17 @@ import time
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
-from remote_fixtures import Bucket, FaultyProxy, MotoServer, use_endpoint
+from remote_fixtures import (
+    Bucket,
+    FaultyProxy,
+    MotoServer,
+    assert_built_locally,
+    use_endpoint,
+    warm_while_the_store_stops,
+)
 
 from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
-from jitwarm.cache.remote import s3
+from jitwarm.cache.remote import FleetLease, RemoteStore, s3
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.remote.s3_lease import ObjectLease
 from jitwarm.cache.signing import UntrustedEntry
@@ -59,7 +66,7 @@ def test_three_nodes_warm_one_plan_on_an_empty_bucket_each_spec_built_once(bucke
 _PUBLISHER = """
 import pathlib, sys, time
 from jitwarm.cache import KernelCache
-from jitwarm.cache.remote import s3
+from jitwarm.cache.remote import FleetLease, RemoteStore, s3
 put = s3.ObjectStore.put
 def put_or_hang(self, name, body, what, **condition):
     if "/entries/" in name:
@@ -150,8 +157,7 @@ def test_lease_is_exclusive_renewed_and_taken_over_only_after_it_expires(bucket)
     assert not ObjectLease(store, "a" * 64, ttl_s=1.0).try_acquire() and not first.lost
     holder = ObjectLease(store, "a" * 64, ttl_s=1.0).holder()
     assert holder is not None and holder.pid == os.getpid()
-    first._stop.set()  # the holder dies: no more renewals, no release
-    first._thread.join()
+    first._stop_renewing()  # the holder dies: no more renewals, no release
     second = ObjectLease(store, "a" * 64, ttl_s=30)
     assert not second.try_acquire()  # not at once: it expires a lifetime after its last renewal
     deadline = time.monotonic() + 10
@@ -164,26 +170,39 @@ def test_lease_is_exclusive_renewed_and_taken_over_only_after_it_expires(bucket)
     assert not bucket.keys("leases/")
 
 
+@pytest.mark.parametrize("store", ["redis", "s3"])
+def test_a_lease_taken_over_under_its_holder_is_found_lost_by_the_renewal(request, store, caplog):
+    """One renewal thread for both stores (cache/remote/base.py): it notices the lease is no longer ours."""
+    key = "b" * 64
+    if store == "redis":
+        remote = request.getfixturevalue("remote")
+        lease = FleetLease(RemoteStore(remote.url, remote.prefix), key, ttl_s=0.6)
+        assert lease.try_acquire()
+        remote.client().set(lease.name, b'{"host": "other", "pid": 1, "since": 0}', px=60_000)
+    else:
+        bucket = request.getfixturevalue("bucket")
+        lease = ObjectLease(ObjectStore(bucket.url, bucket.prefix), key, ttl_s=0.6)
+        assert lease.try_acquire()
+        bucket.write(f"fleet/{bucket.prefix}/v1/leases/{key}.json", b'{"host": "other", "pid": 1, "since": 0}')
+    deadline = time.monotonic() + 10
+    while not lease.lost:
+        assert time.monotonic() < deadline, "the renewal never noticed"
+        time.sleep(0.05)
+    assert f"fleet lease of cache key {key}" in caplog.text and "was lost" in caplog.text
+    lease.release()  # not ours: the other holder's lease stays
+    assert (remote.client().get(lease.name) if store == "redis" else bucket.keys("leases/"))
+
+
 def test_store_stopped_in_the_middle_of_a_warm(tmp_path, monkeypatch):
     server = MotoServer(tmp_path / "moto")
     try:
         use_endpoint(monkeypatch, server.url)
-        bucket = Bucket(server.url)
-        root = tmp_path / "node"
-        proc = start_jitwarm("warm", *TINY_FAST, "--json", "--jobs", "1", "--cache-dir", str(root), *bucket.flags())
-        deadline = time.monotonic() + 60
-        while not any((root / "v1" / "entries").glob("*/*")):  # the first spec is published locally
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.01)
+        flags = Bucket(server.url).flags()
+    except BaseException:
         server.stop()
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        server.stop()
-    assert proc.returncode == 0, stderr
-    report = json.loads(stdout)
-    assert report["ok"] and report["totals"]["built"] == 3
-    assert report["remote"]["available"] is False and "Error" in report["remote"]["error"]
-    assert KernelCache(root=root, layers=()).verify([s["key"] for s in report["specs"]]).clean
+        raise
+    root = tmp_path / "node"
+    assert_built_locally(root, *warm_while_the_store_stops(server, root, *flags))
 
 
 def test_required_store_stopped_mid_run_fails_naming_the_fault(tmp_path, monkeypatch):

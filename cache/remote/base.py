@@ -219,6 +219,52 @@ class StoreBase:
         return manifest, files, executable
 
 
+class RenewedLease:
+    """A fleet lease renewed in the background, every third of its lifetime, until released or found lost.
+
+    A store's lease (:class:`~jitwarm.cache.remote.fleet.FleetLease` for Redis,
+    :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`) says how one renewal is made (:meth:`_renew`);
+    the thread, its stop and the warning when a renewal finds the lease taken over are here, once.
+    ``lost`` is then set: another node may build the key once more, never a corrupt entry.
+    """
+
+    def __init__(self, key: str, ttl_s: float, display: str) -> None:
+        self.key = key
+        self.lost = False
+        self._every_s = ttl_s / 3
+        self._lifetime_s = ttl_s
+        self._display = display
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _renew(self) -> bool:
+        """Renew the lease once: False when it is no longer ours. RemoteFailure for a store fault."""
+        raise NotImplementedError
+
+    def _start_renewing(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+
+    def _stop_renewing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._every_s):
+            try:
+                if self._renew():
+                    continue
+            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
+                log.debug("could not renew the fleet lease of %s: %s", self.key, exc)
+                continue
+            log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); another node "
+                        "may build it too", self.key, self._display, self._lifetime_s)
+            self.lost = True  # after the warning: whoever sees it set can read why
+            return
+
+
 def _read(path: Path, size: int) -> bytes:
     """Read a file of a local entry to upload it (a replaced or grown file fails the signature check after)."""
     fd, _st = open_regular(path)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.files import loads, remove_tree
 from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
-from jitwarm.cache.remote.base import RemoteFailure
+from jitwarm.cache.remote.base import RemoteFailure, RenewedLease
 from jitwarm.cache.remote.redis import RemoteStore
 
 if TYPE_CHECKING:
@@ -181,24 +181,21 @@ class Fleet:
             self._count("lock_wait_s", time.monotonic() - start)
 
 
-class FleetLease:
+class FleetLease(RenewedLease):
     """The fleet-wide build lease of one cache key: ``<prefix>:v1:lease:<key>``, lifetime ``ttl_s``.
 
     Taken with ``SET NX PX`` and a token ``{"host", "pid", "since", "nonce"}`` waiters read to say who builds;
-    a daemon thread extends it every third of its lifetime, so a dead holder's lease expires and another
-    node takes over (no liveness guess). An extension that finds it gone (a stall past ``ttl_s``) sets
-    :attr:`lost` and warns: another node may build the key once more, never a corrupt entry.
+    extended every third of its lifetime (:class:`~jitwarm.cache.remote.base.RenewedLease`), so a dead
+    holder's lease expires and another node takes over (no liveness guess). An extension that finds it gone
+    (a stall past ``ttl_s``) sets :attr:`lost` and warns: another node may build the key once more.
     """
 
     def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:
         self.store = store
-        self.key = key
         self.name = store.lease_name(key)
         self.ttl_ms = max(100, int(ttl_s * 1000))
-        self.lost = False
+        super().__init__(key, self.ttl_ms / 1000, store.display)
         self._token: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def try_acquire(self) -> bool:
         """Take the lease if nobody holds it; start the heartbeat. Raises RemoteFailure."""
@@ -207,9 +204,7 @@ class FleetLease:
         if not self.store.call("lease", lambda c: c.set(self.name, token, nx=True, px=self.ttl_ms)):
             return False
         self._token = token
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
-        self._thread.start()
+        self._start_renewing()
         return True
 
     def holder(self) -> LockHolder | None:
@@ -230,9 +225,7 @@ class FleetLease:
         """Stop the heartbeat and delete the lease if it is still ours; never raises for Redis errors."""
         if self._token is None:
             return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._stop_renewing()
         token, self._token = self._token, None
         try:
             self.store.call("lease", lambda c: c.eval(_RELEASE, 1, self.name, token))
@@ -240,18 +233,10 @@ class FleetLease:
             log.debug("could not release the fleet lease of %s (%s); it expires in %d ms", self.key, exc,
                       self.ttl_ms)
 
-    def _beat(self) -> None:
-        """Extend the lease every third of its lifetime until released, or until it is found lost."""
+    def _renew(self) -> bool:
+        """Extend the lease if it still holds our token (a Lua compare-and-extend): False once it does not."""
         token = self._token
-        while not self._stop.wait(self.ttl_ms / 3000):
-            try:
-                if not self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)):
-                    self.lost = True
-                    log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); "
-                                "another node may build it too", self.key, self.store.display, self.ttl_ms / 1000)
-                    return
-            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
-                log.debug("could not extend the fleet lease of %s: %s", self.key, exc)
+        return bool(self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)))
 
 
 def _warn_once(what: str, message: str) -> None:

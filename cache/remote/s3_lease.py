@@ -14,12 +14,11 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
 
 from jitwarm.cache.files import loads
 from jitwarm.cache.locks import LockHolder, this_host
-from jitwarm.cache.remote.base import RemoteFailure
+from jitwarm.cache.remote.base import RemoteFailure, RenewedLease
 from jitwarm.cache.remote.s3 import Got, ObjectStore
 
 log = logging.getLogger("jitwarm.cache")
@@ -32,23 +31,20 @@ CLOCK_RESOLUTION_S = 1.0
 MAX_TTL_S = 3600.0
 
 
-class ObjectLease:
+class ObjectLease(RenewedLease):
     """The fleet-wide build lease of one cache key in an object store (the calls :class:`Fleet` makes).
 
-    ``lost`` is set (and logged) when a renewal finds the lease taken over: another node may build the key
-    once more, never a corrupt entry. Every call raises RemoteFailure for a store fault but :meth:`release`.
+    Renewed as :class:`~jitwarm.cache.remote.base.RenewedLease` says (``lost``). Every call raises
+    RemoteFailure for a store fault but :meth:`release`.
     """
 
     def __init__(self, store: ObjectStore, key: str, ttl_s: float) -> None:
         self.store = store
-        self.key = key
         self.name = store.lease_name(key)
         self.ttl_s = max(0.1, float(ttl_s))
-        self.lost = False
+        super().__init__(key, self.ttl_s, store.display)
         self._etag: str | None = None
         self._since = time.time()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def try_acquire(self) -> bool:
         """Take the lease if nobody holds it or its holder's lease expired; start the renewals."""
@@ -66,9 +62,7 @@ class ObjectLease:
         if etag is None:
             return False
         self._etag = etag
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
-        self._thread.start()
+        self._start_renewing()
         return True
 
     def holder(self) -> LockHolder | None:
@@ -83,9 +77,7 @@ class ObjectLease:
         """Stop the renewals and delete the lease if it is still ours; never raises for store errors."""
         if self._etag is None:
             return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._stop_renewing()
         etag, self._etag = self._etag, None
         try:
             current = self.store.get(self.name, MAX_LEASE_BYTES, "lease", clip=True)
@@ -112,20 +104,13 @@ class ObjectLease:
             pass
         return current.server_now - current.modified > ttl + CLOCK_RESOLUTION_S
 
-    def _beat(self) -> None:
-        """Renew the lease every third of its lifetime until released, or until it is found taken over."""
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                etag = self.store.put(self.name, self._token(), "lease", IfMatch=self._etag or "")
-            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
-                log.debug("could not renew the fleet lease of %s: %s", self.key, exc)
-                continue
-            if etag is None:
-                self.lost = True
-                log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); "
-                            "another node may build it too", self.key, self.store.display, self.ttl_s)
-                return
-            self._etag = etag
+    def _renew(self) -> bool:
+        """Put the lease again with ``If-Match: <our ETag>``: False (412) once another node took it over."""
+        etag = self.store.put(self.name, self._token(), "lease", IfMatch=self._etag or "")
+        if etag is None:
+            return False
+        self._etag = etag
+        return True
 
 
 def _holder(body: bytes) -> LockHolder | None:
