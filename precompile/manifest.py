@@ -10,10 +10,10 @@ running sglang's version, the room's VERSION for the release it mirrors>, "call"
 (:data:`jitwarm.precompile.servers.sglang.VERSION`).
 
 ``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
-"cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang" or ""}``: one
-complete unit of a JIT library's own cache, captured from the run and stored in jitwarm's cache
-(:mod:`jitwarm.kernels.libraries.jit_caches`); ``under``: the run was an sglang process, so the unit is restored
-where sglang's redirect puts that cache.
+"cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang", "vllm" or
+""}``: one complete unit of a JIT library's own cache, captured from the run and stored in jitwarm's cache
+(:mod:`jitwarm.kernels.libraries.jit_caches`); ``under``: the server the run was (sglang, vLLM), so the unit is
+restored where that server puts that cache.
 
 Appends are safe with many ranks writing one manifest: each append locks the file itself (filelock, as the
 cache's key locks; its ``flock`` excludes other processes and other threads alike), reads what is there and
@@ -106,8 +106,8 @@ def _check_unit_record(record: dict[str, Any], where: str) -> None:
     if problem is None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                       for k, v in fingerprint.items())):
         problem = "its fingerprint is not an object of strings"
-    if problem is None and record.get("under", "") not in ("", "sglang"):
-        problem = "its 'under' is neither '' nor 'sglang'"
+    if problem is None and record.get("under", "") not in ("", "sglang", "vllm"):
+        problem = "its 'under' is none of '', 'sglang', 'vllm'"
     if problem is not None:
         raise ManifestError(f"{where}: jit_cache record of {record['library']} {record['unit']!r}: {problem}")
 

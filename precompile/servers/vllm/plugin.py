@@ -12,7 +12,10 @@ either module is imported, the V2 manager's ``capture`` and the V1 runner's ``_d
 as before, and right before each capture the device is drained and the TP group meets. With
 ``JITWARM_CONFIG=FILE.toml`` (or ``JITWARM_MANIFEST``) that point runs jitwarm's
 :class:`~jitwarm.precompile.hook.CaptureHook` for the plan of the server's own capture settings, warmed in the
-background from model-runner start. See ``docs/vllm.md``.
+background from model-runner start. The start-up ledger (:mod:`jitwarm.precompile.ledger`) takes its snapshot
+when the plugin loads and reports after each runner's ``capture_model`` (the worker's last capture,
+``v1/worker/gpu_worker.py:992-994``); with ``JITWARM_RECORD`` the JIT cache units compiled so far are stored
+after each graph and after ``capture_model``. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def register() -> None:
         return
     try:
         _record_and_serve()
+        _begin_ledger()
         plan_mode.configure()
         for module, cls, attribute, wrap in _TARGETS:
             after_import(module, lambda m, c=cls, a=attribute, w=wrap: _wrap(getattr(m, c, None), a, w))
@@ -76,9 +80,19 @@ def _record_and_serve() -> None:
         from jitwarm.precompile.recording import record
 
         _recorder = record(path)
-        log.info("jitwarm: recording every Triton kernel this process compiles into %s", path)
+        log.info("jitwarm: recording every Triton kernel and JIT cache unit this process compiles into %s", path)
     if plan_mode.setting(settings.triton_cache, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
         os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
+
+
+def _begin_ledger() -> None:
+    """Take the start-up ledger's snapshot now: before the model loads, so every compile of the start counts."""
+    try:
+        from jitwarm.precompile import ledger
+
+        ledger.begin()
+    except Exception as exc:  # the ledger only reports: it never takes the drain away
+        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
 
 
 def _store_units() -> None:
@@ -165,6 +179,28 @@ def _dummy_run(original: Callable[..., Any]) -> Callable[..., Any]:
     return dummy_run
 
 
+def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A runner's ``capture_model``: vLLM's own, then the units it compiled stored and the start-up ledger reported.
+
+    The worker calls it once, after the kernel warmup (``v1/worker/gpu_worker.py:982-994``); the V2 runner's
+    memory profiling calls it with ``profile_only=True`` first (``v1/worker/gpu/cudagraph_utils.py:1000``), which
+    captures graphs it throws away: that call reports nothing.
+    """
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if kwargs.get("profile_only"):
+            return out
+        _store_units()
+        try:
+            from jitwarm.precompile import ledger
+
+            ledger.report_after_capture()
+        except Exception as exc:  # the worker has its graphs: a ledger that fails is said, never fatal
+            log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
+        return out
+    return capture_model
+
+
 def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """A model runner's ``__init__``: plan mode starts its warm from the runner's ``vllm_config`` first."""
     signature = inspect.signature(original)
@@ -180,7 +216,8 @@ def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _TARGETS = ((*V2_GRAPHS, "capture", _capture), (*V1_RUNNER, "_dummy_run", _dummy_run),
-            (*V2_RUNNER, "__init__", _runner_init), (*V1_RUNNER, "__init__", _runner_init))
+            (*V2_RUNNER, "__init__", _runner_init), (*V1_RUNNER, "__init__", _runner_init),
+            (*V2_RUNNER, "capture_model", _capture_model), (*V1_RUNNER, "capture_model", _capture_model))
 
 
 def _wrap(cls: Any, attribute: str, wrapper: Callable[..., Any]) -> None:

@@ -1,0 +1,124 @@
+"""vLLM 0.33.0's compile caches in the zero-JIT-boot flow: captured, restored by prestart, refused, counted.
+
+A first worker start (``workers/vllm_caches_worker.py``, the real wheel, loaded by vLLM's own
+``load_general_plugins()``) writes vLLM's torch.compile tree with vLLM's own functions where they import without a
+GPU and hand-lays the rest in vLLM's layout (the worker's docstring says which is which: torch.compile inside
+vLLM cannot run on this CPU box), then runs the real V1 ``GPUModelRunner.capture_model`` through the plugin with the
+device and the parallel groups as recording fakes (the ONLY fakes; the runner is vLLM's class made without its
+``__init__``). With ``JITWARM_RECORD`` the plugin stores the new units; ``prestart`` restores them into a fresh
+``VLLM_CACHE_ROOT`` (the node's env factors computed by vLLM's own ``compile_factors()`` in a child) or refuses
+them, exit 4, naming the env factor that differs; a second start whose config differs is named in the ledger.
+The three slow processes after the first run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm_wheel
+
+WORKER = Path(__file__).resolve().parent / "workers" / "vllm_caches_worker.py"
+
+
+def _env(tmp: Path, root: str, **extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "VLLM_", "TRITON_", "TORCHINDUCTOR_"))}
+    return {**base, **vllm_wheel.vllm_env(), "JITWARM_CACHE_DIR": str(tmp / "cache"), "JITWARM_JOBS": "1",
+            "VLLM_CACHE_ROOT": str(tmp / root), "VLLM_PLUGINS": "jitwarm", "PYTHONWARNINGS": "ignore", **extra}
+
+
+def _start(tmp: Path, name: str, tag: str, **extra: str) -> subprocess.Popen:
+    env = _env(tmp, "server", JITWARM_RECORD=str(tmp / f"{name}.jsonl"), JITWARM_LEDGER=str(tmp / f"{name}.json"),
+               **extra)
+    return subprocess.Popen([sys.executable, str(WORKER), str(tmp / f"{name}.out.json"), tag], env=env,
+                            stdout=subprocess.DEVNULL, stderr=(tmp / f"{name}.err").open("w"), text=True)
+
+
+def _prestart(tmp: Path, root: str, **extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "jitwarm.precompile", "prestart", "--manifest", str(tmp / "first.jsonl"),
+               "--cache-dir", str(tmp / "cache"), "--offline"]
+    return subprocess.Popen(command, env=_env(tmp, root, **extra), cwd=tmp, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The first start, then at once: prestart on a fresh node, prestart with another env factor, a second start."""
+    tmp = tmp_path_factory.mktemp("vllm_caches")
+    first = _start(tmp, "first", "config-a")
+    assert first.wait(timeout=900) == 0, (tmp / "first.err").read_text()[-6000:]
+    node = _prestart(tmp, "node")
+    other = _prestart(tmp, "other", VLLM_BATCH_INVARIANT="1")
+    second = _start(tmp, "second", "config-b")  # the same node, the model's config changed: a new hash directory
+    done = {"node": node.communicate(timeout=900), "other": other.communicate(timeout=900)}
+    assert second.wait(timeout=900) == 0, (tmp / "second.err").read_text()[-6000:]
+    return {"tmp": tmp, "first": json.loads((tmp / "first.out.json").read_text()),
+            "node": (node.returncode, *done["node"]), "other": (other.returncode, *done["other"]),
+            "ledger": json.loads((tmp / "first.json").read_text()),
+            "second": json.loads((tmp / "second.json").read_text())}
+
+
+def test_the_plugin_captures_vllms_units_after_capture_model(runs):
+    first = runs["first"]
+    assert first["captured"] == {"inductor": 1, "vllm_compile": 2}
+    records = [json.loads(line) for line in (runs["tmp"] / "first.jsonl").read_text().splitlines()]
+    units = {(r["library"], r["unit"]) for r in records}
+    key = first["wrote"]["hash_key"]
+    assert ("vllm_compile", f"{key}/rank_0_0/backbone") in units
+    assert any(lib == "vllm_compile" and unit.startswith("torch_aot_compile/") for lib, unit in units)
+    assert any(lib == "inductor" and unit.startswith(f"{key}/rank_0_0/inductor_cache/fxgraph/") for lib, unit in units)
+    assert all(r["under"] == "vllm" for r in records)
+    backbone = next(r for r in records if r["unit"] == f"{key}/rank_0_0/backbone")
+    fingerprint = backbone["fingerprint"]
+    assert fingerprint["vllm"] == vllm_wheel.VLLM_VERSION and fingerprint["vllm:env:VLLM_PLUGINS"] == '["jitwarm"]'
+    assert {"vllm:config_hash", "vllm:code_hash", "vllm:compiler_hash", "torch", "triton", "arch"} <= set(fingerprint)
+    # the drain still runs before each capture inside the real capture_model
+    calls = first["calls"]
+    assert calls.index("barrier[jitwarm]") < calls.index("forward(FULL 16 capture)")
+
+
+def test_prestart_restores_them_into_a_fresh_cache_root_where_vllm_looks(runs):
+    code, out, err = runs["node"]
+    assert code == 0, err
+    tmp, key = runs["tmp"], runs["first"]["wrote"]["hash_key"]
+    for rel in (f"{key}/rank_0_0/backbone/vllm_compile_cache.py", f"{key}/rank_0_0/backbone/cache_key_factors.json",
+                f"{key}/rank_0_0/inductor_cache/fxgraph"):
+        assert (tmp / "node" / "torch_compile_cache" / rel).exists(), rel
+    src = tmp / "server" / "torch_compile_cache" / key / "rank_0_0" / "backbone"
+    dst = tmp / "node" / "torch_compile_cache" / key / "rank_0_0" / "backbone"
+    assert sorted(p.name for p in dst.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert (dst / "vllm_compile_cache.py").read_bytes() == (src / "vllm_compile_cache.py").read_bytes()
+    assert list((tmp / "node" / "torch_compile_cache" / "torch_aot_compile").glob("*/rank_0_0/model"))
+    assert "placed 3" in err
+
+
+def test_prestart_refuses_them_where_a_vllm_cache_key_factor_differs_naming_it(runs):
+    code, out, err = runs["other"]
+    assert code == 4, err
+    assert err.startswith("jitwarm: error: vllm_compile unit ")
+    assert "recorded with vllm:env:VLLM_BATCH_INVARIANT 'false', this node has 'true'" in err
+    assert err.count("\n") == 1 and "--allow-fingerprint-mismatch" in err
+    assert not (runs["tmp"] / "other").exists()  # refused before anything was restored
+
+
+def test_the_ledger_counts_them_and_names_the_factor_a_later_start_missed_by(runs):
+    first = runs["ledger"]["families"]["vllm_compile"]
+    assert first["compiled"] == 2 and first["present_at_start"] == 0 and first["served"] == 0
+    assert runs["ledger"]["families"]["inductor"]["keys"] == [f"fxgraph fq3{_tag_hash('config-a')}"]
+    second = runs["second"]
+    vllm = second["families"]["vllm_compile"]
+    assert vllm["present_at_start"] == 2 and vllm["compiled"] == 2  # its own prefix and AOT directories
+    named = [k for k in vllm["keys"] if "/rank_0_0/backbone" in k]
+    assert len(named) == 1 and named[0].endswith(
+        f"/rank_0_0/backbone (vllm:config_hash '{_tag_hash('config-a')}' (now '{_tag_hash('config-b')}'))")
+    assert [e["family"] for e in second["compiled_after_restore"]] == ["vllm_compile"]
+
+
+def _tag_hash(tag: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(tag.encode()).hexdigest()[:10]
