@@ -126,29 +126,39 @@ def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_co
     monkeypatch.setenv("TILELANG_CACHE_DIR", env["TILELANG_CACHE_DIR"])
     monkeypatch.setenv("JITWARM_RECORD_CACHES", "tilelang")
     manifest, cache_dir = tmp_path / "m.jsonl", tmp_path / "cache"
-    with record(manifest, KernelCache(cache_dir)) as recorder:
-        out = run_worker(env, "tilelang", "write", "k1", "k2", "k3")
-    root = tilelang.LIBRARY.root({"TILELANG_CACHE_DIR": env["TILELANG_CACHE_DIR"]}, "")
-    assert str(root) == out["cache_dir"] and out["namespace"] == "0.1.12/linux-x86_64"
-    written = {Path(p).relative_to(root).as_posix(): p for p in out["written"].values()}
-    units = tilelang.LIBRARY.present(root)
-    assert set(units) == set(written) and recorder.captured == {"tilelang": 3}
-    for unit, files in units.items():
-        assert set(files) == {f"{unit}/{p.name}" for p in Path(written[unit]).iterdir()}
+    worker = None
+    try:
+        with record(manifest, KernelCache(cache_dir)) as recorder:
+            worker = subprocess.Popen([sys.executable, str(WORKER), "tilelang", "write", "k1", "k2", "k3"],
+                                      env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True)
+            out = json.loads(worker.stdout.readline())  # TileLang has saved its kernels (and waits)
+        root = tilelang.LIBRARY.root({"TILELANG_CACHE_DIR": env["TILELANG_CACHE_DIR"]}, "")
+        assert str(root) == out["cache_dir"] and out["namespace"] == "0.1.12/linux-x86_64"
+        written = {Path(p).relative_to(root).as_posix(): p for p in out["written"].values()}
+        units = tilelang.LIBRARY.present(root)
+        assert set(units) == set(written) and recorder.captured == {"tilelang": 3}
+        for unit, files in units.items():
+            assert set(files) == {f"{unit}/{p.name}" for p in Path(written[unit]).iterdir()}
 
-    dst = tmp_path / "restored"
-    proc = jitwarm("prestart", "--manifest", str(manifest), "--cache-dir", str(cache_dir), "--offline",
-                   env={"TILELANG_CACHE_DIR": str(dst)})
-    assert proc.returncode == 0 and "placed 3" in proc.stderr, proc.stderr
-    k1, k2, _ = (dst / Path(p).relative_to(root) for p in out["written"].values())
-    (k1 / "executable.so").unlink()  # torn by hand: TileLang must call these incomplete, and jitwarm too
-    (k2 / "params.pkl").unlink()
-    verdicts = run_worker({**env, "TILELANG_CACHE_DIR": str(dst)}, "tilelang", "verdicts")["verdicts"]
-    listed = tilelang.LIBRARY.present(dst)
-    assert len(verdicts) == 3
-    for path, by_backend in verdicts.items():
-        assert by_backend["tvm_ffi"] == (Path(path).relative_to(dst).as_posix() in listed), (path, by_backend)
-    assert len(listed) == 1
+        dst = tmp_path / "restored"
+        proc = jitwarm("prestart", "--manifest", str(manifest), "--cache-dir", str(cache_dir), "--offline",
+                       env={"TILELANG_CACHE_DIR": str(dst)})
+        assert proc.returncode == 0 and "placed 3" in proc.stderr, proc.stderr
+        k1, k2, _ = (dst / Path(p).relative_to(root) for p in out["written"].values())
+        (k1 / "executable.so").unlink()  # torn by hand: TileLang must call these incomplete, and jitwarm too
+        (k2 / "params.pkl").unlink()
+        verdicts = json.loads(worker.communicate(f"{dst}\n", timeout=120)[0].splitlines()[-1])["verdicts"]
+        assert worker.returncode == 0
+        listed = tilelang.LIBRARY.present(dst)
+        assert len(verdicts) == 3
+        for path, by_backend in verdicts.items():
+            assert by_backend["tvm_ffi"] == (Path(path).relative_to(dst).as_posix() in listed), (path, by_backend)
+        assert len(listed) == 1
+    finally:
+        if worker is not None and worker.poll() is None:  # a failed assertion: the worker still waits
+            worker.kill()
+            worker.communicate()
 
 
 def test_cute_dsl_objects_are_the_ones_sglang_s_own_cache_exported(sglang_env, tmp_path):

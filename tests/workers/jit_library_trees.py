@@ -13,7 +13,8 @@ is stood in for and named below; every path, key, file name and write is the lib
   with ``_generate_key`` and saves it with ``_save_kernel_to_disk`` (staging directory, rename), a stand-in for
   the compiled kernel (its sources, an exported library's bytes, its params), since compiling needs CUDA.
 - ``tilelang verdicts``: for every key directory under TileLang's cache, each backend cache class's own
-  ``_is_complete_cache_dir``.
+  ``_is_complete_cache_dir``. After ``write``, a line on stdin naming another cache directory asks the same
+  process for that directory's verdicts (one import of TileLang, about 8 s here, for both).
 
 - ``cute DIR KEYS``: sglang's own ``JITPersistentCache`` (kernels/jit/cute_aot_cache.py) in ``DIR``
   stores one compiled function per key, exported by a stand-in for CuTe's compiled function (``export_to_c``
@@ -78,11 +79,17 @@ def tilelang(action: str, keys: list[str]) -> dict:
         out["written"] = written
         out["namespace"] = cache._get_cache_namespace()
     else:
-        root = Path(env.TILELANG_CACHE_DIR) / _dispatch_map["tvm_ffi"]._get_cache_namespace() / "kernels"
-        out["verdicts"] = {entry.path: {name: cache._is_complete_cache_dir(entry.path)
-                                        for name, cache in _dispatch_map.items()}
-                           for entry in os.scandir(root) if entry.is_dir()}
+        out["verdicts"] = tilelang_verdicts()
     return out
+
+
+def tilelang_verdicts() -> dict:
+    from tilelang import env
+    from tilelang.cache import _dispatch_map
+
+    root = Path(env.TILELANG_CACHE_DIR) / _dispatch_map["tvm_ffi"]._get_cache_namespace() / "kernels"
+    return {entry.path: {name: cache._is_complete_cache_dir(entry.path) for name, cache in _dispatch_map.items()}
+            for entry in os.scandir(root) if entry.is_dir()}
 
 
 def cute(directory: str, keys: list[str]) -> dict:
@@ -129,4 +136,9 @@ if __name__ == "__main__":
         result = cute(action, sys.argv[3:])
     else:
         result = flashinfer(action) if library == "flashinfer" else tilelang(action, sys.argv[3:])
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if library == "tilelang" and action == "write":
+        line = sys.stdin.readline().strip()
+        if line:
+            os.environ["TILELANG_CACHE_DIR"] = line  # tilelang.env reads it at each use
+            print(json.dumps({"verdicts": tilelang_verdicts()}), flush=True)
