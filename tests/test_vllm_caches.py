@@ -122,3 +122,58 @@ def _tag_hash(tag: str) -> str:
     import hashlib
 
     return hashlib.sha256(tag.encode()).hexdigest()[:10]
+
+
+# -- without the wheel: where each family is under vLLM, and what a complete unit of vLLM's tree is ----------------
+
+
+def test_under_vllm_each_family_resolves_the_directory_vllm_uses(tmp_path):
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    env = {"VLLM_CACHE_ROOT": str(tmp_path / "v")}
+    tree = tmp_path / "v" / "torch_compile_cache"
+    for family in ("vllm_compile", "inductor", "triton"):
+        assert library(family).root(env, "vllm") == tree, family
+    assert library("deep_gemm").root(env, "vllm") == tmp_path / "v" / "deep_gemm"  # utils/deep_gemm.py:281-285
+    assert library("vllm_compile").root({"XDG_CACHE_HOME": str(tmp_path / "x")}, "") == \
+        tmp_path / "x" / "vllm" / "torch_compile_cache"  # envs.py:340-344, :714-719
+    # vLLM sets TORCHINDUCTOR_CACHE_DIR itself (compiler_interface.py:29-35): a user's value is not where it compiles
+    assert library("inductor").root({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}, "vllm") == tree
+    assert library("triton").root({**env, "TRITON_CACHE_DIR": str(tmp_path / "mine")}, "vllm") == tmp_path / "mine"
+    assert library("triton").root({**env, "TRITON_CACHE_DIR": str(tree / "h" / "rank_0_0" / "triton_cache")},
+                                  "vllm") == tree  # the one vLLM assigned
+    off = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    assert library("vllm_compile").root(off, "vllm") is None and library("inductor").root(off, "vllm") == \
+        tmp_path / "mine"
+    assert library("inductor").root({**env, "SGLANG_CACHE_DIR": str(tmp_path / "sg")}, "sglang") == \
+        tmp_path / "sg" / "inductor"  # sglang's as before
+
+
+def test_the_units_of_vllms_tree_are_the_complete_ones_each_family_named_by_its_path(tmp_path):
+    import jit_cache_trees as trees
+
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    tree = tmp_path / "torch_compile_cache"
+    rank = tree / "3f9a0c1b2d" / "rank_0_0"
+    trees.vllm_compile(tree)  # backbone/: factors and computation_graph.py
+    trees.write(rank / "eagle_head" / "cache_key_factors.json", "{}")  # a prefix vLLM is still compiling
+    index = "{((1, 8), 0, 'inductor_standalone'): {'cache_key': 'k', 'graph_handle': ('artifact_a', '/x')}}"
+    trees.write(rank / "mtp" / "computation_graph.py", "#")
+    trees.write(rank / "mtp" / "vllm_compile_cache.py", index)  # names an artifact not there (as save_to_file)
+    aot = tree / "torch_aot_compile" / ("ab" * 32)
+    trees.write(aot / "rank_0_0" / "model", b"aot")
+    trees.write(aot / "rank_1_0" / "model.4242.tmp", b"a save in flight")  # decorators.py:748-750
+    trees.inductor(rank / "inductor_cache")
+    trees.inductor(aot / "inductor_cache")
+    trees.triton(rank / "triton_cache")
+    trees.triton(aot / "inductor_cache" / "triton" / "0")
+    assert sorted(library("vllm_compile").present(tree)) == [
+        "3f9a0c1b2d/rank_0_0/backbone", f"torch_aot_compile/{'ab' * 32}/rank_0_0"]
+    inductor = library("inductor").present(tree)
+    assert len(inductor) == 8 and all("/inductor_cache/" in unit and "/triton/" not in unit for unit in inductor)
+    triton = library("triton").present(tree)
+    assert sorted(unit.rsplit("/", 1)[0] for unit in triton) == [
+        "3f9a0c1b2d/rank_0_0/triton_cache", f"torch_aot_compile/{'ab' * 32}/inductor_cache/triton/0"]
+    trees.write(rank / "mtp" / "artifact_a", b"now it is")
+    assert "3f9a0c1b2d/rank_0_0/mtp" in library("vllm_compile").present(tree)

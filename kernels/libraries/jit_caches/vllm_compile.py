@@ -132,9 +132,9 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
             if prefix.name in (INDUCTOR_DIR, TRITON_DIR) or not (prefix / GRAPH).is_file():
                 continue
             files = tree_files(prefix)
-            if INDEX in files and not all(
-                    any(f == name or f.startswith(f"{name}/") for f in files) for name in _indexed(prefix) or [""]):
-                continue  # an index that does not parse, or names an artifact that is not there
+            listed = _indexed(prefix) if INDEX in files else []
+            if listed is None or not all(any(f == a or f.startswith(f"{a}/") for f in files) for a in listed):
+                continue  # an index that does not parse, or names an artifact (a file, or unpacked a directory) not there
             unit = f"{rel}/{prefix.name}"
             found[unit] = tuple(f"{unit}/{f}" for f in files)
     return found
