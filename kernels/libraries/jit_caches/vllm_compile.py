@@ -134,7 +134,7 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
             files = tree_files(prefix)
             listed = _indexed(prefix) if INDEX in files else []
             if listed is None or not all(any(f == a or f.startswith(f"{a}/") for f in files) for a in listed):
-                continue  # an index that does not parse, or names an artifact (a file, or unpacked a directory) not there
+                continue  # an index that does not parse, or names an artifact (file or unpacked dir) not there
             unit = f"{rel}/{prefix.name}"
             found[unit] = tuple(f"{unit}/{f}" for f in files)
     return found
