@@ -156,11 +156,11 @@ def test_a_family_without_a_hit_signal_is_counted_from_the_new_units_in_its_cach
     jit_cache_trees.deep_gemm(root, digest="0restored")
     start_snapshot = ledger.Ledger()
     jit_cache_trees.deep_gemm(root, digest="1compiled")
-    (root / "cache" / "kernel.sm90_fp8_gemm_1d2d.2torn").mkdir()  # a compile not finished: no unit yet
-    (root / "cache" / "kernel.sm90_fp8_gemm_1d2d.2torn" / "kernel.cu").write_text("// no cubin yet")
+    (root / "cache" / "sm90_fp8_gemm_1d2d.2torn").mkdir()  # a compile not committed: no unit yet
+    (root / "cache" / "sm90_fp8_gemm_1d2d.2torn" / "kernel.cu").write_text("// no cubin, no .committed yet")
     count = start_snapshot.report().family("deep_gemm")
     assert (count.served, count.compiled, count.present) == (None, 1, 1)
-    assert count.keys == ("cache/kernel.sm90_fp8_gemm_1d2d.1compiled",)
+    assert count.keys == ("cache/sm90_fp8_gemm_1d2d.1compiled",)
     assert count.line().startswith("jitwarm: ledger: deep_gemm: compiled now 1, served from cache unknown (no hit "
                                    f"signal: counted from the new units in {root}, 1 unit(s) there at start)")
 
