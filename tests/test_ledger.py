@@ -210,3 +210,35 @@ def test_importing_the_ledger_imports_no_library():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                           cwd=WORKERS)
     assert json.loads(proc.stdout) == []
+
+
+def test_a_vllm_compile_after_restore_is_named_by_the_cache_key_factor_that_differs(own_caches):
+    """vLLM's tree laid by hand in its layout (``jit_cache_trees.vllm_compile``; the wheel writes one in
+    ``test_vllm_caches.py``): a start whose config hash differs writes a new hash directory, named with that factor."""
+    tree = own_caches / "vllm_compile" / "torch_compile_cache"
+    jit_cache_trees.vllm_compile(tree, digest="0restored0")  # config_hash "c0"
+    start_snapshot = ledger.Ledger()
+    new = tree / "1compiled1" / "rank_0_0" / "backbone"
+    jit_cache_trees.write(new / "cache_key_factors.json", json.dumps(
+        {"env": {"VLLM_TARGET_DEVICE": "cuda"}, "config_hash": "c9", "code_hash": "c1", "compiler_hash": "c2"}))
+    jit_cache_trees.write(new / "computation_graph.py", "#")
+    report = start_snapshot.report()
+    count = report.family("vllm_compile")
+    assert (count.served, count.compiled, count.present) == (None, 1, 1)  # vLLM's counter is not imported here
+    assert count.keys == ("1compiled1/rank_0_0/backbone (vllm:config_hash 'c0' (now 'c9'))",)
+    assert report.warnings()[0].startswith("jitwarm: ledger: vllm_compile compiled 1 although 1 unit(s) of "
+                                           f"vllm_compile were present at start in {tree}: 1compiled1/")
+
+
+def test_the_ledger_reads_only_the_rooms_public_names():
+    """#21 review: no layout of a library in the ledger, no private name of another module imported by it."""
+    import ast
+
+    tree = ast.parse(Path(ledger.__file__).read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("jitwarm") for alias in node.names]
+    assert imported and not [name for name in imported if name.startswith("_")]
+    from jitwarm.kernels.libraries.jit_caches.inductor import graph_keys
+
+    assert graph_keys(["fxgraph/q3/fq3abc/e1", "3f9a0c1b2d/rank_0_0/inductor_cache/fxgraph/z1/fz1def/e2",
+                       "aotautograd/ae/x"]) == ["fq3abc", "fz1def"]
