@@ -148,8 +148,10 @@ def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_co
         k1, k2, _ = (dst / Path(p).relative_to(root) for p in out["written"].values())
         (k1 / "executable.so").unlink()  # torn by hand: TileLang must call these incomplete, and jitwarm too
         (k2 / "params.pkl").unlink()
-        verdicts = json.loads(worker.communicate(f"{dst}\n", timeout=120)[0].splitlines()[-1])["verdicts"]
+        second = json.loads(worker.communicate(f"{dst}\n", timeout=120)[0].splitlines()[-1])
         assert worker.returncode == 0
+        assert str(tilelang.LIBRARY.root({}, "")) == second["default_cache_dir"]  # TILELANG_CACHE_DIR unset
+        verdicts = second["verdicts"]
         listed = tilelang.LIBRARY.present(dst)
         assert len(verdicts) == 3
         for path, by_backend in verdicts.items():

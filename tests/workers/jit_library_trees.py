@@ -14,7 +14,8 @@ is stood in for and named below; every path, key, file name and write is the lib
   the compiled kernel (its sources, an exported library's bytes, its params), since compiling needs CUDA.
 - ``tilelang verdicts``: for every key directory under TileLang's cache, each backend cache class's own
   ``_is_complete_cache_dir``. After ``write``, a line on stdin naming another cache directory asks the same
-  process for that directory's verdicts (one import of TileLang, about 8 s here, for both).
+  process for that directory's verdicts (one import of TileLang, about 8 s here, for both), and for the cache
+  directory TileLang uses when ``TILELANG_CACHE_DIR`` is unset (read only: nothing is made there).
 
 - ``cute DIR KEYS``: sglang's own ``JITPersistentCache`` (kernels/jit/cute_aot_cache.py) in ``DIR``
   stores one compiled function per key, exported by a stand-in for CuTe's compiled function (``export_to_c``
@@ -141,4 +142,8 @@ if __name__ == "__main__":
         line = sys.stdin.readline().strip()
         if line:
             os.environ["TILELANG_CACHE_DIR"] = line  # tilelang.env reads it at each use
-            print(json.dumps({"verdicts": tilelang_verdicts()}), flush=True)
+            verdicts = tilelang_verdicts()
+            del os.environ["TILELANG_CACHE_DIR"]
+            from tilelang import env
+
+            print(json.dumps({"verdicts": verdicts, "default_cache_dir": str(env.TILELANG_CACHE_DIR)}), flush=True)
