@@ -89,19 +89,29 @@ def test_a_flashinfer_module_restored_is_where_flashinfer_looks_and_ninja_has_no
     manifest, cache_dir = tmp_path / "m.jsonl", tmp_path / "cache"
     with record(manifest, KernelCache(cache_dir)) as recorder:
         built = run_worker(env, "flashinfer", "build")
-    assert built["is_compiled"] and len(compiled.read_text().splitlines()) == 2  # the object and the .so
+    modules = built["modules"]
+    assert all(m["is_compiled"] for m in modules) and len(compiled.read_text().splitlines()) == 6  # 4 objects, 2 .so
     root = flashinfer.LIBRARY.root({"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]}, "")
     assert str(root) == built["cache_dir"]  # where FlashInfer's jit/env.py puts its cache
-    unit = Path(built["build_dir"]).relative_to(root).as_posix()
-    [(listed, files)] = flashinfer.LIBRARY.present(root).items()
-    assert listed == unit and recorder.captured == {"flashinfer": 1}
-    names = {Path(built["library"]).relative_to(root).as_posix(), f"{unit}/build.ninja", f"{unit}/.ninja_log",
-             f"{unit}/.ninja_deps", *(Path(s).relative_to(root).as_posix() for s in built["sources"])}
-    assert names <= set(files), files
-    fd = os.open(built["lock"], os.O_RDWR)
+    listed = flashinfer.LIBRARY.present(root)
+
+    def unit_of(module: dict) -> str:
+        return Path(module["build_dir"]).relative_to(root).as_posix()
+
+    assert set(listed) == {unit_of(m) for m in modules}
+    assert recorder.captured == {"flashinfer": 2}
+    for m in modules:
+        unit = unit_of(m)
+        names = {Path(m["library"]).relative_to(root).as_posix(), f"{unit}/build.ninja", f"{unit}/.ninja_log",
+                 f"{unit}/.ninja_deps", *(Path(s).relative_to(root).as_posix() for s in m["sources"])}
+        assert names <= set(listed[unit]), listed[unit]
+    decode = next(m for m in modules if m["name"].startswith("batch_decode"))
+    config = Path(decode["sources"][0]).with_name("batch_decode_config.inc")  # included, named by no build line
+    assert config.is_file() and config.relative_to(root).as_posix() in listed[unit_of(decode)]
+    fd = os.open(decode["lock"], os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # FlashInfer's own build lock held: the module is being built
-        assert flashinfer.LIBRARY.present(root) == {}
+        assert set(flashinfer.LIBRARY.present(root)) == set(listed) - {unit_of(decode)}
     finally:
         os.close(fd)
 
@@ -109,12 +119,13 @@ def test_a_flashinfer_module_restored_is_where_flashinfer_looks_and_ninja_has_no
     time.sleep(0.05)  # the restore's own writes would be visibly later than the build's, were they kept
     proc = jitwarm("prestart", "--manifest", str(manifest), "--cache-dir", str(cache_dir), "--offline",
                    env={"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]})
-    assert proc.returncode == 0 and "placed 1" in proc.stderr, proc.stderr
-    build_dir = Path(built["build_dir"])
-    assert "no work to do" in ninja_plan(flashinfer_wheel, build_dir)
+    assert proc.returncode == 0 and "placed 2" in proc.stderr, proc.stderr
+    for m in modules:
+        assert "no work to do" in ninja_plan(flashinfer_wheel, Path(m["build_dir"]))
     again = run_worker(env, "flashinfer", "build")  # FlashInfer's own build(): ninja runs, compiles nothing
-    assert again["is_compiled"] and len(compiled.read_text().splitlines()) == 2
+    assert all(m["is_compiled"] for m in again["modules"]) and len(compiled.read_text().splitlines()) == 6
 
+    build_dir = Path(decode["build_dir"])
     obj = next(build_dir.glob("*.cuda.o"))
     os.utime(obj)  # as a restore that wrote the object now and kept no time would leave it
     assert "no work to do" not in ninja_plan(flashinfer_wheel, build_dir)

@@ -4,11 +4,11 @@ Run as ``python jit_library_trees.py LIBRARY ACTION`` with the library's test wh
 (tests/jit_cache_wheels.py) and its cache variable in the environment. What the library cannot do here (no GPU)
 is stood in for and named below; every path, key, file name and write is the library's own.
 
-- ``flashinfer build``: FlashInfer's own ``gen_act_and_mul_module("silu")`` generates the module's source and
-  ``JitSpec``; ``spec.build()`` writes ``build.ninja`` and runs the real ninja on it, with ``FLASHINFER_NVCC``
-  and ``CXX`` (FlashInfer's own knobs) set by the caller to a stand-in compiler: nvcc takes 40 s on this module
-  here and the link needs ``libcuda``, which no GPU-less box has.
-- ``flashinfer where``: FlashInfer's cache directory, the module's paths, ``is_compiled``; no build.
+- ``flashinfer build``: FlashInfer's own ``gen_act_and_mul_module("silu")`` and ``gen_batch_decode_module``
+  generate two modules' sources and ``JitSpec``; ``spec.build()`` writes ``build.ninja`` and runs the real
+  ninja, with ``FLASHINFER_NVCC`` and ``CXX`` (FlashInfer's own knobs) set by the caller to a stand-in compiler:
+  nvcc takes 40 s on the smaller module here and the link needs ``libcuda``, which no GPU-less box has.
+- ``flashinfer where``: FlashInfer's cache directory, the modules' paths, ``is_compiled``; no build.
 - ``tilelang write KEYS``: TileLang's default cache class (``TVMFFIKernelCache``) keys a real TIR ``PrimFunc``
   with ``_generate_key`` and saves it with ``_save_kernel_to_disk`` (staging directory, rename), a stand-in for
   the compiled kernel (its sources, an exported library's bytes, its params), since compiling needs CUDA.
@@ -48,13 +48,21 @@ def flashinfer_jit():
 
 
 def flashinfer(action: str) -> dict:
+    import torch
+
     jit_env, core, activation = flashinfer_jit()
-    spec = activation.gen_act_and_mul_module("silu")
+    from flashinfer.jit.attention import modules
+
+    specs = [activation.gen_act_and_mul_module("silu"),  # one generated source, flat in generated/
+             modules.gen_batch_decode_module(torch.float16, torch.float16, torch.float16, torch.int32, 128, 128, 0,
+                                             False, False)]  # generated/<uri>/: three sources and a config header
     if action == "build":
-        spec.build(verbose=False, need_lock=True)
+        for spec in specs:
+            spec.build(verbose=False, need_lock=True)
     return {"cache_dir": str(jit_env.FLASHINFER_CACHE_DIR), "workspace": str(jit_env.FLASHINFER_WORKSPACE_DIR),
-            "name": spec.name, "build_dir": str(spec.build_dir), "library": str(spec.jit_library_path),
-            "lock": str(spec.lock_path), "sources": [str(s) for s in spec.sources], "is_compiled": spec.is_compiled}
+            "modules": [{"name": spec.name, "build_dir": str(spec.build_dir), "library": str(spec.jit_library_path),
+                         "lock": str(spec.lock_path), "sources": [str(s) for s in spec.sources],
+                         "is_compiled": spec.is_compiled} for spec in specs]}
 
 
 def tilelang(action: str, keys: list[str]) -> dict:
