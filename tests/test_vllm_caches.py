@@ -76,9 +76,23 @@ def test_the_plugin_captures_vllms_units_after_capture_model(runs):
     fingerprint = backbone["fingerprint"]
     assert fingerprint["vllm"] == vllm_wheel.VLLM_VERSION and fingerprint["vllm:env:VLLM_PLUGINS"] == '["jitwarm"]'
     assert {"vllm:config_hash", "vllm:code_hash", "vllm:compiler_hash", "torch", "triton", "arch"} <= set(fingerprint)
-    # the drain still runs before each capture inside the real capture_model
+    # the drain still runs before each capture inside the real capture_model, which both runners have wrapped
     calls = first["calls"]
     assert calls.index("barrier[jitwarm]") < calls.index("forward(FULL 16 capture)")
+    assert first["wrapped"] == {"v1": True, "v2": True}
+
+
+def test_the_v2_runners_profiling_capture_reports_no_ledger(monkeypatch):
+    """``capture_model(profile_only=True)`` (``v1/worker/gpu/cudagraph_utils.py:1000``) captures graphs vLLM throws
+    away: the wrap reports after the real call only (vLLM's method is a stand-in here)."""
+    from jitwarm.precompile import ledger
+    from jitwarm.precompile.servers.vllm import plugin
+
+    reports = []
+    monkeypatch.setattr(ledger, "report_after_capture", lambda *a: reports.append(a))
+    wrapped = plugin._capture_model(lambda self, *, profile_only=False: 7)
+    assert wrapped(object(), profile_only=True) == 7 and reports == []
+    assert wrapped(object()) == 7 and len(reports) == 1
 
 
 def test_prestart_restores_them_into_a_fresh_cache_root_where_vllm_looks(runs):

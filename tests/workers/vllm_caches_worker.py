@@ -119,6 +119,10 @@ def main() -> int:
     vllm.plugins.load_general_plugins()
     fakes.install_fakes()
     result = {"wrote": write_compile(tag), "calls": capture_model()}
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    result["wrapped"] = {name: getattr(cls.capture_model, "__jitwarm_wrapped__", None) is not None
+                         for name, cls in (("v1", GPUModelRunner), ("v2", V2Runner))}
     from jitwarm.precompile.servers.vllm import plugin
 
     result["captured"] = dict(plugin._recorder.captured) if plugin._recorder is not None else None

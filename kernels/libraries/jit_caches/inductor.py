@@ -66,7 +66,7 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
     """The complete units under ``root``; under vLLM's compile tree, those of each of its Inductor directories."""
-    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1095, decorators.py:574)
+    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
         return vllm_compile.nested(root, vllm_compile.inductor_dirs(root), _units)
     return _units(root)
 

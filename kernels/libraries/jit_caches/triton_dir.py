@@ -66,7 +66,7 @@ def served_by_jitwarm() -> bool:
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
     """The complete key directories under ``root``; under vLLM's compile tree, those of each Triton directory."""
-    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1095, decorators.py:574)
+    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
         return vllm_compile.nested(root, vllm_compile.triton_dirs(root), _units)
     return _units(root)
 

@@ -160,7 +160,7 @@ def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
         try:
             items.update(read_factors((root / found[0]).read_bytes()))
         except (OSError, ValueError, TypeError, AttributeError):
-            pass  # a factors file vLLM wrote badly ("best-effort only", backends.py:1167): the versions alone
+            pass  # a factors file vLLM wrote badly ("best-effort only", backends.py:1168): the versions alone
         return items
     envs = sys.modules.get("vllm.envs")
     if envs is not None:
