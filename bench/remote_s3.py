@@ -8,8 +8,12 @@ Plan section: each variant is a real `jitwarm warm` process on a fresh, empty ca
 Large-entry section (``--big-mib``): one entry holding one file of that size, uploaded and downloaded through
 each store's own API in this process (upload, then a download into a fresh root), with the bytes each
 moved (the store's objects for S3; the entry's hash for Redis). The order rotates every round; medians.
+Bundle section (``--bundle-mib``): four entries of a quarter of that size each, exported to a file and to
+``s3://`` and imported from each, every step a process of its own (export: ``KernelCache.export_bundle*``,
+import: the ``jitwarm import`` CLI), with its wall time, peak RSS and the bundle's bytes.
 
-usage: python bench/remote_s3.py [--plan dspark|tiny] [--target cpu] [--rounds 3] [--big-mib 1024] [--out DIR]
+usage: python bench/remote_s3.py [--plan dspark|tiny] [--target cpu] [--rounds 3] [--big-mib 1024]
+                                 [--bundle-mib 1024] [--out DIR]
 Starts its own redis-server and moto_server on free loopback ports (moto keeps objects in Python memory: a
 lower bound on what a real S3 endpoint moves per second, not a measure of one). Needs the test extra.
 """
@@ -102,12 +106,82 @@ def big_entry_section(mib: int, redis_url: str, bucket: Bucket, scratch: Path, r
     return rows
 
 
+#: A child step that reports its own peak RSS (KiB, Linux) on its last stderr line.
+_CHILD = """
+import resource, runpy, sys
+step, args = sys.argv[1], sys.argv[2:]
+try:
+    if step == "import":
+        sys.argv = ["jitwarm", "import", *args]
+        runpy.run_module("jitwarm.precompile", run_name="__main__")
+    else:
+        from jitwarm.cache import KernelCache
+        root, dest, *keys = args
+        cache = KernelCache(root=root, layers=())
+        print(cache.export_bundle_to_store(keys, dest) if dest.startswith("s3://") else cache.export_bundle(keys, dest))
+except SystemExit as exc:
+    if exc.code:
+        raise
+finally:
+    print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def _child(*args: str) -> tuple[float, float]:
+    """Run one bundle step in a process of its own: (wall seconds, peak RSS MiB)."""
+    import subprocess
+
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, cwd="/")
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"bundle step {args[:2]} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    rss = int(proc.stderr.strip().splitlines()[-1].split()[-1])
+    return wall, rss / 1024
+
+
+def bundle_section(mib: int, bucket: Bucket, scratch: Path, rounds: int) -> list[dict]:
+    """A ``mib`` MiB bundle (four entries) exported to a file and to s3://, imported from each; per-step rows."""
+    origin = KernelCache(root=scratch / "bundle-origin", layers=())
+    chunk, quarter = os.urandom(1 << 20), max(1, mib // 4)  # incompressible per MiB; tar does not compress
+
+    def build(staging: Path) -> None:
+        with open(staging / "kernel.bin", "wb") as f:
+            for _ in range(quarter):
+                f.write(chunk)
+
+    keys = [origin.get_or_build({"kind": "bench-bundle", "mib": mib, "i": i}, build).key for i in range(4)]
+    url, path = f"s3://{bucket.name}/bundles/bench.tar", scratch / "bench.tar"
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in ("export file", "import file", "export s3://",
+                                                                     "import s3://")}
+    moved: dict[str, int] = {}
+    for r in range(rounds):
+        for where, target in (("file", str(path)), ("s3://", url)):
+            samples[f"export {where}"].append(_child("export", str(origin.root), target, *keys))
+            moved[where] = (path.stat().st_size if where == "file" else
+                            bucket.client.head_object(Bucket=bucket.name, Key="bundles/bench.tar")["ContentLength"])
+            dest = scratch / f"bundle-dest-{r}-{where[:4]}"
+            samples[f"import {where}"].append(_child("import", "--cache-dir", str(dest), target))
+            assert len(list(dest.glob("v1/entries/*/*"))) == 4
+            shutil.rmtree(dest)
+            print(f"  round {r + 1}/{rounds} {where}: export {samples[f'export {where}'][-1][0]:.1f}s, import "
+                  f"{samples[f'import {where}'][-1][0]:.1f}s", file=sys.stderr, flush=True)
+        path.unlink()
+        bucket.client.delete_object(Bucket=bucket.name, Key="bundles/bench.tar")  # moto holds it in memory
+    return [{"step": name, "median_s": statistics.median(w for w, _ in xs),
+             "MiB_per_s": moved[name.split()[1]] / 2**20 / statistics.median(w for w, _ in xs),
+             "peak_rss_MiB": max(m for _, m in xs), "bundle_bytes": moved[name.split()[1]]}
+            for name, xs in samples.items()]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", choices=["dspark", "tiny"], default="dspark")
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--big-mib", type=int, default=1024, help="size of the large entry (0: skip)")
+    ap.add_argument("--bundle-mib", type=int, default=1024, help="size of the bundle (0: skip)")
+    ap.add_argument("--skip-plan", action="store_true", help="leave the plan section out")
     ap.add_argument("--out")
     args = ap.parse_args()
     flags = [*(DSPARK if args.plan == "dspark" else TINY), "--target", args.target]
@@ -117,18 +191,22 @@ def main() -> int:
     os.environ.update(s3_env(moto.url))
     try:
         bucket = Bucket(moto.url)
-        samples, facts = plan_section(flags, redis_url, bucket, scratch, args.rounds)
+        samples, facts = ({}, {"specs": 0, "entry_bytes": 0}) if args.skip_plan else plan_section(
+            flags, redis_url, bucket, scratch, args.rounds)
         big = big_entry_section(args.big_mib, redis_url, bucket, scratch, args.rounds) if args.big_mib else []
+        bundled = bundle_section(args.bundle_mib, bucket, scratch, args.rounds) if args.bundle_mib else []
     finally:
         redis.kill()
         redis.wait()
         moto.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    sections = {f"warm {args.plan} plan ({facts['specs']} specs, {facts['entry_bytes'] / 2**20:.1f} MiB) on "
-                f"{args.target}, wall seconds of `jitwarm warm`, {args.rounds} rounds":
-                summarize(samples, "compile (no remote)")}
+    sections = {} if args.skip_plan else {
+        f"warm {args.plan} plan ({facts['specs']} specs, {facts['entry_bytes'] / 2**20:.1f} MiB) on {args.target}, "
+        f"wall seconds of `jitwarm warm`, {args.rounds} rounds": summarize(samples, "compile (no remote)")}
     if big:
         sections[f"one entry of {args.big_mib} MiB through each store, {args.rounds} rounds"] = big
+    if bundled:
+        sections[f"a {args.bundle_mib} MiB bundle (4 entries) to a file and to s3://, {args.rounds} rounds"] = bundled
     report("remote_s3", sections, extra={"plan": args.plan, "target": args.target, **facts, "samples": samples},
            out=args.out)
     return 0

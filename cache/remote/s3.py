@@ -256,12 +256,15 @@ class ObjectStore(StoreBase):
         return [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
 
 
-def new_client() -> Any:
-    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles)."""
+def new_client(read_timeout_s: float | None = None) -> Any:
+    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles).
+
+    ``read_timeout_s``: instead of :data:`READ_TIMEOUT_S` (a multipart upload's completion can take minutes).
+    """
     import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
     from botocore.config import Config
 
-    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=read_timeout_s or READ_TIMEOUT_S,
                     retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
     return boto3.session.Session().client("s3", config=config)
 

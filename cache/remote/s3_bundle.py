@@ -26,6 +26,10 @@ from jitwarm.cache.settings import SettingError
 
 #: Size of each uploaded part (S3: 5 MiB at least but the last, 10,000 parts at most: 640 GiB at 64 MiB).
 PART_BYTES = MULTIPART_BYTES
+#: The read deadline of CompleteMultipartUpload: S3 "could take several minutes" to assemble the parts
+#: (CompleteMultipartUpload API reference); under the tier's 10 s, a 1 GiB bundle's completion on moto timed
+#: out, was retried and failed with 500.
+COMPLETE_TIMEOUT_S = 600.0
 
 
 class BundleStoreError(CacheError):
@@ -88,9 +92,9 @@ def open_bundle(url: str) -> Iterator[Any]:
             reply["Body"].close()
 
 
-def _client(url: str) -> Any:
+def _client(url: str, read_timeout_s: float | None = None) -> Any:
     try:
-        return new_client()
+        return new_client(read_timeout_s)
     except ImportError:
         raise SettingError(f"bundle {url} needs boto3, which is not installed: pip install 'jitwarm[s3]'") from None
     except _errors() as exc:  # no region, a bad profile: boto3 fails here, before any request
@@ -166,7 +170,8 @@ class _MultipartWriter:
         if self._buf or not self._parts:
             self._send(bytes(self._buf))
             self._buf.clear()
-        self._call("complete the upload", self._client.complete_multipart_upload, UploadId=self._upload_id,
+        patient = _client(self._url, COMPLETE_TIMEOUT_S)
+        self._call("complete the upload", patient.complete_multipart_upload, UploadId=self._upload_id,
                    MultipartUpload={"Parts": self._parts})
         self._upload_id = None
 
