@@ -168,3 +168,42 @@ def test_cli_verify_of_an_untrusted_shared_layer_is_exit_4(tmp_path, origin):
     proc = jitwarm("verify", "--all", "--cache-dir", str(tmp_path / "node"), env=env)
     assert proc.returncode == 4, (proc.stdout, proc.stderr)
     assert f"entry {entry.key} of shared layer {evil}" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_the_hook_refuses_a_shared_layers_unsigned_entry_before_loading_anything(tmp_path, monkeypatch):
+    """The plan's entries planted in a shared layer, unsigned: the hook's lookup raises, no load is tried.
+
+    The device is a stand-in (no GPU, no torch); the entries' files are not kernels, which does not matter:
+    nothing reaches the loader (``dispatch.ensure_loaded`` is replaced by a recorder to show it).
+    """
+    from types import SimpleNamespace
+
+    from precompile_fixtures import TINY
+
+    from jitwarm.kernels import dispatch
+    from jitwarm.kernels.artifacts import artifact
+    from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan
+
+    plan = WarmPlan.build(ServingConfig.from_args(TINY))
+    layer = tmp_path / "layer"
+    planter = KernelCache(root=layer, layers=())
+    for spec in plan.specs:
+        planter.get_or_build(artifact(spec).description, _build)
+    loads = []
+    monkeypatch.setattr(dispatch, "ensure_loaded",
+                        lambda spec, **kw: loads.append(spec) or SimpleNamespace(preload=lambda: None))
+    device = SimpleNamespace(target="cpu", synchronize=lambda: None)
+
+    def hook():
+        cache = KernelCache(root=tmp_path / "node", layers=[layer], allow_shared=True)
+        return CaptureHook(plan, cache=cache, device=device, policy="strict")
+
+    unkeyed = hook()
+    assert unkeyed().loaded == len(plan.specs) and len(loads) == len(plan.specs)  # no key: loaded (the control)
+    unkeyed.close()
+    loads.clear()
+    monkeypatch.setenv("JITWARM_TRUST_KEY", KEY)
+    keyed = hook()  # a new process's cache: the layer's entries come from this host's stamps, checked all the same
+    with pytest.raises(UntrustedEntry, match=f"of shared layer {layer} is not signed"):
+        keyed()
+    assert loads == [] and not keyed.ready
