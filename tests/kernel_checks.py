@@ -93,26 +93,30 @@ def floor_config(backend: str, target: str, dtype: str) -> ServingConfig:
 def correctness_configs(backend: str, target: str) -> list[ServingConfig]:
     """The plans checked for one backend and target, each in bfloat16 and float32.
 
-    The DSpark-128 plan wherever the kernels run compiled (tvm_ffi anywhere, triton on a GPU; on the 2-core
-    host, bfloat16 at DSpark size and float32 on the four-graph plan); the small plan for triton, on cpu
-    because Triton's interpreter is too slow for DSpark sizes (there in float32, with bfloat16 on the four-graph
-    plan: the interpreter's bfloat16 path is the float32 one behind an upcast), and on a GPU in both dtypes.
-    CI's second pass on the dependency floors (``JITWARM_TEST_FLOOR=1``, .ci/run) checks a four-graph plan
-    instead: the same tests, on the oldest tvm-ffi and Triton we support, in a fraction of the time (the
-    kernels' arithmetic does not change with the library; building, loading and calling do).
+    On a GPU the DSpark-128 plan in both dtypes (tvm_ffi) and the small plan (triton). On the 2-core host, where
+    each tvm_ffi spec is a g++ build of several seconds, the four-graph plan in both dtypes, with the incident's
+    DSpark-128 specs added by :func:`correctness_cases`; for triton the small plan in float32 and the four-graph
+    plan in bfloat16 (Triton's interpreter is too slow for DSpark sizes, and its bfloat16 path is the float32 one
+    behind an upcast). The other DSpark-128 specs differ from those only in template constants (``max_len``,
+    uniformity per bucket). CI's second pass on the dependency floors (``JITWARM_TEST_FLOOR=1``, .ci/run) checks
+    the four-graph plan: the same tests, on the oldest tvm-ffi and Triton we support (the kernels' arithmetic
+    does not change with the library; building, loading and calling do).
     """
     if FLOOR:
         return [floor_config(backend, target, dtype) for dtype in ("float32", "bfloat16")]
-    configs = []
-    if backend == "tvm_ffi" and target == "cpu":  # two cores: the served dtype at full size, float32 small
-        configs += [dspark_config(backend, target, "bfloat16"), floor_config(backend, target, "float32")]
-    elif backend == "tvm_ffi" or target != "cpu":
-        configs += [dspark_config(backend, target, dtype) for dtype in ("bfloat16", "float32")]
-    if backend == "triton" and target == "cpu":  # the interpreter: float32 on the small plan, bfloat16 on four graphs
-        configs += [small_config(backend, target, "float32"), floor_config(backend, target, "bfloat16")]
-    elif backend == "triton":
-        configs += [small_config(backend, target, dtype) for dtype in ("float32", "bfloat16")]
-    return configs
+    if target == "cpu":
+        if backend == "tvm_ffi":
+            return [floor_config(backend, target, dtype) for dtype in ("bfloat16", "float32")]
+        return [small_config(backend, target, "float32"), floor_config(backend, target, "bfloat16")]
+    if backend == "tvm_ffi":
+        return [dspark_config(backend, target, dtype) for dtype in ("bfloat16", "float32")]
+    return [small_config(backend, target, dtype) for dtype in ("float32", "bfloat16")]
+
+
+def incident_cases(backend: str, target: str) -> dict[KernelSpec, list[VerifyLayout]]:
+    """The DSpark-128 bfloat16 specs the incident's layout (:data:`INCIDENT`, bs=60) dispatches, that layout first."""
+    return {spec: [INCIDENT, *(layout for layout in layouts if layout != INCIDENT)]
+            for spec, layouts in spec_layouts(dspark_config(backend, target)).items() if INCIDENT in layouts}
 
 
 def correctness_cases(backend: str, target: str) -> dict[KernelSpec, list[VerifyLayout]]:
@@ -127,6 +131,8 @@ def correctness_cases(backend: str, target: str) -> dict[KernelSpec, list[Verify
     libraries; the other specs of a path differ only in template constants the library never sees.
     """
     cases: dict[KernelSpec, list[VerifyLayout]] = {}
+    if backend == "tvm_ffi" and target == "cpu" and not FLOOR:
+        cases.update(incident_cases(backend, target))
     for config in correctness_configs(backend, target):
         for spec, layouts in spec_layouts(config).items():
             cases[spec] = list(dict.fromkeys(cases.get(spec, []) + layouts))
