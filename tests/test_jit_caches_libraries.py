@@ -34,7 +34,7 @@ import pytest
 from precompile_fixtures import jitwarm
 
 from jitwarm.cache import KernelCache
-from jitwarm.kernels.libraries.jit_caches import cute_dsl, deep_gemm, flashinfer, tilelang
+from jitwarm.kernels.libraries.jit_caches import census, cute_dsl, deep_gemm, flashinfer, tilelang
 from jitwarm.precompile import record
 
 WORKER = Path(__file__).parent / "workers" / "jit_library_trees.py"
@@ -129,6 +129,14 @@ def test_a_flashinfer_module_restored_is_where_flashinfer_looks_and_ninja_has_no
     obj = next(build_dir.glob("*.cuda.o"))
     os.utime(obj)  # as a restore that wrote the object now and kept no time would leave it
     assert "no work to do" not in ninja_plan(flashinfer_wheel, build_dir)
+    # ...and the ledger's census sees the rebuild FlashInfer's ninja then does in place (the same file names)
+    where = {"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]}
+    before = census.snapshot(["flashinfer"], environ=where, under_sglang="")
+    ninja = [str(flashinfer_wheel / "bin" / "ninja"), "-C", str(build_dir), "-f", str(build_dir / "build.ninja")]
+    subprocess.run(ninja, check=True, capture_output=True, env={**os.environ, **env}, timeout=60)
+    assert len(compiled.read_text().splitlines()) == 8  # the object and the .so again
+    assert set(census.added(before, census.snapshot(["flashinfer"], environ=where, under_sglang=""))
+               .get("flashinfer", {})) == {unit_of(decode)}
 
 
 def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_complete(tilelang_wheel, tmp_path,

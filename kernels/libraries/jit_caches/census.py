@@ -1,9 +1,12 @@
 """The units of every family present now, and what a run added: the recorder's and the start-up ledger's view.
 
 A :func:`snapshot` lists, for each library, the directory this process's environment resolves and the complete
-units in it (:meth:`~.units.Library.present`); :func:`added` compares two snapshots. A unit is added when its
-name is new, or when its files changed (the driver's PTX cache grows inside its one unit); a directory that
-moved between the two (sglang's redirect, Inductor's own ``TORCHINDUCTOR_CACHE_DIR`` default) counts whole.
+units in it (:meth:`~.units.Library.present`) with their files' sizes; :func:`added` compares two snapshots. A
+unit is added when its name is new, when its files changed (the driver's PTX cache grows inside its one unit),
+or when one of its files changed size: FlashInfer's ninja rebuilds a module in place, the same file names, and
+appends each rebuilt output to the module's ``.ninja_log``. Sizes, not times: DeepGEMM touches its ``.committed``
+marker at every hit (deep_jit ``try_update_mtime``), which is no compile. A directory that moved between the two
+(sglang's redirect, Inductor's own ``TORCHINDUCTOR_CACHE_DIR`` default) counts whole.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
@@ -39,6 +42,8 @@ class Snapshot:
     library: Library
     root: Path | None
     units: Mapping[str, tuple[str, ...]]
+    #: unit -> its files' sizes, in the order of :attr:`units` (-1: gone meanwhile); empty: not taken.
+    sizes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
@@ -52,8 +57,17 @@ def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | No
     taken = {}
     for lib in libraries(names):
         root = lib.root(env, server)
-        taken[lib.name] = Snapshot(lib, root, lib.present(root))
+        units = lib.present(root)
+        sizes = {unit: tuple(_size(root / rel) for rel in files) for unit, files in units.items()} if root else {}
+        taken[lib.name] = Snapshot(lib, root, units, sizes)
     return taken
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return -1
 
 
 def added(before: Mapping[str, Snapshot], after: Mapping[str, Snapshot]) -> dict[str, dict[str, tuple[str, ...]]]:
@@ -61,8 +75,11 @@ def added(before: Mapping[str, Snapshot], after: Mapping[str, Snapshot]) -> dict
     new: dict[str, dict[str, tuple[str, ...]]] = {}
     for name, now in after.items():
         then = before.get(name)
-        old = then.units if then is not None and then.root == now.root else {}
-        fresh = {unit: files for unit, files in now.units.items() if old.get(unit) != files}
+        same_root = then is not None and then.root == now.root
+        old = then.units if same_root else {}
+        sizes = then.sizes if same_root else {}
+        fresh = {unit: files for unit, files in now.units.items()
+                 if old.get(unit) != files or (unit in sizes and unit in now.sizes and sizes[unit] != now.sizes[unit])}
         if fresh:
             new[name] = fresh
     return new
