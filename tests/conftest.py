@@ -170,11 +170,12 @@ def use_kernel_cache(kernel_cache) -> BuiltCache:
 def sglang_env(tmp_path_factory):
     """Environment (PYTHONPATH) under which a subprocess of this interpreter imports the real sglang 0.5.23 wheel."""
     import sglang_wheel
+    import wheels
 
     def install(path: Path) -> dict:
         try:
-            return {"env": sglang_wheel.install(path)}
-        except sglang_wheel.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
+            return {"env": sglang_wheel.install()}
+        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
             return {"skip": str(exc)}
 
     _, record = built_once(tmp_path_factory, "sglang-wheel", install)

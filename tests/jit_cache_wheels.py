@@ -19,20 +19,14 @@ class from the sglang wheel instead.
 
 Each set lives under ``$JITWARM_TEST_WHEELS`` (default ``~/.cache/jitwarm-test-wheels``) in a directory named
 by the hash of its packages, installed into a staging directory and renamed into place whole, one pip at a time
-per set (a file lock), as tests/vllm_wheel.py does.
+per set (a file lock): tests/wheels.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from filelock import FileLock
+from wheels import WheelUnavailable, install_once
 
 #: set -> the pinned packages; the first names the import that proves the set is installed.
 SETS = {
@@ -44,51 +38,11 @@ SETS = {
 #: set -> a file the complete install holds.
 MARKER = {"flashinfer": "flashinfer/jit/core.py", "tilelang": "tilelang/cache/kernel_cache.py",
           "deep_gemm": "deep_gemm/include/deep_jit/cache/disk.hpp"}
-PIP_TIMEOUT = 600
-
-
-class WheelUnavailable(RuntimeError):
-    """pip could not install the set; the message says why (the tests skip with it)."""
-
-
-def cache_dir(name: str) -> Path:
-    """Where set ``name`` lives: ``$JITWARM_TEST_WHEELS/<name>-<hash of its packages>``."""
-    root = Path(os.environ.get("JITWARM_TEST_WHEELS") or Path.home() / ".cache" / "jitwarm-test-wheels")
-    digest = hashlib.sha256("\n".join(SETS[name]).encode()).hexdigest()[:12]
-    return root / f"{name}-{digest}"
 
 
 def install(name: str) -> Path:
-    """Install set ``name`` once per machine; return its directory (put it first on ``PYTHONPATH``).
-
-    Raises
-    ------
-    WheelUnavailable
-        pip cannot reach the index or fails; the message carries pip's last error line.
-
-    """
-    target = cache_dir(name)
-    if (target / MARKER[name]).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f"{target.name}.lock")):
-        if (target / MARKER[name]).is_file():
-            return target
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
-                   "--no-input", "--quiet", "--target", str(staging), *SETS[name]]
-        try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT)
-            if proc.returncode != 0:
-                errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines()
-                raise WheelUnavailable(f"pip install {SETS[name][0]} (--no-deps) failed with exit {proc.returncode}: "
-                                       f"{errors[-1] if errors else 'no output'}")
-            staging.rename(target)
-        except subprocess.TimeoutExpired:
-            raise WheelUnavailable(f"pip did not install {SETS[name][0]} within {PIP_TIMEOUT} s") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """Install set ``name`` once per machine (tests/wheels.py); return its directory (first on ``PYTHONPATH``)."""
+    return install_once(name, SETS[name], MARKER[name])
 
 
 def installed(name: str) -> Path:

@@ -15,9 +15,9 @@ image transforms later. :data:`TORCHVISION_STUB` is a package in the target dire
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from wheels import import_env, install_once
 
 from jitwarm.precompile.servers.sglang import VERSION as SGLANG_VERSION  # the release the sglang room mirrors
 
@@ -88,19 +88,12 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, _Finder())
 '''
 
-#: Seconds pip may take before the tests give up on the wheel (a clean install takes about 15 s).
-PIP_TIMEOUT = 300
 
-
-class WheelUnavailable(RuntimeError):
-    """pip could not install the wheel; the message says why (the tests skip with it)."""
-
-
-def install(target: Path) -> dict[str, str]:
-    """Install the wheel and :data:`PACKAGES` into ``target``; return the env a subprocess needs to import it.
+def install() -> dict[str, str]:
+    """Install the wheel and :data:`PACKAGES` once per machine (tests/wheels.py); return the env to import it.
 
     The returned variables go on top of the caller's environment (``{**os.environ, **env}``): ``PYTHONPATH``
-    puts ``target`` first, and Hugging Face libraries are kept offline (nothing here downloads a model).
+    puts the install first, and Hugging Face libraries are kept offline (nothing here downloads a model).
 
     Raises
     ------
@@ -108,18 +101,11 @@ def install(target: Path) -> dict[str, str]:
         pip is missing, cannot reach the index, or fails; the message carries pip's last error line.
 
     """
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
-               "--no-input", "--quiet", "--target", str(target), *PACKAGES]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise WheelUnavailable(f"pip did not install sglang=={SGLANG_VERSION} within {PIP_TIMEOUT} s") from None
-    if proc.returncode != 0:
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or proc.stderr.splitlines()
-        raise WheelUnavailable(f"pip install sglang=={SGLANG_VERSION} (--no-deps) failed with exit "
-                               f"{proc.returncode}: {errors[-1] if errors else 'no output'}")
-    stub = target / "torchvision"
-    stub.mkdir(exist_ok=True)
-    (stub / "__init__.py").write_text(TORCHVISION_STUB, encoding="utf-8")
-    return {"PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    target = install_once(f"sglang-{SGLANG_VERSION}", PACKAGES, "sglang/__init__.py", finish=_stub_torchvision)
+    return {**import_env(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
+
+def _stub_torchvision(staging: Path) -> None:
+    """Write :data:`TORCHVISION_STUB` as the install's ``torchvision`` package."""
+    (staging / "torchvision").mkdir()
+    (staging / "torchvision" / "__init__.py").write_text(TORCHVISION_STUB, encoding="utf-8")

