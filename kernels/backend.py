@@ -42,6 +42,22 @@ BACKEND_NAMES: tuple[str, ...] = tuple(_KINDS)
 BUILDABLE: tuple[str, ...] = tuple(n for n, (_, can) in _KINDS.items() if "build" in can)
 
 
+_process = {"build_only": False}
+
+
+def set_build_only() -> None:
+    """Say that this process only builds and checks (a warm's build worker): it hands no library a tensor.
+
+    A backend may import its runtime leaner there (:mod:`~jitwarm.kernels.tvm_backend`: tvm_ffi without torch).
+    """
+    _process["build_only"] = True
+
+
+def build_only() -> bool:
+    """Whether :func:`set_build_only` was called in this process."""
+    return _process["build_only"]
+
+
 def abilities(name: str) -> frozenset[str]:
     """What the backend ``name`` can do (``build``, ``replay``, ``capture``); empty for an unknown name."""
     return _KINDS.get(name, ("", frozenset()))[1]

@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, version_lines
+from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, build_only, version_lines
 from jitwarm.kernels.families import family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
@@ -241,9 +242,8 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
 
 
 def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:
-    # Headers and libtvm_ffi. A submodule import runs tvm_ffi/__init__ (and it imports torch), on 0.1.11 as on
-    # 0.1.15: only builds pay that, description() reads the version from package metadata.
-    import tvm_ffi.libinfo as libinfo
+    # Headers and libtvm_ffi: only builds import tvm_ffi, description() reads its version from package metadata.
+    libinfo = _tvm_ffi().libinfo
 
     includes = [f"-I{CSRC}", *(f"-I{p}" for p in libinfo.include_paths())]
     lib_dir = str(Path(libinfo.find_libtvm_ffi()).parent)
@@ -318,10 +318,8 @@ def load(spec: KernelSpec, entry: Any) -> TvmKernel:
 
 
 def _open(spec: KernelSpec, path: str) -> TvmKernel:
-    import tvm_ffi
-
     try:
-        module = tvm_ffi.load_module(_dlopen_name(path))
+        module = _tvm_ffi().load_module(_dlopen_name(path))
         built_for = str(module["spec_id"]())
         functions = module["run"], module["preload"]
     except Exception as exc:  # tvm-ffi raises RuntimeError / AttributeError for a library it cannot use
@@ -329,6 +327,27 @@ def _open(spec: KernelSpec, path: str) -> TvmKernel:
     if built_for != spec.id:
         raise LoadError(f"{spec.id}: {path} holds {built_for}, not {spec.id}")
     return TvmKernel(spec, path, module, *functions)
+
+
+def _tvm_ffi() -> Any:
+    """The tvm_ffi package (with ``libinfo``); in a build-only process imported with torch hidden.
+
+    tvm_ffi/__init__.py imports torch before anything else (a workaround for a symbol clash on Windows, 0.1.11
+    as 0.1.15): 2.1 s of the 2.5 s a build worker took here to import it. A build-only process
+    (:func:`~jitwarm.kernels.backend.build_only`) passes no tensor to a library, so it imports tvm_ffi with
+    ``import torch`` failing: tvm_ffi then converts no torch tensor in that process, and torch itself still
+    imports there later if another backend needs it.
+    """
+    if "tvm_ffi" not in sys.modules and "torch" not in sys.modules and build_only():
+        sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
+        try:
+            import tvm_ffi  # noqa: F401
+        finally:
+            del sys.modules["torch"]
+    import tvm_ffi
+    import tvm_ffi.libinfo  # noqa: F401
+
+    return tvm_ffi
 
 
 #: The file each path this process dlopened held then, as ``(st_dev, st_ino)``.

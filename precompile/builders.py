@@ -280,7 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
+    from jitwarm.kernels.backend import set_build_only
     from jitwarm.precompile.log_lines import log_lines  # the parent relays our stderr: the CLI's form of a line
+
+    set_build_only()  # this worker hands no library a tensor: backends may import their runtimes leaner
 
     try:
         with log_lines():
