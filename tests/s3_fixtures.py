@@ -6,11 +6,13 @@ One moto_server for the whole run (whichever module asks first), and an empty bu
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
-from remote_fixtures import Bucket, MotoServer, use_endpoint
+from remote_fixtures import Bucket, FaultyProxy, MotoServer, use_endpoint
 
 from jitwarm.cache import reset_remote_health
+from jitwarm.cache.remote import s3
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +34,14 @@ def bucket(s3_endpoint, monkeypatch):
     reset_remote_health()
     yield Bucket(s3_endpoint)
     reset_remote_health()
+
+
+def faulty_store(bucket: Bucket, monkeypatch, only: str) -> Iterator[FaultyProxy]:
+    """Body of a fixture: a proxy in front of the store breaking requests under ``only``, with short timeouts."""
+    proxy = FaultyProxy(bucket.endpoint, only=only)
+    reset_remote_health()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(s3, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
+    yield proxy
+    proxy.stop()

@@ -17,15 +17,15 @@ import pytest
 from precompile_fixtures import TINY_FAST, jitwarm, plan_of, start_jitwarm
 from remote_fixtures import (
     Bucket,
-    FaultyProxy,
     MotoServer,
     assert_built_locally,
     use_endpoint,
     warm_while_the_store_stops,
 )
+from s3_fixtures import faulty_store
 
 from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
-from jitwarm.cache.remote import FleetLease, RemoteStore, s3
+from jitwarm.cache.remote import FleetLease, RemoteStore
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.remote.s3_lease import ObjectLease
 from jitwarm.cache.signing import UntrustedEntry
@@ -244,13 +244,7 @@ ATTEMPTS = {403: 1, 412: 1, 500: 2, "slow": 2, "truncated": 1}
 def faulty(bucket, tmp_path, monkeypatch):
     """The bucket with one entry published, and a proxy in front of the store that breaks blob requests."""
     bucket.cache(tmp_path / "origin").get_or_build(DESC, _build)
-    proxy = FaultyProxy(bucket.endpoint, only="/blobs/")
-    reset_remote_health()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(s3, "READ_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
-    yield proxy
-    proxy.stop()
+    yield from faulty_store(bucket, monkeypatch, "/blobs/")
 
 
 @pytest.mark.parametrize("fault", list(FAULTS), ids=str)

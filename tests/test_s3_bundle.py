@@ -12,12 +12,13 @@ import tarfile
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm
-from remote_fixtures import FaultyProxy, free_port
+from remote_fixtures import free_port
+from s3_fixtures import faulty_store
 from workers.cache_harness import artifact_bytes, cache_for, desc, make_builder
 
-from jitwarm.cache import CacheError, KernelCache, reset_remote_health
+from jitwarm.cache import CacheError, KernelCache
 from jitwarm.cache.errors import UsageError
-from jitwarm.cache.remote import s3, s3_bundle
+from jitwarm.cache.remote import s3_bundle
 from jitwarm.cache.remote.s3_bundle import BundleStoreError
 from jitwarm.cache.signing import UntrustedEntry
 
@@ -81,13 +82,7 @@ def test_a_large_bundle_goes_up_in_parts_and_a_gzip_one_round_trips(bucket, tmp_
 @pytest.fixture
 def proxied(bucket, monkeypatch):
     """A proxy in front of the store, breaking requests for ``bundles/`` when told to; short timeouts."""
-    proxy = FaultyProxy(bucket.endpoint, only="/bundles/")
-    reset_remote_health()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    monkeypatch.setattr(s3, "READ_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
-    yield proxy
-    proxy.stop()
+    yield from faulty_store(bucket, monkeypatch, "/bundles/")
 
 
 @pytest.mark.parametrize("fault", [403, 500, "truncated", "down"], ids=str)
