@@ -1,4 +1,4 @@
-"""Cache entries: the ``entry.json`` manifest, sealing a build, verification and unpacking a download.
+"""Cache entries: the ``entry.json`` manifest, sealing a build, verifying a copy, unpacking a download.
 
 Every file hash of the cache happens here, once per file on each publish path (:func:`seal` a build,
 :func:`unpack_entry` a download, :func:`verify_entry` a lookup or a bundle); each returns an :class:`Entry`
@@ -28,9 +28,10 @@ MANIFEST = "entry.json"
 MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
+_SigItem = tuple[str, int, int, int, int]
 #: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file (relative names, sorted), as
 #: seen when their bytes were hashed; a rename of the entry directory leaves it unchanged.
-Signature = tuple[tuple[str, int, int, int, int], ...]
+Signature = tuple[_SigItem, ...]
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,8 @@ class Entry:
     """A published, verified cache entry.
 
     ``files``: the artifact files' sorted relative paths (``entry.json`` excluded), sized and hashed in
-    ``records``; ``description`` and ``preimage``: what the key was made from; ``read_only``: a layer's (or a
-    read-only cache's); ``signature``: what was hashed (:func:`unchanged` compares it, ``discard`` tells this
-    entry from a rebuild of its key by it).
+    ``records``; ``read_only``: a layer's (or a read-only cache's); ``signature``: what was hashed
+    (:func:`unchanged` compares it, ``discard`` tells this entry from a rebuild of its key by it).
     """
 
     key: str
@@ -75,30 +75,25 @@ class Entry:
 
 
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
-    """Turn a finished build directory into a complete entry, ready to be renamed into place.
+    """Turn a finished build directory into an entry, ready to be renamed into place.
 
-    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last, the tree
-    fsync'd. Raises ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
+    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last. Raises
+    ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
     """
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
         if rel == MANIFEST:
             raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
-        path = staging / rel
-        path.chmod(0o555 if st.st_mode & 0o111 else 0o444)
-        digest, sig[rel] = _hash_file(path, rel)
-        records.append(FileRecord(path=rel, size=sig[rel][2], sha256=digest))
+        (staging / rel).chmod(0o555 if st.st_mode & 0o111 else 0o444)
+        digest, sig[rel] = _hash_file(staging / rel, rel)
+        records.append(FileRecord(rel, sig[rel][2], digest))
     if not records:
         # Never publish an empty artifact (FlashInfer PR #4136 checks for a non-empty cubin for the same reason).
         raise CacheError("the build wrote no files into its staging directory")
-    seal_dirs(staging, shared)
     doc = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
            "files": [asdict(r) for r in records]}
-    write_atomic(staging / MANIFEST, json.dumps(doc, indent=1, sort_keys=True).encode("ascii"), durable=False,
-                 mode=0o444)
-    fsync_tree(staging)
-    sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
-    return _entry(staging, key, doc, records, sig, read_only=False)
+    manifest = json.dumps(doc, indent=1, sort_keys=True).encode("ascii")
+    return _finish(staging, key, doc, records, sig, manifest, shared)
 
 
 def seal_dirs(staging: Path, shared: bool) -> None:
@@ -108,13 +103,22 @@ def seal_dirs(staging: Path, shared: bool) -> None:
         Path(dirpath).chmod(stat.S_IMODE(os.lstat(dirpath).st_mode) & ~strip | 0o700)
 
 
+def _finish(staging: Path, key: str, doc: dict[str, Any], records: list[FileRecord], sig: dict[str, _SigItem],
+            manifest: bytes, shared: bool) -> Entry:
+    """Seal the directories, write the manifest last and fsync the tree: the Entry of a staged build or download."""
+    seal_dirs(staging, shared)
+    write_atomic(staging / MANIFEST, manifest, durable=False, mode=0o444)
+    fsync_tree(staging)
+    sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
+    return _entry(staging, key, doc, records, sig, read_only=False)
+
+
 def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = False) -> Entry:
     """Fully verify the entry directory at ``path`` for ``key`` and return it (each file hashed once).
 
-    Trust, the manifest (format, key, a preimage that hashes to it), exactly the listed files, each size and
-    sha256. Raises ``FileNotFoundError`` for no directory (a miss) or a file that vanished while read (the
-    caller tells a removal from damage), ``CorruptEntry`` for anything else wrong (unreadable included),
-    ``CacheError`` for what other users can write.
+    Raises ``FileNotFoundError`` for no directory (a miss) or a file that vanished while read (the caller
+    tells a removal from damage), ``CacheError`` for what other users can write, ``CorruptEntry`` for
+    anything else: the manifest, a file it does not list or lacks, a size or sha256, an unreadable file.
     """
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -122,75 +126,49 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = 
         raise CorruptEntry(f"{path} is {kind}, not an entry directory")
     check_trusted(path, "cache entry", allow_shared=allow_shared, st=st)
     try:
-        return _verify_dir(path, key, allow_shared=allow_shared, read_only=read_only)
+        try:
+            data = read_file_stat(path / MANIFEST, MAX_MANIFEST_BYTES)[0]
+        except FileNotFoundError:
+            raise CorruptEntry(f"{path} has no {MANIFEST}") from None
+        doc, records = parse_manifest(data, key, str(path / MANIFEST))
+        on_disk = dict(_walk_files(path, error=CorruptEntry))
+        for rel, fst in on_disk.items():
+            check_trusted(path / rel, "cache entry file", allow_shared=allow_shared, st=fst)
+        _same_files(str(path), {r.path for r in records} | {MANIFEST}, set(on_disk))
+        sig = {MANIFEST: _sig_item(MANIFEST, on_disk[MANIFEST])}
+        for rec in records:
+            if on_disk[rec.path].st_size != rec.size:
+                raise CorruptEntry(f"{path / rec.path}: size {on_disk[rec.path].st_size}, {MANIFEST} says {rec.size}")
+            digest, sig[rec.path] = _hash_file(path / rec.path, rec.path)
+            if digest != rec.sha256 or sig[rec.path][2] != rec.size:
+                raise CorruptEntry(f"{path / rec.path}: sha256 does not match {MANIFEST}")
     except FileNotFoundError:
         raise
     except OSError as exc:  # e.g. a directory this user may not read: unusable, so corrupt, never a traceback
         raise CorruptEntry(f"{exc.filename or path}: cannot be read: {exc.strerror or exc}") from None
-
-
-def _verify_dir(path: Path, key: str, *, allow_shared: bool, read_only: bool) -> Entry:
-    """The checks of :func:`verify_entry` after the directory itself."""
-    doc, records = _read_manifest(path, key)
-    listed = {r.path: r for r in records}
-    on_disk = dict(_walk_files(path, error=CorruptEntry))
-    for rel, fst in on_disk.items():
-        check_trusted(path / rel, "cache entry file", allow_shared=allow_shared, st=fst)
-    on_disk_files = set(on_disk) - {MANIFEST}
-    if MANIFEST not in on_disk:
-        raise CorruptEntry(f"{path} has no {MANIFEST}")
-    _same_files(str(path), set(listed), on_disk_files)
-    sig = {MANIFEST: _sig_item(MANIFEST, on_disk[MANIFEST])}
-    for rel, rec in listed.items():
-        if on_disk[rel].st_size != rec.size:
-            raise CorruptEntry(f"{path / rel}: size {on_disk[rel].st_size}, {MANIFEST} says {rec.size}")
-        digest, sig[rel] = _hash_file(path / rel, rel)
-        if digest != rec.sha256 or sig[rel][2] != rec.size:
-            raise CorruptEntry(f"{path / rel}: sha256 does not match {MANIFEST}")
     return _entry(path, key, doc, records, sig, read_only=read_only)
 
 
 def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | None = None) -> Entry | None:
     """Return ``stamped`` (what this host hashed) if the files at its path are still those, reading none.
 
-    An unchanged listing and inode, size, mtime and ctime of every file means unchanged bytes (a write moves
-    mtime and ctime, a replacement the inode). None when anything differs (verify in full); ``CacheError``
-    for what other users can write. The hook's hot path: plain strings, one ``lstat`` a file.
+    The same names and the same inode, size, mtime and ctime of each file mean the same bytes (a write moves
+    mtime and ctime, a replacement the inode). None when anything differs; ``CacheError`` for what other
+    users can write. ``st``: an ``lstat`` of the directory already taken.
     """
-    where = os.fspath(stamped.path)
     try:
-        st = st if st is not None else os.lstat(where)
+        st = st if st is not None else os.lstat(stamped.path)
         if not stat.S_ISDIR(st.st_mode):
             return None
-        check_trusted(where, "cache entry", allow_shared=allow_shared, st=st)
-        for folder, names in _listing(stamped.signature).items():
-            if folder:
-                dst = os.lstat(f"{where}/{folder}")
-                if not stat.S_ISDIR(dst.st_mode):
-                    return None
-                check_trusted(f"{where}/{folder}", "cache entry directory", allow_shared=allow_shared, st=dst)
-            if set(os.listdir(f"{where}/{folder}")) != names:  # noqa: PTH208 - plain strings on the hot path
-                return None
-        for item in stamped.signature:
-            name = f"{where}/{item[0]}"
-            fst = os.lstat(name)
-            if _sig_item(item[0], fst) != item:
-                return None
-            check_trusted(name, "cache entry file", allow_shared=allow_shared, st=fst)
+        check_trusted(stamped.path, "cache entry", allow_shared=allow_shared, st=st)
+        found = _walk_files(stamped.path, error=OSError)  # a link or special file: not what was stamped
+        if tuple(_sig_item(rel, fst) for rel, fst in found) != stamped.signature:
+            return None
+        for rel, fst in found:
+            check_trusted(f"{stamped.path}/{rel}", "cache entry file", allow_shared=allow_shared, st=fst)
     except OSError:
         return None
     return stamped
-
-
-def _listing(signature: Signature) -> dict[str, set[str]]:
-    """The names each directory of an entry holds, by its path relative to the entry ("" for the entry itself)."""
-    folders: dict[str, set[str]] = {"": set()}
-    for item in signature:
-        parts = item[0].split("/")
-        for depth in range(len(parts)):
-            folder = "/".join(parts[:depth])
-            folders.setdefault(folder, set()).add(parts[depth])
-    return folders
 
 
 def unchanged(entry: Entry) -> bool:
@@ -203,8 +181,8 @@ def unchanged(entry: Entry) -> bool:
         return False
 
 
-def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord],
-           sig: dict[str, tuple[str, int, int, int, int]], *, read_only: bool) -> Entry:
+def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord], sig: dict[str, _SigItem], *,
+           read_only: bool) -> Entry:
     """Make the Entry of a checked manifest at ``path``, with the signature in name order."""
     ordered = sorted(records, key=lambda r: r.path)
     return Entry(key=key, path=path, files=tuple(r.path for r in ordered), description=doc["preimage"]["description"],
@@ -213,25 +191,15 @@ def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord],
 
 
 def _same_files(where: str, listed: set[str], found: set[str]) -> None:
+    """CorruptEntry unless the files ``found`` are exactly those ``listed``."""
     if found != listed:
         missing, extra = sorted(listed - found), sorted(found - listed)
         raise CorruptEntry(f"{where}: files differ from {MANIFEST} (missing {missing}, unlisted {extra})")
 
 
-def _sig_item(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
+def _sig_item(name: str, st: os.stat_result) -> _SigItem:
     """One element of a Signature."""
     return (name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _read_manifest(path: Path, key: str) -> tuple[dict[str, Any], list[FileRecord]]:
-    """Read and check ``entry.json`` of the entry at ``path``; CorruptEntry on any defect."""
-    try:
-        data = read_file_stat(path / MANIFEST, MAX_MANIFEST_BYTES)[0]
-    except FileNotFoundError:
-        raise CorruptEntry(f"{path} has no {MANIFEST}") from None
-    except OSError as exc:  # a FIFO, a link, a file over the cap
-        raise CorruptEntry(f"{path / MANIFEST}: {exc.strerror}") from None
-    return parse_manifest(data, key, str(path / MANIFEST))
 
 
 def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], list[FileRecord]]:
@@ -249,7 +217,7 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
         if not isinstance(doc["preimage"].get("description"), dict):
             raise TypeError("the preimage has no description object")
         created = doc.get("created", 0.0)
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        if type(created) not in (int, float) or not math.isfinite(created):  # a bool is no number here
             raise TypeError("created is not a number")
         fmt, stored_key, preimage, files = doc["format"], doc["key"], doc["preimage"], doc["files"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -262,17 +230,14 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
         raise CorruptEntry(f"{where}: the stored preimage does not hash to the key")
     if not isinstance(files, list) or not files:
         raise CorruptEntry(f"{where} lists no files")
-    records = []
-    for item in files:
-        try:
-            rec = FileRecord(path=item["path"], size=item["size"], sha256=item["sha256"])
-        except (KeyError, TypeError):
-            raise CorruptEntry(f"{where}: malformed file record {item!r}") from None
-        size_ok = isinstance(rec.size, int) and not isinstance(rec.size, bool) and rec.size >= 0
-        if not (is_safe_relpath(rec.path) and size_ok and is_key(rec.sha256)):
-            raise CorruptEntry(f"{where}: bad file record {item!r}")
-        records.append(rec)
-    if len({r.path for r in records}) != len(records) or any(r.path == MANIFEST for r in records):
+    try:
+        records = [FileRecord(item["path"], item["size"], item["sha256"]) for item in files]
+    except (KeyError, TypeError):
+        raise CorruptEntry(f"{where}: malformed file records") from None
+    for rec in records:
+        if not (is_safe_relpath(rec.path) and type(rec.size) is int and rec.size >= 0 and is_key(rec.sha256)):
+            raise CorruptEntry(f"{where}: bad file record {rec}")
+    if len({r.path for r in records} - {MANIFEST}) != len(records):
         raise CorruptEntry(f"{where}: duplicate or reserved file names")
     return doc, records
 
@@ -281,23 +246,22 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
                  executable: Collection[str] = (), *, shared: bool = False) -> Entry:
     """Write an entry received as bytes (from the remote tier) into the empty staging dir ``staging``.
 
-    Every byte is checked first (manifest, names, sizes, sha256), then written as :func:`seal` leaves a
-    build. Raises ``CorruptEntry`` when they do not match (nothing is written), ``CacheWriteError``.
+    Every byte is checked first (``CorruptEntry``: nothing is written), then written as :func:`seal` leaves
+    a build. Raises ``CacheWriteError``.
     """
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
-    listed = {r.path: r for r in records}
-    _same_files(where, set(listed), set(files))
-    for rel, rec in listed.items():
-        if len(files[rel]) != rec.size:
-            raise CorruptEntry(f"{where}: {rel} has size {len(files[rel])}, {MANIFEST} says {rec.size}")
-        if hashlib.sha256(files[rel]).hexdigest() != rec.sha256:
-            raise CorruptEntry(f"{where}: {rel}: sha256 does not match {MANIFEST}")
+    _same_files(where, {r.path for r in records}, set(files))
+    for rec in records:
+        if len(files[rec.path]) != rec.size:
+            raise CorruptEntry(f"{where}: {rec.path} has size {len(files[rec.path])}, {MANIFEST} says {rec.size}")
+        if hashlib.sha256(files[rec.path]).hexdigest() != rec.sha256:
+            raise CorruptEntry(f"{where}: {rec.path}: sha256 does not match {MANIFEST}")
     dir_mode = 0o777 if shared else 0o755
     sig, dest = {}, staging
     try:
         staging.mkdir(mode=dir_mode, exist_ok=True)  # the cache's staging dirs are made empty beforehand
-        for rel in sorted(listed):
+        for rel in sorted(files):
             dest = staging / rel
             make_dirs(dest.parent, dir_mode)
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -306,14 +270,10 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
                 f.flush()
                 os.fchmod(fd, 0o555 if rel in executable else 0o444)
                 sig[rel] = _sig_item(rel, os.fstat(fd))
-        seal_dirs(staging, shared)
         dest = staging / MANIFEST
-        write_atomic(dest, manifest, durable=False, mode=0o444)
-        fsync_tree(staging)
+        return _finish(staging, key, doc, records, sig, manifest, shared)
     except OSError as exc:  # a full disk, a read-only root: the caller removes staging
         raise CacheWriteError.of("write the downloaded entry to", exc, dest) from exc
-    sig[MANIFEST] = _sig_item(MANIFEST, os.lstat(staging / MANIFEST))
-    return _entry(staging, key, doc, records, sig, read_only=False)
 
 
 def is_safe_relpath(rel: object) -> bool:
@@ -325,8 +285,7 @@ def is_safe_relpath(rel: object) -> bool:
             rel.encode("utf-8")  # a lone surrogate from JSON cannot become a file name
         except UnicodeEncodeError:
             return False
-    # No empty, "." or ".." part: that is exactly what a normalized relative path is (PurePosixPath would
-    # say the same, at ten times the cost on the hook's path).
+    # No empty, "." or ".." part is what "normalized" means (PurePosixPath says so at ten times the cost).
     return all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
@@ -351,7 +310,7 @@ def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.sta
     return sorted(found)
 
 
-def _hash_file(path: Path, rel: str) -> tuple[str, tuple[str, int, int, int, int]]:
+def _hash_file(path: Path, rel: str) -> tuple[str, _SigItem]:
     """Hash a file in chunks without following a symlink; return the digest and its signature item."""
     h = hashlib.sha256()
     fd, _st = open_regular(path)  # never blocks: a FIFO swapped in after the listing is an OSError, not a hang

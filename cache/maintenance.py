@@ -52,23 +52,17 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
 
     With ``only_key`` the caller holds that key's lock, and only its dirs are considered. Returns their names.
     """
-    host = this_host()
     removed = []
     for name, path in layout.iter_staging():
-        if name is None or name.host != host or pid_alive(name.pid):
-            continue
-        if only_key is not None and name.key != only_key:
+        if name is None or name.host != this_host() or (only_key and name.key != only_key) or pid_alive(name.pid):
             continue
         lock = KeyLock(lock_dir, name.key, shared=shared) if name.key is not None and only_key is None else None
         if lock is not None and not lock.try_acquire():
             continue
-        try:
+        with lock or contextlib.nullcontext():
             if remove_tree(path):
                 removed.append(path.name)
                 log.info("removed staging dir %s of dead process %d", path, name.pid)
-        finally:
-            if lock is not None:
-                lock.release()
     layout.drop_staging()
     return removed
 
@@ -77,8 +71,8 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, old
                grace_s: float = 0.0, shared: bool = False) -> PruneReport:
     """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
 
-    Last use is the entry directory's mtime, which lookups refresh (``noatime`` mounts too). Each removal
-    try-locks the key and renames the entry into staging before deleting it. ValueError for ``max_bytes`` < 0.
+    Last use is the entry directory's mtime, which lookups refresh. Each removal try-locks the key and
+    renames the entry into staging before deleting it. ValueError for ``max_bytes`` < 0.
     """
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
@@ -90,26 +84,19 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, old
     for key, path in layout.iter_entry_dirs():
         with contextlib.suppress(FileNotFoundError):
             candidates.append((os.lstat(path).st_mtime, key, path, directory_size(path)))
-    candidates.sort()
-    total = sum(size for *_rest, size in candidates)
-    removed, skipped, recent, freed = [], [], [], 0
-    for mtime, key, path, size in candidates:
-        too_old = older_than_s is not None and now - mtime > older_than_s
-        too_big = max_bytes is not None and total > max_bytes
-        if not (too_old or too_big):
-            continue
+    total = before = sum(size for *_rest, size in candidates)
+    done: dict[str, list[str]] = {"removed": [], "locked": [], "recent": []}
+    for mtime, key, path, size in sorted(candidates):
+        if (older_than_s is None or now - mtime <= older_than_s) and (max_bytes is None or total <= max_bytes):
+            continue  # neither too old nor over the size
         outcome = "recent" if now - mtime < grace_s else _remove_entry(layout, lock_dir, key, path, grace_s, shared)
-        if outcome == "removed":
-            removed.append(key)
-            freed += size
-            total -= size
-        else:
-            (recent if outcome == "recent" else skipped).append(key)
+        done[outcome].append(key)
+        total -= size if outcome == "removed" else 0
     quarantine_removed = _prune_quarantine(layout, now - older_than_s) if older_than_s is not None else []
     prune_stamps(layout)
-    return PruneReport(removed=tuple(removed), freed_bytes=freed, skipped_locked=tuple(skipped),
-                       skipped_recent=tuple(recent), staging_removed=tuple(staging_removed),
-                       quarantine_removed=tuple(quarantine_removed),
+    return PruneReport(removed=tuple(done["removed"]), freed_bytes=before - total,
+                       skipped_locked=tuple(done["locked"]), skipped_recent=tuple(done["recent"]),
+                       staging_removed=tuple(staging_removed), quarantine_removed=tuple(quarantine_removed),
                        remaining_bytes=total)
 
 
@@ -118,26 +105,22 @@ def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, grac
 
     Its last use is read again under the lock: a lookup since the listing touched it under a claim.
     """
-    lock = KeyLock(lock_dir, key, shared=shared)
-    if not lock.try_acquire():
-        log.info("prune: keeping %s, its lock is held", key)
-        return "locked"
-    try:
-        if time.time() - os.lstat(path).st_mtime < grace_s:
-            return "recent"
-        trash = layout.make_staging_dir(key)
+    trash = None
+    with KeyLock(lock_dir, key, shared=shared) as lock:
+        if not lock.try_acquire():
+            log.info("prune: keeping %s, its lock is held", key)
+            return "locked"
         try:
+            if time.time() - os.lstat(path).st_mtime < grace_s:
+                return "recent"
+            trash = layout.make_staging_dir(key)
             path.replace(trash)  # over the empty dir made for it: a reader sees all of the entry or none
-        except OSError:
+        except FileNotFoundError:
+            pass  # removed meanwhile
+        except OSError as exc:  # e.g. another user's entry in a shared root
+            log.warning("prune: cannot remove %s: %s", path, exc)
             layout.drop_staging(trash)
-            raise
-    except FileNotFoundError:
-        return "removed"
-    except OSError as exc:  # e.g. another user's entry in a shared root
-        log.warning("prune: cannot remove %s: %s", path, exc)
-        return "locked"
-    finally:
-        lock.release()
+            return "locked"
     layout.drop_staging(trash)
     return "removed"
 
@@ -190,32 +173,50 @@ def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
     return True
 
 
-def quarantine_entry(layout: RootLayout, lock_dir: Path, key: str, reason: str, *, read_only: bool, repair: bool,
-                     locked: bool, shared: bool) -> None:
-    """Move a writable root's corrupt copy of ``key`` aside (else only log it); never raises.
+def quarantine(layout: RootLayout, lock_dir: Path, name: str, path: Path, reason: str, *, read_only: bool,
+               repair: bool, shared: bool, locked: bool = False) -> None:
+    """Move a writable root's corrupt copy ``path`` (of key ``name``, or ``shard-<kk>``) aside, else log it.
 
-    Unless ``locked``, try-lock the key (a holder is a builder, which quarantines it itself, or a reader),
-    then verify once more: another process may have replaced it.
+    Unless ``locked`` (the caller holds ``name``), its lock is only tried (a holder is a builder, which
+    quarantines the copy itself, or a reader) and the copy checked once more under it: another process may
+    have replaced it. Never raises, but for an untrusted entry found under the lock.
     """
-    path = layout.entry_dir(key)
     if read_only or not repair:
-        log.warning("corrupt cache entry %s%s: %s", key, f" in read-only {layout.root}" if read_only
+        log.warning("corrupt cache copy %s%s: %s", path, f" in read-only {layout.root}" if read_only
                     else " (reported, not moved)", reason)
-    elif locked:
-        move_aside(layout, key, path, reason)
-    elif (lock := _try_lock(lock_dir, key, shared, f"corrupt cache entry {key}", reason)) is not None:
-        with lock:
-            with contextlib.suppress(CorruptEntry, OSError):
-                verify_entry(path, key, allow_shared=shared)
-                return
-            move_aside(layout, key, path, reason)
+        return
+    lock = KeyLock(lock_dir, name, shared=shared)
+    try:
+        if not locked and not lock.try_acquire():
+            log.warning("%s (not quarantined: its lock is held): %s", path, reason)
+            return
+    except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
+        log.warning("%s (not quarantined: %s): %s", path, exc.reason, reason)
+        return
+    with lock:
+        if locked or _still_bad(path, name, shared):
+            move_aside(layout, name, path, reason)
+
+
+def _still_bad(path: Path, name: str, shared: bool) -> bool:
+    """Whether the copy at ``path`` is still corrupt: a shard (``shard-<kk>``) or the entry of key ``name``."""
+    if name.startswith("shard-"):
+        return shard_problem(path) is not None
+    try:
+        verify_entry(path, name, allow_shared=shared)
+    except (CorruptEntry, OSError):
+        return True
+    return False
 
 
 def shard_problem(shard: Path) -> str | None:
-    """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can."""
+    """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can.
+
+    None also when it is missing, or a directory above it is the problem (not for this shard to answer).
+    """
     try:
         st = os.lstat(shard)
-    except OSError:  # missing, or a directory above it is the problem (not for this shard to answer)
+    except OSError:
         return None
     if stat.S_ISLNK(st.st_mode):
         return f"{shard} is a symlink, not a shard directory"
@@ -230,34 +231,6 @@ def shard_problem(shard: Path) -> str | None:
         return f"{shard} cannot be read: {exc.strerror or exc}"
     if not os.access(shard, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         return f"{shard} cannot be read: Permission denied"
-    return None
-
-
-def quarantine_shard(layout: RootLayout, lock_dir: Path, shard: Path, *, read_only: bool, repair: bool,
-                     shared: bool) -> str | None:
-    """Why ``shard`` cannot hold entries, or None; a writable root's is moved aside under ``shard-<kk>``'s lock.
-
-    None also when it is gone meanwhile, or the problem is above it (``v1`` or ``entries``): a miss.
-    """
-    why = shard_problem(shard)
-    if why is not None and (read_only or not repair):
-        log.warning("corrupt cache shard%s: %s", f" in read-only {layout.root}" if read_only else "", why)
-    elif why is not None and (lock := _try_lock(lock_dir, f"shard-{shard.name}", shared, str(shard), why)):
-        with lock:
-            if shard_problem(shard) is not None:
-                move_aside(layout, f"shard-{shard.name}", shard, why)
-    return why
-
-
-def _try_lock(lock_dir: Path, name: str, shared: bool, what: str, reason: str) -> KeyLock | None:
-    """Take ``name``'s lock without waiting; None (logged) when it is held or cannot be had."""
-    lock = KeyLock(lock_dir, name, shared=shared)
-    try:
-        if lock.try_acquire():
-            return lock
-        log.warning("%s (not quarantined: its lock is held): %s", what, reason)
-    except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
-        log.warning("%s (not quarantined: %s): %s", what, exc.reason, reason)
     return None
 
 
@@ -289,13 +262,10 @@ def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool
     """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:
-        if keys is None:
-            found = list(layout.iter_entry_names())
-        else:
-            found = [(k, layout.entry_dir(k)) for k in keys if _lexists(layout.entry_dir(k))]
+        found = list(layout.iter_entry_names()) if keys is None else [
+            (k, layout.entry_dir(k)) for k in keys if _lexists(layout.entry_dir(k))]
         for key, path in found:
             if key is None:
-                local.check_root(layout)
                 _entry, why = local.bad_shard(layout, path, read_only=read_only, repair=repair)
             else:
                 entry, why = local.check_copy(layout, key, read_only=read_only, locked=False, repair=repair)

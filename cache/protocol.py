@@ -1,40 +1,35 @@
 """The cache protocol: lookup, get-or-build, publish, verify-on-read, quarantine, claims, discard.
 
-The question the cache answers: "give me the files a build of this description produces", built at most
-once per host (once per fleet with a remote tier), and never anything half-written, corrupt, or planted by
-another user. It knows nothing of kernels: a description is plain JSON, a build a callable that writes files.
+It answers "give me the files a build of this description produces": built at most once per host (per
+fleet with a remote tier), never half-written, corrupt, or planted by another user. A description is plain
+JSON, a build a callable that writes files; the key is ``sha256(canonical JSON of {"format": 1,
+"description": ...})`` (:mod:`jitwarm.cache.keys`). Layout (:class:`~jitwarm.cache.layout.RootLayout`;
+read-only layers, ``JITWARM_CACHE_PATH``, have the same and are searched after the root)::
 
-Keys. ``key = sha256(canonical JSON of {"format": 1, "description": ...})`` (:mod:`jitwarm.cache.keys`). The
-description names everything the bytes depend on; nothing else reaches the key.
-
-Layout (:class:`~jitwarm.cache.layout.RootLayout`)::
-
-    <root>/v1/entries/<kk>/<key>/   the artifact files and entry.json (size and sha256 of each), written last
-    <root>/v1/staging/<host>-<pid>-<key>-<rand>/   a build in flight; staging/ exists only while one is
-    <root>/v1/locks/<key>.lock      flock: exclusive to write the entry dir, shared to read it (a claim)
-    <root>/v1/verified/<kk>/        stamps: what this host hashed each entry as (a hint, never the truth)
-    <root>/v1/quarantine/           corrupt or rejected copies, with a .reason note
-
-Read-only layers (``JITWARM_CACHE_PATH``) have the same layout and are searched after the root.
+    <root>/v1/entries/<kk>/<key>/  the artifact files and entry.json (size and sha256 of each), written last
+    <root>/v1/staging/<host>-<pid>-<key>-<rand>/  a build in flight; staging/ exists only while one is
+    <root>/v1/locks/<key>.lock     flock: exclusive to write the entry dir, shared to read it (a claim)
+    <root>/v1/verified/<kk>/       stamps: what this host hashed each entry as (a hint, never the truth)
+    <root>/v1/quarantine/          corrupt or rejected copies, with a .reason note
 
 Invariants.
 1. An entry directory appears by one ``rename`` from staging, after every file was hashed into its
    ``entry.json``: a reader sees all of it or none of it.
 2. Whatever writes an entry directory (build, download, import, quarantine, discard, prune) holds the key's
-   exclusive lock; a build runs only under it, so at most once per key per lock dir.
+   exclusive lock, so a build runs at most once per key per lock dir.
 3. An entry is returned only after this process hashed its files, or while their stat signature (inode,
-   size, mtime, ctime of every file, and the listing) still equals what this host hashed (its stamp).
-4. A reader holds a shared claim while it reads; prune and quarantine only try-lock, so they keep a claimed
-   entry. Prune also keeps an entry used within its grace period (a lookup touches an entry under a claim).
-5. A corrupt copy is a miss: moved to quarantine in the root (under its lock, after looking once more),
-   skipped in a layer. Nothing here raises for corrupt content; an untrusted directory raises.
+   size, mtime, ctime of every file, and the listing) equals what this host hashed (its stamp).
+4. A reader holds a shared claim; prune and quarantine only try-lock, so they keep a claimed entry, and
+   prune keeps one used within its grace period (a lookup touches it under a claim).
+5. A corrupt copy is a miss: quarantined in the root (under its lock, after a second look), skipped in a
+   layer. Corrupt content never raises; an untrusted directory does.
 6. Every wait has a deadline (``LockTimeout``); every file read is bounded and never blocks.
 
 Known gaps. Exactly-once holds per lock dir: two hosts with their own lock dirs on one shared root may both
-build a key (the second rename loses and is dropped). NFS can hide a fresh rename for a moment: we look
-again, then serve our own staged copy. Inside its own claim a thread must not build or discard that key
-(flock SH and EX conflict within a process: it waits until its deadline). The stat signature trusts that
-an attacker who can rewrite a file and restore its ctime is already root.
+build a key (the second rename loses). NFS can hide a fresh rename for a moment: we look again, then serve
+our staged copy. A thread must not build or discard a key inside its own claim of it (flock SH and EX
+conflict within a process: it waits out its deadline). The stat signature trusts that whoever can rewrite
+a file and restore its ctime is already root.
 """
 
 from __future__ import annotations
@@ -57,7 +52,7 @@ from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, ref
 from jitwarm.cache.keys import keyed
 from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir
-from jitwarm.cache.maintenance import move_aside, quarantine_entry, quarantine_shard, sweep_staging
+from jitwarm.cache.maintenance import move_aside, quarantine, shard_problem, sweep_staging
 from jitwarm.cache.remote.fleet import Fleet, LocalSteps
 from jitwarm.cache.signing import check_local, signature_path
 from jitwarm.cache.stamps import stamped_entry, write_stamp
@@ -83,17 +78,15 @@ class LocalCache:
     """
 
     def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
-                 allow_shared: bool, count: Callable[..., None],
-                 trust_key: Callable[[], bytes | None] = lambda: None) -> None:
+                 allow_shared: bool, count: Callable[..., None], trust_key: Callable[[], bytes | None]) -> None:
         self.root = root
-        self.trust_key = trust_key  # the fleet key: a shared layer's entries must carry its signature
-        self.layers = tuple(layers)
         self.lock_dir = lock_dir
         self.read_only = read_only
         self.allow_shared = allow_shared
         #: ``(layout, read_only)`` of the root, then each layer.
-        self.search_order = [(root, read_only), *((layer, True) for layer in self.layers)]
+        self.search_order = [(root, read_only), *((layer, True) for layer in layers)]
         self._count = count
+        self._trust_key = trust_key  # the fleet key: a shared layer's entries must carry its signature
         self._mutex = threading.Lock()
         self._verified: dict[Path, Entry] = {}
         self._rejected: set[tuple[Path, Signature]] = set()
@@ -125,7 +118,6 @@ class LocalCache:
         except FileNotFoundError:
             return None, None
         except OSError:  # ENOTDIR, EACCES: the shard is a file, or cannot be entered (or a top dir is broken)
-            self.check_root(layout)
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
         self.check_root(layout)
         parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
@@ -145,8 +137,8 @@ class LocalCache:
                 return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
             why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
             self._count("corrupt")
-            quarantine_entry(layout, self.lock_dir, key, why, read_only=read_only, repair=repair, locked=locked,
-                             shared=self.allow_shared)
+            quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair, locked=locked,
+                       shared=self.allow_shared)
             return None, why
         self._check_signed(layout, entry)
         self._remember(entry, stamp=repair)
@@ -154,17 +146,19 @@ class LocalCache:
 
     def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
         """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
-        if layout is not self.root and self.allow_shared and (key := self.trust_key()) is not None:
+        if layout is not self.root and self.allow_shared and (key := self._trust_key()) is not None:
             check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
                         f"layer {layout.root}")
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
-        """A shard path that is no usable directory: every key in it is corrupt until it is moved aside."""
-        why = quarantine_shard(layout, self.lock_dir, shard, read_only=read_only, repair=repair,
-                               shared=self.allow_shared)
-        if why is not None:
+        """``(None, why)`` for a shard path that is no usable directory (moved aside in the root), else a miss."""
+        self.check_root(layout)  # a broken top directory raises here, before any shard is blamed
+        why = shard_problem(shard)
+        if why is not None:  # None also when it is gone meanwhile, or the problem is above it
             self._count("corrupt")
+            quarantine(layout, self.lock_dir, f"shard-{shard.name}", shard, why, read_only=read_only,
+                       repair=repair, shared=self.allow_shared)
         return None, why
 
     def _was_rejected(self, entry: Entry) -> bool:
@@ -176,16 +170,13 @@ class LocalCache:
 
     def check_root(self, layout: RootLayout) -> None:
         """Trust-check a root's top directories that exist, by what they resolve to, once per instance."""
-        if layout.entries in self._trusted:  # the last of the three: all of them passed
-            return
         for path in (layout.root, layout.base, layout.entries):
-            if path in self._trusted:
-                continue
-            try:
-                check_trusted_dir(path, "cache root", allow_shared=self.allow_shared)
-            except (FileNotFoundError, NotADirectoryError):
-                return
-            self._trusted.add(path)
+            if path not in self._trusted:
+                try:
+                    check_trusted_dir(path, "cache root", allow_shared=self.allow_shared)
+                except (FileNotFoundError, NotADirectoryError):
+                    return
+                self._trusted.add(path)
 
     def _remember(self, entry: Entry, *, stamp: bool = True, last_use: float | None = None) -> None:
         """Memoize a verified entry (``last_use``: its directory's mtime) and stamp it for the next processes."""
@@ -204,8 +195,8 @@ class LocalCache:
     def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
         """Stamp the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
 
-        Under the key's shared claim (unless ``locked``: we hold it), so a prune's check-and-remove either
-        sees this use and keeps the entry, or removed it first and the lookup calls it a miss (invariant 4).
+        Under the key's shared claim (unless ``locked``: we hold the key), so a prune's check-and-remove either
+        sees this use and keeps the entry, or removed it first and the lookup is a miss (invariant 4).
         """
         if entry.read_only:
             return True
@@ -365,9 +356,8 @@ class LocalCache:
         """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return what is published.
 
         A rename keeps inodes and times: an unchanged signature proves it is what was hashed. A lost race
-        (another host's lock dir) is success: verify the winner, drop ours; a winner that stays invisible
-        (NFS, DeepEP #683) means serving our staged copy (DeepEP PR #684), or ``CacheError`` without
-        ``keep_fallback``.
+        (another host's lock dir) is success: verify the winner, drop ours. A winner that stays invisible (NFS,
+        DeepEP #683) means serving our staged copy (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
         """
         final = self.root.entry_dir(staged.key)
         for _attempt in range(2):

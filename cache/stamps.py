@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ def _read(path: Path | str, *, allow_shared: bool) -> Any:
 
 def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool,
                   st: os.stat_result | None = None) -> Entry | None:
-    """The entry at ``path`` when ``root`` holds a stamp its files still match (:func:`recheck_entry`), else None.
+    """The entry at ``path`` if ``root`` holds a stamp its files still match (:func:`recheck_entry`), else None.
 
     A stamp not ours, not a regular file, too large or malformed is ignored; ``CacheError`` for an untrusted
     entry. ``st``: an ``lstat`` of ``path`` already taken.
@@ -65,13 +64,12 @@ def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool,
     return None if stamped is None else recheck_entry(stamped, allow_shared=allow_shared, st=st)
 
 
-def _stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | None:
+def _stamp_entry(doc: Any, path: Path, key: str, read_only: bool) -> Entry | None:
     """The entry a stamp document describes (not yet checked against the disk); None if not one of ``path``."""
     try:
-        if doc["path"] != os.fspath(path):  # type: ignore[index]
-            return None
         flat, listed = doc["signature"], doc["files"]
-        if type(flat) is not list or type(listed) is not list or len(flat) % 5 or len(listed) % 3:
+        if (doc["path"] != os.fspath(path) or type(flat) is not list or type(listed) is not list or len(flat) % 5
+                or len(listed) % 3):
             return None
         # No conversions: only a signature equal to what lstat says is ever accepted (recheck_entry).
         signature = tuple(tuple(flat[i:i + 5]) for i in range(0, len(flat), 5))
@@ -91,8 +89,8 @@ def _stamp_entry(doc: object, path: Path, key: str, read_only: bool) -> Entry | 
 
 def prune_stamps(root: RootLayout) -> None:
     """Delete the stamps naming an entry directory that is gone, and damaged ones; one not ours stays."""
-    for shard in _listdir(root.stamps, lambda item: item.is_dir(follow_symlinks=False)):
-        for stamp in _listdir(shard, lambda item: item.name.endswith(".json")):
+    for folder, _dirs, names in os.walk(root.stamps):  # a symlinked shard is not followed
+        for stamp in (Path(folder, name) for name in names if name.endswith(".json")):
             try:
                 useless = not os.path.lexists(_read(stamp, allow_shared=False)["path"])
             except OSError:
@@ -101,12 +99,4 @@ def prune_stamps(root: RootLayout) -> None:
                 useless = True
             if useless:
                 with contextlib.suppress(OSError):
-                    Path(stamp).unlink()
-
-
-def _listdir(path: Path | str, keep: Callable[[os.DirEntry[str]], bool]) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [item.path for item in it if keep(item)]
-    except OSError:
-        return []
+                    stamp.unlink()

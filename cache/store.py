@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from jitwarm.cache import bundle, maintenance, settings
+from jitwarm.cache import bundle, settings
 from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
@@ -20,7 +20,7 @@ from jitwarm.cache.files import directory_size, refresh_dir
 from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
 from jitwarm.cache.locks import KeyLock, OnWait, wait_until
-from jitwarm.cache.maintenance import PruneReport, VerifyReport, verify_copies
+from jitwarm.cache.maintenance import PruneReport, VerifyReport, prune_root, verify_copies
 from jitwarm.cache.protocol import BuildFn, LocalCache
 from jitwarm.cache.remote import Fleet, ObjectStore, RemoteReport, RemoteStore, open_store, redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
@@ -56,10 +56,7 @@ Outcome = Literal["hit", "built", "waited", "downloaded"]
 
 
 class CacheResult(NamedTuple):
-    """The entry and how this call got it.
-
-    ``"hit"``, ``"built"`` (ran ``build``), ``"waited"`` (another process's build) or ``"downloaded"``.
-    """
+    """The entry, and how this call got it: ``"built"`` ran ``build``, ``"waited"`` for another's build."""
 
     entry: Entry
     outcome: Outcome
@@ -71,11 +68,9 @@ class KernelCache:
     Each argument left None is read from its setting (:mod:`jitwarm.cache.settings`): ``root``
     (``JITWARM_CACHE_DIR``), ``layers`` (``JITWARM_CACHE_PATH``; ``()`` for none), ``lock_dir``
     (``JITWARM_LOCK_DIR``, else ``<root>/v1/locks``), the remote ones (``""``: no remote) only with a remote.
-    ``read_only``: lookups only (a corrupt entry is skipped, a miss in ``get_or_build`` raises);
-    ``allow_shared``: accept what other users can write. ``SettingError`` when a setting does not parse.
-
-    Construction touches no file and connects to nothing; instances are thread-safe (two threads exclude
-    each other like two processes).
+    ``read_only``: lookups only (a miss in ``get_or_build`` raises); ``allow_shared``: accept what other
+    users can write. ``SettingError`` when a setting does not parse. Construction touches no file and
+    connects to nothing; instances are thread-safe (two threads exclude each other like two processes).
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None,
@@ -113,20 +108,21 @@ class KernelCache:
     def trust_key(self) -> bytes | None:
         """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one.
 
-        With one, bundles are exported signed and imported only signed, and a shared layer's entries are used
-        only signed (docs/cache.md, "What each tier trusts").
+        With one, bundles and a shared layer's entries are used only signed (docs/cache.md, "What each tier
+        trusts").
         """
         if self._trust_key is None:
             self._trust_key = (settings.trust_key(),)
         return self._trust_key[0]
 
     def _count(self, name: str, amount: float = 1) -> None:
+        """Add ``amount`` to the counter ``name`` (the one callable every tier counts through)."""
         with self._counts_lock:
             self._counts[name] += amount
 
     @property
     def remote_display(self) -> str | None:
-        """The remote tier's URL without its password (for messages and reports), or None without one."""
+        """The remote tier's URL without its password, or None without one."""
         return redact(self.remote) if self.remote else None
 
     def __repr__(self) -> str:
@@ -143,9 +139,9 @@ class KernelCache:
         return key_preimage(description)
 
     def lookup(self, key: str) -> Entry | None:
-        """The verified entry of ``key`` from the root or a layer, or None (missing, corrupt or discarded).
+        """The verified entry of ``key`` from the root or a layer, or None; never waits or builds.
 
-        Never waits or builds. ValueError for a malformed key, ``CacheError`` for an untrusted directory.
+        ValueError for a malformed key, ``CacheError`` for an untrusted directory.
         """
         return self._local.lookup(check_key(key))
 
@@ -153,9 +149,9 @@ class KernelCache:
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
         """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
 
-        ``build`` writes regular files (no links, no ``entry.json``) and runs only under the key's lock.
-        ``timeout_s`` bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once
-        when we wait; ``key``: ``cache.key(description)`` computed by the caller (checked before a build).
+        ``build`` writes regular files (no links, no ``entry.json``), only under the key's lock. ``timeout_s``
+        bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once when we wait;
+        ``key``: ``cache.key(description)``, computed by the caller (checked before a build).
 
         Raises
         ------
@@ -249,8 +245,8 @@ class KernelCache:
         """
         self._require_writable("prune")
         grace = settings.prune_grace_s() if grace_s is None else max(0.0, float(grace_s))
-        report = maintenance.prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
-                                  grace_s=grace, shared=self.allow_shared)
+        report = prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
+                            grace_s=grace, shared=self.allow_shared)
         for key in report.removed:
             self._local.forget(self._local.root.entry_dir(key))
         return report
@@ -260,7 +256,7 @@ class KernelCache:
         return sum(directory_size(path) for _key, path in self._local.root.iter_entry_dirs())
 
     def stats(self) -> CacheStats:
-        """Return this instance's counters: hits, misses, builds, waits, lock-wait seconds, corrupt, remote."""
+        """Return this instance's counters."""
         with self._counts_lock:
             return CacheStats(**self._counts)  # type: ignore[arg-type]
 
@@ -283,53 +279,49 @@ class KernelCache:
         With a fleet key (:meth:`trust_key`) each entry's signature goes in too. ``CacheError`` for a missing or
         corrupt key, ``CacheWriteError`` (no partial file is left).
         """
-        keys = sorted({check_key(k) for k in keys})
-        entries = [self.lookup(k) for k in keys]
-        missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
-        if missing:
-            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise CacheError(f"cannot export to {path}: {len(missing)} key(s) not in the cache {self.root}: {shown}")
-        return bundle.write_bundle([e for e in entries if e is not None], settings.absolute_path(path),
-                                   trust_key=self.trust_key())
+        entries = self._entries(keys, path)
+        return bundle.write_bundle(entries, settings.absolute_path(path), trust_key=self.trust_key())
 
     def export_bundle_to_store(self, keys: Iterable[str], url: str) -> str:
         """Stream the entries of ``keys`` as one bundle to the object ``s3://BUCKET/KEY.tar``; return its sha256.
 
-        A multipart upload, one part in memory at a time; the object appears only once it is complete.
+        One multipart upload, one part in memory at a time; the object appears only once complete.
         ``CacheError`` for a missing key, ``BundleStoreError`` (a store fault: no object is left).
         """
         from jitwarm.cache.remote.s3_bundle import upload_bundle
 
-        keys = sorted({check_key(k) for k in keys})
-        entries = [self.lookup(k) for k in keys]
-        missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
+        return upload_bundle(url, self._entries(keys, url), trust_key=self.trust_key())
+
+    def _entries(self, keys: Iterable[str], dest: object) -> list[Entry]:
+        """The entries of ``keys`` in key order, for an export to ``dest``; CacheError naming missing ones."""
+        found = {k: self.lookup(k) for k in sorted({check_key(k) for k in keys})}
+        missing = [k for k, e in found.items() if e is None]
         if missing:
-            raise CacheError(f"cannot export to {url}: {len(missing)} key(s) not in the cache {self.root}: "
-                             f"{', '.join(missing[:3])}")
-        return upload_bundle(url, [e for e in entries if e is not None], trust_key=self.trust_key())
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise CacheError(f"cannot export to {dest}: {len(missing)} key(s) not in the cache {self.root}: {shown}")
+        return [e for e in found.values() if e is not None]
 
     def import_bundle(self, path: str | os.PathLike[str], timeout_s: float = 600.0, *,
                       sha256: str | None = None) -> ImportReport:
         """Import a bundle (a file, or an object ``s3://BUCKET/KEY.tar``): nothing published before all verified.
 
-        Each key the root and layers lack is published by a rename under its lock. ``CacheError`` (a bad
-        bundle: nothing imported; a read-only cache), ``CacheWriteError`` or ``LockTimeout``. ``sha256``: a
-        bundle file that does not hash to it is refused (``CacheError``) before anything is unpacked. With a
-        fleet key, an entry whose signature is missing or does not verify is ``UntrustedEntry`` (exit 4). From
-        the object store: ``BundleStoreError`` for a store fault, ``UsageError`` for no such object.
+        Each key the root and layers lack is published by a rename under its lock. ``sha256``: a bundle that
+        does not hash to it is refused before anything is unpacked. Raises ``CacheError`` (a bad bundle:
+        nothing imported; a read-only cache), ``CacheWriteError``, ``LockTimeout``; with a fleet key,
+        ``UntrustedEntry`` (exit 4) for an entry whose signature is missing or does not verify; from the
+        object store, ``BundleStoreError`` for a fault and ``UsageError`` for no such object.
         """
         self._require_writable("import a bundle")
-        caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes()}
+        caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes(),
+                "shared": self.allow_shared, "sha256": sha256, "trust_key": self.trust_key()}
         self._local.prepare_root()
         staging = self._local.new_staging(BUNDLE_TAG)
         try:
             if is_bundle_url(path):  # read as a stream, hashed as read: nothing published before the pin is met
                 with open_bundle(str(path)) as body:
-                    staged = bundle.unpack_stream(body, str(path), staging, shared=self.allow_shared, sha256=sha256,
-                                                  trust_key=self.trust_key(), **caps)
+                    staged = bundle.unpack_stream(body, str(path), staging, **caps)
             else:
-                staged = bundle.unpack_bundle(settings.absolute_path(path), staging, shared=self.allow_shared,
-                                              sha256=sha256, trust_key=self.trust_key(), **caps)
+                staged = bundle.unpack_bundle(settings.absolute_path(path), staging, **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new))
@@ -344,7 +336,7 @@ class KernelCache:
         return write_plan_record(self._local.root, plan_id, record)
 
     def read_fact(self, name: str) -> str | None:
-        """A fact a caller kept with :meth:`write_fact` (a compiler's version by its binary's stat), or None.
+        """A fact kept with :meth:`write_fact` (a compiler's version by its binary's stat), or None.
 
         An unreadable or untrusted fact is None; ValueError for a name outside ``[A-Za-z0-9._-]{1,128}``.
         """
@@ -366,4 +358,3 @@ class KernelCache:
         """Raise CacheError for a write on a read-only cache."""
         if self.read_only:
             raise CacheError(f"cannot {what}: the cache at {self.root} is read-only")
-
