@@ -1,12 +1,10 @@
 """Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
 
-Each worker is ``python -m jitwarm.precompile.builders``, reading one task per line (the spec's artifact) and
-answering one JSON line (:mod:`jitwarm.kernels.channel`; what it prints goes to stderr). A fresh interpreter,
-not a ``multiprocessing`` child: it never re-imports the caller's ``__main__`` (``sglang.launch_server``), and a
-worker that dies is known by the task it held. Workers run in their own session, so a terminal's Ctrl-C reaches
-only the parent, which stops them and their compilers; a build cut short leaves only a staging directory.
-Errors and entries cross as data (the exception's type and kind with its full text; the entry as the worker
-verified it, stat signature included, so the parent uses it without a second lookup).
+Each worker is ``python -m jitwarm.precompile.builders``: one artifact per line in, one JSON answer per line out
+(:mod:`jitwarm.kernels.channel`). A fresh interpreter, not a ``multiprocessing`` child, never re-imports the
+caller's ``__main__`` (``sglang.launch_server``), and a worker that dies is known by the task it held. Workers run
+in their own session: a terminal's Ctrl-C reaches only the parent, which stops them and their compilers. Errors
+and entries cross as data (the entry as the worker verified it, so the parent uses it without a second lookup).
 """
 
 from __future__ import annotations
@@ -23,10 +21,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from jitwarm.cache import Entry, FileRecord
-from jitwarm.kernels import channel
+from jitwarm.kernels import KernelSpec, channel
+from jitwarm.kernels.artifacts import Artifact
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
 STOP_GRACE_S = 3.0
@@ -43,10 +42,6 @@ class Failure:
     type: str
     message: str
     detail: str = ""
-
-    def to_json(self) -> dict[str, str]:
-        """JSON-able form (as it travels from a worker)."""
-        return {"kind": self.kind, "type": self.type, "message": self.message, "detail": self.detail}
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
@@ -66,30 +61,50 @@ class Failure:
 
 
 @dataclass
-class Task:
-    """One spec to get or build: its artifact (spec, description, key) as JSON, and its index."""
+class SpecResult:
+    """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
 
-    index: int
-    artifact: dict[str, Any]
+    ``entry`` is the verified entry (the lookup's, or the worker's), handed on so nobody looks it up again. A
+    failure keeps its :class:`Failure` as ``error`` (first line), ``error_kind``, ``error_type`` and ``detail``.
+    """
 
-
-@dataclass
-class Outcome:
-    """What a worker did with a task: hit, built, waited, downloaded (with its ``entry``), or failed (``failure``)."""
-
-    index: int
-    outcome: str
-    seconds: float
+    spec: KernelSpec
+    outcome: str  # "hit" | "built" | "waited" | "downloaded" | "failed"
+    seconds: float = 0.0
     key: str | None = None
-    failure: Failure | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    error_type: str | None = None
+    detail: str | None = None
     remote_error: str | None = None
-    entry: Entry | None = None
+    entry: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def timed_out(self) -> bool:
+        """True when this spec failed only because another holder kept its lock past the deadline."""
+        return self.outcome == "failed" and self.error_kind == "timeout"
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-able dict (the spec as its id; failure fields and ``remote_error`` only when set)."""
+        data = {"spec": self.spec.id, "outcome": self.outcome, "seconds": round(self.seconds, 3), "key": self.key}
+        if self.outcome == "failed":
+            data.update(error=self.error, error_kind=self.error_kind, error_type=self.error_type, detail=self.detail)
+        if self.remote_error is not None:
+            data["remote_error"] = self.remote_error
+        return data
+
+    @classmethod
+    def failed(cls, spec: KernelSpec, failure: Failure, seconds: float = 0.0,
+               remote_error: str | None = None) -> SpecResult:
+        """A failed result."""
+        return cls(spec, "failed", seconds, error=failure.message, error_kind=failure.kind, error_type=failure.type,
+                   detail=failure.detail, remote_error=remote_error)
 
 
 @dataclass
 class _Worker:
     proc: subprocess.Popen
-    task: Task | None = None
+    task: Artifact | None = None
     started: float = 0.0
     answers: channel.LineReader = field(default_factory=channel.LineReader)
     errors: channel.LineReader = field(default_factory=channel.LineReader)
@@ -104,42 +119,42 @@ class BuildPool:
         self._workers: list[_Worker] = []
         self._said: set[bytes] = set()  # what workers wrote on stderr: each line once, not once per worker
 
-    def run(self, tasks: Sequence[Task]) -> Iterator[Outcome]:
-        """Yield one outcome per task as it finishes; a worker that dies fails its task (retried once alone).
+    def run(self, tasks: Sequence[Artifact]) -> Iterator[SpecResult]:
+        """Yield one result per artifact as it finishes; a worker that dies fails its task (retried once alone).
 
-        On ``KeyboardInterrupt`` (or any exception in the caller) every worker is stopped before it
-        propagates.
+        On ``KeyboardInterrupt`` (or any exception in the caller) every worker is stopped before it propagates.
         """
         pending = list(tasks)
-        retried: set[int] = set()
+        retried: set[KernelSpec] = set()
         selector = selectors.DefaultSelector()
         try:
             while pending or any(w.task for w in self._workers):
-                while pending and len([w for w in self._workers if w.task]) < self.jobs:
+                while pending and sum(1 for w in self._workers if w.task) < self.jobs:
                     worker = next((w for w in self._workers if w.task is None), None) or self._spawn(selector)
-                    self._send(worker, pending.pop(0))
+                    worker.task, worker.started = pending.pop(0), time.perf_counter()
+                    channel.send(worker.proc.stdin, worker.task.to_json())
                 for key, _ in selector.select(timeout=1.0):
                     worker, stream = key.data
                     chunk = os.read(key.fd, 1 << 16)
                     if stream == "stderr":
                         self._relay(worker, chunk, key, selector)
-                        continue
-                    if chunk:
-                        worker.answers.feed(chunk)
-                        for line in worker.answers.lines():
-                            if (outcome := self._received(worker, line)) is not None:
-                                yield outcome
-                        continue
-                    selector.unregister(key.fd)  # EOF: the worker died (a compiler or loader crash?)
-                    self._workers.remove(worker)
-                    if worker.task is not None:
-                        task, code = worker.task, worker.proc.wait()
-                        if task.index not in retried:  # once more, on a fresh worker: an OOM kill is not a bug
-                            retried.add(task.index)
+                    elif chunk:
+                        yield from self._answers(worker, chunk)
+                    else:  # EOF: the worker died (a compiler or loader crash?)
+                        selector.unregister(key.fd)
+                        self._workers.remove(worker)
+                        task = worker.task
+                        if task is None:
+                            continue
+                        code = worker.proc.wait()
+                        if task.spec not in retried:  # once more, on a fresh worker: an OOM kill is not a bug
+                            retried.add(task.spec)
                             pending.insert(0, task)
-                        else:
-                            yield Outcome(task.index, "failed", time.perf_counter() - worker.started,
-                                          failure=Failure("crash", "WorkerDied", _death(code)))
+                            continue
+                        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                        died = f"the build process died ({how}): a compiler or loader crash"
+                        yield SpecResult.failed(task.spec, Failure("crash", "WorkerDied", died),
+                                                time.perf_counter() - worker.started)
         finally:
             selector.close()
             self.close()
@@ -152,34 +167,32 @@ class BuildPool:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            self._stop_all()
+            for worker in self._workers:
+                with contextlib.suppress(OSError):
+                    worker.proc.stdin.close()
+                if worker.task is not None:  # a build in flight: stop it and its compiler now
+                    _signal_session(worker.proc, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for worker in self._workers:
+                try:
+                    worker.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_session(worker.proc, signal.SIGKILL)
+                    worker.proc.wait()
+                for stream in (worker.proc.stdout, worker.proc.stderr):
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            self._workers.clear()
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
 
-    def _stop_all(self) -> None:
-        for worker in self._workers:
-            with contextlib.suppress(OSError):
-                worker.proc.stdin.close()
-            if worker.task is not None:  # a build in flight: stop it and its compiler now
-                _signal_session(worker.proc, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self._workers:
-            try:
-                worker.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_session(worker.proc, signal.SIGKILL)
-                worker.proc.wait()
-            for stream in (worker.proc.stdout, worker.proc.stderr):
-                with contextlib.suppress(OSError):
-                    stream.close()
-        self._workers.clear()
-
     def _spawn(self, selector: selectors.BaseSelector) -> _Worker:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(_import_path())}
+        """Start a worker on the caller's import path (the same jitwarm, and for a replay the same modules)."""
+        path = [str(Path(p).absolute()) if p else str(Path.cwd()) for p in sys.path if not p or Path(p).is_dir()]
         proc = subprocess.Popen([sys.executable, "-m", "jitwarm.precompile.builders", json.dumps(self.config)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                start_new_session=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}, start_new_session=True)
         worker = _Worker(proc)
         selector.register(proc.stdout, selectors.EVENT_READ, (worker, "stdout"))
         selector.register(proc.stderr, selectors.EVENT_READ, (worker, "stderr"))
@@ -202,23 +215,21 @@ class BuildPool:
             sys.stderr.write(line.decode("utf-8", "replace") + "\n")
             sys.stderr.flush()
 
-    def _send(self, worker: _Worker, task: Task) -> None:
-        worker.task, worker.started = task, time.perf_counter()
-        assert worker.proc.stdin is not None
-        worker.proc.stdin.write(channel.encode({"index": task.index, "artifact": task.artifact}))
-        worker.proc.stdin.flush()
-
-    def _received(self, worker: _Worker, line: bytes) -> Outcome | None:
-        try:
-            data = channel.decode(line)
-        except ValueError:  # not an answer (a worker's stdout is its answers alone): pass it on as a log line
-            self._say(line)
-            return None
-        worker.task = None
-        failure = Failure(**data["failure"]) if data.get("failure") else None
-        entry = entry_from_json(data["entry"]) if data.get("entry") else None
-        return Outcome(data["index"], data["outcome"], data["seconds"], data.get("key"), failure,
-                       data.get("remote_error"), entry)
+    def _answers(self, worker: _Worker, chunk: bytes) -> Iterator[SpecResult]:
+        """The results of the answers that ``chunk`` completes."""
+        worker.answers.feed(chunk)
+        for line in worker.answers.lines():
+            try:
+                data = channel.decode(line)
+            except ValueError:  # not an answer (a worker's stdout is its answers alone): pass it on as a log line
+                self._say(line)
+                continue
+            spec, worker.task = worker.task.spec, None
+            if data.get("failure"):
+                yield SpecResult.failed(spec, Failure(**data["failure"]), data["seconds"], data["remote_error"])
+            else:
+                yield SpecResult(spec, data["outcome"], data["seconds"], data["key"], remote_error=data["remote_error"],
+                                 entry=entry_from_json(data["entry"]))
 
 
 def entry_to_json(entry: Entry) -> dict[str, Any]:
@@ -234,60 +245,40 @@ def entry_from_json(data: dict[str, Any]) -> Entry:
                  read_only=data["read_only"], signature=tuple(tuple(item) for item in data["signature"]))
 
 
-def _import_path() -> list[str]:
-    """The caller's import path, so a worker imports the same jitwarm (and, for a replay, the same modules)."""
-    return [str(Path(p).absolute()) if p else str(Path.cwd()) for p in sys.path if not p or Path(p).is_dir()]
-
-
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the worker and its compiler: ``start_new_session`` made it the group leader."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the worker and its compiler: start_new_session made it the group leader
-
-
-def _death(code: int) -> str:
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    return f"the build process died ({how}): a compiler or loader crash"
+        os.killpg(proc.pid, sig)
 
 
 # -- the worker side --------------------------------------------------------------------------------------------
 
 
-def _serve(config: dict[str, Any], tasks: IO[str], answers: IO[str]) -> None:
-    """Answer every task line on ``tasks`` until it closes."""
-    from jitwarm.cache import KernelCache
-    from jitwarm.kernels.artifacts import Artifact
-
-    cache = KernelCache(**config["cache"])
-    for line in tasks:
-        task = channel.decode(line)
-        start = time.perf_counter()
-        answer: dict[str, Any] = {"index": task["index"]}
-        try:
-            # The parent looked the key up just before handing it over: go straight to the lock.
-            result = Artifact.from_json(task["artifact"]).get_or_build(cache, config["timeout_s"], missed=True)
-            answer.update(outcome=result.outcome, key=result.entry.key, entry=entry_to_json(result.entry))
-        except Exception as exc:  # reported per spec: one bad spec must not fail the others
-            answer.update(outcome="failed", failure=Failure.of(exc).to_json())
-        answer.update(seconds=time.perf_counter() - start, remote_error=cache.remote_error)
-        channel.send(answers, answer)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Worker entry point: ``python -m jitwarm.precompile.builders CONFIG_JSON`` (tasks on stdin)."""
-    args = sys.argv[1:] if argv is None else argv
+    """Worker entry point: ``python -m jitwarm.precompile.builders CONFIG_JSON`` (one artifact a line on stdin)."""
+    config = json.loads((sys.argv[1:] if argv is None else argv)[0])
     # SIGTERM from the parent (Ctrl-C there): unwind, so the cache removes the staging dir of a build in flight.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
+    from jitwarm.cache import KernelCache
     from jitwarm.kernels.backend import set_build_only
     from jitwarm.precompile.log_lines import log_lines  # the parent relays our stderr: the CLI's form of a line
 
     set_build_only()  # this worker hands no library a tensor: backends may import their runtimes leaner
-
+    cache = KernelCache(**config["cache"])
     try:
         with log_lines():
-            _serve(json.loads(args[0]), sys.stdin, answers)
+            for line in sys.stdin:
+                start = time.perf_counter()
+                try:  # the parent looked the key up just before handing it over: go straight to the lock
+                    got = Artifact.from_json(channel.decode(line)).get_or_build(cache, config["timeout_s"], missed=True)
+                    answer = {"outcome": got.outcome, "key": got.entry.key, "entry": entry_to_json(got.entry)}
+                except Exception as exc:  # reported per spec: one bad spec must not fail the others
+                    answer = {"failure": asdict(Failure.of(exc))}
+                channel.send(answers, {**answer, "seconds": time.perf_counter() - start,
+                                       "remote_error": cache.remote_error})
     except BrokenPipeError:  # the parent is gone
         return 1
     return 0

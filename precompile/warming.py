@@ -13,52 +13,8 @@ from typing import Any, TextIO
 from jitwarm.cache import CacheError, KernelCache, settings
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.artifacts import Artifact, artifact
-from jitwarm.precompile.builders import BuildPool, Failure, Task
+from jitwarm.precompile.builders import BuildPool, Failure, SpecResult
 from jitwarm.precompile.plan import WarmPlan
-
-Outcome = str  # "hit" | "built" | "waited" | "downloaded" | "failed"
-
-
-@dataclass
-class SpecResult:
-    """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
-
-    ``entry`` is the verified cache entry (the lookup's, or the worker's as it verified it), handed to the capture
-    hook so it does not look it up again. A failure keeps its first line (``error``), kind
-    (:data:`~jitwarm.precompile.builders.KINDS`), type and whole text (``detail``).
-    """
-
-    spec: KernelSpec
-    outcome: Outcome
-    seconds: float = 0.0
-    key: str | None = None
-    error: str | None = None
-    error_kind: str | None = None
-    error_type: str | None = None
-    detail: str | None = None
-    remote_error: str | None = None
-    entry: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def timed_out(self) -> bool:
-        """True when this spec failed only because another holder kept its lock past the deadline."""
-        return self.outcome == "failed" and self.error_kind == "timeout"
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-able dict (the spec as its id; failure fields and ``remote_error`` only when set)."""
-        data = {"spec": self.spec.id, "outcome": self.outcome, "seconds": round(self.seconds, 3), "key": self.key}
-        if self.outcome == "failed":
-            data.update(error=self.error, error_kind=self.error_kind, error_type=self.error_type, detail=self.detail)
-        if self.remote_error is not None:
-            data["remote_error"] = self.remote_error
-        return data
-
-    @classmethod
-    def failed(cls, spec: KernelSpec, failure: Failure, seconds: float = 0.0,
-               remote_error: str | None = None) -> SpecResult:
-        """A failed result from a :class:`~jitwarm.precompile.builders.Failure`."""
-        return cls(spec, "failed", seconds, error=failure.message, error_kind=failure.kind, error_type=failure.type,
-                   detail=failure.detail, remote_error=remote_error)
 
 
 @dataclass
@@ -71,7 +27,7 @@ class WarmReport:
     remote: str | None = None  # the remote tier's URL (no password), when one is set
     remote_error: str | None = None  # why the warm ran (partly) without it
 
-    def count(self, outcome: Outcome) -> int:
+    def count(self, outcome: str) -> int:
         """Number of specs with this outcome."""
         return sum(1 for r in self.results if r.outcome == outcome)
 
@@ -111,8 +67,8 @@ def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
 class Progress:
     """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
 
-    Each update says the time since the start and the time left (the mean so far per spec, times the specs left:
-    builds of one plan take alike, and a 6-minute ``warm --target sm_90`` should say so early).
+    Each update says the time elapsed and left: the mean so far per spec times the specs left (builds of one plan
+    take alike, and a 6-minute ``warm --target sm_90`` should say so early).
     """
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
@@ -131,7 +87,7 @@ class Progress:
         self.stream.flush()
 
     def timing(self) -> str:
-        """``elapsed 1m05s, eta 2m10s`` (no estimate before the first spec is done, nor after the last)."""
+        """``elapsed 1m05s, eta 2m10s`` (no eta before the first spec is done, nor after the last)."""
         elapsed = time.perf_counter() - self.start_time
         left = max(0, self.total - self.done)
         eta = f", eta {_clock(elapsed / self.done * left)}" if self.done and left else ""
@@ -171,13 +127,12 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
     """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
 
-    Every build runs in a fresh worker process through the cache's ``get_or_build``, so concurrent warms (other
-    ranks, a prestart container) build each spec once in total, and a crashing compiler fails its spec, not the
-    run. ``jobs`` defaults to ``JITWARM_JOBS``, else the core count; ``progress`` (unless False) goes to stderr, a
-    bar on a terminal, else a line per build; ``timeout_s`` bounds each wait on another process's lock;
-    ``on_result`` sees each :class:`SpecResult`. Never raises for a failed build (see ``report.ok``);
-    ``KeyboardInterrupt`` stops every worker first. When every spec is present the plan's completion record is
-    written (best effort: a read-only cache cannot hold one, and does not need to).
+    Each build runs in a fresh worker process through the cache's ``get_or_build``, so concurrent warms (other
+    ranks, a prestart container) build each spec once in total and a crashing compiler fails only its spec.
+    ``jobs`` defaults to ``JITWARM_JOBS``, else the core count; ``progress`` (unless False) goes to stderr;
+    ``timeout_s`` bounds each wait on another process's lock. A failed build is in the report (``report.ok``),
+    never raised; ``KeyboardInterrupt`` stops every worker first. With every spec present the plan's completion
+    record is written (best effort).
     """
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
@@ -195,18 +150,16 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
     """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
 
     Each spec is looked up once, here (not at all with ``missed``: the capture hook has just found none); a worker
-    gets only misses, looks again only under the key's lock, and its entry is used as it sent it. A remote tier is
-    asked once before any worker starts: down, the workers run local-only (``RemoteUnavailable`` if required).
+    gets only misses and looks again only under the key's lock. A remote tier is asked once before any worker
+    starts: down, the workers run local-only (``RemoteUnavailable`` if required).
     """
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
     report = WarmReport(plan_id, remote=cache.remote_display)
     show = Progress(len(specs)) if progress is not False else None  # a bar on a terminal, else lines
 
-    def record(result: SpecResult, listed: bool = True) -> None:
+    def record(result: SpecResult) -> None:
         report.results.append(result)
-        if show and listed:
-            show.update(result)
         if on_result:
             on_result(result)
 
@@ -217,10 +170,10 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
             art = artifact(spec, cache)
             entry = None if missed else art.lookup(cache)
         except Exception as exc:
-            record(SpecResult.failed(spec, Failure.of(exc), time.perf_counter() - t0), listed=False)
+            record(SpecResult.failed(spec, Failure.of(exc), time.perf_counter() - t0))
             continue
         if entry is not None:
-            record(SpecResult(spec, "hit", time.perf_counter() - t0, art.key, entry=entry), listed=False)
+            record(SpecResult(spec, "hit", time.perf_counter() - t0, art.key, entry=entry))
         else:
             missing.append(art)
     if missing and cache.remote:  # before any output: a required remote that is down is one error, alone
@@ -231,14 +184,11 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
             if result.outcome == "failed":
                 show.update(result)
     pool = BuildPool(min(jobs, len(missing)), _cache_args(cache, remote=report.remote_error is None), timeout_s)
-    for done in pool.run([Task(i, art.to_json()) for i, art in enumerate(missing)]) if missing else ():
-        art = missing[done.index]
-        report.remote_error = report.remote_error or done.remote_error
-        if done.failure is not None:
-            record(SpecResult.failed(art.spec, done.failure, done.seconds, done.remote_error))
-        else:
-            record(SpecResult(art.spec, done.outcome, done.seconds, done.key, remote_error=done.remote_error,
-                              entry=done.entry))  # the entry the worker verified: no lookup after a build
+    for result in pool.run(missing) if missing else ():  # each with the entry its worker verified: no lookup
+        report.remote_error = report.remote_error or result.remote_error
+        record(result)
+        if show:
+            show.update(result)
     order = {s: i for i, s in enumerate(specs)}
     report.results.sort(key=lambda r: order[r.spec])
     report.seconds = time.perf_counter() - start
@@ -246,7 +196,7 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
 
 
 class WarmHandle:
-    """A warm running in a background thread (builds still run in worker processes)."""
+    """A warm running in a background thread (builds still run in worker processes): see :func:`start_warm`."""
 
     def __init__(self, plan: WarmPlan, **kwargs: Any) -> None:
         self.plan = plan
@@ -256,6 +206,7 @@ class WarmHandle:
         self._thread.start()
 
     def _run(self, **kwargs: Any) -> None:
+        """Run :func:`warm`, keeping its report or its error for :meth:`join`."""
         try:
             self._report = warm(self.plan, **kwargs)
         except BaseException as exc:  # re-raised in the joiner's thread
