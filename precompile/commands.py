@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_CORRUPT, EXIT_OK, EXIT_TIMEOUT, UsageError
@@ -19,19 +20,6 @@ REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
 #: Flags that tune how a plan is made but do not ask for jitwarm's own families: with ``--manifest`` alone they
 #: leave the plan manifest-only.
 PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragged_verify_mode")
-
-
-class _LookOnly:
-    """The cache's facts, read but never written: ``status`` and ``verify`` only look (issue #13)."""
-
-    def __init__(self, cache: Any) -> None:
-        self._cache = cache
-
-    def read_fact(self, name: str) -> str | None:
-        return self._cache.read_fact(name)
-
-    def write_fact(self, name: str, value: str) -> None:
-        pass
 
 
 def open_cache(args: argparse.Namespace) -> Any:
@@ -59,7 +47,7 @@ def open_cache(args: argparse.Namespace) -> Any:
 
 
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
-    """Each spec's cache key (``artifact(spec, facts)``, once per process).
+    """Each spec's cache key; ``look_only``: the cache's toolchain facts are read, never written (issue #13).
 
     A spec that cannot be keyed here (a recorded kernel whose module does not import here, a missing toolchain)
     is left out, with one line on stderr saying why: it counts as missing.
@@ -67,7 +55,7 @@ def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[Kern
     from jitwarm.kernels import SpecError, ToolchainError
     from jitwarm.kernels.artifacts import artifact
 
-    facts = _LookOnly(cache) if look_only else cache
+    facts = SimpleNamespace(read_fact=cache.read_fact, write_fact=lambda name, value: None) if look_only else cache
     keys = {}
     for spec in plan.specs:
         try:
@@ -78,16 +66,12 @@ def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[Kern
 
 
 def plan_asked(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
-    """Whether the command line asks for a plan: a manifest, or a server (:func:`asks_for_families`)."""
+    """Whether the command line asks for a plan: a manifest, or what :func:`asks_for_families`."""
     return bool(getattr(args, "manifest", None)) or asks_for_families(args, server_argv)
 
 
 def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
-    """Whether a server command line, a config file or a serving flag asks for jitwarm's own families.
-
-    The :data:`PLAN_MODIFIERS` (``--target``, ``--ladder-source``, ``--gpu-memory-mb``...) do not: they only
-    tune a plan that something else asks for.
-    """
+    """Whether a server line, a config file or a serving flag asks for jitwarm's families (no PLAN_MODIFIERS do)."""
     from jitwarm.precompile.config_sources import serving_flags_given
 
     asked = argparse.Namespace(**{**vars(args), **dict.fromkeys(PLAN_MODIFIERS)})
@@ -98,7 +82,7 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
     """The plan the flags describe: the serving config's, plus the recorded kernels of each ``--manifest``.
 
     ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels; the plan's
-    targets select the records made on them (each is built for the target it was recorded on).
+    targets select the records made on them.
     """
     from jitwarm.kernels import Target, TargetError
     from jitwarm.precompile.config_sources import from_namespace
@@ -118,10 +102,9 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
 
 
 def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """An empty plan is success, said once: a server that captures no decode graphs needs no kernels warmed.
+    """An empty plan is success, said once; only ``export`` refuses (there is no bundle to write).
 
-    An init container sharing the server's template (``--disable-cuda-graph``) must not block the pod; only
-    ``export`` refuses, as there is no bundle to write.
+    An init container sharing the template of a server that captures no graphs must not block the pod.
     """
     why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
     what = "the server captures no decode CUDA graphs"
@@ -135,9 +118,6 @@ def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
                                                              "specs": 0, "empty": why}
         print(json.dumps(doc))
     return EXIT_OK
-
-
-# -- plan ---------------------------------------------------------------------------------------------------
 
 
 def spec_labels(specs: Any) -> dict[KernelSpec, str]:
@@ -192,13 +172,10 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
-# -- warm ---------------------------------------------------------------------------------------------------
-
-
 def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None = None) -> None:
     """The warm summary: each failure with its whole text (a compiler's full diagnostic), then the totals.
 
-    With ``--json``, one JSON document on stdout instead: ``doc`` when given, else the report's.
+    With ``--json``, one JSON document on stdout instead: ``doc``, else the report's.
     """
     if args.json:
         print(json.dumps(doc if doc is not None else report.to_json()))
@@ -222,7 +199,7 @@ def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None
 
 
 def warm_exit(report: Any) -> int:
-    """0 when every spec is there; 3 when the only failures are waits past the deadline; 4 (untrusted); else 1.
+    """0 when every spec is there; 3 when the only failures are waits past the deadline; else 1.
 
     4 when an entry from a remote tier failed the fleet key: an attack or a misconfigured fleet, not a build to retry.
     """
@@ -246,9 +223,6 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
                   timeout_s=args.timeout)
     print_warm(args, report)
     return warm_then_hand_over(args, plan, cache, warm_exit(report))  # load_jit modules, cache units: in place
-
-
-# -- the whole cache: prune ---------------------------------------------------------------------------------
 
 
 def cmd_prune(args: argparse.Namespace, plan: None) -> int:

@@ -27,13 +27,11 @@ def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
 
 def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
                   keys: dict[KernelSpec, str] | None = None) -> dict[str, Any]:
-    """Sort the plan's specs into present, missing and corrupt (moved aside only with ``repair``).
+    """Sort the plan's specs (their ``keys``, when the caller has them) into present, missing and corrupt.
 
-    ``keys``: the plan's, when the caller has them (:func:`keys_of`). Also ``why`` (each corrupt spec's reason)
-    and ``quarantined``.
+    Also ``why`` (each corrupt spec's reason) and ``quarantined`` (moved aside, only with ``repair``).
     """
-    if keys is None:
-        keys = keys_of(plan, cache, look_only=not repair)
+    keys = keys_of(plan, cache, look_only=not repair) if keys is None else keys
     keys = {spec.id: key for spec, key in keys.items()}
     report = verify_reported(cache, list(keys.values()), repair=repair)
     state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {

@@ -14,10 +14,6 @@ from typing import Any
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
 
-__all__ = ["CompileDuringCaptureError", "ThirdPartySeal", "arm", "capture_guard", "check_dispatch_miss", "disarm",
-           "install", "is_armed", "reset", "stream_is_capturing"]
-
-
 _lock = threading.Lock()
 _armed = 0
 
@@ -111,11 +107,8 @@ class ThirdPartySeal:
         previous = runtime.jit_cache_hook
 
         def jit_cache_hook(*, key: str, repr: str, **kwargs: Any) -> Any:
-            if is_armed() or stream_is_capturing():
-                fn = kwargs.get("fn")
-                where = f"{fn.module}:{fn.name} " if fn is not None else ""
-                raise CompileDuringCaptureError(f"Triton kernel {where}{repr}",
-                                                hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+            fn = kwargs.get("fn")
+            _refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}")
             return previous(key=key, repr=repr, **kwargs) if previous else None
 
         runtime.jit_cache_hook = jit_cache_hook
@@ -136,11 +129,17 @@ class ThirdPartySeal:
             setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
 
 
+def _refuse(what: str) -> None:
+    """Raise :class:`CompileDuringCaptureError` for a third-party compile or load while armed or capturing."""
+    if is_armed() or stream_is_capturing():
+        raise CompileDuringCaptureError(what, hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+
+
 def _sealed(fn: Any, label: str) -> Any:
+    """``fn`` that refuses to run while armed or capturing."""
+
     def call(*args: Any, **kwargs: Any) -> Any:
-        if is_armed() or stream_is_capturing():
-            name = kwargs.get("name") or (args[0] if args else "?")
-            raise CompileDuringCaptureError(f"{label}({name!r})", hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+        _refuse(f"{label}({kwargs.get('name') or (args[0] if args else '?')!r})")
         return fn(*args, **kwargs)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ last warmup and before ``torch.cuda.CUDAGraph()`` is created.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -96,7 +97,7 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call (1) makes every key of the plan for this device's target present, with a deadline: building
+    The first call (1) makes every key of the plan for this device's target present within ``timeout_s``: building
     what is missing (``policy="build"``), waiting for another process (``"wait"``) or failing at once
     (``"strict"``, also forced by ``JITWARM_STRICT=1``); (2) loads every module; (3) forces every kernel onto the
     device; (4) synchronizes it; (5) meets the other TP ranks at ``barrier``; then arms the guard. Later calls
@@ -105,14 +106,9 @@ class CaptureHook:
     ``device`` is a torch device or any object with ``target`` and ``synchronize()`` (default: the current CUDA
     device, else cpu); ``barrier`` defaults to torch.distributed's when initialised; ``warm`` is a
     :class:`~jitwarm.precompile.warming.WarmHandle` to join first. ``manifest`` (one path or several) adds the
-    server's recorded kernels for this target, so they too are loaded before capture; with it, or with
-    ``serve_triton``, every Triton compile of this process goes through ``cache``
-    (:mod:`jitwarm.kernels.libraries.triton.cache`). :class:`KernelsNotReady` (a build failed, ``strict`` found a
-    miss) and :class:`WarmTimeout` name the specs.
-
-    :attr:`ledger` is ``ledger`` or this process's start-up ledger (:mod:`jitwarm.precompile.ledger`; its
-    snapshot taken now unless the server's plugin took it at start): :meth:`ledger_report`, after the last
-    capture, says per family what was served from cache and what still compiled.
+    server's recorded kernels for this target; with it, or ``serve_triton``, every Triton compile of this process
+    goes through ``cache`` (:mod:`jitwarm.kernels.libraries.triton.cache`). :attr:`ledger` is ``ledger`` or this
+    process's start-up ledger (:mod:`jitwarm.precompile.ledger`).
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
@@ -139,7 +135,7 @@ class CaptureHook:
 
             triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call
-        if ledger is None:
+        if ledger is None:  # its snapshot taken now, unless the server's plugin took it at start
             from jitwarm.precompile import ledger as start_ledger
 
             ledger = start_ledger.begin()
@@ -165,7 +161,9 @@ class CaptureHook:
             loaded = self._step(report, "load", lambda: self._load(specs, entries))  # each load claims its entry
             report.loaded = len(loaded)
             self._step(report, "preload", lambda: [kernel.preload() for kernel in loaded])
-        self._drain_and_meet(report)
+        self._step(report, "synchronize", self.device.synchronize)
+        if self.barrier is not None:
+            self._step(report, "barrier", self.barrier)
         if report.first:
             guard.arm()
             if self.seal:
@@ -175,9 +173,9 @@ class CaptureHook:
         return report
 
     def ledger_report(self) -> Any:
-        """What this process served from cache and still compiled since its ledger's snapshot, per family.
+        """The :class:`~jitwarm.precompile.ledger.LedgerReport` since the ledger's snapshot: call it after capture.
 
-        A :class:`~jitwarm.precompile.ledger.LedgerReport`; call it after the last capture
+        Per family, what this process served from cache and what still compiled
         (:func:`~jitwarm.precompile.ledger.report_after_capture` also logs it and writes ``JITWARM_LEDGER``).
         """
         return self.ledger.report()
@@ -191,15 +189,11 @@ class CaptureHook:
             self.ready = False
 
     def _step(self, report: HookReport, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one step, timed in ``report.steps``."""
         t0 = time.perf_counter()
         result = fn()
         report.steps[name] = time.perf_counter() - t0
         return result
-
-    def _drain_and_meet(self, report: HookReport) -> None:
-        self._step(report, "synchronize", self.device.synchronize)
-        if self.barrier is not None:
-            self._step(report, "barrier", self.barrier)
 
     def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> dict[KernelSpec, Any]:
         """Step (1): return each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one.
@@ -250,6 +244,7 @@ class CaptureHook:
         return entries
 
     def _load(self, specs: list[KernelSpec], entries: dict[KernelSpec, Any]) -> list[Any]:
+        """Step (2): load every spec, each entry claimed while it loads."""
         from jitwarm.kernels import dispatch
 
         try:
@@ -273,12 +268,8 @@ def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureH
         import torch
 
         pool = torch.cuda.graph_pool_handle()  # one memory pool for the whole ladder, as sglang shares
-
-        def default_capture(graph: Any) -> Any:
-            return torch.cuda.graph(graph, pool=pool)
-
         graph_factory = graph_factory or torch.cuda.CUDAGraph
-        capture = capture or default_capture
+        capture = capture or functools.partial(torch.cuda.graph, pool=pool)
     hook()
     graphs: dict[int, tuple[Any, Any]] = {}
     for shape in plan.shapes:
