@@ -1,11 +1,11 @@
-"""The one error root of jitwarm (:class:`JitwarmError`, with its exit code and hint) and the cache's errors.
+"""The one error root of jitwarm (:class:`JitwarmError`: exit code and hint by type) and the cache's errors.
 
-It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it; the CLI
-maps errors by type alone.
+It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it.
 """
 
 from __future__ import annotations
 
+import copyreg
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -17,10 +17,10 @@ EXIT_INTERRUPTED = 130
 
 
 class JitwarmError(Exception):
-    """Base of every error jitwarm raises on purpose.
+    """Base of every error jitwarm raises on purpose; ``str(exc)`` is ``"<reason>; <hint>"``.
 
-    ``exit_code`` (a class attribute) is what a command exits with when this error ends it; ``reason`` is the
-    message without the hint, ``hint`` what the operator can do; ``str(exc)`` is ``"<reason>; <hint>"``.
+    ``exit_code`` (by type) is what a command ending in this error exits with; ``hint`` is what the operator
+    can do. Every subclass pickles (process pools) with its message and attributes, whatever its ``__init__``.
     """
 
     exit_code: ClassVar[int] = EXIT_BUILD_FAILED
@@ -30,8 +30,9 @@ class JitwarmError(Exception):
         self.hint = hint
         super().__init__(f"{reason}; {hint}" if hint else reason)
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.reason, self.hint))
+    def __reduce__(self) -> tuple[object, ...]:
+        # Not __init__ (subclasses take other arguments): a bare instance, then its message and attributes.
+        return (copyreg.__newobj__, (type(self),), {**self.__dict__, "args": self.args})
 
 
 class UsageError(JitwarmError):
@@ -41,18 +42,16 @@ class UsageError(JitwarmError):
 
 
 class CacheError(JitwarmError):
-    """Base of every error the cache raises on purpose: one line naming the path and the reason.
+    """Base of the cache's errors: one line naming the path and the reason.
 
-    Its hint speaks of environment variables and the Python API, never a command-line flag (a command line
-    prints ``reason`` with its own hint).
+    Its hint names environment variables and the Python API, never a flag (the CLI adds its own hint).
     """
 
 
 class CacheWriteError(CacheError):
-    """The cache could not write where it had to (a full disk, a missing or read-only directory).
+    """The cache could not write where it had to; nothing half-written is left behind.
 
-    Nothing half-written is left behind. ``path`` is what could not be written, ``os_reason`` the operating
-    system's reason (``"No space left on device"``).
+    ``path`` is what could not be written, ``os_reason`` the system's reason (``"No space left on device"``).
     """
 
     def __init__(self, action: str, path: str, os_reason: str, hint: str | None = None) -> None:
@@ -60,9 +59,6 @@ class CacheWriteError(CacheError):
         self.path = path
         self.os_reason = os_reason
         super().__init__(f"cannot {action} {path}: {os_reason}", hint)
-
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.action, self.path, self.os_reason, self.hint))
 
     @classmethod
     def of(cls, action: str, exc: OSError, path: object = None, hint: str | None = None) -> CacheWriteError:
@@ -91,24 +87,17 @@ class LockTimeout(CacheError):
         who = holder.describe() if holder is not None else "no holder recorded"
         super().__init__(f"timed out after {timeout_s:.1f} s waiting for cache key {key}: {who}")
 
-    def __reduce__(self) -> tuple[type[LockTimeout], tuple[str, LockHolder | None, float]]:
-        return (type(self), (self.key, self.holder, self.timeout_s))
-
 
 class BuildError(CacheError):
-    """The build of ``key`` raised (chained as ``__cause__``) or produced no usable artifact.
+    """The build of ``key`` raised (its ``__cause__``) or made no usable artifact; nothing was published.
 
-    Nothing was published, its staging directory is gone and its lock released: a later call may retry.
-    ``reason`` is what failed (``"RuntimeError: nvcc exploded"``), not the whole message.
+    A later call may retry. ``reason`` is what failed (``"RuntimeError: nvcc exploded"``), not the message.
     """
 
     def __init__(self, key: str, reason: str) -> None:
         self.key = key
         super().__init__(f"build of cache key {key} failed: {reason}")
         self.reason = reason
-
-    def __reduce__(self) -> tuple[type[BuildError], tuple[str, str]]:
-        return (type(self), (self.key, self.reason))
 
 
 class RemoteUnavailable(CacheError):
@@ -123,9 +112,6 @@ class RemoteUnavailable(CacheError):
         self.hint = "JITWARM_REMOTE_REQUIRED=1 or KernelCache(remote_required=True)"
         # Not CacheError's "<reason>; <hint>": this message predates it and callers match it.
         Exception.__init__(self, f"remote cache {url} is unavailable ({reason}) and it is required ({self.hint})")
-
-    def __reduce__(self) -> tuple[type[RemoteUnavailable], tuple[str, str]]:
-        return (type(self), (self.url, self.reason))
 
 
 class CorruptEntry(CacheError):

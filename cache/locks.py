@@ -1,4 +1,4 @@
-"""Locking: per-key build locks (flock via filelock) with a holder record, readers' shared claims, the wait loop.
+"""Per-key build locks (flock via filelock) with a holder record, readers' shared claims, and the one wait loop.
 
 Lock files are private to the cache's owner (0600): a 0644 one let any local user ``flock`` it, and root's
 ``warm`` timed out (exit 3). The lock directory is held to the cache root's trust rule unless ``allow_shared``
@@ -58,8 +58,7 @@ def pid_alive(pid: int) -> bool:
     try:
         # A SIGKILLed child stays a zombie until its parent reaps it, but it holds no locks any more.
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except FileNotFoundError:
         return False
     except (OSError, IndexError):
@@ -69,13 +68,13 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive: another user's
     return True
 
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who holds a key's lock (or fleet lease): ``host``, ``pid``, ``since`` (``time.time()``), written on taking it."""
+    """Who holds a key's lock (or fleet lease) since when (``time.time()``), written on taking it."""
 
     host: str
     pid: int
@@ -116,7 +115,7 @@ class WaitLog:
         return time.monotonic() - self.start
 
     def tick(self) -> None:
-        """Log ``still waiting for cache key K: held by ...`` the first time it is due."""
+        """Log ``still waiting for cache key K: held by ...`` once it is due."""
         if not self._logged and self.elapsed() >= WAIT_LOG_AFTER_S:
             self._logged = True
             holder = self.holder()
@@ -127,7 +126,7 @@ class WaitLog:
 def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                holder: Callable[[], LockHolder | None], where: str = "",
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
-    """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns something, and return that.
+    """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns non-None, and return that.
 
     ``key``, ``holder`` and ``where`` name what is waited for; ``LockTimeout`` when ``timeout_s`` passes.
     """
@@ -163,14 +162,7 @@ class KeyLock:
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
-        try:
-            self._file_lock().acquire(blocking=False)
-        except Timeout:  # a TimeoutError, hence an OSError: catch it first
-            return False
-        except OSError as exc:
-            raise lock_error(self.lock_path, exc) from exc
-        self._write_holder()
-        return True
+        return self._take(blocking=False)
 
     def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
                 give_up: Callable[[], bool] | None = None) -> bool:
@@ -197,16 +189,11 @@ class KeyLock:
 
         # -1 is filelock's "for ever" (math.inf is read as -1 by 4.x but not by 3.30).
         left = -1 if math.isinf(timeout_s) else max(0.0, timeout_s - clock.elapsed())
-        try:
-            self._file_lock().acquire(timeout=left, poll_interval=_POLL_S, cancel_check=cancel)
-        except Timeout:
-            if gave_up or (give_up is not None and give_up()):
-                return False
-            raise LockTimeout(self.key, self.read_holder(), timeout_s) from None
-        except OSError as exc:
-            raise lock_error(self.lock_path, exc) from exc
-        self._write_holder()
-        return True
+        if self._take(timeout=left, poll_interval=_POLL_S, cancel_check=cancel):
+            return True
+        if gave_up or (give_up is not None and give_up()):
+            return False
+        raise LockTimeout(self.key, self.read_holder(), timeout_s)
 
     def release(self) -> None:
         """Drop the holder record, then the lock (in that order, so a new holder's record survives)."""
@@ -225,17 +212,25 @@ class KeyLock:
             holder = LockHolder.from_record(data)
         except (OSError, ValueError, KeyError, TypeError, OverflowError):
             return None
-        if holder.host == this_host() and not pid_alive(holder.pid):
-            return None
-        return holder
+        return None if holder.host == this_host() and not pid_alive(holder.pid) else holder
+
+    def _take(self, **how: object) -> bool:
+        """One ``FileLock.acquire(**how)``, then the holder record; False when it timed out or was cancelled."""
+        try:
+            self._file_lock().acquire(**how)
+        except Timeout:  # a TimeoutError, hence an OSError: catch it first
+            return False
+        except OSError as exc:
+            raise lock_error(self.lock_path, exc) from exc
+        self._write_holder()
+        return True
 
     def _file_lock(self) -> FileLock:
         """Make this instance's FileLock on first use (creating the lock dir)."""
         if self._lock is None:
-            mode = ready_lock_dir(self.lock_dir, shared=self.shared)
-            private_lock_file(self.lock_path, mode, shared=self.shared)
+            mode = ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
             # preserve_lock_file also turns off filelock's soft-lock fallback on filesystems without flock:
-            # a soft marker outlives a SIGKILLed holder (see _open_error).
+            # a soft marker outlives a SIGKILLed holder.
             self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
         return self._lock
 
@@ -283,19 +278,24 @@ def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
     return mode
 
 
-def private_lock_file(lock_path: Path, mode: int, *, shared: bool) -> None:
-    """Make an existing lock file of ours private (``mode``); refuse one another user owns unless ``shared``."""
+def ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
+    """:func:`ready_lock_dir`, then make an existing ``lock_path`` of ours private; return the mode to create it with.
+
+    Unless ``shared``, one another user owns raises ``UntrustedPath``.
+    """
+    mode = ready_lock_dir(lock_dir, shared=shared)
     if shared or lock_path in _PRIVATE:
-        return
+        return mode
     try:
         st = os.lstat(lock_path)
     except FileNotFoundError:
-        return  # created with ``mode`` by its first locker
+        return mode  # created with ``mode`` by its first locker
     if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
         lock_path.chmod(mode)  # made 0644 by an older jitwarm: any user could flock it
     elif (why := untrusted_reason(st)) is not None:
         raise UntrustedPath(f"refusing lock file {lock_path}: {why}", HOW_TO_ALLOW)
     _PRIVATE.add(lock_path)
+    return mode
 
 
 def lock_error(lock_path: Path, exc: OSError) -> CacheError:
@@ -362,8 +362,7 @@ class SharedClaim:
         flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
         if self.create:
             try:
-                mode = ready_lock_dir(self.lock_dir, shared=self.shared)
-                private_lock_file(self.lock_path, mode, shared=self.shared)
+                mode = ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
                 return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, mode)
             except OSError as exc:  # (an untrusted lock dir or file is a CacheError, not an OSError: it raises)
                 log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.key, self.lock_path, exc)
