@@ -1,4 +1,4 @@
-"""StoreBase: what every remote store does alike, whatever it keeps entries in: health, failures, reports.
+"""StoreBase and RenewedLease: what every remote store and its fleet lease do alike, whatever holds the entries.
 
 Each remote URL has one health record in this process (its pooled client, and whether and why it is down),
 shared by every cache: a failure one of them sees turns the remote off for all, for :data:`RETRY_AFTER_S`.
@@ -9,18 +9,23 @@ keys and how it lays entries out; the bookkeeping around those calls is here, on
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, FileRecord, unchanged
 from jitwarm.cache.errors import RemoteUnavailable
-from jitwarm.cache.files import open_regular
+from jitwarm.cache.files import loads, open_regular
+from jitwarm.cache.locks import LockHolder, this_host
+from jitwarm.cache.signing import sign
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -32,6 +37,10 @@ RETRY_AFTER_S = 60.0
 
 class RemoteFailure(Exception):
     """A call to the remote failed (internal: :meth:`StoreBase.failed` logs it, or raises RemoteUnavailable)."""
+
+
+class LeaseWithoutExpiry(RemoteFailure):
+    """Another writer set a key's fleet lease without a TTL: this node builds the key locally (internal)."""
 
 
 @dataclass(frozen=True)
@@ -50,14 +59,14 @@ class RemoteReport:
         return asdict(self)
 
 
+@dataclass
 class _Health:
     """One remote URL in this process: its pooled client (made on first use), and whether (and why) it is down."""
 
-    def __init__(self) -> None:
-        self.client: Any = None
-        self.down_until = 0.0
-        self.error: str | None = None
-        self.warned = False
+    client: Any = None
+    down_until: float = 0.0
+    error: str | None = None
+    warned: bool = False
 
 
 #: Per URL, shared by every cache of this process: a failure one of them sees turns the remote off for all.
@@ -70,7 +79,7 @@ def _health(url: str) -> _Health:
         return _HEALTH.setdefault(url, _Health())
 
 
-def reset_health() -> None:
+def reset_remote_health() -> None:
     """Close this process's pooled clients and forget each remote's health (for tests)."""
     with _HEALTH_LOCK:
         records = list(_HEALTH.values())
@@ -81,21 +90,33 @@ def reset_health() -> None:
                 record.client.close()
 
 
+def redact(url: str) -> str:
+    """Return ``url`` without its password and query, for messages (``redis://:***@host:6379/0``)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, hostport = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
+    return f"{parts.scheme}://{netloc}{parts.path}"
+
+
 class StoreBase:
     """Entries of one cache format on one remote, and the health of that remote.
 
     Every call to the remote goes through :meth:`call`, which raises :class:`RemoteFailure` (never a client
     library's exception); the caller hands it to :meth:`failed`. Nothing here locks: the caller holds the
     key's host lock. ``max_bytes`` caps what is uploaded or downloaded; ``shared`` is the local root's
-    ``allow_shared``; ``count`` adds to a counter. A store defines ``_connect``, ``_errors``, ``_probe`` and
-    ``_present`` (and ``_describe`` where its errors say more than their text).
+    ``allow_shared``; ``count`` adds to a counter; ``trust_key`` (:mod:`jitwarm.cache.signing`) signs uploads
+    and checks downloads. A store defines :meth:`fetch`, :meth:`new_lease` and the ``_`` hooks.
     """
 
-    def __init__(self, url: str, display: str, prefix: str, *, required: bool, max_bytes: int, shared: bool,
-                 count: Callable[..., None] | None, trust_key: bytes | None) -> None:
-        self.trust_key = trust_key  # the fleet key (jitwarm.cache.signing): sign uploads, check downloads
+    def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
+                 shared: bool = False, count: Callable[..., None] | None = None,
+                 trust_key: bytes | None = None) -> None:
+        self.trust_key = trust_key
         self.url = url
-        self.display = display
+        self.display = redact(url)
         self.prefix = prefix
         self.required = required
         self.max_bytes = max_bytes
@@ -121,6 +142,23 @@ class StoreBase:
 
     def _present(self, keys: list[str]) -> list[bool]:
         """Whether the remote holds each of ``keys``; RemoteFailure."""
+        raise NotImplementedError
+
+    def fetch(self, key: str, dest: Path) -> Entry | None:
+        """Download ``key``'s entry into the empty staging dir ``dest``, checked before anything is written.
+
+        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept).
+        Raises ``RemoteFailure`` or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
+        """
+        raise NotImplementedError
+
+    def new_lease(self, key: str, ttl_s: float) -> RenewedLease:
+        """Return the fleet build lease of ``key``, of lifetime ``ttl_s``."""
+        raise NotImplementedError
+
+    def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
+                   signed: dict[str, Any], uploader: dict[str, Any]) -> None:
+        """Write one entry whole; ``signed``: its ``executable`` files and ``signature``; RemoteFailure."""
         raise NotImplementedError
 
     def _client(self) -> Any:
@@ -186,6 +224,41 @@ class StoreBase:
                             present=tuple(k for k, f in zip(keys, found, strict=True) if f),
                             missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
 
+    def upload(self, entry: Entry) -> bool:
+        """Upload a verified local entry as the store lays it out, signed when a fleet key is set.
+
+        Its files are read, not hashed again: False, logged, for an entry over ``max_bytes`` or one whose
+        files changed since they were hashed. Raises ``RemoteFailure``.
+        """
+        if entry.size_bytes > self.max_bytes:
+            log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
+                     "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
+            return False
+        manifest, _mode = _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
+        files, executable = [], []
+        for rec in entry.records:
+            data, mode = _read(entry.path / rec.path, rec.size)
+            files.append((rec, data))
+            if mode & 0o111:
+                executable.append(rec.path)
+        if not unchanged(entry):  # checked after reading: what was read is what was hashed
+            log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
+            return False
+        signed: dict[str, Any] = {"executable": executable}
+        if self.trust_key is not None:
+            signed["signature"] = sign(self.trust_key, entry.key, manifest, executable)
+        self._put_entry(entry.key, manifest, files, signed,
+                        {"host": this_host(), "pid": os.getpid(), "uploaded": time.time()})
+        self._rejected.pop(entry.key, None)
+        self._count("remote_uploads")
+        return True
+
+    def _too_large(self, key: str, total: object) -> None:
+        """Log that ``key``'s remote entry (files of ``total`` bytes) is over the cap: it is built here."""
+        log.info("not downloading cache key %s from %s: its files total %s bytes, over the remote size cap of "
+                 "%d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display, total,
+                 self.max_bytes)
+
     def _reject(self, key: str, why: str, seen: str | None, uploader: dict[str, Any]) -> None:
         """Report a remote entry that failed the check; ``seen`` (that entry) is not downloaded again here."""
         if seen is not None:
@@ -196,55 +269,79 @@ class StoreBase:
         log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
                     "replaced by the next build", key, self.display, str(origin)[:200], why)
 
-    def _read_entry(self, entry: Entry) -> tuple[bytes, list[tuple[FileRecord, bytes]], list[str]] | None:
-        """Read a verified local entry to upload: (manifest, each record with its bytes, executable files).
-
-        Read, not hashed again (its signature is compared after the read). None, logged, for an entry over
-        ``max_bytes`` or changed since it was hashed.
-        """
-        if entry.size_bytes > self.max_bytes:
-            log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
-                     "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
-            return None
-        manifest = _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
-        files, executable = [], []
-        for rec in entry.records:
-            path = entry.path / rec.path
-            files.append((rec, _read(path, rec.size)))
-            if os.lstat(path).st_mode & 0o111:
-                executable.append(rec.path)
-        if not unchanged(entry):  # checked after reading: what was read is what was hashed
-            log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
-            return None
-        return manifest, files, executable
-
 
 class RenewedLease:
-    """A fleet lease renewed in the background, every third of its lifetime, until released or found lost.
+    """The fleet-wide build lease of one cache key, renewed in the background every third of its lifetime.
 
-    A store's lease (:class:`~jitwarm.cache.remote.fleet.FleetLease` for Redis,
-    :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`) says how one renewal is made (:meth:`_renew`);
-    the thread, its stop and the warning when a renewal finds the lease taken over are here, once.
-    ``lost`` is then set: another node may build the key once more, never a corrupt entry.
+    The fleet calls :meth:`try_acquire`, :meth:`holder`, :meth:`check_expiry` and :meth:`release`; all but
+    :meth:`release` raise RemoteFailure for a store fault. A store's lease
+    (:class:`~jitwarm.cache.remote.redis.FleetLease`, :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`)
+    says how it is taken, read, renewed and deleted. Its token ``{"host", "pid", "since", "nonce"}`` says who
+    builds. A renewal that finds the lease taken over (its holder stalled past its expiry) warns and sets
+    :attr:`lost`: another node may build the key once more, never a corrupt entry.
     """
 
-    def __init__(self, key: str, ttl_s: float, display: str) -> None:
+    def __init__(self, store: Any, key: str, ttl_s: float) -> None:
+        self.store = store
         self.key = key
+        self.name: str = store.lease_name(key)
+        self.ttl_s = max(0.1, float(ttl_s))
         self.lost = False
-        self._every_s = ttl_s / 3
-        self._lifetime_s = ttl_s
-        self._display = display
+        self._held: Any = None  # what proves the lease ours: our token (Redis) or its ETag (S3)
+        self._since = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _renew(self) -> bool:
-        """Renew the lease once: False when it is no longer ours. RemoteFailure for a store fault."""
+    def _take(self) -> Any:
+        """Take the lease if free (or expired): what proves it ours, or None when another node holds it."""
         raise NotImplementedError
 
-    def _start_renewing(self) -> None:
+    def _read(self) -> bytes | None:
+        """The lease's token as stored now (None or empty: nobody holds it)."""
+        raise NotImplementedError
+
+    def _renew(self) -> bool:
+        """Renew the lease once: False when it is no longer ours."""
+        raise NotImplementedError
+
+    def _delete(self, held: Any) -> None:
+        """Delete the lease if ``held`` still proves it ours."""
+        raise NotImplementedError
+
+    def try_acquire(self) -> bool:
+        """Take the lease if nobody holds it (or its holder's expired) and start renewing it."""
+        self._since = time.time()
+        self._held = self._take()
+        if self._held is None:
+            return False
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
         self._thread.start()
+        return True
+
+    def holder(self) -> LockHolder | None:
+        """Return who holds the lease now (None if nobody, or an unreadable token)."""
+        return holder_of(self._read())
+
+    def check_expiry(self) -> None:
+        """Heal a lease that would never expire, raising LeaseWithoutExpiry (none does, unless said so)."""
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours; never raises for store errors."""
+        if self._held is None:
+            return
+        self._stop_renewing()
+        held, self._held = self._held, None
+        try:
+            self._delete(held)
+        except RemoteFailure as exc:  # it expires by itself
+            log.debug("could not release the fleet lease of %s (%s); it expires in %.1f s", self.key, exc,
+                      self.ttl_s)
+
+    def _token(self, **extra: Any) -> bytes:
+        """A new token naming this process as the holder since :meth:`try_acquire`."""
+        record = LockHolder(host=this_host(), pid=os.getpid(), since=self._since)
+        return json.dumps({**record.to_json(), "nonce": secrets.token_hex(8), **extra}).encode()
 
     def _stop_renewing(self) -> None:
         self._stop.set()
@@ -252,7 +349,7 @@ class RenewedLease:
             self._thread.join()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self._every_s):
+        while not self._stop.wait(self.ttl_s / 3):
             try:
                 if self._renew():
                     continue
@@ -260,13 +357,26 @@ class RenewedLease:
                 log.debug("could not renew the fleet lease of %s: %s", self.key, exc)
                 continue
             log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); another node "
-                        "may build it too", self.key, self._display, self._lifetime_s)
+                        "may build it too", self.key, self.store.display, self.ttl_s)
             self.lost = True  # after the warning: whoever sees it set can read why
             return
 
 
-def _read(path: Path, size: int) -> bytes:
-    """Read a file of a local entry to upload it (a replaced or grown file fails the signature check after)."""
-    fd, _st = open_regular(path)
+def holder_of(token: bytes | None) -> LockHolder | None:
+    """Who a lease token names, or None for no token or an unreadable one."""
+    try:
+        return LockHolder.from_record(loads(token or b""))
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return None
+
+
+def strings(value: object) -> list[str]:
+    """The strings of a list read from the remote (the ``executable`` files): anything else is dropped."""
+    return [p for p in value if isinstance(p, str)] if isinstance(value, list) else []
+
+
+def _read(path: Path, size: int) -> tuple[bytes, int]:
+    """Read a file of a local entry to upload it, and its mode (a grown file fails the signature check after)."""
+    fd, st = open_regular(path)
     with os.fdopen(fd, "rb") as f:
-        return f.read(size + 1)
+        return f.read(size + 1), st.st_mode

@@ -1,8 +1,9 @@
-"""RemoteStore: the fleet's shared second cache level in Redis: entries as hashes, health, presence.
+"""RemoteStore and FleetLease: the fleet's shared second cache level in Redis, entries as hashes.
 
 One hash per entry, ``<prefix>:v1:entry:<key>``: ``manifest`` (the entry's ``entry.json``), ``meta`` (uploader,
 executable files) and ``file:<path>`` per file. An upload replaces the whole hash in one MULTI/EXEC and a
 download reads it in one atomic script, so a reader sees a complete entry or none (an LRU evicts it whole).
+The build lease of a key is the string ``<prefix>:v1:lease:<key>``, taken with ``SET NX PX``.
 """
 
 from __future__ import annotations
@@ -11,20 +12,15 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from jitwarm.cache.entry import MAX_MANIFEST_BYTES, Entry, unpack_entry
+from jitwarm.cache.entry import MAX_MANIFEST_BYTES, Entry, FileRecord, unpack_entry
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.locks import this_host
-from jitwarm.cache.remote.base import StoreBase
-from jitwarm.cache.signing import check, sign
+from jitwarm.cache.remote.base import LeaseWithoutExpiry, RenewedLease, StoreBase, strings
+from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -32,6 +28,11 @@ log = logging.getLogger("jitwarm.cache")
 MAX_FIELDS = 100_000
 #: The ``meta`` field (uploader, executable files) is at most this large.
 MAX_META_BYTES = 1 << 20
+#: A lease token is a few dozen bytes; only this much of one is read.
+MAX_TOKEN_BYTES = 4096
+#: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
+CONNECT_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 10.0
 
 # One atomic step that sizes the entry hash before sending it: HGETALL of an entry over the size cap (or of a
 # planted 1 GiB blob) downloaded all of it first. Returns {0} (no entry), {1, what, n, sha1} (malformed: rejected),
@@ -54,34 +55,17 @@ if files > tonumber(ARGV[1]) then return {3, files} end
 if other > tonumber(ARGV[3]) then return {1, 'meta', other, sha1} end
 return {4, redis.call('hgetall', KEYS[1])}
 """
-
-#: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
-CONNECT_TIMEOUT_S = 2.0
-READ_TIMEOUT_S = 10.0
-
-
-def redact(url: str) -> str:
-    """Return ``url`` without its password and query, for messages (``redis://:***@host:6379/0``)."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, hostport = netloc.rsplit("@", 1)
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostport}" if ":" in userinfo else f"{user}@{hostport}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
+# Compare-and-extend and compare-and-delete: only the holder's token may touch the lease, so a holder that
+# stalled past its expiry cannot extend or delete the lease a new holder took meanwhile.
+_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A lease jitwarm sets always expires (SET NX PX). One without a TTL (set by hand, by another tool) would keep
+# every node waiting until its deadline: give it the lease lifetime, so the fleet heals, and say it had none.
+_ADD_EXPIRY = "if redis.call('pttl', KEYS[1]) == -1 then redis.call('pexpire', KEYS[1], ARGV[1]) return 1 end return 0"
 
 
 class RemoteStore(StoreBase):
-    """Entries of one cache format in one Redis namespace, and the health of that server.
-
-    The calls of :class:`~jitwarm.cache.remote.base.StoreBase`; a redis or socket error is a RemoteFailure.
-    """
-
-    def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
-                 shared: bool = False, count: Callable[..., None] | None = None,
-                 trust_key: bytes | None = None) -> None:
-        super().__init__(url, redact(url), prefix, required=required, max_bytes=max_bytes, shared=shared,
-                         count=count, trust_key=trust_key)
+    """Entries of one cache format in one Redis namespace (a redis or socket error is a RemoteFailure)."""
 
     def entry_name(self, key: str) -> str:
         """Return the Redis key of the entry hash of ``key``."""
@@ -91,10 +75,8 @@ class RemoteStore(StoreBase):
         """Return the Redis key of the fleet build lease of ``key``."""
         return f"{self.prefix}:v{FORMAT_VERSION}:lease:{key}"
 
-    def new_lease(self, key: str, ttl_s: float) -> Any:
-        """Return the fleet build lease of ``key`` (a :class:`~jitwarm.cache.remote.fleet.FleetLease`)."""
-        from jitwarm.cache.remote.fleet import FleetLease  # fleet builds on this module
-
+    def new_lease(self, key: str, ttl_s: float) -> FleetLease:
+        """Return the fleet build lease of ``key``."""
         return FleetLease(self, key, ttl_s)
 
     def _connect(self) -> Any:
@@ -112,25 +94,17 @@ class RemoteStore(StoreBase):
         return (RedisError, OSError)
 
     def _probe(self) -> None:
-        """PING the server."""
         self.call("ping", lambda c: c.ping())
 
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry into the empty staging dir ``dest``, sized on the server and checked.
-
-        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept).
-        Raises ``RemoteFailure`` (Redis) or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
-        """
-        name = self.entry_name(key)
+        """Download ``key``'s entry as :meth:`StoreBase.fetch` says, sized on the server (the _FETCH script)."""
         args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
-        reply = self.call("download", lambda c: c.eval(_FETCH, 1, name, *args))
+        reply = self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args))
         status = reply[0] if isinstance(reply, list) and reply else None
         if status in (0, 2):
             return None  # nothing there, or the entry we rejected before: not worth a download
         if status == 3:
-            log.info("not downloading cache key %s from %s: its files total %s bytes, over the remote size cap of "
-                     "%d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display, reply[1],
-                     self.max_bytes)
+            self._too_large(key, reply[1])
             return None
         if status != 4 or not isinstance(reply[1], list):
             malformed = status == 1 and len(reply) == 4
@@ -143,8 +117,7 @@ class RemoteStore(StoreBase):
             return None
         meta = _loads(raw.get(b"meta"))
         files = {k[5:].decode("utf-8", "replace"): v for k, v in raw.items() if k.startswith(b"file:")}
-        executable = [p for p in meta.get("executable", ()) if isinstance(p, str)] \
-            if isinstance(meta.get("executable"), list) else []
+        executable = strings(meta.get("executable"))
         if self.trust_key is not None:  # before anything is written: UntrustedEntry (exit 4)
             check(self.trust_key, key, manifest, executable, meta.get("signature"), self.display)
         try:
@@ -153,23 +126,12 @@ class RemoteStore(StoreBase):
             self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None
 
-    def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry, replacing the remote one in one transaction; ``RemoteFailure``.
-
-        Read, not hashed again (its signature is compared after the read). False for an entry over
-        ``max_bytes`` or changed since it was hashed.
-        """
-        read = self._read_entry(entry)
-        if read is None:
-            return False
-        manifest, files, executable = read
-        fields = {"manifest": manifest, **{f"file:{rec.path}": data for rec, data in files}}
-        meta: dict[str, Any] = {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
-                                "executable": executable}
-        if self.trust_key is not None:
-            meta["signature"] = sign(self.trust_key, entry.key, fields["manifest"], executable)
-        fields["meta"] = json.dumps(meta).encode()
-        name = self.entry_name(entry.key)
+    def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
+                   signed: dict[str, Any], uploader: dict[str, Any]) -> None:
+        """Replace the entry hash in one transaction (DEL + HSET in MULTI/EXEC)."""
+        fields = {"manifest": manifest, **{f"file:{rec.path}": data for rec, data in files},
+                  "meta": json.dumps({**uploader, **signed}).encode()}
+        name = self.entry_name(key)
 
         def replace(client: Any) -> None:
             pipe = client.pipeline(transaction=True)
@@ -178,9 +140,6 @@ class RemoteStore(StoreBase):
             pipe.execute()
 
         self.call("upload", replace)
-        self._rejected.pop(entry.key, None)
-        self._count("remote_uploads")
-        return True
 
     def _present(self, keys: list[str]) -> list[bool]:
         def ask(client: Any) -> list[bool]:
@@ -190,6 +149,36 @@ class RemoteStore(StoreBase):
             return [bool(x) for x in pipe.execute()]
 
         return self.call("status", ask)
+
+
+class FleetLease(RenewedLease):
+    """The fleet build lease of one key in Redis: ``SET NX PX``, extended and deleted by our token only.
+
+    A dead holder's lease expires after its lifetime and another node takes over (no liveness guess).
+    """
+
+    def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:
+        super().__init__(store, key, ttl_s)
+        self.ttl_ms = int(self.ttl_s * 1000)
+
+    def _take(self) -> bytes | None:
+        token = self._token()
+        return token if self.store.call("lease", lambda c: c.set(self.name, token, nx=True, px=self.ttl_ms)) else None
+
+    def _read(self) -> bytes | None:
+        return self.store.call("lease", lambda c: c.getrange(self.name, 0, MAX_TOKEN_BYTES - 1))
+
+    def check_expiry(self) -> None:
+        """Raise LeaseWithoutExpiry when the lease (held by someone else) has no TTL, after giving it one."""
+        if self.store.call("lease", lambda c: c.eval(_ADD_EXPIRY, 1, self.name, self.ttl_ms)) == 1:
+            raise LeaseWithoutExpiry(f"fleet lease {self.name} on {self.store.display} had no expiry")
+
+    def _renew(self) -> bool:
+        token = self._held
+        return bool(self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)))
+
+    def _delete(self, held: bytes) -> None:
+        self.store.call("lease", lambda c: c.eval(_RELEASE, 1, self.name, held))
 
 
 def _text(value: object) -> str:

@@ -17,19 +17,17 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, parse_manifest, unpack_entry
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, FileRecord, parse_manifest, unpack_entry
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.locks import this_host
-from jitwarm.cache.remote.base import RemoteFailure, StoreBase
-from jitwarm.cache.signing import check, sign
+from jitwarm.cache.remote.base import RemoteFailure, StoreBase, strings
+from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -54,18 +52,46 @@ class Got(NamedTuple):
     server_now: float
 
 
-class ObjectStore(StoreBase):
-    """Entries of one cache format under one bucket prefix, and the health of that store.
+def new_client(read_timeout_s: float | None = None) -> Any:
+    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles).
 
-    The calls of :class:`~jitwarm.cache.remote.base.StoreBase`; a botocore or socket error is a RemoteFailure.
+    ``read_timeout_s``: instead of :data:`READ_TIMEOUT_S` (a multipart upload's completion can take minutes).
     """
+    import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
+    from botocore.config import Config
 
-    def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
-                 shared: bool = False, count: Callable[..., None] | None = None,
-                 trust_key: bytes | None = None) -> None:
+    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=read_timeout_s or READ_TIMEOUT_S,
+                    retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+    return boto3.session.Session().client("s3", config=config)
+
+
+def client_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of an S3 call that are a fault of the store (a body read mid-stream included)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
+
+    return (ClientError, BotoCoreError, HTTPError, OSError)
+
+
+def describe(exc: BaseException) -> str:
+    """A store error in one line: ``HTTP 403 AccessDenied: Access Denied`` for an error reply."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return f"{type(exc).__name__}: {exc}"
+    error = response.get("Error", {})
+    return f"HTTP {_status(exc)} {error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
+
+
+def _status(exc: Any) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+class ObjectStore(StoreBase):
+    """Entries of one cache format under one bucket prefix (a botocore or socket error is a RemoteFailure)."""
+
+    def __init__(self, url: str, prefix: str = "jitwarm", **options: Any) -> None:
+        super().__init__(url, prefix, **options)
         parts = urlsplit(url)
-        super().__init__(url, f"s3://{parts.netloc}{parts.path}", prefix, required=required, max_bytes=max_bytes,
-                         shared=shared, count=count, trust_key=trust_key)
         self.bucket = parts.netloc
         self.base = "/".join(p for p in (parts.path.strip("/"), prefix, f"v{FORMAT_VERSION}") if p)
 
@@ -90,18 +116,10 @@ class ObjectStore(StoreBase):
     def _connect(self) -> Any:
         return new_client()
 
-    def _errors(self) -> tuple[type[BaseException], ...]:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        return (ClientError, BotoCoreError, OSError)
-
-    def _describe(self, exc: BaseException) -> str:
-        from botocore.exceptions import ClientError
-
-        return describe(exc) if isinstance(exc, ClientError) else super()._describe(exc)
+    _errors = staticmethod(client_errors)
+    _describe = staticmethod(describe)
 
     def _probe(self) -> None:
-        """HEAD the bucket."""
         self.call("check", lambda c: c.head_bucket(Bucket=self.bucket))
 
     def get(self, name: str, limit: int, what: str, *, clip: bool = False) -> Got | None:
@@ -148,11 +166,9 @@ class ObjectStore(StoreBase):
         return self.call(what, write)
 
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry into the empty staging dir ``dest``, every object sized and hashed first.
+        """Download ``key``'s entry as :meth:`StoreBase.fetch` says: the record, then each blob sized and hashed.
 
-        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept; with a
-        required store that is ``RemoteFailure`` naming the bad object). Raises ``RemoteFailure`` (the store)
-        or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
+        With a required store, an entry that failed the check is ``RemoteFailure`` naming the bad object.
         """
         got = self.get(self.entry_name(key), MAX_RECORD_BYTES, "download", clip=True)
         if got is None or self._rejected.get(key) == got.etag:
@@ -165,9 +181,7 @@ class ObjectStore(StoreBase):
                 check(self.trust_key, key, manifest, executable, signature, self.display)
             total = sum(rec.size for rec in records)
             if total > self.max_bytes:
-                log.info("not downloading cache key %s from %s: its files total %d bytes, over the remote size "
-                         "cap of %d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display,
-                         total, self.max_bytes)
+                self._too_large(key, total)
                 return None
             files = {rec.path: self._blob(key, rec.path, rec.size, rec.sha256) for rec in records}
             return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
@@ -189,49 +203,26 @@ class ObjectStore(StoreBase):
             raise CorruptEntry(f"{where}: sha256 does not match {MANIFEST}")
         return got.body
 
-    def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry: blobs first, the record last and only if absent; ``RemoteFailure``.
+    def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
+                   signed: dict[str, Any], uploader: dict[str, Any]) -> None:
+        """Blobs first, the record last and only if absent (another node's record that won stands).
 
-        False for an entry over ``max_bytes`` or changed since it was hashed. True when the record is there
-        (ours, or another node's that won the race: content-addressed, so theirs is as good). A record this
-        store rejected is replaced, blobs and all, only if it is still that record (``If-Match``).
+        A record this store rejected is replaced, blobs and all, only if it is still that record (``If-Match``).
         """
-        read = self._read_entry(entry)
-        if read is None:
-            return False
-        manifest, files, executable = read
-        blobs = {rec.sha256: data for rec, data in files}
-        replacing = self._rejected.get(entry.key)
-        for sha256, data in blobs.items():
+        replacing = self._rejected.get(key)
+        for sha256, data in {rec.sha256: data for rec, data in files}.items():
             self._put_blob(sha256, data, overwrite=replacing is not None)
-        doc: dict[str, Any] = {"manifest": manifest.decode("utf-8"), "executable": executable,
-                               "uploader": {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(),
-                                            "nonce": os.urandom(8).hex()}}
-        if self.trust_key is not None:
-            doc["signature"] = sign(self.trust_key, entry.key, manifest, executable)
-        record = json.dumps(doc).encode()
+        record = json.dumps({"manifest": manifest.decode("utf-8"), **signed,
+                             "uploader": {**uploader, "nonce": os.urandom(8).hex()}}).encode()
         condition = {"IfMatch": replacing} if replacing else {"IfNoneMatch": "*"}
-        if self.put(self.entry_name(entry.key), record, "upload", **condition) is None:
-            log.info("cache key %s was published on %s by another node first; keeping theirs", entry.key,
-                     self.display)
-        self._rejected.pop(entry.key, None)
-        self._count("remote_uploads")
-        return True
+        if self.put(self.entry_name(key), record, "upload", **condition) is None:
+            log.info("cache key %s was published on %s by another node first; keeping theirs", key, self.display)
 
     def _put_blob(self, sha256: str, data: bytes, *, overwrite: bool) -> None:
         """Put one blob, unless it is there with the right size (``overwrite``: a reader found it bad)."""
         name = self.blob_name(sha256)
-        if not overwrite:
-            def size_of(client: Any) -> int | None:
-                try:
-                    return client.head_object(Bucket=self.bucket, Key=name)["ContentLength"]
-                except client.exceptions.ClientError as exc:
-                    if _status(exc) == 404:
-                        return None
-                    raise
-
-            if self.call("upload", size_of) == len(data):
-                return
+        if not overwrite and self._size(name, "upload") == len(data):
+            return
         if len(data) < MULTIPART_BYTES:
             self.put(name, data, "upload")
             return
@@ -243,40 +234,20 @@ class ObjectStore(StoreBase):
         self.call("upload", lambda c: c.upload_fileobj(io.BytesIO(data), self.bucket, name, Config=config,
                                                        ExtraArgs={"ChecksumAlgorithm": "SHA256"}))
 
-    def _present(self, keys: list[str]) -> list[bool]:
-        def exists(client: Any, key: str) -> bool:
+    def _size(self, name: str, what: str) -> int | None:
+        """The size of object ``name``, None if absent; RemoteFailure."""
+        def head(client: Any) -> int | None:
             try:
-                client.head_object(Bucket=self.bucket, Key=self.entry_name(key))
+                return client.head_object(Bucket=self.bucket, Key=name)["ContentLength"]
             except client.exceptions.ClientError as exc:
                 if _status(exc) == 404:
-                    return False
+                    return None
                 raise
-            return True
 
-        return [self.call("status", lambda c, k=key: exists(c, k)) for key in keys]
+        return self.call(what, head)
 
-
-def new_client(read_timeout_s: float | None = None) -> Any:
-    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles).
-
-    ``read_timeout_s``: instead of :data:`READ_TIMEOUT_S` (a multipart upload's completion can take minutes).
-    """
-    import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
-    from botocore.config import Config
-
-    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=read_timeout_s or READ_TIMEOUT_S,
-                    retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", config=config)
-
-
-def describe(exc: Any) -> str:
-    """A botocore ClientError in one line: ``HTTP 403 AccessDenied: Access Denied``."""
-    error = exc.response.get("Error", {})
-    return f"HTTP {_status(exc)} {error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
-
-
-def _status(exc: Any) -> int:
-    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    def _present(self, keys: list[str]) -> list[bool]:
+        return [self._size(self.entry_name(key), "status") is not None for key in keys]
 
 
 def _server_time(date: str | None) -> float:
@@ -291,8 +262,7 @@ def _parse_record(body: bytes, key: str) -> tuple[bytes, list[str], dict[str, An
     try:
         doc = loads(body)
         manifest = doc["manifest"].encode("utf-8")
-        listed = doc.get("executable", [])
-        executable = [p for p in listed if isinstance(p, str)] if isinstance(listed, list) else []
+        executable = strings(doc.get("executable", []))
         uploader = doc.get("uploader") if isinstance(doc.get("uploader"), dict) else {}
     except (TypeError, ValueError, KeyError, AttributeError, UnicodeError) as exc:
         raise CorruptEntry(f"remote entry {key}: its record does not parse ({type(exc).__name__})") from None

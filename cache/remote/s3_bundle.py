@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from jitwarm.cache.bundle import is_gzip_name, write_members
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError, UsageError
-from jitwarm.cache.remote.s3 import MULTIPART_BYTES, describe, new_client
+from jitwarm.cache.remote.s3 import MULTIPART_BYTES, client_errors, describe, new_client
 from jitwarm.cache.settings import SettingError
 
 #: Size of each uploaded part (S3: 5 MiB at least but the last, 10,000 parts at most: 640 GiB at 64 MiB).
@@ -82,8 +82,8 @@ def open_bundle(url: str) -> Iterator[Any]:
         reply = client.get_object(Bucket=bucket, Key=key)
     except client.exceptions.NoSuchKey:
         raise UsageError(f"bundle {url} does not exist") from None
-    except _errors() as exc:
-        raise BundleStoreError(f"cannot read bundle {url}: {_say(exc)}") from exc
+    except client_errors() as exc:
+        raise BundleStoreError(f"cannot read bundle {url}: {describe(exc)}") from exc
     body = _Body(reply["Body"], int(reply.get("ContentLength") or 0), url)
     try:
         yield body
@@ -97,21 +97,8 @@ def _client(url: str, read_timeout_s: float | None = None) -> Any:
         return new_client(read_timeout_s)
     except ImportError:
         raise SettingError(f"bundle {url} needs boto3, which is not installed: pip install 'jitwarm[s3]'") from None
-    except _errors() as exc:  # no region, a bad profile: boto3 fails here, before any request
-        raise BundleStoreError(f"bundle {url}: {_say(exc)}") from exc
-
-
-def _errors() -> tuple[type[BaseException], ...]:
-    from botocore.exceptions import BotoCoreError, ClientError
-    from urllib3.exceptions import HTTPError
-
-    return (ClientError, BotoCoreError, HTTPError, OSError)
-
-
-def _say(exc: BaseException) -> str:
-    from botocore.exceptions import ClientError
-
-    return describe(exc) if isinstance(exc, ClientError) else f"{type(exc).__name__}: {exc}"
+    except client_errors() as exc:  # no region, a bad profile: boto3 fails here, before any request
+        raise BundleStoreError(f"bundle {url}: {describe(exc)}") from exc
 
 
 class _Body:
@@ -123,8 +110,8 @@ class _Body:
     def read(self, n: int = -1) -> bytes:
         try:
             data = self._raw.read(n if n >= 0 else None)
-        except _errors() as exc:
-            raise BundleStoreError(f"cannot read bundle {self._url}: {_say(exc)} after {self.read_bytes} of "
+        except client_errors() as exc:
+            raise BundleStoreError(f"cannot read bundle {self._url}: {describe(exc)} after {self.read_bytes} of "
                                    f"{self._size} bytes") from exc
         self.read_bytes += len(data)
         if not data and n != 0 and self.read_bytes < self._size:
@@ -154,8 +141,8 @@ class _MultipartWriter:
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:
             return fn(Bucket=self._bucket, Key=self._key, **kwargs)
-        except _errors() as exc:
-            raise BundleStoreError(f"cannot write bundle {self._url}: {what}: {_say(exc)}") from exc
+        except client_errors() as exc:
+            raise BundleStoreError(f"cannot write bundle {self._url}: {what}: {describe(exc)}") from exc
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
