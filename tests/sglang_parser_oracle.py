@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jitwarm.cache.settings import scoped_env
-from jitwarm.precompile.servers.sglang.native import _NOT_FIELDS, _VERIFY_MODE_ENV, INPUT_KEYS, installed_version
+from jitwarm.precompile.servers.sglang.native import installed_version
+from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERIFY_MODE_ENV
 
 _LAUNCHER = re.compile(r"(.*/)?python[0-9.]*")
 _ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
@@ -88,10 +89,10 @@ def parse_argv(argv: list[str]) -> dict[str, Any]:
     record = ServerArgs.from_cli_args(parser.parse_args(args))
     handle_deprecated_dp_attention(record)  # srt/arg_groups/parallel_hook.py:39-61
     cfg = resolving_view(record)
-    inputs: dict[str, Any] = {key: getattr(cfg, key) for key in INPUT_KEYS if key not in _NOT_FIELDS}
+    inputs: dict[str, Any] = {key: getattr(cfg, key) for key in INPUT_KEYS if key not in NOT_FIELDS}
     if isinstance(inputs["cuda_graph_config"], Mapping):
         inputs["cuda_graph_config"] = {phase: dict(v) for phase, v in inputs["cuda_graph_config"].items()}
-    with scoped_env({_VERIFY_MODE_ENV: env[_VERIFY_MODE_ENV]} if _VERIFY_MODE_ENV in env else {}):
+    with scoped_env({VERIFY_MODE_ENV: env[VERIFY_MODE_ENV]} if VERIFY_MODE_ENV in env else {}):
         from sglang.srt.environ import envs
 
         mode = envs.SGLANG_RAGGED_VERIFY_MODE.get()

@@ -19,22 +19,20 @@ those into capture shapes (:meth:`~ServerAdapter.resolve_ladder`: ``{"source", "
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers.command_line import json_object, split_env
 
 __all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ServerAdapter", "UnknownServer", "adapter", "adapter_for",
-           "json_object", "recognised"]
+           "differs_by_memory", "json_object", "recognised", "refusals"]
 
 #: Every server room, by the name of its subpackage.
 ROOMS = ("sglang", "vllm")
 #: The room that reads a server command line given without its launcher (bare flags such as ``--tp 4``).
 DEFAULT = "sglang"
-#: The longest JSON-object flag value read (a real one is a few dozen bytes), and how deep it may nest.
-MAX_JSON_BYTES, MAX_JSON_DEPTH = 1 << 16, 8
 
 
 @dataclass(frozen=True)
@@ -118,7 +116,7 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
     for room in rooms:
         if room.recognises(argv):
             return room
-    words = [a for a in argv if not _is_assignment(a)]
+    words = split_env(argv)[1]
     if not words or words[0].startswith("-"):
         return adapter(DEFAULT)
     raise UnknownServer(f"not a server command line jitwarm knows: {' '.join(words[:4])} ... (expected "
@@ -130,20 +128,32 @@ def recognised(argv: Sequence[str]) -> bool:
     return any(adapter(name).recognises(argv) for name in ROOMS)
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """Parse a JSON-object flag value (``--cuda-graph-config``), bounded in size and nesting; ValueError else.
+def refusals(resolve: Callable[[dict[str, Any]], Any], inputs: dict[str, Any],
+             reads_memory: Callable[[dict[str, Any]], bool]) -> list[str]:
+    """What a room's rules refuse in ``inputs``, as one message (a ``check``'s last problem); [] when nothing.
 
-    30,000 nested ``[`` made ``json.loads`` raise ``RecursionError``: a traceback instead of one line.
+    Where the rules read an unknown device memory they run on an 80 GiB device:
+    :func:`jitwarm.precompile.shapes.resolve_ladder` resolves for the real one.
     """
-    if len(text) > MAX_JSON_BYTES:
-        raise ValueError(f"longer than {MAX_JSON_BYTES} characters")
-    value = files.loads(text, max_depth=MAX_JSON_DEPTH)
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    return value
+    if inputs["gpu_memory_mb"] is None and reads_memory(inputs):
+        inputs = {**inputs, "gpu_memory_mb": 80 * 1024}
+    try:
+        resolve(inputs)
+    except UsageError as exc:  # the room's ResolutionError
+        return [str(exc)]
+    return []
 
 
-def _is_assignment(word: str) -> bool:
-    """A shell's leading ``NAME=value`` word (the environment of the command)."""
-    name, eq, _ = word.partition("=")
-    return bool(eq) and name.isidentifier() and name.isascii()
+def differs_by_memory(resolve: Callable[[dict[str, Any]], dict[str, Any]], inputs: Mapping[str, Any],
+                      samples: Sequence[int], graphs: Callable[[dict[str, Any]], Any]) -> bool:
+    """True when the ``graphs`` of the resolution differ between the device memories ``samples`` (MiB).
+
+    False when the rules refuse the settings: the plan reports that with the memory given.
+    """
+    found = set()
+    for memory in samples:
+        try:
+            found.add(graphs(resolve({**inputs, "gpu_memory_mb": memory})))
+        except UsageError:
+            return False
+    return len(found) > 1

@@ -1,10 +1,9 @@
-"""A server's own functions as a ladder source: choosing them, running them in a child process, and its entry point.
+"""A server's own functions as a ladder source: choosing them, running them in a child process, its entry point.
 
-Each room's ``native`` module resolves capture with the installed server's own code. What is the same for every
-room lives here, parametrised by :class:`OwnFunctions`: the choice between the built-in rules and the server's
-functions (``--ladder-source``; ``auto`` keeps the server's answer in :mod:`.resolution_memo`), running them here
-when the server is loaded (a server process) or else in a child process (importing the server imports torch into
-the planning process), the error each failure raises, and the child's ``{"inputs": ...}`` stdin protocol.
+Each room's ``native`` module resolves capture with the installed server's own code; :class:`OwnFunctions` is
+what that is alike for every room: the ``--ladder-source`` choice (``auto`` keeps the answer in
+:mod:`.resolution_memo`), running them here inside a server or else in a child process (importing the server
+imports torch), the error each failure raises, and the child's ``{"inputs": ...}`` stdin protocol.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from jitwarm.precompile.servers import resolution_memo
@@ -23,18 +21,22 @@ from jitwarm.precompile.servers import resolution_memo
 Resolve = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
-@dataclass(frozen=True)
 class OwnFunctions:
-    """One server's own ladder functions, as its room's ``native`` module runs them."""
+    """One server's own ladder functions, as its room's ``native`` module runs them.
 
-    server: str  #: its distribution and top-level module (``sglang``, ``vllm``), and its memo key's server
-    title: str  #: how messages name the server (``sglang``, ``vLLM``)
-    functions: str  #: how messages name the functions run (``sglang's own ladder functions``)
-    module: str  #: the room's native module, run with ``python -m`` in the child
-    version: str  #: the release the room's rules mirror
-    sources: tuple[str, ...]  #: the ``--ladder-source`` values the room takes
-    error: type[Exception]  #: the room's ResolutionError (one argument ``reason``, keyword ``hint``)
-    timeout_s: float  #: seconds the child process may take
+    ``server`` is the room, distribution and top-level module (``sglang``, ``vllm``) and the memo key's server;
+    ``title`` names it in messages; ``error`` is the room's ResolutionError (one argument ``reason``, keyword
+    ``hint``); ``resolve`` the room's ``native.resolve``; ``timeout_s`` what the child may take (its imports are
+    the cost: 21 to 67 s in a server's image).
+    """
+
+    def __init__(self, server: str, title: str, error: type[Exception], resolve: Resolve,
+                 timeout_s: float = 300.0) -> None:
+        self.server, self.title, self.error, self.resolve, self.timeout_s = server, title, error, resolve, timeout_s
+        room = sys.modules[f"jitwarm.precompile.servers.{server}"]
+        self.version, self.sources = room.VERSION, room.LADDER_SOURCES
+        self.module = f"jitwarm.precompile.servers.{server}.native"
+        self.functions = f"{title}'s own ladder functions"
 
     def installed_version(self) -> str | None:
         """Return the installed server's version from its metadata, or None when it is not installed."""
@@ -43,14 +45,19 @@ class OwnFunctions:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    def resolve_from(self, inputs: Mapping[str, Any], source: str, *, defaults: Mapping[str, Any],
-                     builtin: Callable[[], dict[str, Any]], resolve: Resolve) -> dict[str, Any]:
-        """Return the resolution of ``inputs`` from ``source``: ``builtin()``, or the server's own ``resolve``.
+    def source(self) -> str:
+        """The ``source`` of a resolution by the installed server."""
+        return f"{self.title} {self.installed_version()} (installed)"
 
-        ``builtin``: the rules. ``<server>``: the installed server's functions, every time. ``auto``: the rules
-        when no server is installed or the installed one is :attr:`version`; for any other release its own
-        functions, whose answer is kept in a memo keyed by that release and the inputs completed by
-        ``defaults``, so only the first plan of a command line pays for importing the server.
+    def resolve_from(self, inputs: Mapping[str, Any], source: str, *, defaults: Mapping[str, Any],
+                     builtin: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Return the resolution of ``inputs`` from ``source``: ``builtin()`` (the rules), or the server's own.
+
+        ``<server>``: the installed server's functions, every time. ``auto``: the rules when no server is
+        installed or it is the room's ``VERSION`` (from its metadata, not imported); for another release its own
+        functions, the answer memoised by release and inputs (completed by ``defaults``), so only the first plan
+        of a line pays for importing the server. Raises the room's ResolutionError when the server rejects the
+        settings or its functions could not run.
         """
         if source not in self.sources:
             raise self.error(f"unknown --ladder-source {source!r}; choose from {', '.join(self.sources)}")
@@ -59,23 +66,20 @@ class OwnFunctions:
             return builtin()
         full = {**defaults, **inputs}
         if source == self.server or self.server in sys.modules:
-            return self.run(full, resolve)
+            return self.run(full)
         key = resolution_memo.key(self.server, installed, full)
         found = resolution_memo.load(key)
         if found is not None:
             return found
-        result = self.run(full, resolve)
+        result = self.run(full)
         resolution_memo.store(key, result)
         return result
 
-    def run(self, inputs: dict[str, Any], resolve: Resolve) -> dict[str, Any]:
-        """Resolve with ``resolve`` here when the server is loaded (a server), else in a child process.
-
-        Anywhere but inside a server, importing the server would import torch into the planning process.
-        """
+    def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Resolve here when the server is loaded (a server process), else in a child (torch stays out of here)."""
         if self.server in sys.modules:
             try:
-                return resolve(inputs)
+                return self.resolve(inputs)
             except ValueError as exc:
                 raise self.error(str(exc)) from None
         try:
@@ -95,22 +99,22 @@ class OwnFunctions:
             raise self.error(f"{self.functions} printed something that is not their answer",
                              hint="use --ladder-source builtin") from None
 
-    def child_main(self, resolve: Resolve, name: str) -> int:
+    def main(self) -> int:
         """The child's entry point: ``{"inputs": {...}}`` on stdin, the resolution as one JSON object on stdout.
 
-        Returns 0; 2 with one line ``<name>: ...`` on stderr for a bad request or refused settings; 1 (also one
+        Returns 0; 2 with one line ``<module>: ...`` on stderr for a bad request or refused settings; 1 (also one
         line) when the server cannot be imported.
         """
         try:
             request = json.loads(sys.stdin.read())
             if not isinstance(request, dict) or set(request) != {"inputs"}:
                 raise ValueError('expected one JSON object: {"inputs": {...}}')
-            answer = resolve(request["inputs"])
+            answer = self.resolve(request["inputs"])
         except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
-            print(f"{name}: {' '.join(str(exc).split())}", file=sys.stderr)
+            print(f"{self.module}: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         except ImportError as exc:
-            print(f"{name}: cannot import {self.server}: {exc}", file=sys.stderr)
+            print(f"{self.module}: cannot import {self.server}: {exc}", file=sys.stderr)
             return 1
         print(json.dumps(answer))
         return 0

@@ -165,9 +165,7 @@ def main() -> int:
 
     result["captured"] = dict(plugin._recorder.captured) if plugin._recorder is not None else None
     if plan:
-        from jitwarm.precompile.servers.vllm import plan_mode
-
-        result["plan_specs"] = len(plan_mode._state.plan.specs) if plan_mode._state.plan is not None else None
+        result["plan_specs"] = len(plugin._plan.plan.specs) if plugin._plan.plan is not None else None
     with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f)
     return 0

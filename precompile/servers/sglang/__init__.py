@@ -3,8 +3,8 @@
 Its modules: :mod:`.argv` (the server's command line, from ``flags.json``: every option of the release's parser),
 :mod:`.fields` (what ServingConfig's fields mean to sglang), :mod:`.rules` (the decode CUDA-graph resolution,
 mirrored in plain Python), :mod:`.native` (the same by the installed sglang's own functions, for a release the
-rules do not mirror), :mod:`.model` (which of jitwarm's kernel families the served model runs), :mod:`.plugin`
-(the ``sglang.srt.plugins`` entry point) and :mod:`.seals` (``load_jit`` refused inside capture). This package
+rules do not mirror), :mod:`.plugin` (the ``sglang.srt.plugins`` entry point), :mod:`.seals` (``load_jit``
+refused inside capture) and :mod:`.loader_calls` (``load_jit`` counted for the start-up ledger). This package
 is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from jitwarm.precompile.servers import ModelFamilies
 
 #: The sglang release this room mirrors: its flag table, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -21,11 +23,21 @@ LAUNCHERS = "`python -m sglang.launch_server ...` or `sglang serve ...`"
 PLUGIN = "jitwarm.precompile.servers.sglang.plugin:register"
 LADDER_SOURCES = ("auto", "builtin", "sglang")
 OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a ServingConfig field
+#: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
+#: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
+DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 
 # The adapter's functions, by the module that defines each.
 _FUNCTIONS = {"recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native",
-              "model_families": "model", "seal": "seals"}
+              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "seal": "seals"}
+
+
+def model_families(families: tuple[str, ...], model_path: str | None,
+                   architecture: str | None = None) -> ModelFamilies:
+    """Which of ``families`` an sglang server of this model runs (:func:`..model.model_families`)."""
+    from jitwarm.precompile.servers.model import model_families as decide
+
+    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
 
 
 def __getattr__(name: str) -> Any:

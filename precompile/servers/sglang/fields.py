@@ -7,47 +7,34 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jitwarm.precompile.servers import json_object
+from jitwarm.precompile.servers import json_object, refusals
 from jitwarm.precompile.servers.sglang import rules
 
-MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 #: Largest batch size a --cuda-graph-config may name (as the --cuda-graph-* flags).
 MAX_BATCH_SIZE = 4096
 #: The ServingConfig fields that are sglang ServerArgs fields of the same name (the server's capture settings).
-SERVER_ARGS_FIELDS = frozenset(rules.INPUT_KEYS) - {"gpu_memory_mb", "ragged_verify_mode", "kv_capacity"} | {
-    "model_path"}
+SERVER_ARGS_FIELDS = frozenset(rules.INPUT_KEYS) - set(rules.NOT_FIELDS) | {"model_path"}
 
 
 def defaults(config: Any) -> dict[str, Any]:
     """The verify mode sglang reads from ``SGLANG_RAGGED_VERIFY_MODE`` when none is given (else ``static``)."""
     if config.ragged_verify_mode is not None:
         return {}
-    env = os.environ.get(MODE_ENV)
+    env = os.environ.get(rules.VERIFY_MODE_ENV)
     return {"ragged_verify_mode": env if env is not None else "static", "mode_from_env": env is not None}
 
 
 def check(config: Any, *, resolve: bool) -> list[str]:
-    """Problems sglang would find in ``config``: its --cuda-graph-config, its verify mode, what its rules refuse.
-
-    The rules run (``resolve``) on the config's device memory, or where the ladder reads it and none is given on
-    an 80 GiB device: :func:`jitwarm.precompile.shapes.resolve_ladder` resolves for the real one.
-    """
+    """Problems sglang would find in ``config``: its --cuda-graph-config, its verify mode, what its rules refuse."""
     problems = [] if config.cuda_graph_config is None else _graph_config_problems(config.cuda_graph_config)
     mode = config.ragged_verify_mode
     # sglang reads the variable only where an algorithm could use it (ragged_verify.py:19-27).
     if isinstance(mode, str) and mode not in rules.VERIFY_MODES and not (
             config.mode_from_env and config.speculative_algorithm is None):
-        source = f" (from {MODE_ENV})" if config.mode_from_env else ""
+        source = f" (from {rules.VERIFY_MODE_ENV})" if config.mode_from_env else ""
         problems.append(f"unknown ragged verify mode {mode!r}{source}; choose from {', '.join(rules.VERIFY_MODES)}")
     if resolve and not problems and isinstance(mode, str):
-        try:
-            rules.normalize_algorithm(config.speculative_algorithm)
-            inputs = ladder_inputs(config)
-            if inputs["gpu_memory_mb"] is None and rules.reads_memory(inputs):
-                inputs["gpu_memory_mb"] = 80 * 1024
-            rules.builtin(inputs)
-        except rules.ResolutionError as exc:
-            problems.append(str(exc))
+        problems += refusals(rules.builtin, ladder_inputs(config), rules.reads_memory)
     return problems
 
 

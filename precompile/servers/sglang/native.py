@@ -1,9 +1,9 @@
 """sglang's decode CUDA-graph ladder by the installed sglang's own functions, and the choice of ladder source.
 
-It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those rules
-against. :func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by calling the
-installed sglang (lines cited: the room's ``VERSION``): the hooks that build ``cuda_graph_config``, the decode
-runner's batch-size cut, capture width, graph keys and compact verify layouts.
+The plan source for a release the built-in rules do not mirror, and the oracle the tests check them against.
+:func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by the installed sglang
+(lines cited: the room's ``VERSION``): the hooks that build ``cuda_graph_config``, the decode runner's
+batch-size cut, capture width, graph keys and compact verify layouts.
 
 What stands in for what: the device memory is ``get_device_memory_capacity`` patched to the given MiB (there is
 no GPU); the topology a runtime context sglang builds from the config; the model runner and KV configurator
@@ -26,15 +26,9 @@ from typing import Any
 
 from jitwarm.cache.settings import scoped_env
 from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
-from jitwarm.precompile.servers.sglang import LADDER_SOURCES, VERSION, rules
-from jitwarm.precompile.servers.sglang.rules import ResolutionError
+from jitwarm.precompile.servers.sglang import rules
+from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERIFY_MODE_ENV, ResolutionError
 
-#: The raw settings :func:`resolve` reads (every key is required): the keys of :data:`.rules.INPUT_KEYS`.
-INPUT_KEYS = tuple(rules.INPUT_KEYS)
-# Inputs that are not ServerArgs fields: the device (gpu_memory_mb), the environment (ragged_verify_mode)
-# and the KV pool a server profiles at start-up (kv_capacity).
-_NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
-_VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 # A test knob of sglang's (srt/environ.py:1573) that makes compact capture uniform
 # (decode_cuda_graph_runner.py:791-794); the inputs describe a real server, so it is held unset.
 _FORCE_UNIFORM_ENV = "SGLANG_TEST_RAGGED_VERIFY_FORCE_UNIFORM_CAPTURE"
@@ -45,44 +39,25 @@ _DEFAULTS_48_RUNNING = {"_handle_dflash": 442, "_handle_dspark": 856, "_handle_f
                         "_handle_eagle_family": 1090, "_handle_ngram": 1298}
 _SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_frozen_kv_mtp",
                   "_handle_eagle_family", "_handle_ngram")
-#: Seconds the child process may take (its imports are the cost: 21 to 67 s in a server's image).
-CHILD_TIMEOUT_S = 300.0
-#: sglang's own ladder functions as a ladder source: chosen, run (in a child outside a server) and memoised.
-OWN = OwnFunctions(server="sglang", title="sglang", functions="sglang's own ladder functions",
-                   module="jitwarm.precompile.servers.sglang.native", version=VERSION, sources=LADDER_SOURCES,
-                   error=ResolutionError, timeout_s=CHILD_TIMEOUT_S)
-
-
-def installed_version() -> str | None:
-    """Return the installed sglang's version, or None when it is not installed (sglang is not imported)."""
-    return OWN.installed_version()
 
 
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Return the decode graphs sglang captures for ``inputs`` (the keys of :data:`.rules.INPUT_KEYS`), from ``source``.
-
-    ``builtin``: the rules. ``sglang``: the installed sglang's own functions, run every time. ``auto``: the rules
-    when no sglang is installed or the installed one is the release they mirror (read from its metadata, without
-    importing it); for any other release its own functions, whose answer is kept in a memo keyed by that release
-    and ``inputs`` (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing sglang.
-    Outside a server they run in a child process (:meth:`..own_functions.OwnFunctions.run`): importing sglang
-    would import torch into the planning process. Raises :class:`.rules.ResolutionError` when sglang rejects the
-    settings or its own functions could not run.
-    """
-    return OWN.resolve_from(inputs, source, defaults=rules.INPUT_KEYS, builtin=lambda: rules.builtin(inputs),
-                            resolve=resolve)
+    """The decode graphs sglang captures for ``inputs``, from ``source`` (:meth:`.OwnFunctions.resolve_from`)."""
+    return OWN.resolve_from(inputs, source, defaults=INPUT_KEYS, builtin=lambda: rules.builtin(inputs))
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return what :func:`.rules.resolve` returns, computed by the installed sglang's own functions.
+    """Return what :func:`.rules.resolve` returns for every key of :data:`INPUT_KEYS`, by the installed sglang.
 
-    ``inputs`` holds every key of :data:`INPUT_KEYS` (``gpu_memory_mb`` None: sglang's unknown-memory fallback;
-    ``kv_capacity`` None: unbounded). ValueError for malformed inputs or settings sglang rejects (its own
-    exception's message, with its type).
+    Raises
+    ------
+    ValueError
+        Malformed inputs, or settings sglang itself rejects (its own exception's message, with its type).
+
     """
-    cfg = _checked_inputs(inputs)
+    cfg = checked_inputs(inputs, INPUT_KEYS)
     try:
-        with scoped_env({_VERIFY_MODE_ENV: cfg["ragged_verify_mode"], _FORCE_UNIFORM_ENV: None}):
+        with scoped_env({VERIFY_MODE_ENV: cfg["ragged_verify_mode"], _FORCE_UNIFORM_ENV: None}):
             return _resolve(cfg)
     except (ValueError, AssertionError, TypeError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"sglang rejects these settings ({type(exc).__name__}): {exc}") from exc
@@ -121,9 +96,11 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
     with use_context(create_context(record, role="scheduler")):
         decode = get_exec().graph.cuda_graph_config.decode
         if decode.backend == Backend.DISABLED:
-            return {"source": _source(), "shapes": [], "disabled": _why_disabled(cfg)}
+            return {"source": OWN.source(), "shapes": [], "disabled": rules.decode_graph_config(cfg).get("why")}
         algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
-        runner = _model_runner(record, algorithm)
+        # The attributes of a target ModelRunner the ladder code reads; the pool size is set below.
+        runner = SimpleNamespace(server_args=record, spec_algorithm=algorithm, is_draft_worker=False,
+                                 model_config=None, req_to_token_pool=SimpleNamespace(size=None))
         # decode_cuda_graph_runner.py:359-361: captured_req_width, from the model runner's own method.
         width = ModelRunner.decode_num_tokens_per_req(runner, num_draft_tokens=get_spec().speculative_num_draft_tokens)
         if width is None:
@@ -161,7 +138,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         if compact:  # the keys are the runner's token buckets (:402-406, :699-702)
             assert sorted(s["graph_key"] for s in shapes) == DecodeCudaGraphRunner._build_ragged_verify_token_buckets(
                 graphs)
-        return {"source": _source(), "max_running_requests": max_running, "decode_max_bs": decode.max_bs,
+        return {"source": OWN.source(), "max_running_requests": max_running, "decode_max_bs": decode.max_bs,
                 "decode_bs": list(decode.bs), "capture_bs": capture_bs, "width": width, "compact": compact,
                 "shapes": shapes}
 
@@ -171,7 +148,7 @@ def _server_args(cfg: Mapping[str, Any]) -> Any:
     from sglang.srt.model_executor.cuda_graph_config import parse_cuda_graph_config_arg
     from sglang.srt.server_args import ServerArgs
 
-    fields = {key: cfg[key] for key in INPUT_KEYS if key not in _NOT_FIELDS}
+    fields = {key: cfg[key] for key in INPUT_KEYS if key not in NOT_FIELDS}
     if cfg["cuda_graph_config"] is not None:
         # The CLI's own parser for --cuda-graph-config (exec_.py:606-612). Its prefill phase is dropped: a
         # prefill backend needs the model to resolve (cuda_graph_hook.py:136-167) and never reaches decode.
@@ -224,12 +201,6 @@ def _speculative_defaults(record: Any) -> None:
                                speculative_num_draft_tokens=cfg.speculative_num_steps + 1)
 
 
-def _model_runner(record: Any, algorithm: Any) -> SimpleNamespace:
-    """The attributes of a target ModelRunner that the ladder code reads; the pool size is set later."""
-    return SimpleNamespace(server_args=record, spec_algorithm=algorithm, is_draft_worker=False, model_config=None,
-                           req_to_token_pool=SimpleNamespace(size=None))
-
-
 def _pool_size(configurator: type, max_running: int | None, attn_dp: int, kv_capacity: int | None,
                decode_bs: list[int]) -> int:
     """The request pool of one attention-DP rank: KVCacheConfigurator.resolve_max_num_reqs (:3119-3171).
@@ -248,27 +219,9 @@ def _pool_size(configurator: type, max_running: int | None, attn_dp: int, kv_cap
     return configurator.resolve_max_num_reqs(kv_configurator, capacity)
 
 
-def _why_disabled(cfg: Mapping[str, Any]) -> str:
-    """Name the setting that turned decode graphs off (parse_cuda_graph_config's precedence, lowest first)."""
-    backend = ((cfg["cuda_graph_config"] or {}).get("decode") or {}).get("backend")
-    if backend is not None:
-        return f"--cuda-graph-config decode backend {backend!r}"
-    return "--disable-decode-cuda-graph" if cfg["disable_decode_cuda_graph"] else "--disable-cuda-graph"
-
-
-def _source() -> str:
-    return f"sglang {installed_version()} (installed)"
-
-
-def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
-    return checked_inputs(inputs, INPUT_KEYS)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Read ``{"inputs": {...}}`` on stdin, print the resolution as JSON: 0; 2 bad request; 1 no sglang."""
-    del argv  # no options: the request is on stdin
-    return OWN.child_main(resolve, __spec__.name if __spec__ else __name__)
+#: sglang's own ladder functions as a ladder source: chosen, run (in a child outside a server) and memoised.
+OWN = OwnFunctions("sglang", "sglang", ResolutionError, resolve)
+installed_version, main = OWN.installed_version, OWN.main
 
 
 if __name__ == "__main__":

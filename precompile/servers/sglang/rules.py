@@ -1,9 +1,9 @@
 """sglang's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
 
 Every rule cites the file and line of the sglang wheel it mirrors (the room's ``VERSION``);
-``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`). Pure Python:
-no torch, no sglang import. The input is :data:`INPUT_KEYS`, the raw settings (the command line, the device
-memory, the verify-mode variable); the output the decode graphs the target worker captures, largest first.
+``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`). No torch, no
+sglang import. In: :data:`INPUT_KEYS` (the command line, the device memory, the verify-mode variable); out: the
+decode graphs the target worker captures, largest first.
 """
 
 from __future__ import annotations
@@ -14,32 +14,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import differs_by_memory
 from jitwarm.precompile.servers.sglang import VERSION
 
 SOURCE = f"built-in rules of sglang {VERSION}"
 
 #: Raw server settings the resolution reads, with their defaults (sglang's own field names).
 INPUT_KEYS: Mapping[str, Any] = {
-    "cuda_graph_max_bs_decode": None,
-    "cuda_graph_bs_decode": None,
-    "cuda_graph_config": None,
-    "disable_cuda_graph": False,
-    "disable_decode_cuda_graph": False,
-    "disable_cuda_graph_padding": False,
-    "speculative_algorithm": None,
-    "speculative_num_draft_tokens": None,
-    "speculative_num_steps": None,
-    "speculative_eagle_topk": None,
-    "max_running_requests": None,
-    "tp_size": 1,
-    "dp_size": 1,
-    "attn_dp_size": 1,
-    "enable_dp_attention": False,
-    "gpu_memory_mb": None,
-    "ragged_verify_mode": "static",
-    "kv_capacity": None,
+    "cuda_graph_max_bs_decode": None, "cuda_graph_bs_decode": None, "cuda_graph_config": None,
+    "disable_cuda_graph": False, "disable_decode_cuda_graph": False, "disable_cuda_graph_padding": False,
+    "speculative_algorithm": None, "speculative_num_draft_tokens": None, "speculative_num_steps": None,
+    "speculative_eagle_topk": None, "max_running_requests": None,
+    "tp_size": 1, "dp_size": 1, "attn_dp_size": 1, "enable_dp_attention": False,
+    "gpu_memory_mb": None, "ragged_verify_mode": "static", "kv_capacity": None,
 }
 
+#: Inputs that are not ServerArgs fields: the device, the environment, the KV pool a server profiles at start-up.
+NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
+#: The variable sglang reads the verify mode from, and its values (srt/speculative/ragged_verify.py:19-27).
+VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 VERIFY_MODES = ("static", "cap-accept", "compact")
 
 # srt/speculative/spec_info.py:39-47 (the built-in algorithms) and :109-110 (NEXTN is EAGLE).
@@ -81,16 +74,24 @@ def normalize_algorithm(name: str | None) -> str | None:
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the decode graphs sglang ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`).
 
-    The answer: ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
-    ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width``
-    (tokens per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}``
-    per graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
-    :class:`ResolutionError` for a combination sglang rejects.
+    Returns
+    -------
+    dict
+        ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and ``decode_bs``
+        (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width`` (tokens
+        per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per
+        graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
+
+    Raises
+    ------
+    ResolutionError
+        A combination sglang rejects.
+
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
     attn_dp = _checked_attention_dp(cfg)
-    decode = _decode_graph_config(cfg)
+    decode = decode_graph_config(cfg)
     if decode.get("backend") == "disabled":
         return {"source": SOURCE, "disabled": decode["why"], "shapes": []}
 
@@ -133,11 +134,12 @@ def builtin(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=64)
 def _builtin(inputs: str) -> dict[str, Any]:
+    """:func:`resolve` of JSON-encoded inputs, cached."""
     return resolve(json.loads(inputs))
 
 
-def _decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The decode phase of ``cuda_graph_config``: legacy flags, then per-phase flags, then the JSON.
+def decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode phase of ``cuda_graph_config`` (``why`` names what disabled it, if anything).
 
     srt/arg_groups/cuda_graph_hook.py:32-101: explicit JSON > convenience flags > legacy flags > defaults.
     """
@@ -163,8 +165,7 @@ def _decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
     """Return sglang's default decode max batch for this device memory (MiB) and TP size.
 
-    srt/arg_groups/memory_hook.py:86-180: an H200 (about 143,771 MiB) gives 256 below tp 4 and 512 from
-    tp 4; unknown memory gives 160.
+    srt/arg_groups/memory_hook.py:86-180: an H200 (143,771 MiB) gives 256 below tp 4, 512 from tp 4; unknown 160.
     """
     if gpu_memory_mb is None:
         return _UNKNOWN_MEMORY_MAX_BS
@@ -178,7 +179,7 @@ def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> l
     """Return sglang's decode capture ladder for ``max_bs`` (``max_bs`` appended when off the tiers).
 
     srt/arg_groups/cuda_graph_hook.py:500-532: every size with padding off; else the plain tiers, or the
-    speculative tiers when a ``--speculative-algorithm`` is set (draft tokens alone do not switch it).
+    speculative ones when a ``--speculative-algorithm`` is set (draft tokens alone do not switch it).
     """
     if no_padding:
         sizes = list(range(1, max_bs + 1))
@@ -193,26 +194,19 @@ def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> l
     return sizes
 
 
-def attention_dp_size(cfg: Mapping[str, Any]) -> int:
-    """Return the attention-DP size: ``--attn-dp-size``, or ``--dp-size N --enable-dp-attention``.
+def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
+    """The attention-DP size, after sglang's two start-up checks of the layout.
 
-    srt/arg_groups/fields/parallel.py:192-194: the second spelling is the deprecated form of the first.
+    ``--attn-dp-size``, or its deprecated form ``--dp-size N --enable-dp-attention`` (srt/arg_groups/fields/
+    parallel.py:192-194). srt/arg_groups/parallel_hook.py:285-292: replicas (``--dp-size``) with attention DP are
+    refused; :326: ``tp_size % attn_dp_size == 0`` is asserted (``tp_size // attn_dp_size`` is the alignment).
     """
     if cfg["attn_dp_size"] and cfg["attn_dp_size"] > 1:
-        return int(cfg["attn_dp_size"])
-    if cfg["enable_dp_attention"] and cfg["dp_size"] > 1:
-        return int(cfg["dp_size"])
-    return 1
-
-
-def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
-    """The attention-DP size, after the two checks sglang makes of the layout at start-up.
-
-    srt/arg_groups/parallel_hook.py:285-292 (``handle_data_parallelism``): replicas (``--dp-size``) combined
-    with attention DP are refused; :326: with attention DP, ``tp_size % attn_dp_size == 0`` is asserted (the
-    attention-TP size, ``tp_size // attn_dp_size``, is the runner's alignment, and 0 would divide by zero).
-    """
-    attn_dp = attention_dp_size(cfg)
+        attn_dp = int(cfg["attn_dp_size"])
+    elif cfg["enable_dp_attention"] and cfg["dp_size"] > 1:
+        attn_dp = int(cfg["dp_size"])
+    else:
+        attn_dp = 1
     replicas = 1 if cfg["enable_dp_attention"] and cfg["attn_dp_size"] == 1 else cfg["dp_size"]
     if attn_dp > 1 and replicas > 1:
         raise ResolutionError(f"--dp-size {replicas} with --attn-dp-size {attn_dp}: data-parallel replicas combined "
@@ -226,9 +220,8 @@ def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
 def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -> int | None:
     """The request pool of one attention-DP rank; None when nothing bounds it at plan time.
 
-    srt/mem_cache/kv_cache_configurator.py:3119: ``min(max_running_requests // attn_dp_size,
-    kv_capacity // 2)``. Without ``--max-running-requests`` (and with no speculative default) sglang sizes
-    the pool from the KV memory it profiles at start-up; a plan assumes it cuts nothing.
+    srt/mem_cache/kv_cache_configurator.py:3119: ``min(max_running_requests // attn_dp_size, kv_capacity // 2)``.
+    Without a running limit sglang sizes the pool from the KV memory it profiles: a plan assumes it cuts nothing.
     """
     if max_running is not None:
         pool = max(1, max_running // attn_dp)  # kv_cache_configurator.py:3128
@@ -243,10 +236,9 @@ def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -
 def runner_batch_sizes(bs_list: list[int], width: int, *, pool_size: int | None, alignment: int) -> list[int]:
     """Return the sizes the decode runner captures: ``cuda_graph_config.decode.bs`` cut at the pool size.
 
-    srt/model_executor/runner/base_cuda_graph_runner.py:65-110: the pool size (padded to the alignment)
-    is appended when the ladder goes past it, sizes above it are dropped, and with DP attention sizes
-    whose ``bs * width`` tokens do not divide by the attention-TP size are dropped
-    (srt/utils/common.py:4168-4181: the alignment is the attention-TP size when attention DP gathers).
+    srt/model_executor/runner/base_cuda_graph_runner.py:65-110: the pool size (padded to the alignment) is
+    appended when the ladder goes past it and larger sizes dropped; so are sizes whose ``bs * width`` tokens do
+    not divide by the alignment, the attention-TP size under attention DP (srt/utils/common.py:4168-4181).
     """
     sizes = list(bs_list)
     if pool_size is not None:
@@ -277,19 +269,14 @@ def capture_verify_lens(num_tokens: int, num_slots: int, num_draft_tokens: int) 
 def graph_shapes(capture_bs: list[int], width: int, compact: bool) -> list[dict[str, Any]]:
     """One entry per captured graph, largest first: its bs, the key sglang stores it under, its verify_lens.
 
-    Compact graphs are keyed by token count, ``bs * width``, and lay those tokens over
-    ``min(tokens, max(capture_bs))`` rows (srt/model_executor/runner/decode_cuda_graph_runner.py:699-702,
-    737-738, 791-794); every other graph is keyed by bs, with ``width`` tokens per request.
+    Compact graphs are keyed by ``bs * width`` tokens laid over ``min(tokens, max(capture_bs))`` rows
+    (srt/model_executor/runner/decode_cuda_graph_runner.py:699-702, 737-738, 791-794); others by bs.
     """
-    top = max(capture_bs)
-    shapes = []
+    top, shapes = max(capture_bs), []
     for bs in sorted(capture_bs, reverse=True):
-        if compact:
-            tokens = bs * width
-            lens = capture_verify_lens(tokens, min(tokens, top), width)
-            shapes.append({"bs": bs, "graph_key": tokens, "verify_lens": lens})
-        else:
-            shapes.append({"bs": bs, "graph_key": bs, "verify_lens": [width] * bs})
+        tokens = bs * width
+        lens = capture_verify_lens(tokens, min(tokens, top), width) if compact else [width] * bs
+        shapes.append({"bs": bs, "graph_key": tokens if compact else bs, "verify_lens": lens})
     return shapes
 
 
@@ -325,23 +312,12 @@ def _verify_mode(cfg: Mapping[str, Any]) -> str:
 
 
 def reads_memory(inputs: Mapping[str, Any]) -> bool:
-    """True when the device memory enters the resolution: no decode max or list is given.
-
-    Then sglang's default max batch is taken (memory_hook.py:86-188); otherwise the memory cannot change the graphs.
-    """
-    decode = _decode_graph_config({**INPUT_KEYS, **inputs})
+    """True when the device memory enters the resolution: no decode max or list is given (memory_hook.py:86-188)."""
+    decode = decode_graph_config({**INPUT_KEYS, **inputs})
     return decode.get("backend") != "disabled" and decode.get("max_bs") is None and decode.get("bs") is None
 
 
 def depends_on_memory(inputs: Mapping[str, Any]) -> bool:
     """True when the captured graphs differ between device-memory tiers (so the memory must be known)."""
-    if not reads_memory(inputs):
-        return False
-    results = set()
-    for sample in MEMORY_TIER_SAMPLES:
-        try:
-            shapes = resolve({**inputs, "gpu_memory_mb": sample})["shapes"]
-        except ResolutionError:
-            return False  # resolve() reports it with the memory given
-        results.add(tuple(s["graph_key"] for s in shapes))
-    return len(results) > 1
+    return reads_memory(inputs) and differs_by_memory(resolve, inputs, MEMORY_TIER_SAMPLES,
+                                                      lambda r: tuple(s["graph_key"] for s in r["shapes"]))

@@ -3,15 +3,16 @@
 Its modules: :mod:`.argv` (the server's command line: ``vllm serve MODEL ...``), :mod:`.fields` (what
 ServingConfig's fields and ``server_options`` mean to vLLM), :mod:`.rules` (the capture sizes, modes and graphs,
 mirrored in plain Python), :mod:`.native` (the same by the installed vLLM's own functions, for a release the
-rules do not mirror), :mod:`.model` (which of jitwarm's kernel families the served model runs), :mod:`.plugin`
-(the ``vllm.general_plugins`` entry point) and :mod:`.seals` (nothing of vLLM's own to seal yet). This package is
-the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
+rules do not mirror) and :mod:`.plugin` (the ``vllm.general_plugins`` entry point). This package is the room's
+adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from jitwarm.precompile.servers import ModelFamilies
 
 #: The vLLM release this room mirrors: its flags, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -36,11 +37,33 @@ OPTIONS: dict[str, str] = {
     "attention_cudagraph_support": "server_options.attention_cudagraph_support",
     "device_capability": "server_options.device_capability",
 }
+#: vLLM's DeepSeek-V4 classes (model_executor/models/registry.py:99, :383-389, :676-679, :718): the target, its
+#: multimodal and 4.1 variants, the DSpark drafts and the MTP draft.
+DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration",
+                                "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
+                                "DeepSeekV4MTPModel"})
 
 # The adapter's functions, by the module that defines each.
 _FUNCTIONS = {"recognises": "argv", "parse_argv": "fields", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native",
-              "model_families": "model", "seal": "seals"}
+              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native"}
+
+
+def model_families(families: tuple[str, ...], model_path: str | None,
+                   architecture: str | None = None) -> ModelFamilies:
+    """Which of ``families`` a vLLM server of this model runs (:func:`..model.model_families`)."""
+    from jitwarm.precompile.servers.model import model_families as decide
+
+    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
+
+
+def seal(undo: list[Any]) -> None:
+    """Nothing of vLLM's own to seal inside a guarded capture; ``undo`` is left as it is.
+
+    vLLM 0.33.0 compiles through Triton, torch.compile (Inductor) and FlashInfer / DeepGEMM; the Triton compiles
+    are refused by jitwarm's Triton seal, which the capture guard arms for every server. vLLM's own JIT monitor
+    only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
+    """
+    del undo
 
 
 def __getattr__(name: str) -> Any:

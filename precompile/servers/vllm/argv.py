@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from pathlib import PurePath
 from typing import Any
 
-from jitwarm.cache.errors import UsageError
-from jitwarm.precompile.servers import json_object
-from jitwarm.precompile.servers.command_line import ENV_ASSIGNMENT, after_interpreter, is_flag, shown_value
-from jitwarm.precompile.servers.vllm import VERSION
-
-
-class ServerArgvError(UsageError, ValueError):
-    """The vLLM command line does not parse as vLLM would read it: exit 2."""
-
+from jitwarm.precompile.servers import command_line
+from jitwarm.precompile.servers.command_line import ServerArgvError, converted, is_flag, json_object, values_after
+from jitwarm.precompile.servers.vllm import LAUNCHERS, VERSION
 
 # `python -m vllm.entrypoints.openai.api_server ...`; `vllm serve ...` (vllm/entrypoints/cli/serve.py).
-_SERVER_MODULES = ("vllm.entrypoints.openai.api_server",)
+_LAUNCHER = (("vllm.entrypoints.openai.api_server",), "vllm")
 #: flag -> (setting, kind) for the flags that shape capture (engine/arg_utils.py:1824-1913 and the groups above).
 FLAGS: dict[str, tuple[str, str]] = {
     "--max-num-seqs": ("max_num_seqs", "int"),
@@ -69,49 +62,21 @@ _COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph
 _MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def _strip_program(args: list[str]) -> tuple[list[str], bool]:
-    """Drop ``vllm serve`` or ``python [-u ...] -m vllm.entrypoints.openai.api_server``; True for ``serve``."""
-    if not args or args[0].startswith("-"):
-        return args, False
-    program = PurePath(args[0]).name
-    if program.startswith("python"):
-        rest = after_interpreter(args, _SERVER_MODULES)
-        if rest is not None:
-            return rest, False
-    elif program == "vllm" and len(args) >= 2 and args[1] == "serve":
-        return args[2:], True
-    raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected "
-                          "`vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server ...`)")
-
-
 def is_server_command(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with a vLLM launcher."""
-    args = list(argv)
-    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
-        args.pop(0)
-    if not args or args[0].startswith("-"):
-        return False
-    try:
-        _strip_program(args)
-    except ServerArgvError:
-        return False
-    return True
+    return command_line.recognises(argv, *_LAUNCHER)
 
 
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
-    """Return the capture settings of a vLLM command line as raw inputs for :mod:`.rules`, its model and TP size.
+    """Return the capture settings of a vLLM command line (launcher optional) as raw inputs for :mod:`.rules`.
 
-    Parameters
-    ----------
-    argv
-        The server's command line (launcher optional). A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1
-        model runner, as vLLM's environment would (config/vllm.py:748-750).
+    A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 model runner, as in vLLM (config/vllm.py:748-750).
 
     Returns
     -------
     dict
-        The :data:`.rules.INPUT_KEYS` the line sets, plus ``model_path`` (``vllm serve``'s positional, or
-        ``--model``) and ``tp_size``.
+        The :data:`.rules.INPUT_KEYS` the line sets, ``model_path`` (``vllm serve``'s positional, or ``--model``)
+        and ``tp_size``.
 
     Raises
     ------
@@ -120,13 +85,14 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
         argument, or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
 
     """
-    args = list(argv)
     values: dict[str, Any] = {}
-    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
-        name, _, value = args.pop(0).partition("=")
-        if name == _MODEL_RUNNER_ENV:
-            values["model_runner"] = "v1" if value.strip().lower() in ("0", "false") else "v2"
-    args, serve = _strip_program(args)
+    env, args = command_line.split_env(argv)
+    if _MODEL_RUNNER_ENV in env:
+        values["model_runner"] = "v1" if env[_MODEL_RUNNER_ENV].strip().lower() in ("0", "false") else "v2"
+    stripped = command_line.strip_launcher(args, *_LAUNCHER)
+    if stripped is None:
+        raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected {LAUNCHERS})")
+    args, serve = stripped
     i = 0
     while i < len(args):
         token = args[i]
@@ -155,22 +121,16 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
             continue
         if eq:
             given = [inline]
-        elif kind == "int_list":
-            start = i
-            while i < len(args) and not is_flag(args[i]):
-                i += 1
-            given = args[start:i]
-        elif i < len(args) and not is_flag(args[i]):
-            given, i = [args[i]], i + 1
         else:
-            given = []
+            given, i = values_after(args, i, many=kind == "int_list")
         if not given:
             raise ServerArgvError(f"argument {name}: expected {'at least ' if kind == 'int_list' else ''}one "
                                   "argument")
         if dot and kind == "json":  # -cc.cudagraph_mode=FULL: a nested key of the JSON flag
             _merge(values.setdefault(dest, {}), path.split("."), given[-1])
             continue
-        values[dest] = _convert(name, kind, given, values.get(dest))
+        value = converted(name, human_int if kind == "human_int" else kind, given)
+        values[dest] = {**(values.get(dest) or {}), **value} if kind == "json" else value  # over dotted keys
     return _to_inputs(values)
 
 
@@ -183,29 +143,10 @@ def _normalised(token: str) -> str:
     return f"--{head.replace('_', '-')}{dot}{tail}{eq}{value}"
 
 
-def _convert(option: str, kind: str, given: list[str], previous: Any) -> Any:
-    """Turn the strings given to a capture flag into its value (a JSON flag merges over earlier dotted keys)."""
-    try:
-        if kind == "int":
-            return int(given[-1])
-        if kind == "human_int":
-            return human_int(given[-1])
-        if kind == "int_list":
-            return [int(v) for v in given]
-        if kind == "json":
-            value = json_object(given[-1])
-            return {**(previous or {}), **value}
-        return given[-1]
-    except ValueError as exc:
-        shown = shown_value(given)
-        raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
-
-
 def human_int(text: str) -> int:
-    """``--max-model-len`` as vLLM reads it: ``32768``, ``32k`` (x1000) or ``32K`` (x1024), ``1m`` / ``1M``.
+    """``--max-model-len`` as vLLM's ``human_readable_int`` reads it: ``32768``, ``32k`` (x1000), ``32K`` (x1024).
 
-    ``human_readable_int`` (utils/argparse_utils.py); ``-1`` (the model's own maximum) is refused here: jitwarm
-    cannot read it from the model.
+    utils/argparse_utils.py; ``-1`` (the model's own maximum) is refused: jitwarm cannot read it from the model.
     """
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text.strip())
     if not match:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jitwarm.precompile.servers import differs_by_memory, refusals
 from jitwarm.precompile.servers.vllm import rules
 from jitwarm.precompile.servers.vllm.argv import parse_server_argv
 
@@ -53,21 +54,11 @@ def options(config: Any) -> dict[str, Any]:
 
 
 def check(config: Any, *, resolve: bool) -> list[str]:
-    """Problems vLLM would find in ``config``: sglang's flags set, what its rules refuse.
-
-    The rules run (``resolve``) on the config's device, or where the graphs read it and none is given on an
-    80 GiB Hopper: :func:`jitwarm.precompile.shapes.resolve_ladder` resolves for the real one.
-    """
+    """Problems vLLM would find in ``config``: sglang's flags set, what its rules refuse."""
     problems = [f"{name} is an sglang setting; a vLLM server line does not take it" for name in SGLANG_ONLY
                 if getattr(config, name, None) not in (None, False)]
     if resolve and not problems:  # the config has checked server_options' keys against OPTIONS
-        inputs = ladder_inputs(config)
-        if inputs["gpu_memory_mb"] is None and rules.reads_device(inputs):
-            inputs["gpu_memory_mb"] = 80 * 1024
-        try:
-            rules.resolve(inputs)
-        except rules.ResolutionError as exc:
-            problems.append(str(exc))
+        problems += refusals(rules.resolve, ladder_inputs(config), rules.reads_device)
     return problems
 
 
@@ -89,14 +80,6 @@ def target_capability(targets: Sequence[str]) -> int | None:
 
 def needs_memory(inputs: Mapping[str, Any]) -> bool:
     """True when the graphs differ between device-memory sizes on the inputs' device (a Hopper when unknown)."""
-    if not rules.reads_device(inputs):
-        return False
-    capability = inputs.get("device_capability") or 90
-    results = set()
-    for memory in _MEMORY_SAMPLES:
-        try:
-            shapes = rules.resolve({**inputs, "gpu_memory_mb": memory, "device_capability": capability})["shapes"]
-        except rules.ResolutionError:
-            return False  # resolve() reports it with the memory given
-        results.add(tuple((s["mode"], s["num_tokens"]) for s in shapes))
-    return len(results) > 1
+    on_device = {**inputs, "device_capability": inputs.get("device_capability") or 90}
+    return rules.reads_device(inputs) and differs_by_memory(
+        rules.resolve, on_device, _MEMORY_SAMPLES, lambda r: tuple((s["mode"], s["num_tokens"]) for s in r["shapes"]))

@@ -1,19 +1,17 @@
 """vLLM's CUDA graphs by the installed vLLM's own functions, and the choice of ladder source.
 
-It is the plan source for a release the built-in rules do not mirror, and the oracle the tests check those rules
-against. :func:`resolve` takes the same raw settings as :func:`.rules.resolve` and answers with the same dict,
-computed by vLLM's own code (the lines cited are those of the room's ``VERSION``): ``EngineArgs``'s scheduler
-defaults, the optimization level's mode, ``VllmConfig._set_cudagraph_sizes`` on a real ``CompilationConfig``,
-``CompilationConfig.resolve_cudagraph_mode_and_sizes`` and the graphs of the V2 runner's ``CudaGraphManager`` or
-the V1 runner's ``CudagraphDispatcher``. :func:`resolve_from` chooses between the two sources.
+The plan source for a release the built-in rules do not mirror, and the oracle the tests check them against.
+:func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by vLLM's own code (lines
+cited: the room's ``VERSION``): ``EngineArgs``'s scheduler defaults, the optimization level's mode,
+``VllmConfig._set_cudagraph_sizes`` and ``resolve_cudagraph_mode_and_sizes`` on a real ``CompilationConfig``,
+and the graphs of the V2 runner's ``CudaGraphManager`` or the V1 runner's ``CudagraphDispatcher``.
 
-What stands in for what, and why: the device is a ``Platform`` whose capability, memory and name are the inputs
-(there is no GPU); ``self`` of the config methods is a namespace holding the few attributes they read (a real
-``VllmConfig`` needs a model). The dummy batch each graph is captured with (``bs``, ``verify_lens``) is not
-computed by vLLM here (``InputBatch.make_dummy`` and ``_dummy_run`` need device buffers and a model): it comes
-from the rules' own helper, so the oracle checks the keys, modes and order, not that layout.
-
-It imports vLLM (and so torch) only inside functions; outside a server it runs in a child process::
+What stands in for what: the device is a ``Platform`` reporting the inputs' capability, memory and name (there is
+no GPU); ``self`` of the config methods is a namespace of the few attributes they read (a real ``VllmConfig``
+needs a model). Each graph's dummy batch (``bs``, ``verify_lens``) comes from the rules' own helper
+(``InputBatch.make_dummy`` and ``_dummy_run`` need device buffers and a model): the oracle checks the keys, modes
+and order, not that layout. vLLM (and torch) is imported only inside functions; outside a server it runs in a
+child process::
 
     echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.vllm.native
 """
@@ -27,61 +25,20 @@ from types import SimpleNamespace
 from typing import Any
 
 from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
-from jitwarm.precompile.servers.vllm import LADDER_SOURCES, VERSION, rules
-from jitwarm.precompile.servers.vllm.rules import ResolutionError
+from jitwarm.precompile.servers.vllm import rules
+from jitwarm.precompile.servers.vllm.rules import INPUT_KEYS, ResolutionError
 
-INPUT_KEYS = tuple(rules.INPUT_KEYS)
-#: Seconds the child process may take (importing vLLM's config modules: 10 to 40 s).
-CHILD_TIMEOUT_S = 300.0
-#: vLLM's own capture functions as a ladder source: chosen, run (in a child outside a server) and memoised.
-OWN = OwnFunctions(server="vllm", title="vLLM", functions="vLLM's own capture functions",
-                   module="jitwarm.precompile.servers.vllm.native", version=VERSION, sources=LADDER_SOURCES,
-                   error=ResolutionError, timeout_s=CHILD_TIMEOUT_S)
 #: A model length that never binds (the rules' assumption when ``max_model_len`` is unknown).
 _LONG_MODEL_LEN = 1 << 30
 
 
-def installed_version() -> str | None:
-    """Return the installed vLLM's version, or None when it is not installed (vLLM is not imported)."""
-    return OWN.installed_version()
-
-
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The graphs vLLM captures for ``inputs``, from ``source`` (the adapter's entry: :func:`resolve_from`)."""
-    return resolve_from(inputs, source)
-
-
-def resolve_from(inputs: Mapping[str, Any], source: str, builtin: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return the graphs vLLM captures for ``inputs``, from ``source``.
-
-    ``builtin``: the rules. ``vllm``: the installed vLLM's own functions, every time. ``auto``: the rules when no
-    vLLM is installed or the installed one is the release they mirror (read from its metadata, without importing
-    it); for any other release its own functions, whose answer is kept in a memo keyed by that release and the
-    inputs (:mod:`..resolution_memo`), so only the first plan of a command line pays for importing vLLM. Outside
-    a server they run in a child process (:meth:`..own_functions.OwnFunctions.run`).
-
-    Raises
-    ------
-    ResolutionError
-        vLLM rejects the settings, or its own functions were needed and could not run.
-
-    """
-    return OWN.resolve_from(inputs, source, defaults=rules.INPUT_KEYS, resolve=resolve,
-                            builtin=lambda: builtin if builtin is not None else rules.resolve(inputs))
+    """The graphs vLLM captures for ``inputs``, from ``source`` (:meth:`.OwnFunctions.resolve_from`)."""
+    return OWN.resolve_from(inputs, source, defaults=INPUT_KEYS, builtin=lambda: rules.resolve(inputs))
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the graphs the installed vLLM captures for these raw settings, by its own functions.
-
-    Parameters
-    ----------
-    inputs
-        Every key of :data:`INPUT_KEYS` (as :func:`.rules.resolve` reads them).
-
-    Returns
-    -------
-    dict
-        As :func:`.rules.resolve`, with ``source`` naming the installed vLLM.
+    """Return what :func:`.rules.resolve` returns for every key of :data:`INPUT_KEYS`, by the installed vLLM.
 
     Raises
     ------
@@ -89,7 +46,9 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
         Malformed inputs, or settings vLLM itself rejects (its own exception's message, with its type).
 
     """
-    cfg = _checked_inputs(inputs)
+    cfg = checked_inputs(inputs, INPUT_KEYS)
+    if cfg["cudagraph_mode"] is not None:
+        cfg["cudagraph_mode"] = str(cfg["cudagraph_mode"]).upper()
     try:
         with _device(cfg["gpu_memory_mb"], cfg["device_capability"]):
             return _resolve(cfg)
@@ -157,8 +116,8 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         speculative_config=speculative if spec else None, uniform_decode_query_len=q, num_speculative_tokens=spec,
         performance_mode=cfg["performance_mode"], lora_config=None,
         cache_config=SimpleNamespace(use_kda_recoverssm=False))
-    base = {"source": _source(), "max_num_seqs": seqs, "max_running_requests": seqs, "max_num_batched_tokens": tokens,
-            "width": q, "compact": False}
+    base = {"source": OWN.source(), "max_num_seqs": seqs, "max_running_requests": seqs,
+            "max_num_batched_tokens": tokens, "width": q, "compact": False}
     VllmConfig._set_cudagraph_sizes(config)
     if compilation.cudagraph_mode == CUDAGraphMode.NONE:
         return {**base, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
@@ -232,26 +191,9 @@ def _v1_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | Non
             for runtime, descs in dispatcher.get_capture_descs() for d in descs]
 
 
-def _source() -> str:
-    return f"vLLM {installed_version()} (installed)"
-
-
-def _checked_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return ``inputs`` as a dict after checking it holds exactly :data:`INPUT_KEYS`."""
-    cfg = checked_inputs(inputs, INPUT_KEYS)
-    if cfg["cudagraph_mode"] is not None:
-        cfg["cudagraph_mode"] = str(cfg["cudagraph_mode"]).upper()
-    return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Read ``{"inputs": {...}}`` on stdin and print the resolution as one JSON object.
-
-    Returns 0; 2 with a one-line error on stderr when the request or the settings are bad; 1 (also with one
-    line) when vLLM cannot be imported.
-    """
-    del argv  # no options: the request is on stdin
-    return OWN.child_main(resolve, __spec__.name if __spec__ else __name__)
+#: vLLM's own capture functions as a ladder source: chosen, run (in a child outside a server) and memoised.
+OWN = OwnFunctions("vllm", "vLLM", ResolutionError, resolve)
+installed_version, main = OWN.installed_version, OWN.main
 
 
 if __name__ == "__main__":

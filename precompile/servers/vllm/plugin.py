@@ -8,14 +8,10 @@ device synchronize nor a TP barrier between them. The V1 runner (``VLLM_USE_V2_M
 capturing ``_dummy_run``, and no barrier. A compile or module load still in flight on one rank (vLLM #40742,
 #42241) lands inside that rank's capture. Loaded through the ``vllm.general_plugins`` entry point ``jitwarm``
 in every vLLM process (``plugins/__init__.py:16-40``; ``VLLM_PLUGINS`` filters), :func:`register` wraps, once
-either module is imported, the V2 manager's ``capture`` and the V1 runner's ``_dummy_run``: vLLM's own code runs
-as before, and right before each capture the device is drained and the TP group meets. With
-``JITWARM_CONFIG=FILE.toml`` (or ``JITWARM_MANIFEST``) that point runs jitwarm's
-:class:`~jitwarm.precompile.hook.CaptureHook` for the plan of the server's own capture settings, warmed in the
-background from model-runner start. The start-up ledger (:mod:`jitwarm.precompile.ledger`) takes its snapshot
-when the plugin loads and reports after each runner's ``capture_model`` (the worker's last capture,
-``v1/worker/gpu_worker.py:992-994``); with ``JITWARM_RECORD`` the JIT cache units compiled so far are stored
-after each graph and after ``capture_model``. See ``docs/vllm.md``.
+either module is imported, the V2 manager's ``capture`` and the V1 runner's ``_dummy_run``: right before each
+capture the device is drained and the TP group meets, or in plan mode (:mod:`..plugins`) the capture hook runs.
+The start-up ledger is reported after each runner's ``capture_model`` (``v1/worker/gpu_worker.py:992-994``).
+See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -24,22 +20,45 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from jitwarm.cache import settings
-from jitwarm.precompile.servers.vllm import plan_mode
+from jitwarm.precompile.servers import plugins
 
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = settings.ENV_VARS["vllm_plugin"]  # 0: inert
-TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
 _WRAPPED = "__jitwarm_wrapped__"
+
+
+class _Plan(plugins.PlanMode):
+    """vLLM's plan mode: the capture settings from the runner's ``vllm_config``, drained as the plain drain is."""
+
+    log = log
+    server_keys = frozenset({"max_running_requests", "tp_size", "gpu_memory_mb", "server", "server_options",
+                             "model_path", "model_architecture"})
+    decides = "the server's own vllm_config decides"
+
+    def synchronize(self) -> None:
+        """Drain the device as vLLM's capture code does (``torch.accelerator.synchronize()``)."""
+        import torch
+
+        torch.accelerator.synchronize()
+
+    def barrier(self) -> None:
+        """Meet the other TP ranks at vLLM's TP group (its ``barrier`` meets on the CPU group)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        get_tp_group().barrier()
+
+
+_plan = _Plan()
+_recorder: Any = None
 
 
 def register() -> None:
@@ -50,49 +69,23 @@ def register() -> None:
     vLLM imports its runner modules, which only a worker does. Logs one line: what it installed, or that it is
     inert. A failure of its own setup is logged (raised under ``JITWARM_STRICT=1``).
     """
-    if not plan_mode.setting(settings.vllm_plugin, True):
+    global _plan, _recorder
+    if not plugins.setting(log, settings.vllm_plugin, True):
         log.info("jitwarm: vllm plugin inert (%s=0): nothing installed", ENABLE_ENV)
         return
     try:
-        _record_and_serve()
-        _begin_ledger()
-        plan_mode.configure()
+        # vLLM's workers inherit TRITON_CACHE_MANAGER from the engine process that loaded the plugin first.
+        _recorder = plugins.record_and_serve(log, _recorder, "Triton kernel and JIT cache unit")
+        plugins.begin_ledger(log)
+        _plan = _Plan(str(plugins.setting(log, settings.config, None) or "") or None,
+                      str(plugins.setting(log, settings.manifest, None) or "") or None)
         for module, cls, attribute, wrap in _TARGETS:
             after_import(module, lambda m, c=cls, a=attribute, w=wrap: _wrap(getattr(m, c, None), a, w))
-        log.info("jitwarm: vllm plugin installed: device synchronize + TP barrier before every CUDA-graph capture "
-                 "(%s.%s.capture, %s.%s._dummy_run); %s", *V2_GRAPHS, *V1_RUNNER, plan_mode.describe())
+        what = "capture hook" if _plan.active and _plan.error is None else "device synchronize + TP barrier"
+        log.info("jitwarm: vllm plugin installed: %s before every CUDA-graph capture (%s.%s.capture, %s.%s._dummy_run);"
+                 " %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe())
     except Exception as exc:
-        plan_mode.failed("installing the vllm plugin", exc)
-
-
-_recorder: Any = None
-
-
-def _record_and_serve() -> None:
-    """``JITWARM_RECORD``: start recording; and route Triton's compiles through jitwarm's cache (one per fleet).
-
-    ``TRITON_CACHE_MANAGER`` is set only when the user has not chosen a manager (``JITWARM_TRITON_CACHE=0`` keeps
-    Triton's own); vLLM's workers inherit it from the engine process that loaded the plugin first.
-    """
-    global _recorder
-    path = plan_mode.setting(settings.record, None)
-    if path and _recorder is None:
-        from jitwarm.precompile.recording import record
-
-        _recorder = record(path)
-        log.info("jitwarm: recording every Triton kernel and JIT cache unit this process compiles into %s", path)
-    if plan_mode.setting(settings.triton_cache, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
-        os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
-
-
-def _begin_ledger() -> None:
-    """Take the start-up ledger's snapshot now: before the model loads, so every compile of the start counts."""
-    try:
-        from jitwarm.precompile import ledger
-
-        ledger.begin()
-    except Exception as exc:  # the ledger only reports: it never takes the drain away
-        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
+        plugins.failed(log, "installing the vllm plugin", exc)
 
 
 def _store_units() -> None:
@@ -105,31 +98,8 @@ def _store_units() -> None:
 
 
 def before_capture(owner: Any) -> None:
-    """Right before a capture: the plan's capture hook in plan mode, else drain the device and meet the TP group.
-
-    vLLM's own device call (``torch.accelerator.synchronize()``, as its capture code uses) and its own TP group
-    (``vllm.distributed.parallel_state.get_tp_group()``, whose ``barrier`` meets on the CPU group).
-    """
-    if plan_mode.run_hook():
-        return
-    synchronize()
-    barrier()
-    plan_mode.say_once(f"jitwarm: capture drain active in {type(owner).__name__}: device synchronize + TP "
-                       "barrier before every capture")
-
-
-def synchronize() -> None:
-    """Drain the device as vLLM's capture code does."""
-    import torch
-
-    torch.accelerator.synchronize()
-
-
-def barrier() -> None:
-    """Meet the other TP ranks at vLLM's TP group."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    get_tp_group().barrier()
+    """Right before a capture: the plan's capture hook in plan mode, else drain the device and meet the TP group."""
+    _plan.drain(type(owner).__name__, "before every capture")
 
 
 def _capture(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,15 +158,9 @@ def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
     """
     def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
-        if kwargs.get("profile_only"):
-            return out
-        _store_units()
-        try:
-            from jitwarm.precompile import ledger
-
-            ledger.report_after_capture()
-        except Exception as exc:  # the worker has its graphs: a ledger that fails is said, never fatal
-            log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
+        if not kwargs.get("profile_only"):
+            _store_units()
+            plugins.report_ledger(log)
         return out
     return capture_model
 
@@ -206,13 +170,34 @@ def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if plan_mode.active():
+        if _plan.active:
             try:
-                plan_mode.start(signature.bind(self, *args, **kwargs).arguments.get("vllm_config"), type(self))
+                config = signature.bind(self, *args, **kwargs).arguments.get("vllm_config")
+                if config is not None:
+                    ranks = int(getattr(config.parallel_config, "world_size", 1) or 1)
+                    _plan.start(lambda: _server_fields(config, type(self)), ranks)
             except Exception as exc:
-                plan_mode.failed("starting the warm at model-runner start", exc)
+                plugins.failed(log, "starting the warm at model-runner start", exc)
         return original(self, *args, **kwargs)
     return init
+
+
+def _server_fields(vllm_config: Any, runner: type) -> dict[str, Any]:
+    """The ServingConfig fields of a ``vllm_config``: its final capture sizes, mode, limits and model."""
+    compilation, scheduler = vllm_config.compilation_config, vllm_config.scheduler_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    architectures = getattr(getattr(vllm_config, "model_config", None), "architectures", None) or []
+    options = {"max_num_batched_tokens": scheduler.max_num_batched_tokens,
+               "cudagraph_capture_sizes": list(compilation.cudagraph_capture_sizes or []) or None,
+               "max_cudagraph_capture_size": compilation.max_cudagraph_capture_size or None,
+               "cudagraph_mode": getattr(compilation.cudagraph_mode, "name", "NONE"),
+               "num_speculative_tokens": int(getattr(spec, "num_speculative_tokens", 0) or 0),
+               "model_runner": "v2" if runner.__module__.startswith("vllm.v1.worker.gpu.") else "v1"}
+    if not options["cudagraph_capture_sizes"]:
+        options.update(cudagraph_mode="NONE", cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
+    return {"server": "vllm", "ladder_source": "builtin", "max_running_requests": scheduler.max_num_seqs,
+            "tp_size": getattr(vllm_config.parallel_config, "tensor_parallel_size", 1), "server_options": options,
+            "model_architecture": architectures[0] if architectures else None}
 
 
 _TARGETS = ((*V2_GRAPHS, "capture", _capture), (*V1_RUNNER, "_dummy_run", _dummy_run),
@@ -268,7 +253,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 try:
                     apply(module)
                 except Exception as exc:
-                    plan_mode.failed(f"wrapping {fullname}", exc)
+                    plugins.failed(log, f"wrapping {fullname}", exc)
 
         loader.exec_module = exec_and_wrap  # type: ignore[method-assign]
         return spec

@@ -1,16 +1,14 @@
 """vLLM's CUDA-graph capture sizes and modes, mirrored in plain Python: which graphs a server captures.
 
 Every rule cites the file and line of the vLLM wheel it mirrors (the room's ``VERSION``);
-``tests/test_vllm_oracle.py`` checks the mirror against vLLM's own functions (:mod:`.native`) over a grid.
-Pure Python: no torch, no vLLM import, so ``jitwarm plan`` stays fast on a box without either.
-
-The chain, in vLLM's order: the scheduler defaults (``engine/arg_utils.py:2940-3034``, ``:3151-3220``), the
-mode from the optimization level (``config/vllm.py:255-340``), the sizes (``VllmConfig._set_cudagraph_sizes``,
-``config/vllm.py:2398-2656``), the mode after the attention backend's support is known
-(``CompilationConfig.resolve_cudagraph_mode_and_sizes``, ``config/compilation.py:1376-1535``, with the
-speculative rounding of :1537-1565 on the V1 runner), and the graphs each runner captures: the V2 runner's
-``CudaGraphManager._init_candidates`` (``v1/worker/gpu/cudagraph_utils.py:256-395``, the default runner of this
-release, ``config/vllm.py:731-766``) or the V1 runner's ``CudagraphDispatcher.initialize_cudagraph_keys``
+``tests/test_vllm_oracle.py`` checks the mirror against vLLM's own functions (:mod:`.native`) over a grid. No
+torch, no vLLM import. The chain, in vLLM's order: the scheduler defaults (``engine/arg_utils.py:2940-3034``,
+``:3151-3220``), the mode from the optimization level (``config/vllm.py:255-340``), the sizes
+(``VllmConfig._set_cudagraph_sizes``, ``config/vllm.py:2398-2656``), the mode after the attention backend's
+support is known (``CompilationConfig.resolve_cudagraph_mode_and_sizes``, ``config/compilation.py:1376-1535``,
+with the speculative rounding of :1537-1565 on the V1 runner), and the graphs each runner captures: the V2
+runner's ``CudaGraphManager._init_candidates`` (``v1/worker/gpu/cudagraph_utils.py:256-395``, the default runner
+of this release, ``config/vllm.py:731-766``) or the V1 runner's ``CudagraphDispatcher.initialize_cudagraph_keys``
 (``v1/cudagraph_dispatcher.py:159-226``). Capture runs PIECEWISE first, then FULL, largest first
 (``cudagraph_utils.py:440-452``, ``cudagraph_dispatcher.py:324-348``).
 """
@@ -62,23 +60,16 @@ class ResolutionError(UsageError, ValueError):
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the CUDA graphs vLLM ``VERSION`` captures for these raw settings.
-
-    Parameters
-    ----------
-    inputs
-        Keys of :data:`INPUT_KEYS` (missing ones take their defaults).
+    """Return the CUDA graphs vLLM ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`, defaulted).
 
     Returns
     -------
     dict
         ``source``, ``max_num_seqs``, ``max_num_batched_tokens`` (after vLLM's defaults), ``cudagraph_mode``
-        (after the backend's downgrades), ``capture_sizes`` and ``max_capture_size`` (the compilation config's
-        final ones), ``width`` (the uniform decode query length, ``1 + num_speculative_tokens``) and ``shapes``:
-        one per graph in capture order, ``{"mode", "num_tokens", "num_reqs", "uniform", "bs", "graph_key",
-        "verify_lens", "key"}`` (``key``: the dispatch key in words; ``num_reqs`` None for a PIECEWISE graph,
-        which any request count replays; ``bs`` and ``verify_lens``: the dummy batch vLLM captures it with).
-        With graphs off: ``shapes`` is empty and ``disabled`` says why.
+        (after the backend's downgrades), ``capture_sizes`` and ``max_capture_size`` (final), ``width`` (``1 +
+        num_speculative_tokens``) and ``shapes`` in capture order, ``{"mode", "num_tokens", "num_reqs",
+        "uniform", "bs", "graph_key", "verify_lens", "key"}`` (``key``: the dispatch key in words; ``num_reqs``
+        None for a PIECEWISE graph; ``bs``, ``verify_lens``: its dummy batch). Graphs off: ``disabled`` says why.
 
     Raises
     ------
@@ -90,7 +81,9 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     cfg = _checked({**INPUT_KEYS, **inputs})
     max_num_seqs, max_num_tokens = scheduler_limits(cfg)
     q = 1 + cfg["num_speculative_tokens"]  # uniform_decode_query_len (config/vllm.py:695-713)
-    mode = initial_mode(cfg)
+    # The mode before the backend is known: given, else the level's; NONE for --enforce-eager (config/vllm.py:
+    # 1766-1768, :2003-2008).
+    mode = "NONE" if cfg["enforce_eager"] else cfg["cudagraph_mode"] or _LEVEL_MODES[cfg["optimization_level"]]
     base = {"source": SOURCE, "max_num_seqs": max_num_seqs, "max_running_requests": max_num_seqs,
             "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False}
     if mode == "NONE":
@@ -121,14 +114,11 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg["cudagraph_mode"] not in MODES:
             raise ResolutionError(f"unknown cudagraph_mode {cfg['cudagraph_mode']!r}; vLLM {VERSION} knows "
                                   f"{', '.join(MODES)}")
-    if cfg["performance_mode"] not in PERFORMANCE_MODES:
-        raise ResolutionError(f"--performance-mode {cfg['performance_mode']!r}: choose from "
-                              f"{', '.join(PERFORMANCE_MODES)}")
-    if cfg["model_runner"] not in RUNNERS:
-        raise ResolutionError(f"model runner {cfg['model_runner']!r}: choose from {', '.join(RUNNERS)}")
-    if cfg["attention_cudagraph_support"] not in SUPPORT:
-        raise ResolutionError(f"attention CUDA-graph support {cfg['attention_cudagraph_support']!r}: choose "
-                              f"from {', '.join(SUPPORT)}")
+    for key, what, allowed in (("performance_mode", "--performance-mode", PERFORMANCE_MODES),
+                               ("model_runner", "model runner", RUNNERS),
+                               ("attention_cudagraph_support", "attention CUDA-graph support", SUPPORT)):
+        if cfg[key] not in allowed:
+            raise ResolutionError(f"{what} {cfg[key]!r}: choose from {', '.join(allowed)}")
     if cfg["optimization_level"] not in _LEVEL_MODES:
         raise ResolutionError(f"-O{cfg['optimization_level']}: vLLM {VERSION} knows -O0 to -O3")
     spec = cfg["num_speculative_tokens"]
@@ -143,15 +133,12 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
 def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` after vLLM's defaults for ``vllm serve``.
 
-    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034), OPENAI_API_SERVER context: 16384
-    tokens and 1024 sequences from 160 GiB of device memory, 8192 and 1024 from 70 GiB (not an A100 nor a GB10,
-    told here by compute capability 8.0 and 12.1), else 2048 and 256 (also when the memory is unknown: vLLM's
-    device query fails, :2964-2968). ``max_model_len`` unknown: taken as long enough never to bind, with chunked
-    prefill on (the model's default for a generative model). ``--performance-mode throughput`` doubles a default
-    (:3184-3189); without chunked prefill the token budget is at least ``max_model_len``, and it never exceeds
-    ``max_num_seqs * max_model_len`` (:3191-3220); a default sequence limit is cut at the token budget
-    (:3230-3234). Then ``SchedulerConfig`` refuses a token budget below the
-    sequence limit (config/scheduler.py:331-336).
+    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034): 16384 tokens and 1024 sequences from 160
+    GiB, 8192 and 1024 from 70 GiB (not an A100 nor a GB10: capability 80, 121), else 2048 and 256 (also for an
+    unknown memory, :2964-2968). An unknown ``max_model_len`` never binds, with chunked prefill on. Throughput
+    mode doubles a default (:3184-3189); without chunked prefill the token budget is at least ``max_model_len``,
+    never above ``max_num_seqs * max_model_len`` (:3191-3220); a default sequence limit is cut at the budget
+    (:3230-3234); ``SchedulerConfig`` refuses a budget below the sequence limit (config/scheduler.py:331-336).
     """
     memory, capability = cfg["gpu_memory_mb"], cfg["device_capability"]
     if memory is not None and memory >= 160 * _GIB_MB:
@@ -179,25 +166,6 @@ def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
     return max_seqs, max_tokens
 
 
-def initial_mode(cfg: Mapping[str, Any]) -> str:
-    """The cudagraph mode before the attention backend is known: given, else the optimization level's.
-
-    ``--enforce-eager`` turns graphs off (config/vllm.py:1766-1768, :2003-2008).
-    """
-    if cfg["enforce_eager"]:
-        return "NONE"
-    return cfg["cudagraph_mode"] or _LEVEL_MODES[cfg["optimization_level"]]
-
-
-def default_max_size(cfg: Mapping[str, Any]) -> int:
-    """The platform's capture ceiling: 1024 on a data-center Blackwell (capability family 10.x), else 512.
-
-    config/vllm.py:2464-2469 (``is_device_capability_family(100)``, platforms/interface.py:577-588).
-    """
-    capability = cfg["device_capability"]
-    return 1024 if capability is not None and capability // 10 == 10 else 512
-
-
 def capture_sizes(cfg: Mapping[str, Any], max_num_seqs: int, max_num_tokens: int, q: int) -> tuple[list[int], int]:
     """``VllmConfig._set_cudagraph_sizes`` (config/vllm.py:2398-2656): the sizes, ascending, and their max.
 
@@ -211,7 +179,8 @@ def capture_sizes(cfg: Mapping[str, Any], max_num_seqs: int, max_num_tokens: int
     max_size = explicit_max
     decode_sizes: list[int] = []
     if max_size is None:
-        ceiling = default_max_size(cfg)
+        # 1024 on a data-center Blackwell (capability 10.x, config/vllm.py:2464-2469), else 512.
+        ceiling = 1024 if (cfg["device_capability"] or 0) // 10 == 10 else 512
         max_size = min(max_num_seqs * q * 2, ceiling)  # :2466-2473
         if q > 1:
             # :2487-2548 (a single tier: dynamic speculative decoding is not mirrored): request counts scaled by q
@@ -276,8 +245,7 @@ def resolved_mode(mode: str, cfg: Mapping[str, Any], q: int) -> str:
 def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int], int]:
     """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510).
 
-    Every size rounded up to a multiple of ``q``; those past the max dropped; ``[q]`` when none survives but ``q``
-    fits.
+    Sizes rounded up to multiples of ``q``, those past the max dropped; ``[q]`` when none survives but ``q`` fits.
     """
     if not sizes or q <= 1:
         return sizes, top
@@ -293,9 +261,9 @@ def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int]
 def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) -> list[dict[str, Any]]:
     """The V2 runner's graphs: ``CudaGraphManager._init_candidates`` (v1/worker/gpu/cudagraph_utils.py:256-375).
 
-    Without LoRA, microbatching, adaptive verification or dynamic speculative decoding. A decode graph per
-    size rounded up to ``q`` tokens per request (skipped past ``max_num_seqs * q``, the max or the sequence
-    limit); a mixed graph per size (FULL ones pinned to ``min(tokens, max_num_seqs)`` requests).
+    Without LoRA, microbatching, adaptive verification or dynamic speculative decoding: a decode graph per size
+    rounded up to ``q`` tokens per request (none past ``max_num_seqs * q``, the max or the sequence limit), a
+    mixed one per size (FULL ones pinned to ``min(tokens, max_num_seqs)`` requests).
     """
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -316,9 +284,8 @@ def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) 
 def v1_graphs(mode: str, sizes: list[int], max_num_seqs: int, q: int) -> list[dict[str, Any]]:
     """The V1 runner's graphs: ``CudagraphDispatcher.initialize_cudagraph_keys`` (v1/cudagraph_dispatcher.py:159-226).
 
-    Without LoRA. A mixed key per size (PIECEWISE keys relaxed to any request count, :195-198); with a separate
-    FULL decode routine, a uniform key per size from ``q`` to ``max_num_seqs * q`` tokens (:200-226, padded
-    requests ``min(tokens // q, max_num_seqs)``, :130-150).
+    Without LoRA: a mixed key per size (PIECEWISE ones for any request count, :195-198); with a separate FULL
+    decode routine, a uniform key per size from ``q`` to ``max_num_seqs * q`` tokens (:200-226, :130-150).
     """
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -343,10 +310,9 @@ def _graph(mode: str, num_tokens: int, num_reqs: int | None, q: int, *, uniform:
            max_num_seqs: int = 0) -> dict[str, Any]:
     """One graph: its dispatch key and the dummy batch vLLM captures it with (requests, tokens per request).
 
-    The dummy batch: ``num_reqs`` requests, or ``min(tokens, max_num_seqs)`` for a PIECEWISE graph. V2 gives the
-    remainder one token each to the last requests (``InputBatch.make_dummy``, v1/worker/gpu/input_batch.py:
-    152-162, from ``create_forward_fn``, cudagraph_utils.py:672-676); V1's ``_dummy_run`` gives uniform batches
-    ``q`` each and the rest of the tokens to the last request (v1/worker/gpu_model_runner.py:5535-5547).
+    ``num_reqs`` requests, or ``min(tokens, max_num_seqs)`` for a PIECEWISE graph. V2 gives the remainder one
+    token each to the last requests (``InputBatch.make_dummy``, v1/worker/gpu/input_batch.py:152-162); V1's
+    ``_dummy_run`` gives uniform batches ``q`` each, the rest to the last request (gpu_model_runner.py:5535-5547).
     """
     slots = num_reqs if num_reqs is not None else min(num_tokens, max_num_seqs)
     if uniform:

@@ -1,0 +1,205 @@
+"""What every room's plugin does alike around its capture hooks: settings, recording, the ledger, plan mode.
+
+A plugin reads its variables through :mod:`jitwarm.cache.settings`; one that does not parse is logged and the
+plugin's default taken (raised under ``JITWARM_STRICT=1``): a typo in one variable must not take the drain away.
+Plan mode (:class:`PlanMode`): ``JITWARM_CONFIG=FILE.toml`` names the model dims, kernel backends and build
+targets, the capture settings come from the server's own arguments, and ``JITWARM_MANIFEST`` adds the server's
+recorded kernels (alone, it is the whole plan). At model-runner start each rank builds the plan and starts its
+warm, so compiles overlap weight loading; at the first capture the :class:`~jitwarm.precompile.hook.CaptureHook`
+joins the warm, loads every kernel, synchronizes, meets the TP ranks and arms the guard; later captures only
+synchronize and meet. A failure is logged and the plain drain runs instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jitwarm.cache import settings
+
+TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
+CONFIG_ENV, MANIFEST_ENV = (settings.ENV_VARS[name] for name in ("config", "manifest"))
+
+
+def strict() -> bool:
+    """JITWARM_STRICT, read now (a value that does not parse counts as strict: the user asked for something)."""
+    try:
+        return settings.strict()
+    except settings.SettingError:
+        return True
+
+
+def failed(log: logging.Logger, what: str, exc: Exception, fatal_later: bool = False) -> Exception:
+    """Log a failure of the plugin's own setup; re-raise it under JITWARM_STRICT=1 unless that comes later."""
+    if strict() and not fatal_later:
+        raise exc
+    log.error("jitwarm: %s failed: %s: %s; the capture drain stays installed (JITWARM_STRICT=1 makes this fatal)",
+              what, type(exc).__name__, exc)
+    return exc
+
+
+def setting(log: logging.Logger, accessor: Callable[[], Any], fallback: Any) -> Any:
+    """A setting read through its accessor; ``fallback`` when it does not parse (logged, raised under strict)."""
+    try:
+        return accessor()
+    except settings.SettingError as exc:
+        failed(log, "reading a setting", exc)
+        return fallback
+
+
+def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
+    """``JITWARM_RECORD``: start recording (unless ``recorder`` runs); route Triton through jitwarm's cache.
+
+    ``TRITON_CACHE_MANAGER`` is set unless the user chose a manager (``JITWARM_TRITON_CACHE=0`` keeps Triton's
+    own); Triton reads it at each compile, the server's children inherit it. Returns the recorder, or None.
+    """
+    path = setting(log, settings.record, None)
+    if path and recorder is None:
+        from jitwarm.precompile.recording import record
+
+        recorder = record(path)
+        log.info("jitwarm: recording every %s this process compiles into %s", what, path)
+    if setting(log, settings.triton_cache, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
+        os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
+    return recorder
+
+
+def begin_ledger(log: logging.Logger, watchers: dict[str, Any] | None = None) -> None:
+    """Take the start-up ledger's snapshot now: before the model loads, so every compile of the start counts."""
+    try:
+        from jitwarm.precompile import ledger
+
+        ledger.begin(watchers)
+    except Exception as exc:  # the ledger only reports: it never takes the drain away
+        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
+
+
+def report_ledger(log: logging.Logger) -> None:
+    """Report the start-up ledger after a runner's last capture."""
+    try:
+        from jitwarm.precompile import ledger
+
+        ledger.report_after_capture()
+    except Exception as exc:  # the server has its graphs: a ledger that fails is said, never fatal
+        log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
+
+
+class PlanMode:
+    """Plan mode of one server process: the file's fields, then the plan, its background warm and its capture hook.
+
+    It is the hook's device too (:attr:`target`). A room's subclass sets :attr:`log`, :attr:`server_keys` (file
+    keys the server's own settings decide: ignored) and :attr:`decides`, and implements ``synchronize`` and
+    ``barrier`` as its server drains the device and meets the TP ranks.
+    """
+
+    log: logging.Logger
+    server_keys: frozenset[str] = frozenset()
+    decides = "the server's own settings decide"
+
+    def __init__(self, config: str | None = None, manifest: str | None = None) -> None:
+        self.config, self.manifest = config, manifest
+        self.fields: dict[str, Any] | None = None
+        self.error: Exception | None = None
+        self.plan = self.warm = self.hook = None
+        self.jobs, self.said = 1, False
+        if config:
+            try:
+                from jitwarm.precompile.config_sources import read_config_file
+
+                fields = read_config_file(config)
+                ignored = sorted(set(fields) & self.server_keys)
+                if ignored:
+                    self.log.warning("jitwarm: %s sets %s: ignored, %s what is captured", config,
+                                     ", ".join(ignored), self.decides)
+                self.fields = {k: v for k, v in fields.items() if k not in ignored}
+            except Exception as exc:
+                self.error = failed(self.log, f"reading {CONFIG_ENV}={config}", exc, fatal_later=True)
+
+    @property
+    def active(self) -> bool:
+        """True when plan mode is configured (its warm starts at model-runner start)."""
+        return bool(self.config or self.manifest)
+
+    def describe(self) -> str:
+        """How plan mode was configured, for the plugin's one log line."""
+        if not self.active:
+            return f"no plan ({CONFIG_ENV} unset)"
+        if self.error is not None:
+            return f"no plan ({CONFIG_ENV} unusable, see above)"
+        return (f"plan from {CONFIG_ENV}={self.config or '(unset)'} with the server's capture settings and "
+                f"{MANIFEST_ENV}={self.manifest or '(unset)'}, warmed from model-runner start")
+
+    @functools.cached_property
+    def target(self) -> str:
+        """The build target of this process (the host's, ``cpu``, when this torch has no CUDA)."""
+        import torch
+
+        from jitwarm.kernels import dispatch
+
+        return dispatch.target_of(torch.device("cuda", torch.cuda.current_device())
+                                  if torch.cuda.is_available() else "cpu")
+
+    def start(self, server_fields: Callable[[], dict[str, Any]], ranks: int) -> None:
+        """Build the plan of ``server_fields()`` plus the file's and start its warm (once per process).
+
+        Each of the node's ``ranks`` starts the same warm (the cache builds a spec once per host) with ``cores //
+        ranks`` builders, or JITWARM_JOBS. Raises the file's error under JITWARM_STRICT=1: the server stops.
+        """
+        if self.error is not None and strict():
+            raise self.error
+        if self.plan is not None or self.error is not None or not self.active:
+            return
+        from jitwarm.precompile.config import ServingConfig
+        from jitwarm.precompile.plan import WarmPlan
+        from jitwarm.precompile.warming import start_warm
+
+        if self.fields is not None:
+            plan = WarmPlan.build(ServingConfig(**{**server_fields(), **self.fields}))
+            targets = plan.config.targets
+        else:  # JITWARM_MANIFEST alone: the server's recorded kernels only, for this process's target
+            plan, targets = WarmPlan.empty(), (self.target,)
+        if self.manifest:
+            plan = plan.with_manifests([self.manifest], targets)
+        cores = os.cpu_count() or 1
+        self.jobs = settings.jobs() if settings.jobs_set() else max(1, cores // max(1, ranks))
+        self.warm, self.plan = start_warm(plan, jobs=self.jobs), plan
+        self.log.info("jitwarm: plan %s: %d specs (%d recorded) for %s; warming in the background with %d jobs (%d "
+                      "cores / %d local ranks); model: %s", plan.plan_id, len(plan.specs), len(plan.recorded),
+                      ", ".join(targets), self.jobs, cores, ranks,
+                      plan.families.why if plan.families else "none (recorded kernels only)")
+
+    def drain(self, owner: str, when: str) -> None:
+        """The capture hook in plan mode, else (or if it failed) the server's synchronize and TP barrier."""
+        if self.plan is not None:
+            from jitwarm.precompile.hook import CaptureHook
+
+            try:
+                if self.hook is None:
+                    self.hook = CaptureHook(self.plan, device=self, barrier=self.barrier, warm=self.warm,
+                                            jobs=self.jobs)
+                report = self.hook()
+                if report.first:
+                    warm = self.warm.join(0)  # the hook joined it: done
+                    self.log.info("jitwarm: capture hook ready: plan %s, %d specs loaded on %s after %.2fs "
+                                  "(background warm: built %d, waited %d, hits %d); guard armed", self.plan.plan_id,
+                                  report.loaded, report.target, report.seconds, warm.built, warm.waited, warm.hits)
+                return
+            except Exception as exc:
+                failed(self.log, f"capture hook for plan {self.plan.plan_id}", exc)
+                self.plan = None  # each rank still drains and meets (below), so the barrier counts stay equal
+        self.synchronize()
+        self.barrier()
+        if not self.said:  # the drain runs at every capture: say it once
+            self.said = True
+            self.log.info("jitwarm: capture drain active in %s: device synchronize + TP barrier %s", owner, when)
+
+    def synchronize(self) -> None:
+        """Drain the device as the server's capture code does."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        """Meet the other TP ranks at the server's TP group."""
+        raise NotImplementedError
