@@ -1,23 +1,14 @@
 """The backend every cache family shares: a captured unit as a spec, stored through the one path, restored by load.
 
-A spec of a unit: ``family`` is the unit (its path in the library's cache, the library's own key), ``backend``
-the library's kind (``inductor_cache``...), ``target`` the arch it was compiled for, and its params the unit's
-files with their sha256s (``files``), the fingerprint the recording process saw (``fingerprint``) and the server
-the destination is resolved under (``under``: ``sglang``, ``vllm`` or empty; :attr:`~.units.Library.resolve`).
-It implements :class:`jitwarm.kernels.backend.Backend` (see there for the failure rules):
-
-``description(spec)``
-    ``{"format", "library", "unit", "files", "fingerprint"}``: content-addressed (the files' digests), so every
-    process that captures the same unit names the same entry, and it is published once.
-``build``
-    Never: a unit is captured from a run (:func:`store`), or imported in a bundle.
-``check(spec, staging)``
-    The staged files are exactly the unit's and hash to its digests: a file the library rewrote between the
-    snapshot and the copy, or a half-written one, is never sealed.
-``load(spec, entry)``
-    Restores the unit into the library's cache directory as this process's environment resolves it
-    (:func:`jitwarm.kernels.libraries.jit_caches.restore.place`), under the entry's claim
-    (``Artifact.load``). Returns a :class:`RestoredUnit` saying what it did.
+A unit's spec: ``family`` the unit (its path in the library's cache, the library's own key), ``backend`` the
+library's kind, ``target`` the arch it was compiled for; its params are the unit's files with their sha256s
+(``files``), the fingerprint the recording process saw (``fingerprint``) and the server the destination is
+resolved under (``under``: ``sglang``, ``vllm`` or empty). It implements
+:class:`jitwarm.kernels.backend.Backend`: the description is content-addressed (the files' digests), so every
+process capturing the same unit names one entry; ``build`` never happens (a unit is captured, :func:`store`);
+``check`` refuses staged files that are not exactly the unit's digests (a file rewritten between the snapshot
+and the copy is never sealed); ``load`` restores the unit where this process's environment puts the library's
+cache (:func:`~.restore.place`), under the entry's claim.
 """
 
 from __future__ import annotations
@@ -55,11 +46,11 @@ def unit_of(library: Library, spec: KernelSpec) -> tuple[Files, dict[str, str], 
         fingerprint = json.loads(str(params["fingerprint"]))
     except (KeyError, ValueError) as exc:
         raise SpecError(f"{spec.id}: a {library.kind} spec carries its files and fingerprint as JSON: {exc}") from None
+    under = str(params.get("under", ""))
     problem = files_problem(library, spec.family, files)
     if problem is None and not (isinstance(fingerprint, dict)
                                 and all(isinstance(v, str) for v in fingerprint.values())):
         problem = "its fingerprint is not a {item: value} object of strings"
-    under = str(params.get("under", ""))
     if problem is None and under and under not in SERVERS:
         problem = f"it is restored under server {under!r}, not one of {', '.join(SERVERS)}"
     if problem is not None:
@@ -74,8 +65,8 @@ def description(library: Library, spec: KernelSpec) -> dict[str, Any]:
             "fingerprint": fingerprint}
 
 
-def build(library: Library, spec: KernelSpec, staging: Path) -> None:
-    """A unit is never built: it is captured from the run that compiled it, or imported in a bundle."""
+def build(library: Library, spec: KernelSpec) -> None:
+    """Refuse: a unit is captured from the run that compiled it, or imported in a bundle."""
     raise CompileError(f"{library.name} unit {spec.family}: captured from a run (jitwarm.precompile.record), never "
                        "built by jitwarm: import the bundle or cache it was stored in")
 
@@ -95,9 +86,8 @@ def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
     """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
     files, _, under = unit_of(library, spec)
     root = library.root(None, under)
-    if root is None:
-        return RestoredUnit(spec, Placed("disabled", Path()))
-    return RestoredUnit(spec, place(library, spec.family, files, Path(entry.path), root))
+    placed = Placed("disabled", Path()) if root is None else place(library, spec.family, files, Path(entry.path), root)
+    return RestoredUnit(spec, placed)
 
 
 def mismatch(library: Library, spec: KernelSpec, target: str | None = None) -> tuple[str, str, str] | None:
@@ -118,9 +108,8 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
     """Store one complete unit of ``root`` as a jitwarm entry through the one path; return its spec.
 
     The files are hashed, then copied into the entry's staging directory under the key's lock
-    (``Artifact.get_or_build(capture=...)``), where :func:`check` hashes them again before the cache seals
-    them: a unit that changed meanwhile is refused, never half-stored. Many processes storing the same unit
-    publish it once.
+    (``Artifact.get_or_build(capture=...)``), where :func:`check` hashes them again: a unit that changed
+    meanwhile is refused, never half-stored. Many processes storing the same unit publish it once.
 
     Raises
     ------
@@ -174,6 +163,6 @@ def bind(library: Library) -> tuple[Any, ...]:
     """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``."""
     return (library.kind,
             lambda spec, facts=None: description(library, spec),
-            lambda spec, staging, described=None: build(library, spec, staging),
+            lambda spec, staging, described=None: build(library, spec),
             lambda spec, staging: check(library, spec, staging),
             lambda spec, entry: load(library, spec, entry))

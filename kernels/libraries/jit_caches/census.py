@@ -1,12 +1,10 @@
 """The units of every family present now, and what a run added: the recorder's and the start-up ledger's view.
 
-A :func:`snapshot` lists, for each library, the directory this process's environment resolves and the complete
-units in it (:meth:`~.units.Library.present`) with their files' sizes; :func:`added` compares two snapshots. A
-unit is added when its name is new, when its files changed (the driver's PTX cache grows inside its one unit),
-or when one of its files changed size: FlashInfer's ninja rebuilds a module in place, the same file names, and
-appends each rebuilt output to the module's ``.ninja_log``. Sizes, not times: DeepGEMM touches its ``.committed``
-marker at every hit (deep_jit ``try_update_mtime``), which is no compile. A directory that moved between the two
-(sglang's redirect, Inductor's own ``TORCHINDUCTOR_CACHE_DIR`` default) counts whole.
+A :func:`snapshot` holds, per library, the directory this process's environment resolves, its complete units
+(:meth:`~.units.Library.present`) and their files' sizes; :func:`added` compares two. A unit is added when its
+name is new, its files changed (the PTX cache grows inside its one unit) or one changed size (FlashInfer's ninja
+rebuilds a module in place and appends to its ``.ninja_log``). Sizes, not times: DeepGEMM touches ``.committed``
+at every hit (deep_jit ``try_update_mtime``). A directory that moved between the two counts whole.
 """
 
 from __future__ import annotations
@@ -23,16 +21,10 @@ from jitwarm.kernels.libraries.jit_caches.units import Library, running_server
 
 def library(name: str) -> Library:
     """The :class:`Library` of ``name`` (a key of :data:`MODULES`) or of its kind (``inductor_cache``)."""
-    for lib, kind in KIND_OF.items():
-        if name in (lib, kind):
-            return importlib.import_module(f"jitwarm.kernels.libraries.jit_caches.{MODULES[lib]}").LIBRARY
-    raise KeyError(f"no JIT cache family {name!r}; known: {', '.join(MODULES)}")
-
-
-def libraries(names: Iterable[str] | None = None) -> list[Library]:
-    """The libraries ``names`` (default: all), in :data:`MODULES` order."""
-    wanted = set(MODULES if names is None else names)
-    return [library(name) for name in MODULES if name in wanted]
+    lib = next((lib for lib, kind in KIND_OF.items() if name in (lib, kind)), None)
+    if lib is None:
+        raise KeyError(f"no JIT cache family {name!r}; known: {', '.join(MODULES)}")
+    return importlib.import_module(f"jitwarm.kernels.libraries.jit_caches.{MODULES[lib]}").LIBRARY
 
 
 @dataclass(frozen=True)
@@ -48,14 +40,15 @@ class Snapshot:
 
 def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
              under_sglang: bool | str | None = None) -> dict[str, Snapshot]:
-    """Each library's directory and complete units now, under the server ``under_sglang``.
+    """Each library's (default: all) directory and complete units now, under the server ``under_sglang``.
 
     A server's name, or True for sglang; default: the one imported here (:func:`~.units.running_server`).
     """
     env = os.environ if environ is None else environ
     server = running_server() if under_sglang is None else under_sglang
+    wanted = set(MODULES if names is None else names)
     taken = {}
-    for lib in libraries(names):
+    for lib in (library(name) for name in MODULES if name in wanted):
         root = lib.root(env, server)
         units = lib.present(root)
         sizes = {unit: tuple(_size(root / rel) for rel in files) for unit, files in units.items()} if root else {}
@@ -64,6 +57,7 @@ def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | No
 
 
 def _size(path: Path) -> int:
+    """The size of ``path``, -1 when it is gone."""
     try:
         return path.lstat().st_size
     except OSError:
@@ -71,13 +65,11 @@ def _size(path: Path) -> int:
 
 
 def added(before: Mapping[str, Snapshot], after: Mapping[str, Snapshot]) -> dict[str, dict[str, tuple[str, ...]]]:
-    """Per library, the units of ``after`` that ``before`` lacked (or held with other files)."""
+    """Per library, the units of ``after`` that ``before`` lacked (or held with other files or sizes)."""
     new: dict[str, dict[str, tuple[str, ...]]] = {}
     for name, now in after.items():
         then = before.get(name)
-        same_root = then is not None and then.root == now.root
-        old = then.units if same_root else {}
-        sizes = then.sizes if same_root else {}
+        old, sizes = (then.units, then.sizes) if then is not None and then.root == now.root else ({}, {})
         fresh = {unit: files for unit, files in now.units.items()
                  if old.get(unit) != files or (unit in sizes and unit in now.sizes and sizes[unit] != now.sizes[unit])}
         if fresh:

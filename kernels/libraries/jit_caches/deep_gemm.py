@@ -30,7 +30,7 @@ from jitwarm.kernels.libraries.jit_caches.units import (
     VLLM,
     Library,
     regular_files,
-    sglang_base,
+    sglang_dir,
     subdirs,
     vllm_root,
 )
@@ -47,7 +47,7 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
     if server == SGLANG:
         if environ.get("SGLANG_DG_CACHE_DIR"):  # exported as DG_JIT_CACHE_DIR, which deep_jit reads as a list
             return Path(environ["SGLANG_DG_CACHE_DIR"].split(":")[0])
-        return Path(sglang_base(environ)) / "deep_gemm"
+        return sglang_dir(environ, "deep_gemm")
     for var in ("DG_JIT_CACHE_DIR", "DJ_JIT_CACHE_DIR"):  # Env::get: the library's prefix, then deep_jit's own
         if environ.get(var):
             return Path(environ[var].split(":")[0])
@@ -77,10 +77,6 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def _marker_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (rel.endswith("/" + COMMITTED), rel)))
-
-
 LIBRARY = Library("deep_gemm", "deep_gemm_cache", resolve, units, ("deep_gemm", "nvcc", "arch"),
-                  commit_last=_marker_last)
+                  is_commit=lambda rel: rel.endswith(f"/{COMMITTED}"))
 name, description, build, check, load = bind(LIBRARY)

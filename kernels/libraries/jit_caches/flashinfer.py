@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_base, subdirs, tree_files
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_dir, subdirs, tree_files
 
 #: Ninja's own files in the module directory (dot-files, which the shared listing leaves out).
 NINJA_FILES = (".ninja_log", ".ninja_deps")
@@ -40,7 +40,7 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
     """FlashInfer's ``FLASHINFER_CACHE_DIR`` in ``environ``."""
     base = environ.get("FLASHINFER_WORKSPACE_BASE")
     if not base:
-        base = sglang_base(environ) if server == SGLANG else str(Path("~").expanduser())
+        base = sglang_dir(environ) if server == SGLANG else Path("~").expanduser()
     return Path(base) / ".cache" / "flashinfer"
 
 
@@ -117,10 +117,6 @@ def settle(root: Path, unit: str, files: tuple[str, ...]) -> None:
                 os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
 
 
-def _so_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (rel.endswith(".so"), rel)))
-
-
 LIBRARY = Library("flashinfer", "flashinfer_cache", resolve, units, ("flashinfer", "nvcc", "arch"),
-                  unit_is_dir=False, commit_last=_so_last, settle=settle)
+                  unit_is_dir=False, is_commit=lambda rel: rel.endswith(".so"), settle=settle)
 name, description, build, check, load = bind(LIBRARY)

@@ -36,7 +36,7 @@ from jitwarm.kernels.libraries.jit_caches.units import (
     Library,
     lock_held,
     regular_files,
-    sglang_base,
+    sglang_dir,
     subdirs,
     tree_files,
 )
@@ -49,12 +49,13 @@ _BUILD_DIR = "_CxxBuild"  # cpp_builder.py: _BUILD_TEMP_DIR
 
 def resolve(environ: Mapping[str, str], server: str) -> Path:
     """Inductor's ``cache_dir()`` in ``environ`` under ``server`` (vLLM's: its whole compile tree)."""
-    if server == VLLM and vllm_compile.compile_cache_on(environ):
-        return vllm_compile.tree(environ)
+    tree = vllm_compile.resolve(environ) if server == VLLM else None
+    if tree is not None:
+        return tree
     if environ.get("TORCHINDUCTOR_CACHE_DIR") is not None:
         return Path(environ["TORCHINDUCTOR_CACHE_DIR"])
     if server == SGLANG:
-        return Path(sglang_base(environ)) / "inductor"
+        return sglang_dir(environ, "inductor")
     try:
         import getpass
 
@@ -62,13 +63,6 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
     except (KeyError, ImportError, OSError):
         user = f"uid_{os.getuid()}"
     return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
-
-
-def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete units under ``root``; under vLLM's compile tree, those of each of its Inductor directories."""
-    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
-        return vllm_compile.nested(root, vllm_compile.inductor_dirs(root), _units)
-    return _units(root)
 
 
 def _units(root: Path) -> dict[str, tuple[str, ...]]:
@@ -107,11 +101,7 @@ def graph_keys(units: Iterable[str]) -> list[str]:
     return sorted(keys)
 
 
-def _so_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    """The ``.so`` last: Inductor builds a group's ``.cpp`` only while the ``.so`` is absent."""
-    return tuple(sorted(files, key=lambda rel: (rel.endswith(".so"), rel)))
-
-
-LIBRARY = Library("inductor", "inductor_cache", resolve, units, ("torch", "triton", "cxx", "arch"),
-                  unit_is_dir=False, commit_last=_so_last)
+# The .so last: Inductor builds a group's .cpp only while the .so is absent.
+LIBRARY = Library("inductor", "inductor_cache", resolve, vllm_compile.in_tree(_units, vllm_compile.inductor_dirs),
+                  ("torch", "triton", "cxx", "arch"), unit_is_dir=False, is_commit=lambda rel: rel.endswith(".so"))
 name, description, build, check, load = bind(LIBRARY)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, sglang_base, tree_files
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, sglang_dir, tree_files
 
 INDEX = "index"
 #: Seconds a file must have been left alone before it is read as a whole version of itself.
@@ -39,8 +39,8 @@ def resolve(environ: Mapping[str, str], server: str | bool) -> Path:
     """The driver's ``CUDA_CACHE_PATH`` in ``environ`` (``server``: the process's server, :class:`~.units.Library`)."""
     if environ.get("CUDA_CACHE_PATH"):
         return Path(environ["CUDA_CACHE_PATH"])
-    if server in (True, "sglang"):
-        return Path(sglang_base(environ)) / "nv"
+    if server == SGLANG:
+        return sglang_dir(environ, "nv")
     return Path("~").expanduser() / ".nv" / "ComputeCache"
 
 
@@ -79,10 +79,6 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == (b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
 
 
-def _index_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (rel == INDEX, rel)))
-
-
 @dataclass(frozen=True)
 class _DriverCache(Library):
     """The PTX cache's library: its files are read settled (the module docstring), never as they are being rewritten."""
@@ -93,6 +89,6 @@ class _DriverCache(Library):
 
 
 # normalize: the identity, so that a capture copies the settled bytes (jit_caches.backend.store), not the file.
-LIBRARY = _DriverCache("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), commit_last=_index_last,
+LIBRARY = _DriverCache("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), is_commit=lambda rel: rel == INDEX,
                        normalize=lambda rel, data: data)
 name, description, build, check, load = bind(LIBRARY)

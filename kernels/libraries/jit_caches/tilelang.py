@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_base, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_dir, subdirs
 
 MANIFEST = "manifest.json"
 _SOURCES = ("device_kernel.cu", "host_kernel.cu", "params.pkl")
@@ -36,7 +36,7 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
     if environ.get("TILELANG_CACHE_DIR"):
         return Path(environ["TILELANG_CACHE_DIR"])
     if server == SGLANG:
-        return Path(sglang_base(environ)) / "tilelang"
+        return sglang_dir(environ, "tilelang")
     return Path("~/.tilelang/cache").expanduser()
 
 
@@ -67,10 +67,6 @@ def _complete(key_dir: Path, names: set[str]) -> bool:
     return isinstance(listed, dict) and bool(listed) and set(listed) <= names
 
 
-def _manifest_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (rel.endswith("/" + MANIFEST), rel)))
-
-
 LIBRARY = Library("tilelang", "tilelang_cache", resolve, units, ("tilelang", "torch", "nvcc", "arch"),
-                  commit_last=_manifest_last)
+                  is_commit=lambda rel: rel.endswith(f"/{MANIFEST}"))
 name, description, build, check, load = bind(LIBRARY)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches import vllm_compile
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, VLLM, Library, regular_files, sglang_base, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, VLLM, Library, regular_files, sglang_dir, subdirs
 
 GROUP = "__grp__"
 _ALONE = (".so", ".autotune.json")
@@ -38,21 +38,25 @@ _ALONE = (".so", ".autotune.json")
 def resolve(environ: Mapping[str, str], server: str) -> Path:
     """Triton's ``knobs.cache.dir`` in ``environ`` under ``server`` (vLLM's: its compile tree, see above)."""
     given = environ.get("TRITON_CACHE_DIR")
-    if server == VLLM and vllm_compile.compile_cache_on(environ):
-        tree = vllm_compile.tree(environ)
+    tree = vllm_compile.resolve(environ) if server == VLLM else None
+    if tree is not None:
         if not given or Path(os.path.abspath(given)).is_relative_to(os.path.abspath(tree)):  # noqa: PTH100
             return tree
     if given:
         return Path(given)
     if server == SGLANG:
-        return Path(sglang_base(environ)) / "triton"
+        return sglang_dir(environ, "triton")
     return Path(environ.get("TRITON_HOME") or "~").expanduser() / ".triton" / "cache"
 
 
-def _children(data: bytes) -> list[str]:
-    """The file names a group file lists (bare names: the paths' last parts)."""
-    paths = json.loads(data)["child_paths"]
-    return [Path(str(p)).name for p in paths.values()]
+def _is_group(rel: str) -> bool:
+    """Whether ``rel`` is a group file (Triton's commit record)."""
+    return Path(rel).name.startswith(GROUP)
+
+
+def _child_names(data: bytes) -> dict[str, str]:
+    """A group file's children: Triton's name -> the file's bare name."""
+    return {str(k): Path(str(v)).name for k, v in json.loads(data)["child_paths"].items()}
 
 
 def served_by_jitwarm() -> bool:
@@ -62,13 +66,6 @@ def served_by_jitwarm() -> bool:
     knobs = getattr(sys.modules.get("triton"), "knobs", None)
     manager = getattr(getattr(knobs, "cache", None), "manager_class", None) if knobs is not None else None
     return str(getattr(manager, "__module__", "")).startswith("jitwarm.")
-
-
-def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete key directories under ``root``; under vLLM's compile tree, those of each Triton directory."""
-    if root.name == vllm_compile.TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
-        return vllm_compile.nested(root, vllm_compile.triton_dirs(root), _units)
-    return _units(root)
 
 
 def _units(root: Path) -> dict[str, tuple[str, ...]]:
@@ -86,7 +83,7 @@ def _units(root: Path) -> dict[str, tuple[str, ...]]:
         members: set[str] = set(groups)
         try:
             for group in groups:
-                members.update(_children((key_dir / group).read_bytes()))
+                members.update(_child_names((key_dir / group).read_bytes()).values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # a group file Triton itself would call corrupt
         if members <= names:
@@ -96,29 +93,24 @@ def _units(root: Path) -> dict[str, tuple[str, ...]]:
 
 def normalize(rel: str, data: bytes) -> bytes:
     """A group file with bare names (relocatable); any other file as it is."""
-    if not Path(rel).name.startswith(GROUP):
+    if not _is_group(rel):
         return data
-    names = {str(k): Path(str(v)).name for k, v in json.loads(data)["child_paths"].items()}
-    return json.dumps({"child_paths": names}, sort_keys=True).encode()
+    return json.dumps({"child_paths": _child_names(data)}, sort_keys=True).encode()
 
 
 def localize(rel: str, data: bytes, root: Path) -> bytes:
     """A stored group file with the destination's absolute paths, as Triton's ``put_group`` writes them."""
-    if not Path(rel).name.startswith(GROUP):
+    if not _is_group(rel):
         return data
     where = root / Path(rel).parent
     names = json.loads(data)["child_paths"]
     return json.dumps({"child_paths": {k: str(where / v) for k, v in names.items()}}).encode()
 
 
-def _groups_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (Path(rel).name.startswith(GROUP), rel)))
-
-
 def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
     """``sm_XY`` from the compile's metadata file (``{"target": {"backend": "cuda", "arch": 90}}``)."""
     for rel in files:
-        if rel.endswith(".json") and not Path(rel).name.startswith(GROUP) and not rel.endswith(".autotune.json"):
+        if rel.endswith(".json") and not _is_group(rel) and not rel.endswith(".autotune.json"):
             try:
                 target = json.loads((root / rel).read_bytes()).get("target", {})
             except (OSError, ValueError, AttributeError):
@@ -128,6 +120,6 @@ def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
     return None
 
 
-LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), commit_last=_groups_last,
-                  normalize=normalize, localize=localize, arch_of=arch_of)
+LIBRARY = Library("triton", "triton_cache", resolve, vllm_compile.in_tree(_units, vllm_compile.triton_dirs),
+                  ("triton", "arch"), is_commit=_is_group, normalize=normalize, localize=localize, arch_of=arch_of)
 name, description, build, check, load = bind(LIBRARY)

@@ -51,27 +51,19 @@ HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
 _FACTORS_CODE = "import json, vllm.envs as e; print(json.dumps(e.compile_factors(), sort_keys=True))"
+Units = Callable[[Path], dict[str, tuple[str, ...]]]
 
 
-def compile_cache_on(environ: Mapping[str, str]) -> bool:
-    """Whether vLLM's compile cache is on: ``disable_compile_cache()`` negated (``envs.py:375-376``).
+def resolve(environ: Mapping[str, str], server: str = "") -> Path | None:
+    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``, whoever runs (only vLLM writes it); None when off.
 
-    A value vLLM cannot parse counts as on (vLLM itself fails on it).
+    Off: ``disable_compile_cache()`` (``envs.py:375-376``); a value vLLM cannot parse counts as on (vLLM fails).
     """
     try:
-        return not int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
+        off = int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
     except ValueError:
-        return True
-
-
-def tree(environ: Mapping[str, str]) -> Path:
-    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``."""
-    return vllm_root(environ) / TREE
-
-
-def resolve(environ: Mapping[str, str], server: str) -> Path | None:
-    """The compile tree of vLLM in ``environ`` (whoever runs: only vLLM writes it); None when its cache is off."""
-    return tree(environ) if compile_cache_on(environ) else None
+        off = 0
+    return None if off else vllm_root(environ) / TREE
 
 
 def _rank_dirs(root: Path) -> Iterator[Path]:
@@ -90,23 +82,24 @@ def inductor_dirs(root: Path) -> Iterator[Path]:
 
 def triton_dirs(root: Path) -> Iterator[Path]:
     """Every Triton cache directory under the tree: a rank's ``triton_cache``, Inductor's ``triton/<device>``."""
-    for rank in _rank_dirs(root):
-        if (rank / TRITON_DIR).is_dir():
-            yield rank / TRITON_DIR
+    yield from (rank / TRITON_DIR for rank in _rank_dirs(root) if (rank / TRITON_DIR).is_dir())
     for inductor in inductor_dirs(root):
         if (inductor / "triton").is_dir():
             yield from subdirs(inductor / "triton")
 
 
-def nested(root: Path, dirs: Iterable[Path], units: Callable[[Path], dict[str, tuple[str, ...]]]
-           ) -> dict[str, tuple[str, ...]]:
-    """Another family's ``units`` in each of ``dirs``, named by their paths relative to the tree ``root``."""
-    found: dict[str, tuple[str, ...]] = {}
-    for folder in dirs:
-        rel = folder.relative_to(root).as_posix()
-        for unit, files in units(folder).items():
-            found[f"{rel}/{unit}"] = tuple(f"{rel}/{f}" for f in files)
-    return found
+def in_tree(units: Units, dirs: Callable[[Path], Iterable[Path]]) -> Units:
+    """``units`` of one cache directory, and under vLLM's tree those of each of its ``dirs``, named by path in it."""
+    def listed(root: Path) -> dict[str, tuple[str, ...]]:
+        if root.name != TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
+            return units(root)
+        found: dict[str, tuple[str, ...]] = {}
+        for folder in dirs(root):
+            rel = folder.relative_to(root).as_posix()
+            found.update({f"{rel}/{unit}": tuple(f"{rel}/{f}" for f in files) for unit, files in units(folder).items()})
+        return found
+
+    return listed
 
 
 def _indexed(folder: Path) -> list[str] | None:
@@ -135,40 +128,33 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
             listed = _indexed(prefix) if INDEX in files else []
             if listed is None or not all(any(f == a or f.startswith(f"{a}/") for f in files) for a in listed):
                 continue  # an index that does not parse, or names an artifact (file or unpacked dir) not there
-            unit = f"{rel}/{prefix.name}"
-            found[unit] = tuple(f"{unit}/{f}" for f in files)
+            found[f"{rel}/{prefix.name}"] = tuple(f"{rel}/{prefix.name}/{f}" for f in files)
     return found
 
 
-def _index_last(files: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(sorted(files, key=lambda rel: (rel.endswith(f"/{INDEX}"), rel)))
+def _env_items(factors: Mapping[str, object]) -> dict[str, str]:
+    """``envs.compile_factors()`` as fingerprint items: ``vllm:env:<NAME>`` -> its JSON value."""
+    return {f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in factors.items()}
 
 
 def read_factors(data: bytes) -> dict[str, str]:
-    """``cache_key_factors.json`` as fingerprint items: ``vllm:env:<NAME>`` and ``vllm:<hash>``, JSON values."""
+    """``cache_key_factors.json`` as fingerprint items: the env factors and ``vllm:<hash>``."""
     raw = json.loads(data)
-    items = {f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in dict(raw.get("env", {})).items()}
-    items.update({f"vllm:{name}": str(raw[name]) for name in HASHES if name in raw})
-    return items
+    return {**_env_items(dict(raw.get("env", {}))), **{f"vllm:{h}": str(raw[h]) for h in HASHES if h in raw}}
 
 
 def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
     """The unit's own vLLM items: its ``cache_key_factors.json``, else this process's env factors (if vLLM is here)."""
     items = {"vllm": fp.package_version(("vllm",))}
     found = [rel for rel in files if rel.endswith(f"/{FACTORS}")]
-    if found:
-        try:
-            items.update(read_factors((root / found[0]).read_bytes()))
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass  # a factors file vLLM wrote badly ("best-effort only", backends.py:1168): the versions alone
-        return items
     envs = sys.modules.get("vllm.envs")
-    if envs is not None:
-        try:
-            raw = json.loads(json.dumps(envs.compile_factors(), sort_keys=True))
-            items.update({f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in raw.items()})
-        except Exception:  # noqa: BLE001 - vLLM's own function failed: the unit keeps the versions only
-            pass
+    try:
+        if found:
+            items.update(read_factors((root / found[0]).read_bytes()))
+        elif envs is not None:
+            items.update(_env_items(json.loads(json.dumps(envs.compile_factors(), sort_keys=True))))
+    except Exception:  # noqa: BLE001 - a factors file written badly ("best-effort only", backends.py:1168), or
+        pass  # vLLM's own function failed: the unit keeps the versions alone
     return items
 
 
@@ -181,13 +167,11 @@ def _node_env_factors() -> tuple[dict[str, str], str | None]:
     except (OSError, subprocess.SubprocessError) as exc:
         return {}, f"vLLM's compile_factors() did not run here: {exc}"
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {}, f"vLLM's compile_factors() failed here: {last}"
+        return {}, f"vLLM's compile_factors() failed here: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}"
     try:
-        raw = json.loads(proc.stdout.strip().splitlines()[-1])
+        return _env_items(json.loads(proc.stdout.strip().splitlines()[-1])), None
     except (ValueError, IndexError):
         return {}, "vLLM's compile_factors() printed no JSON here"
-    return {f"{ENV}{name}": json.dumps(value, sort_keys=True) for name, value in raw.items()}, None
 
 
 def node_factors(items: Iterable[str]) -> dict[str, str]:
@@ -197,14 +181,11 @@ def node_factors(items: Iterable[str]) -> dict[str, str]:
     The three hashes are left out: they need the model and its traced sources.
     """
     wanted = list(items)
-    here: dict[str, str] = {}
-    if "vllm" in wanted:
-        here["vllm"] = fp.package_version(("vllm",))
+    here = {"vllm": fp.package_version(("vllm",))} if "vllm" in wanted else {}
     env = [item for item in wanted if item.startswith(ENV)]
     if env:
         found, why = _node_env_factors()
-        for item in env:
-            here[item] = f"unknown ({why})" if why else found.get(item, fp.ABSENT)
+        here.update({item: f"unknown ({why})" if why else found.get(item, fp.ABSENT) for item in env})
     return here
 
 
@@ -224,12 +205,9 @@ def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
     if now is None:
         return None
     tail = unit.split("/", 1)[-1]
-    ordered = sorted(present, key=lambda other: (other.split("/", 1)[-1] != tail, other))
-    for other in ordered:
+    for other in sorted(present, key=lambda other: (other.split("/", 1)[-1] != tail, other)):
         then = factors(other)
-        if then is None:
-            continue
-        differs = fp.differing(then, now)
+        differs = fp.differing(then, now) if then is not None else None
         if differs is not None:
             item, recorded, here = differs
             return f"{item} {recorded!r} (now {here!r})"
@@ -237,5 +215,5 @@ def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
 
 
 LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("torch", "triton", "arch"),
-                  commit_last=_index_last, factors_of=factors_of, node_factors=node_factors)
+                  is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors)
 name, description, build, check, load = bind(LIBRARY)
