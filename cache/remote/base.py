@@ -2,8 +2,6 @@
 
 Each remote URL has one health record in this process (its pooled client, and whether and why it is down),
 shared by every cache: a failure one of them sees turns the remote off for all, for :data:`RETRY_AFTER_S`.
-A store (:mod:`.redis`, :mod:`.s3`) says how it connects, which client errors are faults, how it asks for
-keys and how it lays entries out; the bookkeeping around those calls is here, once.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, FileRecord, unchanged
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged
 from jitwarm.cache.errors import RemoteUnavailable
 from jitwarm.cache.files import loads, open_regular
 from jitwarm.cache.locks import LockHolder, this_host
@@ -106,9 +104,17 @@ class StoreBase:
 
     Every call to the remote goes through :meth:`call`, which raises :class:`RemoteFailure` (never a client
     library's exception); the caller hands it to :meth:`failed`. Nothing here locks: the caller holds the
-    key's host lock. ``max_bytes`` caps what is uploaded or downloaded; ``shared`` is the local root's
-    ``allow_shared``; ``count`` adds to a counter; ``trust_key`` (:mod:`jitwarm.cache.signing`) signs uploads
-    and checks downloads. A store defines :meth:`fetch`, :meth:`new_lease` and the ``_`` hooks.
+    key's host lock. ``shared`` is the local root's ``allow_shared``; ``trust_key``
+    (:mod:`jitwarm.cache.signing`) signs uploads and checks downloads. A store (:mod:`.redis`, :mod:`.s3`)
+    defines how entries are laid out and asked for:
+
+    - ``fetch(key, dest) -> Entry | None``: download ``key``'s entry into the empty staging dir ``dest``,
+      checked before anything is written. None for no entry, one over ``max_bytes``, or one that failed the
+      check (reported, not kept). Raises ``RemoteFailure`` or ``CacheWriteError``; the caller removes ``dest``.
+    - ``new_lease(key, ttl_s)``: the key's :class:`RenewedLease`.
+    - ``_connect()`` (a client, connected to nothing yet), ``_errors()`` (the client's exceptions that are
+      faults of the remote), ``_probe()``, ``_present(keys)`` and ``_put_entry(key, manifest, files, signed,
+      uploader)`` (one entry, whole).
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
@@ -124,42 +130,9 @@ class StoreBase:
         self._count = count or (lambda name, amount=1: None)
         self._rejected: dict[str, str] = {}  # key -> what identifies an entry already rejected (sha1, ETag)
 
-    def _connect(self) -> Any:
-        """Return a new client of ``self.url`` (connecting to nothing yet)."""
-        raise NotImplementedError
-
-    def _errors(self) -> tuple[type[BaseException], ...]:
-        """The exceptions of a call that are a fault of the remote (imported here: they cost an import)."""
-        raise NotImplementedError
-
     def _describe(self, exc: BaseException) -> str:
         """One line for a client error, after ``<what>: `` in its RemoteFailure."""
         return f"{type(exc).__name__}: {exc}"
-
-    def _probe(self) -> None:
-        """Ask the remote something cheap; RemoteFailure when it does not answer."""
-        raise NotImplementedError
-
-    def _present(self, keys: list[str]) -> list[bool]:
-        """Whether the remote holds each of ``keys``; RemoteFailure."""
-        raise NotImplementedError
-
-    def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry into the empty staging dir ``dest``, checked before anything is written.
-
-        None for no entry, one over ``max_bytes``, or one that failed the check (reported, not kept).
-        Raises ``RemoteFailure`` or ``CacheWriteError`` (a full disk). The caller removes ``dest``.
-        """
-        raise NotImplementedError
-
-    def new_lease(self, key: str, ttl_s: float) -> RenewedLease:
-        """Return the fleet build lease of ``key``, of lifetime ``ttl_s``."""
-        raise NotImplementedError
-
-    def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
-                   signed: dict[str, Any], uploader: dict[str, Any]) -> None:
-        """Write one entry whole; ``signed``: its ``executable`` files and ``signature``; RemoteFailure."""
-        raise NotImplementedError
 
     def _client(self) -> Any:
         """The pooled client of this URL, made on first use (importing jitwarm.cache must not cost its import)."""
@@ -225,10 +198,9 @@ class StoreBase:
                             missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
 
     def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry as the store lays it out, signed when a fleet key is set.
+        """Upload a verified local entry, signed with the fleet key if set; ``RemoteFailure``.
 
-        Its files are read, not hashed again: False, logged, for an entry over ``max_bytes`` or one whose
-        files changed since they were hashed. Raises ``RemoteFailure``.
+        Its files are read, not hashed again: False (logged) when they changed since, or are over ``max_bytes``.
         """
         if entry.size_bytes > self.max_bytes:
             log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
@@ -254,7 +226,7 @@ class StoreBase:
         return True
 
     def _too_large(self, key: str, total: object) -> None:
-        """Log that ``key``'s remote entry (files of ``total`` bytes) is over the cap: it is built here."""
+        """Log that ``key``'s remote entry is over the size cap (it is built here)."""
         log.info("not downloading cache key %s from %s: its files total %s bytes, over the remote size cap of "
                  "%d bytes (JITWARM_REMOTE_MAX_BYTES); building it locally", key, self.display, total,
                  self.max_bytes)
@@ -273,12 +245,12 @@ class StoreBase:
 class RenewedLease:
     """The fleet-wide build lease of one cache key, renewed in the background every third of its lifetime.
 
-    The fleet calls :meth:`try_acquire`, :meth:`holder`, :meth:`check_expiry` and :meth:`release`; all but
-    :meth:`release` raise RemoteFailure for a store fault. A store's lease
-    (:class:`~jitwarm.cache.remote.redis.FleetLease`, :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`)
-    says how it is taken, read, renewed and deleted. Its token ``{"host", "pid", "since", "nonce"}`` says who
-    builds. A renewal that finds the lease taken over (its holder stalled past its expiry) warns and sets
-    :attr:`lost`: another node may build the key once more, never a corrupt entry.
+    Every call but :meth:`release` raises RemoteFailure for a store fault. A store's lease defines how it is
+    taken (``_take()``: what proves it ours, or None), read (``_read()``: the token, or None), renewed
+    (``_renew()``: False once it is not ours) and deleted (``_delete(held)``: only if ours). Its token
+    ``{"host", "pid", "since", "nonce"}`` says who builds. A renewal that finds the lease taken over (its holder
+    stalled past its expiry) warns and sets :attr:`lost`: another node may build the key once more, never a
+    corrupt entry.
     """
 
     def __init__(self, store: Any, key: str, ttl_s: float) -> None:
@@ -291,22 +263,6 @@ class RenewedLease:
         self._since = time.time()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _take(self) -> Any:
-        """Take the lease if free (or expired): what proves it ours, or None when another node holds it."""
-        raise NotImplementedError
-
-    def _read(self) -> bytes | None:
-        """The lease's token as stored now (None or empty: nobody holds it)."""
-        raise NotImplementedError
-
-    def _renew(self) -> bool:
-        """Renew the lease once: False when it is no longer ours."""
-        raise NotImplementedError
-
-    def _delete(self, held: Any) -> None:
-        """Delete the lease if ``held`` still proves it ours."""
-        raise NotImplementedError
 
     def try_acquire(self) -> bool:
         """Take the lease if nobody holds it (or its holder's expired) and start renewing it."""
@@ -324,7 +280,7 @@ class RenewedLease:
         return holder_of(self._read())
 
     def check_expiry(self) -> None:
-        """Heal a lease that would never expire, raising LeaseWithoutExpiry (none does, unless said so)."""
+        """Heal a lease that would never expire, and raise LeaseWithoutExpiry (here: every lease expires)."""
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours; never raises for store errors."""

@@ -1,7 +1,7 @@
 """The fleet protocol: under a host lock, download a key from the remote, or take its lease, build and upload.
 
-:mod:`jitwarm.cache.protocol` calls :meth:`Fleet.get_or_build` while it holds the key's host lock and hands it
-:class:`LocalSteps`; this module reaches the local root only through those callables, never by import.
+:mod:`jitwarm.cache.protocol` hands :meth:`Fleet.get_or_build` the :class:`LocalSteps` of the key; this module
+reaches the local root only through those callables, never by import.
 """
 
 from __future__ import annotations
@@ -43,11 +43,8 @@ class LocalSteps:
 class Fleet:
     """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
 
-    :meth:`get_or_build` runs under the key's host lock and returns ``(entry, "downloaded")`` or ``(entry,
-    "built")`` (under the fleet lease, then uploaded). A store failure at any step goes to
-    :meth:`StoreBase.failed` (logged once, built locally; ``RemoteUnavailable`` when required). Raises
-    ``LockTimeout`` (another node kept the lease past ``timeout_s``) and ``BuildError``; the lease is
-    released (if still ours) on every path.
+    A store failure at any step goes to :meth:`StoreBase.failed` (logged once, built locally;
+    ``RemoteUnavailable`` when required). The lease is released (if still ours) on every path.
     """
 
     def __init__(self, store: StoreBase, *, lease_s: float, count: Callable[..., None]) -> None:
@@ -57,7 +54,11 @@ class Fleet:
 
     def get_or_build(self, key: str, steps: LocalSteps, timeout_s: float,
                      on_wait: OnWait | None) -> tuple[Entry, str]:
-        """Download ``key``, else wait for the node that builds it, else build and upload it here."""
+        """Download ``key``, else wait for the node that builds it, else build and upload it here.
+
+        Runs under the key's host lock. Returns ``(entry, "downloaded")`` or ``(entry, "built")``. Raises
+        ``LockTimeout`` (another node kept the lease past ``timeout_s``) or ``BuildError``.
+        """
         if not self.store.usable:
             return steps.build(), "built"
         try:

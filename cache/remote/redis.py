@@ -152,10 +152,7 @@ class RemoteStore(StoreBase):
 
 
 class FleetLease(RenewedLease):
-    """The fleet build lease of one key in Redis: ``SET NX PX``, extended and deleted by our token only.
-
-    A dead holder's lease expires after its lifetime and another node takes over (no liveness guess).
-    """
+    """The fleet build lease of one key in Redis: it expires (``PX``) unless its holder extends it."""
 
     def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:
         super().__init__(store, key, ttl_s)

@@ -44,12 +44,11 @@ MAX_ATTEMPTS = 3
 
 
 class Got(NamedTuple):
-    """One object read: its bytes, ETag, Last-Modified and the server's clock (both epoch seconds)."""
+    """One object read: its bytes, ETag, and its age (seconds since Last-Modified, by the store's clock)."""
 
     body: bytes
     etag: str
-    modified: float
-    server_now: float
+    age_s: float
 
 
 def new_client(read_timeout_s: float | None = None) -> Any:
@@ -87,7 +86,7 @@ def _status(exc: Any) -> int:
 
 
 class ObjectStore(StoreBase):
-    """Entries of one cache format under one bucket prefix (a botocore or socket error is a RemoteFailure)."""
+    """Entries of one cache format under one bucket prefix (a botocore, urllib3 or socket error: RemoteFailure)."""
 
     def __init__(self, url: str, prefix: str = "jitwarm", **options: Any) -> None:
         super().__init__(url, prefix, **options)
@@ -113,9 +112,7 @@ class ObjectStore(StoreBase):
 
         return ObjectLease(self, key, ttl_s)
 
-    def _connect(self) -> Any:
-        return new_client()
-
+    _connect = staticmethod(new_client)
     _errors = staticmethod(client_errors)
     _describe = staticmethod(describe)
 
@@ -142,7 +139,7 @@ class ObjectStore(StoreBase):
                 raise RemoteFailure(f"{what}: {name}: body cut short at {len(body)} of {size} bytes")
             headers = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {})
             modified = reply["LastModified"].timestamp() if reply.get("LastModified") else time.time()
-            return Got(body, reply.get("ETag", ""), modified, _server_time(headers.get("date")))
+            return Got(body, reply.get("ETag", ""), _server_time(headers.get("date")) - modified)
 
         return self.call(what, read)
 

@@ -56,11 +56,9 @@ def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = N
     ``BundleStoreError`` for a store fault (the upload is aborted: no object), ``CacheError`` when an entry
     file cannot be read.
     """
-    bucket, key = split_url(url)
-    client = _client(url)
-    out = _MultipartWriter(client, bucket, key, url)
+    out = _MultipartWriter(url)
     try:
-        with tarfile.open(fileobj=out, mode="w|gz" if is_gzip_name(key) else "w|", format=tarfile.PAX_FORMAT) as tar:
+        with tarfile.open(fileobj=out, mode="w|gz" if is_gzip_name(url) else "w|", format=tarfile.PAX_FORMAT) as tar:
             write_members(tar, entries, trust_key)
         out.complete()
     except BaseException:
@@ -93,6 +91,7 @@ def open_bundle(url: str) -> Iterator[Any]:
 
 
 def _client(url: str, read_timeout_s: float | None = None) -> Any:
+    """A new S3 client for bundle ``url``; SettingError without boto3, BundleStoreError for a bad configuration."""
     try:
         return new_client(read_timeout_s)
     except ImportError:
@@ -123,8 +122,9 @@ class _Body:
 class _MultipartWriter:
     """What ``tarfile`` writes to (``w|``): each :data:`PART_BYTES` goes up as one part, hashed as it passes."""
 
-    def __init__(self, client: Any, bucket: str, key: str, url: str) -> None:
-        self._client, self._bucket, self._key, self._url = client, bucket, key, url
+    def __init__(self, url: str) -> None:
+        self._bucket, self._key = split_url(url)
+        self._client, self._url = _client(url), url
         self._buf = bytearray()
         self._parts: list[dict[str, Any]] = []
         self._upload_id: str | None = None

@@ -78,4 +78,4 @@ class ObjectLease(RenewedLease):
                 ttl = min(named, MAX_TTL_S)
         except (TypeError, ValueError, KeyError, OverflowError):
             pass
-        return current.server_now - current.modified > ttl + CLOCK_RESOLUTION_S
+        return current.age_s > ttl + CLOCK_RESOLUTION_S
