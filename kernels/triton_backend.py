@@ -14,6 +14,7 @@ second import of ``triton_kernels.py`` under its own name with the flag scoped t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -37,7 +38,6 @@ name = "triton"
 #: Layout of this backend's artifacts; part of every description, so a change orphans old entries.
 FORMAT = "jitwarm-triton/1"
 LAUNCH_JSON = "launch.json"
-WARP_SIZE = driver.WARP_SIZE
 
 _KERNELS_PY = Path(__file__).with_name("triton_kernels.py")
 _INTERPRETED = "jitwarm.kernels._triton_kernels_interpreted"
@@ -67,7 +67,7 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
 
         toolchain.update(_ptxas(arch))
         toolchain["cubin_arch"] = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # Triton's own choice
-        toolchain["warp_size"] = WARP_SIZE
+        toolchain["warp_size"] = driver.WARP_SIZE
         toolchain["env"] = dict(sorted(get_cache_invalidating_env_vars().items()))
     return {"format": FORMAT, "family": spec.family, "backend": spec.backend, "target": spec.target,
             "params": spec.params_dict, "source": {_KERNELS_PY.name: _source_digest()},
@@ -75,15 +75,7 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
 
 
 def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None = None) -> None:
-    """Compile ``spec`` ahead of time into ``staging_dir`` (``launch.json`` only for cpu); CompileError if it fails.
-
-    Examples
-    --------
-    >>> build(KernelSpec("plan", "triton", "sm_90", {"ratio": 4, "threads": 128}), tmp)  # doctest: +SKIP
-    >>> sorted(p.name for p in tmp.iterdir())  # doctest: +SKIP
-    ['launch.json', 'plan_kernel.cubin', 'plan_kernel.json']
-
-    """
+    """Compile ``spec`` ahead of time into ``staging_dir`` (``launch.json`` only for cpu); CompileError if it fails."""
     sig, arch = _checked(spec)
     staging_dir = Path(staging_dir)
     # triton_version, not triton_key(): that costs 0.3 s per worker
@@ -96,15 +88,12 @@ def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None 
     import triton
     from triton import knobs
 
-    from jitwarm.kernels import triton_kernels
-
-    fn = _kernel_fn(spec, triton_kernels)
     # The private cache is removed before the entry is sealed: Triton's group files hold absolute paths.
     with tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, driver.private_cache(tmp):
         # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two
         # boxes would differ byte for byte (the cost: profilers show no source lines).
         knobs.compilation.disable_line_info = True
-        src = triton.compiler.ASTSource(fn, dict(sig.types), dict(sig.constexprs), sig.attrs())
+        src = _ast_source(spec)
         try:
             compiled = triton.compile(src, target=driver.gpu_target(arch), options=sig.options())
         except Exception as exc:  # Triton's CompilationError, ptxas's RuntimeError: the message is the diagnostic
@@ -117,7 +106,7 @@ def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None 
     _write_json(staging_dir / f"{name}.json", _without_dirs(metadata))
     launch.update(name=name, cubin=f"{name}.cubin", metadata=f"{name}.json", hash=metadata["hash"],
                   num_warps=metadata["num_warps"], num_ctas=metadata.get("num_ctas", 1),
-                  shared=metadata["shared"], target={"backend": "cuda", "arch": arch, "warp_size": WARP_SIZE})
+                  shared=metadata["shared"], target={"backend": "cuda", "arch": arch, "warp_size": driver.WARP_SIZE})
     _write_json(staging_dir / LAUNCH_JSON, launch)
 
 
@@ -189,7 +178,7 @@ class CudaKernel:
 
     def _load(self, device: int) -> Any:
         import torch
-        from triton.compiler import ASTSource, CompiledKernel
+        from triton.compiler import CompiledKernel
 
         if device in self._by_device:
             return self._by_device[device]
@@ -197,12 +186,8 @@ class CudaKernel:
         if major * 10 + minor != self._arch:
             raise RuntimeError(f"{self.spec.id}: built for sm_{self._arch}, but cuda:{device} is "
                                f"sm_{major}{minor}; warm a plan for target sm_{major}{minor}")
-        from jitwarm.kernels import triton_kernels
-
-        sig = kernel_signature(self.spec)
-        src = ASTSource(_kernel_fn(self.spec, triton_kernels), dict(sig.types), dict(sig.constexprs), sig.attrs())
         group = {name: str(self._root / name) for name in (self._launch["metadata"], self._launch["cubin"])}
-        kernel = CompiledKernel(src, group, self._launch["hash"])
+        kernel = CompiledKernel(_ast_source(self.spec), group, self._launch["hash"])
         with torch.cuda.device(device):
             driver.load_module(kernel)  # cuModuleLoadData + cuModuleGetFunction now, not at the first launch
         self._by_device[device] = kernel
@@ -226,12 +211,9 @@ class CudaKernel:
                                    f"CUDA graph capture would break the capture: preload() it first")
             kernel = self._load(index)
         stream = torch.cuda.current_stream(index).cuda_stream
-        if torch.cuda.current_device() == index:
+        # The module was loaded in that device's context: launch from it.
+        with contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index):
             kernel[grid](*kernel_args, stream=stream)
-        else:  # the module was loaded in that device's context: launch from it
-            with torch.cuda.device(index):
-                kernel[grid](*kernel_args, stream=stream)
-
 
     def __repr__(self) -> str:
         return f"CudaKernel({self.spec.id})"
@@ -286,6 +268,16 @@ def _kernel_fn(spec: KernelSpec, module: ModuleType) -> Any:
     if names != want:  # triton_kernels.py and triton_launch.py disagree: a bug here, not a user error
         raise RuntimeError(f"{fn.__name__} takes {names}, triton_launch expects {want}")
     return fn
+
+
+def _ast_source(spec: KernelSpec) -> Any:
+    """Triton's ``ASTSource`` of ``spec``'s kernel: its explicit signature, constexprs and attrs."""
+    from triton.compiler import ASTSource
+
+    from jitwarm.kernels import triton_kernels
+
+    sig = kernel_signature(spec)
+    return ASTSource(_kernel_fn(spec, triton_kernels), dict(sig.types), dict(sig.constexprs), sig.attrs())
 
 
 def _source_digest() -> str:

@@ -21,16 +21,8 @@ ALIGN = 16
 #: ``run()`` argument order per family (the family table's).
 RUN_ARGS: dict[str, tuple[str, ...]] = {name: fam.run_args for name, fam in FAMILIES.items()}
 
-_KERNEL_ARGS: dict[str, tuple[str, ...]] = {
-    "plan": RUN_ARGS["plan"] + ("num_reqs", "RATIO", "THREADS"),
-    "compressor": RUN_ARGS["compressor"] + ("RATIO", "HEAD_DIM", "BLOCK_D", "UNIFORM", "MAX_LEN"),
-    "norm_rope": ("q", "k", "positions", "q_weight", "k_weight", "num_tokens", "eps", "theta",
-                  "HEAD_DIM", "BLOCK_D", "ROPE_DIM", "NUM_Q_HEADS", "BLOCK_QH", "NUM_KV_HEADS", "BLOCK_KH",
-                  "UNIFORM", "MAX_LEN"),
-}
-
-_TRITON_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "int32": "i32"}
-_TORCH_DTYPE = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "int32": "torch.int32"}
+_TRITON_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+_TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "i32": "torch.int32"}
 
 
 @dataclass(frozen=True)
@@ -68,8 +60,7 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
     """Return what ``spec`` compiles to, memoized (every launch asks; read-only); SpecError for a bad family/dtype."""
     p = spec.params_dict
     if spec.family == "plan":
-        ptr = dict.fromkeys(RUN_ARGS["plan"], "*i32")
-        types = {**ptr, "num_reqs": "i32"}
+        types = {**dict.fromkeys(RUN_ARGS["plan"], "*i32"), "num_reqs": "i32"}
         constexprs = {"RATIO": int(p["ratio"]), "THREADS": int(p["threads"])}
         num_warps = max(1, min(32, constexprs["THREADS"] // 32))
     elif spec.family == "compressor":
@@ -93,10 +84,8 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
         num_warps = max(1, min(8, block_qh * block_d // 512))
     else:
         raise SpecError(f"triton backend has no kernel for family {spec.family!r}")
-    names = _KERNEL_ARGS[spec.family]
-    types.update(dict.fromkeys(constexprs, "constexpr"))
-    ordered = {n: types[n] for n in names}
-    return KernelSignature(FAMILIES[spec.family].triton_kernel, names, ordered, constexprs, num_warps)
+    types.update(dict.fromkeys(constexprs, "constexpr"))  # the kernel's order: run-time params, then constexprs
+    return KernelSignature(FAMILIES[spec.family].triton_kernel, tuple(types), types, constexprs, num_warps)
 
 
 def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
@@ -160,7 +149,7 @@ def _ordered(sig: KernelSignature, run_args: dict[str, Any], **scalars: Any) -> 
 
 def _dtype(spec: KernelSpec) -> str:
     dtype = str(spec["dtype"])
-    if dtype not in ("float32", "bfloat16"):
+    if dtype not in _TRITON_DTYPE:
         raise SpecError(f"{spec.id}: triton kernels take float32 or bfloat16, not {dtype!r}")
     return _TRITON_DTYPE[dtype]
 
@@ -175,12 +164,11 @@ def _expect(spec: KernelSpec, name: str, ok: bool, what: str) -> None:
 
 
 def _check_tensors(spec: KernelSpec, sig: KernelSignature, tensors: dict[str, Any]) -> None:
-    to_name = {v: k for k, v in _TRITON_DTYPE.items()}
     devices = set()
     for name, t in tensors.items():
         if not hasattr(t, "data_ptr"):
             raise ValueError(f"{spec.id}: {name} must be a tensor, got {type(t).__name__}")
-        want = _TORCH_DTYPE[to_name[sig.types[name][1:]]]
+        want = _TORCH_DTYPE[sig.types[name][1:]]
         if str(t.dtype) != want:
             raise ValueError(f"{spec.id}: {name} must be {want}, got {t.dtype}")
         if not t.is_contiguous():
