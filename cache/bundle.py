@@ -55,10 +55,10 @@ class ImportReport:
 
 
 def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None) -> Path:
-    """Write ``entries`` to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically, owners zeroed.
+    """Write ``entries`` (signed with ``trust_key``) to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically.
 
-    ``trust_key``: each entry's signature goes in too. Raises ``CacheWriteError`` when ``path`` is no regular
-    file or cannot be written (no partial file is left), ``CacheError`` when an entry file cannot be read.
+    ``CacheWriteError`` when ``path`` is no regular file or cannot be written (no partial file is left),
+    ``CacheError`` when an entry file cannot be read.
     """
     if path.is_dir():
         raise CacheWriteError("write the bundle", str(path), "it is a directory")
@@ -87,8 +87,8 @@ def is_gzip_name(name: str) -> bool:
 def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes | None) -> None:
     """Add ``bundle.json``, then each entry's files, its ``entry.json`` last, then its signature (with a key).
 
-    The manifest is read once and both written and signed from those bytes; the executable files signed are
-    the ones written with mode 0555 (docs/cache.md, "What each tier trusts").
+    The manifest is read once, and written and signed from those bytes; the executable files signed are the
+    ones written with mode 0555 (docs/cache.md, "What each tier trusts"). Owners are zeroed.
     """
     head = json.dumps({"format": FORMAT_VERSION, "keys": [e.key for e in entries]}).encode()
     _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
@@ -112,13 +112,12 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
 
 def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_bytes: int,
                   max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
-    """Validate every member of the bundle at ``path``, unpack it under ``staging`` and verify each entry.
+    """Check every member header of the bundle at ``path``, then unpack it under ``staging``; return its entries.
 
-    Nothing is written until every header has passed; files are streamed by this code, never
-    ``tarfile.extract``. Returns each key's verified entry under ``staging``. ``CacheError`` for a bad
-    archive or entry, ``CacheWriteError`` for a failed write. ``sha256``: the file must hash to it (hashed on
-    the descriptor it is then read from, so a file swapped after the check is never imported).
-    ``trust_key``: every entry must carry its signature under that key, else ``UntrustedEntry`` (exit 4).
+    Files are streamed by this code, never ``tarfile.extract``; each entry is verified. ``CacheError`` for a
+    bad archive or entry, ``CacheWriteError`` for a failed write. ``sha256``: the file must hash to it (on the
+    descriptor it is then read from: a file swapped after the check is never imported). ``trust_key``: every
+    entry must carry its signature under that key, else ``UntrustedEntry`` (exit 4).
     """
     try:
         fd, _st = open_regular(path)
@@ -138,11 +137,10 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
 
 def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, max_file_bytes: int,
                   max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
-    """:func:`unpack_bundle` for a bundle read once front to back (an object's body): ``raw.read(n)`` only.
+    """:func:`unpack_bundle` for a bundle ``where`` read once front to back (an object's body) with ``raw.read``.
 
-    Each member is checked as its header arrives and streamed into ``staging``, which the caller drops on
-    any error, so a bad member still publishes nothing. ``sha256`` is computed over every byte read (the
-    tar's end padding included) and compared before any entry is returned. ``where`` names the bundle.
+    Each member is checked as its header arrives (the caller drops ``staging`` on any error: nothing is
+    published); ``sha256`` is over every byte read, the tar's end padding included.
     """
     hashing = _Hashing(raw)
     try:

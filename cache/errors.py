@@ -42,17 +42,11 @@ class UsageError(JitwarmError):
 
 
 class CacheError(JitwarmError):
-    """Base of the cache's errors: one line naming the path and the reason.
-
-    Its hint names environment variables and the Python API, never a flag (the CLI adds its own hint).
-    """
+    """Base of the cache's errors: one line, the path and the reason; a hint never names a flag (the CLI's own)."""
 
 
 class CacheWriteError(CacheError):
-    """The cache could not write where it had to; nothing half-written is left behind.
-
-    ``path`` is what could not be written, ``os_reason`` the system's reason (``"No space left on device"``).
-    """
+    """The cache could not write ``path`` for ``os_reason`` (``"No space left on device"``); nothing half-written."""
 
     def __init__(self, action: str, path: str, os_reason: str, hint: str | None = None) -> None:
         self.action = action
@@ -101,10 +95,7 @@ class BuildError(CacheError):
 
 
 class RemoteUnavailable(CacheError):
-    """The remote tier at ``url`` (no password) failed for ``reason`` and it is required.
-
-    Without ``remote_required`` the cache logs the failure once and goes on locally instead.
-    """
+    """The remote tier at ``url`` (no password) failed for ``reason`` and it is required (else: logged once)."""
 
     def __init__(self, url: str, reason: str) -> None:
         self.url = url

@@ -1,9 +1,9 @@
 """Files another process may touch: bounded reads that never block, atomic writes, and the trust rule.
 
 Every open goes through :func:`open_regular` (``O_NONBLOCK``: a FIFO planted where a holder record was made
-waiters block past their deadline; ``O_NOFOLLOW``; a regular file by ``fstat``; a size cap); every JSON
-document through :func:`loads` (100,000 nested ``[`` made ``json.loads`` raise ``RecursionError`` out of
-lookups); :func:`untrusted_reason` judges what other users could change (docs/cache.md, "Trust").
+waiters block past their deadline), every JSON document through :func:`loads` (100,000 nested ``[`` made
+``json.loads`` raise ``RecursionError`` out of lookups); :func:`untrusted_reason` is the trust rule
+(docs/cache.md, "Trust").
 """
 
 from __future__ import annotations
@@ -28,10 +28,7 @@ _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 
 
 
 def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
-    """Open ``path`` for reading without blocking or following a final symlink; return ``(fd, fstat)``.
-
-    OSError when it cannot be opened (``ELOOP`` for a symlink) or is not a regular file (``EINVAL``).
-    """
+    """Open ``path`` to read, never blocking or following a link: ``(fd, fstat)``; OSError (``EINVAL``: not a file)."""
     fd = os.open(path, _FLAGS)
     try:
         st = os.fstat(fd)
@@ -44,10 +41,7 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
 
 
 def read_file_stat(path: str | os.PathLike[str], max_bytes: int) -> tuple[bytes, os.stat_result]:
-    """Return the bytes of the regular file ``path`` and the ``fstat`` of what was read (its owner and mode).
-
-    OSError as :func:`open_regular`, or ``EFBIG`` when it is (or grows while read) over ``max_bytes``.
-    """
+    """The bytes and ``fstat`` of the file ``path``; OSError as :func:`open_regular`, ``EFBIG`` over ``max_bytes``."""
     fd, st = open_regular(path)
     try:
         if st.st_size > max_bytes:
@@ -85,22 +79,19 @@ def loads(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
-    """:func:`read_file_stat` then :func:`loads`; raises OSError or ValueError."""
+    """:func:`read_file_stat` then :func:`loads`; OSError or ValueError."""
     return loads(read_file_stat(path, max_bytes)[0])
 
 
 def fsync_dir(path: Path) -> None:
     """Flush a directory's entries (a rename or create in it) to stable storage; best effort."""
-    try:
+    # Some filesystems (and some NFS servers) refuse fsync on a directory; the rename is still atomic.
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        # Some filesystems (and some NFS servers) refuse fsync on a directory; the rename is still atomic.
-        with contextlib.suppress(OSError):
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def refresh_dir(path: Path) -> None:
@@ -122,10 +113,7 @@ def fsync_tree(root: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace``: readers see old or new, never a mix.
-
-    With ``durable`` the file and directory are fsync'd. OSError (no temporary file is left behind).
-    """
+    """Replace ``path`` by ``data`` atomically (fsync'd with ``durable``); OSError, and no temporary file left."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
@@ -147,17 +135,12 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int = 0
 
 
 def make_dirs(path: Path, mode: int = 0o755) -> None:
-    """Create ``path`` and missing parents, each with ``mode`` (masked by the umask)."""
-    missing = []
-    p = path
-    while not p.is_dir():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
+    """Create ``path`` and missing parents, each with ``mode`` less the umask (``os.makedirs``: parents 0777)."""
+    if not path.is_dir():
+        if path.parent != path:
+            make_dirs(path.parent, mode)
         with contextlib.suppress(FileExistsError):
-            d.mkdir(mode=mode)
+            path.mkdir(mode=mode)
 
 
 def remove_tree(path: Path) -> bool:
@@ -178,10 +161,7 @@ def directory_size(path: Path) -> int:
 
 
 def untrusted_reason(st: os.stat_result) -> str | None:
-    """Return why another user could change what ``st`` describes, or None when only we (or root) can.
-
-    A world-writable directory with the sticky bit (``/tmp``) is fine: others can add names, not replace ours.
-    """
+    """Why another user could change what ``st`` describes; None when only we or root can (``/tmp`` is fine)."""
     uid = os.geteuid()
     if st.st_uid not in (uid, 0):
         return f"it is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
@@ -194,9 +174,9 @@ def untrusted_reason(st: os.stat_result) -> str | None:
 
 
 def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
-    """Raise ``UntrustedPath`` when ``path`` fails :func:`untrusted_reason`, unless ``allow_shared``.
+    """Unless ``allow_shared``, UntrustedPath if ``path`` itself (``lstat``, or ``st``: a symlink fails) is untrusted.
 
-    ``path`` itself is judged (its ``lstat``, or ``st``): a symlink (0777) fails. FileNotFoundError if missing.
+    FileNotFoundError if it is missing.
     """
     if allow_shared:
         return

@@ -12,9 +12,8 @@ import secrets
 import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jitwarm.cache.errors import CacheWriteError
 from jitwarm.cache.files import loads, make_dirs, read_file_stat, read_json, remove_tree, untrusted_reason, write_atomic
@@ -31,24 +30,18 @@ BUNDLE_TAG = "bundle"
 # <host>-<pid>-<tag>-<rand>; the host may contain dashes, so parse from the right.
 _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BUNDLE_TAG + r")-[0-9a-f]{8}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_PLAN_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: Size caps of the small JSON files the cache reads back: facts, plan records (stamps: jitwarm.cache.stamps).
 MAX_FACT_BYTES = 1 << 16
 MAX_PLAN_RECORD_BYTES = 16 << 20
 
 
-@dataclass(frozen=True)
-class StagingName:
-    """The parsed name of a staging directory: who made it, and for which key (or a bundle)."""
+class StagingName(NamedTuple):
+    """The parsed name of a staging directory: who made it, and the key it builds (None: a bundle import)."""
 
     host: str
     pid: int
-    tag: str
-
-    @property
-    def key(self) -> str | None:
-        """The key being built, or None for a bundle import."""
-        return self.tag if is_key(self.tag) else None
+    key: str | None
 
 
 class RootLayout:
@@ -90,27 +83,21 @@ class RootLayout:
         return self.stamps / key[:2] / f"{key}-{where}.json"
 
     def plan_path(self, plan_id: str) -> Path:
-        """Return the path of a plan record; ValueError unless ``plan_id`` is 1-128 of ``[A-Za-z0-9._-]``."""
-        if not isinstance(plan_id, str) or _PLAN_ID_RE.fullmatch(plan_id) is None:
-            raise ValueError(f"bad plan id {plan_id!r}: use 1-128 characters from [A-Za-z0-9._-], "
-                             "not starting with a dot or dash")
-        return self.plans / f"{plan_id}.json"
+        """Return the path of a plan record; ValueError for a bad ``plan_id`` (see :func:`_json_file`)."""
+        return _json_file(self.plans, plan_id, "plan id")
 
     def make_staging_dir(self, tag: str) -> Path:
-        """Create and return a fresh staging directory for ``tag`` (a key or ``BUNDLE_TAG``); OSError.
-
-        ``staging/`` exists only while something is staged (:meth:`drop_staging`): another process may remove
-        it between our two ``mkdir``, so that is tried again.
-        """
-        for attempt in range(3):
+        """Create and return a fresh staging directory for ``tag`` (a key or ``BUNDLE_TAG``); OSError."""
+        for tries_left in (2, 1, 0):  # staging/ exists only while in use: another process may remove it meanwhile
             path = self.staging / f"{this_host()}-{os.getpid()}-{tag}-{secrets.token_hex(4)}"
             self.ensure(self.staging)
             try:
                 path.mkdir(mode=self.dir_mode)
-                return path
             except FileNotFoundError:
-                if attempt == 2:
+                if not tries_left:
                     raise
+            else:
+                return path
         raise AssertionError("unreachable")
 
     def drop_staging(self, path: Path | None = None) -> None:
@@ -154,10 +141,16 @@ class RootLayout:
                 yield key, shard / key
 
     def iter_staging(self) -> Iterator[tuple[StagingName | None, Path]]:
-        """Yield every staging directory with its parsed name (None when the name is not ours)."""
-        for path in _sorted_dirs(self.staging):
+        """Yield every staging directory (not a link) with its parsed name (None when the name is not ours)."""
+        try:
+            with os.scandir(self.staging) as it:
+                paths = sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return
+        for path in paths:
             m = _STAGING_RE.fullmatch(path.name)
-            yield (StagingName(m["host"], int(m["pid"]), m["tag"]) if m else None), path
+            name = StagingName(m["host"], int(m["pid"]), None if m["tag"] == BUNDLE_TAG else m["tag"]) if m else None
+            yield name, path
 
 
 def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any]) -> Path:
@@ -176,13 +169,13 @@ def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any
 
 def write_fact(layout: RootLayout, name: str, value: str) -> None:
     """Write the fact ``name`` (a safe file name) of this root, atomically; OSError on failure."""
-    data = json.dumps({"value": value}).encode("utf-8")
-    write_atomic(layout.ensure(layout.facts) / _fact_file(name), data, durable=False)
+    path = _json_file(layout.facts, name, "fact name")
+    write_atomic(layout.ensure(layout.facts) / path.name, json.dumps({"value": value}).encode(), durable=False)
 
 
 def read_fact(layout: RootLayout, name: str, *, allow_shared: bool) -> str | None:
     """Return the fact ``name`` of this root, or None when there is none, it is unreadable or untrusted."""
-    path = layout.facts / _fact_file(name)
+    path = _json_file(layout.facts, name, "fact name")
     try:
         data, st = read_file_stat(path, MAX_FACT_BYTES)
         if not allow_shared and untrusted_reason(st):
@@ -193,10 +186,12 @@ def read_fact(layout: RootLayout, name: str, *, allow_shared: bool) -> str | Non
     return value if isinstance(value, str) else None
 
 
-def _fact_file(name: str) -> str:
-    if not isinstance(name, str) or _PLAN_ID_RE.fullmatch(name) is None:
-        raise ValueError(f"bad fact name {name!r}: use 1-128 characters from [A-Za-z0-9._-]")
-    return f"{name}.json"
+def _json_file(folder: Path, name: str, what: str) -> Path:
+    """``folder/<name>.json``; ValueError unless ``name`` is a safe file name (1-128 of ``[A-Za-z0-9._-]``)."""
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+        raise ValueError(f"bad {what} {name!r}: use 1-128 characters from [A-Za-z0-9._-], not starting with a dot "
+                         "or dash")
+    return folder / f"{name}.json"
 
 
 def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, Any] | None:
@@ -215,11 +210,3 @@ def read_plan_record(layouts: Sequence[RootLayout], plan_id: str) -> dict[str, A
         log.warning("ignoring plan record %s: not a JSON object", path)
     return None
 
-
-def _sorted_dirs(path: Path) -> list[Path]:
-    """List the subdirectories of ``path`` (not following links); empty if it cannot be read."""
-    try:
-        with os.scandir(path) as it:
-            return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []

@@ -1,5 +1,8 @@
 """Per-key build locks (flock via filelock) with a holder record, readers' shared claims, and the one wait loop.
 
+Every wait of the cache is :func:`wait_until`: a poll with a backoff that logs once, after
+:data:`WAIT_LOG_AFTER_S`, who holds what it waits for, and raises ``LockTimeout`` at its deadline.
+
 Lock files are private to the cache's owner (0600): a 0644 one let any local user ``flock`` it, and root's
 ``warm`` timed out (exit 3). The lock directory is held to the cache root's trust rule unless ``allow_shared``
 (docs/cache.md, "Trust").
@@ -13,7 +16,6 @@ import fcntl
 import functools
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -35,13 +37,10 @@ T = TypeVar("T")
 
 #: A waiter that has waited this long logs, once, who holds what it waits for.
 WAIT_LOG_AFTER_S = 3.0
-#: While blocked on a key's lock, look this often whether the holder has published (then stop waiting).
-LOOK_EVERY_S = 0.05
-_POLL_S = 0.02
+#: While blocked on a key's lock, try it every 20 ms (filelock's default) and ask ``give_up`` every 50 ms.
+_POLL_S, LOOK_EVERY_S = 0.02, 0.05
 #: A holder record is a few dozen bytes; anything larger was not written by a holder.
 _MAX_HOLDER_BYTES = 4096
-_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
-_NO_FLOCK_HINT = "set JITWARM_LOCK_DIR to node-local storage such as /dev/shm/jitwarm-locks"
 
 
 def this_host() -> str:
@@ -102,27 +101,6 @@ class LockHolder:
 OnWait = Callable[[LockHolder | None], None]
 
 
-class WaitLog:
-    """The clock of one wait: after :data:`WAIT_LOG_AFTER_S`, log once who holds what we wait for."""
-
-    def __init__(self, key: str, holder: Callable[[], LockHolder | None], where: str = "") -> None:
-        self.key, self.holder, self.where = key, holder, where
-        self.start = time.monotonic()
-        self._logged = False
-
-    def elapsed(self) -> float:
-        """Seconds since the wait began."""
-        return time.monotonic() - self.start
-
-    def tick(self) -> None:
-        """Log ``still waiting for cache key K: held by ...`` once it is due."""
-        if not self._logged and self.elapsed() >= WAIT_LOG_AFTER_S:
-            self._logged = True
-            holder = self.holder()
-            log.info("still waiting for cache key %s%s: %s", self.key, self.where,
-                     holder.describe() if holder else "no holder recorded")
-
-
 def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                holder: Callable[[], LockHolder | None], where: str = "",
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
@@ -130,11 +108,14 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
 
     ``key``, ``holder`` and ``where`` name what is waited for; ``LockTimeout`` when ``timeout_s`` passes.
     """
-    clock = WaitLog(key, holder, where)
+    start, logged = time.monotonic(), False
     delay, factor, cap = backoff
     while True:
-        elapsed = clock.elapsed()
-        clock.tick()
+        elapsed = time.monotonic() - start
+        if not logged and elapsed >= WAIT_LOG_AFTER_S:
+            logged, who = True, holder()
+            log.info("still waiting for cache key %s%s: %s", key, where,
+                     who.describe() if who else "no holder recorded")
         if elapsed >= timeout_s:
             raise LockTimeout(key, holder(), timeout_s)
         time.sleep(min(delay, timeout_s - elapsed))
@@ -148,21 +129,27 @@ class KeyLock:
     """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock through filelock) plus ``<key>.holder``.
 
     One descriptor per instance, so two threads exclude each other as two processes do; the kernel drops a
-    flock when its holder dies (no stale-lock breaking). Lock files are never deleted: unlinking one while
-    others wait on it splits them across inodes (two builders at once).
+    flock when its holder dies. Lock files are never deleted: unlinking one while others wait on it splits
+    them across inodes (two builders at once).
     """
 
     def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:
         self.key = key
         self.lock_dir = lock_dir
         self.shared = shared
-        self.lock_path = key_lock_path(lock_dir, key)
-        self.holder_path = lock_dir / f"{key}.holder"
+        self.lock_path, self.holder_path = _lock_paths(lock_dir, key)
         self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
-        return self._take(blocking=False)
+        try:
+            self._file_lock().acquire(blocking=False)
+        except Timeout:  # a TimeoutError, hence an OSError: catch it first
+            return False
+        except OSError as exc:
+            raise _lock_error(self.lock_path, exc) from exc
+        self._write_holder()
+        return True
 
     def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
                 give_up: Callable[[], bool] | None = None) -> bool:
@@ -174,26 +161,26 @@ class KeyLock:
         """
         if self.try_acquire():
             return True
-        clock = WaitLog(self.key, self.read_holder)
         if on_wait is not None:
             on_wait(self._current_holder())
-        gave_up, next_look = False, clock.start + LOOK_EVERY_S
+        next_look = time.monotonic() + LOOK_EVERY_S
 
-        def cancel() -> bool:
-            nonlocal gave_up, next_look
-            clock.tick()
+        def poll() -> bool | None:
+            nonlocal next_look
+            if self.try_acquire():
+                return True
             if give_up is not None and time.monotonic() >= next_look:
-                gave_up = give_up()
                 next_look = time.monotonic() + LOOK_EVERY_S
-            return gave_up
+                if give_up():
+                    return False
+            return None
 
-        # -1 is filelock's "for ever" (math.inf is read as -1 by 4.x but not by 3.30).
-        left = -1 if math.isinf(timeout_s) else max(0.0, timeout_s - clock.elapsed())
-        if self._take(timeout=left, poll_interval=_POLL_S, cancel_check=cancel):
-            return True
-        if gave_up or (give_up is not None and give_up()):
-            return False
-        raise LockTimeout(self.key, self.read_holder(), timeout_s)
+        try:
+            return wait_until(poll, timeout_s, key=self.key, holder=self.read_holder, backoff=(_POLL_S, 1, _POLL_S))
+        except LockTimeout:
+            if give_up is not None and give_up():
+                return False
+            raise
 
     def release(self) -> None:
         """Drop the holder record, then the lock (in that order, so a new holder's record survives)."""
@@ -214,21 +201,10 @@ class KeyLock:
             return None
         return None if holder.host == this_host() and not pid_alive(holder.pid) else holder
 
-    def _take(self, **how: object) -> bool:
-        """One ``FileLock.acquire(**how)``, then the holder record; False when it timed out or was cancelled."""
-        try:
-            self._file_lock().acquire(**how)
-        except Timeout:  # a TimeoutError, hence an OSError: catch it first
-            return False
-        except OSError as exc:
-            raise lock_error(self.lock_path, exc) from exc
-        self._write_holder()
-        return True
-
     def _file_lock(self) -> FileLock:
         """Make this instance's FileLock on first use (creating the lock dir)."""
         if self._lock is None:
-            mode = ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
+            mode = _ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
             # preserve_lock_file also turns off filelock's soft-lock fallback on filesystems without flock:
             # a soft marker outlives a SIGKILLed holder.
             self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
@@ -265,7 +241,7 @@ _PRIVATE: set[Path] = set()  # lock files found private (or made so) by this pro
 def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
     """Create ``lock_dir`` if missing, check it like a cache root, and return the mode of its new lock files.
 
-    Raises ``UntrustedPath`` (unless ``shared``), CacheError (no directory) or OSError (cannot be created).
+    ``UntrustedPath`` (unless ``shared``), CacheError (no directory) or OSError (cannot be created).
     """
     mode = _READY.get((lock_dir, shared))
     if mode is not None:
@@ -278,11 +254,8 @@ def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
     return mode
 
 
-def ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
-    """:func:`ready_lock_dir`, then make an existing ``lock_path`` of ours private; return the mode to create it with.
-
-    Unless ``shared``, one another user owns raises ``UntrustedPath``.
-    """
+def _ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
+    """:func:`ready_lock_dir`, then make ``lock_path`` private or refuse another user's; return its mode."""
     mode = ready_lock_dir(lock_dir, shared=shared)
     if shared or lock_path in _PRIVATE:
         return mode
@@ -298,10 +271,11 @@ def ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
     return mode
 
 
-def lock_error(lock_path: Path, exc: OSError) -> CacheError:
+def _lock_error(lock_path: Path, exc: OSError) -> CacheError:
     """A lock file that cannot be opened or locked, in one line; the NFS advice when flock itself is missing."""
-    if exc.errno in _NO_FLOCK:
-        return CacheError(f"cannot lock {lock_path}: this filesystem does not support flock", _NO_FLOCK_HINT)
+    if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+        return CacheError(f"cannot lock {lock_path}: this filesystem does not support flock",
+                          "set JITWARM_LOCK_DIR to node-local storage such as /dev/shm/jitwarm-locks")
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
         return CacheWriteError("create the lock file", str(lock_path), exc.strerror or str(exc),
                                "set JITWARM_LOCK_DIR to a writable directory, or use KernelCache(read_only=True) "
@@ -310,9 +284,9 @@ def lock_error(lock_path: Path, exc: OSError) -> CacheError:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def key_lock_path(lock_dir: Path, key: str) -> Path:
-    """The lock file of ``key`` in ``lock_dir`` (memoized: the capture hook builds it for every claim)."""
-    return lock_dir / f"{key}.lock"
+def _lock_paths(lock_dir: Path, key: str) -> tuple[Path, Path]:
+    """``<key>.lock`` and ``<key>.holder`` in ``lock_dir`` (memoized: the capture hook claims every kernel)."""
+    return lock_dir / f"{key}.lock", lock_dir / f"{key}.holder"
 
 
 class SharedClaim:
@@ -325,11 +299,8 @@ class SharedClaim:
     """
 
     def __init__(self, lock_dir: Path, key: str, *, create: bool, shared: bool = False) -> None:
-        self.key = key
-        self.lock_path = key_lock_path(lock_dir, key)
-        self.lock_dir = lock_dir
+        self.lock = KeyLock(lock_dir, key, shared=shared)  # its lock file and holder record; never locked
         self.create = create
-        self.shared = shared
         self._fd: int | None = None
 
     def acquire(self, timeout_s: float) -> bool:
@@ -339,9 +310,8 @@ class SharedClaim:
             return False
         try:
             if not self._try(fd):
-                holder = KeyLock(self.lock_dir, self.key, shared=self.shared).read_holder
-                wait_until(lambda: True if self._try(fd) else None, timeout_s, key=self.key, holder=holder,
-                           backoff=(0.005, 1.5, 0.1))
+                wait_until(lambda: True if self._try(fd) else None, timeout_s, key=self.lock.key,
+                           holder=self.lock.read_holder, backoff=(0.005, 1.5, 0.1))
         except BaseException:
             os.close(fd)
             raise
@@ -359,15 +329,15 @@ class SharedClaim:
 
     def _open(self) -> int | None:
         """Open the lock file without blocking or following a link; None when it cannot be had read-only."""
-        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags, path = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, self.lock.lock_path
         if self.create:
             try:
-                mode = ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
-                return os.open(self.lock_path, flags | os.O_RDWR | os.O_CREAT, mode)
+                mode = _ready_lock_file(self.lock.lock_dir, path, shared=self.lock.shared)
+                return os.open(path, flags | os.O_RDWR | os.O_CREAT, mode)
             except OSError as exc:  # (an untrusted lock dir or file is a CacheError, not an OSError: it raises)
-                log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.key, self.lock_path, exc)
+                log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.lock.key, path, exc)
         try:
-            return os.open(self.lock_path, flags | os.O_RDONLY)  # a shared flock needs no write access
+            return os.open(path, flags | os.O_RDONLY)  # a shared flock needs no write access
         except OSError:
             return None
 
@@ -378,5 +348,5 @@ class SharedClaim:
         except BlockingIOError:
             return False
         except OSError as exc:
-            raise lock_error(self.lock_path, exc) from exc
+            raise _lock_error(self.lock.lock_path, exc) from exc
         return True

@@ -104,16 +104,14 @@ def trust_key() -> bytes | None:
     text, path = _text("JITWARM_TRUST_KEY"), _text("JITWARM_TRUST_KEY_FILE")
     if text and path:
         raise SettingError("JITWARM_TRUST_KEY and JITWARM_TRUST_KEY_FILE are both set: set one")
+    key = text.encode() if text else None
     if path:
         try:
             key = Path(path).read_bytes().rstrip(b"\r\n")
         except OSError as exc:
             raise SettingError(f"JITWARM_TRUST_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
-    else:
-        key = text.encode() if text else None
     if key is not None and len(key) < 16:
-        raise SettingError(f"{'JITWARM_TRUST_KEY_FILE' if path else 'JITWARM_TRUST_KEY'}: the key is shorter "
-                           "than 16 bytes")
+        raise SettingError(f"JITWARM_TRUST_KEY{'_FILE' if path else ''}: the key is shorter than 16 bytes")
     return key
 
 
@@ -233,13 +231,12 @@ def check_remote_url(url: str, what: str = "remote") -> str:
                            f"s3://BUCKET/PREFIX, got {scheme}")
     if url.startswith("unix://"):
         return url
-    if url.startswith("s3://"):
-        parts = urlsplit(url)
+    parts = urlsplit(url)
+    if parts.scheme == "s3":
         if _BUCKET_RE.fullmatch(parts.netloc) is None or parts.query or parts.fragment:
             raise SettingError(f"{what}: expected s3://BUCKET/PREFIX with a bucket name of 3-63 characters "
                                "from [a-z0-9.-]")
         return url
-    parts = urlsplit(url)
     try:
         port = parts.port  # ValueError for "notaport" and for 99999
     except ValueError:
@@ -305,6 +302,7 @@ def scoped_env(values: Mapping[str, str | None]) -> Iterator[None]:
 
 
 def _apply(values: Mapping[str, str | None]) -> None:
+    """Set (None: unset) each variable of ``values``."""
     for var, text in values.items():
         if text is None:
             os.environ.pop(var, None)
@@ -313,6 +311,7 @@ def _apply(values: Mapping[str, str | None]) -> None:
 
 
 def _text(var: str) -> str | None:
+    """The stripped value of ``var``; None when it is unset or blank."""
     text = os.environ.get(var, "").strip()
     return text or None
 

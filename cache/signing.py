@@ -1,19 +1,18 @@
 """The fleet key: entries a node publishes to a remote tier are signed over their manifest, and checked on read.
 
 Content hashes prove integrity, not origin: whoever can write the store can write a matching manifest too.
-With a key (``JITWARM_TRUST_KEY`` holding it, or ``JITWARM_TRUST_KEY_FILE``), each upload carries
-``{"key_id", "hmac"}``: HMAC-SHA256 under the key over the entry's key, its ``entry.json`` bytes and its
-executable files. A download whose signature is missing or does not verify raises :class:`UntrustedEntry`
-(exit 4, naming the entry) before anything is written; one signed with another key says so (``key_id``).
+With a key (``JITWARM_TRUST_KEY`` or ``_FILE``), each upload carries ``{"key_id", "hmac"}``: HMAC-SHA256 over
+the entry's key, its ``entry.json`` bytes and its executable files. A download whose signature is missing or
+does not verify raises :class:`UntrustedEntry` (exit 4) before anything is written.
 
-Bundles and shared layers carry the same signature as a file of their own, ``v1/signatures/<kk>/<key>.json``
-(:data:`SIGNATURES_DIR`), beside the entries rather than in an entry directory: an entry verifies as exactly
-the files its manifest lists, and a signature cannot be listed in the manifest it signs. The path is the same
-in a bundle and in the layer ``tar xf bundle.tar -C /opt/layer`` makes of it, so one signed export serves both.
+Bundles and shared layers keep it in a file of its own, ``v1/signatures/<kk>/<key>.json``, beside the entries:
+a signature cannot be listed in the manifest it signs. The path is the same in a bundle and in the layer
+``tar xf bundle.tar -C /opt/layer`` makes of it, so one signed export serves both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -52,10 +51,7 @@ def sign(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str
 
 def check(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str], signature: Any,
           where: str, *, subject: str | None = None) -> None:
-    """Raise UntrustedEntry unless ``signature`` is this entry's under ``key``; ``where`` names the store.
-
-    ``subject`` names the entry in the message (default ``remote entry <key> on <where>``).
-    """
+    """UntrustedEntry unless ``signature`` signs this entry under ``key``; ``subject`` (or store ``where``) names it."""
     name = subject or f"remote entry {entry_key} on {where}"
     if not isinstance(signature, dict) or not isinstance(signature.get("hmac"), str):
         raise UntrustedEntry(f"{name} is not signed, and a fleet key is configured", _HINT)
@@ -71,11 +67,6 @@ def signature_path(base: Path, entry_key: str) -> Path:
     return base / SIGNATURES_DIR / entry_key[:2] / f"{entry_key}.json"
 
 
-def executable_files(entry: Entry) -> list[str]:
-    """The files of a verified local entry that are executable, as its signature names them."""
-    return [rec.path for rec in entry.records if os.lstat(entry.path / rec.path).st_mode & 0o111]
-
-
 def signature_file(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str]) -> bytes:
     """The bytes of the signature file of one entry (for a bundle: a layer made from it has them too)."""
     return json.dumps(sign(key, entry_key, manifest, executable), sort_keys=True).encode()
@@ -88,20 +79,19 @@ def check_local(key: bytes, entry: Entry, signature: Path, subject: str) -> None
     :func:`~jitwarm.cache.entry.unchanged` checked after: what was checked is what was hashed.
     """
     doc = None
-    try:
-        data, _st = read_file_stat(signature, MAX_SIGNATURE_BYTES)
-        doc = loads(data)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError):
+        doc = loads(read_file_stat(signature, MAX_SIGNATURE_BYTES)[0])
     try:
         manifest, _st = read_file_stat(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise UntrustedEntry(f"{subject}: cannot read its {MANIFEST}: {exc.strerror or exc}") from None
-    check(key, entry.key, manifest, executable_files(entry), doc, "", subject=subject)
+    executable = [rec.path for rec in entry.records if os.lstat(entry.path / rec.path).st_mode & 0o111]
+    check(key, entry.key, manifest, executable, doc, "", subject=subject)
     if not unchanged(entry):
         raise UntrustedEntry(f"{subject}: its files changed while its signature was checked")
 
 
 def _mac(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str]) -> str:
+    """HMAC-SHA256 under ``key`` of the entry's key, its executable files and its manifest bytes."""
     message = b"\0".join([_DOMAIN, entry_key.encode(), "\n".join(sorted(executable)).encode(), manifest])
     return hmac.new(key, message, hashlib.sha256).hexdigest()
