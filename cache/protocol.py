@@ -125,23 +125,22 @@ class LocalCache:
         if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
         check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
-        if stamped and (entry := stamped_entry(self.root, path, key, allow_shared=self.allow_shared,
-                                                read_only=read_only, st=st)) is not None:
-            self._check_signed(layout, entry)
-            self._remember(entry, stamp=False, last_use=st.st_mtime)
-            return entry, None
-        try:
-            entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
-        except (CorruptEntry, FileNotFoundError) as exc:
-            if not os.path.lexists(path):
-                return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
-            why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
-            self._count("corrupt")
-            quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair, locked=locked,
-                       shared=self.allow_shared)
-            return None, why
+        entry = stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only,
+                              st=st) if stamped else None
+        hashed = entry is None
+        if hashed:
+            try:
+                entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
+            except (CorruptEntry, FileNotFoundError) as exc:
+                if not os.path.lexists(path):
+                    return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
+                why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
+                self._count("corrupt")
+                quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair,
+                           locked=locked, shared=self.allow_shared)
+                return None, why
         self._check_signed(layout, entry)
-        self._remember(entry, stamp=repair)
+        self._remember(entry, stamp=hashed and repair, last_use=None if hashed else st.st_mtime)
         return entry, None
 
     def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
@@ -193,10 +192,9 @@ class LocalCache:
             self._verified.pop(path, None)
 
     def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
-        """Stamp the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
+        """Set the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
 
-        Under the key's shared claim (unless ``locked``: we hold the key), so a prune's check-and-remove either
-        sees this use and keeps the entry, or removed it first and the lookup is a miss (invariant 4).
+        Under the key's shared claim (unless ``locked``: we hold the key), for invariant 4.
         """
         if entry.read_only:
             return True
@@ -320,10 +318,7 @@ class LocalCache:
         return entry
 
     def _build(self, key: str, description: Mapping[str, Any], build: BuildFn) -> Entry:
-        """Build into a fresh staging dir, seal and publish it (we hold the key's lock); no staging dir is left.
-
-        ValueError when ``key`` is not ``description``'s (checked before anything is built); ``BuildError``.
-        """
+        """Build, seal and publish (we hold the key's lock); ValueError for another description's key, BuildError."""
         actual, preimage = keyed(description)
         if actual != key:
             raise ValueError(f"key {key} is not the key of this description ({actual}); pass cache.key(description)")
@@ -355,9 +350,9 @@ class LocalCache:
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
         """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return what is published.
 
-        A rename keeps inodes and times: an unchanged signature proves it is what was hashed. A lost race
-        (another host's lock dir) is success: verify the winner, drop ours. A winner that stays invisible (NFS,
-        DeepEP #683) means serving our staged copy (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
+        A rename keeps inodes and times, so an unchanged signature proves it is what was hashed. A lost race
+        (another host's lock dir) is success; a winner that stays invisible (NFS, DeepEP #683) means serving
+        our staged copy (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
         """
         final = self.root.entry_dir(staged.key)
         for _attempt in range(2):

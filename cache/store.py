@@ -28,11 +28,7 @@ from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats").
-
-    ``hits`` are served without waiting, ``misses`` are lock-free lookups that found nothing, ``waits`` found
-    the key's lock (``lease_waits``: the fleet lease) held; ``remote_rejected`` failed their manifest.
-    """
+    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats")."""
 
     hits: int = 0
     misses: int = 0
@@ -106,11 +102,7 @@ class KernelCache:
             self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._count)
 
     def trust_key(self) -> bytes | None:
-        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one.
-
-        With one, bundles and a shared layer's entries are used only signed (docs/cache.md, "What each tier
-        trusts").
-        """
+        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one."""
         if self._trust_key is None:
             self._trust_key = (settings.trust_key(),)
         return self._trust_key[0]
@@ -139,10 +131,7 @@ class KernelCache:
         return key_preimage(description)
 
     def lookup(self, key: str) -> Entry | None:
-        """The verified entry of ``key`` from the root or a layer, or None; never waits or builds.
-
-        ValueError for a malformed key, ``CacheError`` for an untrusted directory.
-        """
+        """The verified entry of ``key`` from the root or a layer, or None; ValueError, ``CacheError`` (untrusted)."""
         return self._local.lookup(check_key(key))
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
@@ -187,20 +176,17 @@ class KernelCache:
         return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
 
     def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry its caller cannot use (e.g. one dlopen rejects); the next get builds it again.
+        """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.
 
-        A root entry still unchanged is quarantined under its key's lock; a layer's (or a read-only cache's)
-        is skipped by this instance from now on. ``LockTimeout`` (the entry is skipped all the same).
+        ``LockTimeout`` (the entry is skipped all the same).
         """
         self._local.discard(entry, reason, timeout_s)
 
     def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> AbstractContextManager[Entry | None]:
-        """Keep ``entry`` from being pruned or quarantined while the caller reads (loads) it.
+        """``with cache.claim(entry) as claimed:``: ``entry`` kept from prune and quarantine while it is read.
 
-        ``with cache.claim(entry) as claimed:`` yields the entry while its files are the ones hashed, else
-        None (get it again). Leave the block before discarding or rebuilding the key (they would wait for
-        this claim). A layer's entry is only re-checked; a read-only volume is read unlocked. Raises
-        ``LockTimeout`` or ``CacheError`` (no flock here).
+        Yields None when its files are no longer the ones hashed (get it again). Discard or rebuild the key
+        only after the block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
         """
         return self._local.claim(entry, timeout_s)
 
@@ -227,10 +213,9 @@ class KernelCache:
             self._count("lock_wait_s", time.monotonic() - start)
 
     def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (default: every entry and shard of the root and layers).
+        """Re-hash every copy of ``keys`` (default: every entry and shard); ``repair``: quarantine corrupt ones.
 
-        ``repair=True`` quarantines a corrupt root copy whose lock is free. ``CacheError`` only for an
-        untrusted directory.
+        ``CacheError`` only for an untrusted directory.
         """
         return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair)
@@ -239,9 +224,9 @@ class KernelCache:
               grace_s: float | None = None) -> PruneReport:
         """Remove root entries least recently used first (to ``max_bytes``, or unused ``older_than_s``).
 
-        Keeps an entry locked or claimed, or used within ``grace_s`` (``JITWARM_PRUNE_GRACE_S``); also removes
-        dead builders' staging dirs and, with ``older_than_s``, old quarantined copies. ``CacheError`` for a
-        read-only cache, ``UntrustedPath`` for an untrusted lock dir.
+        Keeps an entry locked, claimed or used within ``grace_s`` (``JITWARM_PRUNE_GRACE_S``); also removes
+        dead builders' staging dirs and, with ``older_than_s``, old quarantined copies. ``CacheError`` (a
+        read-only cache), ``UntrustedPath`` (the lock dir).
         """
         self._require_writable("prune")
         grace = settings.prune_grace_s() if grace_s is None else max(0.0, float(grace_s))
@@ -274,18 +259,15 @@ class KernelCache:
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
-        """Write the entries of ``keys`` to one relocatable tar (gzip'd for .gz/.tgz); extracted, it is a layer.
+        """Write the entries of ``keys`` (signed, with a fleet key) to one relocatable tar, gzip'd for .gz/.tgz.
 
-        With a fleet key (:meth:`trust_key`) each entry's signature goes in too. ``CacheError`` for a missing or
-        corrupt key, ``CacheWriteError`` (no partial file is left).
+        ``CacheError`` for a missing or corrupt key, ``CacheWriteError`` (no partial file is left).
         """
-        entries = self._entries(keys, path)
-        return bundle.write_bundle(entries, settings.absolute_path(path), trust_key=self.trust_key())
+        return bundle.write_bundle(self._entries(keys, path), settings.absolute_path(path), trust_key=self.trust_key())
 
     def export_bundle_to_store(self, keys: Iterable[str], url: str) -> str:
         """Stream the entries of ``keys`` as one bundle to the object ``s3://BUCKET/KEY.tar``; return its sha256.
 
-        One multipart upload, one part in memory at a time; the object appears only once complete.
         ``CacheError`` for a missing key, ``BundleStoreError`` (a store fault: no object is left).
         """
         from jitwarm.cache.remote.s3_bundle import upload_bundle
@@ -336,10 +318,7 @@ class KernelCache:
         return write_plan_record(self._local.root, plan_id, record)
 
     def read_fact(self, name: str) -> str | None:
-        """A fact kept with :meth:`write_fact` (a compiler's version by its binary's stat), or None.
-
-        An unreadable or untrusted fact is None; ValueError for a name outside ``[A-Za-z0-9._-]{1,128}``.
-        """
+        """A fact kept by :meth:`write_fact`, or None (also unreadable, untrusted); ValueError for a bad name."""
         return read_fact(self._local.root, name, allow_shared=self.allow_shared)
 
     def write_fact(self, name: str, value: str) -> None:
