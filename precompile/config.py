@@ -1,9 +1,7 @@
 """ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
 
-The capture fields carry sglang's names (``--cuda-graph-max-bs-decode``, ``--tp-size``, ...); the server room
-named by ``server`` gives them its server's meaning (:mod:`jitwarm.precompile.servers`). They come from jitwarm's
-flags, the server's command line after ``--`` or a TOML file (:mod:`jitwarm.precompile.config_sources`), or from
-the server's own arguments inside it (its room's plugin).
+The capture fields carry sglang's names; the room named by ``server`` gives them its server's meaning
+(:mod:`jitwarm.precompile.servers`). Where they come from: :mod:`jitwarm.precompile.config_sources`.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import functools
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -22,12 +21,9 @@ from jitwarm.kernels import BUILDABLE, DTYPES, ModelDims, Target, TargetError
 from jitwarm.kernels.backend import refusal as backend_refusal
 from jitwarm.precompile import servers
 
-#: Largest batch size, draft-token count and parallel size accepted: larger is not a real server, and a
-#: million-entry ladder would take minutes and gigabytes to enumerate.
+#: Largest batch size accepted: larger is not a real server, and a million-entry ladder would take minutes and
+#: gigabytes to enumerate.
 MAX_BATCH_SIZE = 4096
-MAX_DRAFT_TOKENS = 64
-MAX_PARALLEL = 1024
-MAX_GPU_MEMORY_MB = 16 << 20  # 16 TiB
 
 class ConfigError(UsageError, ValueError):
     """A serving config or flag is invalid (exit 2); ``problems`` holds one message per problem."""
@@ -72,8 +68,8 @@ def local_gpu_memory_mb() -> int | None:
         return None
 
 
-# The checked fields by kind (each named in messages by its flag): "batch", "draft", "count", "parallel" and
-# "memory" positive ints up to their limit; "flag" a bool; "bs_list" a list of batch sizes; "text" a string.
+# The checked fields by kind (each named in messages by its flag): the kinds in _LIMITS are positive ints up to
+# their limit (memory in MiB: 16 TiB); "flag" a bool; "bs_list" a list of batch sizes; "text" a string.
 _KINDS = {
     "batch": ("cuda_graph_max_bs_decode",), "bs_list": ("cuda_graph_bs_decode",),
     "flag": ("disable_cuda_graph", "disable_decode_cuda_graph", "disable_cuda_graph_padding", "enable_dp_attention"),
@@ -82,20 +78,18 @@ _KINDS = {
     "parallel": ("tp_size", "dp_size", "attn_dp_size"), "memory": ("gpu_memory_mb",),
     "text": ("model_path", "model_architecture"),
 }
-_LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": MAX_DRAFT_TOKENS, "parallel": MAX_PARALLEL,
-           "memory": MAX_GPU_MEMORY_MB}
+_LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": 64, "parallel": 1024, "memory": 16 << 20}
 
 
 @dataclass(frozen=True)
 class ServingConfig:
     """The server settings that decide the capture ladder, plus the model dims and build targets.
 
-    None means "not given", so the server's default applies (the default max batch comes from the device
-    memory, ``gpu_memory_mb``, read from the local GPU when there is one). ``server`` names the room that gives
-    the capture fields their meaning, ``server_options`` holds the room's settings that no field holds (a JSON
-    object, kept as canonical JSON text). Construction normalises lists, takes the room's defaults for unset
-    fields (sglang's ``SGLANG_RAGGED_VERIFY_MODE``), and validates: :class:`ConfigError` lists every problem,
-    including combinations the server itself rejects.
+    None means "not given": the server's default applies (the default max batch comes from ``gpu_memory_mb``,
+    read from the local GPU when there is one). ``server_options`` holds the room's settings that no field holds.
+    Construction normalises lists, takes the room's defaults for unset fields (sglang's
+    ``SGLANG_RAGGED_VERIFY_MODE``) and validates: :class:`ConfigError` lists every problem, including
+    combinations the server itself rejects.
 
     Examples
     --------
@@ -108,7 +102,7 @@ class ServingConfig:
 
     cuda_graph_max_bs_decode: int | None = None
     cuda_graph_bs_decode: tuple[int, ...] | None = None
-    cuda_graph_config: str | None = None  # the --cuda-graph-config JSON object, as canonical JSON text
+    cuda_graph_config: str | None = None  # a JSON object (this and server_options are kept as canonical JSON text)
     disable_cuda_graph: bool = False
     disable_decode_cuda_graph: bool = False
     disable_cuda_graph_padding: bool = False
@@ -135,7 +129,7 @@ class ServingConfig:
     backends: tuple[str, ...] = ("tvm_ffi",)
     targets: tuple[str, ...] | None = None
     server: str = servers.DEFAULT
-    server_options: str | None = None  # a JSON object of the room's own settings, as canonical JSON text
+    server_options: str | None = None
     mode_from_env: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -155,9 +149,7 @@ class ServingConfig:
             set_("speculative_algorithm", self.speculative_algorithm.upper())
         set_("compress_ratios", tuple(sorted(set(self.compress_ratios))))
         set_("backends", tuple(dict.fromkeys(self.backends)))
-        if self.targets is None:
-            set_("targets", (local_target(),))
-        set_("targets", tuple(dict.fromkeys(self.targets)))
+        set_("targets", tuple(dict.fromkeys(self.targets if self.targets is not None else (local_target(),))))
         self.validate()
 
     @property
@@ -174,8 +166,7 @@ class ServingConfig:
         elif self.ladder_source not in room.LADDER_SOURCES:
             problems.append(f"unknown --ladder-source {self.ladder_source!r}; choose from "
                             f"{', '.join(room.LADDER_SOURCES)}")
-        if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 2 \
-                or self.rope_dim % 2:
+        if not _is_int(self.rope_dim) or self.rope_dim < 2 or self.rope_dim % 2:
             problems.append(f"--rope-dim must be a positive even integer, got {self.rope_dim!r}")
         elif _is_int(self.head_dim) and self.rope_dim > self.head_dim:
             problems.append(f"--rope-dim {self.rope_dim} is larger than --head-dim {self.head_dim}")
@@ -236,9 +227,15 @@ class ServingConfig:
 
         An argv that is a server command line (a launcher a room recognises, or ``--model-path``) is read as one.
         """
-        from jitwarm.precompile.config_sources import from_flags
+        from jitwarm.precompile import config_sources as sources
 
-        return from_flags(argv)
+        own, server = sources.split_server_argv(sys.argv[1:] if argv is None else argv)
+        parser = sources.FlagParser(prog="jitwarm", add_help=False)
+        sources.add_serving_flags(parser)
+        ns, rest = parser.parse_known_args(own)
+        if rest:
+            raise ConfigError([f"unrecognized arguments: {' '.join(rest)} (put the server's command line after --)"])
+        return sources.from_namespace(ns, server)
 
 
 def _check_types(cfg: ServingConfig) -> list[str]:

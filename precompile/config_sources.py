@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache.errors import UsageError
+from jitwarm.cache.files import read_file_stat
 from jitwarm.kernels import BUILDABLE, DTYPES
 from jitwarm.precompile import servers
 from jitwarm.precompile.config import ConfigError, ServingConfig
@@ -49,31 +49,23 @@ def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]
     if "--" in argv:
         i = argv.index("--")
         return argv[:i], argv[i + 1:]
-    if servers.recognised(argv) or any(a in ("--model-path", "--model") or a.startswith(("--model-path=",
-                                                                                       "--model="))
-                                      for a in argv):
+    model = any(a in ("--model-path", "--model") or a.startswith(("--model-path=", "--model=")) for a in argv)
+    if model or servers.recognised(argv):
         return [], argv
     return argv, None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Return the ServingConfig fields a TOML file sets; ConfigError for an unreadable file or an unknown key."""
-    return fields_of(_read_toml(path), source=str(path))
+    """Return the ServingConfig fields a TOML file sets; ConfigError for an unreadable file or an unknown key.
 
-
-def _read_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file with a size bound; ConfigError naming the file on any problem."""
+    The keys are the top level's, or the ``[jitwarm]`` table's when there is one.
+    """
     try:
-        # O_NONBLOCK: opening a FIFO planted where the file should be must not wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ConfigError([f"--config {path} is not a regular file"])
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        # Follow a link the operator gave (a ConfigMap is one); then no blocking (a FIFO planted where the file
+        # should be), a regular file of bounded size (/dev/zero is not a config).
+        raw, _ = read_file_stat(os.path.realpath(path), MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError([f"cannot read --config {path}: {exc.strerror or exc}"]) from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"--config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a jitwarm config"])
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -81,7 +73,7 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
     table = data.get("jitwarm", data)
     if not isinstance(table, dict):
         raise ConfigError([f"--config {path}: [jitwarm] must be a table, got {type(table).__name__}"])
-    return table
+    return fields_of(table, source=str(path))
 
 
 def fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -121,17 +113,14 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _finite_int(text: str) -> int:
-    if not text.isascii():  # int("٩٠") is 90: a flag takes ASCII digits only
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    """An int flag's value: ASCII digits (``int("٩٠")`` is 90), or a whole number written as a float (``1e3``)."""
     try:
         value = float(text) if "." in text or "e" in text.lower() else int(text)
+        if text.isascii() and math.isfinite(value) and value == int(value):
+            return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
-        value = int(value)
-    return value
+        pass
+    raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
 
 
 def path_flag(text: str) -> str:
@@ -159,8 +148,8 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    nargs="+", metavar="BS", help="explicit decode capture batch sizes")
     g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
                    help="sglang's per-phase JSON, e.g. '{\"decode\": {\"max_bs\": 64}}' (wins over the flags)")
-    g.add_argument("--disable-cuda-graph", action="store_true", default=None)
-    g.add_argument("--disable-decode-cuda-graph", action="store_true", default=None)
+    for name in ("--disable-cuda-graph", "--disable-decode-cuda-graph"):
+        g.add_argument(name, action="store_true", default=None)
     g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None,
                    help="capture every batch size up to the max")
     g.add_argument("--speculative-algorithm", metavar="NAME",
@@ -191,10 +180,8 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model-architecture", metavar="NAME",
                    help="the model's architecture as its config.json names it (DeepseekV4ForCausalLM runs jitwarm's "
                         "families); default: read from a local --model-path, else judged from its name")
-    m.add_argument("--head-dim", type=_finite_int)
-    m.add_argument("--rope-dim", type=_finite_int)
-    m.add_argument("--num-q-heads", type=_finite_int)
-    m.add_argument("--num-kv-heads", type=_finite_int)
+    for name in ("--head-dim", "--rope-dim", "--num-q-heads", "--num-kv-heads"):
+        m.add_argument(name, type=_finite_int)
     m.add_argument("--compress-ratios", type=_finite_int, nargs="+", metavar="R")
     m.add_argument("--dtype", metavar="DTYPE", help=" | ".join(DTYPES))
     b = parser.add_argument_group("build")
@@ -234,15 +221,3 @@ def _fields(values: Mapping[str, Any]) -> dict[str, Any]:
     """The values that are set (not None), lists as tuples."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None}
 
-
-def from_flags(argv: Sequence[str] | None = None) -> ServingConfig:
-    """:meth:`ServingConfig.from_args`: jitwarm's flags, then optionally ``--`` and the server's command line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, server = split_server_argv(argv)
-    parser = FlagParser(prog="jitwarm", add_help=False)
-    add_serving_flags(parser)
-    ns, rest = parser.parse_known_args(own)
-    if rest:
-        raise ConfigError([f"unrecognized arguments: {' '.join(rest)} (put the server's command line "
-                           "after --)"])
-    return from_namespace(ns, server)

@@ -1,42 +1,21 @@
 """The start-up ledger: what a served start still compiled, per family, and what its caches served.
 
 A restored cache proves nothing until the server is seen not compiling: a unit copied "successfully" is never
-used when one flag or version differs (modelexpress #560; dynamo #10119, #10695). :func:`begin` takes the
-start snapshot (the plugin calls it when sglang loads it, before the model); :func:`report_after_capture`,
-called once the last graph is captured, logs one line per family and writes them as JSON to
-``JITWARM_LEDGER`` when it is set. Each family is counted by its library's own signal where it has one:
-
-==============  ======================================================================================
-family          signal
-==============  ======================================================================================
-``inductor``    ``torch._dynamo.utils.counters["inductor"]``: ``fxgraph_cache_hit`` / ``fxgraph_cache_miss``;
-                the keys compiled are the FX graph directories new in its cache
-``triton``      jitwarm's Triton cache manager (:func:`jitwarm.kernels.libraries.triton.cache.served`) while
-                it serves Triton; otherwise the key directories new in Triton's own cache
-``load_jit``    sglang's loader, watched by the sglang room (:mod:`jitwarm.precompile.servers.sglang.
-                loader_calls`, a :class:`Watcher` the plugin hands to :func:`begin`): found (served) or
-                compiled, per build directory
-``vllm_compile`` vLLM's ``compilation_counter`` (AOT artifacts and compiled graphs loaded: served); the units
-                new in its compile tree (compiled), each with the cache key factor that differs from the units
-                there at start (:func:`~jitwarm.kernels.libraries.jit_caches.vllm_compile.why_missed`)
-the others      TileLang, DeepGEMM, CuTe DSL, FlashInfer, the driver's PTX cache: no hit signal; what
-                compiled is the units new in the family's cache directory (:mod:`~jitwarm.kernels.libraries.
-                jit_caches.census`), served is unknown, and the units present at start are counted
-==============  ======================================================================================
-
-A family that compiled although units of it were present at start (restored, usually) gets a warning naming
-each compiled key: the restored units were keyed differently (docs/deployment.md, "The fingerprint rule").
-This module imports no library: it reads the signals of those already imported.
+used when one flag or version differs (modelexpress #560; dynamo #10119, #10695). :func:`begin` takes the start
+snapshot (a plugin calls it before the model loads); :func:`report_after_capture`, after the last graph is
+captured, logs one line per family and writes them as JSON to ``JITWARM_LEDGER``. Each family is counted by its
+library's own hit signal where it has one (Inductor's counters, jitwarm's Triton manager, the sglang room's
+``load_jit`` watcher, vLLM's ``compilation_counter``), else by the units new in its cache directory
+(docs/deployment.md, "Ledger", says which family has which). This module imports no library: it reads the
+signals of those already imported.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,9 +28,6 @@ VERSION = 1
 #: The families a ledger reports, in order (the JIT cache families with ``load_jit`` after Triton).
 FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "tilelang", "deep_gemm", "cute_dsl", "flashinfer",
             "ptx")
-_TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache"
-_VLLM_COUNTER = "vllm.compilation.counter"
-_VLLM_LOADS = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
 _NO_SIGNAL = "new units in its cache directory"
 _SHOWN_KEYS = 3
 
@@ -113,10 +89,7 @@ class LedgerReport:
 
     def family(self, name: str) -> FamilyCount:
         """The count of family ``name`` (KeyError when it is not one of :data:`FAMILIES`)."""
-        for count in self.families:
-            if count.family == name:
-                return count
-        raise KeyError(name)
+        return {f.family: f for f in self.families}[name]
 
     def lines(self) -> list[str]:
         """One line per family, then :meth:`warnings`."""
@@ -135,20 +108,10 @@ class LedgerReport:
 
     def write(self, path: str | Path) -> None:
         """Write :meth:`as_json` to ``path`` whole (a temporary file beside it, renamed); OSError if it cannot."""
-        path = Path(path)
-        if path.is_dir():
-            raise IsADirectoryError(21, "is a directory", str(path))
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        tmp = Path(name)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(self.as_json(), out, indent=1, sort_keys=True)
-                out.write("\n")
-            tmp.replace(path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        from jitwarm.cache.files import write_atomic
+
+        text = json.dumps(self.as_json(), indent=1, sort_keys=True) + "\n"
+        write_atomic(Path(path), text.encode(), durable=False)
 
 
 class Watcher(Protocol):
@@ -164,8 +127,8 @@ class Watcher(Protocol):
 class Ledger:
     """The start snapshot of one process; :meth:`report` counts what happened since.
 
-    Taking it lists every JIT cache family's complete units and notes the Inductor counters and the Triton
-    manager's compiles so far; ``watchers`` (a server room's, :class:`Watcher`) count their own families.
+    Taking it lists every JIT cache family's complete units and notes the Inductor counters, the Triton
+    manager's compiles and vLLM's loads so far; ``watchers`` (a server room's) count their own families.
     """
 
     def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
@@ -185,23 +148,26 @@ class Ledger:
     def report(self) -> LedgerReport:
         """Each family's count since the snapshot (never raises OSError: a vanished directory counts empty)."""
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
+        from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
 
         after = snapshot(self._before)
         new = added(self._before, after)
         counts = []
         for name in FAMILIES:
+            units = new.get(name, {})
             if name == "inductor":
-                counts.append(self._inductor_count(after, new.get(name, {})))
-            elif name == "triton" and _triton_served_by_jitwarm():
+                counts.append(self._inductor_count(after[name].root, units))
+            elif name == "triton" and (served_by_jitwarm() or _triton_served()):
                 counts.append(self._triton_count())
             elif name == "vllm_compile":
-                counts.append(self._vllm_count(after[name].root, new.get(name, {})))
+                counts.append(self._vllm_count(after[name].root, units))
             elif name in self.watchers:
                 counts.append(self.watchers[name].count())
             elif name == "load_jit":
                 counts.append(FamilyCount(name, "sglang's loader: not watched in this process", None, 0))
             else:
-                counts.append(_dir_count(name, after[name].root, self._before[name].units, new.get(name, {})))
+                counts.append(FamilyCount(name, _NO_SIGNAL, None, len(units), tuple(sorted(units)),
+                                          *self._present(name, after[name].root)))
         return LedgerReport(tuple(counts))
 
     def close(self) -> None:
@@ -209,16 +175,17 @@ class Ledger:
         for watcher in self.watchers.values():
             watcher.remove()
 
-    def _inductor_count(self, after: Mapping[str, Any], new: Mapping[str, Any]) -> FamilyCount:
-        now = _inductor_counters()
-        hits = now.get("fxgraph_cache_hit", 0) - self._inductor.get("fxgraph_cache_hit", 0)
-        misses = now.get("fxgraph_cache_miss", 0) - self._inductor.get("fxgraph_cache_miss", 0)
+    def _present(self, name: str, root: Path | None) -> tuple[int | None, str | None]:
+        """The family's units at start and its cache directory (both None where it has none here)."""
+        return (len(self._before[name].units), str(root)) if root else (None, None)
+
+    def _inductor_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
         from jitwarm.kernels.libraries.jit_caches.inductor import graph_keys
 
-        keys = graph_keys(new)
-        root = after["inductor"].root
+        now = _inductor_counters()
+        hits, misses = (now.get(k, 0) - self._inductor.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
         return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
-                           tuple(f"fxgraph {k}" for k in keys), len(self._before["inductor"].units),
+                           tuple(f"fxgraph {k}" for k in graph_keys(new)), len(self._before["inductor"].units),
                            str(root) if root else None)
 
     def _vllm_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
@@ -233,8 +200,7 @@ class Ledger:
         served = None if loads is None else loads - (self._vllm_loads or 0)
         signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
                   else _NO_SIGNAL)
-        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), len(present) if root else None,
-                           str(root) if root else None)
+        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), *self._present("vllm_compile", root))
 
     def _triton_count(self) -> FamilyCount:
         done = _triton_served()[self._triton:]
@@ -243,38 +209,28 @@ class Ledger:
                            len(compiled), tuple(compiled))
 
 
-def _dir_count(name: str, root: Path | None, before: Mapping[str, Any], new: Mapping[str, Any]) -> FamilyCount:
-    return FamilyCount(name, _NO_SIGNAL, None, len(new), tuple(sorted(new)), len(before) if root else None,
-                       str(root) if root else None)
-
-
 def _shown(keys: tuple[str, ...]) -> str:
+    """The first keys, and how many more."""
     return ", ".join(keys[:_SHOWN_KEYS]) + (f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else "")
 
 
 def _inductor_counters() -> dict[str, int]:
     """``counters["inductor"]`` when torch._dynamo is imported here (else nothing has compiled through it)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
     return dict(counters["inductor"]) if counters is not None else {}
 
 
 def _triton_served() -> list[tuple[str, str]]:
-    manager = sys.modules.get(_TRITON_MANAGER)
+    """What jitwarm's Triton cache manager did in this process, if it is imported."""
+    manager = sys.modules.get("jitwarm.kernels.libraries.triton.cache")
     return manager.served() if manager is not None else []
-
-
-def _triton_served_by_jitwarm() -> bool:
-    """Whether Triton's compiles go through jitwarm's manager here (then its directory holds none of them)."""
-    from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
-
-    return served_by_jitwarm() or bool(_triton_served())
 
 
 def _vllm_loads() -> int | None:
     """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: vLLM's counter not imported)."""
-    counter = getattr(sys.modules.get(_VLLM_COUNTER), "compilation_counter", None)
-    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in _VLLM_LOADS)
+    counter = getattr(sys.modules.get("vllm.compilation.counter"), "compilation_counter", None)
+    loads = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
+    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in loads)
 
 
 _process: Ledger | None = None

@@ -2,28 +2,20 @@
 
 A record says enough to build its kernel again elsewhere and to name it to a person:
 
-``{"v": 1, "kind": "triton", "kernel": "pkg.mod:qualname", "target": "sm_90", "triton": "3.8.0",
-"specialization": <Triton's own specialization data, a JSON string>, "name": <Triton's repr>}``
+- ``{"v": 1, "kind": "triton", "kernel": "pkg.mod:qualname", "target": "sm_90", "triton": "3.8.0",
+  "specialization": <Triton's own specialization data, a JSON string>, "name": <Triton's repr>}``
+- ``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": <the running
+  sglang's version>, "call": {"args": [...], ...}}``
+- ``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
+  "cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang", "vllm" or ""}``:
+  one complete unit of a JIT library's own cache, stored in jitwarm's cache
+  (:mod:`jitwarm.kernels.libraries.jit_caches`), restored where the server ``under`` puts that cache.
 
-``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": <the
-running sglang's version, the room's VERSION for the release it mirrors>, "call": {"args": [...], ...}}``
-(:data:`jitwarm.precompile.servers.sglang.VERSION`).
-
-``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
-"cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang", "vllm" or
-""}``: one complete unit of a JIT library's own cache, captured from the run and stored in jitwarm's cache
-(:mod:`jitwarm.kernels.libraries.jit_caches`); ``under``: the server the run was (sglang, vLLM), so the unit is
-restored where that server puts that cache.
-
-Appends are safe with many ranks writing one manifest: each append locks the file itself (filelock, as the
-cache's key locks; its ``flock`` excludes other processes and other threads alike), reads what is there and
-adds only records it lacks, so a manifest holds each record once. Reading bounds the
-file's size and each line's, and a malformed line is an error naming its line number. Pure Python.
-
-A manifest is code: replaying it imports the modules its records name. So, like the cache root, it is trusted
-only from this user or root and when no other user can write it (``JITWARM_ALLOW_SHARED=1`` accepts it anyway).
-A disk that fills mid-append leaves at most a torn last line (a kill can too): readers ignore it, saying so
-once, and the next append cuts it off before writing, so one short write never costs the records before it.
+Many ranks append to one manifest: each append locks the file itself (filelock's ``flock``, which excludes other
+processes and threads alike) and adds only the records it lacks. A manifest is code (replaying it imports the
+modules it names), so it is trusted only from this user or root, unwritable by others (``JITWARM_ALLOW_SHARED=1``
+accepts it anyway). A disk that fills mid-append (or a kill) leaves at most a torn last line: readers ignore it,
+saying so once, and the next append cuts it off, so one short write never costs the records before it.
 """
 
 from __future__ import annotations
@@ -52,13 +44,12 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
 #: How long an append waits for another one holding the manifest's lock (an append takes milliseconds).
 LOCK_TIMEOUT_S = 60.0
+_NEEDS = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call"),
+          "jit_cache": ("library", "unit", "target", "files", "fingerprint")}
 
 
 class ManifestError(UsageError, ValueError):
-    """A manifest that cannot be read, is not trusted, or holds a record that is not one (exit 2).
-
-    The message names the file (and the line).
-    """
+    """A manifest that cannot be read, is not trusted, or holds a record that is not one (exit 2, naming the line)."""
 
 
 _said_torn: set[tuple[str, int]] = set()  # (path, size) of each torn manifest already reported in this process
@@ -76,9 +67,7 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
             or not isinstance(record.get("kind"), str) or record["kind"] not in KINDS:  # a list is unhashable
         raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton, sglang_jit or "
                             "jit_cache)")
-    need = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call"),
-            "jit_cache": ("library", "unit", "target", "files", "fingerprint")}
-    for field in need[record["kind"]]:
+    for field in _NEEDS[record["kind"]]:
         if field not in record:
             raise ManifestError(f"{where}: a {record['kind']} record needs {field!r}")
     if not isinstance(record["target"], str):
@@ -95,6 +84,7 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
 
 
 def _check_unit_record(record: dict[str, Any], where: str) -> None:
+    """Raise ManifestError unless the ``jit_cache`` record names a known library's well-formed unit."""
     from jitwarm.kernels.libraries.jit_caches import MODULES
     from jitwarm.kernels.libraries.jit_caches.census import library
     from jitwarm.kernels.libraries.jit_caches.units import files_problem
@@ -144,8 +134,10 @@ def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if torn and not records:  # nothing to warn past: one line, not a warning and then "the plan is empty"
         raise ManifestError(f"manifest {path} holds no complete record: its only line is torn (an append cut "
                             "short) or not a record")
-    if torn:
-        _say_torn(str(path), len(data))
+    if torn and (str(path), len(data)) not in _said_torn:
+        _said_torn.add((str(path), len(data)))
+        log.warning("jitwarm: warning: manifest %s: its last line is torn (an append cut short by a full disk or a "
+                    "kill): ignored; the next append removes it", path)
     return records
 
 
@@ -155,13 +147,6 @@ def check_trusted(path: str | os.PathLike[str], st: os.stat_result) -> None:
     if reason is not None and not settings.allow_shared():
         raise ManifestError(f"refusing manifest {path}: {reason} (replaying it imports the modules it names)",
                             "set JITWARM_ALLOW_SHARED=1 to accept it")
-
-
-def _say_torn(path: str, size: int) -> None:
-    if (path, size) not in _said_torn:
-        _said_torn.add((path, size))
-        log.warning("jitwarm: warning: manifest %s: its last line is torn (an append cut short by a full disk or a "
-                    "kill): ignored; the next append removes it", path)
 
 
 def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
@@ -193,9 +178,8 @@ def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
     """Add the records the manifest at ``path`` lacks (creating it); return how many were added.
 
-    Safe with many processes appending at once: the read and the write happen under an exclusive lock of
-    the file itself. A torn last line is cut off first; a write that fails (a full disk) is undone, so it
-    leaves no torn line and the count is of records that are in the file.
+    The read and the write happen under an exclusive lock of the file itself; a torn last line is cut off
+    first, and a write that fails (a full disk) is undone, so the count is of records that are in the file.
 
     Raises
     ------
@@ -221,32 +205,24 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
             locked = os.lstat(path)
             if (locked.st_dev, locked.st_ino) != (st.st_dev, st.st_ino):
                 raise ManifestError(f"manifest {path} was replaced while it was opened")
-            return _append_locked(fd, path, new)
+            data = _read_all(fd, path)
+            known, torn = _parse(data, str(path))
+            end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
+            if torn:
+                os.ftruncate(fd, end)  # the torn line goes; O_APPEND then writes from the new end
+            known_ids = {record_id(r) for r in known}
+            fresh = {rid: r for r in new if (rid := record_id(r)) not in known_ids}  # each once, first-seen order
+            lines = [json.dumps(r, sort_keys=True) + "\n" for r in fresh.values()]
+            if lines:
+                lead = "\n" if data[:end] and not data[:end].endswith(b"\n") else ""  # a last record without "\n"
+                _write_all(fd, (lead + "".join(lines)).encode(), end)
+            return len(lines)
     finally:
         os.close(fd)
 
 
-def _append_locked(fd: int, path: str | os.PathLike[str], new: list[dict[str, Any]]) -> int:
-    """The rest of :func:`append_records`, under the manifest's lock: repair, dedupe, write."""
-    data = _read_all(fd, path)
-    known_records, torn = _parse(data, str(path))
-    end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
-    if torn:
-        os.ftruncate(fd, end)  # the torn line goes; O_APPEND then writes from the new end
-    known = {record_id(r) for r in known_records}
-    lines = []
-    for record in new:
-        rid = record_id(record)
-        if rid not in known:
-            known.add(rid)
-            lines.append(json.dumps(record, sort_keys=True) + "\n")
-    if lines:
-        lead = "\n" if data[:end] and not data[:end].endswith(b"\n") else ""  # a last record without its newline
-        _write_all(fd, (lead + "".join(lines)).encode(), end)
-    return len(lines)
-
-
 def _read_all(fd: int, path: str | os.PathLike[str]) -> bytes:
+    """The whole file behind ``fd``; ManifestError past :data:`MAX_MANIFEST_BYTES`."""
     chunks, left = [], MAX_MANIFEST_BYTES + 1
     while left > 0 and (chunk := os.pread(fd, min(left, 1 << 20), MAX_MANIFEST_BYTES + 1 - left)):
         chunks.append(chunk)
@@ -293,17 +269,9 @@ def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None
              ) -> tuple[tuple[KernelSpec, ...], int]:
     """The specs of manifest records, each once, and how many records ``targets`` left out.
 
-    A record is planned for the target it was recorded on: Triton's specialization data and load_jit's build
-    are the arch's own, so ``--target`` selects records (an H200's records are ``sm_90``), it does not
-    retarget them.
+    ``--target`` selects records (an H200's are ``sm_90``), it does not retarget them: Triton's specialization
+    data and load_jit's build are the arch's own.
     """
-    wanted = set(targets) if targets is not None else None
-    specs: dict[KernelSpec, None] = {}
-    skipped = 0
-    for record in records:
-        if wanted is not None and record["target"] not in wanted:
-            skipped += 1
-            continue
-        specs.setdefault(spec_of(record), None)
-    return tuple(specs), skipped
-
+    records, wanted = list(records), None if targets is None else set(targets)
+    kept = [r for r in records if wanted is None or r["target"] in wanted]
+    return tuple(dict.fromkeys(spec_of(r) for r in kept)), len(records) - len(kept)

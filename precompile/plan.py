@@ -73,19 +73,16 @@ class WarmPlan:
         ladder = resolve_ladder(config)
         assert config.room is not None  # a ServingConfig names a room: construction checks it
         families = config.room.model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
-        shapes = ladder.shapes
         needed: dict[KernelSpec, list[int]] = {}
         introduced: dict[int, tuple[KernelSpec, ...]] = {}
-        for shape in shapes:
-            new = []
-            for spec in _specs_of_shape(shape, config, families.planned):
-                if spec not in needed:
-                    needed[spec] = []
-                    new.append(spec)
-                needed[spec].append(shape.bs)
-            introduced[shape.bs] = tuple(new)
-        return cls(config, shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced, ladder,
-                   families=families)
+        for shape in ladder.shapes:
+            specs = [spec for backend in config.backends for target in config.targets for name in families.planned
+                     for spec in FAMILIES[name].specs_for(shape.layout, config.model, backend, target)]
+            introduced[shape.bs] = tuple(dict.fromkeys(s for s in specs if s not in needed))
+            for spec in specs:
+                needed.setdefault(spec, []).append(shape.bs)
+        return cls(config, ladder.shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced,
+                   ladder, families=families)
 
     @property
     def plan_id(self) -> str:
@@ -113,10 +110,3 @@ class WarmPlan:
                        "recorded": len(self.recorded)},
         }
 
-
-def _specs_of_shape(shape: CaptureShape, config: ServingConfig, families: Iterable[str]) -> Iterable[KernelSpec]:
-    names = tuple(families)
-    for backend in config.backends:
-        for target in config.targets:
-            for name in names:
-                yield from FAMILIES[name].specs_for(shape.layout, config.model, backend, target)

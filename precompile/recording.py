@@ -1,22 +1,14 @@
 """Record the server's own JIT kernels as a run compiles them: every Triton specialization, every load_jit module.
 
-``record(path)`` (or ``JITWARM_RECORD=path`` in a server with the jitwarm sglang or vLLM plugin) chains Triton's
-``knobs.runtime.jit_cache_hook`` (Triton calls it before each compile a process has not done yet, with the
-kernel and its own serialized specialization data) and, when sglang is importable, sees every ``load_jit``
-call from inside sglang's loader; each new kernel is appended to the manifest at ``path``
-(:mod:`jitwarm.precompile.manifest`). Nothing runs on a hit: Triton calls the hook only where it would
-compile (or read its disk cache), a ``load_jit`` module is looked up once per process by its caller, and a
-kernel already recorded by this process is a set lookup. ``jitwarm warm --manifest path`` builds them ahead
-of time.
+``record(path)`` (or ``JITWARM_RECORD=path`` under the jitwarm sglang or vLLM plugin) chains Triton's
+``knobs.runtime.jit_cache_hook`` (called before each compile a process has not done yet) and, when sglang is
+importable, sees every ``load_jit`` call inside sglang's loader; each new kernel is appended to the manifest at
+``path`` (:mod:`jitwarm.precompile.manifest`). A hit costs nothing more than a set lookup.
 
-It also captures what the run adds to the JIT libraries' own caches (Inductor, Triton's own directory when
-jitwarm's cache manager does not serve Triton, vLLM's torch.compile tree, TileLang, DeepGEMM, CuTe DSL,
-FlashInfer, the driver's PTX cache: :mod:`jitwarm.kernels.libraries.jit_caches`; each resolved as the server
-this process runs in resolves it): at start it lists each cache's complete units; at
-:meth:`Recorder.capture` (called by :meth:`Recorder.stop`, and at the process's exit) every unit added since is
-stored in jitwarm's cache through the one path (checked, sealed, published once however many processes
-capture it) and then named in the manifest as a ``jit_cache`` record. A unit that changed while it was
-copied is refused and left out; a process killed before it captures leaves no record of its units.
+It also captures what the run adds to the JIT libraries' own caches (:mod:`jitwarm.kernels.libraries.jit_caches`,
+each resolved as this process's server resolves it): the units added since start are stored in jitwarm's cache at
+:meth:`Recorder.capture` (by :meth:`Recorder.stop` and at exit) and named in the manifest as ``jit_cache`` records
+(docs/deployment.md, "Warm the server's kernels").
 """
 
 from __future__ import annotations
@@ -33,8 +25,6 @@ from typing import Any
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 log = logging.getLogger("jitwarm.record")
-
-_LOADER = "sglang.kernels.jit.utils.compile.loader"
 
 
 class Recorder:
@@ -55,9 +45,8 @@ class Recorder:
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
 
-        A record counts as recorded only once its append succeeded: after a failed one (a full disk) the next
-        time Triton or ``load_jit`` hands it over, it is appended again. :attr:`recorded` counts the kernel
-        records (``kernel``); captured cache units are counted in :attr:`captured`.
+        It counts as seen only once its append succeeded, so a record a full disk refused is appended the next
+        time it is handed over. :attr:`recorded` counts the ``kernel`` records, :attr:`captured` the units.
         """
         rid = record_id(record)
         with self._lock:
@@ -94,9 +83,8 @@ class Recorder:
     def capture(self) -> int:
         """Store every unit the JIT libraries' caches gained since start (or the last capture); return how many.
 
-        Each is stored in jitwarm's cache (``KernelCache()`` unless the recorder was given one), then appended
-        to the manifest. Never raises: a unit that cannot be stored is said once, left out, and tried again at
-        the next capture.
+        Each goes to jitwarm's cache (``KernelCache()`` unless the recorder was given one), then to the manifest.
+        Never raises: a unit that cannot be stored is said once, left out, and tried again at the next capture.
         """
         from dataclasses import replace
 
@@ -132,6 +120,7 @@ class Recorder:
         return len(records)
 
     def _open_cache(self) -> Any:
+        """The cache units are stored in, opened on first use."""
         if self._cache is None:
             from jitwarm.cache import KernelCache
 
@@ -145,6 +134,7 @@ class Recorder:
         self.stop()
 
     def _hook_triton(self) -> None:
+        """Chain Triton's ``jit_cache_hook`` (when Triton imports)."""
         try:
             from triton import knobs
         except ImportError:
@@ -162,19 +152,17 @@ class Recorder:
     def _wrap_load_jit(self) -> None:
         """Record every ``load_jit`` call from inside sglang's loader, whoever imported ``load_jit`` by name.
 
-        sglang's kernel modules bind ``load_jit`` when they are imported (219 call sites in the sglang release
-        the room mirrors, :data:`jitwarm.precompile.servers.sglang.VERSION`; most imported by the scheduler
-        before ``load_plugins()`` runs), so wrapping the function would miss them.
-        Every call constructs a ``BuildSpec`` through the loader's module global (compile/loader.py:115), with
-        ``load_jit``'s own frame one level up holding the call's arguments: that is where this records, hit
-        or miss. (Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, load_jit has rewritten its flags or
-        sources by then: records made so are for that mode.)
+        sglang's kernel modules bind ``load_jit`` at import (219 call sites in 0.5.23, most imported before
+        ``load_plugins()`` runs), so wrapping the function would miss them. Every call constructs a ``BuildSpec``
+        through the loader's module global (compile/loader.py:115) with ``load_jit``'s frame one level up holding
+        the call's arguments: that is where this records, hit or miss (under ``SGLANG_JIT_LOG_RESOURCE_USAGE``,
+        HIP or SAIL, for that mode: load_jit has rewritten its flags or sources by then).
         """
         import importlib
         import inspect
 
         try:
-            loader = importlib.import_module(_LOADER)
+            loader = importlib.import_module("sglang.kernels.jit.utils.compile.loader")
         except ImportError:
             return  # no sglang here: Triton only
         original = loader.BuildSpec

@@ -1,14 +1,9 @@
 """Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, and ``prestart``.
 
 ``prestart`` is the init container's step: import a bundle, warm what is missing (``--offline``: nothing), verify
-every entry of the plan and hand the server's recorded kernels over to its loader. With ``--json`` it prints one
-JSON document on stdout whatever the outcome, for a readiness probe.
-
-Handing over restores the JIT libraries' captured cache units too (``jit_cache`` records), where this process's
-environment puts each library's cache: run it with the server's environment. A unit whose fingerprint (the
-package, compiler and driver versions, the arch its library keyed it on) differs from this node's is refused
-before anything is restored, exit 4 naming the family and the item, unless ``--allow-fingerprint-mismatch``.
-``warm --manifest`` hands over the same way once its builds are done.
+the plan's entries and hand the server's recorded kernels over to its loader (``warm --manifest`` hands over
+too). Captured cache units are restored where this process's environment puts each library's cache, so it runs
+with the server's environment; a unit whose fingerprint differs from this node's is refused first (exit 4).
 """
 
 from __future__ import annotations
@@ -17,6 +12,8 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +48,6 @@ class NotReady(JitwarmError):
     exit_code = EXIT_NOT_READY
 
 
-
-# -- prestart -----------------------------------------------------------------------------------------------
-
-
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Import a bundle (``--bundle``), warm (``--offline``: build nothing), verify the plan's entries, hand over.
 
@@ -70,33 +63,34 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
                                sha256=getattr(args, "sha256", None)) if args.bundle else None
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
+
+    def outcome(ready: bool, **more: Any) -> dict[str, Any]:
+        return {**summary, "ready": ready, "seconds": round(time.perf_counter() - start, 3), **more}
+
     if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
         report = warm(without_absent_units(plan, cache), cache=cache, jobs=args.jobs,
                       progress=False if args.json else None, timeout_s=args.timeout)
         summary.update(report.to_json())
         if not report.ok:
-            print_warm(args, report, {**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3)})
+            print_warm(args, report, outcome(False))
             return warm_exit(report)
     coverage = plan_coverage(plan, cache, repair=True, keys=keys)
-    if coverage["corrupt"] or coverage["missing"]:
-        shown = ", ".join((coverage["missing"] + coverage["corrupt"])[:5])
+    missing, corrupt = coverage["missing"], coverage["corrupt"]
+    if missing or corrupt:
         why = "--offline builds nothing" if args.offline else "after warm"
-        print(f"jitwarm: error: {why}: {len(coverage['missing'])} of the plan's {len(plan.specs)} specs missing, "
-              f"{len(coverage['corrupt'])} corrupt: {shown}", file=sys.stderr)
+        print(f"jitwarm: error: {why}: {len(missing)} of the plan's {len(plan.specs)} specs missing, "
+              f"{len(corrupt)} corrupt: {', '.join((missing + corrupt)[:5])}", file=sys.stderr)
         if args.json:
-            print(json.dumps({**summary, "ready": False, "seconds": round(time.perf_counter() - start, 3),
-                              "missing": coverage["missing"], "corrupt": coverage["corrupt"]}))
+            print(json.dumps(outcome(False, missing=missing, corrupt=corrupt)))
         return readiness(coverage)
     handed = hand_over(plan, cache, quiet=args.json)
-    seconds = time.perf_counter() - start
     if args.json:
-        print(json.dumps({**summary, "ready": True, "seconds": round(seconds, 3), "handed_over": handed}))
-    elif args.offline:
-        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
-              f"verified in {seconds:.1f}s (offline: nothing built)")
+        print(json.dumps(outcome(True, handed_over=handed)))
     else:
+        how = ("offline: nothing built" if args.offline
+               else f"{report.built} built, {report.hits} hit, {report.waited} waited")
         print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
-              f"verified in {seconds:.1f}s ({report.built} built, {report.hits} hit, {report.waited} waited)")
+              f"verified in {time.perf_counter() - start:.1f}s ({how})")
     return EXIT_OK
 
 
@@ -111,18 +105,14 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
     from jitwarm.kernels.libraries.jit_caches.census import library
 
     target = (getattr(args, "targets", None) or [None])[0]
-    allow = getattr(args, "allow_fingerprint_mismatch", False)
-    kinds = set(KIND_OF.values())
-    for spec in plan.recorded:
-        if spec.backend not in kinds:
-            continue
+    for spec in (s for s in plan.recorded if s.backend in KIND_OF.values()):
         lib = library(spec.backend)
         found = mismatch(lib, spec, target)
         if found is None:
             continue
         item, recorded, here = found
         why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
-        if not allow:
+        if not getattr(args, "allow_fingerprint_mismatch", False):
             raise FingerprintMismatch(f"{why}: its library would not use it (build in the server's image)",
                                       "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
@@ -131,17 +121,15 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     """Load each recorded server kernel the way its server will find it; return how many were handed over.
 
-    For a ``load_jit`` module that puts the build where sglang's loader looks (``SGLANG_JIT_CACHE_DIR``),
-    verified; a Triton compile needs nothing more (the server's Triton asks jitwarm's cache manager for it); a
-    captured cache unit is restored into its library's cache directory (one line on stderr counts them, unless
-    ``quiet``; each unit whose library wrote a differing file of its own is named and left as the library has it).
-    A failure is a ``CacheError``, a :class:`HandOverFailed` (the backend's ``LoadError``, naming the spec), or
-    an ``OSError`` for a cache dir of the server that cannot be written (``SglangCacheDirError``): exit 1 each.
+    A ``load_jit`` build goes where sglang's loader looks, verified; a Triton compile needs nothing more (the
+    server's Triton asks jitwarm's cache manager); a captured unit is restored into its library's cache (counted
+    on stderr unless ``quiet``; one whose library wrote a differing file of its own is named and left as is).
+    Failures are exit 1: ``CacheError``, :class:`HandOverFailed` (a ``LoadError``, naming the spec), ``OSError``.
     """
     from jitwarm.kernels import LoadError
     from jitwarm.kernels.artifacts import artifact
 
-    outcomes: dict[str, dict[str, int]] = {}
+    outcomes: dict[str, Counter[str]] = {}
     for spec in plan.recorded:
         try:
             loaded = artifact(spec, cache).load(cache)
@@ -151,14 +139,13 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
             raise HandOverFailed(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
         placed = getattr(loaded, "placed", None)
         if placed is not None:
-            counts = outcomes.setdefault(placed.outcome, {})
-            counts[spec.backend] = counts.get(spec.backend, 0) + 1
+            outcomes.setdefault(placed.outcome, Counter())[spec.backend] += 1
             if placed.outcome == "kept":
                 print(f"jitwarm: warning: {spec.backend} unit {spec.family}: {placed.dest} holds the library's own "
                       f"{placed.differing}, different from the recorded one: kept, the unit not restored",
                       file=sys.stderr)
     if outcomes and not quiet:
-        said = "; ".join(f"{outcome} {sum(c.values())} (" + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) + ")"
+        said = "; ".join(f"{outcome} {c.total()} (" + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) + ")"
                          for outcome, c in sorted(outcomes.items()))
         print(f"jitwarm: JIT cache units: {said}", file=sys.stderr)
     return len(plan.recorded)
@@ -171,15 +158,12 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
     imported, ``warm`` and ``export`` go on with what they can build or hold. With a remote tier the units stay
     (a build worker downloads them).
     """
-    from dataclasses import replace
-
     from jitwarm.kernels.artifacts import artifact
     from jitwarm.kernels.libraries.jit_caches import KIND_OF
 
-    kinds = set(KIND_OF.values())
     if cache.remote is not None:
         return plan
-    absent = {s for s in plan.recorded if s.backend in kinds and artifact(s, cache).lookup(cache) is None}
+    absent = {s for s in plan.recorded if s.backend in KIND_OF.values() and artifact(s, cache).lookup(cache) is None}
     if not absent:
         return plan
     if not quiet:
@@ -192,9 +176,8 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
 
 def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, code: int) -> int:
     """``warm --manifest``: once every build is done (``code`` 0), hand the recorded kernels over as prestart does."""
-    if code != EXIT_OK or not plan.recorded:
-        return code
-    hand_over(plan, cache, quiet=getattr(args, "json", False))
+    if code == EXIT_OK and plan.recorded:
+        hand_over(plan, cache, quiet=getattr(args, "json", False))
     return code
 
 
@@ -208,31 +191,36 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
     report = import_bundle(cache, path, sha256=sha256)
     supplied = sorted(set(keys.values()) & set(report.keys))
     targets = sorted({str(e.description.get("target")) for k in report.keys if (e := cache.lookup(k)) is not None})
-    info = {"path": path, "entries": len(report.keys), "imported": len(report.imported),
-            "supplied": len(supplied), "targets": targets}
-    plan_targets = ", ".join(plan.config.targets) if plan.config else "?"
     print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
           f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
           file=sys.stderr)
     if not supplied:
+        plan_targets = ", ".join(plan.config.targets) if plan.config else "?"
         why = (f"bundle {path} supplies none of the plan's specs (the plan is for {plan_targets}; was it exported "
                "for another target, backend or toolchain?)")
         if offline:
             raise NotReady(why, "--offline builds nothing")
         print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
-    return info
-
-
-# -- export and import --------------------------------------------------------------------------------------
+    return {"path": path, "entries": len(report.keys), "imported": len(report.imported), "supplied": len(supplied),
+            "targets": targets}
 
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there)."""
+    """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there).
+
+    A path that cannot be a bundle file (a directory, a device or FIFO, or in no directory) is a UsageError
+    before any lookup, as is a bad URL.
+    """
     cache = open_cache(args)
+    target = Path(args.path)
     if is_bundle_url(args.path):
-        split_url(args.path)  # a bad URL is exit 2 before any lookup
-    else:
-        check_export_path(args.path)
+        split_url(args.path)
+    elif target.is_dir():
+        raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
+    elif target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
+        raise UsageError(f"export: {args.path} is not a regular file; give the bundle's file name (kernels.tar)")
+    elif not target.absolute().parent.is_dir():
+        raise UsageError(f"export: the directory of {args.path} does not exist")
     plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
@@ -242,30 +230,17 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     if is_bundle_url(args.path):  # streamed up as it is written: its digest is computed on the way
         digest = cache.export_bundle_to_store(list(keys.values()), args.path)
     else:
-        written = cache.export_bundle(list(keys.values()), args.path)
-        with open(written, "rb") as f:  # the digest `prestart --bundle F --sha256 DIGEST` pins
+        with open(cache.export_bundle(list(keys.values()), args.path), "rb") as f:  # what --sha256 pins
             digest = file_sha256(f)
     print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
     return EXIT_OK
 
 
-def check_export_path(path: str) -> None:
-    """UsageError unless ``path`` can be a bundle file: not a directory, device or FIFO, in a directory."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"export: {path} is a directory; give the bundle's file name (kernels.tar)")
-    if target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
-        raise UsageError(f"export: {path} is not a regular file; give the bundle's file name (kernels.tar)")
-    if not target.absolute().parent.is_dir():
-        raise UsageError(f"export: the directory of {path} does not exist")
-
-
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
     """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, CorruptBundle when it is bad.
 
-    A failed write (``CacheWriteError``: a full disk) and the cache's own refusals (an untrusted root, a lock
-    timeout, a fault of the object store holding it) keep their types and exit codes: only what is wrong with
-    the bundle itself is exit 4.
+    The cache's own failures (a full disk, an untrusted root, a lock timeout, an object store fault) keep their
+    types and exit codes: only what is wrong with the bundle itself is exit 4.
     """
     if is_bundle_url(path):
         split_url(path)
