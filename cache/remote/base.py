@@ -111,7 +111,7 @@ class StoreBase:
     - ``fetch(key, dest) -> Entry | None``: download ``key``'s entry into the empty staging dir ``dest``,
       checked before anything is written. None for no entry, one over ``max_bytes``, or one that failed the
       check (reported, not kept). Raises ``RemoteFailure`` or ``CacheWriteError``; the caller removes ``dest``.
-    - ``new_lease(key, ttl_s)``: the key's :class:`RenewedLease`.
+    - ``lease_class``: its :class:`RenewedLease`, made by :meth:`new_lease`.
     - ``_connect()`` (a client, connected to nothing yet), ``_errors()`` (the client's exceptions that are
       faults of the remote), ``_probe()``, ``_present(keys)`` and ``_put_entry(key, manifest, files, signed,
       uploader)`` (one entry, whole).
@@ -129,6 +129,10 @@ class StoreBase:
         self.shared = shared
         self._count = count or (lambda name, amount=1: None)
         self._rejected: dict[str, str] = {}  # key -> what identifies an entry already rejected (sha1, ETag)
+
+    def new_lease(self, key: str, ttl_s: float) -> RenewedLease:
+        """Return the fleet build lease of ``key``, of lifetime ``ttl_s``."""
+        return self.lease_class(self, key, ttl_s)
 
     def _describe(self, exc: BaseException) -> str:
         """One line for a client error, after ``<what>: `` in its RemoteFailure."""

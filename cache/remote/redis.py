@@ -64,8 +64,37 @@ _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del
 _ADD_EXPIRY = "if redis.call('pttl', KEYS[1]) == -1 then redis.call('pexpire', KEYS[1], ARGV[1]) return 1 end return 0"
 
 
+class FleetLease(RenewedLease):
+    """The fleet build lease of one key in Redis: it expires (``PX``) unless its holder extends it."""
+
+    def __init__(self, store: StoreBase, key: str, ttl_s: float) -> None:
+        super().__init__(store, key, ttl_s)
+        self.ttl_ms = int(self.ttl_s * 1000)
+
+    def _take(self) -> bytes | None:
+        token = self._token()
+        return token if self.store.call("lease", lambda c: c.set(self.name, token, nx=True, px=self.ttl_ms)) else None
+
+    def _read(self) -> bytes | None:
+        return self.store.call("lease", lambda c: c.getrange(self.name, 0, MAX_TOKEN_BYTES - 1))
+
+    def check_expiry(self) -> None:
+        """Raise LeaseWithoutExpiry when the lease (held by someone else) has no TTL, after giving it one."""
+        if self.store.call("lease", lambda c: c.eval(_ADD_EXPIRY, 1, self.name, self.ttl_ms)) == 1:
+            raise LeaseWithoutExpiry(f"fleet lease {self.name} on {self.store.display} had no expiry")
+
+    def _renew(self) -> bool:
+        token = self._held
+        return bool(self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)))
+
+    def _delete(self, held: bytes) -> None:
+        self.store.call("lease", lambda c: c.eval(_RELEASE, 1, self.name, held))
+
+
 class RemoteStore(StoreBase):
     """Entries of one cache format in one Redis namespace (a redis or socket error is a RemoteFailure)."""
+
+    lease_class = FleetLease
 
     def entry_name(self, key: str) -> str:
         """Return the Redis key of the entry hash of ``key``."""
@@ -74,10 +103,6 @@ class RemoteStore(StoreBase):
     def lease_name(self, key: str) -> str:
         """Return the Redis key of the fleet build lease of ``key``."""
         return f"{self.prefix}:v{FORMAT_VERSION}:lease:{key}"
-
-    def new_lease(self, key: str, ttl_s: float) -> FleetLease:
-        """Return the fleet build lease of ``key``."""
-        return FleetLease(self, key, ttl_s)
 
     def _connect(self) -> Any:
         import redis  # imported on first use: importing jitwarm.cache must not cost a redis import
@@ -149,33 +174,6 @@ class RemoteStore(StoreBase):
             return [bool(x) for x in pipe.execute()]
 
         return self.call("status", ask)
-
-
-class FleetLease(RenewedLease):
-    """The fleet build lease of one key in Redis: it expires (``PX``) unless its holder extends it."""
-
-    def __init__(self, store: RemoteStore, key: str, ttl_s: float) -> None:
-        super().__init__(store, key, ttl_s)
-        self.ttl_ms = int(self.ttl_s * 1000)
-
-    def _take(self) -> bytes | None:
-        token = self._token()
-        return token if self.store.call("lease", lambda c: c.set(self.name, token, nx=True, px=self.ttl_ms)) else None
-
-    def _read(self) -> bytes | None:
-        return self.store.call("lease", lambda c: c.getrange(self.name, 0, MAX_TOKEN_BYTES - 1))
-
-    def check_expiry(self) -> None:
-        """Raise LeaseWithoutExpiry when the lease (held by someone else) has no TTL, after giving it one."""
-        if self.store.call("lease", lambda c: c.eval(_ADD_EXPIRY, 1, self.name, self.ttl_ms)) == 1:
-            raise LeaseWithoutExpiry(f"fleet lease {self.name} on {self.store.display} had no expiry")
-
-    def _renew(self) -> bool:
-        token = self._held
-        return bool(self.store.call("lease", lambda c: c.eval(_EXTEND, 1, self.name, token, self.ttl_ms)))
-
-    def _delete(self, held: bytes) -> None:
-        self.store.call("lease", lambda c: c.eval(_RELEASE, 1, self.name, held))
 
 
 def _text(value: object) -> str:

@@ -27,6 +27,7 @@ from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.remote.base import RemoteFailure, StoreBase, strings
+from jitwarm.cache.remote.s3_lease import ObjectLease
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
@@ -88,6 +89,8 @@ def _status(exc: Any) -> int:
 class ObjectStore(StoreBase):
     """Entries of one cache format under one bucket prefix (a botocore, urllib3 or socket error: RemoteFailure)."""
 
+    lease_class = ObjectLease
+
     def __init__(self, url: str, prefix: str = "jitwarm", **options: Any) -> None:
         super().__init__(url, prefix, **options)
         parts = urlsplit(url)
@@ -105,12 +108,6 @@ class ObjectStore(StoreBase):
     def lease_name(self, key: str) -> str:
         """Return the object key of the fleet build lease of ``key``."""
         return f"{self.base}/leases/{key}.json"
-
-    def new_lease(self, key: str, ttl_s: float) -> Any:
-        """Return the fleet build lease of ``key`` (an :class:`~jitwarm.cache.remote.s3_lease.ObjectLease`)."""
-        from jitwarm.cache.remote.s3_lease import ObjectLease  # it builds on this module
-
-        return ObjectLease(self, key, ttl_s)
 
     _connect = staticmethod(new_client)
     _errors = staticmethod(client_errors)

@@ -11,10 +11,13 @@ An expired lease is taken over with ``If-Match: <its ETag>``: of two nodes takin
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from jitwarm.cache.files import loads
 from jitwarm.cache.remote.base import RenewedLease, holder_of
-from jitwarm.cache.remote.s3 import Got, ObjectStore
+
+if TYPE_CHECKING:
+    from jitwarm.cache.remote.s3 import Got, ObjectStore
 
 log = logging.getLogger("jitwarm.cache")
 
