@@ -15,8 +15,7 @@ from jitwarm.cache.files import MAX_JSON_DEPTH
 FORMAT_VERSION = 1
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
-#: A description nests at most this deep, so that its manifest (two levels more) stays within what
-#: the cache parses back (:data:`jitwarm.cache.files.MAX_JSON_DEPTH`).
+#: A description nests at most this deep: its manifest (two levels more) stays within what the cache parses.
 MAX_DESCRIPTION_DEPTH = MAX_JSON_DEPTH - 8
 
 
@@ -81,6 +80,7 @@ def _preimage_text(description: Mapping[str, Any]) -> str:
 
 
 def _digest(text: str) -> str:
+    """The key of a canonical preimage text."""
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -90,22 +90,19 @@ def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
         return
     if len(path) >= MAX_DESCRIPTION_DEPTH:
         raise TypeError(f"{_where(path[:3])}... nests deeper than {MAX_DESCRIPTION_DEPTH} levels")
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise TypeError(f"{_where(path)} is {value!r}: NaN and infinities are not JSON")
-        return
     if isinstance(value, Mapping):
         for k, v in value.items():
             # json.dumps turns 1 into "1", so {1: x} and {"1": x} would share a key.
             if not isinstance(k, str):
                 raise TypeError(f"{_where(path)} has a non-str dict key {k!r}")
             _check_json(v, (*path, k))
-        return
-    if isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _check_json(v, (*path, i))
-        return
-    raise TypeError(f"{_where(path)} is a {type(value).__name__}, which is not JSON-able")
+    elif not isinstance(value, float):
+        raise TypeError(f"{_where(path)} is a {type(value).__name__}, which is not JSON-able")
+    elif not math.isfinite(value):
+        raise TypeError(f"{_where(path)} is {value!r}: NaN and infinities are not JSON")
 
 
 def _where(path: tuple[Any, ...]) -> str:

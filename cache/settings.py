@@ -10,10 +10,10 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from jitwarm.cache.errors import UsageError
@@ -36,10 +36,59 @@ MAX_JOBS = 1024
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._:{}-]{1,64}")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+T = TypeVar("T")
 
 
 class SettingError(UsageError, ValueError):
     """A setting (an environment variable, or the same value given to the API) does not parse; exit 2."""
+
+
+def _declare(var: str, doc: str, read: Callable[[], T]) -> Callable[[], T]:
+    """Name and document ``read`` as the accessor of ``var``."""
+    read.__name__ = read.__qualname__ = var.removeprefix("JITWARM_").lower()
+    read.__doc__ = f"``{var}``: {doc}."
+    return read
+
+
+def _flag(var: str, doc: str, default: bool = False) -> Callable[[], bool]:
+    """The accessor of a boolean (:func:`flag`)."""
+    return _declare(var, doc, lambda: flag(var, default))
+
+
+def _number(var: str, kind: type, default: float, minimum: float, doc: str) -> Callable[[], Any]:
+    """The accessor of a number (:func:`number`)."""
+    return _declare(var, f"{doc} (default {default}, at least {minimum})",
+                    lambda: number(var, kind, default, minimum=minimum))
+
+
+def _path(var: str, doc: str) -> Callable[[], Path | None]:
+    """The accessor of a file path (absolute; None when unset or blank)."""
+
+    def read() -> Path | None:
+        text = _text(var)
+        return absolute_path(text) if text else None
+
+    return _declare(var, doc, read)
+
+
+# The plain settings, one accessor each (``settings.strict()``); the others are functions below.
+allow_shared = _flag("JITWARM_ALLOW_SHARED", "accept roots, lock directories and entries other users can write")
+remote_required = _flag("JITWARM_REMOTE_REQUIRED", "fail instead of continuing locally when the remote is down")
+strict = _flag("JITWARM_STRICT", "the capture hook never compiles; a missing kernel is an error")
+sglang_plugin = _flag("JITWARM_SGLANG_PLUGIN", "0 makes the sglang plugin inert (default on)", default=True)
+vllm_plugin = _flag("JITWARM_VLLM_PLUGIN", "0 makes the vLLM plugin inert (default on)", default=True)
+triton_cache = _flag("JITWARM_TRITON_CACHE", "0 leaves Triton's own cache manager in place (default on)", default=True)
+
+remote_lease_s = _number("JITWARM_REMOTE_LEASE_S", float, 30.0, 0.5, "lifetime of a fleet build lease not renewed")
+remote_max_bytes = _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, 0, "larger entries are neither sent nor fetched")
+bundle_max_file_bytes = _number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, 0, "a larger bundle member is refused")
+bundle_max_bytes = _number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, 0, "a bundle whose files total more is refused")
+prune_grace_s = _number("JITWARM_PRUNE_GRACE_S", float, 600.0, 0.0, "prune keeps an entry used this recently (0: off)")
+
+config = _path("JITWARM_CONFIG", "the TOML file of model dims and targets that puts the sglang plugin in plan mode")
+manifest = _path("JITWARM_MANIFEST", "recorded kernels the sglang plugin warms and loads before capture too")
+record = _path("JITWARM_RECORD", "append every Triton and ``load_jit`` kernel this process compiles to this manifest")
+ledger = _path("JITWARM_LEDGER", "a served start writes what it compiled per family here (JSON) after its last capture")
 
 
 def cache_dir() -> Path:
@@ -63,11 +112,6 @@ def lock_dir() -> Path | None:
     return directory(absolute_path(text), "JITWARM_LOCK_DIR") if text else None
 
 
-def allow_shared() -> bool:
-    """``JITWARM_ALLOW_SHARED``: accept roots, lock directories and entries other users can write."""
-    return flag("JITWARM_ALLOW_SHARED")
-
-
 def remote() -> str | None:
     """``JITWARM_REMOTE``: the fleet's shared Redis (``redis://[:password@]host:port/db``) or ``s3://`` bucket."""
     text = _text("JITWARM_REMOTE")
@@ -78,21 +122,6 @@ def remote_prefix() -> str:
     """``JITWARM_REMOTE_PREFIX``: this fleet's key namespace on the remote (default ``jitwarm``)."""
     text = _text("JITWARM_REMOTE_PREFIX")
     return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
-
-
-def remote_required() -> bool:
-    """``JITWARM_REMOTE_REQUIRED``: fail instead of continuing locally when the remote is down."""
-    return flag("JITWARM_REMOTE_REQUIRED")
-
-
-def remote_lease_s() -> float:
-    """``JITWARM_REMOTE_LEASE_S``: lifetime of a fleet build lease that is not renewed (default 30, at least 0.5)."""
-    return number("JITWARM_REMOTE_LEASE_S", float, 30.0, minimum=0.5)
-
-
-def remote_max_bytes() -> int:
-    """``JITWARM_REMOTE_MAX_BYTES``: larger entries are neither uploaded nor downloaded (default 256 MiB)."""
-    return number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, minimum=0)
 
 
 def trust_key() -> bytes | None:
@@ -115,21 +144,6 @@ def trust_key() -> bytes | None:
     return key
 
 
-def bundle_max_file_bytes() -> int:
-    """``JITWARM_BUNDLE_MAX_FILE_BYTES``: a bundle member larger than this is refused (default 2 GiB)."""
-    return number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, minimum=0)
-
-
-def bundle_max_bytes() -> int:
-    """``JITWARM_BUNDLE_MAX_BYTES``: a bundle whose files total more than this is refused (default 32 GiB)."""
-    return number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, minimum=0)
-
-
-def prune_grace_s() -> float:
-    """``JITWARM_PRUNE_GRACE_S``: prune never removes an entry used this recently (default 600 s; 0 turns it off)."""
-    return number("JITWARM_PRUNE_GRACE_S", float, 600.0, minimum=0.0)
-
-
 def jobs() -> int:
     """``JITWARM_JOBS``: parallel builds of a warm (1 to 1024); default the number of CPUs."""
     return number("JITWARM_JOBS", int, os.cpu_count() or 1, minimum=1, maximum=MAX_JOBS)
@@ -138,45 +152,6 @@ def jobs() -> int:
 def jobs_set() -> bool:
     """Whether ``JITWARM_JOBS`` is set (the sglang plugin divides the cores between ranks otherwise)."""
     return _text("JITWARM_JOBS") is not None
-
-
-def strict() -> bool:
-    """``JITWARM_STRICT``: the capture hook never compiles; a missing kernel is an error."""
-    return flag("JITWARM_STRICT")
-
-
-def sglang_plugin() -> bool:
-    """``JITWARM_SGLANG_PLUGIN``: 0 makes the sglang plugin inert (default on)."""
-    return flag("JITWARM_SGLANG_PLUGIN", default=True)
-
-
-def vllm_plugin() -> bool:
-    """``JITWARM_VLLM_PLUGIN``: 0 makes the vLLM plugin inert (default on)."""
-    return flag("JITWARM_VLLM_PLUGIN", default=True)
-
-
-def config() -> Path | None:
-    """``JITWARM_CONFIG``: the TOML file of model dims and targets that puts the sglang plugin in plan mode."""
-    text = _text("JITWARM_CONFIG")
-    return absolute_path(text) if text else None
-
-
-def manifest() -> Path | None:
-    """``JITWARM_MANIFEST``: recorded kernels the sglang plugin warms and loads before capture too."""
-    text = _text("JITWARM_MANIFEST")
-    return absolute_path(text) if text else None
-
-
-def record() -> Path | None:
-    """``JITWARM_RECORD``: append every Triton and ``load_jit`` kernel this process compiles to this manifest."""
-    text = _text("JITWARM_RECORD")
-    return absolute_path(text) if text else None
-
-
-def ledger() -> Path | None:
-    """``JITWARM_LEDGER``: where a served start writes, as JSON, what it compiled per family after its last capture."""
-    text = _text("JITWARM_LEDGER")
-    return absolute_path(text) if text else None
 
 
 def record_caches() -> tuple[str, ...] | None:
@@ -188,11 +163,6 @@ def record_caches() -> tuple[str, ...] | None:
     if text is None or text.lower() == "all":
         return None
     return () if text.lower() in ("none", "0") else tuple(p.strip() for p in text.split(",") if p.strip())
-
-
-def triton_cache() -> bool:
-    """``JITWARM_TRITON_CACHE``: 0 leaves Triton's own cache manager in place (default on)."""
-    return flag("JITWARM_TRITON_CACHE", default=True)
 
 
 def flag(var: str, default: bool = False) -> bool:
