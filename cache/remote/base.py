@@ -31,6 +31,8 @@ T = TypeVar("T")
 
 #: After a failure the remote is skipped for this long by every cache of this process, then tried again.
 RETRY_AFTER_S = 60.0
+#: A lease token is a few dozen bytes; only this much of one is read.
+MAX_TOKEN_BYTES = 4096
 
 
 class RemoteFailure(Exception):

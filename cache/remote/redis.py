@@ -19,7 +19,7 @@ from jitwarm.cache.entry import MAX_MANIFEST_BYTES, Entry, FileRecord, unpack_en
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.remote.base import LeaseWithoutExpiry, RenewedLease, StoreBase, strings
+from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease, StoreBase, strings
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
@@ -28,8 +28,6 @@ log = logging.getLogger("jitwarm.cache")
 MAX_FIELDS = 100_000
 #: The ``meta`` field (uploader, executable files) is at most this large.
 MAX_META_BYTES = 1 << 20
-#: A lease token is a few dozen bytes; only this much of one is read.
-MAX_TOKEN_BYTES = 4096
 #: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0

@@ -1,12 +1,11 @@
 """Bundles in the object store: ``export s3://BUCKET/KEY.tar`` and ``import`` / ``prestart --bundle s3://...``.
 
-Both stream: the tar is written into a multipart upload one part at a time (:data:`PART_BYTES` in memory,
-never a local copy of the bundle), and read from the object's body front to back into the cache's
-validating unpacker (:func:`jitwarm.cache.bundle.unpack_stream`), which hashes every byte it reads so a
-``--sha256`` pin is compared before anything is published. The object appears only when its upload
-completes: an export cut short (a store fault, a full disk, Ctrl-C) aborts it and leaves no object. A fault
-of the store (down, 403, a body cut short) is :class:`BundleStoreError` (exit 1) naming it; what is wrong
-with the bundle itself stays the unpacker's ``CacheError`` (exit 4 from the CLI).
+Both stream, never a local copy: the tar goes up as a multipart upload one :data:`PART_BYTES` part at a time,
+and comes down from the object's body into the validating unpacker (:func:`jitwarm.cache.bundle.unpack_stream`),
+which hashes every byte so a ``--sha256`` pin is compared before anything is published. The object appears
+only when its upload completes: an export cut short (a store fault, a full disk, Ctrl-C) aborts it. A store
+fault (down, 403, a body cut short) is :class:`BundleStoreError` (exit 1) naming it; a bad bundle stays the
+unpacker's ``CacheError`` (exit 4 from the CLI).
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def split_url(url: str) -> tuple[str, str]:
 def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = None) -> str:
     """Stream ``entries`` as one tar (gzip'd for ``.gz``/``.tgz``) to the object ``url``; return its sha256.
 
-    ``BundleStoreError`` for a store fault (the upload is aborted: no object), ``CacheError`` when an entry
-    file cannot be read.
+    ``BundleStoreError`` for a store fault (no object is left), ``CacheError`` for an unreadable entry file.
     """
     out = _MultipartWriter(url)
     try:

@@ -14,15 +14,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from jitwarm.cache.files import loads
-from jitwarm.cache.remote.base import RenewedLease, holder_of
+from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, RenewedLease, holder_of
 
 if TYPE_CHECKING:
     from jitwarm.cache.remote.s3 import Got, ObjectStore
 
 log = logging.getLogger("jitwarm.cache")
 
-#: A lease is a few dozen bytes; only this much of one is read.
-MAX_LEASE_BYTES = 4096
 #: Last-Modified and Date have whole-second resolution: a lease is expired only this long after its lifetime.
 CLOCK_RESOLUTION_S = 1.0
 #: A lease naming a longer lifetime than this (planted, or garbled) is held to it: the fleet heals.
@@ -67,7 +65,7 @@ class ObjectLease(RenewedLease):
             self.store.call("lease", lambda c: c.delete_object(Bucket=self.store.bucket, Key=self.name))
 
     def _get(self) -> Got | None:
-        return self.store.get(self.name, MAX_LEASE_BYTES, "lease", clip=True)
+        return self.store.get(self.name, MAX_TOKEN_BYTES, "lease", clip=True)
 
     def _put(self, **condition: str) -> str | None:
         return self.store.put(self.name, self._token(ttl_s=self.ttl_s), "lease", **condition)
