@@ -262,8 +262,7 @@ def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool
     """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:
-        found = list(layout.iter_entry_names()) if keys is None else [
-            (k, layout.entry_dir(k)) for k in keys if _lexists(layout.entry_dir(k))]
+        found = list(layout.iter_entry_names()) if keys is None else [(k, layout.entry_dir(k)) for k in keys]
         for key, path in found:
             if key is None:
                 _entry, why = local.bad_shard(layout, path, read_only=read_only, repair=repair)
