@@ -96,7 +96,7 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
         where, mtime = f"{VERSION_DIR}/entries/{entry.key[:2]}/{entry.key}", int(entry.created)
         executable = []
         for rel in entry.files:
-            with _Source(entry.path / rel) as src:
+            with contextlib.closing(_Source(entry.path / rel)) as src:
                 if src.mode & 0o111:
                     executable.append(rel)
                 _add(tar, f"{where}/{rel}", src, 0o555 if src.mode & 0o111 else 0o444, mtime)
@@ -129,10 +129,10 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
         try:
             with tarfile.open(fileobj=raw, mode="r:*") as tar:
                 members = list(_checked_members(path, tar, max_file_bytes, max_bytes))
-                rels, listed = _unpack(path, tar, members, staging, shared)
+                staged, listed = _unpack(path, tar, members, staging, shared)
         except _READ_ERRORS as exc:
             raise CacheError(f"cannot read bundle {path}: {exc}") from exc
-    return staged_entries(path, staging, rels, listed, shared=shared, trust_key=trust_key)
+    return staged_entries(path, staging, staged, listed, shared=shared, trust_key=trust_key)
 
 
 def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, max_file_bytes: int,
@@ -145,24 +145,19 @@ def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, 
     hashing = _Hashing(raw)
     try:
         with tarfile.open(fileobj=hashing, mode="r|*") as tar:
-            rels, listed = _unpack(where, tar, _checked_members(where, tar, max_file_bytes, max_bytes), staging,
-                                   shared)
+            staged, listed = _unpack(where, tar, _checked_members(where, tar, max_file_bytes, max_bytes), staging,
+                                     shared)
         hashing.drain()
     except _READ_ERRORS as exc:
         raise CacheError(f"cannot read bundle {where}: {exc}") from exc
     if sha256 is not None:
         _check_pin(where, hashing.digest.hexdigest(), sha256)
-    return staged_entries(where, staging, rels, listed, shared=shared, trust_key=trust_key)
+    return staged_entries(where, staging, staged, listed, shared=shared, trust_key=trust_key)
 
 
-def staged_entries(where: Any, staging: Path, rels: list[str], listed: list[str] | None, *, shared: bool,
+def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: list[str] | None, *, shared: bool,
                    trust_key: bytes | None) -> dict[str, Entry]:
-    """Verify each entry unpacked under ``staging`` (and with ``trust_key`` its signature); return them by key."""
-    staged = {}
-    for rel in rels:
-        parts = rel.split("/")
-        if parts[0] == "entries":
-            staged[parts[2]] = staging / "entries" / parts[1] / parts[2]
+    """Verify each entry dir unpacked under ``staging`` (with ``trust_key`` its signature too); return them by key."""
     if not staged:
         raise CacheError(f"bundle {where} holds no entries")
     if listed is not None and sorted(listed) != sorted(staged):
@@ -236,13 +231,15 @@ def _staged_name(name: str) -> str | None:
 
 
 def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.TarInfo, str]], staging: Path,
-            shared: bool) -> tuple[list[str], list[str] | None]:
-    """Stream each checked member into ``staging`` (made empty by the cache); return the names and the listed keys."""
+            shared: bool) -> tuple[dict[str, Path], list[str] | None]:
+    """Stream each checked member into ``staging`` (made empty by the cache); return the entry dirs, listed keys."""
     dir_mode = 0o777 if shared else 0o755
     _write(staging, make_dirs, staging, dir_mode)
-    rels, listed = [], None
+    staged, listed = {}, None
     for member, rel in members:
-        rels.append(rel)
+        if rel.startswith("entries/"):
+            kk, key = rel.split("/")[1:3]
+            staged[key] = staging / "entries" / kk / key
         src = tar.extractfile(member)
         if src is None:
             raise CacheError(f"cannot read bundle member {member.name!r}")
@@ -251,7 +248,7 @@ def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.Ta
                 listed = _listed_keys(where, member, src)
             else:
                 _stream_member(src, member, staging / rel, dir_mode)
-    return rels, listed
+    return staged, listed
 
 
 def _listed_keys(where: Any, member: tarfile.TarInfo, src: Any) -> list[str]:
@@ -326,20 +323,21 @@ class _Source:
             raise CacheError(f"cannot export cache entry file {self._path}: it shrank while it was read")
         return data
 
-    def __enter__(self) -> _Source:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
+    def close(self) -> None:
         self._f.close()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes | _Source, mode: int, mtime: int) -> None:
     """Add one regular file member with neutral ownership, from bytes or streamed from a :class:`_Source`."""
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime = len(data) if isinstance(data, bytes) else data.size, mode, mtime
+    if isinstance(data, bytes):
+        info.size, fileobj = len(data), io.BytesIO(data)
+    else:
+        info.size, fileobj = data.size, data
+    info.mode, info.mtime = mode, mtime
     info.uid = info.gid = 0
     info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data) if isinstance(data, bytes) else data)
+    tar.addfile(info, fileobj)
 
 
 def file_sha256(f: Any) -> str:
