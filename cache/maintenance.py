@@ -210,7 +210,7 @@ def _still_bad(path: Path, name: str, shared: bool) -> bool:
 
 
 def shard_problem(shard: Path) -> str | None:
-    """Why ``entries/<kk>`` cannot hold entries (not a directory, a symlink, unreadable), or None when it can.
+    """Why ``entries/<kk>`` cannot hold entries (a symlink, a file, unreadable), or None when it can.
 
     None also when it is missing, or a directory above it is the problem (not for this shard to answer).
     """
@@ -223,8 +223,7 @@ def shard_problem(shard: Path) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return f"{shard} is not a directory"
     try:
-        with os.scandir(shard):
-            pass
+        os.scandir(shard).close()
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -22,7 +22,7 @@ from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_re
 from jitwarm.cache.locks import KeyLock, OnWait, wait_until
 from jitwarm.cache.maintenance import PruneReport, VerifyReport, prune_root, verify_copies
 from jitwarm.cache.protocol import BuildFn, LocalCache
-from jitwarm.cache.remote import Fleet, ObjectStore, RemoteReport, RemoteStore, open_store, redact
+from jitwarm.cache.remote import Fleet, RemoteReport, open_store, redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
 
 
@@ -93,13 +93,11 @@ class KernelCache:
             settings.remote_prefix() if self.remote else settings.DEFAULT_REMOTE_PREFIX)
         self.remote_required = bool(remote_required) if remote_required is not None else (
             bool(self.remote) and settings.remote_required())
-        self._remote: RemoteStore | ObjectStore | None = None
-        self._fleet: Fleet | None = None
-        if self.remote is not None:
-            self._remote = open_store(self.remote, self.remote_prefix, required=self.remote_required,
-                                      max_bytes=settings.remote_max_bytes(), shared=self.allow_shared,
-                                      count=self._count)
-            self._fleet = Fleet(self._remote, lease_s=settings.remote_lease_s(), count=self._count)
+        self._remote = None if self.remote is None else open_store(
+            self.remote, self.remote_prefix, required=self.remote_required, max_bytes=settings.remote_max_bytes(),
+            shared=self.allow_shared, count=self._count)
+        self._fleet = None if self._remote is None else Fleet(self._remote, lease_s=settings.remote_lease_s(),
+                                                              count=self._count)
 
     def trust_key(self) -> bytes | None:
         """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one."""
