@@ -1,19 +1,18 @@
 """The servers jitwarm plans for, one room each, and the registry that picks a room from a server command line.
 
-A room is a subpackage (``servers/sglang/``, ``servers/vllm/``) holding everything jitwarm knows
-about one server: its command line, the rules that turn its settings into the CUDA graphs it captures, which of
-jitwarm's kernel families its models run, the plugin that loads into it, the seals that refuse its JIT inside
-capture, and the one constant naming the release all of that mirrors. Nothing outside a room names a room's
-modules: the core reaches a server only through the room package's module-level names that
-:class:`ServerAdapter` lists, so a new server is a new folder plus one name in :data:`ROOMS`.
+A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server: its command
+line, the rules that turn its settings into the CUDA graphs it captures, which of jitwarm's kernel families its
+models run, its plugin, its capture seals, and the one constant naming the release all of that mirrors. The core
+reaches a room only through the package names :class:`ServerAdapter` lists: a new server is a new folder plus
+one name in :data:`ROOMS`. What the rooms do alike lives beside them here (:mod:`.command_line`,
+:mod:`.own_functions`, :mod:`.model`, :mod:`.plugins`).
 
-The contract in short. A :class:`~jitwarm.precompile.config.ServingConfig` names its room (``server``); its
-capture fields carry sglang's names, and a room gives them its server's meaning (a vLLM room maps
-``--max-num-seqs`` to ``max_running_requests``); settings no field holds go in ``server_options``. The room
-turns a command line into those fields (:meth:`~ServerAdapter.parse_argv`), judges them
-(:meth:`~ServerAdapter.check`), turns a config into raw ladder inputs (:meth:`~ServerAdapter.ladder_inputs`) and
-those into capture shapes (:meth:`~ServerAdapter.resolve_ladder`: ``{"source", "shapes": [{"bs", "graph_key",
-"verify_lens"}, ...] largest first, "capture_bs", "width", "compact", "max_running_requests", "disabled"}``).
+A :class:`~jitwarm.precompile.config.ServingConfig` names its room (``server``); its capture fields carry
+sglang's names, which a room gives its server's meaning (vLLM's ``--max-num-seqs`` is ``max_running_requests``);
+settings no field holds go in ``server_options``. The room turns a command line into fields (``parse_argv``),
+judges them (``check``), turns a config into raw ladder inputs (``ladder_inputs``) and those into capture shapes
+(``resolve_ladder``: ``{"source", "shapes": [{"bs", "graph_key", "verify_lens"}, ...] largest first,
+"capture_bs", "width", "compact", "max_running_requests", "disabled"}``).
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
     Raises
     ------
     UnknownServer
-        ``argv`` starts with a program that no room recognises; the message lists the launchers known.
+        ``argv`` starts with a program no room recognises; the message lists the launchers known.
 
     """
     rooms = [adapter(name) for name in ROOMS]

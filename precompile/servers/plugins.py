@@ -67,12 +67,12 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
     return recorder
 
 
-def begin_ledger(log: logging.Logger, watchers: dict[str, Any] | None = None) -> None:
-    """Take the start-up ledger's snapshot now: before the model loads, so every compile of the start counts."""
+def begin_ledger(log: logging.Logger, watchers: Callable[[], dict[str, Any]] = dict) -> None:
+    """Take the start-up ledger's snapshot now (before the model loads), with the room's ``watchers()``."""
     try:
         from jitwarm.precompile import ledger
 
-        ledger.begin(watchers)
+        ledger.begin(watchers())
     except Exception as exc:  # the ledger only reports: it never takes the drain away
         log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
 
@@ -117,6 +117,13 @@ class PlanMode:
                 self.fields = {k: v for k, v in fields.items() if k not in ignored}
             except Exception as exc:
                 self.error = failed(self.log, f"reading {CONFIG_ENV}={config}", exc, fatal_later=True)
+
+    @classmethod
+    def from_settings(cls) -> PlanMode:
+        """Plan mode as ``JITWARM_CONFIG`` and ``JITWARM_MANIFEST``, read now, configure it."""
+        config, manifest = (str(setting(cls.log, read, None) or "") or None for read in (settings.config,
+                                                                                          settings.manifest))
+        return cls(config, manifest)
 
     @property
     def active(self) -> bool:

@@ -1,10 +1,9 @@
 """sglang's ``load_jit`` calls as the start-up ledger counts them: served from sglang's cache, or compiled now.
 
 ``load_jit`` looks its build up with ``_find_prebuilt``; found, it loads it (a hit); not found, it takes
-``_build_lock``, looks again (another rank may have built it meanwhile) and compiles only if that finds nothing
-(compile/loader.py:135-160). Both are module globals looked up on each call, which is where the capture seal
-watches too (:mod:`.seals`), whoever imported ``load_jit`` by name. :class:`LoaderCalls` is the
-:class:`~jitwarm.precompile.ledger.Watcher` of the ``load_jit`` family; each build directory
+``_build_lock``, looks again (another rank may have built it) and compiles only if that finds nothing
+(compile/loader.py:135-160). Both are module globals looked up on each call, where the capture seal watches too
+(:mod:`.seals`). :class:`LoaderCalls` is the ledger's ``load_jit`` watcher; each build directory
 (``<cache>/<tag>/<module>/build-<key>``, compile/cache.py:322-325) is one state, named by module and key.
 """
 

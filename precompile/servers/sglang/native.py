@@ -32,13 +32,10 @@ from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERI
 # A test knob of sglang's (srt/environ.py:1573) that makes compact capture uniform
 # (decode_cuda_graph_runner.py:791-794); the inputs describe a real server, so it is held unset.
 _FORCE_UNIFORM_ENV = "SGLANG_TEST_RAGGED_VERIFY_FORCE_UNIFORM_CAPTURE"
-# Speculative handlers that declare max_running_requests=48 when it is not given, and the line of that
-# declaration in srt/arg_groups/speculative_hook.py (read there: the handlers need checkpoints to run;
-# tests/test_sglang_oracle.py checks this table against the installed source). _handle_uno has none.
-_DEFAULTS_48_RUNNING = {"_handle_dflash": 442, "_handle_dspark": 856, "_handle_frozen_kv_mtp": 996,
-                        "_handle_eagle_family": 1090, "_handle_ngram": 1298}
-_SPEC_HANDLERS = ("_handle_dflash", "_handle_uno", "_handle_dspark", "_handle_frozen_kv_mtp",
-                  "_handle_eagle_family", "_handle_ngram")
+# The speculative handlers (:data:`.rules.HANDLERS`), and those that declare max_running_requests=48 when it is
+# not given, with the line of the declaration (read there: the handlers need checkpoints to run).
+_SPEC_HANDLERS = tuple(dict.fromkeys(handler for handler, _ in rules.HANDLERS.values()))
+_DEFAULTS_48_RUNNING = {handler: line for handler, line in rules.HANDLERS.values() if line is not None}
 
 
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -163,10 +160,9 @@ def _server_args(cfg: Mapping[str, Any]) -> Any:
 def _speculative_defaults(record: Any) -> None:
     """Declare what handle_speculative_decoding decides about the algorithm name and max_running_requests.
 
-    The handler itself needs the target and draft checkpoints (speculative_hook.py:121-284), so the real
-    pieces that need none run here: the upper-casing (:135-140), the alias (:81-118, NEXTN is EAGLE), and
-    the per-algorithm dispatch (spec_info.py:235-271), run for real with the handlers swapped for a
-    recorder. Which handler defaults max_running_requests to 48 is :data:`_DEFAULTS_48_RUNNING`.
+    The handler needs the checkpoints (speculative_hook.py:121-284); the pieces that need none run for real: the
+    upper-casing (:135-140), the alias (:81-118), the per-algorithm dispatch (spec_info.py:235-271) with the
+    handlers swapped for a recorder. Which handler defaults max_running_requests to 48: ``_DEFAULTS_48_RUNNING``.
     """
     from unittest import mock
 
@@ -205,11 +201,9 @@ def _pool_size(configurator: type, max_running: int | None, attn_dp: int, kv_cap
                decode_bs: list[int]) -> int:
     """The request pool of one attention-DP rank: KVCacheConfigurator.resolve_max_num_reqs (:3119-3171).
 
-    ``token_capacity`` is ``kv_capacity``; unknown, it is large enough never to bind. With neither the
-    capacity nor --max-running-requests known the server sizes the pool from the model's context length
-    and the KV memory it profiles (at least 2048 requests unless the KV pool is tiny): the plan takes a
-    pool that cuts nothing, the largest ladder size. With the capacity known but no running limit, the
-    context length (the only model input) is taken as 1, which puts the estimate at its 4096 ceiling.
+    ``token_capacity`` is ``kv_capacity`` (unknown: never binding). With neither it nor --max-running-requests
+    the server sizes the pool from the model and its profiled KV memory: the plan takes the largest ladder size,
+    which cuts nothing. With the capacity but no running limit, a context length of 1 puts it at its 4096 ceiling.
     """
     if max_running is None and kv_capacity is None:
         return max(decode_bs)

@@ -60,10 +60,9 @@ _recorder: Any = None
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: install the capture drain, and plan mode with ``JITWARM_CONFIG``.
 
-    sglang's ``load_plugins()`` calls it in every process that loads plugins; only a scheduler starts a model
-    runner and captures, so only there does anything run. Logs one line: what it installed, or that it is inert.
-    Raises only under ``JITWARM_STRICT=1`` (sglang logs it and runs on); an unusable ``JITWARM_CONFIG`` is then
-    raised when the scheduler starts its model runner, which stops the server.
+    sglang's ``load_plugins()`` calls it in every process that loads plugins; only a scheduler captures. Logs one
+    line: what it installed, or that it is inert. Raises only under ``JITWARM_STRICT=1`` (sglang logs it and runs
+    on); an unusable ``JITWARM_CONFIG`` is then raised at model-runner start, which stops the server.
     """
     global _plan
     if not plugins.setting(log, settings.sglang_plugin, True):
@@ -80,12 +79,9 @@ def register() -> None:
         for path in hooked:
             HookRegistry.register(f"{path}.capture_one", _around_capture_one, HookType.AROUND)
         _record_and_serve()
-        from jitwarm.precompile.servers.sglang.loader_calls import LoaderCalls
-
-        plugins.begin_ledger(log, {"load_jit": LoaderCalls().install()})
+        plugins.begin_ledger(log, _loader_calls)
         HookRegistry.register(f"{MODEL_RUNNER}.init_cuda_graphs", _around_init_cuda_graphs, HookType.AROUND)
-        _plan = _Plan(str(plugins.setting(log, settings.config, None) or "") or None,
-                      str(plugins.setting(log, settings.manifest, None) or "") or None)
+        _plan = _Plan.from_settings()
         if _plan.active:  # the model-runner hook also raises a bad file under JITWARM_STRICT=1
             HookRegistry.register(f"{MODEL_RUNNER}.__init__", _around_model_runner_init, HookType.AROUND)
         what = "capture hook" if _plan.active and _plan.error is None else "drain (device synchronize + TP barrier)"
@@ -93,6 +89,13 @@ def register() -> None:
                  ", ".join(path.rsplit(".", 1)[1] for path in hooked), _plan.describe())
     except Exception as exc:
         plugins.failed(log, "installing the sglang plugin", exc)
+
+
+def _loader_calls() -> dict[str, Any]:
+    """The ledger's ``load_jit`` watcher (:mod:`.loader_calls`)."""
+    from jitwarm.precompile.servers.sglang.loader_calls import LoaderCalls
+
+    return {"load_jit": LoaderCalls().install()}
 
 
 def _record_and_serve() -> None:
@@ -104,8 +107,8 @@ def _record_and_serve() -> None:
 def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``ModelRunner.init_cuda_graphs`` (model_runner.py:1170): its last graph captured, the ledger.
 
-    sglang's scheduler calls it for the target runner, then the draft's (scheduler.py:1122-1126): each reports
-    everything since the start, so the last report, and ``JITWARM_LEDGER``, covers every graph.
+    Called for the target runner, then the draft's (scheduler.py:1122-1126): each reports everything since the
+    start, so the last report (and ``JITWARM_LEDGER``) covers every graph.
     """
     graphs = original(runner, *args, **kwargs)
     plugins.report_ledger(log)
@@ -166,14 +169,13 @@ def _hookable(path: str) -> bool:
     import pkgutil
 
     try:
-        cls = pkgutil.resolve_name(path)
+        capture_one = getattr(pkgutil.resolve_name(path), "capture_one", None)
     except (ImportError, AttributeError) as exc:
         log.debug("jitwarm: %s not in this sglang (%s): skipped", path, exc)
         return False
     except Exception as exc:  # present but broken: say so, and hook the others
         log.warning("jitwarm: importing %s failed (%s: %s): not hooked", path, type(exc).__name__, exc)
         return False
-    capture_one = getattr(cls, "capture_one", None)
     if capture_one is None or "post_warmup_hook" not in inspect.signature(capture_one).parameters:
         log.debug("jitwarm: %s has no capture_one(post_warmup_hook=...): skipped", path)
         return False

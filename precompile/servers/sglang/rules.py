@@ -35,17 +35,17 @@ NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
 VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 VERIFY_MODES = ("static", "cap-accept", "compact")
 
-# srt/speculative/spec_info.py:39-47 (the built-in algorithms) and :109-110 (NEXTN is EAGLE).
-ALGORITHMS = ("DFLASH", "UNO", "DSPARK", "EAGLE", "EAGLE3", "FROZEN_KV_MTP", "STANDALONE", "NGRAM")
+#: The built-in algorithms (srt/speculative/spec_info.py:39-47; :109-110: NEXTN is EAGLE) -> the handler each
+#: dispatches to (:235-271) and the line of srt/arg_groups/speculative_hook.py where it defaults
+#: max_running_requests to 48 when it is not given (None: _handle_uno sets none; tests/test_sglang_oracle.py reads
+#: the lines from the wheel). The handlers run after handle_gpu_memory_settings (pipeline.py:218, :306), so the 48
+#: cuts the runner's pool, not the default max batch.
+HANDLERS = {"DFLASH": ("_handle_dflash", 442), "UNO": ("_handle_uno", None), "DSPARK": ("_handle_dspark", 856),
+            "EAGLE": ("_handle_eagle_family", 1090), "EAGLE3": ("_handle_eagle_family", 1090),
+            "FROZEN_KV_MTP": ("_handle_frozen_kv_mtp", 996), "STANDALONE": ("_handle_eagle_family", 1090),
+            "NGRAM": ("_handle_ngram", 1298)}
 ALIASES = {"NEXTN": "EAGLE"}
-# The handlers that default max_running_requests to 48 when it is not given (srt/arg_groups/
-# speculative_hook.py :442 DFLASH, :856 DSPARK, :996 FROZEN_KV_MTP, :1090 the EAGLE family, :1298 NGRAM);
-# _handle_uno sets none. They run after handle_gpu_memory_settings (srt/arg_groups/pipeline.py:218, :306),
-# so the 48 cuts the runner's pool, not the default max batch.
-DEFAULTS_48_RUNNING = ("DFLASH", "DSPARK", "FROZEN_KV_MTP", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
-# spec_info.py:265-266: these go through _handle_eagle_family.
-EAGLE_FAMILY = ("EAGLE", "EAGLE3", "STANDALONE")
 
 # (below MiB, max_bs below tp 4, max_bs from tp 4): srt/arg_groups/memory_hook.py:86-171.
 _MEMORY_TIERS = ((20 * 1024, 8, 8), (35 * 1024, 48, 160), (60 * 1024, 32, 160), (90 * 1024, 256, 512),
@@ -65,28 +65,20 @@ def normalize_algorithm(name: str | None) -> str | None:
     if name is None:
         return None
     upper = ALIASES.get(name.upper(), name.upper())
-    if upper not in ALGORITHMS:
+    if upper not in HANDLERS:
         raise ResolutionError(f"unknown speculative algorithm {name!r}; sglang {VERSION} knows "
-                              f"{', '.join(ALGORITHMS + tuple(ALIASES))}")
+                              f"{', '.join((*HANDLERS, *ALIASES))}")
     return upper
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the decode graphs sglang ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`).
 
-    Returns
-    -------
-    dict
-        ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and ``decode_bs``
-        (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width`` (tokens
-        per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per
-        graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
-
-    Raises
-    ------
-    ResolutionError
-        A combination sglang rejects.
-
+    The answer: ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
+    ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width``
+    (tokens per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}``
+    per graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
+    :class:`ResolutionError` for a combination sglang rejects.
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
@@ -104,7 +96,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
             max_bs = max_running
     if algorithm is not None:
         _verify_mode(cfg)  # every algorithm validates it at start-up (spec_info.py:249-253)
-    if algorithm in DEFAULTS_48_RUNNING and max_running is None:
+    if algorithm is not None and HANDLERS[algorithm][1] is not None and max_running is None:
         max_running = SPECULATIVE_MAX_RUNNING_REQUESTS
     bs_list = decode.get("bs")
     if bs_list is None:
@@ -283,7 +275,7 @@ def graph_shapes(capture_bs: list[int], width: int, compact: bool) -> list[dict[
 def _draft_tokens(cfg: Mapping[str, Any], algorithm: str) -> int:
     """Tokens per request a speculative target-verify graph captures (``captured_req_width``)."""
     draft = cfg["speculative_num_draft_tokens"]
-    if algorithm in EAGLE_FAMILY:
+    if HANDLERS[algorithm][0] == "_handle_eagle_family":
         steps, topk = cfg["speculative_num_steps"], cfg["speculative_eagle_topk"]
         if steps is None:
             # speculative_hook.py:1159-1174: without steps sglang chooses steps, top-k and draft tokens from

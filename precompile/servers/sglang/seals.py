@@ -22,12 +22,24 @@ def seal(undo: list[Any]) -> None:
     loader = sys.modules.get(LOADER)
     if loader is None:  # never imported: no load_jit can run in this process without importing it first
         return
-    for name, seal in (("_find_prebuilt", _sealed_lookup), ("_build_lock", _sealed_build)):
-        original = getattr(loader, name, None)
-        if original is None:
-            continue
-        undo.append(lambda n=name, f=original: setattr(loader, n, f))
-        setattr(loader, name, seal(original))
+    find, lock = getattr(loader, "_find_prebuilt", None), getattr(loader, "_build_lock", None)
+
+    def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
+        found = find(*args, **kwargs)
+        if found is not None and _guarded():
+            raise _refusal("load", found)
+        return found
+
+    def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
+        if _guarded():
+            raise _refusal("compile", scope)
+        return lock(scope, *args, **kwargs)
+
+    for name, original, sealed in (("_find_prebuilt", find, find_prebuilt), ("_build_lock", lock, build_lock)):
+        if original is not None:
+            sealed.__wrapped__ = original  # type: ignore[attr-defined]
+            undo.append(lambda n=name, f=original: setattr(loader, n, f))
+            setattr(loader, name, sealed)
 
 
 def _guarded() -> bool:
@@ -38,28 +50,8 @@ def _guarded() -> bool:
 
 
 def _refusal(what: str, path: Any) -> CompileDuringCaptureError:
+    """The refusal of a ``load_jit`` module's load or compile, named by its build path."""
     parts = getattr(path, "parts", ())  # <cache>/<tag>/<module>/build-<key>[/deps-<key>/<module>.so]
     module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")
     return CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
                                      hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
-
-
-def _sealed_lookup(fn: Any) -> Any:
-    def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
-        found = fn(*args, **kwargs)
-        if found is not None and _guarded():
-            raise _refusal("load", found)
-        return found
-
-    find_prebuilt.__wrapped__ = fn  # type: ignore[attr-defined]
-    return find_prebuilt
-
-
-def _sealed_build(fn: Any) -> Any:
-    def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
-        if _guarded():
-            raise _refusal("compile", scope)
-        return fn(scope, *args, **kwargs)
-
-    build_lock.__wrapped__ = fn  # type: ignore[attr-defined]
-    return build_lock

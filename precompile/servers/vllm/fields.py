@@ -39,18 +39,9 @@ def parse_argv(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def defaults(config: Any) -> dict[str, Any]:
-    """Nothing: vLLM's capture settings come from its command line, not from jitwarm's environment.
-
-    ``VLLM_USE_V2_MODEL_RUNNER`` is read from the line's own ``NAME=value`` words (:mod:`.argv`).
-    """
+    """Nothing: vLLM's settings come from its command line (its ``NAME=value`` words too, :mod:`.argv`)."""
     del config
     return {}
-
-
-def options(config: Any) -> dict[str, Any]:
-    """The config's ``server_options`` as a dict ({} when unset)."""
-    value = json.loads(config.server_options) if config.server_options else {}
-    return value if isinstance(value, dict) else {}  # the config reports a server_options that is not an object
 
 
 def check(config: Any, *, resolve: bool) -> list[str]:
@@ -64,7 +55,10 @@ def check(config: Any, *, resolve: bool) -> list[str]:
 
 def ladder_inputs(config: Any) -> dict[str, Any]:
     """The raw settings :func:`.rules.resolve` takes: the options, the fields, the capability from the target."""
-    inputs = {**dict(rules.INPUT_KEYS), **{k: v for k, v in options(config).items() if k in rules.INPUT_KEYS}}
+    options = json.loads(config.server_options) if config.server_options else {}
+    if not isinstance(options, dict):  # the config reports a server_options that is not an object
+        options = {}
+    inputs = {**dict(rules.INPUT_KEYS), **{k: v for k, v in options.items() if k in rules.INPUT_KEYS}}
     inputs["max_num_seqs"] = config.max_running_requests
     inputs["gpu_memory_mb"] = config.gpu_memory_mb
     if inputs["device_capability"] is None:

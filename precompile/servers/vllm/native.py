@@ -117,19 +117,18 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         performance_mode=cfg["performance_mode"], lora_config=None,
         cache_config=SimpleNamespace(use_kda_recoverssm=False))
     base = {"source": OWN.source(), "max_num_seqs": seqs, "max_running_requests": seqs,
-            "max_num_batched_tokens": tokens, "width": q, "compact": False}
+            "max_num_batched_tokens": tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
+            "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
     VllmConfig._set_cudagraph_sizes(config)
     if compilation.cudagraph_mode == CUDAGraphMode.NONE:
-        return {**base, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
-                "disabled": "cudagraph_mode NONE", "capture_bs": []}
+        return {**base, "disabled": "cudagraph_mode NONE"}
     v2 = cfg["model_runner"] == "v2"
     resolved = compilation.resolve_cudagraph_mode_and_sizes(
         AttentionCGSupport[cfg["attention_cudagraph_support"]], "jitwarm stand-in", q, use_v2_model_runner=v2,
         max_num_reqs=seqs, piecewise_capture_available=level >= 1)
     sizes, top = list(compilation.cudagraph_capture_sizes), compilation.max_cudagraph_capture_size
     if resolved == CUDAGraphMode.NONE:
-        return {**base, "cudagraph_mode": "NONE", "capture_sizes": sizes, "max_capture_size": top, "shapes": [],
-                "disabled": "cudagraph_mode NONE", "capture_bs": []}
+        return {**base, "capture_sizes": sizes, "max_capture_size": top, "disabled": "cudagraph_mode NONE"}
     graphs = _v2_graphs(config, resolved, q) if v2 else _v1_graphs(config, resolved, q)
     shapes = [rules._graph(mode_name, n, reqs, q, uniform=uniform, runner=cfg["model_runner"], max_num_seqs=seqs)
               for mode_name, n, reqs, uniform in graphs]

@@ -64,10 +64,10 @@ _recorder: Any = None
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the capture drain (and plan mode) where vLLM captures.
 
-    vLLM calls it in every process that loads plugins (the API server, the engine core, every worker, before
-    the model loads: ``v1/worker/worker_base.py:287-289``). Nothing is imported here: the wraps are applied when
-    vLLM imports its runner modules, which only a worker does. Logs one line: what it installed, or that it is
-    inert. A failure of its own setup is logged (raised under ``JITWARM_STRICT=1``).
+    vLLM calls it in every process that loads plugins, before the model loads (``v1/worker/worker_base.py:
+    287-289``). Nothing is imported here: the wraps apply when vLLM imports its runner modules (only a worker
+    does). Logs one line: what it installed, or that it is inert. A failure of its own setup is logged (raised
+    under ``JITWARM_STRICT=1``).
     """
     global _plan, _recorder
     if not plugins.setting(log, settings.vllm_plugin, True):
@@ -77,8 +77,7 @@ def register() -> None:
         # vLLM's workers inherit TRITON_CACHE_MANAGER from the engine process that loaded the plugin first.
         _recorder = plugins.record_and_serve(log, _recorder, "Triton kernel and JIT cache unit")
         plugins.begin_ledger(log)
-        _plan = _Plan(str(plugins.setting(log, settings.config, None) or "") or None,
-                      str(plugins.setting(log, settings.manifest, None) or "") or None)
+        _plan = _Plan.from_settings()
         for module, cls, attribute, wrap in _TARGETS:
             after_import(module, lambda m, c=cls, a=attribute, w=wrap: _wrap(getattr(m, c, None), a, w))
         what = "capture hook" if _plan.active and _plan.error is None else "device synchronize + TP barrier"
@@ -89,10 +88,7 @@ def register() -> None:
 
 
 def _store_units() -> None:
-    """``JITWARM_RECORD``: store the JIT cache units compiled so far, after each capture.
-
-    A vLLM worker is stopped by a signal, so its recorder's stop and atexit may never run (as in sglang).
-    """
+    """``JITWARM_RECORD``: store the JIT cache units compiled so far (a worker stopped by a signal never exits)."""
     if _recorder is not None:
         _recorder.capture()
 
@@ -153,8 +149,7 @@ def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
     """A runner's ``capture_model``: vLLM's own, then the units it compiled stored and the start-up ledger reported.
 
     The worker calls it once, after the kernel warmup (``v1/worker/gpu_worker.py:982-994``); the V2 runner's
-    memory profiling calls it with ``profile_only=True`` first (``v1/worker/gpu/cudagraph_utils.py:1000``), which
-    captures graphs it throws away: that call reports nothing.
+    memory profiling first calls it with ``profile_only=True`` (``cudagraph_utils.py:1000``): that reports nothing.
     """
     def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
@@ -231,10 +226,7 @@ def after_import(module: str, apply: Callable[[Any], None]) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: a module with pending wraps is found by the other finders, wrapped once executed.
-
-    So no runner module is imported before vLLM imports it.
-    """
+    """Finds nothing itself: a module with pending wraps, found by the other finders, is wrapped once executed."""
 
     pending: dict[str, list[Callable[[Any], None]]] = {}
 

@@ -85,20 +85,19 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     # 1766-1768, :2003-2008).
     mode = "NONE" if cfg["enforce_eager"] else cfg["cudagraph_mode"] or _LEVEL_MODES[cfg["optimization_level"]]
     base = {"source": SOURCE, "max_num_seqs": max_num_seqs, "max_running_requests": max_num_seqs,
-            "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False}
+            "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
+            "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
     if mode == "NONE":
         why = "--enforce-eager" if cfg["enforce_eager"] else f"cudagraph_mode NONE (-O{cfg['optimization_level']})" \
             if cfg["cudagraph_mode"] is None else "cudagraph_mode NONE"
-        return {**base, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
-                "disabled": why, "capture_bs": []}
+        return {**base, "disabled": why}
     sizes, top = capture_sizes(cfg, max_num_seqs, max_num_tokens, q)
     mode = resolved_mode(mode, cfg, q)
     if cfg["model_runner"] == "v1" and _ROUTINES[mode][0] == "FULL" and q > 1:
         sizes, top = round_for_spec_decode(sizes, top, q)
     if mode == "NONE":
-        return {**base, "cudagraph_mode": "NONE", "capture_sizes": sizes, "max_capture_size": top, "shapes": [],
-                "disabled": f"cudagraph_mode NONE: the attention backend supports "
-                            f"{cfg['attention_cudagraph_support']}", "capture_bs": []}
+        return {**base, "capture_sizes": sizes, "max_capture_size": top,
+                "disabled": f"cudagraph_mode NONE: the attention backend supports {cfg['attention_cudagraph_support']}"}
     if cfg["model_runner"] == "v2":
         shapes = v2_graphs(mode, sizes, top, max_num_seqs, q)
     else:
