@@ -152,7 +152,7 @@ class LocalCache:
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
         """``(None, why)`` for a shard path that is no usable directory (moved aside in the root), else a miss."""
-        self.check_root(layout)  # a broken top directory raises here, before any shard is blamed
+        self.check_root(layout)  # an untrusted top directory raises here, before any shard is blamed
         why = shard_problem(shard)
         if why is not None:  # None also when it is gone meanwhile, or the problem is above it
             self._count("corrupt")
