@@ -40,11 +40,9 @@ class ConfigError(UsageError, ValueError):
 def _local_gpus() -> tuple[tuple[str, str], ...]:
     """``(compute_cap, memory.total)`` of every GPU, from one nvidia-smi run per process (no torch import)."""
     smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return ()
     try:
         out = subprocess.run([smi, "--query-gpu=compute_cap,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+                             capture_output=True, text=True, timeout=10, check=True).stdout if smi else ""
     except (OSError, subprocess.SubprocessError):
         return ()
     rows = (tuple(v.strip() for v in line.split(",")) for line in out.splitlines() if line.strip())
@@ -120,7 +118,7 @@ class ServingConfig:
     ladder_source: str = "auto"
     model_path: str | None = None  # the server's --model-path: a local checkpoint's config.json names its architecture
     model_architecture: str | None = None  # what config.json's "architectures" says, when the path is not local
-    head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (one place for them)
+    head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (and are its fields: ``model``)
     rope_dim: int = ModelDims.rope_dim
     num_q_heads: int = ModelDims.num_q_heads
     num_kv_heads: int = ModelDims.num_kv_heads
@@ -194,9 +192,7 @@ class ServingConfig:
     @property
     def model(self) -> ModelDims:
         """The model dims the kernel families specialize on."""
-        return ModelDims(head_dim=self.head_dim, rope_dim=self.rope_dim, num_q_heads=self.num_q_heads,
-                         num_kv_heads=self.num_kv_heads, compress_ratios=self.compress_ratios,
-                         dtype=self.dtype)
+        return ModelDims(**{f.name: getattr(self, f.name) for f in fields(ModelDims)})
 
     def to_json(self) -> dict[str, Any]:
         """Return the config as a JSON-able dict (the keys a TOML config file takes; unset ones omitted)."""
@@ -256,10 +252,8 @@ def _check_types(cfg: ServingConfig) -> list[str]:
                 problems.append(f"{flag} needs a list of positive batch sizes, got {value!r}")
             elif len(value) > MAX_BATCH_SIZE:
                 problems.append(f"{flag} lists {len(value)} sizes; at most {MAX_BATCH_SIZE}")
-            else:
-                bad = [b for b in value if not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE]
-                if bad:
-                    problems.append(f"{flag} needs positive batch sizes up to {MAX_BATCH_SIZE}, got {bad[:5]}")
+            elif bad := [b for b in value if not _is_int(b) or not 1 <= b <= MAX_BATCH_SIZE]:
+                problems.append(f"{flag} needs positive batch sizes up to {MAX_BATCH_SIZE}, got {bad[:5]}")
         elif not _is_int(value) or value < 1:
             problems.append(f"{flag} must be a positive integer, got {value!r}")
         elif value > _LIMITS[kind]:

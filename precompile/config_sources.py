@@ -31,16 +31,9 @@ else:  # pragma: no cover
 MAX_CONFIG_BYTES = 1 << 20
 
 # Older jitwarm names that stay as documented aliases of sglang's, and sglang's own aliases.
-ALIASES = {
-    "cuda_graph_max_bs": "cuda_graph_max_bs_decode",
-    "cuda_graph_bs": "cuda_graph_bs_decode",
-    "tp": "tp_size",
-    "tensor_parallel_size": "tp_size",
-    "data_parallel_size": "dp_size",
-    "attention_data_parallel_size": "attn_dp_size",
-    "backend": "backends",
-    "target": "targets",
-}
+ALIASES = {"cuda_graph_max_bs": "cuda_graph_max_bs_decode", "cuda_graph_bs": "cuda_graph_bs_decode", "tp": "tp_size",
+           "tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size",
+           "attention_data_parallel_size": "attn_dp_size", "backend": "backends", "target": "targets"}
 
 
 def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:

@@ -152,13 +152,12 @@ def check_trusted(path: str | os.PathLike[str], st: os.stat_result) -> None:
 def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
     """The records of ``data``, and whether its last line was torn (no newline, not a record: ignored)."""
     lines = data.split(b"\n")
-    tail = lines.pop()  # after the last newline: b"" unless an append was cut short
-    torn = False
-    if tail.strip():
+    torn = False  # the tail after the last newline is b"" unless an append was cut short
+    if lines[-1].strip():
         try:
-            check_record(json.loads(tail))
-            lines.append(tail)  # a whole record without its newline (written by hand): keep it
+            check_record(json.loads(lines[-1]))  # a whole record without its newline (written by hand): kept
         except (ValueError, RecursionError):
+            lines.pop()
             torn = True
     records: dict[str, dict[str, Any]] = {}
     for number, line in enumerate(lines, 1):
@@ -205,7 +204,9 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
             locked = os.lstat(path)
             if (locked.st_dev, locked.st_ino) != (st.st_dev, st.st_ino):
                 raise ManifestError(f"manifest {path} was replaced while it was opened")
-            data = _read_all(fd, path)
+            data = os.pread(fd, min(os.fstat(fd).st_size, MAX_MANIFEST_BYTES) + 1, 0)  # a regular file: all of it
+            if len(data) > MAX_MANIFEST_BYTES:
+                raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
             known, torn = _parse(data, str(path))
             end = data.rindex(b"\n") + 1 if torn and b"\n" in data else 0 if torn else len(data)
             if torn:
@@ -219,17 +220,6 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
             return len(lines)
     finally:
         os.close(fd)
-
-
-def _read_all(fd: int, path: str | os.PathLike[str]) -> bytes:
-    """The whole file behind ``fd``; ManifestError past :data:`MAX_MANIFEST_BYTES`."""
-    chunks, left = [], MAX_MANIFEST_BYTES + 1
-    while left > 0 and (chunk := os.pread(fd, min(left, 1 << 20), MAX_MANIFEST_BYTES + 1 - left)):
-        chunks.append(chunk)
-        left -= len(chunk)
-    if left <= 0:
-        raise ManifestError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
-    return b"".join(chunks)
 
 
 def _write_all(fd: int, data: bytes, end: int) -> None:

@@ -191,14 +191,11 @@ def _families() -> list[str]:
         asked = settings.record_caches()
     except SettingError as exc:
         log.warning("jitwarm: %s: capturing every JIT cache family", exc)
-        asked = None
-    if asked is None:
         return list(MODULES)
-    for name in asked:
-        if name not in MODULES:
-            log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
-                        ", ".join(MODULES))
-    return [name for name in MODULES if name in asked]
+    for name in (n for n in asked or () if n not in MODULES):
+        log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
+                    ", ".join(MODULES))
+    return list(MODULES) if asked is None else [name for name in MODULES if name in asked]
 
 
 def triton_record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens.
 
-The config's server room resolves the ladder (:meth:`~jitwarm.precompile.servers.ServerAdapter.resolve_ladder`);
-this module asks it once per config and process, with the device memory filled in where the ladder reads it.
+The config's room resolves the ladder (:meth:`~jitwarm.precompile.servers.ServerAdapter.resolve_ladder`), asked
+once per config and process, with the device memory filled in where the ladder reads it.
 """
 
 from __future__ import annotations
