@@ -4,8 +4,8 @@ A spec is one recorded ``load_jit`` call: ``family`` sglang's module name, ``tar
 ``params`` the call as canonical JSON, the sglang version and (recent manifests) sglang's full arch (``9.0a``).
 Its description is what sglang's own build key hashes, computed by sglang (:mod:`.child`), so our key changes
 exactly when sglang's does; ``load`` puts the leaf where sglang's loader looks, under sglang's build lock
-(docs/kernels.md, "sglang's own JIT modules"). A leaf re-hashes against the files of the node that loads it
-(``compile/cache.py:369-418``): replay in the server's image.
+(docs/kernels.md). A leaf re-hashes against the loading node's files (``compile/cache.py:369-418``): replay in
+the server's image.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from jitwarm.cache import files
 from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.backend import Facts, LoadError, SpecError
 from jitwarm.kernels.libraries.sglang_jit import child
@@ -89,11 +90,9 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
     Raises
     ------
     SpecError
-        Not a well-formed spec of this backend; sglang is missing or not the recorded version; sglang's
-        ``load_jit`` rejects the call (an unknown dependency, a bad keyword).
+        A malformed spec; sglang missing or not the recorded version; ``load_jit`` rejects the call.
     ToolchainError
-        nvcc, the CUDA runtime or the host compiler is not where sglang looks (``$CUDA_HOME``, ``$CXX``), or
-        sglang's loader does not answer.
+        nvcc, the CUDA runtime or the host compiler is not where sglang looks, or sglang's loader does not answer.
 
     """
     call, arch, sglang = _parse(spec)
@@ -113,11 +112,9 @@ _descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
 
 
 def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
-    """Build ``spec`` with sglang's own ``load_jit`` in a fresh interpreter and move its leaf into ``staging``.
+    """Build ``spec`` with sglang's ``load_jit`` in a fresh interpreter, into a private cache; its leaf to ``staging``.
 
-    The child builds into a private ``SGLANG_JIT_CACHE_DIR`` inside ``staging``: neither this process's sglang
-    state nor the server's cache takes part. CompileError when ``load_jit`` failed, timed out or published
-    nothing (``output``: sglang's whole text).
+    CompileError when ``load_jit`` failed, timed out or published nothing (``output``: sglang's whole text).
     """
     staging = Path(staging)
     call, arch, _ = _parse(spec)
@@ -167,10 +164,9 @@ class SglangCacheDirError(JitwarmError, OSError):
 
 
 def cache_root() -> Path:
-    """The sglang JIT cache root as its loader resolves it: ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
+    """The JIT cache root sglang uses: its own ``cache_root()`` when loaded (cache.py:317-319), else the same rule.
 
-    sglang's own function when its cache module is loaded (cache.py:317-319), else the same rule
-    (``EnvStr(None)``, srt/environ.py:1397) without importing sglang.
+    ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit`` (``EnvStr(None)``, srt/environ.py:1397).
     """
     loaded = sys.modules.get("sglang.kernels.jit.utils.compile.cache")
     if loaded is not None:
@@ -181,21 +177,17 @@ def cache_root() -> Path:
 def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Put ``entry``'s leaf into sglang's JIT cache (``cache_dir``, default :func:`cache_root`); return its library.
 
-    The path returned is the one sglang's ``find_prebuilt`` returns. A complete leaf already there is kept.
-    Otherwise the files are copied beside it, each checked against the entry's sha256 as written, and renamed
-    into place under sglang's build lock, so sglang's lock-free loader sees the leaf whole or not at all.
+    The path returned is the one sglang's ``find_prebuilt`` returns. A complete leaf there is kept; otherwise the
+    files, checked against the entry's sha256s, are staged beside it and renamed into place under sglang's build
+    lock, so sglang's lock-free loader sees the leaf whole or not at all.
 
     Raises
     ------
     LoadError
-        The entry is not this spec's, was built under another sglang key than it was described with, or a
-        file of it cannot be read or does not match its sha256 (the cache discards such an entry).
+        The entry is not this spec's, was built under another sglang key than described, or a file of it cannot
+        be read or does not match its sha256 (the cache discards such an entry).
     SglangCacheDirError
-        sglang's cache directory cannot be written (the entry is fine: it is not discarded for that).
-
-    Examples
-    --------
-    >>> lib = materialize(spec, cache.lookup(artifact(spec).key))  # doctest: +SKIP
+        sglang's cache directory cannot be written (the entry is kept).
 
     """
     doc = check(spec, Path(entry.path))
@@ -220,7 +212,8 @@ def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] 
     return leaf / doc["library"]
 
 
-def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:  # under sglang's lock
+def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:
+    """Under sglang's lock: the leaf staged beside ``leaf``, an incomplete one there set aside, then renamed."""
     staging = leaf.parent / f".staging-jitwarm-{uuid.uuid4().hex}"
     try:
         _copy_leaf(spec, entry, rel_leaf, staging)
@@ -233,31 +226,23 @@ def _place(spec: KernelSpec, entry: Any, rel_leaf: str, leaf: Path) -> None:  # 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _complete(leaf: Path, doc: dict[str, Any]) -> bool:  # sglang's lookup, besides the re-hash (cache.py:392-403)
+def _complete(leaf: Path, doc: dict[str, Any]) -> bool:
+    """Whether sglang's lookup finds ``leaf`` whole, besides its re-hash (cache.py:392-403)."""
     return (leaf / DEPS_FILE).is_file() and (leaf / doc["library"]).is_file()
 
 
 def _copy_leaf(spec: KernelSpec, entry: Any, leaf: str, staging: Path) -> None:
-    records = [r for r in entry.records if r.path.startswith(leaf + "/")]
-    for record in records:
-        rel = record.path[len(leaf) + 1:]
-        dest = staging / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
+    """Copy the entry's files of ``leaf`` into ``staging``, durable, each checked against its sha256 first."""
+    for record in (r for r in entry.records if r.path.startswith(leaf + "/")):
         try:
-            src = (Path(entry.path) / record.path).open("rb")
+            data = (Path(entry.path) / record.path).read_bytes()
         except OSError as exc:  # the entry's side: LoadError, so the cache discards and rebuilds it
             raise LoadError(f"{spec.family}: cannot read {record.path} of its cache entry: {exc}") from exc
-        h = hashlib.sha256()
-        with src:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755 if rel.endswith(".so") else 0o644)
-            with os.fdopen(fd, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    h.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-        if h.hexdigest() != record.sha256:
+        if hashlib.sha256(data).hexdigest() != record.sha256:
             raise LoadError(f"{spec.family}: {record.path} does not match its cache entry (sha256 differs)")
+        dest = staging / record.path[len(leaf) + 1:]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        files.write_atomic(dest, data, mode=0o755 if dest.suffix == ".so" else 0o644)
 
 
 def load(spec: KernelSpec, entry: Any) -> SglangJitKernel:
@@ -276,7 +261,7 @@ class SglangJitKernel:
     def preload(self) -> int:
         """On a CUDA device of the spec's arch: the recorded ``load_jit`` (a cache hit) loads the module; else 0.
 
-        Another device's capability is refused: there the call would compile at once (arch.py:104-128).
+        Another device's capability is refused: the call would compile at once there (arch.py:104-128).
         """
         try:
             import torch

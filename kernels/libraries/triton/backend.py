@@ -3,8 +3,8 @@
 A recorded spec is one specialization (``family`` ``module:qualname``, ``params["specialization"]`` what Triton
 handed its ``jit_cache_hook``); a served spec (target ``served``) is a compile the server's Triton asked
 :mod:`.cache` for, captured, never built here. Both are described by the key Triton's ``compile`` makes its
-cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds (docs/triton.md). Triton's
-knobs and active driver are process-global: descriptions and builds hold ``driver.LOCK``.
+cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds (docs/triton.md). Descriptions
+and builds hold ``driver.LOCK`` (Triton's knobs and active driver are process-global).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
     Raises
     ------
     SpecError
-        The kernel cannot be imported by name, is not a Triton kernel, or its specialization data does not
-        fit it (another kernel, another Triton).
+        The kernel cannot be imported by name, is not a Triton kernel, or its specialization does not fit it.
 
     """
     served = _served(spec)
@@ -48,10 +47,7 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
 
 
 def served_group(triton_key: str, group: str) -> KernelSpec:
-    """The spec of the compile the server's Triton asks its cache manager for: keyed ``triton_key``, named ``group``.
-
-    Its description is a recorded specialization's of that compile, so both name one entry.
-    """
+    """The spec of the compile keyed ``triton_key`` the server's Triton asks for: the entry its replay names too."""
     return KernelSpec(group, name, SERVED, {"served": "group", "triton_key": triton_key})
 
 
@@ -62,19 +58,16 @@ def served_file(triton_key: str, filename: str) -> KernelSpec:
 
 def _served(spec: KernelSpec) -> tuple[str, str] | None:
     """``(kind, triton_key)`` of a served spec, None for a recorded one."""
-    params = spec.params_dict
     if spec.target != SERVED:
         return None
+    params = spec.params_dict
     if params.get("served") not in ("group", "file") or not isinstance(params.get("triton_key"), str):
         raise SpecError(f"{spec.id}: a served Triton spec names its kind (group or file) and Triton's key")
     return str(params["served"]), str(params["triton_key"])
 
 
 def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
-    """Compile ``spec`` with Triton's own ``preload`` into ``staging``; CompileError with Triton's message.
-
-    ``described`` (the description the key was made from) spares a second key probe.
-    """
+    """Compile ``spec`` with Triton's own ``preload`` into ``staging``; CompileError with Triton's message."""
     import tempfile
 
     if _served(spec) is not None:
@@ -145,8 +138,8 @@ def load(spec: KernelSpec, entry: Any) -> TritonJitKernel:
 
 
 def _check_group(spec: KernelSpec, root: Path, group: str) -> None:
-    paths = read_group(root, group)
-    for child, path in paths.items():
+    """The group's files are there, its cubins ELF images; LoadError if not."""
+    for child, path in read_group(root, group).items():
         if child.endswith(".cubin"):
             with path.open("rb") as f:
                 if f.read(4) != b"\x7fELF":
@@ -163,8 +156,7 @@ class TritonJitKernel:
     def preload(self) -> int:
         """On a CUDA device: Triton's ``preload`` through jitwarm's cache (a hit), then the module load; else 0.
 
-        The kernel lands in the ``JITFunction``'s own cache for the device: the server's first launch neither
-        compiles nor loads a module.
+        The kernel lands in the ``JITFunction``'s cache for the device: the first launch compiles and loads nothing.
         """
         import torch
 
@@ -197,8 +189,7 @@ def resolve(kernel: str) -> Any:
     Raises
     ------
     SpecError
-        The module cannot be imported (its ``sys.exit()`` included), has no such attribute, or it is not a
-        Triton kernel.
+        The module cannot be imported (its ``sys.exit()`` included), lacks the name, or it is no Triton kernel.
 
     """
     from triton.runtime.jit import JITFunction
@@ -225,11 +216,7 @@ def resolve(kernel: str) -> Any:
 
 
 class _Described(Exception):
-    """Raised by the key probe at Triton's cache lookup: the compile is described, nothing is compiled."""
-
-    def __init__(self, key: str, group: str) -> None:
-        super().__init__(key, group)
-        self.key, self.group = key, group
+    """Raised by the key probe at Triton's cache lookup with ``(key, group)``: nothing is compiled."""
 
 
 _probing = threading.local()
@@ -270,7 +257,7 @@ def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tu
         try:
             fn.preload(specialization)
         except _Described as described:
-            return described.key, described.group
+            return described.args
         except Exception as exc:  # noqa: BLE001 - the record does not fit the kernel Triton has here
             raise SpecError(f"{fn.module}:{fn.__qualname__}: Triton cannot take the recorded specialization: "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
@@ -281,6 +268,7 @@ def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tu
 
 
 def _specialization(spec: KernelSpec) -> str:
+    """Triton's specialization data of a recorded spec; SpecError if it has none."""
     value = spec.params_dict.get("specialization")
     if not isinstance(value, str):
         raise SpecError(f"{spec.id}: a triton_jit spec carries Triton's specialization data as a string")

@@ -37,6 +37,7 @@ _state: dict[str, Any] = {"cache": None, "failed": None}
 #: handed to Triton) or ``(..., "compiled")`` (Triton compiled it here): the start-up ledger's signal
 #: (jitwarm.precompile.ledger).
 _served: list[tuple[str, str]] = []
+_scratch_dirs: list[Path] = []
 
 
 def served() -> list[tuple[str, str]]:
@@ -52,6 +53,7 @@ def use_cache(cache: KernelCache | None) -> None:
 
 
 def _cache() -> KernelCache | None:
+    """The process's cache, opened on first use; None (logged once) when it cannot be opened."""
     with _state_lock:
         if _state["cache"] is None and _state["failed"] is None:
             try:
@@ -82,23 +84,23 @@ def serving() -> Iterator[None]:
 
 
 class CacheManager(_TritonCacheManager):
-    """Triton's cache manager interface over jitwarm's cache, for Triton's key of one compile.
+    """Triton's cache manager interface over jitwarm's cache, for Triton's key of one compile."""
 
-    ``override`` and ``dump`` (Triton's IR override and dump directories) are left to Triton's own file manager.
-    """
+    def __new__(cls, key: str, override: bool = False, dump: bool = False) -> Any:
+        """Triton's own ``FileCacheManager`` for its IR ``override`` and ``dump`` directories, or with no cache here."""
+        if override or dump or _cache() is None:
+            return FileCacheManager(key, override=override, dump=dump)
+        return super().__new__(cls)
 
     def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
         self.key = key
-        self._cache = None if override or dump else _cache()
-        self._own = FileCacheManager(key, override=override, dump=dump) if self._cache is None else None
+        self._cache = _cache()
         self._reservation: _Reservation | None = None
         self._compiling = False  # get_group said None: the files Triton puts next belong to that compile
         self._scratch: Path | None = None
 
     def get_group(self, filename: str) -> dict[str, str] | None:
         """The files of the compile ``filename`` names, from the cache; None when Triton is to compile it."""
-        if self._cache is None:
-            return self._own.get_group(filename)
         art = artifact(served_group(self.key, filename))
         group = self._find_group(art)
         self._compiling = group is None
@@ -107,9 +109,10 @@ class CacheManager(_TritonCacheManager):
         return group
 
     def _find_group(self, art: Artifact) -> dict[str, str] | None:
+        """A hit's files, copied; None after reserving the key (or when the cache fails: compile unshared)."""
         try:
             entry = art.lookup(self._cache)
-        except (CacheError, OSError) as exc:  # the server's compile must not fail on the cache: compile unshared
+        except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", art.spec.family, exc)
             return None
         if entry is None:
@@ -123,8 +126,6 @@ class CacheManager(_TritonCacheManager):
 
     def put_group(self, filename: str, group: dict[str, str]) -> str:
         """Publish the compile whose files Triton ``put`` (the key's lock was held since ``get_group``)."""
-        if self._cache is None:
-            return self._own.put_group(filename, group)
         grp = write_group(self._scratch_dir(), filename, [Path(child).name for child in group])
         reservation, self._reservation, self._compiling = self._reservation, None, False
         if reservation is None:  # put_group without a get_group miss: publish it as it is
@@ -136,8 +137,6 @@ class CacheManager(_TritonCacheManager):
 
     def put(self, data: Any, filename: str, binary: bool = True) -> str:
         """Store one file: into the pending compile's files, or as an entry of its own."""
-        if self._cache is None:
-            return self._own.put(data, filename, binary)
         path = self._scratch_dir() / Path(filename).name
         if isinstance(data, bytes):
             path.write_bytes(data)
@@ -154,8 +153,6 @@ class CacheManager(_TritonCacheManager):
 
     def get_file(self, filename: str) -> str | None:
         """A file put in this compile, or a single-file entry; None when there is none."""
-        if self._cache is None:
-            return self._own.get_file(filename)
         name = Path(filename).name
         if self._scratch is not None and (self._scratch / name).is_file():
             return str(self._scratch / name)
@@ -196,9 +193,6 @@ class CacheManager(_TritonCacheManager):
             self._scratch = Path(tempfile.mkdtemp(prefix="jitwarm-triton-"))
             _scratch_dirs.append(self._scratch)
         return self._scratch
-
-
-_scratch_dirs: list[Path] = []
 
 
 @atexit.register
@@ -252,6 +246,7 @@ class _Reservation:
             self._decided.set()
 
     def _capture(self, staging: Path) -> None:
+        """Under the key's lock: wait for Triton's files, copy this compile's into ``staging``."""
         self._capturing = True
         self._decided.set()
         if not self._arrived.wait(WAIT_S) or self._files is None:
