@@ -121,8 +121,8 @@ class PlanMode:
     @classmethod
     def from_settings(cls) -> PlanMode:
         """Plan mode as ``JITWARM_CONFIG`` and ``JITWARM_MANIFEST``, read now, configure it."""
-        config, manifest = (str(setting(cls.log, read, None) or "") or None for read in (settings.config,
-                                                                                          settings.manifest))
+        config = str(setting(cls.log, settings.config, None) or "") or None
+        manifest = str(setting(cls.log, settings.manifest, None) or "") or None
         return cls(config, manifest)
 
     @property
