@@ -27,9 +27,10 @@ OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a Serving
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 
-# The adapter's functions, by the module that defines each.
+# The adapter's functions, by the module (and name, where it differs) that defines each.
 _FUNCTIONS = {"recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "seal": "seals"}
+              "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
+              "seal": "seals"}
 
 
 def model_families(families: tuple[str, ...], model_path: str | None,
@@ -42,5 +43,6 @@ def model_families(families: tuple[str, ...], model_path: str | None,
 
 def __getattr__(name: str) -> Any:
     if name in _FUNCTIONS:
-        return getattr(importlib.import_module(f"{__name__}.{_FUNCTIONS[name]}"), name)
+        module, _, attribute = _FUNCTIONS[name].partition(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,11 +48,6 @@ def ladder_inputs(config: Any) -> dict[str, Any]:
     return inputs
 
 
-def needs_memory(inputs: Mapping[str, Any]) -> bool:
-    """True when the graphs differ between device-memory tiers (:func:`.rules.depends_on_memory`)."""
-    return rules.depends_on_memory(inputs)
-
-
 def _graph_config_problems(value: Any) -> list[str]:
     """Problems of a --cuda-graph-config value (a JSON object, or its text)."""
     if isinstance(value, str):

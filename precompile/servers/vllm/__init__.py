@@ -43,8 +43,8 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
                                 "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
                                 "DeepSeekV4MTPModel"})
 
-# The adapter's functions, by the module that defines each.
-_FUNCTIONS = {"recognises": "argv", "parse_argv": "fields", "defaults": "fields", "check": "fields",
+# The adapter's functions, by the module (and name, where it differs) that defines each.
+_FUNCTIONS = {"recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
               "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native"}
 
 
@@ -68,6 +68,6 @@ def seal(undo: list[Any]) -> None:
 
 def __getattr__(name: str) -> Any:
     if name in _FUNCTIONS:
-        module = importlib.import_module(f"{__name__}.{_FUNCTIONS[name]}")
-        return getattr(module, "is_server_command" if name == "recognises" else name)
+        module, _, attribute = _FUNCTIONS[name].partition(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
