@@ -21,8 +21,7 @@ from jitwarm.kernels.backend import (
     backend,
 )
 from jitwarm.kernels.families import FAMILIES, Family, plan_threads, specs_for
-from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.spec import DTYPES, KernelSpec, ModelDims
+from jitwarm.kernels.spec import DTYPES, KernelSpec, ModelDims, VerifyLayout
 from jitwarm.kernels.target import Target, TargetError
 
 _LAZY = {"Artifact": "artifacts", "KernelLoadError": "artifacts", "artifact": "artifacts",

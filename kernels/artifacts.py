@@ -1,8 +1,8 @@
 """The one path from a spec to a cache entry and to a loaded kernel: description, key, lookup, build, load.
 
-Warm, the capture hook, dispatch and the CLI all go through :func:`artifact`, which computes a spec's
-description and key once per process (a build worker is handed both, :meth:`Artifact.from_json`). A build is
-checked before it is sealed; an entry that still fails to load is quarantined and rebuilt once under its lock.
+Warm, the capture hook, dispatch and the CLI all go through :func:`artifact` (a build worker is handed its
+description and key, :meth:`Artifact.from_json`). A build is checked before it is sealed; an entry that still
+fails to load is quarantined and rebuilt once under its lock.
 """
 
 from __future__ import annotations
@@ -54,10 +54,9 @@ class Artifact:
                      capture: Callable[[Path], None] | None = None, missed: bool = False) -> CacheResult:
         """Return the entry and how it was got: hit, built here, waited for, or downloaded.
 
-        Under the key's lock the backend builds into staging (handed this description, so it computes nothing
-        again) or ``capture(staging)`` writes the files a run produced (the server's Triton compile); then
-        ``check`` loads them without a device before the cache seals them. ``missed``: the caller has just
-        looked the key up and found nothing (``KernelCache.get_or_build_ex``).
+        Under the key's lock the backend builds into staging, or ``capture(staging)`` writes the files a run
+        produced (the server's Triton compile); then ``check`` loads them without a device before the cache
+        seals them. ``missed``: the caller has just looked the key up and found nothing.
 
         Raises
         ------
@@ -80,11 +79,7 @@ class Artifact:
 
     def read(self, cache: KernelCache, entry: Entry, reader: Callable[[Entry], T], timeout_s: float = 600.0
              ) -> T | None:
-        """Return ``reader(entry)``, run while the entry is claimed; None when it vanished before its claim.
-
-        Whatever a consumer is handed (our loader, Triton's cache manager, sglang's ``load_jit`` cache) is read
-        here, so a ``prune`` or a quarantine never deletes a file while it is read (``KernelCache.claim``).
-        """
+        """Return ``reader(entry)`` run under the entry's claim (no prune deletes it meanwhile); None if it vanished."""
         with cache.claim(entry, timeout_s=timeout_s) as claimed:
             return None if claimed is None else reader(claimed)
 
@@ -92,8 +87,7 @@ class Artifact:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed), under its claim.
 
         Unclaimed, a ``prune`` beside a starting hook failed that load in 20 of 20 trials. An entry that vanished
-        before its claim is got again; one that fails to load is discarded (quarantined, or skipped in a
-        read-only layer) and the spec built again, once, under its lock.
+        before its claim is got again; one that fails to load is discarded and the spec built again, once.
 
         Raises
         ------
@@ -114,14 +108,12 @@ class Artifact:
                 log.warning("jitwarm: %s: its cache entry does not load (%s): quarantined, rebuilding it",
                             self.spec.id, exc)
                 cache.discard(entry, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
-                entry, rebuilt = None, True
-                continue
-            if kernel is None:  # pruned, quarantined or replaced since it was looked up: get it again
-                entry = None
-                continue
-            if rebuilt:
-                log.warning("jitwarm: %s: rebuilt; the rebuild loads", self.spec.id)
-            return kernel
+                kernel, rebuilt = None, True
+            if kernel is not None:
+                if rebuilt:
+                    log.warning("jitwarm: %s: rebuilt; the rebuild loads", self.spec.id)
+                return kernel
+            entry = None  # discarded, or pruned, quarantined or replaced since it was looked up: get it again
         raise KernelLoadError(self.spec, f"its entry was removed {_MAX_VANISHED} times before it could be loaded "
                                          "(is a prune running in a loop?)")
 
@@ -142,8 +134,7 @@ _memo: dict[KernelSpec, Artifact] = {}
 def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
     """Return ``spec``'s artifact, its description and key computed once per process.
 
-    ``facts`` (the cache about to be used) keeps the backend's toolchain probes between processes, so a fresh
-    process with a warm cache runs no ``--version`` either.
+    ``facts`` (the cache about to be used) keeps the backend's toolchain probes between processes.
 
     Raises
     ------

@@ -1,9 +1,8 @@
 """The backend contract: how one spec is described, built, checked and loaded; and the registry of kinds.
 
 A backend is a module implementing :class:`Backend`: ``tvm_backend`` and ``triton_backend`` for jitwarm's own
-families, ``triton_jit`` and ``sglang_jit`` for the server's kernels (in their library's room,
-:mod:`jitwarm.kernels.libraries`). Each declares what it can do (:func:`abilities`), and a command asked for
-what a backend cannot do is a usage error (:func:`refusal`). The failure rules:
+families, the server's kinds in their library's room (:mod:`jitwarm.kernels.libraries`). Each declares what it
+can do (:func:`abilities`); asking for anything else is a usage error (:func:`refusal`). The failure rules:
 
 - ``description(spec, facts)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or
   device presence. Raises :class:`SpecError` for a spec the backend cannot build, :class:`ToolchainError`
@@ -40,7 +39,6 @@ _KINDS: dict[str, tuple[str, frozenset[str]]] = {
 BACKEND_NAMES: tuple[str, ...] = tuple(_KINDS)
 #: The backends a plan's ``--backend`` may name: those that build a spec from nothing but its params.
 BUILDABLE: tuple[str, ...] = tuple(n for n, (_, can) in _KINDS.items() if "build" in can)
-
 
 _process = {"build_only": False}
 
@@ -129,8 +127,7 @@ def version_lines(exe: str, name: str | None = None, timeout_s: float = 60.0) ->
 class Facts(Protocol):
     """Where a backend keeps what it derived from this host's toolchain between processes (a KernelCache).
 
-    A fact is named by the state it was derived from (a compiler binary's inode, size and times), so it can
-    only be stale if that state is.
+    A fact is named by the state it was derived from (a compiler binary's stat), so it is stale only if that is.
     """
 
     def read_fact(self, name: str) -> str | None:

@@ -1,9 +1,7 @@
 """The JSON-lines channel between jitwarm and a child process: one JSON document per line, each way.
 
-The build workers (:mod:`jitwarm.precompile.builders`) and sglang's describe child
-(:mod:`jitwarm.kernels.libraries.sglang_jit.child`) speak it. The child answers on a private copy of its stdout
-and points stdout itself at stderr (:func:`answers`): whatever the code it imports prints goes to the log,
-never into the answers.
+The build workers and sglang's describe child speak it. The child answers on a private copy of its stdout and
+points stdout itself at stderr (:func:`answers`): whatever the code it imports prints never enters the answers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Dispatch: the process's table of loaded kernels, the hooks that may forbid a miss, and the miss path.
 
-A hit is a dict read. A miss while the current CUDA stream is capturing raises
-:class:`~jitwarm.kernels.capture.CompileDuringCaptureError` before anything is built or loaded, guard or no
-guard; otherwise every miss hook is called as ``hook(spec, shape)`` and may raise to forbid the compile or load
-(the capture guard of :mod:`jitwarm.precompile` does; its exception propagates unchanged); then the spec goes
-the one path (:mod:`jitwarm.kernels.artifacts`): built if missing, loaded, recorded. The module functions act
-on :data:`default`.
+A hit is a dict read. A miss never compiles or loads into a capturing stream; every miss hook may forbid it
+(the capture guard of :mod:`jitwarm.precompile` does); then the spec goes the one path
+(:mod:`jitwarm.kernels.artifacts`). The module functions act on :data:`default`.
 """
 
 from __future__ import annotations
@@ -23,10 +20,7 @@ MissHook = Callable[[KernelSpec, Any], None]
 
 
 class Dispatcher:
-    """Loaded kernels of one process, the miss hooks, and the cache misses are built in.
-
-    Thread-safe: a miss takes a lock, so two threads asking for one spec load it once.
-    """
+    """Loaded kernels of one process, the miss hooks, and the cache misses are built in (thread-safe)."""
 
     def __init__(self, cache: Any = None) -> None:
         self._lock = threading.RLock()
@@ -47,10 +41,7 @@ class Dispatcher:
             return self._cache
 
     def set_cache(self, cache: Any) -> Any:
-        """Make ``cache`` the one later misses use (None: back to the lazy default); return the previous one.
-
-        Kernels already loaded stay loaded: a spec names its artifact whatever cache it came from.
-        """
+        """Make ``cache`` the one later misses use (None: the lazy default); return the previous one."""
         with self._lock:
             previous, self._cache = self._cache, cache
             return previous
@@ -68,10 +59,7 @@ class Dispatcher:
                 self._miss_hooks.remove(hook)
 
     def ensure_built(self, spec: KernelSpec, cache: Any = None) -> Any:
-        """Return the cache entry of ``spec``, building it (exactly once per cache) if it is missing.
-
-        Raises what ``Artifact.get_or_build`` raises (build failure, lock timeout, read-only cache).
-        """
+        """Return the cache entry of ``spec``, building it (once per cache) if missing, as ``Artifact.get_or_build``."""
         cache = self._cache_or(cache)
         result = artifact(spec, cache).get_or_build(cache)
         if result.outcome == "built":
@@ -82,17 +70,15 @@ class Dispatcher:
     def ensure_loaded(self, spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None) -> Any:
         """Return the loaded kernel of ``spec``, loading it (and building it if needed) on first use.
 
-        ``cache`` defaults to the dispatcher's (unused on a table hit); ``shape`` is what asked for the spec (a
-        ``VerifyLayout`` from ``ops``), for the miss hooks' message; ``entry`` is its verified cache entry when
-        the caller holds it already (the capture hook), loaded as is.
+        ``shape`` is what asked for the spec (a ``VerifyLayout`` from ``ops``), for the miss hooks' message;
+        ``entry`` is its verified cache entry when the caller holds it already (the capture hook).
 
         Raises
         ------
         CompileDuringCaptureError
-            A miss while the current CUDA stream is capturing (always), or while a miss hook forbids it.
+            A miss while the current CUDA stream is capturing.
         Exception
-            A miss hook's own exception, or a build or load failure (``KernelLoadError`` when even a rebuild
-            does not load).
+            A miss hook's own exception, or a build or load failure (``KernelLoadError``).
 
         """
         kernel = self._loaded.get(spec)  # lock-free hit: dict reads are atomic under the GIL

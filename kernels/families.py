@@ -10,8 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jitwarm.kernels.backend import SpecError
-from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.spec import KernelSpec, ModelDims
+from jitwarm.kernels.spec import KernelSpec, ModelDims, VerifyLayout
 
 Rule = Callable[[VerifyLayout, ModelDims], list[dict[str, int | str]]]
 

@@ -1,9 +1,8 @@
 """Public kernel API: validate the arguments, derive the spec, dispatch, run (docs/kernels.md, "Specs and dispatch").
 
-Each op reads the model dims, dtype and target from its tensors and the host-side ``VerifyLayout``, asks the
-family's ``specs_for`` (the warm planner's function) for the one spec, and runs it through
-:func:`jitwarm.kernels.dispatch.ensure_loaded`. Every argument is checked before any kernel runs (a bad one
-raises ``ValueError`` naming it); nothing is read back from the device. The math: :mod:`jitwarm.kernels.reference`.
+Each op derives its one spec from its tensors and the host-side ``VerifyLayout`` with the family's ``specs_for``
+(the warm planner's function). Every argument is checked before any kernel runs (``ValueError`` naming it);
+nothing is read back from the device. The math: :mod:`jitwarm.kernels.reference`.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ import torch
 from jitwarm.kernels import dispatch
 from jitwarm.kernels.backend import BACKEND_NAMES
 from jitwarm.kernels.families import FAMILIES
-from jitwarm.kernels.layout import VerifyLayout
-from jitwarm.kernels.spec import KernelSpec, ModelDims
+from jitwarm.kernels.spec import KernelSpec, ModelDims, VerifyLayout
 from jitwarm.kernels.token_map import TokenMap, max_out_rows
 
 __all__ = ["TokenMap", "compress", "max_out_rows", "norm_rope", "plan", "spec_for"]
@@ -43,10 +41,10 @@ def _tensor(name: str, x: Any, shape: tuple[int | None, ...], dtypes: tuple[torc
     return x
 
 
-def _layout(layout: Any) -> VerifyLayout:
-    if not isinstance(layout, VerifyLayout):
-        raise ValueError(f"layout: expected a VerifyLayout, got {type(layout).__name__}")
-    return layout
+def _instance(name: str, value: Any, cls: type) -> Any:
+    if not isinstance(value, cls):
+        raise ValueError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -72,17 +70,17 @@ def plan(layout: VerifyLayout, verify_lens: torch.Tensor, prefix_lens: torch.Ten
     layout's lengths and ``prefix_lens`` be non-negative (never read back to check). ``out`` is a preallocated
     :class:`TokenMap` to write into (CUDA-graph friendly); ``backend`` is ``"tvm_ffi"`` or ``"triton"``.
     """
-    layout = _layout(layout)
+    layout = _instance("layout", layout, VerifyLayout)
     ratio = _positive_int("ratio", ratio)
     r, n = layout.slots, layout.num_tokens
     dev = _tensor("verify_lens", verify_lens, (r,), (torch.int32,)).device
     _tensor("prefix_lens", prefix_lens, (r,), (torch.int32,), dev)
+    sizes = (r + 1, n, n, n, 1, 1)
     if out is None:
-        out = TokenMap(*(torch.empty(size, dtype=torch.int32, device=dev) for size in (r + 1, n, n, n, 1, 1)))
+        out = TokenMap(*(torch.empty(size, dtype=torch.int32, device=dev) for size in sizes))
     else:
-        if not isinstance(out, TokenMap):
-            raise ValueError(f"out: expected a TokenMap, got {type(out).__name__}")
-        for field, size in zip(TokenMap._fields, (r + 1, n, n, n, 1, 1), strict=True):
+        _instance("out", out, TokenMap)
+        for field, size in zip(TokenMap._fields, sizes, strict=True):
             _tensor(f"out.{field}", getattr(out, field), (size,), (torch.int32,), dev)
     spec = spec_for("plan", layout, ModelDims(compress_ratios=(ratio,)), backend, dev)
     dispatch.ensure_loaded(spec, shape=layout).run(verify_lens, prefix_lens, *out)
@@ -97,7 +95,7 @@ def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Tok
     with the same ``ratio``, ``state`` ``float32[R, 3, D]``, ``out`` ``[rows, D]`` in the dtype of ``kv`` with
     ``rows >= max_out_rows(layout, ratio)``.
     """
-    layout = _layout(layout)
+    layout = _instance("layout", layout, VerifyLayout)
     ratio = _positive_int("ratio", ratio)
     r, n = layout.slots, layout.num_tokens
     kv = _tensor("kv", kv, (n, None), tuple(_DTYPE_NAMES))
@@ -105,8 +103,7 @@ def compress(layout: VerifyLayout, kv: torch.Tensor, score: torch.Tensor, p: Tok
     if d < 1:
         raise ValueError("kv: head dim must be at least 1")
     _tensor("score", score, (n, d), (kv.dtype,), dev)
-    if not isinstance(p, TokenMap):
-        raise ValueError(f"p: expected a TokenMap, got {type(p).__name__}")
+    _instance("p", p, TokenMap)
     _tensor("p.cu_lens", p.cu_lens, (r + 1,), (torch.int32,), dev)
     _tensor("p.token_out_row", p.token_out_row, (n,), (torch.int32,), dev)
     _tensor("state", state, (r, 3, d), (torch.float32,), dev)
@@ -127,7 +124,7 @@ def norm_rope(layout: VerifyLayout, q: torch.Tensor, k: torch.Tensor, positions:
     ``positions`` is the plan's ``token_pos``; weights are ``[D]``; ``rope_dim`` is even and at most ``D``;
     ``eps >= 0`` and ``theta > 0``.
     """
-    layout = _layout(layout)
+    layout = _instance("layout", layout, VerifyLayout)
     n = layout.num_tokens
     q = _tensor("q", q, (n, None, None), tuple(_DTYPE_NAMES))
     dev, hq, d = q.device, q.shape[1], q.shape[2]

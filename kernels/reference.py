@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from jitwarm.kernels.layout import VerifyLayout
+from jitwarm.kernels.spec import VerifyLayout
 from jitwarm.kernels.token_map import TokenMap
 
 __all__ = ["TokenMap", "compress", "norm_rope", "plan", "rope_inv_freq"]

@@ -20,14 +20,7 @@ class TargetError(UsageError, ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """A build target: ``cpu`` or ``sm_XY`` (``XY`` >= 75).
-
-    Examples
-    --------
-    >>> Target.parse("sm_90").arch, Target.parse("cpu").is_cuda
-    (90, False)
-
-    """
+    """A build target: ``cpu`` or ``sm_XY`` (``XY`` >= 75)."""
 
     name: str
 

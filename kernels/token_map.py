@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jitwarm.kernels.layout import VerifyLayout
+from jitwarm.kernels.spec import VerifyLayout
 
 
 class TokenMap(NamedTuple):
@@ -23,14 +23,7 @@ class TokenMap(NamedTuple):
 
 
 def max_out_rows(layout: VerifyLayout, ratio: int) -> int:
-    """Return the most compressed rows a batch with ``layout`` can write, whatever its prefixes: ``sum(ceil(L / r))``.
-
-    Examples
-    --------
-    >>> max_out_rows(VerifyLayout((3,) * 104 + (2,) * 24), 4)
-    128
-
-    """
+    """Return the most rows a batch with ``layout`` can write, whatever its prefixes: ``sum(ceil(L / r))``."""
     if ratio < 1:
         raise ValueError(f"ratio must be at least 1, got {ratio}")
     return sum(-(-n // ratio) for n in layout.verify_lens)

@@ -3,9 +3,7 @@
 ``build`` runs ``triton.compile`` with an explicit signature, constexprs, attrs and ``GPUTarget("cuda", XX, 32)``
 (no GPU or driver needed) into a private Triton cache, and writes ``<kernel>.cubin``, ``<kernel>.json``
 (Triton's metadata, paths reduced to file names) and ``launch.json``; ``check`` can only see that the cubin is
-an ELF image (loading it needs a device). The description holds the sha256 of ``triton_kernels.py``, the
-signature and options, Triton's version and ``triton_key()`` digest, the ptxas Triton uses for the arch and
-Triton's cache-invalidating env vars.
+an ELF image (loading it needs a device).
 
 Target ``cpu`` runs the same kernels under Triton's interpreter, for correctness checks without a GPU (slow,
 not for serving). ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, so the interpreter copy is a
@@ -127,10 +125,7 @@ def check(spec: KernelSpec, staging_dir: Path) -> None:
 
 
 def load(spec: KernelSpec, entry: Any) -> CudaKernel | InterpretedKernel:
-    """Return the kernel of ``entry`` (a cache Entry), ready to preload, touching no device.
-
-    LoadError when its ``launch.json`` is missing, of another format, or for another spec.
-    """
+    """Return the kernel of ``entry``, touching no device; LoadError for a ``launch.json`` missing or not its."""
     root = Path(entry.path)
     if getattr(entry, "files", None) and LAUNCH_JSON not in entry.files:
         raise LoadError(f"{spec.id}: cache entry {root} has no {LAUNCH_JSON}; it is not a triton build")
@@ -154,9 +149,7 @@ def _read_launch(spec: KernelSpec, root: Path) -> dict[str, Any]:
 class CudaKernel:
     """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel`` (a ``LoadedKernel``).
 
-    One module per device, loaded by ``preload()`` on the current device. ``run()`` on a device not preloaded
-    loads it first, except while the stream is capturing (that load would break the capture): it raises.
-    ``run()`` raises ValueError on arguments that do not fit the spec (``triton_launch.bind``).
+    One module per device, loaded by ``preload()``, or by ``run()`` unless the stream is capturing (it raises).
     """
 
     def __init__(self, spec: KernelSpec, root: Path, launch: dict[str, Any]) -> None:

@@ -89,11 +89,10 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
 
 
 def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
-    """Check ``run()`` arguments against ``spec`` and return ``(grid, kernel_args)``.
+    """Check ``run()`` arguments against ``spec``; return the grid and every kernel parameter in signature order.
 
-    ``kernel_args`` holds every parameter in signature order, constexprs included, as Triton's launcher and
-    interpreter expect. Nothing is read from the device. ValueError on a wrong count, dtype, shape, device, a
-    non-contiguous tensor or a pointer that is not 16-byte aligned.
+    Nothing is read from the device. ValueError on a wrong count, dtype, shape, device, a non-contiguous tensor
+    or a pointer that is not 16-byte aligned.
     """
     names = RUN_ARGS[spec.family]
     if len(args) != len(names):

@@ -130,9 +130,8 @@ _derived: dict[str, str] = {}  # toolchain facts memoized in this process, by na
 def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
     """Identity line(s) from ``compiler --version``, memoized per process and, with ``facts``, per binary.
 
-    The fact is named by the binary's path, inode, size, mtime and ctime, as sccache and ccache key a compiler:
-    an upgrade or a reinstall changes them. A script (a wrapper that execs another binary) is probed every
-    time. ToolchainError when the compiler is missing or ``--version`` fails.
+    The fact is named by the binary's path and stat, as sccache and ccache key a compiler; a script (a wrapper
+    that execs another binary) is probed every time. ToolchainError when it is missing or ``--version`` fails.
     """
     exe = shutil.which(compiler)
     if exe is None:
@@ -202,10 +201,7 @@ _toolchains: dict[tuple[Target, str, str | None], dict[str, Any]] = {}
 
 
 def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
-    """Return the toolchain fingerprint of a target: compilers, tvm-ffi version, exact flags, arch.
-
-    Computed once per target and compiler choice (``$CXX``, ``$CUDA_HOME``) per process; read-only.
-    """
+    """Return the toolchain fingerprint of a target, once per compiler choice per process; read-only."""
     choice = (target, cxx_compiler(), nvcc_compiler() if target.is_cuda else None)
     if choice in _toolchains:
         return _toolchains[choice]
@@ -321,12 +317,9 @@ def _open(spec: KernelSpec, path: str) -> TvmKernel:
 
 
 def _tvm_ffi() -> Any:
-    """The tvm_ffi package (with ``libinfo``); in a build-only process imported with torch hidden.
-
-    tvm_ffi/__init__.py imports torch first (a Windows symbol-clash workaround, 0.1.11 to 0.1.15): 2.1 s of the
-    2.5 s a build worker took to import it. A build-only process (:func:`~jitwarm.kernels.backend.build_only`)
-    hands a library no tensor, so there ``import torch`` fails during that import; torch still imports later.
-    """
+    """The tvm_ffi package (with ``libinfo``); in a build-only process imported with torch hidden."""
+    # tvm_ffi/__init__.py imports torch first (a Windows symbol-clash workaround, 0.1.11 to 0.1.15): 2.1 s of the
+    # 2.5 s a build worker took to import it. A build worker hands a library no tensor; torch still imports later.
     if "tvm_ffi" not in sys.modules and "torch" not in sys.modules and build_only():
         sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
         try:
@@ -345,12 +338,10 @@ _links: list[str] = []
 
 
 def _dlopen_name(path: str) -> str:
-    """A name under which dlopen loads the file now at ``path``, not one it loaded from that path before.
-
-    dlopen answers a name it has loaded with the library it loaded then (glibc compares names first,
-    elf/dl-load.c ``_dl_map_object``) and nothing unloads a tvm-ffi module, so an entry rebuilt at the same
-    path still gave the old library. A changed file is opened through a link named by its device and inode.
-    """
+    """A name under which dlopen loads the file now at ``path``, not one it loaded from that path before."""
+    # dlopen answers a name it has loaded with the library it loaded then (glibc compares names first,
+    # elf/dl-load.c _dl_map_object) and nothing unloads a tvm-ffi module: an entry rebuilt in place gave the old
+    # library. A changed file is opened through a link named by its device and inode.
     st = Path(path).stat()
     if _opened.setdefault(path, (st.st_dev, st.st_ino)) == (st.st_dev, st.st_ino):
         return path
