@@ -32,9 +32,6 @@ class ConfigError(UsageError, ValueError):
         self.problems = list(problems)
         super().__init__("; ".join(self.problems))
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.problems,))
-
 
 @functools.cache
 def _local_gpus() -> tuple[tuple[str, str], ...]:

@@ -1,8 +1,7 @@
 """Where a ServingConfig's values come from: jitwarm's own flags, a TOML file and the server's command line.
 
-The flags carry sglang's names; the server's own command line (after ``--``) is read by the room that recognises
-its launcher (:mod:`jitwarm.precompile.servers`); a TOML file holds the same keys as the flags.
-:func:`from_namespace` merges them: the file, then the server's line, then the flags.
+The flags carry sglang's names and a TOML file the same keys; the server's command line (after ``--``) is read
+by the room that recognises its launcher. :func:`from_namespace` merges them: file, server's line, flags.
 """
 
 from __future__ import annotations
@@ -117,11 +116,7 @@ def _finite_int(text: str) -> int:
 
 
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one is refused.
-
-    ``--cache-dir "$DIR"`` with ``DIR`` unset reads as no flag at all: the default cache (or no config file)
-    would be used without a word.
-    """
+    """A path flag's value; an empty one is refused (``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     return text

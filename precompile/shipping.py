@@ -65,6 +65,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
 
     def outcome(ready: bool, **more: Any) -> dict[str, Any]:
+        """The probe's document: the summary so far, ``ready``, the seconds since start and ``more``."""
         return {**summary, "ready": ready, "seconds": round(time.perf_counter() - start, 3), **more}
 
     if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
