@@ -1,11 +1,8 @@
 """Per-key build locks (flock via filelock) with a holder record, readers' shared claims, and the one wait loop.
 
-Every wait of the cache is :func:`wait_until`: a poll with a backoff that logs once, after
-:data:`WAIT_LOG_AFTER_S`, who holds what it waits for, and raises ``LockTimeout`` at its deadline.
-
 Lock files are private to the cache's owner (0600): a 0644 one let any local user ``flock`` it, and root's
 ``warm`` timed out (exit 3). The lock directory is held to the cache root's trust rule unless ``allow_shared``
-(docs/cache.md, "Trust").
+(docs/cache.md, "Trust"). Every wait is :func:`wait_until`, which logs the holder once and has a deadline.
 """
 
 from __future__ import annotations
@@ -106,7 +103,8 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
     """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns non-None, and return that.
 
-    ``key``, ``holder`` and ``where`` name what is waited for; ``LockTimeout`` when ``timeout_s`` passes.
+    After :data:`WAIT_LOG_AFTER_S`, log once who holds ``key`` (``holder()``, ``where``); ``LockTimeout`` when
+    ``timeout_s`` passes.
     """
     start, logged = time.monotonic(), False
     delay, factor, cap = backoff

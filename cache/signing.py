@@ -5,9 +5,8 @@ With a key (``JITWARM_TRUST_KEY`` or ``_FILE``), each upload carries ``{"key_id"
 the entry's key, its ``entry.json`` bytes and its executable files. A download whose signature is missing or
 does not verify raises :class:`UntrustedEntry` (exit 4) before anything is written.
 
-Bundles and shared layers keep it in a file of its own, ``v1/signatures/<kk>/<key>.json``, beside the entries:
-a signature cannot be listed in the manifest it signs. The path is the same in a bundle and in the layer
-``tar xf bundle.tar -C /opt/layer`` makes of it, so one signed export serves both.
+Bundles and shared layers keep it in ``v1/signatures/<kk>/<key>.json``, beside the entries (a signature cannot
+be listed in the manifest it signs): one signed export serves as a bundle and, ``tar xf`` into a layer, as that.
 """
 
 from __future__ import annotations
