@@ -72,11 +72,12 @@ def reporting(target: dict[str, Any]) -> Iterator[None]:
     from triton.runtime import driver
 
     try:
-        if driver.active.get_current_target().__dict__ == target:
-            yield
-            return
+        active = driver.active.get_current_target().__dict__ == target
     except Exception:  # noqa: BLE001 - no GPU, no driver: Triton raises RuntimeError or worse
-        pass
+        active = False
+    if active:  # outside the try: an error of the block is the caller's, never a reason to yield again
+        yield
+        return
     # Put back exactly what was active (None: resolved lazily again); reset_active() would build the default
     # driver right away, and on a box without a GPU that raises (runtime/driver.py, DriverConfig).
     previous = driver._active
