@@ -33,9 +33,6 @@ class KernelLoadError(LoadError):
         self.why = reason
         super().__init__(f"{spec.id}: cannot be loaded, even after rebuilding it: {reason}")
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.spec, self.why))
-
 
 @dataclass(frozen=True)
 class Artifact:

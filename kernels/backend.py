@@ -97,9 +97,6 @@ class CompileError(JitwarmError, RuntimeError):
         self.output = output
         super().__init__(f"{summary}\n{output}" if output else summary)
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.summary, self.output))
-
 
 class LoadError(JitwarmError, RuntimeError):
     """A built artifact cannot be loaded into this process, or holds another spec than the one asked for."""

@@ -48,9 +48,6 @@ class KernelLoadFailed(KernelsNotReady):
         self.load_reason = reason
         super().__init__(f"{spec.id} cannot be loaded (its entry was quarantined and rebuilt once): {reason}")
 
-    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return (type(self), (self.spec, self.load_reason))
-
 
 class TorchDevice:
     """A torch device: ``cuda`` (the current one) when available, else ``cpu``."""

@@ -152,3 +152,22 @@ def test_one_head_and_partial_rotation(use_kernel_cache):
     gen = torch.Generator().manual_seed(6)
     layout = VerifyLayout((2,) * 7 + (1,))
     run_all_ops(layout, random_prefix(layout, gen), gen, hq=1, hk=1, rope_dim=32, theta=1e6, eps=1e-5)
+
+
+def test_kernel_errors_pickle_by_the_error_root_rule():
+    # Build workers hand these across a process pool: JitwarmError's one __reduce__ carries message and fields.
+    import pickle
+
+    from jitwarm.kernels.artifacts import KernelLoadError
+    from jitwarm.kernels.backend import CompileError
+    from jitwarm.kernels.spec import KernelSpec
+    from jitwarm.precompile.hook import KernelLoadFailed
+
+    spec = KernelSpec("plan", "tvm_ffi", "cpu", {"ratio": 4, "threads": 128})
+    compiled = pickle.loads(pickle.dumps(CompileError("nvcc failed", "line 1\nline 2")))
+    assert (compiled.summary, compiled.output, str(compiled)) == ("nvcc failed", "line 1\nline 2",
+                                                                   "nvcc failed\nline 1\nline 2")
+    for cls, field in ((KernelLoadError, "why"), (KernelLoadFailed, "load_reason")):
+        again = pickle.loads(pickle.dumps(cls(spec, "bad elf")))
+        assert type(again) is cls and again.spec == spec and getattr(again, field) == "bad elf"
+        assert str(again) == str(cls(spec, "bad elf"))
