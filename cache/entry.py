@@ -161,9 +161,17 @@ def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | No
         if not stat.S_ISDIR(st.st_mode):
             return None
         check_trusted(stamped.path, "cache entry", allow_shared=allow_shared, st=st)
-        found = _walk_files(stamped.path, error=OSError)  # a link or special file: not what was stamped
+        folders: list[tuple[str, os.stat_result]] = []
+        found = _walk_files(stamped.path, error=OSError, folders=folders)  # a link or special file: not stamped
         if tuple(_sig_item(rel, fst) for rel, fst in found) != stamped.signature:
             return None
+        # Only the folders the stamped files lie in (an added one, even empty, is not what was stamped), and
+        # each as trusted as the files: a folder another user can write lets them swap a file after this check.
+        holding = {rel[:at] for rel, _ in found for at, char in enumerate(rel) if char == "/"}
+        if {rel for rel, _ in folders} != holding:
+            return None
+        for rel, fst in folders:
+            check_trusted(f"{stamped.path}/{rel}", "cache entry directory", allow_shared=allow_shared, st=fst)
         for rel, fst in found:
             check_trusted(f"{stamped.path}/{rel}", "cache entry file", allow_shared=allow_shared, st=fst)
     except OSError:
@@ -289,8 +297,12 @@ def is_safe_relpath(rel: object) -> bool:
     return all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
-def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.stat_result]]:
-    """List regular files under ``root`` as (relative path, lstat); ``error`` on links or specials (hot path)."""
+def _walk_files(root: Path, *, error: type[Exception],
+               folders: list[tuple[str, os.stat_result]] | None = None) -> list[tuple[str, os.stat_result]]:
+    """List regular files under ``root`` as (relative path, lstat); ``error`` on links or specials (hot path).
+
+    ``folders``, when given, receives each folder below ``root`` the same way.
+    """
     found: list[tuple[str, os.stat_result]] = []
     pending = [(os.fspath(root), "")]
     while pending:
@@ -303,6 +315,8 @@ def _walk_files(root: Path, *, error: type[Exception]) -> list[tuple[str, os.sta
                     found.append((rel, st))
                 elif stat.S_ISDIR(st.st_mode):
                     pending.append((item.path, rel + "/"))
+                    if folders is not None:
+                        folders.append((rel, st))
                 elif stat.S_ISLNK(st.st_mode):
                     raise error(f"{item.path} is a symlink; cache entries hold regular files only")
                 else:

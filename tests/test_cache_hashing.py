@@ -22,6 +22,7 @@ from workers.cache_harness import (
 
 from jitwarm.cache import KernelCache
 from jitwarm.cache import keys as keys_module
+from jitwarm.cache.errors import UntrustedPath
 
 
 @pytest.fixture
@@ -119,3 +120,17 @@ def test_a_wrong_precomputed_key_builds_nothing(tmp_path):
     assert not (tmp_path / "root" / "v1" / "staging").exists()
     assert cache.get_or_build_ex(desc(3), make_builder(counter, 3), key=cache.key(desc(3)), timeout_s=0.5).outcome \
         == "built"  # the lock was released
+
+
+def test_a_stamp_stands_only_for_the_folders_it_was_taken_over(tmp_path, file_hashes):
+    entry = cache_for(tmp_path / "root").get_or_build(desc(0), make_builder(tmp_path / "c", 0))
+    assert cache_for(tmp_path / "root").lookup(entry.key) == entry and file_hashes.calls == FILES_PER_ENTRY
+    # an added folder, even an empty one, is not what was stamped: hashed again (and still valid)
+    (entry.path / "meta" / "added").mkdir()
+    assert cache_for(tmp_path / "root").lookup(entry.key) == entry
+    assert file_hashes.calls == 2 * FILES_PER_ENTRY
+    (entry.path / "meta" / "added").rmdir()
+    # a folder of the entry that other users can write is refused on the stamp's path as on a first look
+    (entry.path / "meta").chmod(0o777)
+    with pytest.raises(UntrustedPath, match="cache entry directory"):
+        cache_for(tmp_path / "root").lookup(entry.key)
