@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from jitwarm.cache.errors import (
@@ -218,6 +220,11 @@ def _run(argv: Sequence[str] | None) -> int:
     except JitwarmError as exc:
         return _fail(args, _cli_message(exc), exc.exit_code)
     except KeyboardInterrupt:
+        # Exiting now: a second Ctrl-C must not cut that short. Python's finalization puts its SIGINT handler
+        # back to SIG_DFL (it keeps SIG_IGN), and an impatient second Ctrl-C there killed the process by
+        # signal instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:  # `jitwarm plan | head`
         return EXIT_OK
