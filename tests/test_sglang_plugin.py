@@ -20,8 +20,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_scenarios import run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sglang_plugin_worker.py"
+#: What the worker imports of sglang, imported once before the scenarios fork (none of it loads the plugins).
+PRELOAD = ("torch", "sglang.srt.plugins", "sglang.srt.model_executor.model_runner",
+           "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+           "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend",
+           "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
+           "sglang.srt.model_executor.runner_backend.tc_piecewise_cuda_graph_backend")
 BACKENDS = ("full", "breakable", "tc_piecewise")
 HOWS = ("keyword", "positional", "absent")  # how the server's post_warmup_hook is passed to capture_one
 SGLANG_DRAIN = ["synchronize[sglang]", "barrier[sglang]"]
@@ -54,30 +61,10 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def runs(sglang_env, tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
-    """Run every scenario's worker, all at once (each is mostly sglang's import); name -> (result, plugin log)."""
+    """Run every scenario's worker (forked after one sglang import: tests/plugin_scenarios.py)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "SGLANG_"))}
-    started = {}
-    for name, (env, flags) in SCENARIOS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        (tmp / "jitwarm.toml").write_text(TINY_TOML)
-        full_env = {**base, **sglang_env, "JITWARM_CACHE_DIR": str(tmp / "cache"), "PYTHONWARNINGS": "ignore",
-                    **{k: v.format(tmp=tmp) for k, v in env.items()}}
-        log = (tmp / "stderr.txt").open("w")
-        proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp / "result.json"), *flags], env=full_env,
-                                stdout=subprocess.DEVNULL, stderr=log, text=True)
-        started[name] = (proc, log, tmp)
-    results = {}
-    for name, (proc, log, tmp) in started.items():
-        proc.wait(timeout=600)
-        log.close()
-        stderr = (tmp / "stderr.txt").read_text()
-        assert proc.returncode == 0, f"{name}: {stderr[-6000:]}"
-        result = json.loads((tmp / "result.json").read_text())
-        result["log"] = [line for line in stderr.splitlines() if line.startswith("LOG ")]
-        result["tmp"] = str(tmp)
-        results[name] = result, [line for line in result["log"]
-                                 if line.startswith("LOG jitwarm.precompile.servers.sglang.plugin ")]
-    return results
+    return run_scenarios(WORKER, SCENARIOS, {**base, **sglang_env, "PYTHONWARNINGS": "ignore"}, PRELOAD,
+                         tmp_path_factory, TINY_TOML, "jitwarm.precompile.servers.sglang.plugin", timeout=600)
 
 
 def expected(backend: str, how: str, drained: bool) -> list[str]:

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 import vllm_wheel
+from plugin_scenarios import run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "vllm_plugin_worker.py"
+#: What the worker imports of vLLM, imported once before the scenarios fork (none of it loads the plugins).
+PRELOAD = ("torch", "vllm.plugins", "vllm.distributed.parallel_state", "vllm.config.compilation",
+           "vllm.forward_context", "vllm.v1.worker.gpu.cudagraph_utils", "vllm.v1.worker.gpu.model_runner",
+           "vllm.v1.worker.gpu_model_runner")
 DRAIN = ["synchronize[jitwarm]", "barrier[jitwarm]"]
 TINY_TOML = """\
 compress_ratios = [4]
@@ -49,30 +52,10 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, list[str]]]:
     plugins = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
     assert plugins.get("jitwarm") == "jitwarm.precompile.servers.vllm.plugin:register", (
         "jitwarm's installed metadata lacks its vllm.general_plugins entry point: reinstall it (pip install -e .)")
-    wheel = vllm_wheel.vllm_env()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "VLLM_"))}
-    started = {}
-    for name, (env, flags) in SCENARIOS.items():
-        tmp = tmp_path_factory.mktemp(name)
-        (tmp / "jitwarm.toml").write_text(TINY_TOML)
-        full_env = {**base, **wheel, "JITWARM_CACHE_DIR": str(tmp / "cache"), "JITWARM_JOBS": "1",
-                    "PYTHONWARNINGS": "ignore", **{k: v.format(tmp=tmp) for k, v in env.items()}}
-        log = (tmp / "stderr.txt").open("w")
-        proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp / "result.json"), *flags], env=full_env,
-                                stdout=subprocess.DEVNULL, stderr=log, text=True)
-        started[name] = (proc, log, tmp)
-    results = {}
-    for name, (proc, log, tmp) in started.items():
-        proc.wait(timeout=900)
-        log.close()
-        stderr = (tmp / "stderr.txt").read_text()
-        assert proc.returncode == 0, f"{name}: {stderr[-6000:]}"
-        result = json.loads((tmp / "result.json").read_text())
-        result["log"] = [line for line in stderr.splitlines() if line.startswith("LOG ")]
-        result["tmp"] = str(tmp)
-        results[name] = result, [line for line in result["log"]
-                                 if line.startswith("LOG jitwarm.precompile.servers.vllm.plugin ")]
-    return results
+    return run_scenarios(WORKER, SCENARIOS, {**base, **vllm_wheel.vllm_env(), "JITWARM_JOBS": "1",
+                                             "PYTHONWARNINGS": "ignore"},
+                         PRELOAD, tmp_path_factory, TINY_TOML, "jitwarm.precompile.servers.vllm.plugin", timeout=900)
 
 
 def between(order: list[str], warmup: str, capture: str) -> list[list[str]]:
