@@ -1,14 +1,15 @@
 """The sglang plugin against the real sglang 0.5.23 wheel, loaded by sglang's own ``load_plugins()``.
 
-Each scenario is one real subprocess (``workers/sglang_plugin_worker.py``) with the wheel importable: sglang
+Each scenario is one real process (``workers/sglang_plugin_worker.py``) with the wheel importable: sglang
 discovers the ``jitwarm`` entry point from jitwarm's installed metadata (``SGLANG_PLUGINS``), applies its hooks,
 and the worker runs ``capture_one`` of sglang's own backend classes. The ONLY fakes are what a CPU box lacks:
 the GPU device module (``synchronize``, ``graph(...)``), the TP group (``barrier``) and ``torch.cuda.CUDAGraph``
 (the CPU torch build raises on it); each records its calls, tagged ``[sglang]`` or ``[jitwarm]`` by caller.
 Not faked but not fully built either: the runner the backends are given is sglang's ``DecodeCudaGraphRunner``
 and the tc-piecewise backend is sglang's class, both made without their ``__init__`` (which needs a loaded
-model); plan mode's ``server_args`` is a namespace holding the capture fields. The scenarios run at once.
-Run with ``-rP`` (or ``-s``) to see the recorded orders.
+model); plan mode's ``server_args`` is a namespace holding the capture fields.
+The scenarios run at once, forked after one import of sglang (tests/plugin_scenarios.py). Run with ``-rP`` (or
+``-s``) to see the recorded orders.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The vLLM plugin against the real vLLM 0.33.0 wheel, loaded by vLLM's own ``load_general_plugins()``.
 
-Each scenario is one real subprocess (``workers/vllm_plugin_worker.py``) with the wheel importable: vLLM discovers
+Each scenario is one real process (``workers/vllm_plugin_worker.py``) with the wheel importable: vLLM discovers
 the ``jitwarm`` entry point of the group ``vllm.general_plugins`` from jitwarm's installed metadata (filtered by
 ``VLLM_PLUGINS``), and the worker runs vLLM's own capture code: the V2 runner's ``CudaGraphManager.capture`` and
 the V1 runner's ``GPUModelRunner._capture_cudagraphs`` / ``_warmup_and_capture``. The ONLY fakes are what a CPU
@@ -9,7 +9,8 @@ box lacks: the device (``torch.accelerator.synchronize``, CUDA streams, ``torch.
 calls, tagged ``[vllm]`` or ``[jitwarm]`` by caller. Not faked but not fully built either: the manager and the V1
 runner are vLLM's classes made without their ``__init__`` (which needs a loaded model); the model forward is a
 recorder (the V2 factory handed to ``capture``; V1's ``_dummy_run``, replaced before the plugins load). The
-scenarios run at once. Run with ``-rP`` to see the recorded orders.
+scenarios run at once, forked after one import of vLLM (tests/plugin_scenarios.py). Run with ``-rP`` to see
+the recorded orders.
 """
 
 from __future__ import annotations
