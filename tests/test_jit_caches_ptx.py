@@ -110,3 +110,26 @@ def test_a_settled_read_waits_for_a_quiet_file_and_gives_up_on_one_that_keeps_ch
             raise AssertionError("a file rewritten every 20 ms was read as settled")
     finally:
         writer.wait(timeout=30)
+
+
+def test_an_index_read_in_a_truncates_gap_is_read_again(tmp_path, monkeypatch):
+    """ext4 shows a truncate's new size before its new mtime: for an instant the index is empty and looks quiet.
+
+    The instant is made certain here: the file is empty and quiet when read, and the truncate's mtime and the
+    writer's new version land during the look after the read (the first sleep).
+    """
+    index = tmp_path / ptx.INDEX
+    index.write_bytes(b"")
+    time.sleep(ptx.QUIET_S + 0.05)
+    new = version(1, b"\1" * 100)
+    sleeps, real_sleep = [], time.sleep
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 1:
+            index.write_bytes(new)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(ptx.time, "sleep", sleep)
+    assert ptx.LIBRARY.stored_bytes(tmp_path, ptx.INDEX) == new  # not the empty file it first read
+    assert sleeps[0] == ptx.RECHECK_S

@@ -11,9 +11,10 @@ beside the node's own entries with the index last; an index the node's driver wr
 
 The driver rewrites its index in place while the process runs, so a plain read can see it torn (truncated and
 half rewritten). Every file of this unit is therefore read whole (:func:`settled_bytes`): from one open file
-whose size and times did not change during the read and had not changed for :data:`QUIET_S` before it; the
-hash and the copy of a capture each read it so, and the entry's check refuses the unit if the two differ
-(it is captured again at the next capture). A torn index is never stored.
+whose size and times did not change during the read (for the index, nor :data:`RECHECK_S` after it) and had
+not changed for :data:`QUIET_S` before it; the hash and the copy of a capture each read it so, and the entry's
+check refuses the unit if the two differ (it is captured again at the next capture). A torn index is never
+stored.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ INDEX = "index"
 QUIET_S = 0.25
 #: Seconds a capture waits for a quiet moment before it gives the unit up (to the next capture).
 SETTLE_TIMEOUT_S = 10.0
+#: Seconds between a read of the index and a last look at it. ext4 publishes a truncate's new size before its
+#: new mtime, so a read inside that gap sees an empty file with the old, quiet mtime twice (fstat, read,
+#: fstat); a look this much later sees the truncate's mtime (tests/test_jit_caches_ptx.py hit the gap when the
+#: writer restarted after a quiet moment). The entry files are written once, never rewritten in place.
+RECHECK_S = 0.01
 
 
 def resolve(environ: Mapping[str, str], server: str | bool) -> Path:
@@ -50,8 +56,9 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return {".": tuple(files)} if INDEX in files else {}
 
 
-def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTLE_TIMEOUT_S) -> bytes:
-    """The bytes of ``path`` as one whole version: unchanged for ``quiet_s`` before and during the read.
+def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTLE_TIMEOUT_S,
+                  recheck_s: float = 0.0) -> bytes:
+    """The bytes of ``path`` as one version: unchanged ``quiet_s`` before, during and ``recheck_s`` after the read.
 
     Raises
     ------
@@ -68,7 +75,9 @@ def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTL
                 data = f.read()
                 after = os.fstat(f.fileno())
                 if _same(before, after) and len(data) == after.st_size:
-                    return data
+                    time.sleep(recheck_s)
+                    if _same(before, os.fstat(f.fileno())):
+                        return data
         left = deadline - time.monotonic()
         if left <= 0:
             raise OSError(errno.EAGAIN, f"{path.name} kept changing for {timeout_s:g} s (the driver is writing it)")
@@ -84,8 +93,8 @@ class _DriverCache(Library):
     """The PTX cache's library: its files are read settled (the module docstring), never as they are being rewritten."""
 
     def stored_bytes(self, root: Path, rel: str) -> bytes:
-        """The settled bytes of ``root/rel`` (:func:`settled_bytes`)."""
-        return settled_bytes(root / rel)
+        """The settled bytes of ``root/rel`` (:func:`settled_bytes`; the index looked at again after the read)."""
+        return settled_bytes(root / rel, recheck_s=RECHECK_S if rel == INDEX else 0.0)
 
 
 # normalize: the identity, so that a capture copies the settled bytes (jit_caches.backend.store), not the file.
