@@ -34,7 +34,7 @@ def run_scenarios(worker: Path, scenarios: Mapping[str, tuple[dict, Sequence[str
                              **{k: v.format(tmp=tmp) for k, v in env.items()}}})
     spec = tmp_path_factory.mktemp("zygote") / "jobs.json"
     spec.write_text(json.dumps({"preload": list(preload), "worker": str(worker), "jobs": jobs}))
-    proc = subprocess.run([sys.executable, str(ZYGOTE), str(spec)], env=jobs[0]["env"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ZYGOTE), str(spec)], env=dict(base_env), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-6000:]
     codes = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,6 +1,7 @@
 """Run one worker script several times, each in a process forked after a single import of the server.
 
-Usage: ``python zygote.py JOBS.json``; JOBS.json is ``{"preload": [module, ...], "worker": path,
+Usage: ``python zygote.py JOBS.json``, in the environment the jobs share (each job's own variables are set after
+its fork, so no import sees one scenario's values); JOBS.json is ``{"preload": [module, ...], "worker": path,
 "jobs": [{"argv": [...], "env": {...}, "stderr": path}, ...]}``. Prints ``[returncode, ...]`` as one JSON line.
 
 Why: importing sglang or vLLM with torch costs 7 to 12 s of CPU, and the plugin tests run one worker per
@@ -21,17 +22,18 @@ import sys
 
 
 def run_job(worker: str, job: dict) -> int:
-    """In the forked child: take the job's environment, argv and stderr, run the worker, return its exit code."""
+    """In the forked child: take the job's environment, argv and stderr, and run the worker.
+
+    The worker's ``SystemExit`` (and any other exception) is not caught: it leaves through the interpreter's top
+    level, which reports and exits as it would for the worker run as a script. A worker that returns exits 0.
+    """
     os.environ.clear()
     os.environ.update(job["env"])
     with open(os.devnull, "wb") as null, open(job["stderr"], "wb") as err:
         os.dup2(null.fileno(), 1)
         os.dup2(err.fileno(), 2)
     sys.argv = [worker, *job["argv"]]
-    try:
-        runpy.run_path(worker, run_name="__main__")
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    runpy.run_path(worker, run_name="__main__")
     return 0
 
 
