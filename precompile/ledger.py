@@ -26,8 +26,8 @@ log = logging.getLogger("jitwarm.ledger")
 
 VERSION = 1
 #: The families a ledger reports, in order (the JIT cache families with ``load_jit`` after Triton).
-FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "tilelang", "deep_gemm", "cute_dsl", "flashinfer",
-            "ptx")
+FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "vllm_modelinfo", "tilelang", "deep_gemm", "cute_dsl",
+            "flashinfer", "ptx")
 _NO_SIGNAL = "new units in its cache directory"
 _SHOWN_KEYS = 3
 
@@ -155,8 +155,8 @@ class Ledger:
         counts = []
         for name in FAMILIES:
             units = new.get(name, {})
-            if name == "inductor":
-                counts.append(self._inductor_count(after[name].root, units))
+            if name == "inductor":  # Inductor writes into vLLM's tree too (its units there are named in it)
+                counts.append(self._inductor_count(after[name].root, {**units, **new.get("vllm_compile", {})}))
             elif name == "triton" and (served_by_jitwarm() or _triton_served()):
                 counts.append(self._triton_count())
             elif name == "vllm_compile":
@@ -189,9 +189,11 @@ class Ledger:
                            str(root) if root else None)
 
     def _vllm_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
-        from jitwarm.kernels.libraries.jit_caches.vllm_compile import why_missed
+        from jitwarm.kernels.libraries.jit_caches.vllm_compile import LIBRARY, why_missed
 
-        present = self._before["vllm_compile"].units
+        # The tree's Inductor and Triton units are those libraries' compiles (Inductor's counters count them).
+        new = {unit: files for unit, files in new.items() if LIBRARY.part(unit) is LIBRARY}
+        present = [unit for unit in self._before["vllm_compile"].units if LIBRARY.part(unit) is LIBRARY]
         keys = []
         for unit in sorted(new):
             why = why_missed(root, unit, present) if root is not None and present else None
@@ -200,7 +202,8 @@ class Ledger:
         served = None if loads is None else loads - (self._vllm_loads or 0)
         signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
                   else _NO_SIGNAL)
-        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), *self._present("vllm_compile", root))
+        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), len(present) if root else None,
+                           str(root) if root else None)
 
     def _triton_count(self) -> FamilyCount:
         done = _triton_served()[self._triton:]

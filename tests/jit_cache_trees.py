@@ -30,14 +30,27 @@ from pathlib import Path
 #: family -> the environment variable that points the library at a directory (the root given to the writer).
 ENV = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR", "tilelang": "TILELANG_CACHE_DIR",
        "deep_gemm": "DG_JIT_CACHE_DIR", "cute_dsl": "SGLANG_CUTE_AOT_CACHE_DIR",
-       "flashinfer": "FLASHINFER_WORKSPACE_BASE", "ptx": "CUDA_CACHE_PATH", "vllm_compile": "VLLM_CACHE_ROOT"}
+       "flashinfer": "FLASHINFER_WORKSPACE_BASE", "ptx": "CUDA_CACHE_PATH", "vllm_compile": "VLLM_CACHE_ROOT",
+       "vllm_modelinfo": "VLLM_CACHE_ROOT"}
 ELF = b"\x7fELF" + bytes(60)
+
+
+def home(base: Path, family: str) -> Path:
+    """The folder under ``base`` that the family's variable points at (vLLM's two families share VLLM_CACHE_ROOT)."""
+    return base / ("vllm" if family.startswith("vllm_") else family)
+
+
+def env_for(base: Path) -> dict[str, str]:
+    """Each family's variable pointing at its :func:`home` under ``base``."""
+    return {var: str(home(base, family)) for family, var in ENV.items()}
 
 
 def cache_root(family: str, directory: Path) -> Path:
     """Where the library's cache is when its variable is ``directory`` (FlashInfer appends .cache/flashinfer)."""
     if family == "vllm_compile":
         return directory / "torch_compile_cache"  # vLLM's compile tree under VLLM_CACHE_ROOT
+    if family == "vllm_modelinfo":
+        return directory / "modelinfos"
     return directory / ".cache" / "flashinfer" if family == "flashinfer" else directory
 
 
@@ -132,8 +145,15 @@ def vllm_compile(root: Path, digest: str = "3f9a0c1b2d") -> None:
     write(d / "computation_graph.py", "# the split graph\n")
 
 
+def vllm_modelinfo(root: Path) -> None:
+    """One model inspection result, keyed inside by its module's hash; a write in flight beside it."""
+    write(root / "vllm-model_executor-models-llama-LlamaForCausalLM.json",
+          json.dumps({"hash": "d032877f", "modelinfo": {"architecture": "LlamaForCausalLM"}}, indent=2))
+    write(root / ".tmp-llama.json.1234", b"{")
+
+
 WRITERS = {"inductor": inductor, "triton": triton, "tilelang": tilelang, "deep_gemm": deep_gemm, "cute_dsl": cute_dsl,
-           "flashinfer": flashinfer, "ptx": ptx, "vllm_compile": vllm_compile}
+           "flashinfer": flashinfer, "ptx": ptx, "vllm_compile": vllm_compile, "vllm_modelinfo": vllm_modelinfo}
 
 
 STAND_IN_COMPILER = """#!{python}

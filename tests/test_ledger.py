@@ -34,7 +34,7 @@ TRITON_ENV = {"PYTHONPATH": os.pathsep.join([WORKERS, os.environ.get("PYTHONPATH
 def private_caches(root: Path) -> dict[str, str]:
     """Every family's cache variable pointed under ``root``: other processes' compiles in the box's default caches
     (~/.triton/cache, /tmp/torchinductor_<user>) are not this start's."""
-    return {var: str(root / family) for family, var in jit_cache_trees.ENV.items()}
+    return jit_cache_trees.env_for(root)
 
 
 @pytest.fixture
@@ -215,7 +215,7 @@ def test_importing_the_ledger_imports_no_library():
 def test_a_vllm_compile_after_restore_is_named_by_the_cache_key_factor_that_differs(own_caches):
     """vLLM's tree laid by hand in its layout (``jit_cache_trees.vllm_compile``; the wheel writes one in
     ``test_vllm_caches.py``): a start whose config hash differs writes a new hash directory, named with that factor."""
-    tree = own_caches / "vllm_compile" / "torch_compile_cache"
+    tree = jit_cache_trees.home(own_caches, "vllm_compile") / "torch_compile_cache"
     jit_cache_trees.vllm_compile(tree, digest="0restored0")  # config_hash "c0"
     start_snapshot = ledger.Ledger()
     new = tree / "1compiled1" / "rank_0_0" / "backbone"

@@ -64,13 +64,14 @@ def runs(tmp_path_factory) -> dict:
 
 def test_the_plugin_captures_vllms_units_after_capture_model(runs):
     first = runs["first"]
-    assert first["captured"] == {"inductor": 1, "vllm_compile": 2}
+    assert first["captured"] == {"vllm_compile": 3}  # its prefix and AOT directories, Inductor's unit in its tree
     records = [json.loads(line) for line in (runs["tmp"] / "first.jsonl").read_text().splitlines()]
     units = {(r["library"], r["unit"]) for r in records}
     key = first["wrote"]["hash_key"]
     assert ("vllm_compile", f"{key}/rank_0_0/backbone") in units
     assert any(lib == "vllm_compile" and unit.startswith("torch_aot_compile/") for lib, unit in units)
-    assert any(lib == "inductor" and unit.startswith(f"{key}/rank_0_0/inductor_cache/fxgraph/") for lib, unit in units)
+    assert any(lib == "vllm_compile" and unit.startswith(f"{key}/rank_0_0/inductor_cache/fxgraph/")
+               for lib, unit in units)
     assert all(r["under"] == "vllm" for r in records)
     backbone = next(r for r in records if r["unit"] == f"{key}/rank_0_0/backbone")
     fingerprint = backbone["fingerprint"]
@@ -142,23 +143,33 @@ def _tag_hash(tag: str) -> str:
 
 
 def test_under_vllm_each_family_resolves_the_directory_vllm_uses(tmp_path):
+    """vLLM's tree is the ``vllm_compile`` family's, with the Inductor and Triton directories vLLM sets in it; the
+    ``inductor`` and ``triton`` families are those libraries' own directories, where they write when vLLM does not
+    redirect them (vLLM's CPU build without AOT compile: issue #30)."""
+    import getpass
+
     from jitwarm.kernels.libraries.jit_caches.census import library
 
-    env = {"VLLM_CACHE_ROOT": str(tmp_path / "v")}
+    env = {"VLLM_CACHE_ROOT": str(tmp_path / "v"), "TMPDIR": str(tmp_path / "t"), "TRITON_HOME": str(tmp_path / "h")}
     tree = tmp_path / "v" / "torch_compile_cache"
-    for family in ("vllm_compile", "inductor", "triton"):
-        assert library(family).root(env, "vllm") == tree, family
+    assert library("vllm_compile").root(env, "vllm") == tree
+    assert library("vllm_modelinfo").root(env, "vllm") == tmp_path / "v" / "modelinfos"  # registry.py:969
+    assert library("inductor").root(env, "vllm") == tmp_path / "t" / f"torchinductor_{getpass.getuser()}"
+    assert library("triton").root(env, "vllm") == tmp_path / "h" / ".triton" / "cache"
     assert library("deep_gemm").root(env, "vllm") == tmp_path / "v" / "deep_gemm"  # utils/deep_gemm.py:281-285
     assert library("vllm_compile").root({"XDG_CACHE_HOME": str(tmp_path / "x")}, "") == \
         tmp_path / "x" / "vllm" / "torch_compile_cache"  # envs.py:340-344, :714-719
-    # vLLM sets TORCHINDUCTOR_CACHE_DIR itself (compiler_interface.py:29-35): a user's value is not where it compiles
-    assert library("inductor").root({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}, "vllm") == tree
-    assert library("triton").root({**env, "TRITON_CACHE_DIR": str(tmp_path / "mine")}, "vllm") == tmp_path / "mine"
-    assert library("triton").root({**env, "TRITON_CACHE_DIR": str(tree / "h" / "rank_0_0" / "triton_cache")},
-                                  "vllm") == tree  # the one vLLM assigned
-    off = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
-    assert library("vllm_compile").root(off, "vllm") is None and library("inductor").root(off, "vllm") == \
-        tmp_path / "mine"
+    # A directory vLLM set in its tree (compiler_interface.py:29-42) is the tree's; one outside is the user's.
+    ours = {"TORCHINDUCTOR_CACHE_DIR": str(tree / "h" / "rank_0_0" / "inductor_cache"),
+            "TRITON_CACHE_DIR": str(tree / "h" / "rank_0_0" / "triton_cache")}
+    assert library("inductor").root({**env, **ours}, "vllm") == library("inductor").root(env, "vllm")
+    assert library("triton").root({**env, **ours}, "vllm") == library("triton").root(env, "vllm")
+    mine = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine"), "TRITON_CACHE_DIR": str(tmp_path / "mine-t")}
+    assert library("inductor").root({**env, **mine}, "vllm") == tmp_path / "mine"
+    assert library("triton").root({**env, **mine}, "vllm") == tmp_path / "mine-t"
+    off = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1", **ours}
+    assert library("vllm_compile").root(off, "vllm") is None  # and the tree's directories are plain ones again
+    assert library("inductor").root(off, "vllm") == tree / "h" / "rank_0_0" / "inductor_cache"
     assert library("inductor").root({**env, "SGLANG_CACHE_DIR": str(tmp_path / "sg")}, "sglang") == \
         tmp_path / "sg" / "inductor"  # sglang's as before
 
@@ -182,11 +193,15 @@ def test_the_units_of_vllms_tree_are_the_complete_ones_each_family_named_by_its_
     trees.inductor(aot / "inductor_cache")
     trees.triton(rank / "triton_cache")
     trees.triton(aot / "inductor_cache" / "triton" / "0")
-    assert sorted(library("vllm_compile").present(tree)) == [
-        "3f9a0c1b2d/rank_0_0/backbone", f"torch_aot_compile/{'ab' * 32}/rank_0_0"]
-    inductor = library("inductor").present(tree)
+    vllm = library("vllm_compile")
+    units = vllm.present(tree)
+    by_rules: dict[str, list[str]] = {}
+    for unit in units:
+        by_rules.setdefault(vllm.part(unit).name, []).append(unit)
+    assert sorted(by_rules["vllm_compile"]) == ["3f9a0c1b2d/rank_0_0/backbone", f"torch_aot_compile/{'ab' * 32}/rank_0_0"]
+    inductor = by_rules["inductor"]
     assert len(inductor) == 8 and all("/inductor_cache/" in unit and "/triton/" not in unit for unit in inductor)
-    triton = library("triton").present(tree)
+    triton = by_rules["triton"]
     assert sorted(unit.rsplit("/", 1)[0] for unit in triton) == [
         "3f9a0c1b2d/rank_0_0/triton_cache", f"torch_aot_compile/{'ab' * 32}/inductor_cache/triton/0"]
     trees.write(rank / "mtp" / "artifact_a", b"now it is")

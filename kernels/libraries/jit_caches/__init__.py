@@ -1,7 +1,8 @@
 """The JIT caches a server's libraries fill at start, one family each: captured from a run, stored, restored.
 
 sglang points them all under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320); vLLM keeps torch.compile's, with
-the Inductor and Triton directories it uses, under ``VLLM_CACHE_ROOT/torch_compile_cache``. Each family is one
+the Inductor and Triton directories it uses, under ``VLLM_CACHE_ROOT/torch_compile_cache``, and its model
+inspection under ``VLLM_CACHE_ROOT/modelinfos``. Each family is one
 module here (the table of kinds, modules and caches: docs/kernels.md), a :class:`~.units.Library` and the
 backend of its kind, sharing :mod:`.backend`, :mod:`.units`, :mod:`.fingerprint`, :mod:`.restore` and
 :mod:`.census`. Each kind can only ``capture``. Importing this package imports none of the libraries.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 _PACKAGE = "jitwarm.kernels.libraries.jit_caches"
 #: library name -> module, in the order they are captured and reported.
-MODULES = {"inductor": "inductor", "triton": "triton_dir", "vllm_compile": "vllm_compile", "tilelang": "tilelang",
-           "deep_gemm": "deep_gemm", "cute_dsl": "cute_dsl", "flashinfer": "flashinfer", "ptx": "ptx"}
+MODULES = {"inductor": "inductor", "triton": "triton_dir", "vllm_compile": "vllm_compile",
+           "vllm_modelinfo": "vllm_modelinfo", "tilelang": "tilelang", "deep_gemm": "deep_gemm", "cute_dsl": "cute_dsl",
+           "flashinfer": "flashinfer", "ptx": "ptx"}
 #: library name -> its kind (the backend name of its units' specs).
 KIND_OF = {lib: "cuda_ptx_cache" if lib == "ptx" else f"{lib}_cache" for lib in MODULES}
 KINDS = {KIND_OF[lib]: (f"{_PACKAGE}.{module}", ("capture",)) for lib, module in MODULES.items()}

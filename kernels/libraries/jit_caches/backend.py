@@ -86,7 +86,8 @@ def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
     """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
     files, _, under = unit_of(library, spec)
     root = library.root(None, under)
-    placed = Placed("disabled", Path()) if root is None else place(library, spec.family, files, Path(entry.path), root)
+    placed = (Placed("disabled", Path()) if root is None
+              else place(library.part(spec.family), spec.family, files, Path(entry.path), root))
     return RestoredUnit(spec, placed)
 
 
@@ -121,21 +122,22 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
     """
     from jitwarm.kernels.artifacts import artifact
 
-    digests = library.digests(root, files)
-    arch = (library.arch_of(root, files) if library.arch_of is not None else None) or fp.value("arch", target)
-    values = {item: (arch if item == "arch" else fp.value(item, target)) for item in library.items}
-    if library.factors_of is not None:
-        values.update(library.factors_of(root, files))
+    rules = library.part(unit)  # vLLM's tree holds Inductor's and Triton's units: theirs are keyed by their rules
+    digests = rules.digests(root, files)
+    arch = (rules.arch_of(root, files) if rules.arch_of is not None else None) or fp.value("arch", target)
+    values = {item: (arch if item == "arch" else fp.value(item, target)) for item in rules.items}
+    if rules.factors_of is not None:
+        values.update(rules.factors_of(root, files))
     spec = unit_spec(library, unit, digests, values, arch, under)
 
     def capture(staging: Path) -> None:
         for rel in files:
             dest = staging / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            if library.normalize is None:
+            if rules.normalize is None:
                 shutil.copyfile(root / rel, dest)
             else:
-                dest.write_bytes(library.stored_bytes(root, rel))
+                dest.write_bytes(rules.stored_bytes(root, rel))
             if (root / rel).stat().st_mode & 0o111:
                 dest.chmod(0o755)
 

@@ -6,7 +6,7 @@ another toolchain is loaded. Each library lists its items (:attr:`~.units.Librar
 values as the recording process saw them, and a restore compares them with the node's (:func:`differing`).
 
 Items: the installed distribution's version (``torch``, ``triton``, ``tilelang``, ``deep_gemm`` (sglang's
-``sgl-deep-gemm`` or DeepGEMM's own), ``flashinfer``, ``sglang``; ``cutlass-dsl`` joins every
+``sgl-deep-gemm`` or DeepGEMM's own), ``flashinfer``, ``sglang``, ``vllm``; ``cutlass-dsl`` joins every
 ``nvidia-cutlass-dsl*`` distribution, as CuTe DSL's own key does); ``nvcc`` and ``cxx``, the compiler's
 ``--version`` line (through :func:`jitwarm.kernels.backend.version_lines`); ``arch``, the GPU's ``sm_XY``
 (``cpu`` without one); ``driver``, the NVIDIA driver's version (the driver's PTX cache is keyed by it). A value
@@ -27,7 +27,7 @@ ABSENT = "absent"
 #: item -> the distribution names that may provide it (the first installed one counts).
 PACKAGES = {"torch": ("torch",), "triton": ("triton",), "tilelang": ("tilelang",),
             "deep_gemm": ("sgl-deep-gemm", "deep_gemm", "deep-gemm"), "flashinfer": ("flashinfer-python", "flashinfer"),
-            "sglang": ("sglang",)}
+            "sglang": ("sglang",), "vllm": ("vllm",)}
 ITEMS = (*PACKAGES, "cutlass-dsl", "nvcc", "cxx", "arch", "driver")
 
 

@@ -2,11 +2,12 @@
 
 Where (torch/_inductor/runtime/cache_dir_utils.py, ``cache_dir``): ``TORCHINDUCTOR_CACHE_DIR``, else
 ``$TMPDIR/torchinductor_<user>``; under sglang, ``<SGLANG_CACHE_DIR>/inductor`` (``redirect_third_party_caches``,
-srt/environ.py:2308-2320). Under vLLM, whose compile cache sets ``TORCHINDUCTOR_CACHE_DIR`` whatever it was
-(``compilation/compiler_interface.py:29-35``, ``decorators.py:585-589``) to an ``inductor_cache/`` per hash
-directory of its compile tree, the root is that tree (``VLLM_CACHE_ROOT/torch_compile_cache``) and the units
-are those of each ``inductor_cache/`` in it, named by their path in the tree (:mod:`.vllm_compile`); with
-``VLLM_DISABLE_COMPILE_CACHE=1`` vLLM leaves Inductor's own directory as it is.
+srt/environ.py:2308-2320). vLLM's compile cache sets ``TORCHINDUCTOR_CACHE_DIR`` whatever it was to an
+``inductor_cache/`` of its compile tree when it compiles through its own backend or AOT
+(``compilation/compiler_interface.py:29-35``, ``decorators.py:585-589``): those units belong to the tree
+(:mod:`.vllm_compile`), and under vLLM this family is Inductor's own directory, where Inductor writes otherwise
+(vLLM's CPU build without AOT compile, ``VLLM_USE_AOT_COMPILE=0``: 13 C++ modules and their FX graphs for a
+2-layer model).
 
 Units, each named by Inductor's own hash:
 
@@ -16,6 +17,11 @@ Units, each named by Inductor's own hash:
   with the ``.so`` built from it). A group with a ``.cpp`` is complete only with its ``.so``, while no build
   holds ``locks/<hash>.lock`` and no ``<name>_CxxBuild`` directory of a build cut short is left beside it:
   the C++ compiler writes the ``.so`` in place under that lock (``_worker_compile_cpp``, cpp_builder.py).
+
+- in ``precompiled_headers/``, a header ``<hash>.h`` with the ``.h.gch`` g++ builds from it in place, under
+  ``precompiled_headers/locks/<hash>.lock`` (``_precompile_header``, codecache.py:3548): Inductor builds it in
+  every process that loads a C++ module, cached or not, unless it is there (codecache.py:3784). Measured on vLLM's
+  CPU build (docs/vllm.md, "Caches of a real start"): 149 MB, and 6 s of a 47 s restored start without it.
 
 ``triton/`` is Triton's own cache (Inductor points ``TRITON_CACHE_DIR`` there): the ``triton`` family's.
 Fingerprint: torch (``torch_key``), triton (``triton_key``), the C++ compiler, the arch.
@@ -28,13 +34,12 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches import vllm_compile
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     SGLANG,
-    VLLM,
     Library,
     lock_held,
+    own_dir,
     regular_files,
     sglang_dir,
     subdirs,
@@ -43,17 +48,16 @@ from jitwarm.kernels.libraries.jit_caches.units import (
 
 #: Top-level directories that hold no units of this family.
 _NOT_UNITS = ("locks", "triton")
+_HEADERS = "precompiled_headers"
 _WHOLE_FILES = ("fxgraph", "aotautograd")
 _BUILD_DIR = "_CxxBuild"  # cpp_builder.py: _BUILD_TEMP_DIR
 
 
 def resolve(environ: Mapping[str, str], server: str) -> Path:
-    """Inductor's ``cache_dir()`` in ``environ`` under ``server`` (vLLM's: its whole compile tree)."""
-    tree = vllm_compile.resolve(environ) if server == VLLM else None
-    if tree is not None:
-        return tree
-    if environ.get("TORCHINDUCTOR_CACHE_DIR") is not None:
-        return Path(environ["TORCHINDUCTOR_CACHE_DIR"])
+    """Inductor's ``cache_dir()`` in ``environ`` under ``server`` (a directory vLLM set in its tree is the tree's)."""
+    given = own_dir(environ, "TORCHINDUCTOR_CACHE_DIR", server)
+    if given is not None:
+        return Path(given)
     if server == SGLANG:
         return sglang_dir(environ, "inductor")
     try:
@@ -62,10 +66,11 @@ def resolve(environ: Mapping[str, str], server: str) -> Path:
         user = getpass.getuser()
     except (KeyError, ImportError, OSError):
         user = f"uid_{os.getuid()}"
-    return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+    tmp = environ.get("TMPDIR") or tempfile.gettempdir()  # the process's: prestart runs with the server's
+    return Path(tmp) / f"torchinductor_{user}"
 
 
-def _units(root: Path) -> dict[str, tuple[str, ...]]:
+def units(root: Path) -> dict[str, tuple[str, ...]]:
     """The complete units of one Inductor cache directory (see the module docstring)."""
     found: dict[str, tuple[str, ...]] = {}
     for top in subdirs(root):
@@ -78,14 +83,16 @@ def _units(root: Path) -> dict[str, tuple[str, ...]]:
         groups: dict[str, list[str]] = {}
         names = list(regular_files(top))
         building = {p.name for p in subdirs(top) if p.name.endswith(_BUILD_DIR)}
+        locks = top / "locks" if top.name == _HEADERS else root / "locks"
         for name in names:
             groups.setdefault(name.split(".", 1)[0], []).append(name)
         for stem, members in groups.items():
-            if any(m.endswith(".cpp") for m in members) and not any(m.endswith(".so") for m in members):
-                continue  # its .so is not built (yet)
-            if any(b.startswith(stem) for b in building) or lock_held(root / "locks" / f"{stem}.lock"):
-                continue  # a build of it is running, or was cut short and its .so may be torn
-            found[f"{top.name}/{stem}"] = tuple(sorted(f"{top.name}/{m}" for m in members))
+            for source, built in ((".cpp", ".so"), (".h", ".h.gch")):
+                if any(m.endswith(source) for m in members) and not any(m.endswith(built) for m in members):
+                    break  # what is built from its source is not (yet)
+            else:
+                if not (any(b.startswith(stem) for b in building) or lock_held(locks / f"{stem}.lock")):
+                    found[f"{top.name}/{stem}"] = tuple(sorted(f"{top.name}/{m}" for m in members))
     return found
 
 
@@ -101,7 +108,7 @@ def graph_keys(units: Iterable[str]) -> list[str]:
     return sorted(keys)
 
 
-# The .so last: Inductor builds a group's .cpp only while the .so is absent.
-LIBRARY = Library("inductor", "inductor_cache", resolve, vllm_compile.in_tree(_units, vllm_compile.inductor_dirs),
-                  ("torch", "triton", "cxx", "arch"), unit_is_dir=False, is_commit=lambda rel: rel.endswith(".so"))
+# The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.
+LIBRARY = Library("inductor", "inductor_cache", resolve, units, ("torch", "triton", "cxx", "arch"),
+                  unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")))
 name, description, build, check, load = bind(LIBRARY)

@@ -2,12 +2,10 @@
 
 Where (triton/knobs.py, ``cache_knobs``): ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (home by
 default); under sglang ``<SGLANG_CACHE_DIR>/triton`` (srt/environ.py:2308-2320); under Inductor
-``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``. Under vLLM,
-which points it at ``<rank dir>/triton_cache`` of its compile tree unless the user chose one
-(``compilation/compiler_interface.py:36-42``; with AOT compile, the default, it is Inductor's
-``inductor_cache/triton/<device>`` there), the root is that tree (``VLLM_CACHE_ROOT/torch_compile_cache``) and the
-units those of each of its Triton directories (:mod:`.vllm_compile`); a ``TRITON_CACHE_DIR`` outside the tree is
-the user's and is used as it is.
+``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``. vLLM points it
+at ``<rank dir>/triton_cache`` of its compile tree unless the user chose one (``compilation/compiler_interface.py:
+36-42``; with AOT compile it is Inductor's ``inductor_cache/triton/<device>`` there): those units belong to the
+tree (:mod:`.vllm_compile`); a ``TRITON_CACHE_DIR`` outside the tree is the user's and is used as it is.
 
 A unit is one key directory (``<base32 sha256>/``, Triton's ``get_cache_key``). Triton's
 ``FileCacheManager.put`` replaces each file atomically and ``compile`` writes the group file
@@ -27,21 +25,16 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches import vllm_compile
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, VLLM, Library, regular_files, sglang_dir, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, own_dir, regular_files, sglang_dir, subdirs
 
 GROUP = "__grp__"
 _ALONE = (".so", ".autotune.json")
 
 
 def resolve(environ: Mapping[str, str], server: str) -> Path:
-    """Triton's ``knobs.cache.dir`` in ``environ`` under ``server`` (vLLM's: its compile tree, see above)."""
-    given = environ.get("TRITON_CACHE_DIR")
-    tree = vllm_compile.resolve(environ) if server == VLLM else None
-    if tree is not None:
-        if not given or Path(os.path.abspath(given)).is_relative_to(os.path.abspath(tree)):  # noqa: PTH100
-            return tree
+    """Triton's ``knobs.cache.dir`` in ``environ`` under ``server`` (a directory vLLM set in its tree is the tree's)."""
+    given = own_dir(environ, "TRITON_CACHE_DIR", server)
     if given:
         return Path(given)
     if server == SGLANG:
@@ -68,7 +61,7 @@ def served_by_jitwarm() -> bool:
     return str(getattr(manager, "__module__", "")).startswith("jitwarm.")
 
 
-def _units(root: Path) -> dict[str, tuple[str, ...]]:
+def units(root: Path) -> dict[str, tuple[str, ...]]:
     """The complete key directories of one Triton cache directory (see the module docstring)."""
     found: dict[str, tuple[str, ...]] = {}
     for key_dir in subdirs(root):
@@ -120,6 +113,6 @@ def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
     return None
 
 
-LIBRARY = Library("triton", "triton_cache", resolve, vllm_compile.in_tree(_units, vllm_compile.triton_dirs),
-                  ("triton", "arch"), is_commit=_is_group, normalize=normalize, localize=localize, arch_of=arch_of)
+LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), is_commit=_is_group,
+                  normalize=normalize, localize=localize, arch_of=arch_of)
 name, description, build, check, load = bind(LIBRARY)

@@ -65,6 +65,9 @@ class Library:
         ``factors_of(root, files)``: fingerprint items of the library's own, as the unit or the recording process
         has them (vLLM's cache key factors); ``node_factors(items)``: this node's values of those it can compute
         (one left out is not compared).
+    parts : callable or None
+        ``parts(unit)``: the library whose file rules a unit of this cache follows, where the cache holds another
+        library's units (vLLM's compile tree holds Inductor's and Triton's); None: every unit follows this one's.
 
     """
 
@@ -81,6 +84,11 @@ class Library:
     settle: Callable[[Path, str, tuple[str, ...]], None] | None = None
     factors_of: Callable[[Path, tuple[str, ...]], dict[str, str]] | None = None
     node_factors: Callable[[Iterable[str]], dict[str, str]] | None = None
+    parts: Callable[[str], Library] | None = None
+
+    def part(self, unit: str) -> Library:
+        """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""
+        return self if self.parts is None else self.parts(unit)
 
     def root(self, environ: Mapping[str, str] | None = None, server: str | bool = "") -> Path | None:
         """The absolute cache directory in ``environ`` (default: this process's) under ``server``; None: off.
@@ -172,6 +180,34 @@ def vllm_root(environ: Mapping[str, str]) -> Path:
     return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm"))))  # noqa: PTH111, PTH118
 
 
+def vllm_tree(environ: Mapping[str, str]) -> Path | None:
+    """vLLM's compile tree, ``VLLM_CACHE_ROOT/torch_compile_cache``; None when ``VLLM_DISABLE_COMPILE_CACHE`` is set.
+
+    Off: ``disable_compile_cache()`` (vLLM 0.33.0 ``envs.py:375-376``); a value vLLM cannot parse counts as on.
+    """
+    try:
+        off = int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
+    except ValueError:
+        off = 0
+    return None if off else vllm_root(environ) / "torch_compile_cache"
+
+
+def own_dir(environ: Mapping[str, str], variable: str, server: str) -> str | None:
+    """A library's cache variable as its library reads it, unless vLLM set it into its compile tree.
+
+    vLLM points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``, unless the user chose one) at a directory
+    of its tree while it compiles (``compilation/compiler_interface.py:29-42``, ``decorators.py:580-589``): those
+    units are the tree's (:mod:`.vllm_compile`), and the library's own directory is where it writes otherwise
+    (vLLM's CPU platform compiles with ``DYNAMO_TRACE_ONCE``; without AOT compile Inductor keeps its default).
+    """
+    given = environ.get(variable)
+    if given is None or server != VLLM:
+        return given
+    tree = vllm_tree(environ)
+    inside = tree is not None and Path(os.path.abspath(given)).is_relative_to(os.path.abspath(tree))  # noqa: PTH100
+    return None if inside else given
+
+
 def sglang_dir(environ: Mapping[str, str], sub: str = "") -> Path:
     """``SGLANG_CACHE_DIR``/``sub`` as sglang reads it: default ``~/.cache/sglang`` (environ.py:1383, 2309)."""
     return Path(environ.get("SGLANG_CACHE_DIR") or "~/.cache/sglang").expanduser() / sub
@@ -187,6 +223,7 @@ def canonical(value: Mapping[str, str]) -> str:
 
 def files_problem(library: Library, unit: object, files: object) -> str | None:
     """Why ``files`` cannot be ``unit``'s (a record's or a spec's), or None when they can."""
+    library = library.part(str(unit))
     if unit != "." and not is_safe_relpath(unit):  # ".": the whole cache is one unit (the driver's PTX cache)
         return f"unit {unit!r} is not a relative path inside the cache"
     if not isinstance(files, dict) or not files:

