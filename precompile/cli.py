@@ -28,7 +28,7 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import commands, coverage, shipping
+from jitwarm.precompile import capture, commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
 from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.log_lines import log_lines
@@ -45,9 +45,11 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
     "import": ("import a bundle into the cache, verifying every file", shipping.cmd_import),
+    "capture": ("run the server once with jitwarm recording until its start is over, stop it, store and verify "
+                "every JIT cache unit it compiled (--export: bundle them)", capture.cmd_capture),
 }
-#: Commands that act on the cache as a whole: they take no serving flags and build no plan.
-PLANLESS = ("prune", "import")
+#: Commands that act on the cache as a whole or run the server: they take no serving flags and build no plan.
+PLANLESS = ("prune", "import", "capture")
 
 _MAX_BYTES = 1 << 60  # an exabyte: more is a typo
 _MAX_SECONDS = 10 * 365 * 86400.0
@@ -146,8 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="writable cache root (env JITWARM_CACHE_DIR)")
         if name not in PLANLESS:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
-        c.add_argument("--timeout", type=_timeout, default=900.0, metavar="S",
-                       help="deadline for waiting on another process's build")
+        if name == "capture":
+            p.add_argument("--manifest", type=path_flag, metavar="PATH", default="server.jsonl",
+                           help="the manifest the run records into (appended to)")
+            p.add_argument("--export", metavar="BUNDLE",
+                           help="then write the captured entries to this bundle (a file, or s3://BUCKET/KEY.tar)")
+            c.add_argument("--timeout", type=_timeout, default=1800.0, metavar="S",
+                           help="deadline for the server's start (its health endpoint and jitwarm's ledger)")
+        else:
+            c.add_argument("--timeout", type=_timeout, default=900.0, metavar="S",
+                           help="deadline for waiting on another process's build")
         r = p.add_argument_group("remote tier (one compile per spec across a fleet)")
         r.add_argument("--remote", nargs="?", const=REMOTE_FROM_ENV, metavar="URL",
                        help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://..., or "
@@ -204,6 +214,8 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
+        if args.command == "capture":
+            return capture.cmd_capture(args, server_argv)
         if args.command in PLANLESS or (args.command == "verify" and args.all
                                         and not plan_asked(args, server_argv)):
             if server_argv is not None:

@@ -207,34 +207,42 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
 
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there).
-
-    A path that cannot be a bundle file (a directory, a device or FIFO, or in no directory) is a UsageError
-    before any lookup, as is a bad URL.
-    """
+    """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there)."""
     cache = open_cache(args)
-    target = Path(args.path)
-    if is_bundle_url(args.path):
-        split_url(args.path)
-    elif target.is_dir():
-        raise UsageError(f"export: {args.path} is a directory; give the bundle's file name (kernels.tar)")
-    elif target.exists() and not target.is_file():  # the bundle's rename would replace a device or FIFO
-        raise UsageError(f"export: {args.path} is not a regular file; give the bundle's file name (kernels.tar)")
-    elif not target.absolute().parent.is_dir():
-        raise UsageError(f"export: the directory of {args.path} does not exist")
+    check_export_target(args.path)
     plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
     if coverage["missing"] or coverage["corrupt"]:
         raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                          f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    if is_bundle_url(args.path):  # streamed up as it is written: its digest is computed on the way
-        digest = cache.export_bundle_to_store(list(keys.values()), args.path)
-    else:
-        with open(cache.export_bundle(list(keys.values()), args.path), "rb") as f:  # what --sha256 pins
-            digest = file_sha256(f)
+    digest = export_keys(cache, list(keys.values()), args.path)
     print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
     return EXIT_OK
+
+
+def check_export_target(path: str) -> None:
+    """UsageError, before any lookup, for a path that cannot be a bundle file or a bad ``s3://`` URL.
+
+    A directory, a device or FIFO (the bundle's rename would replace it), a file in no directory.
+    """
+    target = Path(path)
+    if is_bundle_url(path):
+        split_url(path)
+    elif target.is_dir():
+        raise UsageError(f"export: {path} is a directory; give the bundle's file name (kernels.tar)")
+    elif target.exists() and not target.is_file():
+        raise UsageError(f"export: {path} is not a regular file; give the bundle's file name (kernels.tar)")
+    elif not target.absolute().parent.is_dir():
+        raise UsageError(f"export: the directory of {path} does not exist")
+
+
+def export_keys(cache: Any, keys: list[str], path: str) -> str:
+    """Write the entries ``keys`` to the bundle ``path`` (a file, or an object streamed up); return its sha256."""
+    if is_bundle_url(path):  # streamed up as it is written: its digest is computed on the way
+        return cache.export_bundle_to_store(keys, path)
+    with open(cache.export_bundle(keys, path), "rb") as f:  # what --sha256 pins
+        return file_sha256(f)
 
 
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:

@@ -56,6 +56,9 @@ class ServerAdapter(Protocol):
     VERSION: str  #: the server release the room mirrors; every other mention of it reads this constant
     LAUNCHERS: str  #: how the server's command line starts, for messages
     PLUGIN: str  #: the ``module:function`` the server loads as jitwarm's plugin (setup.py's entry point)
+    PLUGINS_ENV: str  #: the variable that names the plugins the server loads (every installed one when unset)
+    DEFAULT_PORT: int  #: the port the server listens on without ``--port``
+    HEALTH: str  #: the path that answers 200 once the server serves
     LADDER_SOURCES: tuple[str, ...]  #: ``--ladder-source`` values: ``auto``, ``builtin`` and the server's own
     OPTIONS: Mapping[str, str]  #: room-only settings (``server_options`` keys) -> their flag, for messages
 

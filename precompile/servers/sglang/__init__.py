@@ -21,6 +21,9 @@ VERSION = "0.5.23"
 NAME = "sglang"
 LAUNCHERS = "`python -m sglang.launch_server ...` or `sglang serve ...`"
 PLUGIN = "jitwarm.precompile.servers.sglang.plugin:register"
+#: The variable naming the plugins sglang loads (all when unset: docs/sglang.md), the port it listens on without
+#: ``--port`` (``srt/server_args.py``: 30000) and its readiness endpoint.
+PLUGINS_ENV, DEFAULT_PORT, HEALTH = "SGLANG_PLUGINS", 30000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "sglang")
 OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a ServingConfig field
 #: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its

