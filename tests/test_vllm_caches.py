@@ -198,7 +198,8 @@ def test_the_units_of_vllms_tree_are_the_complete_ones_each_family_named_by_its_
     by_rules: dict[str, list[str]] = {}
     for unit in units:
         by_rules.setdefault(vllm.part(unit).name, []).append(unit)
-    assert sorted(by_rules["vllm_compile"]) == ["3f9a0c1b2d/rank_0_0/backbone", f"torch_aot_compile/{'ab' * 32}/rank_0_0"]
+    assert sorted(by_rules["vllm_compile"]) == ["3f9a0c1b2d/rank_0_0/backbone",
+                                                f"torch_aot_compile/{'ab' * 32}/rank_0_0"]
     inductor = by_rules["inductor"]
     assert len(inductor) == 8 and all("/inductor_cache/" in unit and "/triton/" not in unit for unit in inductor)
     triton = by_rules["triton"]

@@ -240,3 +240,25 @@ def test_plan_never_imports_vllm_torch_triton_or_tvm_ffi(tmp_path):
     assert got["rc"] == 0 and got["bad"] == [], got
     assert got["plan"]["ladder"]["source"] == f"built-in rules of vLLM {vllm_wheel.VLLM_VERSION}"
     assert got["plan"]["shapes"][0]["key"].startswith("PIECEWISE num_tokens=")
+
+
+def test_the_cpu_platform_is_inferred_as_vllm_infers_it(tmp_path):
+    """vLLM's own ``cpu_platform_plugin`` (platforms/__init__.py:174-199) and the room's ``on_cpu_platform`` agree
+    for each ``VLLM_TARGET_DEVICE``, with the wheel's version and with a CPU build's (``0.32.0+cpu`` metadata
+    ahead of the wheel on the path, as ``vllm_version_matches_substr`` reads it, :18-34)."""
+    env = {**os.environ, **vllm_wheel.vllm_env()}
+    cpu_build = tmp_path / "cpu-build" / "vllm-0.32.0+cpu.dist-info"
+    cpu_build.mkdir(parents=True)
+    (cpu_build / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n", encoding="utf-8")
+    code = ("import json, os\nfrom vllm.platforms import cpu_platform_plugin\n"
+            "from jitwarm.precompile.servers.vllm.fields import on_cpu_platform\nout = []\n"
+            "for device in ('', 'cpu', 'CPU', 'cuda'):\n    os.environ['VLLM_TARGET_DEVICE'] = device\n"
+            "    out.append([cpu_platform_plugin() is not None, on_cpu_platform()])\nprint(json.dumps(out))")
+    answers, wheel = {}, env["PYTHONPATH"]
+    for name, path in (("wheel", wheel), ("cpu build", f"{cpu_build.parent}{os.pathsep}{wheel}")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": path}, capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        answers[name] = json.loads(proc.stdout.splitlines()[-1])
+    assert answers == {"wheel": [[False, False], [True, True], [True, True], [False, False]],
+                       "cpu build": [[True, True]] * 4}, answers

@@ -6,6 +6,8 @@ the same rules against vLLM's own functions over a grid.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from jitwarm.precompile import servers
@@ -124,8 +126,6 @@ def test_refusals_are_one_usage_error(line, message):
 def test_jitwarm_plan_reads_a_vllm_line_end_to_end(tmp_path):
     """The real CLI: ``jitwarm plan --json -- vllm serve ...`` names vLLM's rules, modes and dispatch keys; a bad
     line is one ``jitwarm: error:`` line and exit 2."""
-    import json
-
     from precompile_fixtures import jitwarm
 
     env = {"JITWARM_CACHE_DIR": str(tmp_path / "cache")}
@@ -140,3 +140,143 @@ def test_jitwarm_plan_reads_a_vllm_line_end_to_end(tmp_path):
     assert plan["families"]["skipped"] and plan["specs"] == []  # a Llama runs none of jitwarm's families
     bad = jitwarm("plan", "--", "vllm", "serve", "m", "--max-num-seqs", "lots", env=env)
     assert bad.returncode == 2 and bad.stderr.startswith("jitwarm: error: ") and bad.stderr.count("\n") == 1, bad.stderr
+
+
+# --- a server that captures no graphs: the CPU platform, --enforce-eager, -O0, cudagraph_mode NONE ------------
+
+CPU_LINE = ("jitwarm: nothing to warm: the plan is empty (vLLM's CPU platform): the server captures no decode CUDA "
+            "graphs\n")
+
+
+def installed(tmp_path, version: str) -> dict[str, str]:
+    """The environment of a CLI subprocess that finds vLLM ``version`` installed (its metadata alone: a
+    ``vllm-<version>.dist-info`` on PYTHONPATH, as pip leaves one), no ``VLLM_TARGET_DEVICE``, a cache of its own."""
+    import os
+
+    site = tmp_path / f"site-{version}"
+    dist = site / f"vllm-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n", encoding="utf-8")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            "JITWARM_CACHE_DIR": str(tmp_path / "cache"), "VLLM_TARGET_DEVICE": ""}
+
+
+def test_the_cpu_platform_captures_nothing_and_reads_no_device():
+    cpu = {**rules.INPUT_KEYS, "platform": "cpu"}
+    out = rules.resolve(cpu)
+    assert out["shapes"] == [] and out["capture_bs"] == [] and out["disabled"] == rules.CPU_PLATFORM
+    assert not rules.reads_device(cpu) and not fields.needs_memory(cpu)
+    assert rules.reads_device(rules.INPUT_KEYS) and fields.needs_memory(rules.INPUT_KEYS)  # the CUDA one does
+    # No child for it, from any source: with no vLLM installed, vLLM's own functions could not run at all.
+    from jitwarm.precompile.servers.vllm import native
+
+    assert native.resolve_ladder(cpu, "vllm")["disabled"] == rules.CPU_PLATFORM
+    with pytest.raises(rules.ResolutionError, match="platform 'tpu'"):
+        rules.resolve({"platform": "tpu"})
+
+
+@pytest.mark.parametrize("word, platform", [("VLLM_TARGET_DEVICE=cpu", "cpu"), ("VLLM_TARGET_DEVICE=CPU", "cpu"),
+                                            ("VLLM_TARGET_DEVICE=cuda", None)])
+def test_the_lines_target_device_is_read_as_vllm_reads_it(word, platform):
+    assert argv.parse_server_argv([word, "vllm", "serve", "m"]).get("platform") == platform  # envs.py:623 lowers
+
+
+@pytest.mark.parametrize("how", ["installed 0.32.0+cpu", "VLLM_TARGET_DEVICE in the environment",
+                                 "VLLM_TARGET_DEVICE on the line", "--target cpu"])
+def test_a_cpu_server_plans_no_graphs_and_never_asks_for_gpu_memory(tmp_path, how):
+    """One line, exit 0, no --gpu-memory-mb, and no child: the 0.32.0 on PYTHONPATH is metadata alone, so any
+    attempt to run its functions would fail the plan."""
+    from precompile_fixtures import jitwarm
+
+    env = installed(tmp_path, "0.32.0+cpu" if how.startswith("installed") else "0.33.0")
+    flags, line = [], ["vllm", "serve", "m"]
+    if how == "VLLM_TARGET_DEVICE in the environment":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    elif how == "VLLM_TARGET_DEVICE on the line":
+        line.insert(0, "VLLM_TARGET_DEVICE=cpu")
+    elif how == "--target cpu":
+        flags = ["--target", "cpu"]
+    proc = jitwarm("plan", *flags, "--", *line, env=env)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (0, CPU_LINE, ""), proc.stderr
+    plan = json.loads(jitwarm("plan", "--json", *flags, "--", *line, env=env).stdout)
+    assert plan["shapes"] == [] and plan["ladder"]["disabled"] == "vLLM's CPU platform"
+    assert plan["ladder"]["gpu_memory_mb"] is None
+
+
+@pytest.mark.parametrize("flag, why", [("--enforce-eager", "--enforce-eager"), ("-O0", "cudagraph_mode NONE (-O0)"),
+                                       ("-cc.cudagraph_mode=NONE", "cudagraph_mode NONE")])
+def test_a_server_that_captures_nothing_plans_nothing_on_a_gpu_too(tmp_path, flag, why):
+    """On a CUDA device (``--target sm_90``), where the same line without the flag needs the device's memory."""
+    from precompile_fixtures import jitwarm
+
+    env = installed(tmp_path, "0.33.0")
+    proc = jitwarm("plan", "--target", "sm_90", "--", "vllm", "serve", "m", flag, env=env)
+    assert (proc.returncode, proc.stderr) == (0, f"jitwarm: nothing to warm: the plan is empty ({why}): the server "
+                                                 "captures no decode CUDA graphs\n"), proc.stderr
+    assert fields.needs_memory({**rules.INPUT_KEYS, **argv.parse_server_argv(["vllm", "serve", "m", flag])}) is False
+
+
+def test_another_installed_release_plans_with_its_own_functions_memoised(tmp_path):
+    """0.32.0+cpu installed, a CUDA server asked for (``--target sm_90``): not the rules of 0.33.0 but the installed
+    release's functions, in a child; a memo of that release and those inputs answers instead of the child."""
+    from precompile_fixtures import jitwarm
+
+    from jitwarm.cache import settings
+    from jitwarm.precompile.servers import resolution_memo
+
+    env = installed(tmp_path, "0.32.0+cpu")
+    line = ["plan", "--json", "--target", "sm_90", "--gpu-memory-mb", "143771", "--", "vllm", "serve", "m",
+            "--max-num-seqs", "8"]
+    child = jitwarm(*line, env=env)  # only the metadata is installed: the child cannot import vLLM
+    assert child.returncode == 2 and child.stderr.count("\n") == 1, child.stderr
+    assert "vLLM's own ladder functions failed" in child.stderr and "cannot import vllm" in child.stderr
+    inputs = {**rules.INPUT_KEYS, "max_num_seqs": 8, "gpu_memory_mb": 143771, "device_capability": 90}
+    theirs = {**rules.resolve({**inputs, "cudagraph_mode": "PIECEWISE"}), "source": "vLLM 0.32.0+cpu (installed)"}
+    with settings.override(cache_dir=env["JITWARM_CACHE_DIR"]):
+        resolution_memo.store(resolution_memo.key("vllm", "0.32.0+cpu", inputs), theirs)
+    memo = jitwarm(*line, env=env)
+    assert memo.returncode == 0, memo.stderr
+    plan = json.loads(memo.stdout)
+    assert plan["ladder"]["source"] == "vLLM 0.32.0+cpu (installed)"
+    assert [s["key"] for s in plan["shapes"]] == [s["key"] for s in theirs["shapes"]]  # PIECEWISE only: the memo's
+    same = jitwarm(*line, env=installed(tmp_path / "same", "0.33.0"))  # the release the rules mirror: the rules
+    assert json.loads(same.stdout)["ladder"]["source"] == "built-in rules of vLLM 0.33.0", same.stderr
+
+
+# --- docs/vllm.md: its `jitwarm plan ... -- vllm serve ...` examples run as written ---------------------------
+
+
+def docs_examples() -> list[tuple[list[str], str | None]]:
+    """Each ``jitwarm plan`` line of the docs' section "Plans from vLLM's own command line" (continuations joined),
+    with the output line the docs show under it (a ``# jitwarm: ...`` comment), if any."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text(encoding="utf-8")
+    section = text[text.index("## Plans from vLLM's own command line"):text.index("## The plugin")]
+    lines = "\n".join(block.split("```")[0] for block in section.split("```bash\n")[1:]).split("\n")
+    examples: list[tuple[list[str], str | None]] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        while line.endswith("\\"):
+            i += 1
+            line = line[:-1] + lines[i]
+        if line.startswith("jitwarm plan "):
+            examples.append((shlex.split(line)[1:], None))
+        elif line.startswith("# jitwarm: ") and examples:
+            examples[-1] = (examples[-1][0], line[2:])
+        i += 1
+    return examples
+
+
+def test_the_docs_examples_run_as_written(tmp_path):
+    from precompile_fixtures import jitwarm
+
+    examples = docs_examples()
+    assert len(examples) >= 3 and all("vllm" in args for args, _ in examples)
+    for n, (args, shown) in enumerate(examples):
+        proc = jitwarm(*args, env=installed(tmp_path / str(n), "0.33.0"))
+        assert proc.returncode == 0, (args, proc.stderr)
+        if shown is not None:
+            assert proc.stderr == shown + "\n", (args, proc.stderr)

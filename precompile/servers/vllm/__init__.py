@@ -40,6 +40,7 @@ OPTIONS: dict[str, str] = {
     "model_runner": "VLLM_USE_V2_MODEL_RUNNER",
     "attention_cudagraph_support": "server_options.attention_cudagraph_support",
     "device_capability": "server_options.device_capability",
+    "platform": "VLLM_TARGET_DEVICE=cpu (or --target cpu, or an installed CPU build)",
 }
 #: vLLM's DeepSeek-V4 classes (model_executor/models/registry.py:99, :383-389, :676-679, :718): the target, its
 #: multimodal and 4.1 variants, the DSpark drafts and the MTP draft.

@@ -56,6 +56,9 @@ NO_VALUE = frozenset({
 #: Compilation-config keys read (config/compilation.py: cudagraph_mode :610, capture sizes, the max).
 _COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
 _MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: vLLM's first test of its CPU platform, the variable lower-cased (platforms/__init__.py:176, 0.32.0: :179;
+#: envs.py:623).
+TARGET_DEVICE_ENV = "VLLM_TARGET_DEVICE"
 
 
 def is_server_command(argv: Sequence[str]) -> bool:
@@ -66,7 +69,8 @@ def is_server_command(argv: Sequence[str]) -> bool:
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     """Return the capture settings of a vLLM command line (launcher optional) as raw inputs for :mod:`.rules`.
 
-    A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 model runner, as in vLLM (config/vllm.py:748-750).
+    A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 model runner, as in vLLM (config/vllm.py:748-750);
+    a leading ``VLLM_TARGET_DEVICE=cpu`` the CPU platform (``platform``: it captures no graphs).
 
     Returns
     -------
@@ -85,6 +89,8 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     env, args = command_line.split_env(argv)
     if _MODEL_RUNNER_ENV in env:
         values["model_runner"] = "v1" if env[_MODEL_RUNNER_ENV].strip().lower() in ("0", "false") else "v2"
+    if env.get(TARGET_DEVICE_ENV, "").lower() == "cpu":  # any other value leaves vLLM to its next test
+        values["platform"] = "cpu"
     stripped = command_line.strip_launcher(args, *_LAUNCHER)
     if stripped is None:
         raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected {LAUNCHERS})")

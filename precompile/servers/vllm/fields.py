@@ -5,17 +5,19 @@ A ServingConfig's capture fields carry sglang's names; for vLLM, ``max_running_r
 other vLLM setting is a ``server_options`` key (:data:`.OPTIONS`), among them the two stand-ins for what vLLM
 reads from the device and the model: ``device_capability`` (major*10+minor: 90 Hopper, 100 data-center Blackwell;
 else taken from a single ``--target sm_XY``) and ``attention_cudagraph_support`` (the attention backend's
-``AttentionCGSupport``, default ``ALWAYS``).
+``AttentionCGSupport``, default ``ALWAYS``); and ``platform``, ``cpu`` where vLLM would run on its CPU platform
+(:func:`defaults`), which captures no graphs.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jitwarm.precompile.servers import differs_by_memory, refusals
+from jitwarm.precompile.servers import differs_by_memory, json_object, refusals
 from jitwarm.precompile.servers.vllm import rules
 from jitwarm.precompile.servers.vllm.argv import parse_server_argv
 
@@ -39,9 +41,33 @@ def parse_argv(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def defaults(config: Any) -> dict[str, Any]:
-    """Nothing: vLLM's settings come from its command line (its ``NAME=value`` words too, :mod:`.argv`)."""
-    del config
-    return {}
+    """``server_options.platform`` ``cpu`` when vLLM would run on its CPU platform and nothing says which it is.
+
+    What says it: ``server_options.platform`` (the line's ``VLLM_TARGET_DEVICE=cpu`` sets it, :mod:`.argv`), then
+    jitwarm's own ``--target`` as given (``cpu`` alone: the CPU platform; an ``sm_XY``: a CUDA device, as for a
+    GPU server planned on a build box). Else vLLM's own inference (:func:`on_cpu_platform`). Inside a vLLM
+    process (the plugin) nothing is inferred: the server's final config has been through its platform already.
+    """
+    options = config.server_options
+    try:
+        options = json_object(options) if isinstance(options, str) else options or {}
+    except ValueError:
+        return {}  # the config reports it
+    if not isinstance(options, Mapping) or "platform" in options or "vllm" in sys.modules:
+        return {}
+    targets = config.targets  # None unless given: the config defaults it after this
+    if isinstance(targets, (list, tuple)) and targets:
+        cpu = all(t == "cpu" for t in targets)
+    else:
+        cpu = on_cpu_platform()
+    return {"server_options": {**options, "platform": "cpu"}} if cpu else {}
+
+
+def on_cpu_platform() -> bool:
+    """Whether vLLM infers its CPU platform here (the ``vllm_compile`` family's test, which vLLM's own follows)."""
+    from jitwarm.kernels.libraries.jit_caches.vllm_compile import cpu_platform
+
+    return cpu_platform()
 
 
 def check(config: Any, *, resolve: bool) -> list[str]:

@@ -33,7 +33,13 @@ _LONG_MODEL_LEN = 1 << 30
 
 
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The graphs vLLM captures for ``inputs``, from ``source`` (:meth:`.OwnFunctions.resolve_from`)."""
+    """The graphs vLLM captures for ``inputs``, from ``source`` (:meth:`.OwnFunctions.resolve_from`).
+
+    The CPU platform's are the rules' answer from any source: none, in 0.32.0 as in 0.33.0 (the sizes emptied,
+    0.32.0's platforms/cpu.py:353, 0.33.0's :370), and the functions below stand in a CUDA device: no child.
+    """
+    if inputs.get("platform") == "cpu":
+        return rules.resolve(inputs)
     return OWN.resolve_from(inputs, source, defaults=INPUT_KEYS, builtin=lambda: rules.resolve(inputs))
 
 
@@ -121,7 +127,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
             "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
     VllmConfig._set_cudagraph_sizes(config)
     if compilation.cudagraph_mode == CUDAGraphMode.NONE:
-        return {**base, "disabled": "cudagraph_mode NONE"}
+        return {**base, "disabled": "--enforce-eager" if cfg["enforce_eager"] else "cudagraph_mode NONE"}
     v2 = cfg["model_runner"] == "v2"
     resolved = compilation.resolve_cudagraph_mode_and_sizes(
         AttentionCGSupport[cfg["attention_cudagraph_support"]], "jitwarm stand-in", q, use_v2_model_runner=v2,

@@ -40,6 +40,7 @@ INPUT_KEYS: Mapping[str, Any] = {
     "attention_cudagraph_support": "ALWAYS",  # the attention backend's AttentionCGSupport (stand-in)
     "gpu_memory_mb": None,                # the device's memory (stand-in; None: vLLM's query failed)
     "device_capability": None,            # the device's compute capability as major*10+minor (90, 100, 121)
+    "platform": "cuda",                   # vLLM's platform: cuda, or cpu (fields.platform says how it is known)
 }
 
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -50,6 +51,10 @@ _ROUTINES = {"NONE": ("NONE", "NONE"), "PIECEWISE": ("PIECEWISE", "PIECEWISE"), 
 SUPPORT = ("NEVER", "UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_BATCH", "ALWAYS")
 PERFORMANCE_MODES = ("balanced", "interactivity", "throughput")
 RUNNERS = ("v1", "v2")
+PLATFORMS = ("cuda", "cpu")
+#: Why a CPU server plans no graphs: ``CpuPlatform.check_and_update_config`` empties the capture sizes
+#: (platforms/cpu.py:370; 0.32.0: :353) and the CPU runner never captures (v1/worker/cpu_model_runner.py:34).
+CPU_PLATFORM = "vLLM's CPU platform"
 # The mode each optimization level sets (config/vllm.py:255-340: OPTIMIZATION_LEVEL_00 .. _03).
 _LEVEL_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
 _GIB_MB = 1024
@@ -79,6 +84,11 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
     """
     cfg = _checked({**INPUT_KEYS, **inputs})
+    if cfg["platform"] == "cpu":  # nothing is captured, so nothing of the device is read (not even its defaults)
+        return {"source": SOURCE, "max_num_seqs": cfg["max_num_seqs"], "max_running_requests": cfg["max_num_seqs"],
+                "max_num_batched_tokens": cfg["max_num_batched_tokens"], "width": 1 + cfg["num_speculative_tokens"],
+                "compact": False, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
+                "capture_bs": [], "disabled": CPU_PLATFORM}
     max_num_seqs, max_num_tokens = scheduler_limits(cfg)
     q = 1 + cfg["num_speculative_tokens"]  # uniform_decode_query_len (config/vllm.py:695-713)
     # The mode before the backend is known: given, else the level's; NONE for --enforce-eager (config/vllm.py:
@@ -115,7 +125,8 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
                                   f"{', '.join(MODES)}")
     for key, what, allowed in (("performance_mode", "--performance-mode", PERFORMANCE_MODES),
                                ("model_runner", "model runner", RUNNERS),
-                               ("attention_cudagraph_support", "attention CUDA-graph support", SUPPORT)):
+                               ("attention_cudagraph_support", "attention CUDA-graph support", SUPPORT),
+                               ("platform", "platform", PLATFORMS)):
         if cfg[key] not in allowed:
             raise ResolutionError(f"{what} {cfg[key]!r}: choose from {', '.join(allowed)}")
     if cfg["optimization_level"] not in _LEVEL_MODES:
@@ -336,8 +347,11 @@ def _capture_order(by_mode: Mapping[str, list[dict[str, Any]]]) -> list[dict[str
 
 
 def reads_device(inputs: Mapping[str, Any]) -> bool:
-    """True when the device (memory, capability) could change the graphs: some limit is left to vLLM's defaults."""
+    """True when the device (memory, capability) could change the graphs: some limit is left to vLLM's defaults.
+
+    Never on the CPU platform, which captures none.
+    """
     cfg = {**INPUT_KEYS, **inputs}
-    return cfg["max_num_seqs"] is None or cfg["max_num_batched_tokens"] is None or (
-        cfg["max_cudagraph_capture_size"] is None and cfg["cudagraph_capture_sizes"] is None)
+    return cfg["platform"] != "cpu" and (cfg["max_num_seqs"] is None or cfg["max_num_batched_tokens"] is None or (
+        cfg["max_cudagraph_capture_size"] is None and cfg["cudagraph_capture_sizes"] is None))
 
