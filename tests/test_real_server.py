@@ -1,0 +1,120 @@
+"""The zero-JIT boot proven on a real vLLM server (vLLM's CPU build, tests/vllm_cpu.py), from the library's files.
+
+One module fixture runs the operator's flow, each step a real process:
+
+1. ``jitwarm capture --export`` runs ``vllm serve`` once on an empty node (``capture``): a cold start, which
+   compiles (its own ledger is the control: a start without the restore compiles);
+2. ``jitwarm prestart --offline`` restores the bundle on a fresh node, run with the server's environment;
+3. a real start there with ``JITWARM_LEDGER``, a completion, a stop by its process group.
+
+The restored start must compile nothing: its ledger's total is 0, and no compiled artifact appears in the
+libraries' caches during it, checked from the files. The server runs with ``VLLM_USE_AOT_COMPILE=0``, the
+configuration under which this build's restored start compiles nothing (it cannot load its own AOT artifact:
+``test_an_aot_capture_is_said_and_its_factors_are_the_servers`` below runs the default and sees why).
+
+Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import vllm_cpu as server
+
+#: What a library's cache may gain in a start that compiles nothing: Inductor's lock files (one per module
+#: loaded, codecache.py; they hold no code).
+NOT_COMPILED = ("/locks/",)
+#: What is a compiled artifact: Inductor's modules and their C++ (.py/.cpp/.so), its precompiled headers and FX
+#: and AOTAutograd entries, vLLM's compile tree and model inspection.
+COMPILED_SUFFIXES = (".so", ".cpp", ".py", ".gch", ".h", ".json")
+
+
+def cache_files(node: Path) -> dict[str, int]:
+    """Every file under the node's library caches (``VLLM_CACHE_ROOT``, Inductor's own, Triton's), with its size."""
+    roots = [node / "vllm", *(node / "tmp").glob("torchinductor_*"), node / "home" / ".triton"]
+    found = {}
+    for root in roots:
+        for path in root.rglob("*") if root.is_dir() else ():
+            if path.is_file():
+                found[str(path.relative_to(node))] = path.stat().st_size
+    return found
+
+
+def compiled(files: dict[str, int]) -> list[str]:
+    """The compiled artifacts among ``files`` (see :data:`COMPILED_SUFFIXES`)."""
+    return sorted(f for f in files if not any(part in f for part in NOT_COMPILED)
+                  and (f.endswith(COMPILED_SUFFIXES) or "/fxgraph/" in f or "/aotautograd/" in f))
+
+
+@pytest.fixture(scope="module")
+def flow(vllm_cpu, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real_server")
+    first, node = tmp / "capture-node", tmp / "fresh-node"
+    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
+                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=vllm_cpu.env(first))
+    assert captured.returncode == 0, captured.stderr[-4000:]
+    prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
+                                "--json", env=vllm_cpu.env(node))
+    assert prestart.returncode == 0, prestart.stderr
+    before = cache_files(node)
+    ledger = node / "ledger.json"
+    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger)) as (port, ready_s):
+        answer = server.complete(port, vllm_cpu.model)
+    return {"tmp": tmp, "first": first, "node": node, "manifest": manifest, "bundle": bundle,
+            "captured": json.loads(captured.stdout), "capture_err": captured.stderr,
+            "prestart": json.loads(prestart.stdout), "before": before, "after": cache_files(node),
+            "ledger": json.loads(ledger.read_text()), "answer": answer, "ready_s": ready_s,
+            "log": (node / "server.log").read_text(errors="replace")}
+
+
+def test_capture_runs_the_server_once_stores_every_unit_and_bundles_them(flow):
+    done = flow["captured"]
+    assert done["units"]["inductor"] >= 10 and done["units"]["vllm_modelinfo"] == 1, done
+    records = [json.loads(line) for line in flow["manifest"].read_text().splitlines()]
+    assert len(records) == done["entries"] == sum(done["units"].values())
+    assert all(r["kind"] == "jit_cache" and r["under"] == "vllm" for r in records)
+    assert done["sha256"] and flow["bundle"].stat().st_size > 0
+    assert done["compiled"] > 0  # the control: the same server without a restore compiles (its own ledger)
+    assert "waiting for http://127.0.0.1:" in flow["capture_err"]
+
+
+def test_every_file_the_start_wrote_in_the_library_caches_is_a_captured_unit(flow):
+    """The census: what a cold start writes under the server's cache roots is captured, or named left out."""
+    records = [json.loads(line) for line in flow["manifest"].read_text().splitlines()]
+    captured = {rel for r in records for rel in r["files"]}
+    written = cache_files(flow["first"])
+    left = [f for f in written if not any(part in f for part in NOT_COMPILED) and _in_root(f) not in captured]
+    assert written and left == [], left
+
+
+def _in_root(path: str) -> str:
+    """A path under the node (``tmp/torchinductor_root/7v/c7v.so``) as its library's unit names it (``7v/c7v.so``)."""
+    return path.split("/", 2)[-1]
+
+
+def test_prestart_restores_offline_on_a_fresh_node_with_the_servers_fingerprints(flow):
+    ready = flow["prestart"]
+    assert ready["ready"] is True and ready["offline"] is True
+    assert ready["bundle"]["supplied"] == flow["captured"]["entries"]
+    records = [json.loads(line) for line in flow["manifest"].read_text().splitlines()]
+    restored = {_in_root(f) for f in flow["before"]}
+    assert {rel for r in records for rel in r["files"]} <= restored  # each file where its library looks
+
+
+def test_the_restored_start_compiles_nothing_and_answers(flow):
+    ledger = flow["ledger"]
+    assert ledger["compiled"] == 0, ledger
+    assert ledger["families"]["inductor"]["served"] >= 1  # Inductor's own FX cache hit counter
+    assert ledger["families"]["vllm_modelinfo"]["present_at_start"] == 1
+    new = compiled({f: s for f, s in flow["after"].items() if flow["before"].get(f) != s})
+    assert new == [], f"the restored start compiled: {new}"
+    assert flow["answer"]["choices"][0]["text"] and flow["answer"]["usage"]["completion_tokens"] == 5
+
+
+def test_the_ledger_is_reported_at_the_ready_point_in_the_servers_own_log(flow):
+    lines = [line for line in flow["log"].splitlines() if "jitwarm: ledger: " in line]
+    assert any("jitwarm: ledger: inductor: served from cache" in line for line in lines), flow["log"][-3000:]
+    assert all(line.startswith("(") and " INFO " in line for line in lines)  # vLLM's own format, its process tag
