@@ -117,6 +117,18 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
             raise FingerprintMismatch(f"{why}: its library would not use it (build in the server's image)",
                                       "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
+    say_unloadable(plan)
+
+
+def say_unloadable(plan: WarmPlan) -> None:
+    """Warn where the node's server will not load units the plan restores (vLLM's CPU build and its AOT units)."""
+    from jitwarm.kernels.libraries.jit_caches.vllm_compile import AOT, LIBRARY, aot_unloadable
+
+    aot = [s for s in plan.recorded if s.backend == LIBRARY.kind and s.family.startswith(f"{AOT}/")
+           and LIBRARY.part(s.family) is LIBRARY]  # its rank directories, not Inductor's units beside them
+    why = aot_unloadable() if aot else None
+    if why:
+        print(f"jitwarm: warning: {len(aot)} AOT artifact(s) of vllm_compile restored, but {why}", file=sys.stderr)
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
@@ -191,7 +203,7 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
     """
     report = import_bundle(cache, path, sha256=sha256)
     supplied = sorted(set(keys.values()) & set(report.keys))
-    targets = sorted({str(e.description.get("target")) for k in report.keys if (e := cache.lookup(k)) is not None})
+    targets = sorted({str(_target_of(e.description)) for k in report.keys if (e := cache.lookup(k)) is not None})
     print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
           f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
           file=sys.stderr)
@@ -204,6 +216,11 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
         print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
     return {"path": path, "entries": len(report.keys), "imported": len(report.imported), "supplied": len(supplied),
             "targets": targets}
+
+
+def _target_of(description: dict[str, Any]) -> str:
+    """The target an entry was built for: a kernel's ``target``, a captured unit's fingerprinted arch."""
+    return str(description.get("target") or (description.get("fingerprint") or {}).get("arch") or "unknown")
 
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:

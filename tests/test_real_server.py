@@ -118,3 +118,52 @@ def test_the_ledger_is_reported_at_the_ready_point_in_the_servers_own_log(flow):
     lines = [line for line in flow["log"].splitlines() if "jitwarm: ledger: " in line]
     assert any("jitwarm: ledger: inductor: served from cache" in line for line in lines), flow["log"][-3000:]
     assert all(line.startswith("(") and " INFO " in line for line in lines)  # vLLM's own format, its process tag
+
+
+@pytest.fixture(scope="module")
+def aot(vllm_cpu, tmp_path_factory):
+    """vLLM's default, AOT compile on: captured, then restored on two fresh nodes (one whose factor truly differs)."""
+    tmp = tmp_path_factory.mktemp("real_server_aot")
+    first = tmp / "capture-node"
+    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+
+    def env(node: Path, **extra: str) -> dict[str, str]:
+        values = vllm_cpu.env(node, **extra)
+        values.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10 (envs.py:377-386)
+        return values
+
+    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--json", "--",
+                                *vllm_cpu.serve(server.free_port()), env=env(first))
+    assert captured.returncode == 0, captured.stderr[-4000:]
+    node = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
+                            env=env(tmp / "fresh-node"))
+    other = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
+                             env=env(tmp / "other-node", VLLM_BATCH_INVARIANT="1"))
+    return {"first": first, "manifest": manifest, "captured": json.loads(captured.stdout),
+            "capture_err": captured.stderr, "node": node, "other": other, "fresh": tmp / "fresh-node"}
+
+
+def test_an_aot_capture_is_said_and_its_factors_are_the_servers(aot):
+    """This build cannot load its own AOT artifact: capture and prestart say so. The unit's env factors, recorded in
+    the server's worker, match the node's as computed after vLLM's platform set its own (the false refusal of
+    VLLM_DISABLE_SHARED_EXPERTS_STREAM is gone); a factor the node truly differs in is still refused, exit 4."""
+    assert "cannot load its own AOT artifact" in aot["capture_err"]
+    records = [json.loads(line) for line in aot["manifest"].read_text().splitlines()]
+    rank = [r for r in records if r["library"] == "vllm_compile" and r["unit"].endswith("/rank_0_0")]
+    assert len(rank) == 1 and rank[0]["fingerprint"]["vllm:env:VLLM_DISABLE_SHARED_EXPERTS_STREAM"] == "true"
+    assert aot["node"].returncode == 0, aot["node"].stderr
+    assert "AOT artifact(s) of vllm_compile restored, but vLLM's CPU build cannot load" in aot["node"].stderr
+    assert (aot["fresh"] / "vllm" / "torch_compile_cache" / rank[0]["unit"] / "model").is_file()
+    other = aot["other"]
+    assert other.returncode == 4, other.stderr
+    assert "recorded with vllm:env:VLLM_BATCH_INVARIANT 'false', this node has 'true'" in other.stderr
+
+
+def test_an_aot_starts_files_are_captured_units_too(aot):
+    """The census in AOT mode: vLLM's tree (its rank directory, Inductor's units in it) and the model inspection."""
+    records = [json.loads(line) for line in aot["manifest"].read_text().splitlines()]
+    captured = {rel for r in records for rel in r["files"]}
+    written = cache_files(aot["first"])
+    assert any("/torch_aot_compile/" in f for f in written)
+    left = [f for f in written if not any(part in f for part in NOT_COMPILED) and _in_root(f) not in captured]
+    assert left == [], left
