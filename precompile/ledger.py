@@ -107,11 +107,26 @@ class LedgerReport:
                                            for f in self.families if f.after_restore()]}
 
     def write(self, path: str | Path) -> None:
-        """Write :meth:`as_json` to ``path`` whole (a temporary file beside it, renamed); OSError if it cannot."""
+        """Write :meth:`as_json` to ``path`` whole (a temporary file beside it, renamed); OSError if it cannot.
+
+        Only a regular file is replaced: a device, a FIFO or a link there is refused (OSError) and left as it is
+        (the rename would have replaced ``/dev/null`` itself, as root: issue #31, N6).
+        """
+        import errno
+        import stat
+
         from jitwarm.cache.files import write_atomic
 
+        target = Path(path)
+        try:
+            mode = target.lstat().st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            what = "a link" if stat.S_ISLNK(mode) else "not a regular file"
+            raise OSError(errno.EEXIST, f"{what}: left as it is", str(target))
         text = json.dumps(self.as_json(), indent=1, sort_keys=True) + "\n"
-        write_atomic(Path(path), text.encode(), durable=False)
+        write_atomic(target, text.encode(), durable=False)
 
 
 class Watcher(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,30 @@ def test_a_ledger_path_that_cannot_be_written_is_one_warning_and_the_start_goes_
     assert len(warnings) == 1 and warnings[0].startswith(f"jitwarm: ledger not written to JITWARM_LEDGER={path}: ")
     assert report.compiled == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a file", "link to /dev/null", "device"])
+def test_a_ledger_path_that_is_no_regular_file_is_never_replaced(own_caches, monkeypatch, tmp_path, caplog, kind):
+    """``JITWARM_LEDGER`` is treated like an export target (issue #31, N6): a FIFO, a device or a link there gets
+    one warning and stays what it was (the rename used to replace it, ``/dev/null`` itself when run as root)."""
+    path, target = tmp_path / "ledger.json", tmp_path / "real.json"
+    target.write_text("theirs")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("making a device node needs root")
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    else:
+        path.symlink_to(target if kind == "link to a file" else Path("/dev/null"))
+    before = path.lstat()
+    monkeypatch.setenv("JITWARM_LEDGER", str(path))
+    with caplog.at_level(logging.WARNING, logger="jitwarm"):
+        ledger.report_after_capture(ledger.Ledger())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "left as it is" in warnings[0], warnings
+    after = path.lstat()
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and target.read_text() == "theirs"
 
 
 def test_the_ledger_file_is_written_whole_and_the_capture_hook_reports_the_same(own_caches, monkeypatch, tmp_path):
