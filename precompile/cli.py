@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--grace", type=_duration, metavar="SECONDS",
                            help="keep entries used this recently (env JITWARM_PRUNE_GRACE_S; default 600; 0: off)")
         elif name in ("export", "import"):
-            p.add_argument("path", metavar="BUNDLE",
+            p.add_argument("path", metavar="BUNDLE", type=path_flag,
                            help="bundle file (.tar or .tar.gz), or an object s3://BUCKET/KEY.tar (streamed; boto3)")
     return parser
 
@@ -210,10 +210,11 @@ def _run(argv: Sequence[str] | None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         # The server's own command line comes after `--`; argparse would take it for positionals.
         own, server_argv = split_server_argv(argv) if "--" in argv else (argv, None)
-        args = parser.parse_args(own)
+        args = _parse(parser, own)
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
+        _check_combinations(args, server_argv)
         if args.command == "capture":
             return capture.cmd_capture(args, server_argv)
         if args.command in PLANLESS or (args.command == "verify" and args.all
@@ -243,6 +244,29 @@ def _run(argv: Sequence[str] | None) -> int:
     except OSError as exc:  # a write the commands did not expect to fail: a full disk, a read-only volume
         where = f": {exc.filename}" if exc.filename else ""
         return _fail(args, f"{exc.strerror or exc}{where}", EXIT_BUILD_FAILED)
+
+
+def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespace:
+    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so (argparse's words alone
+    said only 'unrecognized arguments')."""
+    try:
+        return parser.parse_args(own)
+    except UsageError as exc:
+        if "unrecognized arguments" in str(exc) and any(w in own for w in ("serve", "-m", "python", "python3")):
+            raise UsageError(f"{str(exc).splitlines()[0]}: put the server's command line after -- "
+                             "(jitwarm plan -- vllm serve MODEL ...)") from None
+        raise
+
+
+def _check_combinations(args: argparse.Namespace, server_argv: list[str] | None) -> None:
+    """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2 (issue #31)."""
+    if server_argv == []:
+        # `jitwarm prestart -- $SERVER` with SERVER unset: the likeliest mistake in a Pod spec.
+        raise UsageError("no server command line after -- (is the variable that holds it empty?)")
+    if getattr(args, "sha256", None) and not getattr(args, "bundle", None):
+        raise UsageError("--sha256 pins the bundle given with --bundle: give --bundle FILE too")
+    if getattr(args, "remote_prefix", None) is not None and not args.remote_prefix.strip():
+        raise UsageError("--remote-prefix is empty: give the key namespace (default jitwarm), or leave it out")
 
 
 #: The command line's own hint for the errors whose hint names the Python API, by type (the first match wins).

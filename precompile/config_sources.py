@@ -115,10 +115,18 @@ def _finite_int(text: str) -> int:
     raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
 
 
+#: The longest path and path component a Linux filesystem takes (PATH_MAX, NAME_MAX).
+MAX_PATH, MAX_NAME = 4096, 255
+
+
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one is refused (``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag)."""
+    """A path flag's value; an empty one is refused (``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag),
+    and so is one no filesystem takes (it failed later as a write error, exit 1: issue #31, N10)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    if len(text.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in text.split("/")):
+        raise argparse.ArgumentTypeError(f"a path longer than a filesystem takes ({len(text)} characters: "
+                                         f"{text[:40]}...)")
     return text
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -230,11 +231,14 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
-    if coverage["missing"] or coverage["corrupt"]:
-        raise UsageError(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
-                         f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
+    if coverage["missing"] or coverage["corrupt"]:  # not ready, as status says it (exit 5: issue #31)
+        raise NotReady(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
+                       f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
     digest = export_keys(cache, list(keys.values()), args.path)
-    print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
+    if args.json:
+        print(json.dumps({"plan_id": plan.plan_id, "entries": len(keys), "path": args.path, "sha256": digest}))
+    else:
+        print(f"jitwarm: exported {len(keys)} entries of plan {plan.plan_id} to {args.path} (sha256 {digest})")
     return EXIT_OK
 
 
@@ -272,6 +276,8 @@ def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
         split_url(path)
     elif not Path(path).is_file():
         raise UsageError(f"bundle {path} does not exist or is not a file")
+    elif Path(os.path.realpath(path)).parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        raise UsageError(f"bundle {path} is a kernel interface, not a file")  # /proc/self/mem read as a tar: exit 4
     try:
         return cache.import_bundle(path, sha256=sha256)
     except CacheError as exc:

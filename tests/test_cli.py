@@ -116,7 +116,7 @@ def test_prune_by_size(cache_copy):
     (["import", "/no/such/bundle.tar"], 2, "bundle /no/such/bundle.tar does not exist"),
     (["prune"], 2, "prune needs --max-bytes"),
     (["prune", "--max-bytes", "lots"], 2, "invalid size 'lots'"),
-    (["export", *TINY, "out.tar"], 2, "is not complete"),
+    (["export", *TINY, "out.tar"], 5, "is not complete"),
     (["warm", "--cuda-graph-max-bs", "-1"], 2, "--cuda-graph-max-bs-decode must be a positive integer"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
 ])
@@ -125,6 +125,32 @@ def test_user_errors_are_one_line_with_exit_code(tmp_path, argv, code, message):
     assert proc.returncode == code
     assert proc.stderr.startswith("jitwarm: error: ") and proc.stderr.count("\n") == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["prestart", "--tp", "2", "--"], "no server command line after --"),  # `-- $SERVER` with SERVER unset
+    (["capture", "--"], "no server command line after --"),
+    (["plan", "--tp", "2", "python", "-m", "sglang.launch_server"], "put the server's command line after --"),
+    (["prestart", "--sha256", "a" * 64, *TINY], "--sha256 pins the bundle given with --bundle"),
+    (["warm", "--remote-prefix", "", *TINY], "--remote-prefix is empty"),
+    (["import", "/proc/self/mem"], "is a kernel interface, not a file"),
+    (["import", "b" * 5000 + ".tar"], "a path longer than a filesystem takes"),
+    (["warm", "--cache-dir", "/tmp/" + "c" * 300, *TINY], "a path longer than a filesystem takes"),
+])
+def test_the_operators_rough_edges_are_one_line_and_exit_2(argv, message):
+    """Issue #31's N10 and newcomer's items: each used to be silent, a traceback, exit 1 or exit 4."""
+    proc = jitwarm(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("jitwarm: error: ") and proc.stderr.count("\n") == 1
+    assert message in proc.stderr, proc.stderr
+
+
+def test_export_json_prints_one_json_object(tmp_path, prestarted):
+    root, _ = prestarted
+    proc = jitwarm("export", *SMALL, "--cache-dir", str(root), "--json", str(tmp_path / "b.tar"))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["entries"] == 7 and len(out["sha256"]) == 64 and out["path"] == str(tmp_path / "b.tar")
 
 
 def test_bad_environment_value_is_a_usage_error(tmp_path):
