@@ -247,8 +247,10 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespace:
-    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so (argparse's words alone
-    said only 'unrecognized arguments')."""
+    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so.
+
+    argparse's words alone said only 'unrecognized arguments'.
+    """
     try:
         return parser.parse_args(own)
     except UsageError as exc:

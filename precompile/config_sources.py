@@ -120,8 +120,11 @@ MAX_PATH, MAX_NAME = 4096, 255
 
 
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one is refused (``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag),
-    and so is one no filesystem takes (it failed later as a write error, exit 1: issue #31, N10)."""
+    """A path flag's value; an empty one is refused, and one no filesystem takes.
+
+    ``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag; a path too long failed later as a write error,
+    exit 1 (issue #31, N10).
+    """
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     if len(text.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in text.split("/")):
