@@ -124,24 +124,45 @@ def remote_prefix() -> str:
     return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
 
 
+#: The largest fleet key file read (a key is a few dozen bytes; /dev/zero is not one).
+MAX_KEY_BYTES = 4096
+
+
 def trust_key() -> bytes | None:
     """``JITWARM_TRUST_KEY`` (the key itself) or ``JITWARM_TRUST_KEY_FILE``: the fleet key entries are signed with.
 
-    At least 16 bytes (a file's trailing newline is not part of it); both set, or a file that cannot be read,
-    is a SettingError. None: no key (entries are neither signed nor checked).
+    At least 16 bytes (a file's trailing newline is not part of it). The file is held as ssh holds a private key
+    (issue #31, N3, N4): a regular file (a link the operator gave is followed: a Kubernetes Secret is one), read
+    bounded and without blocking, owned by this user or root, readable and writable by no one else. Both
+    variables set, or a file that is none of that, is a SettingError. None: no key (entries are neither signed
+    nor checked).
     """
     text, path = _text("JITWARM_TRUST_KEY"), _text("JITWARM_TRUST_KEY_FILE")
     if text and path:
         raise SettingError("JITWARM_TRUST_KEY and JITWARM_TRUST_KEY_FILE are both set: set one")
     key = text.encode() if text else None
     if path:
-        try:
-            key = Path(path).read_bytes().rstrip(b"\r\n")
-        except OSError as exc:
-            raise SettingError(f"JITWARM_TRUST_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
+        key = _key_file(path)
     if key is not None and len(key) < 16:
         raise SettingError(f"JITWARM_TRUST_KEY{'_FILE' if path else ''}: the key is shorter than 16 bytes")
     return key
+
+
+def _key_file(path: str) -> bytes:
+    """The key in the file ``path``, checked as :func:`trust_key` says; SettingError naming what is wrong."""
+    from jitwarm.cache.files import read_file_stat
+
+    try:
+        data, st = read_file_stat(os.path.realpath(path), MAX_KEY_BYTES)
+    except OSError as exc:  # a FIFO or a device (EINVAL: not a regular file), a file too large, none
+        raise SettingError(f"JITWARM_TRUST_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
+    if st.st_uid not in (os.getuid(), 0):
+        raise SettingError(f"JITWARM_TRUST_KEY_FILE: {path} is owned by uid {st.st_uid}: the fleet key must be "
+                           "this user's or root's")
+    if st.st_mode & 0o077:
+        raise SettingError(f"JITWARM_TRUST_KEY_FILE: {path} is readable or writable by others (mode "
+                           f"{st.st_mode & 0o777:04o}): chmod 600 it (a Kubernetes Secret: defaultMode: 0400)")
+    return data.rstrip(b"\r\n")
 
 
 def jobs() -> int:

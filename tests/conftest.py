@@ -203,6 +203,27 @@ def vllm_cpu(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def other_user() -> int:
+    """The uid of another real user of this machine (``useradd``, kept for later runs): what a hostile neighbour
+    owns. Skips where this process cannot make one (not root, no useradd)."""
+    import pwd
+
+    name = "jitwarm-other"
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pass
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("making another user needs root and useradd")
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], capture_output=True,
+                   check=False)  # the other xdist worker may have made it meanwhile: looked up below either way
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pytest.skip("useradd could not make another user")
+
+
+@pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """URL of the Redis the remote-tier tests share: $JITWARM_TEST_REDIS_URL, else a redis-server of our own."""
     if TEST_REDIS_URL:
