@@ -37,7 +37,7 @@ def test_a_private_regular_file_and_a_link_to_one_are_the_key(tmp_path, monkeypa
     assert read_key(monkeypatch, path) == KEY
     secret = tmp_path / "..data"  # a Secret volume: the name is a link into a timestamped directory
     secret.mkdir()
-    os.replace(path, secret / "fleet.key")
+    path.replace(secret / "fleet.key")
     (tmp_path / "fleet.key").symlink_to(secret / "fleet.key")
     assert read_key(monkeypatch, tmp_path / "fleet.key") == KEY
 
