@@ -80,31 +80,41 @@ class Artifact:
         with cache.claim(entry, timeout_s=timeout_s) as claimed:
             return None if claimed is None else reader(claimed)
 
-    def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0) -> LoadedKernel:
+    def load(self, cache: KernelCache, entry: Entry | None = None, timeout_s: float = 600.0, *,
+             build: bool = True) -> LoadedKernel:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed), under its claim.
 
         Unclaimed, a ``prune`` beside a starting hook failed that load in 20 of 20 trials. An entry that vanished
         before its claim is got again; one that fails to load is discarded and the spec built again, once.
+        ``build=False`` (``JITWARM_STRICT=1``) builds nothing: an entry that fails to load is discarded and
+        named, one that is gone is named (issue #31, N8: strict used to rebuild inside the hook).
 
         Raises
         ------
         KernelLoadError
-            The rebuilt entry fails to load too, or the entry kept vanishing before it could be claimed.
+            The rebuilt entry fails to load too (without ``build``: the entry fails to load, or is not there),
+            or the entry kept vanishing before it could be claimed.
 
         """
         be = backend(self.spec.backend)
         rebuilt = False
         for _ in range(_MAX_VANISHED):
             if entry is None:
-                entry = self.get_or_build(cache, timeout_s).entry
+                entry = self.get_or_build(cache, timeout_s).entry if build else cache.lookup(self.key)
+                if entry is None:
+                    raise KernelLoadError(self.spec, "its entry is not in the cache, and strict mode builds nothing")
             try:
                 kernel = self.read(cache, entry, lambda claimed: be.load(self.spec, claimed), timeout_s)
             except LoadError as exc:
                 if rebuilt:
-                    raise KernelLoadError(self.spec, str(exc)) from exc
+                    raise KernelLoadError(self.spec, f"its entry was quarantined and rebuilt once, and the rebuild "
+                                                     f"does not load either: {exc}") from exc
+                cache.discard(entry, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
+                if not build:
+                    raise KernelLoadError(self.spec, f"its entry does not load ({exc}): quarantined; strict mode "
+                                                     "builds nothing") from exc
                 log.warning("jitwarm: %s: its cache entry does not load (%s): quarantined, rebuilding it",
                             self.spec.id, exc)
-                cache.discard(entry, f"{type(exc).__name__}: {exc}", timeout_s=timeout_s)
                 kernel, rebuilt = None, True
             if kernel is not None:
                 if rebuilt:

@@ -67,11 +67,13 @@ class Dispatcher:
                 self._counts["builds"] += 1
         return result.entry
 
-    def ensure_loaded(self, spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None) -> Any:
+    def ensure_loaded(self, spec: KernelSpec, cache: Any = None, shape: Any = None, entry: Any = None, *,
+                      build: bool = True) -> Any:
         """Return the loaded kernel of ``spec``, loading it (and building it if needed) on first use.
 
         ``shape`` is what asked for the spec (a ``VerifyLayout`` from ``ops``), for the miss hooks' message;
-        ``entry`` is its verified cache entry when the caller holds it already (the capture hook).
+        ``entry`` is its verified cache entry when the caller holds it already (the capture hook); ``build=False``
+        (strict) never builds (``Artifact.load``).
 
         Raises
         ------
@@ -95,9 +97,9 @@ class Dispatcher:
             for hook in list(self._miss_hooks):
                 hook(spec, shape)
             cache = self._cache_or(cache)
-            if entry is None:
+            if entry is None and build:
                 entry = self.ensure_built(spec, cache)
-            kernel = self._loaded[spec] = artifact(spec, cache).load(cache, entry)
+            kernel = self._loaded[spec] = artifact(spec, cache).load(cache, entry, build=build)
             self._counts["loads"] += 1
             return kernel
 

@@ -39,14 +39,14 @@ class WarmTimeout(KernelsNotReady):
 
 
 class KernelLoadFailed(KernelsNotReady):
-    """A spec's cache entry does not load, and neither did its rebuild; ``spec`` names it (exit 1)."""
+    """A spec's cache entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
 
     exit_code = EXIT_BUILD_FAILED
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
         self.load_reason = reason
-        super().__init__(f"{spec.id} cannot be loaded (its entry was quarantined and rebuilt once): {reason}")
+        super().__init__(f"{spec.id} cannot be loaded: {reason}")
 
 
 class TorchDevice:
@@ -245,7 +245,9 @@ class CaptureHook:
         from jitwarm.kernels import dispatch
 
         try:
-            return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec)) for spec in specs]
+            build = self.policy != "strict"  # strict builds nothing, not even an entry that fails to load
+            return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec), build=build)
+                    for spec in specs]
         except KernelLoadError as exc:
             raise KernelLoadFailed(exc.spec, str(exc)) from exc
 

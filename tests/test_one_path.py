@@ -179,6 +179,32 @@ def test_the_hook_names_a_spec_that_never_loads(tmp_path, monkeypatch, prestarte
     assert isinstance(info.value.__cause__, KernelLoadError)
 
 
+@pytest.mark.parametrize("how", ["policy", "JITWARM_STRICT=1"])
+def test_strict_builds_nothing_an_entry_that_fails_to_load_is_an_error_naming_it(tmp_path, monkeypatch, prestarted,
+                                                                                 how):
+    """Issue #31, N8: under strict a present entry that fails to load was quarantined and rebuilt inside the hook."""
+    plan = plan_of(SMALL)
+    root = tmp_path / "cache"
+    shutil.copytree(prestarted[0], root)
+    cache = KernelCache(root=root)
+    builds = cache.stats().builds
+
+    def refuse(spec, entry):
+        raise LoadError(f"{spec.id}: pretend dlopen said no")
+
+    monkeypatch.setattr(tvm_backend, "load", refuse)
+    if how != "policy":
+        monkeypatch.setenv("JITWARM_STRICT", "1")
+    dispatch.reset()
+    hook = CaptureHook(plan, cache=cache, device="cpu", policy="strict" if how == "policy" else "build")
+    with pytest.raises(KernelLoadFailed) as info:
+        hook()
+    assert info.value.spec in plan.specs and "strict mode builds nothing" in str(info.value)
+    assert "pretend dlopen said no" in str(info.value) and "quarantined" in str(info.value)
+    assert cache.stats().builds == builds  # nothing built
+    assert list((root / "v1" / "quarantine").iterdir())  # the entry that does not load is set aside, not loaded
+
+
 def test_failures_travel_as_kinds_not_strings():
     from jitwarm.cache import BuildError, LockTimeout
 
