@@ -10,8 +10,9 @@ Starts, alternating their order each round, each on a node of its own and ready 
 - ``eager floor``: ``-O0``: nothing compiled at all (CompilationMode.NONE), the floor a restored start can reach.
 
 Phases, from the server's own log lines (whole seconds): imports (start to vLLM's first line), config and model
-inspection (to the engine process's first line), engine and worker spawn (to "Warming up model"), compile (to
-"Warming up done"), capture (none on the CPU platform) and API (to ``/health`` 200).
+inspection (to the API server's last line before the engine process's first), engine and worker spawn (to the
+worker's "Starting to load model"), compile (its warm-up, "Warming up model" to "Warming up done"; none with
+``-O0``), capture (none on the CPU platform), and the rest: weights, KV cache, API server, to ``/health`` 200.
 
 Restore: ``jitwarm prestart`` of a 1 GiB tree of Inductor units (64 modules of 16 MiB) from the cache into a fresh
 node, against ``cp -r`` plus ``sha256sum`` of the same tree (what a hand-made copy that checks its bytes costs).
@@ -39,8 +40,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 import vllm_cpu  # noqa: E402  (the tests' server set: one install, one way to start and stop a server)
 
 VARIANTS = ("cold", "vllm warm root", "jitwarm restored", "eager floor")
-PHASES = ("imports", "config + model inspection", "engine + worker spawn", "compile", "capture", "API")
+PHASES = ("imports", "config + model inspection", "engine + worker spawn", "compile", "capture",
+          "load + KV cache + API")
 _STAMP = re.compile(r"^\((\w+) pid=\d+\) \w+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
+#: The server's own lines that mark a phase (vllm-cpu 0.32.0: cpu_model_runner.py:68, :87, :91).
+_MARKS = {"loading": "Starting to load model", "warmup": "Warming up model for the compilation",
+          "warmed": "Warming up done"}
 
 
 def phases(log: str, started: float, ready: float) -> dict[str, float]:
@@ -52,20 +57,22 @@ def phases(log: str, started: float, ready: float) -> dict[str, float]:
         if not m:
             continue
         at = dt.datetime.strptime(f"{year}-{m.group(2)}", "%Y-%m-%d %H:%M:%S").timestamp()
-        who = m.group(1)
         marks.setdefault("first", at)
-        if who == "EngineCore":
-            marks.setdefault("engine", at)
-        if "Warming up model for the compilation" in line:
-            marks.setdefault("warmup", at)
-        if "Warming up done" in line:
-            marks.setdefault("warmed", at)
+        if m.group(1) == "EngineCore":
+            marks.setdefault("engine", marks.get("api", at))  # the API server's last line before the engine's
+        elif "engine" not in marks:
+            marks["api"] = at
+        for mark, words in _MARKS.items():
+            if words in line:
+                marks.setdefault(mark, at)
     first = marks.get("first", started)
     engine = marks.get("engine", first)
-    warmup = marks.get("warmup", engine)
-    warmed = marks.get("warmed", warmup)
-    cut = [started, first, engine, warmup, warmed, warmed, ready]
-    return {name: max(0.0, cut[i + 1] - cut[i]) for i, name in enumerate(PHASES)}
+    loading = marks.get("loading", engine)
+    compile_s = marks["warmed"] - marks["warmup"] if {"warmup", "warmed"} <= marks.keys() else 0.0
+    split = {"imports": first - started, "config + model inspection": engine - first,
+             "engine + worker spawn": loading - engine, "compile": compile_s, "capture": 0.0}
+    split["load + KV cache + API"] = ready - loading - compile_s
+    return {name: max(0.0, value) for name, value in split.items()}
 
 
 def start(server: vllm_cpu.VllmCpu, node: Path, extra: dict[str, str], argv_extra: tuple[str, ...] = ()
