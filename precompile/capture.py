@@ -17,6 +17,7 @@ whole or not at all (the cache's one publish path), so a failed capture leaves n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -90,8 +91,17 @@ class ServerProcess:
             return []
 
     def group_alive(self) -> bool:
-        """Whether any process of its group is left (its workers outlive a killed main process)."""
-        self.proc.poll()  # reap the main process, or it counts as alive
+        """Whether any process of its group is left (its workers outlive a killed main process).
+
+        Reaps what of the group are this process's children: the main process, and, where this process is a
+        subreaper (PID 1 of a container), workers orphaned to it, which would stay zombies in the group forever.
+        """
+        self.proc.poll()
+        try:
+            while os.waitpid(-self.pid, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
         try:
             os.killpg(self.pid, 0)
         except ProcessLookupError:
@@ -100,21 +110,28 @@ class ServerProcess:
             return True
         return True
 
-    def stop(self, grace_s: float = STOP_GRACE_S, term_grace_s: float = TERM_GRACE_S) -> int | None:
+    def stop(self, grace_s: float | None = None, term_grace_s: float | None = None) -> int | None:
         """SIGINT the whole group (a server's Ctrl-C: its workers exit cleanly), then SIGTERM, then SIGKILL.
 
-        Returns the main process's exit status (None if it could not be reaped).
+        The graces default to :data:`STOP_GRACE_S` and :data:`TERM_GRACE_S`, read now. A Ctrl-C while it waits
+        kills the group at once and is raised again: the group lives in its own session, where no terminal's
+        Ctrl-C reaches it. Returns the main process's exit status (None if it could not be reaped).
         """
-        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, term_grace_s), (signal.SIGKILL, 5.0)):
-            if not self.group_alive():
-                break
-            try:
+        graces = (STOP_GRACE_S if grace_s is None else grace_s, TERM_GRACE_S if term_grace_s is None else term_grace_s)
+        try:
+            for sig, wait_s in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), (*graces, 5.0), strict=True):
+                if not self.group_alive():
+                    break
                 os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while self.group_alive() and time.monotonic() < deadline:
-                time.sleep(0.1)
+                deadline = time.monotonic() + wait_s
+                while self.group_alive() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        except ProcessLookupError:
+            pass
+        except KeyboardInterrupt:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            raise
         try:
             return self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -141,10 +158,14 @@ def health_url(room: Any, argv: Sequence[str]) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}{room.HEALTH}"
 
 
+#: The server's own URL is asked directly: an ``http_proxy`` the environment names would never reach loopback.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def answers(url: str) -> bool:
     """Whether ``url`` answers 200 now."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - the server's own loopback URL
+        with _DIRECT.open(url, timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -164,8 +185,13 @@ def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path,
     return env
 
 
-def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any) -> float:
-    """Wait until ``url`` answers and the plugin wrote ``ledger``; return the seconds the start took.
+def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any,
+               stale: tuple[int, int] | None = None) -> float:
+    """Wait until ``url`` answers and the plugin wrote ``ledger``; return the seconds to ``url``'s first answer.
+
+    ``stale`` is the ``(inode, mtime)`` a file there had before the start: that file is not this start's report
+    (the plugin replaces it whole, a new inode). The ledger may lag the answer by :data:`LEDGER_GRACE_S`, within
+    ``timeout_s``.
 
     Raises
     ------
@@ -175,16 +201,15 @@ def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, 
     """
     deadline = server.started + timeout_s
     while not answers(url):
-        code = server.exited()
-        if code is not None:
-            raise ServerFailed(f"the server exited with status {code} before it was ready")
+        _check_running(server, "before it was ready")
         if time.monotonic() > deadline:
             raise ServerFailed(f"the server was not ready within {timeout_s:g} s ({url} did not answer)")
         time.sleep(_POLL_S)
     ready = time.monotonic() - server.started
-    grace = time.monotonic() + LEDGER_GRACE_S
-    while not ledger.is_file():
-        if time.monotonic() > grace or server.exited() is not None:
+    grace = min(time.monotonic() + LEDGER_GRACE_S, max(deadline, time.monotonic() + _POLL_S))
+    while _identity(ledger) in (None, stale):
+        _check_running(server, "after it answered, before jitwarm's plugin reported")
+        if time.monotonic() > grace:
             raise ServerFailed(f"the server is ready but jitwarm's plugin never reported at its ready point (no "
                                f"ledger at {ledger}): is jitwarm installed where the server runs, and does "
                                f"{room.PLUGINS_ENV}, if set, name it?")
@@ -192,9 +217,28 @@ def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, 
     return ready
 
 
+def _check_running(server: ServerProcess, when: str) -> None:
+    code = server.exited()
+    if code is not None:
+        raise ServerFailed(f"the server exited with status {code} {when}")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """A file's ``(inode, mtime_ns)``, None when there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 @dataclass
 class Captured:
-    """What one capture stored: ``units`` per library, their ``keys``, the start's seconds, the plugin's warnings."""
+    """What one capture stored.
+
+    This start's ``units`` per library, the ``keys`` of every unit the manifest names, the seconds to ready, the
+    plugin's warnings and the start's own ledger.
+    """
 
     manifest: Path
     units: Counter[str]
@@ -215,21 +259,24 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
                          f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
+    words_env, words = split_env(argv)
     with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
-        ledger = Path(scratch) / "ledger.json"
-        env = server_env(room, os.environ, manifest, ledger, cache_dir)
+        # The line's own NAME=value words are the server's environment: capture's settings go on top of them
+        # (`VLLM_PLUGINS=other vllm serve` started without jitwarm's plugin).
+        env = server_env(room, {**os.environ, **words_env}, manifest, Path(scratch) / "ledger.json", cache_dir)
         ledger = Path(env["JITWARM_LEDGER"])
+        stale, before = _identity(ledger), _recorded(manifest)
         _say_before(room, env, log)
         server_log = Path(scratch) / "server.log"
         url = health_url(room, argv)
         try:
-            server = ServerProcess.start(argv, env, server_log)
+            server = ServerProcess.start(words, env, server_log)
         except OSError as exc:
-            raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {split_env(argv)[1][0]}") from None
+            raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {words[0]}") from None
         print(f"jitwarm: capture: {room.NAME} started (pid {server.pid}), recording into {manifest}; waiting for "
               f"{url} and the plugin's ledger", file=log)
         try:
-            ready_s = wait_ready(server, url, ledger, timeout_s, room)
+            ready_s = wait_ready(server, url, ledger, timeout_s, room, stale)
         except (ServerFailed, KeyboardInterrupt) as exc:
             server.stop()
             if isinstance(exc, ServerFailed):
@@ -241,7 +288,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
         warnings = sorted({line[line.index("jitwarm:"):] for line in _lines(server_log)
                            if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
         report = _read_json(ledger)
-    return _check_stored(manifest, cache, ready_s, warnings, report)
+    return _check_stored(manifest, cache, before, ready_s, warnings, report)
 
 
 def _say_before(room: Any, env: Mapping[str, str], log: IO[str]) -> None:
@@ -268,23 +315,33 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _check_stored(manifest: Path, cache: Any, ready_s: float, warnings: list[str],
+def _recorded(manifest: Path) -> set[str]:
+    """The ids of the records ``manifest`` holds (none when it is not there yet)."""
+    from jitwarm.precompile.manifest import read_manifest, record_id
+
+    return {record_id(r) for r in read_manifest(manifest)} if manifest.exists() else set()
+
+
+def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, warnings: list[str],
                   ledger: dict[str, Any] | None) -> Captured:
-    """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not."""
+    """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not.
+
+    ``units`` counts this start's (records not among ``before``); ``keys`` are all the manifest names, as the
+    bundle of ``prestart --manifest`` holds them.
+    """
     from jitwarm.precompile.commands import keys_of
     from jitwarm.precompile.coverage import plan_coverage
+    from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
     from jitwarm.precompile.plan import WarmPlan
 
-    if not manifest.is_file():
-        plan = WarmPlan.empty()
-    else:
-        plan = WarmPlan.empty().with_manifests([manifest])
+    plan = WarmPlan.empty().with_manifests([manifest]) if manifest.is_file() else WarmPlan.empty()
     keys = keys_of(plan, cache)
     coverage = plan_coverage(plan, cache, keys=keys)
     if coverage["missing"] or coverage["corrupt"]:
         raise ServerFailed(f"{len(coverage['missing'])} recorded units are not in {cache.root} and "
                            f"{len(coverage['corrupt'])} do not verify: {', '.join(coverage['missing'][:3])}")
-    units = Counter(spec.backend.removesuffix("_cache") for spec in plan.recorded)
+    new = [spec_of(r) for r in (read_manifest(manifest) if manifest.is_file() else []) if record_id(r) not in before]
+    units = Counter(spec.backend.removesuffix("_cache") for spec in new)
     return Captured(manifest, units, sorted(keys.values()), ready_s, warnings, ledger)
 
 
@@ -316,7 +373,8 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
     else:
         what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
         print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "
-              f"{done.ready_s:.1f}s; stored and verified in {cache.root}, named in {manifest}")
+              f"{done.ready_s:.1f}s; the {len(done.keys)} units {manifest} names are stored and verified in "
+              f"{cache.root}")
         if args.export and digest:
             print(f"jitwarm: exported {len(done.keys)} entries to {args.export} (sha256 {digest})")
     return EXIT_OK

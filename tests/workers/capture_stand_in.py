@@ -1,0 +1,120 @@
+"""A stand-in server for ``jitwarm capture`` (tests/test_capture.py): what capture sees of a start, nothing more.
+
+Run as ``vllm serve MODEL --port P`` (a ``vllm`` script on PATH that execs this file) or as
+``python -m sglang.launch_server --port P`` (a ``sglang`` package on PYTHONPATH whose ``launch_server`` runs
+:func:`main`). It does what jitwarm's plugin does in a real server, in the same order: with ``JITWARM_RECORD``
+set it starts the recorder and the ledger's snapshot, "compiles" by writing one complete Inductor unit
+(``STAND_IN_UNIT`` under ``TORCHINDUCTOR_CACHE_DIR``), stores it (the recorder's ``capture()``) and writes the
+ledger (``JITWARM_LEDGER``); then ``/health`` answers 200 on 127.0.0.1 at the line's ``--port`` until SIGINT or
+SIGTERM. A forked "worker" sleeps in the same process group, as a server's scheduler or engine core does.
+
+``STAND_IN_DIR`` (required) receives what the test reads back: ``pids.json`` (the server's and its worker's),
+``env.json`` (the plugin variables it was started with), ``signals`` (one line per signal received, in order),
+``serving`` (written once /health answers). ``STAND_IN_MODE`` picks the behaviour:
+
+- ``ok``: as above.
+- ``die``: prints :data:`DYING` and exits 3 before doing anything else.
+- ``never_ready``: records and stores, but never serves /health.
+- ``no_ledger``: serves /health but never writes the ledger (jitwarm's plugin did not load).
+- ``ignore_sigint``: as ``ok``, but SIGINT stops neither it (it only notes the signal) nor its worker
+  (ignored); SIGTERM does.
+- ``orphan_worker``: as ``ok``, but on a signal it exits at once, and its worker half a second later: an
+  orphan, as a server's engine process outlives its API process.
+
+``STAND_IN_DELAY`` (seconds, default 0) delays /health, as a model load would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+#: The last line the ``die`` mode prints: capture must show it among the server's last log lines.
+DYING = "stand-in: out of memory loading the model, exiting 3"
+#: The unit written by default: one FX graph entry, a complete Inductor unit (tests/jit_cache_trees.py).
+DEFAULT_UNIT = "fxgraph/ab/fabc123/entry"
+#: The worker: asleep until a signal of its group ends it (SIGINT's KeyboardInterrupt, or SIGTERM), then it
+#: takes ``argv[1]`` seconds to exit.
+WORKER = "import sys, time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    time.sleep(float(sys.argv[1]))\n"
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # http.server's name for it
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:  # http.server's signature
+        """Quiet: capture polls twice a second, and the log's last lines are for the server's own words."""
+
+
+def port_of(argv: list[str]) -> int:
+    """The ``--port`` of the command line (``--port P`` or ``--port=P``)."""
+    for i, word in enumerate(argv):
+        if word == "--port" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if word.startswith("--port="):
+            return int(word.split("=", 1)[1])
+    raise SystemExit("stand-in: no --port on the command line")
+
+
+def main() -> None:
+    """Run the stand-in server as ``STAND_IN_MODE`` says (see the module docstring)."""
+    mode, out = os.environ.get("STAND_IN_MODE", "ok"), Path(os.environ["STAND_IN_DIR"])
+    if mode == "die":
+        print(DYING, flush=True)
+        sys.exit(3)
+    if mode == "ignore_sigint":
+        # Before the worker starts: an ignored signal stays ignored across fork and exec (Python keeps it).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, "0.5" if mode == "orphan_worker" else "0"])
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        with open(out / "signals", "a") as f:
+            f.write(f"{signal.Signals(signum).name}\n")
+        if not (mode == "ignore_sigint" and signum == signal.SIGINT):
+            stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    (out / "pids.json").write_text(json.dumps({"server": os.getpid(), "worker": worker.pid}))
+    (out / "env.json").write_text(json.dumps({name: os.environ.get(name) for name in
+                                              ("VLLM_PLUGINS", "SGLANG_PLUGINS", "JITWARM_RECORD", "JITWARM_LEDGER",
+                                               "JITWARM_CACHE_DIR")}))
+    print(f"stand-in: {mode} server starting, pid {os.getpid()}", flush=True)
+    if os.environ.get("JITWARM_RECORD"):
+        from jitwarm.precompile import ledger
+        from jitwarm.precompile.recording import record
+
+        recorder = record(os.environ["JITWARM_RECORD"])
+        ledger.begin()
+        unit = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / os.environ.get("STAND_IN_UNIT", DEFAULT_UNIT)
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_bytes(b"a pickled FX graph, as Inductor writes it")
+        print(f"stand-in: stored {recorder.capture()} unit(s)", flush=True)
+        if mode != "no_ledger":
+            ledger.report_after_capture()
+    time.sleep(float(os.environ.get("STAND_IN_DELAY", "0")))
+    if mode != "never_ready":
+        server = ThreadingHTTPServer(("127.0.0.1", port_of(sys.argv)), _Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        (out / "serving").write_text("")
+        print("stand-in: serving /health", flush=True)
+    while not stopping.wait(0.1):  # a short wait: the signal handler runs between two
+        pass
+    print("stand-in: stopping", flush=True)
+    if mode != "orphan_worker":
+        worker.terminate()
+        worker.wait()
+
+
+if __name__ == "__main__":
+    main()
