@@ -16,6 +16,10 @@ bytes are the library's own compile and are kept (the unit is not restored, the 
 Every byte copied is hashed against the entry's manifest on the way. Once placed, the library's
 :attr:`~.units.Library.settle` gives the files what its build tool reads beside their bytes (FlashInfer's ninja
 rebuilds an output newer than the time it logged for it).
+
+Temporaries are named ``.jitwarm-<name>~<host>~<pid>~<random>[.tmp]``: a restore killed part-way (SIGKILL) leaves
+them, up to a unit's size, and the next restore into that directory removes those of its host whose process is
+gone (issue #31, N9). Another host's, on a shared filesystem, are never touched.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from jitwarm.cache.errors import JitwarmError
 from jitwarm.cache.files import fsync_dir
+from jitwarm.cache.locks import pid_alive, this_host
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.jit_caches.units import Files, Library
 
@@ -89,7 +94,8 @@ def _rename_dir(library: Library, unit: str, files: Files, source: Path, root: P
                 ) -> Placed | None:
     """Stage the whole directory beside ``unit_dir`` and rename it there; None when the library made it meanwhile."""
     unit_dir.parent.mkdir(parents=True, exist_ok=True)
-    stage = unit_dir.parent / f".jitwarm-{unit_dir.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    sweep(unit_dir.parent)
+    stage = unit_dir.parent / _temporary(unit_dir.name)
     stage.mkdir()
     try:
         for rel in library.commit_last(files):
@@ -129,7 +135,8 @@ def _link_files(library: Library, files: Files, source: Path, root: Path, unit_d
 def _link_new(library: Library, rel: str, digest: str, source: Path, root: Path, dest: Path) -> bool:
     """Write ``rel`` beside ``dest`` and hard-link it there; False when a file appeared there meanwhile."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".jitwarm-{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    sweep(dest.parent)
+    tmp = dest.parent / (_temporary(dest.name) + ".tmp")
     try:
         _write(library, rel, digest, source, root, tmp)
         os.link(tmp, dest)  # never replaces: a file the library wrote meanwhile stays
@@ -139,6 +146,45 @@ def _link_new(library: Library, rel: str, digest: str, source: Path, root: Path,
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+_PREFIX = ".jitwarm-"
+
+
+def _temporary(name: str) -> str:
+    """A temporary's name beside ``name``: this host's and this process's (see the module docstring)."""
+    return f"{_PREFIX}{name}~{this_host()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"  # a host name may hold dots
+
+
+def sweep(folder: Path) -> list[str]:
+    """Remove the temporaries in ``folder`` that a restore on this host left when it was killed; return their names.
+
+    Each folder is looked at once per process. Never raises: what cannot be removed stays for the next sweep.
+    """
+    if folder in _swept:
+        return []
+    _swept.add(folder)
+    host, removed = this_host(), []
+    try:
+        with os.scandir(folder) as it:
+            names = [e.name for e in it if e.name.startswith(_PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        parts = name.removesuffix(".tmp").rsplit("~", 3)
+        if len(parts) != 4 or parts[1] != host or not parts[2].isdigit() or pid_alive(int(parts[2])):
+            continue
+        path = folder / name
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(name)
+    return removed
+
+
+_swept: set[Path] = set()
 
 
 def _write(library: Library, rel: str, digest: str, source: Path, root: Path, dest: Path) -> None:
