@@ -165,6 +165,14 @@ def _key_file(path: str) -> bytes:
     return data.rstrip(b"\r\n")
 
 
+def is_strict() -> bool:
+    """``JITWARM_STRICT``, read now; a value that does not parse counts as strict (the user asked for something)."""
+    try:
+        return strict()
+    except SettingError:
+        return True
+
+
 def jobs() -> int:
     """``JITWARM_JOBS``: parallel builds of a warm (1 to 1024); default the number of CPUs."""
     return number("JITWARM_JOBS", int, os.cpu_count() or 1, minimum=1, maximum=MAX_JOBS)

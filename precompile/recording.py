@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache import settings
+from jitwarm.cache.errors import UntrustedPath
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 log = logging.getLogger("jitwarm.record")
@@ -108,6 +110,8 @@ class Recorder:
                     except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
                         log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
                                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                        if isinstance(exc, UntrustedPath) and settings.is_strict():
+                            raise  # a file another user planted, under JITWARM_STRICT=1: the start stops
                         failed.add((name, unit))
                         continue
                     records.append(unit_record(spec))
@@ -183,7 +187,6 @@ class Recorder:
 
 def _families() -> list[str]:
     """The cache families ``JITWARM_RECORD_CACHES`` asks for (all by default); an unknown name is said, skipped."""
-    from jitwarm.cache import settings
     from jitwarm.cache.settings import SettingError
     from jitwarm.kernels.libraries.jit_caches import MODULES
 

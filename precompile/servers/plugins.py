@@ -24,12 +24,7 @@ TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 CONFIG_ENV, MANIFEST_ENV = (settings.ENV_VARS[name] for name in ("config", "manifest"))
 
 
-def strict() -> bool:
-    """JITWARM_STRICT, read now (a value that does not parse counts as strict: the user asked for something)."""
-    try:
-        return settings.strict()
-    except settings.SettingError:
-        return True
+strict = settings.is_strict
 
 
 def failed(log: logging.Logger, what: str, exc: Exception, fatal_later: bool = False) -> Exception:

@@ -112,16 +112,22 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
     (``Artifact.get_or_build(capture=...)``), where :func:`check` hashes them again: a unit that changed
     meanwhile is refused, never half-stored. Many processes storing the same unit publish it once.
 
+    Only the server's own files are taken (:func:`check_source`): a unit another user could have planted or
+    changed is refused whole.
+
     Raises
     ------
     OSError
         A file of the unit vanished before it was hashed.
+    jitwarm.cache.UntrustedPath
+        A file or folder of the unit is another user's, writable by others, or a file has other hard links.
     jitwarm.cache.BuildError, jitwarm.cache.CacheError
         As ``Artifact.get_or_build`` raises them (the check refused the copy, a full disk).
 
     """
     from jitwarm.kernels.artifacts import artifact
 
+    check_source(root, files)
     rules = library.part(unit)  # vLLM's tree holds Inductor's and Triton's units: theirs are keyed by their rules
     digests = rules.digests(root, files)
     arch = (rules.arch_of(root, files) if rules.arch_of is not None else None) or fp.value("arch", target)
@@ -143,6 +149,44 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
 
     artifact(spec, cache).get_or_build(cache, capture=capture)
     return spec
+
+
+def check_source(root: Path, files: tuple[str, ...]) -> None:
+    """UntrustedPath unless every file of a unit, and every folder from ``root`` down to it, is the server's own.
+
+    Owned by this user or root and not writable by others (a folder may be with its sticky bit, as /tmp is), and a
+    file with no other hard link (through another name its bytes change after the check). Unless
+    ``JITWARM_ALLOW_SHARED=1``. A unit another user planted in the library's cache was stored, signed, bundled and
+    restored on every node (issue #31, N7).
+    """
+    import os
+    import stat
+
+    from jitwarm.cache import settings
+    from jitwarm.cache.errors import UntrustedPath
+
+    if settings.allow_shared():
+        return
+    me = os.geteuid()
+    folders = {Path(rel).parent for rel in files}
+    seen: set[Path] = set()
+    for folder in folders:
+        for part in (folder, *folder.parents):
+            if part in seen:
+                continue
+            seen.add(part)
+            st = (root / part).lstat()
+            if st.st_uid not in (me, 0) or (st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX):
+                raise UntrustedPath(f"{root / part} is uid {st.st_uid}'s or writable by others "
+                                    f"(mode {stat.S_IMODE(st.st_mode):04o}): its units are not the server's own")
+    for rel in files:
+        st = (root / rel).lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (me, 0) or st.st_mode & stat.S_IWOTH:
+            raise UntrustedPath(f"{root / rel} is uid {st.st_uid}'s, writable by others or not a regular file "
+                                f"(mode {stat.S_IMODE(st.st_mode):04o}): not the server's own")
+        if st.st_nlink > 1:
+            raise UntrustedPath(f"{root / rel} has {st.st_nlink - 1} other hard link(s): its bytes can change "
+                                "through another name")
 
 
 @dataclass
