@@ -154,39 +154,29 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
 def check_source(root: Path, files: tuple[str, ...]) -> None:
     """UntrustedPath unless every file of a unit, and every folder from ``root`` down to it, is the server's own.
 
-    Owned by this user or root and not writable by others (a folder may be with its sticky bit, as /tmp is), and a
-    file with no other hard link (through another name its bytes change after the check). Unless
-    ``JITWARM_ALLOW_SHARED=1``. A unit another user planted in the library's cache was stored, signed, bundled and
-    restored on every node (issue #31, N7).
+    Owned by this user or root and not writable by others (a folder may be with its sticky bit, as /tmp is:
+    ``cache.files.untrusted_reason``), and a regular file with no other hard link (through another name its bytes
+    change after the check). Unless ``JITWARM_ALLOW_SHARED=1``. A unit another user planted in the library's
+    cache was stored, signed, bundled and restored on every node (issue #31, N7).
     """
-    import os
     import stat
 
     from jitwarm.cache import settings
     from jitwarm.cache.errors import UntrustedPath
+    from jitwarm.cache.files import untrusted_reason
 
     if settings.allow_shared():
         return
-    me = os.geteuid()
-    folders = {Path(rel).parent for rel in files}
-    seen: set[Path] = set()
-    for folder in folders:
-        for part in (folder, *folder.parents):
-            if part in seen:
-                continue
-            seen.add(part)
-            st = (root / part).lstat()
-            if st.st_uid not in (me, 0) or (st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX):
-                raise UntrustedPath(f"{root / part} is uid {st.st_uid}'s or writable by others "
-                                    f"(mode {stat.S_IMODE(st.st_mode):04o}): its units are not the server's own")
-    for rel in files:
-        st = (root / rel).lstat()
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (me, 0) or st.st_mode & stat.S_IWOTH:
-            raise UntrustedPath(f"{root / rel} is uid {st.st_uid}'s, writable by others or not a regular file "
-                                f"(mode {stat.S_IMODE(st.st_mode):04o}): not the server's own")
-        if st.st_nlink > 1:
-            raise UntrustedPath(f"{root / rel} has {st.st_nlink - 1} other hard link(s): its bytes can change "
-                                "through another name")
+    folders = {part for rel in files for part in (Path(rel).parent, *Path(rel).parent.parents)}
+    for path in [root / folder for folder in sorted(folders)] + [root / rel for rel in files]:
+        st = path.lstat()
+        reason = untrusted_reason(st)
+        if reason is None and path.name and not stat.S_ISDIR(st.st_mode):
+            reason = ("it is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                      f"it has {st.st_nlink - 1} other hard link(s), through which it can change" if st.st_nlink > 1
+                      else None)
+        if reason is not None:
+            raise UntrustedPath(f"{path}: {reason}: not the server's own")
 
 
 @dataclass

@@ -58,15 +58,21 @@ class Placed:
 def place(library: Library, unit: str, files: Files, source: Path, root: Path) -> Placed:
     """Restore ``unit`` (``files`` as stored under ``source``, an entry's directory) into the cache at ``root``.
 
+    The destination is trusted as the cache trusts its root (:func:`check_destination`) before anything is written.
+
     Raises
     ------
     LoadError
         A file of the entry does not hash to its recorded digest (the entry is corrupt).
+    UntrustedPath
+        A folder on the way is a link jitwarm did not place, another user's or writable by others, or something
+        other than a regular file is where a unit's file goes (exit 2; nothing written).
     RestoreFailed
         The destination cannot be written; nothing of the unit is left there by this call.
 
     """
     unit_dir = root if unit == "." else root / unit
+    check_destination(root, files)
     try:
         done = _rename_dir(library, unit, files, source, root, unit_dir) if (
             library.unit_is_dir and _empty_or_absent(unit_dir)) else None
@@ -77,6 +83,47 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
     if done.outcome == "placed" and library.settle is not None:
         library.settle(root, unit, tuple(files))
     return done
+
+
+def check_destination(root: Path, files: Files) -> None:
+    """UntrustedPath unless restoring ``files`` under ``root`` writes only into this user's own folders.
+
+    The library's root is checked as the cache checks its own (a link there is the operator's when this user or
+    root owns it; ``cache.files.check_trusted_dir``); below it, every folder that exists is a real folder (no link:
+    a restore wrote root's files through another user's link into a root-only directory), owned by this user or
+    root and not writable by others, and where a unit's file goes there is nothing, or a regular file (a FIFO there
+    hung the restore, which read it to compare: issue #31, N1, N5). ``JITWARM_ALLOW_SHARED=1`` accepts folders
+    others own or can write, never a link or a FIFO.
+    """
+    import stat
+
+    from jitwarm.cache import settings
+    from jitwarm.cache.errors import UntrustedPath
+    from jitwarm.cache.files import check_trusted_dir, untrusted_reason
+
+    shared = settings.allow_shared()
+    try:
+        check_trusted_dir(root, "the library's cache", allow_shared=shared)
+    except FileNotFoundError:
+        pass  # made by the restore, as this user
+    folders = sorted(({part for rel in files for part in Path(rel).parent.parents} |
+                      {Path(rel).parent for rel in files}) - {Path()})  # the root itself is checked above
+    for path, is_file in [(root / f, False) for f in folders] + [(root / rel, True) for rel in files]:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            reason = "it is a link jitwarm did not place"
+        elif is_file:
+            reason = None if stat.S_ISREG(st.st_mode) else "it is not a regular file"
+        else:
+            reason = "it is not a folder" if not stat.S_ISDIR(st.st_mode) else (
+                None if shared else untrusted_reason(st))
+        if reason is not None:
+            raise UntrustedPath(f"refusing to restore into {path}: {reason}",
+                                "set JITWARM_ALLOW_SHARED=1 for a cache folder others may write" if not is_file
+                                else None)
 
 
 def _empty_or_absent(path: Path) -> bool:
