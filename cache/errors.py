@@ -68,7 +68,9 @@ class UntrustedPath(CacheError):
 
 
 class RootNotWritable(CacheWriteError):
-    """The cache root (or one of its top directories) cannot be created or written."""
+    """The cache root (or one of its top directories) cannot be created or written: a setting to fix (exit 2)."""
+
+    exit_code = EXIT_USAGE
 
 
 class LockTimeout(CacheError):

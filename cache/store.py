@@ -315,6 +315,15 @@ class KernelCache:
         self._local.prepare_root()
         return write_plan_record(self._local.root, plan_id, record)
 
+    def prepare_root(self) -> None:
+        """Create and trust-check the root's top folders now: RootNotWritable (exit 2) where it cannot be.
+
+        The command line asks it before a warm or a server start, so an unwritable ``--cache-dir`` is one line,
+        not one failure per spec after the work (issue #31).
+        """
+        self._require_writable("write entries")
+        self._local.prepare_root()
+
     def read_fact(self, name: str) -> str | None:
         """A fact kept by :meth:`write_fact`, or None (also unreadable, untrusted); ValueError for a bad name."""
         return read_fact(self._local.root, name, allow_shared=self.allow_shared)

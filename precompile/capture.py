@@ -356,7 +356,7 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
         from jitwarm.precompile.shipping import check_export_target
 
         check_export_target(args.export)
-    cache = open_cache(args)
+    cache = open_cache(args, writes=True)  # an unwritable root is said now, not after the server's start
     done = capture(server_argv, manifest, cache=cache, cache_dir=args.cache_dir, timeout_s=args.timeout)
     for line in done.warnings:
         print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)

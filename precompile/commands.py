@@ -22,8 +22,11 @@ REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
 PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragged_verify_mode")
 
 
-def open_cache(args: argparse.Namespace) -> Any:
-    """The ``KernelCache`` the flags describe (``--cache-dir``, ``--remote``...); UsageError on a bad value."""
+def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
+    """The ``KernelCache`` the flags describe (``--cache-dir``, ``--remote``...); UsageError on a bad value.
+
+    ``writes``: the command will publish entries, so its root is made ready now (RootNotWritable, exit 2).
+    """
     from jitwarm.cache import KernelCache
 
     remote = getattr(args, "remote", None)
@@ -43,6 +46,8 @@ def open_cache(args: argparse.Namespace) -> Any:
             # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
             # with a failure per spec and status "missing" (attack round 2: a root or lock dir another user owns).
             check_trusted_dir(path, what, allow_shared=cache.allow_shared)
+    if writes:
+        cache.prepare_root()
     return cache
 
 
@@ -217,7 +222,7 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     from jitwarm.precompile.warming import warm
 
     check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
-    cache = open_cache(args)
+    cache = open_cache(args, writes=True)
     plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
     report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
                   timeout_s=args.timeout)

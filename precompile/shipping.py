@@ -59,7 +59,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
     start = time.perf_counter()
     check_fingerprints(args, plan)
-    cache = open_cache(args)
+    cache = open_cache(args, writes=True)
     keys = keys_of(plan, cache)
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
                                sha256=getattr(args, "sha256", None)) if args.bundle else None

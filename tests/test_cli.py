@@ -136,6 +136,8 @@ def test_user_errors_are_one_line_with_exit_code(tmp_path, argv, code, message):
     (["import", "/proc/self/mem"], "is a kernel interface, not a file"),
     (["import", "b" * 5000 + ".tar"], "a path longer than a filesystem takes"),
     (["warm", "--cache-dir", "/tmp/" + "c" * 300, *TINY], "a path longer than a filesystem takes"),
+    (["warm", "--cache-dir", "/proc/jitwarm-cache", *TINY], "cannot create the cache root /proc/jitwarm-cache"),
+    (["prestart", "--cache-dir", "/proc/jitwarm-cache", *TINY], "pass --cache-dir DIR"),
 ])
 def test_the_operators_rough_edges_are_one_line_and_exit_2(argv, message):
     """Issue #31's N10 and newcomer's items: each used to be silent, a traceback, exit 1 or exit 4."""

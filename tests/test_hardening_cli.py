@@ -300,7 +300,7 @@ def test_the_cli_gives_its_own_hint_by_error_type(tmp_path, tiny_cache):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     unwritable = jitwarm("import", bundle, "--cache-dir", str(blocked / "cache"))
-    assert unwritable.returncode == 1 and unwritable.stderr.count("\n") == 1, unwritable.stderr
+    assert unwritable.returncode == 2 and unwritable.stderr.count("\n") == 1, unwritable.stderr
     assert "pass --cache-dir DIR (or set JITWARM_CACHE_DIR) to a writable directory" in unwritable.stderr
 
 
