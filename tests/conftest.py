@@ -204,23 +204,14 @@ def vllm_cpu(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def other_user() -> int:
-    """The uid of another real user of this machine (``useradd``, kept for later runs): what a hostile neighbour
-    owns. Skips where this process cannot make one (not root, no useradd)."""
-    import pwd
+    """The uid of another real user of this machine (workers/cache_harness.py makes it with ``useradd``): what a
+    hostile neighbour owns. Skips where this process cannot have one (not root, no useradd)."""
+    from workers.cache_harness import OTHER_USER, other_user
 
-    name = "jitwarm-other"
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        pass
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("making another user needs root and useradd")
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], capture_output=True,
-                   check=False)  # the other xdist worker may have made it meanwhile: looked up below either way
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        pytest.skip("useradd could not make another user")
+    user = other_user()
+    if user is None:
+        pytest.skip(f"needs root and the user {OTHER_USER}")
+    return user.pw_uid
 
 
 @pytest.fixture(scope="session")
