@@ -20,6 +20,8 @@ locally (``workers/tiny_model.py``): nothing comes from a hub.
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
 import shutil
 import socket
@@ -72,7 +74,8 @@ class VllmCpu:
         (node / "tmp").mkdir(parents=True, exist_ok=True)
         return {**keep, "PATH": f"{self.venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                 "PYTHONPATH": str(self.overlay), "HOME": str(node / "home"), "XDG_CACHE_HOME": str(node / "xdg"),
-                "TMPDIR": str(node / "tmp"), "VLLM_CACHE_ROOT": str(node / "vllm"),
+                "TMPDIR": str(node / "tmp"), "VLLM_RPC_BASE_PATH": str(rpc_dir(node)),
+                "VLLM_CACHE_ROOT": str(node / "vllm"),
                 "JITWARM_CACHE_DIR": str(node / "jitwarm"), "HF_HOME": str(node / "hf"), "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "VLLM_USE_AOT_COMPILE": "0", **extra}
@@ -85,6 +88,20 @@ class VllmCpu:
         """``jitwarm ARGS`` run as an operator runs it in the server's image (its python, its environment)."""
         return subprocess.run([str(self.python), "-m", "jitwarm", *args], env=dict(env), capture_output=True,
                               text=True, timeout=timeout, check=False)
+
+
+def rpc_dir(node: Path) -> Path:
+    """A short folder for the server's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``, default ``TMPDIR``), removed at exit.
+
+    A Unix socket's path holds at most 107 bytes: under a pytest-xdist worker's node folder the engine's
+    ``ipc://<TMPDIR>/<uuid4>`` did not fit and the engine never started (``network_utils.py:175``, ``zmq`` bind).
+    vLLM leaves this variable out of its compile factors (``envs.py:2359``): it changes no cache key.
+    """
+    folder = Path("/tmp") / f"jw-rpc-{hashlib.sha256(str(node).encode()).hexdigest()[:12]}"
+    if not folder.is_dir():
+        folder.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def install() -> Path:
@@ -171,22 +188,25 @@ def complete(port: int, model: Path, prompt: str = "Hello", tokens: int = 5) -> 
 
 
 @contextmanager
-def serving(server: VllmCpu, node: Path, timeout: float = 900, **extra: str) -> Iterator[tuple[int, float]]:
-    """A real ``vllm serve`` on ``node`` until the block ends: yields its port and the seconds to ``/health`` 200.
+def serving(server: VllmCpu, node: Path, timeout: float = 900, args: tuple[str, ...] = (),
+            **extra: str) -> Iterator[tuple[int, float]]:
+    """A real ``vllm serve`` (and ``args``) on ``node`` until the block ends: yields its port and the seconds to
+    ``/health`` 200; the tests and ``bench/real_server.py`` start servers through it.
 
     Started in its own process group (``ServerProcess``, what ``jitwarm capture`` starts with), its output in
-    ``node/server.log``; stopped by that group, whatever the block does. A server that exits or is not ready in
-    ``timeout`` fails the test with its last lines.
+    ``node/server.log`` (this start's only); stopped by that group, whatever the block does. A server that exits
+    or is not ready in ``timeout`` fails the test with its last lines.
     """
     from jitwarm.precompile.capture import answers
 
     port = free_port()
-    proc = ServerProcess.start(server.serve(port), server.env(node, **extra), node / "server.log")
+    (node / "server.log").unlink(missing_ok=True)
+    proc = ServerProcess.start([*server.serve(port), *args], server.env(node, **extra), node / "server.log")
     try:
         while not answers(f"http://127.0.0.1:{port}/health"):
             if proc.exited() is not None or time.monotonic() - proc.started > timeout:
                 raise AssertionError("vllm serve did not get ready:\n" + "\n".join(proc.tail(40)))
-            time.sleep(0.5)
+            time.sleep(0.25)
         yield port, time.monotonic() - proc.started
     finally:
         proc.stop()
