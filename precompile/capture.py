@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,8 @@ LEDGER_GRACE_S = 30.0
 STOP_GRACE_S, TERM_GRACE_S = 60.0, 10.0
 _POLL_S = 0.5
 _TAIL_LINES = 30
+#: A line that starts an error's report in a server's log (vLLM's and sglang's ``ERROR`` level, a traceback).
+_ERROR = re.compile(r"\bERROR\b|^Traceback |Error: ")
 _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -89,6 +92,20 @@ class ServerProcess:
                 return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
         except OSError:
             return []
+
+    def first_error(self, lines: int = _TAIL_LINES) -> list[str]:
+        """The first ``lines`` lines from its first error line on, when that comes before :meth:`tail`'s.
+
+        A multi-process server's last lines are its front process's traceback ("EngineCore failed to start"); the
+        cause, a worker's own error, is logged before it.
+        """
+        try:
+            with open(self.log, "rb") as f:
+                text = [line.decode(errors="replace").rstrip() for line in f]
+        except OSError:
+            return []
+        first = next((i for i, line in enumerate(text) if _ERROR.search(line)), None)
+        return [] if first is None or first >= len(text) - lines else text[first:first + lines]
 
     def group_alive(self) -> bool:
         """Whether any process of its group is left (its workers outlive a killed main process).
@@ -280,6 +297,11 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
         except (ServerFailed, KeyboardInterrupt) as exc:
             server.stop()
             if isinstance(exc, ServerFailed):
+                first = server.first_error()
+                if first:
+                    print("jitwarm: capture: the server's first error:", file=log)
+                    for line in first:
+                        print(f"  | {line}", file=log)
                 print(f"jitwarm: capture: the server's last lines ({server_log.name}):", file=log)
                 for line in server.tail():
                     print(f"  | {line}", file=log)
@@ -292,13 +314,9 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
 
 
 def _say_before(room: Any, env: Mapping[str, str], log: IO[str]) -> None:
-    """What the operator should know before the start: the known reasons a restored start compiles again."""
-    if room.NAME == "vllm":
-        from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
-
-        why = aot_unloadable(env)
-        if why:
-            print(f"jitwarm: warning: {why}", file=log)
+    """What the operator should know before the start: the room's known reasons a restored start compiles again."""
+    for why in room.start_warnings(env):
+        print(f"jitwarm: warning: {why}", file=log)
 
 
 def _lines(path: Path) -> list[str]:
