@@ -60,6 +60,13 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     start = time.perf_counter()
     check_fingerprints(args, plan)
     cache = open_cache(args, writes=True)
+    if args.offline and cache.remote is not None:
+        # A node that must not depend on the fleet's store at start: --offline reads the bundle and the local
+        # cache only, and says so (issue #31: it never looked there, silently).
+        from jitwarm.cache.remote.base import redact
+
+        print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
+              f"{cache.root} count", file=sys.stderr)
     keys = keys_of(plan, cache)
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
                                sha256=getattr(args, "sha256", None)) if args.bundle else None

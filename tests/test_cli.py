@@ -89,6 +89,19 @@ def test_export_then_prestart_from_bundle_builds_nothing(prestarted, tmp_path):
     assert data["ready"] and data["totals"] == {"built": 0, "hit": 7, "waited": 0, "failed": 0}
 
 
+def test_prestart_offline_says_it_does_not_consult_the_remote_tier(prestarted, tmp_path):
+    """--offline reads the bundle and the local cache only, and says so (issue #31): here the remote is a port
+    nothing listens on, and the node is ready from its bundle all the same."""
+    root, _ = prestarted
+    bundle = tmp_path / "kernels.tar"
+    assert jitwarm("export", *SMALL, "--cache-dir", str(root), str(bundle)).returncode == 0
+    ready = jitwarm("prestart", *SMALL, "--cache-dir", str(tmp_path / "node"), "--bundle", str(bundle), "--offline",
+                    "--remote", "redis://:s3cret@127.0.0.1:9/0")
+    assert ready.returncode == 0, ready.stderr
+    assert "--offline: the remote tier redis://:***@127.0.0.1:9/0 is not consulted" in ready.stderr
+    assert "s3cret" not in ready.stderr
+
+
 def test_import_command_and_corrupt_bundle_exit_4(prestarted, tmp_path):
     root, _ = prestarted
     bundle = tmp_path / "k.tar"
