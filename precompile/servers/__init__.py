@@ -90,6 +90,9 @@ class ServerAdapter(Protocol):
                        architecture: str | None) -> ModelFamilies:
         """Which of ``families`` a server of this model runs; UsageError for an unreadable local checkpoint."""
 
+    def start_warnings(self, environ: Mapping[str, str]) -> list[str]:
+        """Why a start of the server in ``environ`` could not be restored to compile nothing (``capture`` says it)."""
+
     def seal(self, undo: list[Any]) -> None:
         """Make the server's own JIT refuse to compile or load while capture is guarded; append the undo calls."""
 

@@ -11,6 +11,7 @@ is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it im
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from jitwarm.precompile.servers import ModelFamilies
@@ -42,6 +43,12 @@ def model_families(families: tuple[str, ...], model_path: str | None,
     from jitwarm.precompile.servers.model import model_families as decide
 
     return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
+
+
+def start_warnings(environ: Mapping[str, str]) -> list[str]:
+    """Why a start of this server in ``environ`` could not be restored to compile nothing: none known."""
+    del environ
+    return []
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from jitwarm.precompile.servers import ModelFamilies
@@ -69,6 +70,14 @@ def seal(undo: list[Any]) -> None:
     only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
     """
     del undo
+
+
+def start_warnings(environ: Mapping[str, str]) -> list[str]:
+    """Why a start of this server in ``environ`` could not be restored to compile nothing (said by capture)."""
+    from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
+
+    why = aot_unloadable(environ)
+    return [why] if why else []
 
 
 def __getattr__(name: str) -> Any:
