@@ -75,26 +75,13 @@ def phases(log: str, started: float, ready: float) -> dict[str, float]:
     return {name: max(0.0, value) for name, value in split.items()}
 
 
-def start(server: vllm_cpu.VllmCpu, node: Path, extra: dict[str, str], argv_extra: tuple[str, ...] = ()
-          ) -> tuple[float, dict[str, float]]:
-    """One start on ``node``: seconds to ready and its phases; stopped by its process group."""
-    (node / "server.log").unlink(missing_ok=True)
-    port = vllm_cpu.free_port()
-    argv = [*server.serve(port), *argv_extra]
+def start(server: vllm_cpu.VllmCpu, node: Path, args: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
+    """One start on ``node`` (the tests' ``serving``): seconds to ready, then its phases from its log."""
+    node.mkdir(parents=True, exist_ok=True)
     began = time.time()
-    proc = vllm_cpu.ServerProcess.start(argv, server.env(node, **extra), node / "server.log")
-    try:
-        from jitwarm.precompile.capture import answers
-
-        while not answers(f"http://127.0.0.1:{port}/health"):
-            if proc.exited() is not None:
-                raise RuntimeError("\n".join(proc.tail(30)))
-            time.sleep(0.25)
-        ready = time.time()
+    with vllm_cpu.serving(server, node, args=args) as (port, ready_s):
         vllm_cpu.complete(port, server.model)
-    finally:
-        proc.stop()
-    return ready - began, phases((node / "server.log").read_text(errors="replace"), began, ready)
+    return ready_s, phases((node / "server.log").read_text(errors="replace"), began, began + ready_s)
 
 
 def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[dict], list[dict], dict]:
@@ -107,13 +94,12 @@ def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[d
         raise RuntimeError(done.stderr[-3000:])
     capture_s = time.perf_counter() - t0
     warm_root = scratch / "warm-root"
-    start(server, warm_root, {})  # vLLM's own root, filled once by a start of the same server
+    start(server, warm_root)  # vLLM's own root, filled once by a start of the same server
     seen: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     prestart_s: list[float] = []
 
     def run(name: str, r: int) -> float:
         node = scratch / f"{name.replace(' ', '-')}-{r}"
-        extra: dict[str, str] = {}
         argv: tuple[str, ...] = ()
         if name == "vllm warm root":
             node = warm_root
@@ -126,7 +112,7 @@ def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[d
                 raise RuntimeError(pre.stderr)
         elif name == "eager floor":
             argv = ("-O0",)
-        seconds, split = start(server, node, extra, argv)
+        seconds, split = start(server, node, argv)
         seen[name].append(split)
         return seconds
 
