@@ -22,6 +22,7 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -186,10 +187,9 @@ def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
     of the start is behind it, with or without graphs.
     """
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
+        from jitwarm.precompile.servers.vllm import start_warnings
 
-        why = aot_unloadable()
-        if why:
+        for why in start_warnings(os.environ):  # what capture says before the start, in the server's own log
             log.warning("jitwarm: %s", why)
         out = original(self, *args, **kwargs)
         _store_units()
