@@ -43,6 +43,8 @@ class Recorder:
         self._undo: list[Callable[[], None]] = []
         self._before: dict[str, Any] = {}
         self._capturing = threading.Lock()
+        #: The server this process runs in, decided before the recorder imports anything of sglang's itself.
+        self.under = ""
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
@@ -66,12 +68,17 @@ class Recorder:
                 self.recorded += added
 
     def start(self) -> Recorder:
-        """Install the Triton hook and the load_jit wrapper (whichever can be imported), list the JIT caches."""
+        """Install the Triton hook and the load_jit wrapper (whichever can be imported), list the JIT caches.
+
+        The server the process runs in is taken first, before the load_jit wrapper imports sglang's loader.
+        """
+        from jitwarm.kernels.libraries.jit_caches.census import snapshot
+        from jitwarm.kernels.libraries.jit_caches.units import running_server
+
+        self.under = running_server()
         self._hook_triton()
         self._wrap_load_jit()
-        from jitwarm.kernels.libraries.jit_caches.census import snapshot
-
-        self._before = snapshot(_families())
+        self._before = snapshot(_families(), under_sglang=self.under)
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
         return self
@@ -93,14 +100,13 @@ class Recorder:
         from jitwarm.kernels.libraries.jit_caches.backend import store
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
         from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
-        from jitwarm.kernels.libraries.jit_caches.units import running_server
 
         with self._capturing:
             if not self._before:
                 return 0
             names = [n for n in self._before if not (n == "triton" and served_by_jitwarm())]
-            after = snapshot(names)
-            under = running_server()  # where the restore resolves each cache: as this server does
+            after = snapshot(names, under_sglang=self.under)
+            under = self.under  # where the restore resolves each cache: as this server does
             records, failed = [], set()
             for name, units in added(self._before, after).items():
                 snap = after[name]
@@ -161,10 +167,16 @@ class Recorder:
         through the loader's module global (compile/loader.py:115) with ``load_jit``'s frame one level up holding
         the call's arguments: that is where this records, hit or miss (under ``SGLANG_JIT_LOG_RESOURCE_USAGE``,
         HIP or SAIL, for that mode: load_jit has rewritten its flags or sources by then).
+
+        Only in a process that imported sglang already: importing it redirects the process's JIT caches under
+        ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), so a recording outside sglang that imported it itself
+        stored its Inductor units as sglang's, where a plain ``torch.compile`` never looks (issue #31).
         """
         import importlib
         import inspect
 
+        if "sglang" not in sys.modules:
+            return
         try:
             loader = importlib.import_module("sglang.kernels.jit.utils.compile.loader")
         except ImportError:
