@@ -49,7 +49,7 @@ from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, subdirs, tree_files, vllm_tree
 
-TREE, AOT = "torch_compile_cache", "torch_aot_compile"
+AOT = "torch_aot_compile"
 INDUCTOR_DIR, TRITON_DIR = "inductor_cache", "triton_cache"
 FACTORS, INDEX, GRAPH, MODEL = "cache_key_factors.json", "vllm_compile_cache.py", "computation_graph.py", "model"
 HASHES = ("config_hash", "code_hash", "compiler_hash")
