@@ -48,26 +48,22 @@ def refused(proc, path: Path) -> None:
     assert proc.stderr.count("\n") == 1 and f"refusing to restore into {path}" in proc.stderr, proc.stderr
 
 
-def test_a_folder_another_user_made_with_a_link_inside_is_refused(captured, tmp_path, other_user):
+@pytest.mark.parametrize("whose", ["another user's folder", "this user's folder, shared allowed"])
+def test_a_link_on_the_way_is_refused(captured, tmp_path, other_user, whose):
+    """The link the issue found: root's files written through it into a root-only folder. In this user's own folder,
+    and with shared folders allowed, a link jitwarm did not place is refused all the same."""
     private = tmp_path / "root-only"
     private.mkdir(mode=0o700)
     dst = tmp_path / "inductor"
     dst.mkdir()
-    (dst / "ha").symlink_to(private)  # the link the issue found: root's files written into a root-only folder
-    os.lchown(dst / "ha", other_user, -1)
-    os.chown(dst, other_user, -1)
-    proc = restore(captured, dst)
-    assert proc.returncode == 2 and "owned by uid" in proc.stderr, proc.stderr
-    assert list(private.iterdir()) == []
-
-
-def test_a_link_on_the_way_is_refused_even_in_this_users_folder(captured, tmp_path):
-    private = tmp_path / "elsewhere"
-    private.mkdir()
-    dst = tmp_path / "inductor"
-    dst.mkdir()
     (dst / "ha").symlink_to(private)
-    refused(restore(captured, dst, JITWARM_ALLOW_SHARED="1"), dst / "ha")
+    if whose == "another user's folder":
+        os.lchown(dst / "ha", other_user, -1)
+        os.chown(dst, other_user, -1)
+        proc = restore(captured, dst)
+        assert proc.returncode == 2 and "owned by uid" in proc.stderr, proc.stderr
+    else:
+        refused(restore(captured, dst, JITWARM_ALLOW_SHARED="1"), dst / "ha")
     assert list(private.iterdir()) == []
 
 
