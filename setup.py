@@ -43,8 +43,9 @@ setup(
     # s3: the object-store tier (--remote s3://...; docs/cache.md, "Object-store tier"): boto3 1.36 has
     # PutObject's If-None-Match and If-Match. moto[server] is the S3 server the tests run on loopback.
     # pytest-xdist: the README's test command runs two workers (tests/conftest.py builds session caches once).
+    # pyyaml: tests/test_docs_yaml.py parses the docs' Kubernetes manifests.
     extras_require={"s3": ["boto3>=1.36"],
-                    "test": ["pytest>=8", "pytest-xdist>=3.5", "boto3>=1.36", "moto[server]>=5.0"]},
+                    "test": ["pytest>=8", "pytest-xdist>=3.5", "boto3>=1.36", "moto[server]>=5.0", "pyyaml>=6.0"]},
     entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"],
                   "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.servers.sglang.plugin:register"],
                   "vllm.general_plugins": ["jitwarm = jitwarm.precompile.servers.vllm.plugin:register"]},
