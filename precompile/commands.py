@@ -146,14 +146,19 @@ def render_plan(plan: WarmPlan) -> str:
     lines = []
     if plan.config is not None:
         labels = spec_labels([s for s in plan.specs if s not in plan.recorded])
-        rows = [("bs", "graph key", "tokens", "slots", "verify_lens", "uniform", "new specs")]
+        # A server whose graphs carry a mode (vLLM: PIECEWISE, FULL) gets a column for it: one row per graph.
+        mode = any(sh.key for sh in plan.shapes)
+        rows = [("mode",) * mode + ("bs", "graph key", "tokens", "slots", "verify_lens", "uniform", "new specs")]
         for sh in plan.shapes:
-            new = " ".join(labels[s] for s in plan.introduced[sh.bs]) or "-"
-            rows.append((str(sh.bs), str(sh.graph_key), str(sh.num_tokens), str(sh.layout.slots),
-                         sh.layout.run_length(), "yes" if sh.layout.uniform else "no", new))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
-        lines = ["  ".join([c.rjust(w) if i < 4 else c.ljust(w)
-                            for i, (c, w) in enumerate(zip(r, widths, strict=False))] + [r[6]]).rstrip() for r in rows]
+            new = " ".join(labels[s] for s in plan.introduced[sh]) or "-"
+            rows.append(((sh.key or "-").split()[0],) * mode + (
+                str(sh.bs), str(sh.graph_key), str(sh.num_tokens), str(sh.layout.slots), sh.layout.run_length(),
+                "yes" if sh.layout.uniform else "no", new))
+        last = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(last)]
+        lines = ["  ".join([c.rjust(w) if mode <= i < mode + 4 else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths, strict=False))] + [r[last]]).rstrip()
+                 for r in rows]
         fams = ", ".join(f"{name} {n}" for name, n in plan.by_family().items())
         targets = ", ".join(f"{b}:{t}" for b in plan.config.backends for t in plan.config.targets)
         lines += ["", f"{len(plan.specs) - len(plan.recorded)} specs for {len(plan.shapes)} shapes ({fams}) on "

@@ -34,7 +34,7 @@ class WarmPlan:
     shapes: tuple[CaptureShape, ...]
     specs: tuple[KernelSpec, ...]
     needed_by: dict[KernelSpec, tuple[int, ...]]
-    introduced: dict[int, tuple[KernelSpec, ...]]
+    introduced: dict[CaptureShape, tuple[KernelSpec, ...]]
     ladder: Ladder | None = None
     manifest: dict[str, Any] | None = None  # the recorded kernels' source: {"path", "records", "other_targets"}
     families: ModelFamilies | None = None
@@ -74,11 +74,13 @@ class WarmPlan:
         assert config.room is not None  # a ServingConfig names a room: construction checks it
         families = config.room.model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
         needed: dict[KernelSpec, list[int]] = {}
-        introduced: dict[int, tuple[KernelSpec, ...]] = {}
+        # Per graph, not per batch size: vLLM captures a PIECEWISE and a FULL graph of one size, and the second
+        # overwrote the first's new specs (issue #31: the table listed none, or one spec on many rows).
+        introduced: dict[CaptureShape, tuple[KernelSpec, ...]] = {}
         for shape in ladder.shapes:
             specs = [spec for backend in config.backends for target in config.targets for name in families.planned
                      for spec in FAMILIES[name].specs_for(shape.layout, config.model, backend, target)]
-            introduced[shape.bs] = tuple(dict.fromkeys(s for s in specs if s not in needed))
+            introduced[shape] = tuple(dict.fromkeys(s for s in specs if s not in needed))
             for spec in specs:
                 needed.setdefault(spec, []).append(shape.bs)
         return cls(config, ladder.shapes, tuple(needed), {s: tuple(b) for s, b in needed.items()}, introduced,
@@ -101,7 +103,7 @@ class WarmPlan:
             "ladder": self.ladder.to_json() if self.ladder else None,
             "shapes": [{"bs": sh.bs, "graph_key": sh.graph_key, "num_tokens": sh.num_tokens, "slots": sh.layout.slots,
                         "verify_lens": list(sh.layout.verify_lens), "uniform": sh.layout.uniform,
-                        "new_specs": [s.id for s in self.introduced[sh.bs]], **({"key": sh.key} if sh.key else {})}
+                        "new_specs": [s.id for s in self.introduced[sh]], **({"key": sh.key} if sh.key else {})}
                        for sh in self.shapes],
             "specs": [dict(id=s.id, **s.to_json(), needed_by_bs=list(self.needed_by[s])) for s in self.specs],
             "manifest": self.manifest,

@@ -110,7 +110,7 @@ def test_dspark_plan_has_30_specs():
 
 def test_bs60_introduces_new_compressor_and_norm_rope_specs():
     plan = WarmPlan.build(config(**DSPARK))
-    new = plan.introduced[60]
+    new = next(plan.introduced[shape] for shape in plan.shapes if shape.bs == 60)
     assert {s.family for s in new} == {"compressor", "norm_rope"}
     assert all(s["max_len"] == 3 and s["uniform"] == 0 for s in new)
     assert all(60 in plan.needed_by[s] for s in new)
@@ -120,7 +120,7 @@ def test_every_shape_is_covered_and_first_needed_order():
     plan = WarmPlan.build(config(**DSPARK))
     seen = []
     for shape in plan.shapes:
-        seen.extend(plan.introduced[shape.bs])
+        seen.extend(plan.introduced[shape])
     assert tuple(seen) == plan.specs
     for sizes in plan.needed_by.values():
         assert list(sizes) == sorted(sizes, reverse=True)

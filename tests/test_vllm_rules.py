@@ -280,3 +280,21 @@ def test_the_docs_examples_run_as_written(tmp_path):
         assert proc.returncode == 0, (args, proc.stderr)
         if shown is not None:
             assert proc.stderr == shown + "\n", (args, proc.stderr)
+
+
+def test_the_plan_table_has_a_row_per_graph_with_its_mode_and_each_spec_once():
+    """vLLM captures a PIECEWISE and a FULL graph of one size: each is a row, and a spec is listed where it is first
+    needed, once (issue #31: the new specs were kept per batch size, so the second graph of a size overwrote the
+    first's and the table listed none)."""
+    from precompile_fixtures import jitwarm
+
+    proc = jitwarm("plan", "--gpu-memory-mb", "143771", "--target", "sm_90", "--model-architecture",
+                   "DeepseekV4ForCausalLM", "--", "vllm", "serve", "m", "--max-num-seqs", "16")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = lines[1:lines.index("")]
+    assert lines[0].split()[:2] == ["mode", "bs"] and len(rows) == 12
+    assert [r.split()[0] for r in rows] == ["PIECEWISE"] * 7 + ["FULL"] * 5
+    labels = [label for r in rows for label in r.split()[7:] if label != "-"]
+    assert len(labels) == len(set(labels)) == 11  # "11 specs for 12 shapes": each once
+    assert "11 specs for 12 shapes" in proc.stdout
