@@ -24,7 +24,14 @@ from typing import Any
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
-from jitwarm.kernels.libraries.jit_caches.units import SERVERS, Files, Library, canonical, files_problem
+from jitwarm.kernels.libraries.jit_caches.units import (
+    SERVERS,
+    Files,
+    Library,
+    canonical,
+    files_problem,
+    unit_folders,
+)
 from jitwarm.kernels.spec import KernelSpec
 
 #: Layout of a captured unit's entry; part of every description.
@@ -167,11 +174,10 @@ def check_source(root: Path, files: tuple[str, ...]) -> None:
 
     if settings.allow_shared():
         return
-    folders = {part for rel in files for part in (Path(rel).parent, *Path(rel).parent.parents)}
-    for path in [root / folder for folder in sorted(folders)] + [root / rel for rel in files]:
+    for path in [root, *(root / folder for folder in unit_folders(files)), *(root / rel for rel in files)]:
         st = path.lstat()
         reason = untrusted_reason(st)
-        if reason is None and path.name and not stat.S_ISDIR(st.st_mode):
+        if reason is None and not stat.S_ISDIR(st.st_mode):
             reason = ("it is not a regular file" if not stat.S_ISREG(st.st_mode) else
                       f"it has {st.st_nlink - 1} other hard link(s), through which it can change" if st.st_nlink > 1
                       else None)

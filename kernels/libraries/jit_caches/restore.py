@@ -37,7 +37,7 @@ from jitwarm.cache.errors import JitwarmError
 from jitwarm.cache.files import fsync_dir
 from jitwarm.cache.locks import pid_alive, this_host
 from jitwarm.kernels.backend import LoadError
-from jitwarm.kernels.libraries.jit_caches.units import Files, Library
+from jitwarm.kernels.libraries.jit_caches.units import Files, Library, unit_folders
 
 _CHUNK = 1 << 20
 
@@ -106,9 +106,8 @@ def check_destination(root: Path, files: Files) -> None:
         check_trusted_dir(root, "the library's cache", allow_shared=shared)
     except FileNotFoundError:
         pass  # made by the restore, as this user
-    folders = sorted(({part for rel in files for part in Path(rel).parent.parents} |
-                      {Path(rel).parent for rel in files}) - {Path()})  # the root itself is checked above
-    for path, is_file in [(root / f, False) for f in folders] + [(root / rel, True) for rel in files]:
+    # The root itself is checked above.
+    for path, is_file in [(root / f, False) for f in unit_folders(files)] + [(root / rel, True) for rel in files]:
         try:
             st = path.lstat()
         except FileNotFoundError:

@@ -213,6 +213,14 @@ def sglang_dir(environ: Mapping[str, str], sub: str = "") -> Path:
     return Path(environ.get("SGLANG_CACHE_DIR") or "~/.cache/sglang").expanduser() / sub
 
 
+def unit_folders(files: Iterable[str]) -> list[Path]:
+    """Every folder between a cache's root and the files of a unit, relative to the root, parents first (not the root).
+
+    What the trust checks of a capture (the unit's source) and of a restore (its destination) walk.
+    """
+    return sorted({part for rel in files for part in (Path(rel).parent, *Path(rel).parent.parents)} - {Path()})
+
+
 # -- what a spec of a unit carries, checked ---------------------------------------------------------------------
 
 
