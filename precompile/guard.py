@@ -7,12 +7,17 @@ capturing stream and the server dies later with ``CUDA_ERROR_ILLEGAL_ADDRESS`` (
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
+from jitwarm.kernels.tap import replace, undo_all
+
+_log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _armed = 0
@@ -25,7 +30,7 @@ def is_armed() -> bool:
 
 def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
     """Raise :class:`CompileDuringCaptureError` if a dispatch miss happens while armed or capturing."""
-    if is_armed() or stream_is_capturing():
+    if guarded():
         state = " (the guard is armed)" if is_armed() else " (the current stream is capturing)"
         raise CompileDuringCaptureError(describe_miss(spec, shape), state)
 
@@ -75,44 +80,89 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Make Triton's JIT compile, tvm-ffi's build and load and each server's own JIT raise while guarded.
+    """Watch the JIT libraries' compiles and loads, and refuse (or log) each one made while ``when()`` is true.
 
-    Off by default: it patches other libraries' process-wide hooks; outside capture those calls pass untouched.
-    A server's own JIT (sglang's ``load_jit``) is sealed by its room (``ServerAdapter.seal``).
+    Sealed, where each library is in this process: Triton's JIT compile (its ``jit_cache_hook``, through
+    :mod:`jitwarm.kernels.libraries.triton.tap`), each server room's own JIT (sglang's ``load_jit``:
+    ``ServerAdapter.seal``), an Inductor compile (``torch._inductor.compile_fx.fx_codegen_and_compile``, looked up
+    as a module global at each compile) and tvm-ffi's build and load. ``mode="error"`` raises
+    :class:`CompileDuringCaptureError` naming the kernel; ``"warn"`` logs it once, with ``log``, and lets it run
+    (vLLM's ``--jit-monitor-mode`` has the same two). ``when`` defaults to :func:`guarded`: the guard armed or the
+    current stream capturing. Off until :meth:`install`: it patches other libraries' process-wide hooks.
     """
 
-    def __init__(self) -> None:
-        self._undo: list[Any] = []
+    def __init__(self, *, mode: str = "error", when: Callable[[], bool] | None = None,
+                 log: logging.Logger | None = None) -> None:
+        if mode not in ("error", "warn"):
+            raise ValueError(f"mode must be error or warn, got {mode!r}")
+        self.mode, self.when, self.log = mode, when or guarded, log or _log
+        #: What :meth:`install` sealed (``Triton compile``, ``sglang load_jit`` ...), and what ``warn`` logged.
+        self.armed: list[str] = []
+        self.logged: list[str] = []
+        self._said: set[tuple[str, Any]] = set()
+        self._undo: list[Callable[[], Any]] = []
+        self._lock = threading.Lock()
 
-    def install(self) -> None:
-        """Install the seals for whichever of triton and tvm_ffi can be imported, and every server room's."""
+    def install(self) -> list[str]:
+        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
+        from jitwarm.kernels.libraries.triton.tap import TAP
         from jitwarm.precompile import servers
 
-        self._seal_triton()
+        triton = _TritonSeal(self.refuse)
+        if TAP.subscribe(triton):
+            self._sealed("Triton compile", lambda: TAP.unsubscribe(triton))
         for name in servers.ROOMS:
-            servers.adapter(name).seal(self._undo)
+            sealed = servers.adapter(name).seal(self.refuse)
+            if sealed is not None:
+                self._sealed(*sealed)
+        self._seal_inductor()
         self._seal_tvm_ffi()
+        return self.armed
 
     def remove(self) -> None:
         """Restore every patched hook and function."""
         while self._undo:
             self._undo.pop()()
+        self.armed = []
 
-    def _seal_triton(self) -> None:
-        try:
-            import triton
-        except ImportError:
+    def refuse(self, what: str, key: Any = None) -> None:
+        """Raise or log ``what`` (about to be compiled or loaded) when ``when()`` says so.
+
+        ``key`` is its identity where its name is not one. ``warn`` logs each once: sglang looks a build up twice
+        before it compiles it.
+        """
+        if not self.when():
             return
-        runtime = triton.knobs.runtime
-        previous = runtime.jit_cache_hook
+        if self.mode == "error":
+            raise CompileDuringCaptureError(what, hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+        with self._lock:
+            if (what, key) in self._said:
+                return
+            self._said.add((what, key))
+            self.logged.append(what)
+        self.log.warning("jitwarm: %s is compiled or loaded during CUDA-graph capture: a driver call inside the "
+                         "capture can kill the server (sglang #33356); JITWARM_STRICT=1 refuses it. %s", what,
+                         CompileDuringCaptureError.THIRD_PARTY_HINT)
 
-        def jit_cache_hook(*, key: str, repr: str, **kwargs: Any) -> Any:
-            fn = kwargs.get("fn")
-            _refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}")
-            return previous(key=key, repr=repr, **kwargs) if previous else None
+    def _sealed(self, name: str, undo: Callable[[], Any]) -> None:
+        self.armed.append(name)
+        self._undo.append(undo)
 
-        runtime.jit_cache_hook = jit_cache_hook
-        self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
+    def _seal_inductor(self) -> None:
+        """Inductor's compile, where torch has imported it (a process that never did compiles nothing with it)."""
+        compile_fx = sys.modules.get("torch._inductor.compile_fx")
+        original = getattr(compile_fx, "fx_codegen_and_compile", None)
+        if original is None:
+            return
+
+        def fx_codegen_and_compile(gm: Any, *args: Any, **kwargs: Any) -> Any:
+            region = kwargs.get("compile_region_name") or "an FX graph"
+            self.refuse(f"Inductor compile of {region} ({len(getattr(getattr(gm, 'graph', None), 'nodes', ()))} "
+                        f"nodes)", id(gm))
+            return original(gm, *args, **kwargs)
+
+        fx_codegen_and_compile.__wrapped__ = original  # type: ignore[attr-defined]
+        self._sealed("Inductor compile", replace(compile_fx, "fx_codegen_and_compile", fx_codegen_and_compile))
 
     def _seal_tvm_ffi(self) -> None:
         try:
@@ -120,26 +170,38 @@ class ThirdPartySeal:
             import tvm_ffi.cpp
         except ImportError:
             return
+        undos = []
         for owner, name in ((tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
                             (tvm_ffi.cpp, "build"), (tvm_ffi.cpp, "load"), (tvm_ffi, "load_module")):
             original = getattr(owner, name, None)
-            if original is None:
-                continue
-            self._undo.append(lambda o=owner, n=name, f=original: setattr(o, n, f))
-            setattr(owner, name, _sealed(original, f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"))
+            if original is not None:
+                label = f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"
+                undos.append(replace(owner, name, _sealed(original, label, self.refuse)))
+        self._sealed("tvm-ffi build and load", undo_all(undos))
 
 
-def _refuse(what: str) -> None:
-    """Raise :class:`CompileDuringCaptureError` for a third-party compile or load while armed or capturing."""
-    if is_armed() or stream_is_capturing():
-        raise CompileDuringCaptureError(what, hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+def guarded() -> bool:
+    """True while the guard is armed or the current stream captures."""
+    return is_armed() or stream_is_capturing()
 
 
-def _sealed(fn: Any, label: str) -> Any:
-    """``fn`` that refuses to run while armed or capturing."""
+class _TritonSeal:
+    """The Triton tap's subscriber: each compile Triton is about to make, named by its kernel."""
+
+    def __init__(self, refuse: Callable[..., None]) -> None:
+        self.refuse = refuse
+
+    def compile(self, *, key: Any = None, repr: str, fn: Any = None, **kwargs: Any) -> None:
+        # Triton's repr leaves the constexprs out: two specializations of one kernel read alike, their keys do not
+        self.refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}",
+                    str(key))
+
+
+def _sealed(fn: Any, label: str, refuse: Callable[[str], None]) -> Any:
+    """``fn`` that hands ``refuse`` its call first."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        _refuse(f"{label}({kwargs.get('name') or (args[0] if args else '?')!r})")
+        refuse(f"{label}({kwargs.get('name') or (args[0] if args else '?')!r})")
         return fn(*args, **kwargs)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import sys
 import threading
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -144,57 +144,27 @@ class Recorder:
         self.stop()
 
     def _hook_triton(self) -> None:
-        """Chain Triton's ``jit_cache_hook`` (when Triton imports)."""
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-        runtime = knobs.runtime
-        previous = runtime.jit_cache_hook
+        """Record each Triton compile (Triton's tap: :mod:`jitwarm.kernels.libraries.triton.tap`)."""
+        from jitwarm.kernels.libraries.triton.tap import TAP
 
-        def jit_cache_hook(*, key: Any, repr: str, fn: Any, compile: dict[str, Any], **kwargs: Any) -> Any:
-            self.add(triton_record(fn.module, fn.name, repr, compile["specialization_data"]))
-            return previous(key=key, repr=repr, fn=fn, compile=compile, **kwargs) if previous else None
+        self._subscribe(TAP, types.SimpleNamespace(compile=self._triton_compile))
 
-        runtime.jit_cache_hook = jit_cache_hook
-        self._undo.append(lambda: setattr(runtime, "jit_cache_hook", previous))
+    def _triton_compile(self, *, repr: str, fn: Any, compile: dict[str, Any], **kwargs: Any) -> None:
+        self.add(triton_record(fn.module, fn.name, repr, compile["specialization_data"]))
 
     def _wrap_load_jit(self) -> None:
-        """Record every ``load_jit`` call from inside sglang's loader, whoever imported ``load_jit`` by name.
+        """Record every ``load_jit`` call, hit or miss, in a process that runs sglang (its loader's tap).
 
-        sglang's kernel modules bind ``load_jit`` at import (219 call sites in 0.5.23, most imported before
-        ``load_plugins()`` runs), so wrapping the function would miss them. Every call constructs a ``BuildSpec``
-        through the loader's module global (compile/loader.py:115) with ``load_jit``'s frame one level up holding
-        the call's arguments: that is where this records, hit or miss (under ``SGLANG_JIT_LOG_RESOURCE_USAGE``,
-        HIP or SAIL, for that mode: load_jit has rewritten its flags or sources by then).
-
-        Only in a process that imported sglang already: importing it redirects the process's JIT caches under
-        ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), so a recording outside sglang that imported it itself
-        stored its Inductor units as sglang's, where a plain ``torch.compile`` never looks (issue #31).
+        Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, for that mode: the tap reads the call where
+        ``load_jit`` has rewritten its flags or sources (:mod:`jitwarm.precompile.servers.sglang.loader_tap`).
         """
-        import importlib
-        import inspect
+        from jitwarm.precompile.servers.sglang.loader_tap import TAP
 
-        if "sglang" not in sys.modules:
-            return
-        try:
-            loader = importlib.import_module("sglang.kernels.jit.utils.compile.loader")
-        except ImportError:
-            return  # no sglang here: Triton only
-        original = loader.BuildSpec
-        defaults = {name: p.default for name, p in inspect.signature(loader.load_jit).parameters.items()
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        self._subscribe(TAP, types.SimpleNamespace(call=lambda args, given: self.add(sglang_record(args, given))))
 
-        def build_spec(*args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            if caller.f_code.co_name == "load_jit":
-                seen = caller.f_locals
-                given = {k: seen[k] for k, default in defaults.items() if k in seen and seen[k] != default}
-                self.add(sglang_record(tuple(seen.get("args", ())), given))
-            return original(*args, **kwargs)
-
-        loader.BuildSpec = build_spec
-        self._undo.append(lambda: setattr(loader, "BuildSpec", original))
+    def _subscribe(self, tap: Any, subscriber: Any) -> None:
+        if tap.subscribe(subscriber):
+            self._undo.append(lambda: tap.unsubscribe(subscriber))
 
 
 def _families() -> list[str]:

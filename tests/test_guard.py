@@ -95,30 +95,46 @@ def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypa
     assert after["builds"] == before["builds"] and after["loads"] == before["loads"]
 
 
-def test_each_server_room_seals_its_own_jit(monkeypatch, tmp_path):
-    """The sglang room's seal (servers/sglang/seals.py) on a stand-in of sglang's loader module: its lookups and
-    its build lock raise inside the guard, pass outside, and are restored after. The real loader is sealed in
-    test_sglang_jit.py against the wheel."""
+def test_each_server_room_seals_its_own_jit(monkeypatch, tmp_path, caplog):
+    """The sglang room's seal (servers/sglang/seals.py, through its loader tap) on a stand-in of sglang's loader
+    module: a look-up that finds a build (a load follows) or none (a compile follows) raises inside the guard, is
+    logged once in ``warn`` mode, passes outside, and the loader's own functions are back after. The real loader
+    is sealed in test_sglang_jit.py and inside the real capture path in test_sglang_plugin.py, against the wheel."""
+    import logging
     import types
 
-    from jitwarm.precompile.servers.sglang import seals
+    from jitwarm.precompile.servers.sglang.loader_tap import LOADER
 
-    loader = types.ModuleType(seals.LOADER)
+    loader = types.ModuleType(LOADER)
     leaf = tmp_path / "sm90a" / "sgl_kernel_jit_clamp" / "build-k" / "deps-d" / "sgl_kernel_jit_clamp.so"
-    loader._find_prebuilt = lambda *args: leaf
+    loader.BuildSpec = lambda **kwargs: kwargs
+    loader.load_jit = lambda *args, cuda_files=None: None
+    loader._find_prebuilt = lambda *, spec, scope: leaf if scope.name == "hit" else None
     loader._build_lock = lambda scope: "built"
-    originals = (loader._find_prebuilt, loader._build_lock)
-    monkeypatch.setitem(sys.modules, seals.LOADER, loader)
+    originals = (loader.BuildSpec, loader._find_prebuilt, loader._build_lock)
+    monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
+    monkeypatch.setitem(sys.modules, LOADER, loader)
+    miss = types.SimpleNamespace(module_name="sgl_kernel_jit_late")
     with capture_guard(seal_third_party=True):
         with pytest.raises(CompileDuringCaptureError, match=r"sglang load_jit module sgl_kernel_jit_clamp \(load of"):
-            loader._find_prebuilt("x")
-        with pytest.raises(CompileDuringCaptureError, match=r"sglang load_jit module \? \(compile of"):
-            loader._build_lock(tmp_path)
-    assert (loader._find_prebuilt, loader._build_lock) == originals
-    assert loader._find_prebuilt("x") == leaf and loader._build_lock(tmp_path) == "built"
+            loader._find_prebuilt(spec=None, scope=tmp_path / "hit")
+        with pytest.raises(CompileDuringCaptureError, match=r"sglang load_jit module sgl_kernel_jit_late \(compile of"):
+            loader._find_prebuilt(spec=miss, scope=tmp_path / "miss")
+    assert (loader.BuildSpec, loader._find_prebuilt, loader._build_lock) == originals
+    assert loader._find_prebuilt(spec=None, scope=tmp_path / "hit") == leaf
+    seal = guard_module.ThirdPartySeal(mode="warn", when=lambda: True, log=logging.getLogger("seal-test"))
+    assert "sglang load_jit" in seal.install()
+    try:  # warn: logged once per kernel, and the call goes on
+        with caplog.at_level(logging.WARNING, logger="seal-test"):
+            assert [loader._find_prebuilt(spec=miss, scope=tmp_path / "miss") for _ in range(2)] == [None, None]
+    finally:
+        seal.remove()
+    assert [r.getMessage().split(" is compiled")[0] for r in caplog.records] == [
+        f"jitwarm: sglang load_jit module sgl_kernel_jit_late (compile of {tmp_path / 'miss'})"]
     seal = guard_module.ThirdPartySeal()
     seal.install()
     try:  # installed but not armed: calls go through
-        assert loader._build_lock(tmp_path) == "built"
+        assert loader._find_prebuilt(spec=miss, scope=tmp_path / "miss") is None
     finally:
         seal.remove()
+    assert (loader.BuildSpec, loader._find_prebuilt, loader._build_lock) == originals

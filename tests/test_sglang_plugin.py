@@ -25,7 +25,8 @@ from plugin_scenarios import run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sglang_plugin_worker.py"
 #: What the worker imports of sglang, imported once before the scenarios fork (none of it loads the plugins).
-PRELOAD = ("torch", "sglang.srt.plugins", "sglang.srt.model_executor.model_runner",
+PRELOAD = ("torch", "triton", "torch._inductor.compile_fx", "sglang.srt.plugins",
+           "sglang.srt.model_executor.model_runner",
            "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
            "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend",
            "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
@@ -48,6 +49,10 @@ ladder_source = "builtin"  # sglang's rules as jitwarm mirrors them: no child pr
 """
 
 
+#: The probes' caches, each the scenario's own; load_jit stops where it would run nvcc (loader.py:150-156).
+PROBE_ENV = {"SGLANG_JIT_CACHE_DIR": "{tmp}/sglang-jit", "SGLANG_CRASH_ON_JIT_COMPILE": "1",
+             "TORCHINDUCTOR_CACHE_DIR": "{tmp}/inductor", "TRITON_CACHE_DIR": "{tmp}/triton",
+             "CUDA_HOME": os.environ.get("CUDA_HOME") or "/usr/local/cuda"}
 #: scenario -> (environment, worker flags); ``{tmp}`` is the scenario's own directory.
 SCENARIOS = {
     # sglang loads its plugins, but SGLANG_PLUGINS names another one: jitwarm's entry point is skipped
@@ -57,6 +62,9 @@ SCENARIOS = {
     "with_plan": ({"SGLANG_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/jitwarm.toml"}, ("--plan", "--tp", "2")),
     "bad_config": ({"SGLANG_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/missing.toml"},
                    ("--plan", "--then-strict")),
+    # a new Triton kernel, Inductor graph and load_jit module outside capture, then inside each backend's capture
+    "sealed": ({**PROBE_ENV, "SGLANG_PLUGINS": "jitwarm"}, ("--probe",)),
+    "sealed_strict": ({**PROBE_ENV, "SGLANG_PLUGINS": "jitwarm", "JITWARM_STRICT": "1"}, ("--probe",)),
 }
 
 
@@ -109,6 +117,54 @@ def with_plan(runs):
     return runs["with_plan"]
 
 
+def probes(result: dict) -> dict[str, dict[str, str]]:
+    """The probes' outcomes: where -> library -> outcome."""
+    out: dict[str, dict[str, str]] = {}
+    for o in result["probes"]:
+        out.setdefault(o["where"], {})[o["probe"]] = o["outcome"]
+    return out
+
+
+SEALED = {"triton": "Triton kernel capture_probes:add_one add_one[", "inductor": "Inductor compile of ",
+          "load_jit": "sglang load_jit module sgl_kernel_jit_clamp_position_int32_t (compile of "}
+
+
+def test_inside_each_real_capture_the_plugin_names_every_jit_compile_and_lets_it_run(runs):
+    """The default, like vLLM's --jit-monitor-mode warn: each compile inside a capture is logged by name, once per
+    capture, and runs (load_jit then meets sglang's own SGLANG_CRASH_ON_JIT_COMPILE); outside capture, nothing is
+    said."""
+    result, lines = runs["sealed"]
+    seen = probes(result)
+    assert set(seen) == {"outside", *(f"{b} capture" for b in BACKENDS)}, seen
+    for where, outcome in seen.items():
+        assert outcome == {"triton": "ran", "inductor": "ran",
+                           "load_jit": "sglang's own refusal (SGLANG_CRASH_ON_JIT_COMPILE)"}, (where, outcome)
+    assert any("seals inside each capture: Triton compile, sglang load_jit, Inductor compile, tvm-ffi build and "
+               "load, logged (JITWARM_STRICT=1 refuses them)" in line for line in lines), lines
+    armed = [line for line in lines if "capture seals armed:" in line]
+    assert len(armed) == 1 and "Triton compile, sglang load_jit, Inductor compile, tvm-ffi build and load (logged;" \
+        in armed[0], armed
+    warned = [line.split("jitwarm: ", 1)[1].split(" is compiled or loaded during CUDA-graph capture")[0]
+              for line in lines if "is compiled or loaded during CUDA-graph capture" in line]
+    # per capture: its new Triton kernel, its new Inductor graph and the load_jit module, each said once
+    for prefix in SEALED.values():
+        assert sum(w.startswith(prefix) for w in warned) == len(BACKENDS), (prefix, warned)
+    assert len(warned) == len(SEALED) * len(BACKENDS), warned
+
+
+def test_under_strict_the_plugin_refuses_every_jit_compile_inside_a_real_capture(runs):
+    result, lines = runs["sealed_strict"]
+    seen = probes(result)
+    assert seen.pop("outside") == {"triton": "ran", "inductor": "ran",
+                                   "load_jit": "sglang's own refusal (SGLANG_CRASH_ON_JIT_COMPILE)"}
+    assert set(seen) == {f"{b} capture" for b in BACKENDS}, seen
+    for where, outcome in seen.items():
+        for library, prefix in SEALED.items():
+            assert outcome[library].startswith(f"refused: {prefix}"), (where, library, outcome)
+    assert any("refused (JITWARM_STRICT=1)" in line for line in lines), lines
+    assert not [line for line in lines if "is compiled or loaded during CUDA-graph capture" in line]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_the_plugin_nothing_drains_between_the_last_warmup_and_capture(without_plugin, backend):
     result, lines = without_plugin
@@ -141,9 +197,10 @@ def test_the_plugin_is_found_through_its_entry_point_and_says_what_it_installed(
                 "tc_piecewise_cuda_graph_backend.TcPiecewiseCudaGraphBackend"):
         assert any(f"Applied 1 hook(s) to sglang.srt.model_executor.runner_backend.{cls}.capture_one "
                    "(from: plugin=jitwarm, dist=jitwarm)" in line for line in result["log"]), cls
-    assert len(lines) == 2, lines  # what it installed; then, at the first capture (logging is set up by then)
+    assert len(lines) == 3, lines  # what it installed; then, at the first capture (logging is set up by then)
     assert " INFO jitwarm: sglang plugin installed: drain " in lines[0] and "no plan (JITWARM_CONFIG unset)" in lines[0]
-    assert lines[1].endswith(" INFO jitwarm: capture drain active in FullCudaGraphBackend: device synchronize + TP "
+    assert " INFO jitwarm: capture seals armed: " in lines[1]  # what this process imported (probed: test above)
+    assert lines[2].endswith(" INFO jitwarm: capture drain active in FullCudaGraphBackend: device synchronize + TP "
                              "barrier after every warmup")
     assert not any("model_runner.ModelRunner.__init__" in line for line in result["log"])  # drain only: no warm hook
 

@@ -26,9 +26,9 @@ from plugin_scenarios import run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "vllm_plugin_worker.py"
 #: What the worker imports of vLLM, imported once before the scenarios fork (none of it loads the plugins).
-PRELOAD = ("torch", "vllm.plugins", "vllm.distributed.parallel_state", "vllm.config.compilation",
-           "vllm.forward_context", "vllm.v1.worker.gpu.cudagraph_utils", "vllm.v1.worker.gpu.model_runner",
-           "vllm.v1.worker.gpu_model_runner")
+PRELOAD = ("torch", "triton", "torch._inductor.compile_fx", "vllm.plugins", "vllm.distributed.parallel_state",
+           "vllm.config.compilation", "vllm.forward_context", "vllm.v1.worker.gpu.cudagraph_utils",
+           "vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner")
 DRAIN = ["synchronize[jitwarm]", "barrier[jitwarm]"]
 TINY_TOML = """\
 compress_ratios = [4]
@@ -38,13 +38,19 @@ num_q_heads = 2
 dtype = "float32"
 targets = ["cpu"]
 """
+PROBE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "{tmp}/inductor", "TRITON_CACHE_DIR": "{tmp}/triton"}
 SCENARIOS = {
     "without_plugin": ({"VLLM_PLUGINS": "someone_else"}, ()),
     "with_plugin": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_RECORD": "{tmp}/server.jsonl", "CUDA_CACHE_PATH": "{tmp}/nv"},
                     ()),
     "inert": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_VLLM_PLUGIN": "0"}, ()),
     "with_plan": ({"VLLM_PLUGINS": "jitwarm", "JITWARM_CONFIG": "{tmp}/jitwarm.toml"}, ("--plan",)),
+    # a new Triton kernel and Inductor graph outside capture, then inside the first capture of each path
+    "sealed": ({**PROBE_ENV, "VLLM_PLUGINS": "jitwarm"}, ("--probe",)),
+    "sealed_strict": ({**PROBE_ENV, "VLLM_PLUGINS": "jitwarm", "JITWARM_STRICT": "1"}, ("--probe",)),
 }
+CAPTURES = ("v2 PIECEWISE capture", "v2 FULL capture", "v1 FULL capture")
+SEALED = {"triton": "Triton kernel capture_probes:add_one add_one[", "inductor": "Inductor compile of "}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +91,39 @@ def v2_spans(order: list[str]) -> list[list[str]]:
 
 def show(title: str, result: dict) -> None:
     print(f"\n{title}\n  V2: {' > '.join(result['v2'])}\n  V1: {' > '.join(result['v1'])}")
+
+
+def probes(result: dict) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for o in result["probes"]:
+        out.setdefault(o["where"], {})[o["probe"]] = o["outcome"]
+    return out
+
+
+def test_inside_vllm_s_real_captures_the_plugin_names_every_jit_compile_and_lets_it_run(runs):
+    """Default (vLLM's --jit-monitor-mode warn): a Triton compile or an Inductor compile inside the V2 manager's
+    PIECEWISE and FULL captures and the V1 runner's capture is logged by name, and runs; outside, nothing is said."""
+    result, lines = runs["sealed"]
+    seen = probes(result)
+    assert set(seen) == {"outside", *CAPTURES}, seen
+    assert all(outcome == {"triton": "ran", "inductor": "ran"} for outcome in seen.values()), seen
+    assert any("seals inside each capture:" in line and "logged (JITWARM_STRICT=1 refuses them)" in line
+               for line in lines), lines
+    warned = [line.split("jitwarm: ", 1)[1] for line in lines if "during CUDA-graph capture" in line]
+    for prefix in SEALED.values():
+        assert sum(w.startswith(prefix) for w in warned) == len(CAPTURES), (prefix, warned)
+    assert len(warned) == len(SEALED) * len(CAPTURES), warned
+
+
+def test_under_strict_the_plugin_refuses_every_jit_compile_inside_vllm_s_real_captures(runs):
+    result, lines = runs["sealed_strict"]
+    seen = probes(result)
+    assert seen.pop("outside") == {"triton": "ran", "inductor": "ran"}
+    assert set(seen) == set(CAPTURES), seen
+    for where, outcome in seen.items():
+        for library, prefix in SEALED.items():
+            assert outcome[library].startswith(f"refused: {prefix}"), (where, library, outcome)
+    assert any("refused (JITWARM_STRICT=1)" in line for line in lines), lines
 
 
 def test_without_the_plugin_nothing_meets_between_warmup_and_capture(runs):

@@ -93,8 +93,11 @@ class ServerAdapter(Protocol):
     def start_warnings(self, environ: Mapping[str, str]) -> list[str]:
         """Why a start of the server in ``environ`` could not be restored to compile nothing (``capture`` says it)."""
 
-    def seal(self, undo: list[Any]) -> None:
-        """Make the server's own JIT refuse to compile or load while capture is guarded; append the undo calls."""
+    def seal(self, refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
+        """Hand each compile or load of the server's own JIT to ``refuse(what)`` (which may raise).
+
+        Returns the seal's name and its undo, or None where the server has no JIT of its own in this process.
+        """
 
 
 class UnknownServer(UsageError):

@@ -12,10 +12,11 @@ synchronize and meet. A failure is logged and the plain drain runs instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jitwarm.cache import settings
@@ -80,6 +81,47 @@ def report_ledger(log: logging.Logger) -> None:
         ledger.report_after_capture()
     except Exception as exc:  # the server has its graphs: a ledger that fails is said, never fatal
         log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
+
+
+#: What the seals watch inside each capture, where the library is in the process (:func:`sealed`).
+SEALS = "Triton compile, sglang load_jit, Inductor compile, tvm-ffi build and load"
+
+
+def seal_line() -> str:
+    """The plugin line's part about the seals."""
+    return f"seals inside each capture: {SEALS}, " + (
+        "refused (JITWARM_STRICT=1)" if strict() else "logged (JITWARM_STRICT=1 refuses them)")
+
+
+@contextlib.contextmanager
+def sealed(log: logging.Logger) -> Iterator[None]:
+    """Around one capture: a JIT compile or module load while the stream captures is logged, refused under strict.
+
+    Without it the guard watched only jitwarm's own dispatcher: a Triton compile or a ``load_jit`` build inside a
+    real server's capture passed unseen (issue #31). The seal watches the stream, not the guard: in plan mode the
+    guard is armed from the first capture on, and a later graph's warmup may still compile, outside any capture.
+    The first capture says which seals this process has (those of the libraries it imported).
+    """
+    from jitwarm.kernels.capture import stream_is_capturing
+    from jitwarm.precompile.guard import ThirdPartySeal
+
+    seal = ThirdPartySeal(mode="error" if strict() else "warn", when=stream_is_capturing, log=log)
+    try:
+        armed = seal.install()
+    except Exception as exc:  # the seals only watch: a failure to arm them never takes the capture away
+        failed(log, "arming the capture seals", exc)
+        armed = None
+    if armed is not None and not _said["seals"]:
+        _said["seals"] = True
+        log.info("jitwarm: capture seals armed: %s (%s)", ", ".join(armed) or "none: no JIT library imported",
+                 "refused" if seal.mode == "error" else "logged; JITWARM_STRICT=1 refuses them")
+    try:
+        yield
+    finally:
+        seal.remove()
+
+
+_said = {"seals": False}
 
 
 class PlanMode:

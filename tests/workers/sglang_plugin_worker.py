@@ -1,6 +1,6 @@
 """Drive real sglang 0.5.23 CUDA-graph backends' ``capture_one`` after sglang's own ``load_plugins()``.
 
-Usage: ``python sglang_plugin_worker.py OUT.json [--plan [--tp N] [--then-strict]]``. The environment
+Usage: ``python sglang_plugin_worker.py OUT.json [--plan [--tp N] [--then-strict]] [--probe]``. The environment
 decides the plugin (``SGLANG_PLUGINS``, ``JITWARM_SGLANG_PLUGIN``, ``JITWARM_CONFIG``). The backends are
 sglang's own classes; the only fakes are the two things a CPU box lacks: the GPU device module
 (``synchronize``, ``graph(...)``) and the TP group (``barrier``), plus a recorder for ``torch.cuda.CUDAGraph``
@@ -12,7 +12,9 @@ OUT.json per backend and per way of passing ``post_warmup_hook`` (keyword, posit
 ``server_args`` holding the capture fields (``tp_size=N``); sglang's own body then stops at its first line
 that needs a published config (``assert_published``), after the plugin's hook has started the warm;
 ``--then-strict`` calls it once more under ``JITWARM_STRICT=1``. At each ``CUDAGraph()`` the recorder also
-notes how many plan specs are loaded and whether the guard is armed.
+notes how many plan specs are loaded and whether the guard is armed. ``--probe`` compiles a new Triton kernel, a
+new Inductor graph and an sglang ``load_jit`` module outside any capture, then inside each backend's capture
+(``capture_probes.py``; the faked device's graph context is what says "capturing").
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ import types
 
 CALLS: list[str] = []
 PLAN_SPECS: list = []
+PROBES: list = []  # --probe: the capture_probes module
+
+
+def _capturing(on: bool) -> None:
+    """The faked device's capture state (read by the probes' faked ``is_current_stream_capturing``)."""
+    if PROBES:
+        PROBES[0].CAPTURING[0] = on
 
 
 def _who() -> str:
@@ -45,7 +54,11 @@ class FakeDeviceModule:
     @contextlib.contextmanager
     def graph(self, cuda_graph=None, pool=None, stream=None):
         CALLS.append("graph.enter")
-        yield
+        _capturing(True)
+        try:
+            yield
+        finally:
+            _capturing(False)
         CALLS.append("graph.exit")
 
 
@@ -73,8 +86,10 @@ class RecordedCUDAGraph:
 
     def capture_begin(self, *args, **kwargs) -> None:
         CALLS.append("capture_begin")
+        _capturing(True)
 
     def capture_end(self) -> None:
+        _capturing(False)
         CALLS.append("capture_end")
 
     def instantiate(self) -> None:
@@ -98,11 +113,21 @@ def runner():
     return r
 
 
-def forward_fn(size: int):
+def forward_fn(size: int, backend: str = ""):
     import torch
+
+    calls = []
 
     def forward():
         CALLS.append("forward")
+        calls.append(1)
+        if PROBES:  # --probe: compile one new kernel of each JIT library inside the capture
+            probes = PROBES[0]
+            if backend == "tc_piecewise" and len(calls) == 2:  # sglang's FX backend captures this forward's pieces
+                with probes.capturing():
+                    probes.probe(f"{backend} capture", load_jit=True)
+            elif probes.CAPTURING[0]:
+                probes.probe(f"{backend} capture", load_jit=True)
         return torch.zeros(size, 4)
     return forward
 
@@ -130,17 +155,17 @@ def make_backends() -> dict:
     return backends
 
 
-def capture(backend, how: str, size: int) -> list[str]:
+def capture(backend, how: str, size: int, name: str = "") -> list[str]:
     from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
     CALLS.clear()
     key = ShapeKey(size=size)
     if how == "keyword":
-        backend.capture_one(key, forward_fn(size), post_warmup_hook=server_hook)
+        backend.capture_one(key, forward_fn(size, name), post_warmup_hook=server_hook)
     elif how == "positional":
-        backend.capture_one(key, forward_fn(size), None, server_hook)
+        backend.capture_one(key, forward_fn(size, name), None, server_hook)
     else:
-        backend.capture_one(key, forward_fn(size))
+        backend.capture_one(key, forward_fn(size, name))
     return list(CALLS)
 
 
@@ -197,11 +222,18 @@ def main() -> None:
     tp_size = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1
     result: dict = {"plan": start_plan(tp_size, "--then-strict" in flags) if plan_mode else None, "orders": {}}
     torch.cuda.CUDAGraph = RecordedCUDAGraph
+    if "--probe" in flags:
+        import capture_probes
+
+        capture_probes.install()
+        PROBES.append(capture_probes)
+        capture_probes.probe("outside", load_jit=True)
     with get_parallel().override(tp_group=FakeTPGroup()):  # sglang's own override of the process's TP group
         backends = make_backends()
         for name, backend in backends.items():
-            result["orders"][name] = {how: capture(backend, how, size=2)
-                                      for how in ("keyword", "positional", "absent")}
+            hows = ("keyword",) if PROBES else ("keyword", "positional", "absent")
+            result["orders"][name] = {how: capture(backend, how, size=2, name=name) for how in hows}
+    result["probes"] = PROBES[0].OUTCOMES if PROBES else None
     if plan_mode:
         from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
 

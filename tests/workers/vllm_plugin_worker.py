@@ -1,7 +1,7 @@
 """Drive vLLM 0.33.0's real capture code after vLLM's own ``load_general_plugins()``, recording the call order.
 
-Usage: ``python vllm_plugin_worker.py OUT.json [--plan]``. The environment decides the plugin (``VLLM_PLUGINS``,
-``JITWARM_VLLM_PLUGIN``, ``JITWARM_CONFIG``). The code run is vLLM's: the V2 runner's
+Usage: ``python vllm_plugin_worker.py OUT.json [--plan] [--probe]``. The environment decides the plugin
+(``VLLM_PLUGINS``, ``JITWARM_VLLM_PLUGIN``, ``JITWARM_CONFIG``). The code run is vLLM's: the V2 runner's
 ``CudaGraphManager.capture`` over two PIECEWISE and two FULL descriptors, and the V1 runner's
 ``GPUModelRunner._capture_cudagraphs`` (which calls ``_warmup_and_capture``) over two FULL descriptors. The ONLY
 fakes are what a CPU box lacks: the device (``torch.accelerator.synchronize``, ``torch.cuda.Stream``,
@@ -12,7 +12,8 @@ without their ``__init__`` (which needs a loaded model), holding what capture re
 factory the V2 runner hands to ``capture`` and, for V1, the runner's ``_dummy_run`` replaced by a recorder before
 the plugins load (the plugin wraps whatever is there). ``--plan`` first calls the V2 runner's ``__init__`` (the
 plugin starts the warm there, then vLLM's own body fails on this CPU box) with a ``vllm_config`` namespace holding
-the capture fields.
+the capture fields. ``--probe`` compiles a new Triton kernel and a new Inductor graph outside any capture, then
+inside the first capture of each path (``capture_probes.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ import sys
 from types import SimpleNamespace
 
 CALLS: list[str] = []
+PROBES: list = []  # --probe: the capture_probes module
+
+
+def probe_inside(where: str) -> None:
+    """--probe: compile a new kernel of each JIT library inside the first capture of each path (``where``)."""
+    if PROBES and where not in {o["where"] for o in PROBES[0].OUTCOMES}:
+        with PROBES[0].capturing():  # the device, faked: the stream captures (as inside vLLM's graph wrapper)
+            PROBES[0].probe(where, load_jit=False)
 
 
 def _who() -> str:
@@ -71,8 +80,21 @@ def driver_jit() -> None:
 @contextlib.contextmanager
 def recorded_graph(graph, pool=None, stream=None, **kwargs):
     CALLS.append("graph.enter")
+    IN_GRAPH.append(True)
     yield
+    IN_GRAPH.pop()
     CALLS.append("graph.exit")
+
+
+IN_GRAPH: list[bool] = []
+
+
+def v2_forward(mode) -> None:
+    CALLS.append(f"forward({mode.name})")
+    if IN_GRAPH:  # a FULL graph: the forward runs inside torch.cuda.graph
+        probe_inside("v2 FULL capture")
+    elif mode.name != "NONE":  # PIECEWISE: vLLM's piecewise backend captures this forward's pieces
+        probe_inside(f"v2 {mode.name} capture")
 
 
 def install_fakes() -> None:
@@ -102,7 +124,7 @@ def v2_capture() -> list[str]:
 
     def create_forward_fn(desc, warmup):
         CALLS.append(f"prepare({desc.cg_mode.name} {desc.num_tokens}{' warmup' if warmup else ''})")
-        return lambda mode: CALLS.append(f"forward({mode.name})")
+        return v2_forward
 
     CALLS.clear()
     with contextlib.redirect_stderr(sys.stdout):  # tqdm's bar
@@ -127,6 +149,8 @@ def v1_capture(runner_cls) -> list[str]:
 def fake_dummy_run(self, num_tokens, cudagraph_runtime_mode=None, *args, is_graph_capturing=False, **kwargs):
     """Stands in for the model forward of V1's dummy run (it needs a loaded model)."""
     CALLS.append(f"forward({cudagraph_runtime_mode.name} {num_tokens}{' capture' if is_graph_capturing else ''})")
+    if is_graph_capturing:
+        probe_inside(f"v1 {cudagraph_runtime_mode.name} capture")
 
 
 def start_runner(tp_size: int) -> str:
@@ -156,6 +180,12 @@ def main() -> int:
 
     vllm.plugins.load_general_plugins()
     install_fakes()
+    if "--probe" in sys.argv:
+        import capture_probes
+
+        capture_probes.install()
+        PROBES.append(capture_probes)
+        capture_probes.probe("outside", load_jit=False)
     result = {"manager": "TRITON_CACHE_MANAGER" in __import__("os").environ}
     if plan:
         result["runner_init"] = start_runner(2)
@@ -163,6 +193,7 @@ def main() -> int:
     result["v1"] = v1_capture(V1Runner)
     from jitwarm.precompile.servers.vllm import plugin
 
+    result["probes"] = PROBES[0].OUTCOMES if PROBES else None
     result["captured"] = dict(plugin._recorder.captured) if plugin._recorder is not None else None
     if plan:
         result["plan_specs"] = len(plugin._plan.plan.specs) if plugin._plan.plan is not None else None

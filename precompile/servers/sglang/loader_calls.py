@@ -2,20 +2,19 @@
 
 ``load_jit`` looks its build up with ``_find_prebuilt``; found, it loads it (a hit); not found, it takes
 ``_build_lock``, looks again (another rank may have built it) and compiles only if that finds nothing
-(compile/loader.py:135-160). Both are module globals looked up on each call, where the capture seal watches too
-(:mod:`.seals`). :class:`LoaderCalls` is the ledger's ``load_jit`` watcher; each build directory
+(compile/loader.py:135-160); :mod:`.loader_tap` hands both calls to its subscribers, the capture seal among them.
+:class:`LoaderCalls` is the ledger's ``load_jit`` watcher; each build directory
 (``<cache>/<tag>/<module>/build-<key>``, compile/cache.py:322-325) is one state, named by module and key.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from jitwarm.precompile.ledger import FamilyCount
-from jitwarm.precompile.servers.sglang.seals import LOADER
+from jitwarm.precompile.servers.sglang.loader_tap import TAP, loader
 
 
 class LoaderCalls:
@@ -28,50 +27,34 @@ class LoaderCalls:
         self.root: Path | None = None
         self.present: int | None = None
         self._lock = threading.Lock()
-        self._undo: list[Any] = []
 
     def install(self) -> LoaderCalls:
-        """Watch the loader when this process runs sglang (nothing is imported for it otherwise)."""
-        import importlib
-
-        if "sglang" not in sys.modules:
+        """Subscribe to the loader tap when this process runs sglang (nothing is imported for it otherwise)."""
+        if not TAP.subscribe(self):
             return self
-        try:
-            loader = importlib.import_module(LOADER)
-        except Exception:  # noqa: BLE001 - a loader that does not import here runs no load_jit either
-            return self
-        find, lock = getattr(loader, "_find_prebuilt", None), getattr(loader, "_build_lock", None)
-        if find is None or lock is None:
-            return self
-
-        def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
-            found = find(*args, **kwargs)
-            scope = str(kwargs.get("scope", args[-1] if args else ""))
-            with self._lock:
-                if found is not None:  # first look or behind the lock (another rank built it): served
-                    self.scopes[scope] = "served"
-                elif self.scopes.get(scope) == "building":  # not found behind the lock: load_jit compiles
-                    self.scopes[scope] = "compiled"
-            return found
-
-        def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.scopes[str(scope)] = "building"
-            return lock(scope, *args, **kwargs)
-
-        cache = getattr(loader, "cache", None)  # compile/cache.py, as the loader imports it
+        cache = getattr(loader(), "cache", None)  # compile/cache.py, as the loader imports it
         if cache is not None and hasattr(cache, "cache_root"):
             self.root = Path(cache.cache_root())
             self.present = len(builds(self.root))
-        loader._find_prebuilt, loader._build_lock = find_prebuilt, build_lock
-        self._undo.append(lambda: (setattr(loader, "_find_prebuilt", find), setattr(loader, "_build_lock", lock)))
         self.watched = True
         return self
 
     def remove(self) -> None:
-        """Put the loader's own functions back."""
-        while self._undo:
-            self._undo.pop()()
+        """Stop counting (the tap puts the loader's own functions back when nobody else listens)."""
+        TAP.unsubscribe(self)
+
+    def looked_up(self, spec: Any, scope: Any, found: Any) -> None:
+        """A look-up of ``scope``: found, it is served; not found behind the build lock, it is compiled."""
+        with self._lock:
+            if found is not None:  # first look or behind the lock (another rank built it): served
+                self.scopes[str(scope)] = "served"
+            elif self.scopes.get(str(scope)) == "building":  # not found behind the lock: load_jit compiles
+                self.scopes[str(scope)] = "compiled"
+
+    def building(self, scope: Any) -> None:
+        """The build lock of ``scope`` taken: the next look-up that finds nothing means a compile."""
+        with self._lock:
+            self.scopes[str(scope)] = "building"
 
     def count(self) -> FamilyCount:
         """The ``load_jit`` family's count: builds served, builds compiled (named ``<module> build-<key>``)."""

@@ -85,8 +85,8 @@ def register() -> None:
         if _plan.active:  # the model-runner hook also raises a bad file under JITWARM_STRICT=1
             HookRegistry.register(f"{MODEL_RUNNER}.__init__", _around_model_runner_init, HookType.AROUND)
         what = "capture hook" if _plan.active and _plan.error is None else "drain (device synchronize + TP barrier)"
-        log.info("jitwarm: sglang plugin installed: %s after every capture warmup of %s; %s", what,
-                 ", ".join(path.rsplit(".", 1)[1] for path in hooked), _plan.describe())
+        log.info("jitwarm: sglang plugin installed: %s after every capture warmup of %s; %s; %s", what,
+                 ", ".join(path.rsplit(".", 1)[1] for path in hooked), _plan.describe(), plugins.seal_line())
     except Exception as exc:
         plugins.failed(log, "installing the sglang plugin", exc)
 
@@ -116,7 +116,10 @@ def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: A
 
 
 def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``capture_one``: the server's ``post_warmup_hook`` (given or not) followed by the drain."""
+    """AROUND hook of ``capture_one``: the server's ``post_warmup_hook`` (given or not) followed by the drain.
+
+    The whole call runs sealed (:func:`..plugins.sealed`): a JIT compile or load while its graph captures is named.
+    """
     bound = inspect.signature(original).bind(backend, *args, **kwargs)  # positional, keyword or absent alike
     server_hook = bound.arguments.get("post_warmup_hook")
     if _plan.plan is not None and _plan.hook is None:
@@ -133,7 +136,8 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
         _drain(backend)
 
     bound.arguments["post_warmup_hook"] = post_warmup_hook
-    graph = original(*bound.args, **bound.kwargs)
+    with plugins.sealed(log):
+        graph = original(*bound.args, **bound.kwargs)
     if _recorder is not None:  # JITWARM_RECORD: store the JIT cache units compiled so far now; a server is
         _recorder.capture()    # stopped by a signal, so its recorder's stop and atexit never run
     return graph

@@ -1,57 +1,39 @@
-"""sglang's ``load_jit`` sealed inside capture: a compile or a module load there raises, naming the module."""
+"""sglang's ``load_jit`` sealed inside capture: a compile or a module load there is refused, naming the module."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from jitwarm.kernels.capture import CompileDuringCaptureError, stream_is_capturing
-
-#: The module of sglang's JIT loader (sglang/kernels/jit/utils/compile/loader.py).
-LOADER = "sglang.kernels.jit.utils.compile.loader"
+from jitwarm.precompile.servers.sglang.loader_tap import TAP
 
 
-def seal(undo: list[Any]) -> None:
-    """Seal sglang's JIT loader where every ``load_jit`` call passes, whoever imported it by name.
+class _Seal:
+    """The loader tap's subscriber: each look-up is a load (found) or the compile that follows (not found)."""
 
-    Kernel modules bind ``load_jit`` at import, so wrapping it would miss them; the loader looks up
-    ``_find_prebuilt`` (a hit: a dlopen follows) and ``_build_lock`` (a compile) as module globals on each call
-    (loader.py:135, :158). The load is refused at the lookup: sglang catches any exception of the dlopen itself
-    and rebuilds (loader.py:136-145).
-    """
-    loader = sys.modules.get(LOADER)
-    if loader is None:  # never imported: no load_jit can run in this process without importing it first
-        return
-    find, lock = getattr(loader, "_find_prebuilt", None), getattr(loader, "_build_lock", None)
+    def __init__(self, refuse: Callable[[str], None]) -> None:
+        self.refuse = refuse
 
-    def find_prebuilt(*args: Any, **kwargs: Any) -> Any:
-        found = find(*args, **kwargs)
-        if found is not None and _guarded():
-            raise _refusal("load", found)
-        return found
-
-    def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
-        if _guarded():
-            raise _refusal("compile", scope)
-        return lock(scope, *args, **kwargs)
-
-    for name, original, sealed in (("_find_prebuilt", find, find_prebuilt), ("_build_lock", lock, build_lock)):
-        if original is not None:
-            sealed.__wrapped__ = original  # type: ignore[attr-defined]
-            undo.append(lambda n=name, f=original: setattr(loader, n, f))
-            setattr(loader, name, sealed)
+    def looked_up(self, spec: Any, scope: Any, found: Any) -> None:
+        # At the look-up, not at the load or the build: sglang catches any exception of the dlopen itself and
+        # rebuilds (loader.py:136-145), and a miss under SGLANG_CRASH_ON_JIT_COMPILE never takes the build lock.
+        what = f"load of {found}" if found is not None else f"compile of {scope}"
+        self.refuse(f"sglang load_jit module {module_name(spec, found or scope)} ({what})")
 
 
-def _guarded() -> bool:
-    """True while the capture guard is armed or the current stream captures."""
-    from jitwarm.precompile import guard
+def seal(refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
+    """Hand each ``load_jit`` load or compile to ``refuse``; (its name, its undo), or None without sglang here."""
+    subscriber = _Seal(refuse)
+    if not TAP.subscribe(subscriber):
+        return None
+    return "sglang load_jit", lambda: TAP.unsubscribe(subscriber)
 
-    return guard.is_armed() or stream_is_capturing()
 
-
-def _refusal(what: str, path: Any) -> CompileDuringCaptureError:
-    """The refusal of a ``load_jit`` module's load or compile, named by its build path."""
-    parts = getattr(path, "parts", ())  # <cache>/<tag>/<module>/build-<key>[/deps-<key>/<module>.so]
-    module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")
-    return CompileDuringCaptureError(f"sglang load_jit module {module} ({what} of {path})",
-                                     hint=CompileDuringCaptureError.THIRD_PARTY_HINT)
+def module_name(spec: Any, path: Any) -> str:
+    """``BuildSpec.module_name`` (compile/spec.py:55-57), else the name in ``path`` (``<tag>/<module>/build-<key>``)."""
+    name = getattr(spec, "module_name", None)
+    if isinstance(name, str):
+        return name
+    parts = Path(str(path)).parts if path is not None else ()
+    return next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")

@@ -10,7 +10,7 @@ adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jitwarm.precompile.servers import ModelFamilies
@@ -62,14 +62,14 @@ def model_families(families: tuple[str, ...], model_path: str | None,
     return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
 
 
-def seal(undo: list[Any]) -> None:
-    """Nothing of vLLM's own to seal inside a guarded capture; ``undo`` is left as it is.
+def seal(refuse: Callable[[str], None]) -> None:
+    """Nothing of vLLM's own to seal inside capture: None.
 
-    vLLM 0.33.0 compiles through Triton, torch.compile (Inductor) and FlashInfer / DeepGEMM; the Triton compiles
-    are refused by jitwarm's Triton seal, which the capture guard arms for every server. vLLM's own JIT monitor
-    only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
+    vLLM 0.33.0 compiles through Triton, torch.compile (Inductor) and FlashInfer / DeepGEMM (tvm-ffi); the seal
+    watches those libraries for every server (:class:`jitwarm.precompile.guard.ThirdPartySeal`). vLLM's own JIT
+    monitor only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
     """
-    del undo
+    del refuse
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:

@@ -87,7 +87,7 @@ def register() -> None:
             after_import(module, lambda m, c=cls, a=attribute, w=wrap: _wrap(getattr(m, c, None), a, w))
         what = "capture hook" if _plan.active and _plan.error is None else "device synchronize + TP barrier"
         log.info("jitwarm: vllm plugin installed: %s before every CUDA-graph capture (%s.%s.capture, %s.%s._dummy_run);"
-                 " %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe())
+                 " %s; %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe(), plugins.seal_line())
     except Exception as exc:
         plugins.failed(log, "installing the vllm plugin", exc)
 
@@ -140,7 +140,8 @@ def _capture(original: Callable[..., Any]) -> Callable[..., Any]:
                 return forward_fn(mode)
             return forward
 
-        graphs = original(self, create, *args, **kwargs)
+        with plugins.sealed(log):
+            graphs = original(self, create, *args, **kwargs)
         _store_units()
         return graphs
     return capture
@@ -156,11 +157,12 @@ def _dummy_run(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
         capturing = signature.bind(self, *args, **kwargs).arguments.get("is_graph_capturing")
-        if capturing:
-            before_capture(self)
-        out = original(self, *args, **kwargs)
-        if capturing:
-            _store_units()
+        if not capturing:
+            return original(self, *args, **kwargs)
+        before_capture(self)
+        with plugins.sealed(log):
+            out = original(self, *args, **kwargs)
+        _store_units()
         return out
     return dummy_run
 
