@@ -21,7 +21,8 @@ from jitwarm.cache.errors import UsageError
 #: Accessor (and :func:`override` field) name -> the environment variable it reads, ``JITWARM_<NAME>``.
 ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
-    "remote_lease_s", "remote_max_bytes", "bundle_max_file_bytes", "bundle_max_bytes", "prune_grace_s", "jobs",
+    "remote_lease_s", "remote_max_bytes", "remote_min_rate", "bundle_max_file_bytes", "bundle_max_bytes",
+    "prune_grace_s", "jobs",
     "strict", "sglang_plugin", "vllm_plugin", "config", "manifest", "record", "record_caches", "triton_cache",
     "trust_key", "trust_key_file", "ledger")}
 
@@ -81,6 +82,8 @@ triton_cache = _flag("JITWARM_TRITON_CACHE", "0 leaves Triton's own cache manage
 
 remote_lease_s = _number("JITWARM_REMOTE_LEASE_S", float, 30.0, 0.5, "lifetime of a fleet build lease not renewed")
 remote_max_bytes = _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, 0, "larger entries are neither sent nor fetched")
+remote_min_rate = _number("JITWARM_REMOTE_MIN_RATE", int, 1 << 20, 0, "bytes per second below which a download or "
+                          "bundle read is a remote fault (0: no overall deadline)")
 bundle_max_file_bytes = _number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, 0, "a larger bundle member is refused")
 bundle_max_bytes = _number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, 0, "a bundle whose files total more is refused")
 prune_grace_s = _number("JITWARM_PRUNE_GRACE_S", float, 600.0, 0.0, "prune keeps an entry used this recently (0: off)")

@@ -95,7 +95,7 @@ class KernelCache:
             bool(self.remote) and settings.remote_required())
         self._remote = None if self.remote is None else open_store(
             self.remote, self.remote_prefix, required=self.remote_required, max_bytes=settings.remote_max_bytes(),
-            shared=self.allow_shared, count=self._count)
+            min_rate=settings.remote_min_rate(), shared=self.allow_shared, count=self._count)
         self._fleet = None if self._remote is None else Fleet(self._remote, lease_s=settings.remote_lease_s(),
                                                               count=self._count)
 

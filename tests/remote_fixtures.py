@@ -196,7 +196,9 @@ class FaultyProxy:
     """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that breaks the requests it is told to.
 
     ``fault`` (set at any time) is None (pass through), an HTTP status (``403``, ``412``, ``500``: an S3
-    error reply), ``"slow"`` (answer after ``delay`` seconds) or ``"truncated"`` (half the body, then close).
+    error reply), ``"slow"`` (answer after ``delay`` seconds), ``"truncated"`` (half the body, then close) or
+    ``"trickle"`` (the body ``chunk`` bytes at a time, one every ``pace`` seconds: each read is quick, the whole
+    is not).
     Only requests whose path contains ``only`` (``"/blobs/"``) are broken. ``hits`` counts broken requests.
     """
 
@@ -209,6 +211,7 @@ class FaultyProxy:
         self.fault: int | str | None = None
         self.only = only
         self.delay = 3.0
+        self.chunk, self.pace = 100, 0.2
         self.hits = 0
         target = urlsplit(upstream)
         proxy = self
@@ -252,9 +255,22 @@ class FaultyProxy:
                     proxy.hits += 1
                     self.send_header("Connection", "close")
                 self.end_headers()
-                self.wfile.write(data[: len(data) // 2] if cut else data)
-                self.close_connection = cut
+                if fault == "trickle" and self.command == "GET":
+                    proxy.hits += 1
+                    self._trickle(data)
+                else:
+                    self.wfile.write(data[: len(data) // 2] if cut else data)
+                self.close_connection = cut or fault == "trickle"
                 conn.close()
+
+            def _trickle(self, data: bytes) -> None:
+                try:
+                    for i in range(0, len(data), proxy.chunk):
+                        self.wfile.write(data[i:i + proxy.chunk])
+                        self.wfile.flush()
+                        time.sleep(proxy.pace)
+                except OSError:  # the reader gave up: its deadline shut the connection
+                    pass
 
             do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
 

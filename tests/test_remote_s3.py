@@ -268,6 +268,29 @@ def test_each_store_fault_under_a_required_store_names_it(faulty, bucket, tmp_pa
     assert again.outcome == "downloaded"
 
 
+def test_a_store_that_trickles_is_a_fault_its_lock_is_released_and_the_node_builds(faulty, bucket, tmp_path,
+                                                                                   monkeypatch):
+    """Each read of the trickle is quicker than the read timeout (0.5 s here), so only the overall deadline, 0.5 s
+    plus the size at JITWARM_REMOTE_MIN_RATE, ends it: the whole body at the trickle's pace would take 10 s."""
+    faulty.fault = "trickle"
+    assert faulty.pace < 0.5 and len(PAYLOAD) / faulty.chunk * faulty.pace > 10
+    monkeypatch.setenv("JITWARM_REMOTE_MIN_RATE", "5000")
+    node = bucket.cache(tmp_path / "b")
+    started = time.monotonic()
+    result = node.get_or_build_ex(DESC, _build)
+    assert time.monotonic() - started < 6  # the deadline is 0.5 + 5200 / 5000 s
+    assert result.outcome == "built" and faulty.hits >= 1
+    assert "slower than JITWARM_REMOTE_MIN_RATE=5000 bytes/s" in node.remote_error, node.remote_error
+    assert node.verify([result.entry.key]).clean
+    # the key's lock was released: another process takes it at once and finds the entry built
+    again = subprocess.run([sys.executable, "-c", "import sys; from jitwarm.cache import KernelCache; "
+                            f"print(KernelCache(root=sys.argv[1], remote='').get_or_build_ex({DESC!r}, None).outcome)",
+                            str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+    assert again.stdout.split() == ["hit"], again.stderr
+    with pytest.raises(RemoteUnavailable, match="slower than JITWARM_REMOTE_MIN_RATE=5000 bytes/s"):
+        bucket.cache(tmp_path / "c", remote_required=True).get_or_build(DESC, _build)
+
+
 # -- the fleet key: signed on upload, checked on download ----------------------------------------------------
 
 KEY, OTHER_KEY = "fleet-key-0123456789abcdef", "another-key-0123456789abcdef"

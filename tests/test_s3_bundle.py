@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import tarfile
+import time
 
 import pytest
 from precompile_fixtures import TINY_FAST, jitwarm
@@ -104,6 +105,20 @@ def test_each_store_fault_on_import_names_it_and_imports_nothing(bucket, tmp_pat
         proxied.fault = None
         with pytest.raises(UsageError, match=f"bundle {_url(bucket, 'none.tar')} does not exist"):
             cache_for(tmp_path / "node").import_bundle(_url(bucket, "none.tar"))
+
+
+def test_a_bundle_read_that_trickles_ends_at_its_deadline_and_imports_nothing(bucket, tmp_path, origin, proxied,
+                                                                              monkeypatch):
+    cache, keys = origin
+    cache.export_bundle_to_store(keys, _url(bucket))
+    proxied.fault = "trickle"
+    monkeypatch.setenv("JITWARM_REMOTE_MIN_RATE", "5000")
+    started = time.monotonic()
+    with pytest.raises(BundleStoreError, match=f"cannot read bundle {_url(bucket)}: slower than "
+                                               "JITWARM_REMOTE_MIN_RATE=5000 bytes/s") as failed:
+        cache_for(tmp_path / "node").import_bundle(_url(bucket))
+    assert time.monotonic() - started < 15 and failed.value.exit_code == 1 and "\n" not in str(failed.value)
+    assert _published(tmp_path / "node") == [] and not (tmp_path / "node" / "v1" / "staging").exists()
 
 
 def test_a_store_fault_on_export_leaves_no_object_and_no_upload(bucket, tmp_path, origin, proxied, monkeypatch):

@@ -22,7 +22,7 @@ __all__ = ["Fleet", "FleetLease", "LocalSteps", "ObjectStore", "RemoteFailure", 
 
 
 def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared: bool,
-               count: Callable[..., None]) -> RemoteStore | ObjectStore:
+               count: Callable[..., None], min_rate: int = 1 << 20) -> RemoteStore | ObjectStore:
     """Return the store of ``url`` (``s3://``: :class:`ObjectStore`, else Redis); connects to nothing.
 
     Its entries are signed and checked with the fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``). Raises
@@ -31,7 +31,7 @@ def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared:
     key = trust_key()
     if not url.startswith("s3://"):
         return RemoteStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
-                           trust_key=key)
+                           trust_key=key, min_rate=min_rate)
     try:  # found without importing it: ``jitwarm plan`` stays light
         missing = importlib.util.find_spec("boto3") is None
     except (ImportError, ValueError):  # ValueError: set to None in sys.modules (how a test hides it)
@@ -39,4 +39,4 @@ def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared:
     if missing:
         raise SettingError(f"remote {redact(url)} needs boto3, which is not installed: pip install 'jitwarm[s3]'")
     return ObjectStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
-                       trust_key=key)
+                       trust_key=key, min_rate=min_rate)

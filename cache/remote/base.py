@@ -11,9 +11,10 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,8 +40,65 @@ class RemoteFailure(Exception):
     """A call to the remote failed (internal: :meth:`StoreBase.failed` logs it, or raises RemoteUnavailable)."""
 
 
+class TooSlow(RemoteFailure):
+    """A transfer ran past its overall deadline (:func:`deadline`): the store is slower than the minimum rate."""
+
+
 class LeaseWithoutExpiry(RemoteFailure):
     """Another writer set a key's fleet lease without a TTL: this node builds the key locally (internal)."""
+
+
+@contextlib.contextmanager
+def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[], object]) -> Iterator[None]:
+    """Bound one transfer of ``size`` bytes to ``grace_s`` (one read's timeout) plus ``size`` at ``rate`` bytes/s.
+
+    The per-read timeout alone let a store that sends a few bytes now and then hold a download, and the key's
+    lock, for as long as it liked (issue #31: over 300 s). Past the deadline a timer thread calls ``abort()``,
+    which shuts the transfer's socket so the blocked read returns, and the block raises :class:`TooSlow`
+    (``"<what>: slower than ..."``), whatever the read raised or returned. ``rate`` 0: no overall deadline.
+    """
+    if rate <= 0:
+        yield
+        return
+    limit = grace_s + size / rate
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()
+        with contextlib.suppress(Exception):  # a transfer that ended meanwhile: nothing left to shut
+            abort()
+
+    timer = threading.Timer(limit, expire)
+    timer.daemon = True
+    timer.start()
+    slow = (f"{what}: slower than JITWARM_REMOTE_MIN_RATE={rate} bytes/s: {size} bytes not in within "
+            f"{limit:.1f} s")
+    try:
+        yield
+    except Exception as exc:
+        if fired.is_set():
+            raise TooSlow(slow) from exc
+        raise
+    finally:
+        timer.cancel()
+    if fired.is_set():
+        raise TooSlow(slow)
+
+
+def interrupt(stream: Any) -> None:
+    """Shut the socket under an HTTP body (botocore's ``StreamingBody``) so a read blocked on it returns now.
+
+    Closing alone does not wake a ``recv`` blocked in another thread; ``shutdown`` does (urllib3 2.3 and later
+    have ``HTTPResponse.shutdown``; before, the connection's socket is shut directly).
+    """
+    raw = getattr(stream, "_raw_stream", stream)
+    shutdown = getattr(raw, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        return
+    sock = getattr(getattr(raw, "_connection", None), "sock", None)
+    if sock is not None:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(frozen=True)
@@ -121,8 +179,10 @@ class StoreBase:
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
                  shared: bool = False, count: Callable[..., None] | None = None,
-                 trust_key: bytes | None = None) -> None:
+                 trust_key: bytes | None = None, min_rate: int = 1 << 20) -> None:
         self.trust_key = trust_key
+        #: Bytes per second below which a download is a fault of the store (:func:`deadline`; 0: per read only).
+        self.min_rate = min_rate
         self.url = url
         self.display = redact(url)
         self.prefix = prefix

@@ -19,7 +19,7 @@ from jitwarm.cache.entry import MAX_MANIFEST_BYTES, Entry, FileRecord, unpack_en
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease, StoreBase, strings
+from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease, StoreBase, deadline, strings
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
@@ -122,7 +122,12 @@ class RemoteStore(StoreBase):
     def fetch(self, key: str, dest: Path) -> Entry | None:
         """Download ``key``'s entry as :meth:`StoreBase.fetch` says, sized on the server (the _FETCH script)."""
         args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
-        reply = self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args))
+        # The reply's size is known to the server only: bounded by the caps it checks. A deadline past it shuts
+        # the pool's sockets (redis-py's disconnect shuts each one), which ends the blocked read.
+        client = self._client()
+        with deadline(f"download: {self.entry_name(key)}", self.max_bytes + MAX_MANIFEST_BYTES + MAX_META_BYTES,
+                      READ_TIMEOUT_S, self.min_rate, client.connection_pool.disconnect):
+            reply = self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args))
         status = reply[0] if isinstance(reply, list) and reply else None
         if status in (0, 2):
             return None  # nothing there, or the entry we rejected before: not worth a download

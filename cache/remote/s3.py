@@ -26,7 +26,7 @@ from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, FileRecord,
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.remote.base import RemoteFailure, StoreBase, strings
+from jitwarm.cache.remote.base import RemoteFailure, StoreBase, deadline, interrupt, strings
 from jitwarm.cache.remote.s3_lease import ObjectLease
 from jitwarm.cache.signing import check
 
@@ -130,7 +130,9 @@ class ObjectStore(StoreBase):
             if size > limit and not clip:
                 reply["Body"].close()
                 raise CorruptEntry(f"object {name} is {size} bytes, over its cap of {limit}")
-            body = reply["Body"].read(min(size, limit))
+            with deadline(f"{what}: {name}", min(size, limit), READ_TIMEOUT_S, self.min_rate,
+                          lambda: interrupt(reply["Body"])):
+                body = reply["Body"].read(min(size, limit))
             reply["Body"].close()
             if len(body) < min(size, limit):  # the connection dropped mid-body: a fault, not a bad object
                 raise RemoteFailure(f"{what}: {name}: body cut short at {len(body)} of {size} bytes")

@@ -4,7 +4,8 @@ Both stream, never a local copy: the tar goes up as a multipart upload one :data
 and comes down from the object's body into the validating unpacker (:func:`jitwarm.cache.bundle.unpack_stream`),
 which hashes every byte so a ``--sha256`` pin is compared before anything is published. The object appears
 only when its upload completes: an export cut short (a store fault, a full disk, Ctrl-C) aborts it. A store
-fault (down, 403, a body cut short) is :class:`BundleStoreError` (exit 1) naming it; a bad bundle stays the
+fault (down, 403, a body cut short, a read slower than ``JITWARM_REMOTE_MIN_RATE``) is :class:`BundleStoreError`
+(exit 1) naming it; a bad bundle stays the
 unpacker's ``CacheError`` (exit 4 from the CLI).
 """
 
@@ -20,8 +21,10 @@ from urllib.parse import urlsplit
 from jitwarm.cache.bundle import is_gzip_name, write_members
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError, UsageError
+from jitwarm.cache.remote import s3
+from jitwarm.cache.remote.base import TooSlow, deadline, interrupt
 from jitwarm.cache.remote.s3 import MULTIPART_BYTES, client_errors, describe, new_client
-from jitwarm.cache.settings import SettingError
+from jitwarm.cache.settings import SettingError, remote_min_rate
 
 #: Size of each uploaded part (S3: 5 MiB at least but the last, 10,000 parts at most: 640 GiB at 64 MiB).
 PART_BYTES = MULTIPART_BYTES
@@ -80,9 +83,14 @@ def open_bundle(url: str) -> Iterator[Any]:
         raise UsageError(f"bundle {url} does not exist") from None
     except client_errors() as exc:
         raise BundleStoreError(f"cannot read bundle {url}: {describe(exc)}") from exc
-    body = _Body(reply["Body"], int(reply.get("ContentLength") or 0), url)
-    try:
-        yield body
+    size = int(reply.get("ContentLength") or 0)
+    body = _Body(reply["Body"], size, url)
+    try:  # the whole read has its deadline (JITWARM_REMOTE_MIN_RATE), not only each socket read
+        with deadline(f"cannot read bundle {url}", size, s3.READ_TIMEOUT_S, remote_min_rate(),
+                      lambda: interrupt(reply["Body"])):
+            yield body
+    except TooSlow as exc:
+        raise BundleStoreError(f"{exc} (read {body.read_bytes})") from exc
     finally:
         with contextlib.suppress(Exception):
             reply["Body"].close()
