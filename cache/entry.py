@@ -77,14 +77,17 @@ class Entry:
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Turn a finished build directory into an entry, ready to be renamed into place.
 
-    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last. Raises
-    ``CacheError`` when the build wrote no files, a link or special file, or an ``entry.json``.
+    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last. A file nobody but
+    its owner may read stays so (0400, 0500) unless the root is ``shared``: a captured 0600 file was stored
+    readable by everyone (issue #31). Raises ``CacheError`` when the build wrote no files, a link or special
+    file, or an ``entry.json``.
     """
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
         if rel == MANIFEST:
             raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
-        (staging / rel).chmod(0o555 if st.st_mode & 0o111 else 0o444)
+        mode = 0o555 if st.st_mode & 0o111 else 0o444
+        (staging / rel).chmod(mode if shared or st.st_mode & 0o044 else mode & 0o500)
         digest, sig[rel] = _hash_file(staging / rel, rel)
         records.append(FileRecord(rel, sig[rel][2], digest))
     if not records:

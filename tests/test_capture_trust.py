@@ -94,3 +94,12 @@ def test_a_shared_cache_the_operator_allows_is_recorded(tmp_path, inductor, othe
     monkeypatch.setenv("JITWARM_ALLOW_SHARED", "1")
     units = run(tmp_path, inductor, planted_by(other_user))
     assert units == ["ha/cgood", "pl/cplanted"]
+
+
+def test_a_private_file_is_stored_private(tmp_path, inductor):
+    """A unit file the library wrote 0600 is stored 0400, never readable by others; a 0644 one is 0444."""
+    with record(tmp_path / "m.jsonl", KernelCache(tmp_path / "cache")):
+        so = write_unit(inductor, GOOD)
+        so.chmod(0o600)
+    stored = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "cache").rglob("cgood.main.*")}
+    assert stored == {"cgood.main.so": 0o400, "cgood.main.cpp": 0o444}, stored

@@ -151,8 +151,8 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
                 shutil.copyfile(root / rel, dest)
             else:
                 dest.write_bytes(rules.stored_bytes(root, rel))
-            if (root / rel).stat().st_mode & 0o111:
-                dest.chmod(0o755)
+            # who may read and run it, as the library left it: the seal keeps a private file private
+            dest.chmod((root / rel).stat().st_mode & 0o555 | 0o600)
 
     artifact(spec, cache).get_or_build(cache, capture=capture)
     return spec
