@@ -16,6 +16,14 @@ from pathlib import Path
 ZYGOTE = Path(__file__).resolve().parent / "workers" / "zygote.py"
 
 
+def probes(result: dict) -> dict[str, dict[str, str]]:
+    """A ``--probe`` scenario's outcomes (``workers/capture_probes.py``): where -> library -> outcome."""
+    out: dict[str, dict[str, str]] = {}
+    for o in result["probes"]:
+        out.setdefault(o["where"], {})[o["probe"]] = o["outcome"]
+    return out
+
+
 def run_scenarios(worker: Path, scenarios: Mapping[str, tuple[dict, Sequence[str]]], base_env: Mapping[str, str],
                   preload: Sequence[str], tmp_path_factory, toml: str, plugin_logger: str,
                   timeout: float) -> dict[str, tuple[dict, list[str]]]:

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from plugin_scenarios import run_scenarios
+from plugin_scenarios import probes, run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sglang_plugin_worker.py"
 #: What the worker imports of sglang, imported once before the scenarios fork (none of it loads the plugins).
@@ -115,14 +115,6 @@ def with_plugin(runs):
 @pytest.fixture(scope="module")
 def with_plan(runs):
     return runs["with_plan"]
-
-
-def probes(result: dict) -> dict[str, dict[str, str]]:
-    """The probes' outcomes: where -> library -> outcome."""
-    out: dict[str, dict[str, str]] = {}
-    for o in result["probes"]:
-        out.setdefault(o["where"], {})[o["probe"]] = o["outcome"]
-    return out
 
 
 SEALED = {"triton": "Triton kernel capture_probes:add_one add_one[", "inductor": "Inductor compile of ",

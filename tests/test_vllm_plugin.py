@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import vllm_wheel
-from plugin_scenarios import run_scenarios
+from plugin_scenarios import probes, run_scenarios
 
 WORKER = Path(__file__).resolve().parent / "workers" / "vllm_plugin_worker.py"
 #: What the worker imports of vLLM, imported once before the scenarios fork (none of it loads the plugins).
@@ -91,13 +91,6 @@ def v2_spans(order: list[str]) -> list[list[str]]:
 
 def show(title: str, result: dict) -> None:
     print(f"\n{title}\n  V2: {' > '.join(result['v2'])}\n  V1: {' > '.join(result['v1'])}")
-
-
-def probes(result: dict) -> dict[str, dict[str, str]]:
-    out: dict[str, dict[str, str]] = {}
-    for o in result["probes"]:
-        out.setdefault(o["where"], {})[o["probe"]] = o["outcome"]
-    return out
 
 
 def test_inside_vllm_s_real_captures_the_plugin_names_every_jit_compile_and_lets_it_run(runs):
