@@ -96,9 +96,8 @@ class ThirdPartySeal:
         if mode not in ("error", "warn"):
             raise ValueError(f"mode must be error or warn, got {mode!r}")
         self.mode, self.when, self.log = mode, when or guarded, log or _log
-        #: What :meth:`install` sealed (``Triton compile``, ``sglang load_jit`` ...), and what ``warn`` logged.
+        #: What :meth:`install` sealed (``Triton compile``, ``sglang load_jit`` ...).
         self.armed: list[str] = []
-        self.logged: list[str] = []
         self._said: set[tuple[str, Any]] = set()
         self._undo: list[Callable[[], Any]] = []
         self._lock = threading.Lock()
@@ -139,7 +138,6 @@ class ThirdPartySeal:
             if (what, key) in self._said:
                 return
             self._said.add((what, key))
-            self.logged.append(what)
         self.log.warning("jitwarm: %s is compiled or loaded during CUDA-graph capture: a driver call inside the "
                          "capture can kill the server (sglang #33356); JITWARM_STRICT=1 refuses it. %s", what,
                          CompileDuringCaptureError.THIRD_PARTY_HINT)
