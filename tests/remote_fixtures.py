@@ -71,6 +71,54 @@ class RedisServer:
         self.proc.wait(timeout=10)
 
 
+class TrickleProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``port``: what the client sends passes at once; what comes back passes
+    at once too, or, while ``trickle`` is set, ``chunk`` bytes every ``pace`` seconds (each read is quick, the
+    whole reply is not). ``trickled`` counts connections that trickled. Stopped with :meth:`stop`."""
+
+    def __init__(self, port: int) -> None:
+        import threading
+
+        self.trickle = False
+        self.chunk, self.pace = 100, 0.2
+        self.trickled = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._upstream = port
+        self._threads = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # stopped
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._threads.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            self._threads.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, back: bool) -> None:
+        counted = False
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if not (back and self.trickle):
+                    dst.sendall(data)
+                    continue
+                if not counted:
+                    self.trickled, counted = self.trickled + 1, True
+                for i in range(0, len(data), self.chunk):
+                    dst.sendall(data[i:i + self.chunk])
+                    time.sleep(self.pace)
+        for s in (src, dst):  # one side closed or was shut: close both, so the other pipe ends too
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def stop(self) -> None:
+        self._listener.close()
+
+
 class Remote:
     """One test's view of the shared Redis: its URL and a namespace (key prefix) no other test uses."""
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from remote_fixtures import RedisServer, free_port, redis_server_binary
+from remote_fixtures import RedisServer, TrickleProxy, free_port, redis_server_binary
 from workers.cache_harness import artifact_bytes, build_counts, desc, make_builder
 
 from jitwarm.cache import CacheError, KernelCache, LockTimeout, RemoteUnavailable, settings
@@ -125,6 +125,47 @@ def test_an_entry_over_the_size_cap_is_not_downloaded(remote, tmp_path, monkeypa
     assert result.outcome == "built" and build_counts(counter) == {11: 2} and sent < 256 << 10, sent
     assert any("over the remote size cap" in m and "building it locally" in m for m in caplog.messages)
     assert reader.stats().remote_rejected == 0 and reader.stats().remote_uploads == 0
+
+
+def test_a_store_that_trickles_is_a_fault_its_lock_is_released_and_the_node_builds(remote, tmp_path, monkeypatch):
+    """The entry is sized on the server first, and its download gets the read timeout (0.5 s here) plus that size
+    at JITWARM_REMOTE_MIN_RATE. Each read of the trickle is quicker than the read timeout; the whole entry at the
+    trickle's pace would take over 20 s."""
+    counter = tmp_path / "builds.log"
+    big = make_builder(counter, 13, extra={"big.bin": bytes(range(256)) * 40})  # about 10 KB
+    remote.cache(tmp_path / "a").get_or_build(desc(13), big)
+    host_port = remote.url.split("//")[1].split("/")[0].rsplit("@", 1)[-1]
+    proxy = TrickleProxy(int(host_port.rsplit(":", 1)[1]))
+    slow_url = remote.url.replace(host_port, f"127.0.0.1:{proxy.port}") + "?socket_timeout=0.5"
+    monkeypatch.setenv("JITWARM_REMOTE_MIN_RATE", "5000")
+    try:
+        proxy.trickle = True
+        assert proxy.pace < 0.5 and 10_240 / proxy.chunk * proxy.pace > 20
+        node = KernelCache(root=tmp_path / "b", layers=(), remote=slow_url, remote_prefix=remote.prefix)
+        started = time.monotonic()
+        result = node.get_or_build_ex(desc(13), big)
+        assert time.monotonic() - started < 8  # the deadline: 0.5 s plus about 10.5 KB at 5000 bytes/s
+        assert result.outcome == "built" and build_counts(counter) == {13: 2} and proxy.trickled >= 1
+        assert "slower than JITWARM_REMOTE_MIN_RATE=5000 bytes/s" in node.remote_error, node.remote_error
+        assert node.verify([result.entry.key]).clean
+        # the key's lock was released: another process takes it at once and finds the entry built
+        again = subprocess.run([sys.executable, "-c", "import sys; from jitwarm.cache import KernelCache; "
+                                f"print(KernelCache(root=sys.argv[1], remote='').get_or_build_ex({desc(13)!r}, "
+                                "None).outcome)", str(tmp_path / "b")], capture_output=True, text=True, timeout=60)
+        assert again.stdout.split() == ["hit"], again.stderr
+        from jitwarm.cache import reset_remote_health
+
+        reset_remote_health()
+        required = KernelCache(root=tmp_path / "c", layers=(), remote=slow_url, remote_prefix=remote.prefix,
+                               remote_required=True)
+        with pytest.raises(RemoteUnavailable, match="slower than JITWARM_REMOTE_MIN_RATE=5000 bytes/s"):
+            required.get_or_build(desc(13), big)
+        proxy.trickle = False  # the same store at full speed: downloaded
+        reset_remote_health()
+        fast = KernelCache(root=tmp_path / "d", layers=(), remote=slow_url, remote_prefix=remote.prefix)
+        assert fast.get_or_build_ex(desc(13), big).outcome == "downloaded"
+    finally:
+        proxy.stop()
 
 
 @pytest.mark.parametrize("required", [False, True], ids=["lenient", "required"])

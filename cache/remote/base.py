@@ -61,15 +61,21 @@ def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[]
         yield
         return
     limit = grace_s + size / rate
-    fired = threading.Event()
+    fired, done = threading.Event(), threading.Event()
 
     def expire() -> None:
+        if done.wait(limit):
+            return
         fired.set()
-        with contextlib.suppress(Exception):  # a transfer that ended meanwhile: nothing left to shut
-            abort()
+        # Again and again until the block exits: a client that retries a dropped read (redis-py's Retry)
+        # reconnects, and the new connection trickles as slowly as the first.
+        while True:
+            with contextlib.suppress(Exception):  # a transfer that ended meanwhile: nothing left to shut
+                abort()
+            if done.wait(0.2):
+                return
 
-    timer = threading.Timer(limit, expire)
-    timer.daemon = True
+    timer = threading.Thread(target=expire, name="jitwarm-deadline", daemon=True)
     timer.start()
     slow = (f"{what}: slower than JITWARM_REMOTE_MIN_RATE={rate} bytes/s: {size} bytes not in within "
             f"{limit:.1f} s")
@@ -80,7 +86,7 @@ def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[]
             raise TooSlow(slow) from exc
         raise
     finally:
-        timer.cancel()
+        done.set()
     if fired.is_set():
         raise TooSlow(slow)
 

@@ -32,26 +32,35 @@ MAX_META_BYTES = 1 << 20
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 
-# One atomic step that sizes the entry hash before sending it: HGETALL of an entry over the size cap (or of a
-# planted 1 GiB blob) downloaded all of it first. Returns {0} (no entry), {1, what, n, sha1} (malformed: rejected),
-# {2} (the manifest this store rejected before), {3, n} (files total n bytes, over the cap), {4, HGETALL}.
-# ARGV: max file bytes, max manifest bytes, max meta bytes, max fields, sha1 of a rejected manifest or "".
+# Sizes the entry hash on the server before anything is sent: HGETALL of an entry over the size cap (or of a
+# planted 1 GiB blob) downloaded all of it first. Called twice: with ARGV[6] "" it returns the size, {4, bytes,
+# sha1 of the manifest}, so the download's deadline is sized by it (issue #31: a trickling store held a
+# download for over 300 s); with ARGV[6] that sha1 it returns {5, HGETALL}, in the same atomic step that checks
+# the entry is still the one sized (else {0}: replaced meanwhile, a miss). Other replies: {0} (no entry),
+# {1, what, n, sha1} (malformed: rejected), {2} (the manifest this store rejected before), {3, n} (files total
+# n bytes, over the cap). ARGV: max file bytes, max manifest bytes, max meta bytes, max fields, sha1 of a
+# rejected manifest or "", the sha1 sized.
 _FETCH = """
 local mlen = redis.call('hstrlen', KEYS[1], 'manifest')
 if mlen == 0 then return {0} end
 local sha1 = redis.sha1hex(redis.call('hget', KEYS[1], 'manifest'))
 if sha1 == ARGV[5] then return {2} end
+if ARGV[6] ~= '' then
+  if sha1 ~= ARGV[6] then return {0} end
+  return {5, redis.call('hgetall', KEYS[1])}
+end
 if mlen > tonumber(ARGV[2]) then return {1, 'manifest', mlen, sha1} end
 local n = redis.call('hlen', KEYS[1])
 if n > tonumber(ARGV[4]) then return {1, 'fields', n, sha1} end
-local files, other = 0, 0
+local files, other, framing = 0, 0, 0
 for _, f in ipairs(redis.call('hkeys', KEYS[1])) do
   local len = redis.call('hstrlen', KEYS[1], f)
+  framing = framing + string.len(f) + 32
   if string.sub(f, 1, 5) == 'file:' then files = files + len elseif f ~= 'manifest' then other = other + len end
 end
 if files > tonumber(ARGV[1]) then return {3, files} end
 if other > tonumber(ARGV[3]) then return {1, 'meta', other, sha1} end
-return {4, redis.call('hgetall', KEYS[1])}
+return {4, files + other + mlen + framing, sha1}
 """
 # Compare-and-extend and compare-and-delete: only the holder's token may touch the lease, so a holder that
 # stalled past its expiry cannot extend or delete the lease a new holder took meanwhile.
@@ -120,21 +129,21 @@ class RemoteStore(StoreBase):
         self.call("ping", lambda c: c.ping())
 
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry as :meth:`StoreBase.fetch` says, sized on the server (the _FETCH script)."""
+        """Download ``key``'s entry as :meth:`StoreBase.fetch` says, sized on the server first (the _FETCH script)."""
         args = (self.max_bytes, MAX_MANIFEST_BYTES, MAX_META_BYTES, MAX_FIELDS, self._rejected.get(key, ""))
-        # The reply's size is known to the server only: bounded by the caps it checks. A deadline past it shuts
-        # the pool's sockets (redis-py's disconnect shuts each one), which ends the blocked read.
-        client = self._client()
-        with deadline(f"download: {self.entry_name(key)}", self.max_bytes + MAX_MANIFEST_BYTES + MAX_META_BYTES,
-                      READ_TIMEOUT_S, self.min_rate, client.connection_pool.disconnect):
-            reply = self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args))
+        reply = self._fetch(key, args, "", 0)
         status = reply[0] if isinstance(reply, list) and reply else None
         if status in (0, 2):
             return None  # nothing there, or the entry we rejected before: not worth a download
         if status == 3:
             self._too_large(key, reply[1])
             return None
-        if status != 4 or not isinstance(reply[1], list):
+        if status == 4 and len(reply) == 3 and isinstance(reply[1], int):
+            reply = self._fetch(key, args, _text(reply[2]), reply[1])
+            status = reply[0] if isinstance(reply, list) and reply else None
+            if status == 0:
+                return None  # replaced since it was sized: the next start downloads the new one
+        if status != 5 or not isinstance(reply[1], list):
             malformed = status == 1 and len(reply) == 4
             what = f"{_text(reply[1])} too large ({reply[2]})" if malformed else "an unexpected reply"
             self._reject(key, f"the entry hash is malformed: {what}", _text(reply[3]) if malformed else None, {})
@@ -153,6 +162,15 @@ class RemoteStore(StoreBase):
         except CorruptEntry as exc:
             self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None
+
+    def _fetch(self, key: str, args: tuple[object, ...], sha1: str, size: int) -> Any:
+        """One _FETCH call, ended by the deadline ``size`` bytes earn at the minimum rate: past it the pool's sockets
+        are shut (redis-py's disconnect shuts each one), which ends the blocked read."""
+        client = self._client()
+        grace = client.connection_pool.connection_kwargs.get("socket_timeout") or READ_TIMEOUT_S
+        with deadline(f"download: {self.entry_name(key)}", size, grace, self.min_rate,
+                      client.connection_pool.disconnect):
+            return self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args, sha1))
 
     def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
                    signed: dict[str, Any], uploader: dict[str, Any]) -> None:
