@@ -139,8 +139,17 @@ def aot(vllm_cpu, tmp_path_factory):
                             env=env(tmp / "fresh-node"))
     other = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
                              env=env(tmp / "other-node", VLLM_BATCH_INVARIANT="1"))
+    # vLLM's units alone, so that nothing the restore places is under $TMPDIR: what appears there is a side effect
+    vllm_only = tmp / "vllm-only.jsonl"
+    vllm_only.write_text("".join(line for line in manifest.read_text().splitlines(keepends=True)
+                                 if json.loads(line)["library"] != "inductor"))
+    bare = vllm_cpu.jitwarm("prestart", "--manifest", str(vllm_only), "--bundle", str(bundle), "--offline",
+                            env=env(tmp / "bare-node"))
+    assert bare.returncode == 0, bare.stderr
+    made = sorted(str(p.relative_to(tmp / "bare-node")) for p in (tmp / "bare-node").rglob("*"))
     return {"first": first, "manifest": manifest, "captured": json.loads(captured.stdout),
-            "capture_err": captured.stderr, "node": node, "other": other, "fresh": tmp / "fresh-node"}
+            "capture_err": captured.stderr, "node": node, "other": other, "fresh": tmp / "fresh-node",
+            "made": made}
 
 
 def test_an_aot_capture_is_said_and_its_factors_are_the_servers(aot):
@@ -154,6 +163,11 @@ def test_an_aot_capture_is_said_and_its_factors_are_the_servers(aot):
     assert aot["node"].returncode == 0, aot["node"].stderr
     assert "AOT artifact(s) of vllm_compile restored, but vLLM's CPU build cannot load" in aot["node"].stderr
     assert (aot["fresh"] / "vllm" / "torch_compile_cache" / rank[0]["unit"] / "model").is_file()
+    # The node's factors came from vLLM itself, in a child that imports torch: it left nothing outside the
+    # restore's destination (VLLM_CACHE_ROOT) and jitwarm's cache root, no $TMPDIR/torchinductor_$USER
+    # (issue #31). Only the empty tmp/ the test made is there besides.
+    outside = [p for p in aot["made"] if p.split("/", 1)[0] not in ("vllm", "jitwarm") and p != "tmp"]
+    assert outside == [], outside
     other = aot["other"]
     assert other.returncode == 4, other.stderr
     assert "recorded with vllm:env:VLLM_BATCH_INVARIANT 'false', this node has 'true'" in other.stderr

@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -174,9 +175,15 @@ def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
 @functools.cache
 def _node_env_factors() -> tuple[dict[str, str], str | None]:
     """The node's ``envs.compile_factors()`` by vLLM itself, in a child with this environment: (items, why not)."""
+    # VllmConfig() imports torch, and importing torch._dynamo makes Inductor's cache directory
+    # (torch/_inductor/runtime/cache_dir_utils.py): the child's goes in a scratch directory, removed after, not
+    # /tmp/torchinductor_$USER on the node (issue #31: jitwarm's commands made directories outside the cache
+    # root). Neither variable is one of vLLM's compile factors.
     try:
-        proc = subprocess.run([sys.executable, "-c", _FACTORS_CODE], capture_output=True, text=True,
-                              timeout=_NODE_TIMEOUT_S, check=False, env=dict(os.environ))
+        with tempfile.TemporaryDirectory(prefix="jitwarm-factors-") as scratch:
+            env = {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}
+            proc = subprocess.run([sys.executable, "-c", _FACTORS_CODE], capture_output=True, text=True,
+                                  timeout=_NODE_TIMEOUT_S, check=False, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
         return {}, f"vLLM's compile_factors() did not run here: {exc}"
     if proc.returncode != 0:
