@@ -164,8 +164,10 @@ class RemoteStore(StoreBase):
             return None
 
     def _fetch(self, key: str, args: tuple[object, ...], sha1: str, size: int) -> Any:
-        """One _FETCH call, ended by the deadline ``size`` bytes earn at the minimum rate: past it the pool's sockets
-        are shut (redis-py's disconnect shuts each one), which ends the blocked read."""
+        """One _FETCH call, ended by the deadline ``size`` bytes earn at the minimum rate.
+
+        Past it the pool's sockets are shut (redis-py's disconnect shuts each one), which ends the blocked read.
+        """
         client = self._client()
         grace = client.connection_pool.connection_kwargs.get("socket_timeout") or READ_TIMEOUT_S
         with deadline(f"download: {self.entry_name(key)}", size, grace, self.min_rate,

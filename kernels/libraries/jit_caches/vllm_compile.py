@@ -181,7 +181,7 @@ def _node_env_factors() -> tuple[dict[str, str], str | None]:
     # root). Neither variable is one of vLLM's compile factors.
     try:
         with tempfile.TemporaryDirectory(prefix="jitwarm-factors-") as scratch:
-            env = {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}
+            env = {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": str(Path(scratch, "inductor"))}
             proc = subprocess.run([sys.executable, "-c", _FACTORS_CODE], capture_output=True, text=True,
                                   timeout=_NODE_TIMEOUT_S, check=False, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
