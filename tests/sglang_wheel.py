@@ -32,9 +32,9 @@ PACKAGES = (
     "msgspec==0.23.0", "multidict==7.2.1", "opentelemetry-api==1.45.2", "orjson==3.13.0",
     "partial_json_parser==0.2.1.1.post7", "pillow==13.0.0", "propcache==0.5.4", "psutil==7.2.2",
     "pybase64==1.5.1", "pydantic==2.14.4", "pydantic_core==2.50.5", "pyyaml==6.0.4", "pyzmq==27.3.0",
-    "regex==2026.11.19", "requests==2.34.2", "safetensors==0.8.0", "sniffio==1.3.1", "starlette==1.10.0",
-    "tqdm==4.70.1", "traitlets==5.16.1", "truststore==0.10.5", "typing_inspection==0.4.5", "urllib3==2.8.0",
-    "uvicorn==0.54.0", "yarl==1.25.1",
+    "regex==2026.11.19", "requests==2.34.2", "safetensors==0.8.0", "setproctitle==1.3.8", "sniffio==1.3.1",
+    "starlette==1.10.0", "tqdm==4.70.1", "traitlets==5.16.1", "truststore==0.10.5", "typing_inspection==0.4.5",
+    "urllib3==2.8.0", "uvicorn==0.54.0", "yarl==1.25.1",
 )
 
 TORCHVISION_STUB = '''\

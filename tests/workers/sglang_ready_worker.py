@@ -17,9 +17,7 @@ Faked, because a CPU box has neither:
 Not faked but not built whole: the scheduler, its TP worker and the model runner are sglang's classes made
 without their ``__init__`` (which loads a model onto a GPU), given only the attributes this path reads (each
 says where a server sets it). The model is an empty ``torch.nn.Module`` with the ``shared_experts_config``
-sglang's loader gives a model class without fusion hooks (loader.py:292,311). ``setproctitle``, which
-scheduler.py:56 imports only to name its process (:6294, not called here), is not in the test env
-(tests/sglang_wheel.py): when missing it is a module whose every use raises.
+sglang's loader gives a model class without fusion hooks (loader.py:292,311).
 
 A spy around ``jitwarm.precompile.ledger.report_after_capture`` (it calls through) notes, when the plugin reports,
 the call stack, whether the ledger file exists yet, and what sglang's ``init_cuda_graphs`` body has left on the
@@ -62,20 +60,6 @@ class FakeTPGroup:
 
     def barrier(self) -> None:
         pass
-
-
-def stub_setproctitle() -> None:
-    """Make ``import setproctitle`` work when the test env lacks it; every use raises."""
-    try:
-        import setproctitle  # noqa: F401
-    except ModuleNotFoundError:
-        stub = types.ModuleType("setproctitle")
-
-        def setproctitle(title: str) -> None:
-            raise RuntimeError("setproctitle is a stub in jitwarm's sglang test env")
-
-        stub.setproctitle = setproctitle
-        sys.modules["setproctitle"] = stub
 
 
 def publish_disabled_server_args():
@@ -168,7 +152,6 @@ def main() -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # discovers the jitwarm entry point from the installed metadata, then applies the hooks
-    stub_setproctitle()
     from sglang.srt.runtime_context import get_parallel
 
     server_args, backends = publish_disabled_server_args()
