@@ -22,7 +22,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_safe_relpath, seal_dirs, verify_entry
+from jitwarm.cache.entry import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Entry,
+    is_safe_relpath,
+    seal_dirs,
+    stored_mode,
+    verify_entry,
+)
 from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.files import loads, make_dirs, open_regular, read_file_stat
 from jitwarm.cache.keys import FORMAT_VERSION, is_key
@@ -88,7 +96,8 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
     """Add ``bundle.json``, then each entry's files, its ``entry.json`` last, then its signature (with a key).
 
     The manifest is read once, and written and signed from those bytes; the executable files signed are the
-    ones written with mode 0555 (docs/cache.md, "What each tier trusts"). Owners are zeroed.
+    ones written with mode 0555 (docs/cache.md, "What each tier trusts"); a private file is written 0400 or
+    0500 (:func:`stored_mode`). Owners are zeroed.
     """
     head = json.dumps({"format": FORMAT_VERSION, "keys": [e.key for e in entries]}).encode()
     _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
@@ -99,7 +108,7 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
             with contextlib.closing(_Source(entry.path / rel)) as src:
                 if src.mode & 0o111:
                     executable.append(rel)
-                _add(tar, f"{where}/{rel}", src, 0o555 if src.mode & 0o111 else 0o444, mtime)
+                _add(tar, f"{where}/{rel}", src, stored_mode(src.mode, shared=False), mtime)
         try:
             manifest, _st = read_file_stat(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
         except OSError as exc:
@@ -247,7 +256,7 @@ def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.Ta
             if rel == BUNDLE_MANIFEST:
                 listed = _listed_keys(where, member, src)
             else:
-                _stream_member(src, member, staging / rel, dir_mode)
+                _stream_member(src, member, staging / rel, dir_mode, shared)
     return staged, listed
 
 
@@ -267,7 +276,7 @@ def _listed_keys(where: Any, member: tarfile.TarInfo, src: Any) -> list[str]:
     return keys
 
 
-def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int) -> None:
+def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int, shared: bool) -> None:
     """Copy one file member to the new file ``dest`` in chunks (a failed write: CacheWriteError)."""
     _write(dest.parent, make_dirs, dest.parent, dir_mode)
     fd = _write(dest, os.open, dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -276,7 +285,7 @@ def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int)
             view = memoryview(chunk)
             while view:
                 view = view[_write(dest, os.write, fd, view):]
-        _write(dest, os.fchmod, fd, 0o555 if member.mode & 0o111 else 0o444)
+        _write(dest, os.fchmod, fd, stored_mode(member.mode, shared=shared))
     finally:
         os.close(fd)
 

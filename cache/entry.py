@@ -77,17 +77,14 @@ class Entry:
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Turn a finished build directory into an entry, ready to be renamed into place.
 
-    Files become 0444 (0555 when executable), each hashed once; ``entry.json`` is written last. A file nobody but
-    its owner may read stays so (0400, 0500) unless the root is ``shared``: a captured 0600 file was stored
-    readable by everyone (issue #31). Raises ``CacheError`` when the build wrote no files, a link or special
-    file, or an ``entry.json``.
+    Files get :func:`stored_mode`, each hashed once; ``entry.json`` is written last. Raises ``CacheError`` when
+    the build wrote no files, a link or special file, or an ``entry.json``.
     """
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
         if rel == MANIFEST:
             raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
-        mode = 0o555 if st.st_mode & 0o111 else 0o444
-        (staging / rel).chmod(mode if shared or st.st_mode & 0o044 else mode & 0o500)
+        (staging / rel).chmod(stored_mode(st.st_mode, shared=shared))
         digest, sig[rel] = _hash_file(staging / rel, rel)
         records.append(FileRecord(rel, sig[rel][2], digest))
     if not records:
@@ -97,6 +94,17 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
            "files": [asdict(r) for r in records]}
     manifest = json.dumps(doc, indent=1, sort_keys=True).encode("ascii")
     return _finish(staging, key, doc, records, sig, manifest, shared)
+
+
+def stored_mode(mode: int, *, shared: bool) -> int:
+    """The mode an entry file is stored with, from the ``mode`` it was built, captured or shipped with.
+
+    0444, or 0555 when executable. A file nobody but its owner may read stays so (0400, 0500) unless the root
+    is ``shared``: a captured 0600 file was stored readable by everyone (issue #31). Bundles and remote entries
+    carry the bit so a download keeps it; it is not signed (whoever can alter a store already has the bytes).
+    """
+    stored = 0o555 if mode & 0o111 else 0o444
+    return stored if shared or mode & 0o044 else stored & 0o500
 
 
 def seal_dirs(staging: Path, shared: bool) -> None:
@@ -254,11 +262,12 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
 
 
 def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, bytes],
-                 executable: Collection[str] = (), *, shared: bool = False) -> Entry:
+                 executable: Collection[str] = (), private: Collection[str] = (), *, shared: bool = False) -> Entry:
     """Write an entry received as bytes (from the remote tier) into the empty staging dir ``staging``.
 
     Every byte is checked first (``CorruptEntry``: nothing is written), then written as :func:`seal` leaves
-    a build. Raises ``CacheWriteError``.
+    a build: the ``executable`` files 0555, the ``private`` ones readable by their owner only. Raises
+    ``CacheWriteError``.
     """
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
@@ -279,7 +288,8 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
             with os.fdopen(fd, "wb") as f:
                 f.write(files[rel])
                 f.flush()
-                os.fchmod(fd, 0o555 if rel in executable else 0o444)
+                os.fchmod(fd, stored_mode((0o111 if rel in executable else 0) | (0 if rel in private else 0o044),
+                                          shared=shared))
                 sig[rel] = _sig_item(rel, os.fstat(fd))
         dest = staging / MANIFEST
         return _finish(staging, key, doc, records, sig, manifest, shared)

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import jit_cache_trees as trees
 import pytest
+from precompile_fixtures import jitwarm
 
 from jitwarm.cache import KernelCache
 from jitwarm.cache.errors import UntrustedPath
 from jitwarm.precompile import record
 from jitwarm.precompile.manifest import read_manifest
+
+pytest_plugins = ["s3_fixtures"]  # the moto_server endpoint and a bucket per test, shared with other modules
 
 GOOD, PLANTED = ("ha", "cgood"), ("pl", "cplanted")
 
@@ -97,9 +100,38 @@ def test_a_shared_cache_the_operator_allows_is_recorded(tmp_path, inductor, othe
 
 
 def test_a_private_file_is_stored_private(tmp_path, inductor):
-    """A unit file the library wrote 0600 is stored 0400, never readable by others; a 0644 one is 0444."""
+    """A unit file the library wrote 0600 is stored 0400, never readable by others; a 0644 one is 0444. Restored
+    where the library looks, it is 0600 again, the other 0644."""
     with record(tmp_path / "m.jsonl", KernelCache(tmp_path / "cache")):
         so = write_unit(inductor, GOOD)
         so.chmod(0o600)
     stored = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "cache").rglob("cgood.main.*")}
     assert stored == {"cgood.main.so": 0o400, "cgood.main.cpp": 0o444}, stored
+    node = tmp_path / "node-inductor"
+    restored = jitwarm("prestart", "--manifest", str(tmp_path / "m.jsonl"), "--cache-dir", str(tmp_path / "cache"),
+                       "--offline", env={"TORCHINDUCTOR_CACHE_DIR": str(node)})
+    assert restored.returncode == 0, restored.stderr
+    placed = {p.name: p.stat().st_mode & 0o777 for p in node.rglob("cgood.main.*")}
+    assert placed == {"cgood.main.so": 0o600, "cgood.main.cpp": 0o644}, placed
+
+
+@pytest.mark.parametrize("via", ["bundle", "redis", "s3"])
+def test_a_private_file_stays_private_through_a_bundle_and_the_remote(tmp_path, via, request):
+    """Shipped to another node, a 0400 entry file is still 0400 there, an executable private one 0500; the rest
+    is 0444 and 0555 as before (the mode travels in the tar header, the Redis meta and the S3 record)."""
+    def build(staging: Path) -> None:
+        for name, mode in (("private.so", 0o700), ("private.json", 0o600), ("public.cpp", 0o644)):
+            trees.write(staging / name, name.encode()).chmod(mode)
+
+    desc = {"kind": "private-modes", "via": via}
+    if via == "bundle":
+        first = KernelCache(tmp_path / "a", layers=())
+        first.export_bundle([first.get_or_build(desc, build).key], tmp_path / "k.tar")
+        KernelCache(tmp_path / "b", layers=()).import_bundle(tmp_path / "k.tar")
+    else:
+        store = request.getfixturevalue("remote" if via == "redis" else "bucket")
+        store.cache(tmp_path / "a").get_or_build(desc, build)
+        got = store.cache(tmp_path / "b").get_or_build_ex(desc, lambda d: pytest.fail("must download"))
+        assert got.outcome == "downloaded"
+    shipped = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "b").rglob("p*.*")}
+    assert shipped == {"private.so": 0o500, "private.json": 0o400, "public.cpp": 0o444}, shipped

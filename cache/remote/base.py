@@ -279,12 +279,14 @@ class StoreBase:
                      "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
             return False
         manifest, _mode = _read(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
-        files, executable = [], []
+        files, executable, private = [], [], []
         for rec in entry.records:
             data, mode = _read(entry.path / rec.path, rec.size)
             files.append((rec, data))
             if mode & 0o111:
                 executable.append(rec.path)
+            if not mode & 0o044:
+                private.append(rec.path)
         if not unchanged(entry):  # checked after reading: what was read is what was hashed
             log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)
             return False
@@ -292,7 +294,7 @@ class StoreBase:
         if self.trust_key is not None:
             signed["signature"] = sign(self.trust_key, entry.key, manifest, executable)
         self._put_entry(entry.key, manifest, files, signed,
-                        {"host": this_host(), "pid": os.getpid(), "uploaded": time.time()})
+                        {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(), "private": private})
         self._rejected.pop(entry.key, None)
         self._count("remote_uploads")
         return True

@@ -158,7 +158,8 @@ class RemoteStore(StoreBase):
         if self.trust_key is not None:  # before anything is written: UntrustedEntry (exit 4)
             check(self.trust_key, key, manifest, executable, meta.get("signature"), self.display)
         try:
-            return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
+            return unpack_entry(dest, key, manifest, files, executable, strings(meta.get("private")),
+                                shared=self.shared)
         except CorruptEntry as exc:
             self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None

@@ -180,7 +180,8 @@ class ObjectStore(StoreBase):
                 self._too_large(key, total)
                 return None
             files = {rec.path: self._blob(key, rec.path, rec.size, rec.sha256) for rec in records}
-            return unpack_entry(dest, key, manifest, files, executable, shared=self.shared)
+            return unpack_entry(dest, key, manifest, files, executable, strings(uploader.get("private")),
+                                shared=self.shared)
         except CorruptEntry as exc:
             self._reject(key, str(exc), got.etag, uploader)
             if self.required:

@@ -238,7 +238,8 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
     dest.parent.mkdir(parents=True, exist_ok=True)
     src = source / rel
     h = hashlib.sha256()
-    with open(src, "rb") as f, open(dest, "xb") as out:
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
         if library.localize is not None:  # the whole file: localize rewrites its paths
             data = f.read()
             h.update(data)
@@ -250,7 +251,10 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
         os.fsync(out.fileno())
     if h.hexdigest() != digest:
         raise LoadError(f"{library.name}: the cache entry's {rel} does not match its recorded sha256")
-    dest.chmod(0o755 if src.stat().st_mode & 0o111 else 0o644)
+    # The library's own modes: 0644 (0755 to run), owner-only for a file the entry keeps private (stored 0400,
+    # from a 0600 one the library wrote: issue #31).
+    mode = src.stat().st_mode
+    dest.chmod((0o755 if mode & 0o111 else 0o644) & (0o777 if mode & 0o044 else 0o700))
 
 
 def _stored_digest(library: Library, root: Path, rel: str) -> str | None:
