@@ -1,10 +1,17 @@
-"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``), parsed in one place for plan and dispatch."""
+"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``), parsed in one place for plan and dispatch.
+
+The node's GPUs are probed here too, once per process (:func:`local_gpus`): the plan's default target and
+memory, and the fingerprint's arch and driver, read the same answer.
+"""
 
 from __future__ import annotations
 
+import functools
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from jitwarm.cache.errors import UsageError
 
@@ -74,3 +81,34 @@ class Target:
 
     def __str__(self) -> str:
         return self.name
+
+
+class Gpu(NamedTuple):
+    """One GPU as nvidia-smi reports it: ``sm_XY``, its memory in MiB and the driver's version."""
+
+    arch: str
+    memory_mb: int
+    driver: str
+
+
+@functools.cache
+def local_gpus() -> tuple[Gpu, ...]:
+    """Every GPU of this node, from one nvidia-smi run per process (no torch import); () without one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ()
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap,memory.total,driver_version",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    gpus = []
+    for line in out.splitlines():
+        try:
+            cap, memory, driver = (v.strip() for v in line.split(","))
+            major, minor = cap.split(".")
+            gpus.append(Gpu(f"sm_{int(major)}{int(minor)}", int(float(memory)), driver))
+        except ValueError:  # a row nvidia-smi could not fill ("[N/A]"): not a GPU we can use
+            continue
+    return tuple(gpus)

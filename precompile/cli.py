@@ -30,14 +30,14 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import capture, commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
-from jitwarm.precompile.config_sources import FlagParser, add_serving_flags, path_flag, split_server_argv
+from jitwarm.precompile.config import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.log_lines import log_lines
 from jitwarm.precompile.plan import WarmPlan
 
 Command = Callable[[argparse.Namespace, WarmPlan | None], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", commands.cmd_plan),
-    "warm": ("build every missing kernel of the plan into the cache, in parallel", commands.cmd_warm),
+    "warm": ("build every missing kernel of the plan into the cache, in parallel", shipping.cmd_warm),
     "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", coverage.cmd_status),
     "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
                "missing one", coverage.cmd_verify),

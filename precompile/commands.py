@@ -77,7 +77,7 @@ def plan_asked(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
 
 def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
     """Whether a server line, a config file or a serving flag asks for jitwarm's families (no PLAN_MODIFIERS do)."""
-    from jitwarm.precompile.config_sources import serving_flags_given
+    from jitwarm.precompile.config import serving_flags_given
 
     asked = argparse.Namespace(**{**vars(args), **dict.fromkeys(PLAN_MODIFIERS)})
     return serving_flags_given(asked, server_argv)
@@ -90,7 +90,7 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
     targets select the records made on them.
     """
     from jitwarm.kernels import Target, TargetError
-    from jitwarm.precompile.config_sources import from_namespace
+    from jitwarm.precompile.config import from_namespace
 
     manifests = getattr(args, "manifest", None) or []
     if not manifests or asks_for_families(args, server_argv):
@@ -219,20 +219,6 @@ def warm_exit(report: Any) -> int:
     if any(r.error_type == "UntrustedEntry" for r in failed):
         return EXIT_CORRUPT
     return EXIT_TIMEOUT if all(r.timed_out for r in failed) else EXIT_BUILD_FAILED
-
-
-def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Build every missing spec of the plan in parallel and write the plan's completion record."""
-    from jitwarm.precompile.shipping import check_fingerprints, warm_then_hand_over, without_absent_units
-    from jitwarm.precompile.warming import warm
-
-    check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
-    cache = open_cache(args, writes=True)
-    plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
-    report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
-                  timeout_s=args.timeout)
-    print_warm(args, report)
-    return warm_then_hand_over(args, plan, cache, warm_exit(report))  # load_jit modules, cache units: in place
 
 
 def cmd_prune(args: argparse.Namespace, plan: None) -> int:

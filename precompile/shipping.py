@@ -1,4 +1,4 @@
-"""Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, and ``prestart``.
+"""Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, ``warm`` and ``prestart``.
 
 ``prestart`` is the init container's step: import a bundle, warm what is missing (``--offline``: nothing), verify
 the plan's entries and hand the server's recorded kernels over to its loader (``warm --manifest`` hands over
@@ -200,6 +200,19 @@ def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, co
     if code == EXIT_OK and plan.recorded:
         hand_over(plan, cache, quiet=getattr(args, "json", False))
     return code
+
+
+def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Build every missing spec of the plan in parallel and write the plan's completion record."""
+    from jitwarm.precompile.warming import warm
+
+    check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
+    cache = open_cache(args, writes=True)
+    plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
+    report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
+                  timeout_s=args.timeout)
+    print_warm(args, report)
+    return warm_then_hand_over(args, plan, cache, warm_exit(report))  # load_jit modules, cache units: in place
 
 
 def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,

@@ -217,3 +217,39 @@ def test_the_ladder_is_resolved_once_per_config(monkeypatch):
     rules._builtin.cache_clear()
     WarmPlan.build(ServingConfig(gpu_memory_mb=143771, targets=("cpu",), ladder_source="builtin"))
     assert len(calls) == 1
+
+
+PROBE = """
+import json
+from jitwarm.kernels.libraries.jit_caches import fingerprint
+from jitwarm.precompile.config import local_gpu_memory_mb, local_target
+print(json.dumps([local_target(), local_gpu_memory_mb(), fingerprint.value("arch"), fingerprint.value("driver")]))
+"""
+
+
+@pytest.mark.parametrize("smi, seen", [
+    ("9.0, 143771, 570.86.15\n9.0, 81559, 570.86.15", ["sm_90", 81559, "sm_90", "570.86.15"]),
+    ("[N/A], [N/A], 570.86.15", ["cpu", None, "cpu", None]),
+    (None, ["cpu", None, "cpu", None]),
+], ids=["two-gpus", "unreadable", "no-nvidia-smi"])
+def test_the_node_gpus_are_probed_once_for_the_plan_and_the_fingerprint(tmp_path, smi, seen):
+    """A fake nvidia-smi (the GPU is the one thing faked) answers the plan's default target and memory and the
+    fingerprint's arch and driver alike, from one run per process; a row it cannot fill is no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if smi is not None:
+        script = bin_dir / "nvidia-smi"
+        script.write_text(f"#!/bin/sh\necho run >> {tmp_path / 'runs'}\nprintf '%s\\n' '{smi}'\n")
+        script.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    driver = seen[3] if seen[3] is not None else got[3]  # without a GPU the driver comes from /proc, or "absent"
+    assert got == [*seen[:3], driver]
+    if smi is not None:
+        assert (tmp_path / "runs").read_text().count("run") == 1

@@ -197,18 +197,18 @@ def test_a_record_whose_module_exits_or_prints_on_import_is_a_failed_spec_and_st
 def test_a_prune_while_triton_reads_a_served_group_never_loses_a_file(tmp_path, monkeypatch):
     """What the cache manager hands Triton is read under the entry's claim: a prune then keeps the entry."""
     from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.triton import backend as triton_jit
     from jitwarm.kernels.libraries.triton import cache as triton_cache
+    from jitwarm.kernels.libraries.triton import driver
 
     cache = KernelCache(root=tmp_path / "cache", layers=())
     triton_key, group = "ab" * 32, "fill_lens.json"
-    art = artifact(triton_jit.served_group(triton_key, group))
+    art = artifact(triton_cache.served_group(triton_key, group))
     files = {group: b'{"name": "fill_lens"}', "fill_lens.cubin": b"\x7fELF a cubin", "fill_lens.ptx": b"// ptx"}
 
     def captured(staging):  # what a server's Triton compile put, captured as the cache manager does
         for name, data in files.items():
             (staging / name).write_bytes(data)
-        triton_jit.write_group(staging, group, list(files))
+        driver.write_group(staging, group, list(files))
 
     assert art.get_or_build(cache, capture=captured).outcome == "built"
     triton_cache.use_cache(cache)
@@ -233,15 +233,16 @@ def test_a_prune_while_triton_reads_a_served_group_never_loses_a_file(tmp_path, 
 def test_a_captured_group_is_checked_before_it_is_sealed(tmp_path):
     from jitwarm.cache import BuildError
     from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.triton import backend as triton_jit
+    from jitwarm.kernels.libraries.triton import cache as triton_cache
+    from jitwarm.kernels.libraries.triton import driver
 
     cache = KernelCache(root=tmp_path / "cache", layers=())
-    art = artifact(triton_jit.served_group("cd" * 32, "k.json"))
+    art = artifact(triton_cache.served_group("cd" * 32, "k.json"))
 
     def not_a_cubin(staging):
         (staging / "k.json").write_text("{}")
         (staging / "k.cubin").write_bytes(b"not an ELF image")
-        triton_jit.write_group(staging, "k.json", ["k.json", "k.cubin"])
+        driver.write_group(staging, "k.json", ["k.json", "k.cubin"])
 
     with pytest.raises(BuildError, match="k.cubin is not a cubin"):
         art.get_or_build(cache, capture=not_a_cubin)

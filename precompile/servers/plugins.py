@@ -144,7 +144,7 @@ class PlanMode:
         self.jobs, self.said = 1, False
         if config:
             try:
-                from jitwarm.precompile.config_sources import read_config_file
+                from jitwarm.precompile.config import read_config_file
 
                 fields = read_config_file(config)
                 ignored = sorted(set(fields) & self.server_keys)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+from jitwarm.kernels.target import local_gpus
 
 ABSENT = "absent"
 #: item -> the distribution names that may provide it (the first installed one counts).
@@ -114,32 +115,17 @@ def gpu_arch() -> str | None:
                 return f"sm_{major}{minor}"
         except Exception:  # noqa: BLE001 - a broken CUDA stack answers "no GPU", as nvidia-smi's absence does
             pass
-    answer = _nvidia_smi("compute_cap")
-    if answer and answer.replace(".", "").isdigit():
-        return "sm_" + answer.replace(".", "")
-    return None
+    gpus = local_gpus()
+    return gpus[0].arch if gpus else None
 
 
 @functools.lru_cache(maxsize=1)
 def _driver() -> str:
-    answer = _nvidia_smi("driver_version")
-    if answer:
-        return answer
+    gpus = local_gpus()
+    if gpus:
+        return gpus[0].driver
     try:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."
         line = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
         return next(part for part in line.split() if part[:1].isdigit() and "." in part)
     except (OSError, IndexError, StopIteration):
         return ABSENT
-
-
-def _nvidia_smi(query: str) -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        proc = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
-    return lines[0] if proc.returncode == 0 and lines else None

@@ -1,10 +1,11 @@
 """The server's own Triton kernels (kind ``triton_jit``): described by Triton's own cache key, built by Triton.
 
 A recorded spec is one specialization (``family`` ``module:qualname``, ``params["specialization"]`` what Triton
-handed its ``jit_cache_hook``); a served spec (target ``served``) is a compile the server's Triton asked
-:mod:`.cache` for, captured, never built here. Both are described by the key Triton's ``compile`` makes its
-cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds (docs/triton.md). Descriptions
-and builds hold ``driver.LOCK`` (Triton's knobs and active driver are process-global).
+handed its ``jit_cache_hook``); a served spec (target ``served``, :func:`.cache.served_group`) is a compile the
+server's Triton asked :mod:`.cache` for, captured, never built here. Both are described by the key Triton's
+``compile`` makes its cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds
+(docs/triton.md). Descriptions and builds hold ``driver.LOCK`` (Triton's knobs and active driver are
+process-global).
 """
 
 from __future__ import annotations
@@ -18,15 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
-from jitwarm.kernels.libraries.triton import driver
+from jitwarm.kernels.libraries.triton import SERVED, driver
+from jitwarm.kernels.libraries.triton.driver import GROUP_PREFIX, read_group, write_group
 from jitwarm.kernels.spec import KernelSpec
 
-name = "triton_jit"
 #: Layout of the entries of Triton's compiles, replayed or served; part of every description.
 FORMAT = "jitwarm-triton-cache/1"
-#: The target of a spec captured from the server's Triton (its real target is in Triton's key).
-SERVED = "served"
-GROUP_PREFIX = "__grp__"  # Triton's own name for a group file (runtime/cache.py, FileCacheManager.put_group)
 
 
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
@@ -44,16 +42,6 @@ def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
         return {"format": FORMAT, "triton_key": triton_key, kind: spec.family}
     key, group = triton_cache_key(resolve(spec.family), _specialization(spec), _target(spec))
     return {"format": FORMAT, "triton_key": key, "group": group}
-
-
-def served_group(triton_key: str, group: str) -> KernelSpec:
-    """The spec of the compile keyed ``triton_key`` the server's Triton asks for: the entry its replay names too."""
-    return KernelSpec(group, name, SERVED, {"served": "group", "triton_key": triton_key})
-
-
-def served_file(triton_key: str, filename: str) -> KernelSpec:
-    """The spec of one file the server's Triton keeps outside a group (a launcher module, autotune results)."""
-    return KernelSpec(filename, name, SERVED, {"served": "file", "triton_key": triton_key})
 
 
 def _served(spec: KernelSpec) -> tuple[str, str] | None:
@@ -90,26 +78,6 @@ def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = No
         for child in children:
             (staging / child).write_bytes((made / child).read_bytes())
     write_group(staging, want["group"], list(children))
-
-
-def write_group(directory: Path, group: str, children: list[str]) -> Path:
-    """Write Triton's group file for ``group`` into ``directory``, its children named relative to it."""
-    path = directory / (GROUP_PREFIX + group)
-    path.write_text(json.dumps({"child_paths": {c: c for c in sorted(children)}}, sort_keys=True))
-    return path
-
-
-def read_group(directory: Path, group: str) -> dict[str, Path]:
-    """The children of ``group`` in ``directory`` as paths, or LoadError when the group or a child is missing."""
-    try:
-        children = json.loads((directory / (GROUP_PREFIX + group)).read_text())["child_paths"]
-        paths = {str(c): directory / Path(str(c)).name for c in children}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise LoadError(f"{directory}: no readable Triton group {group!r}: {exc}") from exc
-    missing = [c for c, p in paths.items() if not p.is_file()]
-    if missing or group not in paths:
-        raise LoadError(f"{directory}: Triton group {group!r} lacks {missing or [group]}")
-    return paths
 
 
 def check(spec: KernelSpec, staging: Path) -> None:

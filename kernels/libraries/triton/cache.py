@@ -24,7 +24,9 @@ from triton.runtime.cache import FileCacheManager
 from jitwarm.cache import CacheError, Entry, KernelCache
 from jitwarm.kernels.artifacts import Artifact, artifact
 from jitwarm.kernels.backend import LoadError
-from jitwarm.kernels.libraries.triton.backend import GROUP_PREFIX, read_group, served_file, served_group, write_group
+from jitwarm.kernels.libraries.triton import NAME, SERVED
+from jitwarm.kernels.libraries.triton.driver import GROUP_PREFIX, read_group, write_group
+from jitwarm.kernels.spec import KernelSpec
 
 log = logging.getLogger("jitwarm.triton")
 
@@ -38,6 +40,16 @@ _state: dict[str, Any] = {"cache": None, "failed": None}
 #: (jitwarm.precompile.ledger).
 _served: list[tuple[str, str]] = []
 _scratch_dirs: list[Path] = []
+
+
+def served_group(triton_key: str, group: str) -> KernelSpec:
+    """The spec of the compile keyed ``triton_key`` the server's Triton asks for: the entry its replay names too."""
+    return KernelSpec(group, NAME, SERVED, {"served": "group", "triton_key": triton_key})
+
+
+def served_file(triton_key: str, filename: str) -> KernelSpec:
+    """The spec of one file the server's Triton keeps outside a group (a launcher module, autotune results)."""
+    return KernelSpec(filename, NAME, SERVED, {"served": "file", "triton_key": triton_key})
 
 
 def served() -> list[tuple[str, str]]:

@@ -3,16 +3,20 @@
 ``driver.active``/``_active``/``set_active`` (:func:`reporting`: a box without a GPU compiles under a driver that
 only reports the target), ``GPUTarget`` (:func:`gpu_target`), ``nvidia.compiler.get_ptxas`` (:func:`ptxas`) and
 ``CompiledKernel._init_handles`` (:func:`load_module`: the module load Triton otherwise does at the first launch,
-inside a CUDA-graph capture if that is where it is).
+inside a CUDA-graph capture if that is where it is). Triton's cache's group files (:func:`write_group`,
+:func:`read_group`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from jitwarm.kernels.backend import LoadError
 
 #: Threads per warp of every CUDA target Triton compiles for.
 WARP_SIZE = 32
@@ -123,3 +127,27 @@ class _TargetOnlyDriver:
 
     def get_benchmarker(self) -> Any:
         raise RuntimeError("a target-only Triton driver cannot run kernels (jitwarm replays on a box without a GPU)")
+
+
+# Triton's cache keeps each compile as a group file naming its files (runtime/cache.py, FileCacheManager.put_group).
+GROUP_PREFIX = "__grp__"
+
+
+def write_group(directory: Path, group: str, children: list[str]) -> Path:
+    """Write Triton's group file for ``group`` into ``directory``, its children named relative to it."""
+    path = directory / (GROUP_PREFIX + group)
+    path.write_text(json.dumps({"child_paths": {c: c for c in sorted(children)}}, sort_keys=True))
+    return path
+
+
+def read_group(directory: Path, group: str) -> dict[str, Path]:
+    """The children of ``group`` in ``directory`` as paths, or LoadError when the group or a child is missing."""
+    try:
+        children = json.loads((directory / (GROUP_PREFIX + group)).read_text())["child_paths"]
+        paths = {str(c): directory / Path(str(c)).name for c in children}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise LoadError(f"{directory}: no readable Triton group {group!r}: {exc}") from exc
+    missing = [c for c, p in paths.items() if not p.is_file()]
+    if missing or group not in paths:
+        raise LoadError(f"{directory}: Triton group {group!r} lacks {missing or [group]}")
+    return paths
