@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from jitwarm.kernels.libraries.jit_caches.units import NO_SIGNAL, FamilyCount
 
 log = logging.getLogger("jitwarm.ledger")
 
@@ -28,52 +29,6 @@ VERSION = 1
 #: The families a ledger reports, in order (the JIT cache families with ``load_jit`` after Triton).
 FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "vllm_modelinfo", "tilelang", "deep_gemm", "cute_dsl",
             "flashinfer", "ptx")
-_NO_SIGNAL = "new units in its cache directory"
-_SHOWN_KEYS = 3
-
-
-@dataclass(frozen=True)
-class FamilyCount:
-    """One family's line: ``served`` from its cache (None: the library gives no hit signal), ``compiled`` now.
-
-    ``keys`` are the library's keys of what compiled; ``present`` the complete units in its cache directory
-    ``root`` at start (None where the family has no such directory here).
-    """
-
-    family: str
-    signal: str
-    served: int | None
-    compiled: int
-    keys: tuple[str, ...] = ()
-    present: int | None = None
-    root: str | None = None
-
-    def line(self) -> str:
-        """``jitwarm: ledger: <family>: served from cache N, compiled now M (<how it was counted>)[: <keys>]``."""
-        if self.served is None:
-            counts = f"compiled now {self.compiled}, served from cache unknown"
-            how = (f"no hit signal: counted from the new units in {self.root}" if self.root
-                   else "no hit signal, and no cache directory here")
-        else:
-            counts = f"served from cache {self.served}, compiled now {self.compiled}"
-            how = self.signal + (f"; cache {self.root}" if self.root else "")
-        if self.present is not None:
-            how += f", {self.present} unit(s) there at start"
-        return f"jitwarm: ledger: {self.family}: {counts} ({how})" + (f": {_shown(self.keys)}" if self.keys else "")
-
-    def after_restore(self) -> str | None:
-        """The warning for a compile although units of the family were present at start, else None."""
-        if not self.compiled or not self.present:
-            return None
-        keys = _shown(self.keys) if self.keys else "(keys not known: no new unit was written)"
-        return (f"jitwarm: ledger: {self.family} compiled {self.compiled} although {self.present} unit(s) of "
-                f"{self.family} were present at start in {self.root}: {keys}; none of them has that key (a flag, "
-                "a version or a shape differs: record in the server's image, docs/deployment.md)")
-
-    def as_json(self) -> dict[str, Any]:
-        """The family's JSON object."""
-        return {"signal": self.signal, "served": self.served, "compiled": self.compiled, "keys": list(self.keys),
-                "present_at_start": self.present, "root": self.root}
 
 
 @dataclass(frozen=True)
@@ -142,17 +97,16 @@ class Watcher(Protocol):
 class Ledger:
     """The start snapshot of one process; :meth:`report` counts what happened since.
 
-    Taking it lists every JIT cache family's complete units and notes the Inductor counters, the Triton
-    manager's compiles and vLLM's loads so far; ``watchers`` (a server room's) count their own families.
+    Taking it lists every JIT cache family's complete units and notes each library's own hit signal
+    (:attr:`~jitwarm.kernels.libraries.jit_caches.units.Library.signal`); ``watchers`` (a server room's) count
+    their own families.
     """
 
     def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
 
         self._before = snapshot()
-        self._inductor = _inductor_counters()
-        self._triton = len(_triton_served())
-        self._vllm_loads = _vllm_loads()
+        self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
         self.watchers: dict[str, Watcher] = dict(watchers or {})
 
     def watch(self, watchers: Mapping[str, Watcher]) -> None:
@@ -161,94 +115,32 @@ class Ledger:
             self.watchers.setdefault(name, watcher)
 
     def report(self) -> LedgerReport:
-        """Each family's count since the snapshot (never raises OSError: a vanished directory counts empty)."""
+        """Each family's count since the snapshot (never raises OSError: a vanished directory counts empty).
+
+        A family is counted by its library's own signal, else by a server room's watcher, else by the units new
+        in its cache directory; a family with neither a directory nor a watcher here counted nothing.
+        """
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-        from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
 
         after = snapshot(self._before)
         new = added(self._before, after)
         counts = []
         for name in FAMILIES:
-            units = new.get(name, {})
-            if name == "inductor":  # Inductor writes into vLLM's tree too (its units there are named in it)
-                counts.append(self._inductor_count(after[name].root, {**units, **new.get("vllm_compile", {})}))
-            elif name == "triton" and (served_by_jitwarm() or _triton_served()):
-                counts.append(self._triton_count())
-            elif name == "vllm_compile":
-                counts.append(self._vllm_count(after[name].root, units))
-            elif name in self.watchers:
-                counts.append(self.watchers[name].count())
-            elif name == "load_jit":
-                counts.append(FamilyCount(name, "sglang's loader: not watched in this process", None, 0))
-            else:
-                counts.append(FamilyCount(name, _NO_SIGNAL, None, len(units), tuple(sorted(units)),
-                                          *self._present(name, after[name].root)))
+            signal = self._signals.get(name)
+            count = signal.count(self._before, after, new) if signal is not None else None
+            if count is None and name in self.watchers:
+                count = self.watchers[name].count()
+            if count is None and name in after:
+                units, root = new.get(name, {}), after[name].root
+                present = (len(self._before[name].units), str(root)) if root else (None, None)
+                count = FamilyCount(name, NO_SIGNAL, None, len(units), tuple(sorted(units)), *present)
+            counts.append(count or FamilyCount(name, "no signal: not watched in this process", None, 0))
         return LedgerReport(tuple(counts))
 
     def close(self) -> None:
         """Remove what the watchers installed."""
         for watcher in self.watchers.values():
             watcher.remove()
-
-    def _present(self, name: str, root: Path | None) -> tuple[int | None, str | None]:
-        """The family's units at start and its cache directory (both None where it has none here)."""
-        return (len(self._before[name].units), str(root)) if root else (None, None)
-
-    def _inductor_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
-        from jitwarm.kernels.libraries.jit_caches.inductor import graph_keys
-
-        now = _inductor_counters()
-        hits, misses = (now.get(k, 0) - self._inductor.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
-        return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
-                           tuple(f"fxgraph {k}" for k in graph_keys(new)), len(self._before["inductor"].units),
-                           str(root) if root else None)
-
-    def _vllm_count(self, root: Path | None, new: Mapping[str, Any]) -> FamilyCount:
-        from jitwarm.kernels.libraries.jit_caches.vllm_compile import LIBRARY, why_missed
-
-        # The tree's Inductor and Triton units are those libraries' compiles (Inductor's counters count them).
-        new = {unit: files for unit, files in new.items() if LIBRARY.part(unit) is LIBRARY}
-        present = [unit for unit in self._before["vllm_compile"].units if LIBRARY.part(unit) is LIBRARY]
-        keys = []
-        for unit in sorted(new):
-            why = why_missed(root, unit, present) if root is not None and present else None
-            keys.append(f"{unit} ({why})" if why else unit)
-        loads = _vllm_loads()
-        served = None if loads is None else loads - (self._vllm_loads or 0)
-        signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
-                  else _NO_SIGNAL)
-        return FamilyCount("vllm_compile", signal, served, len(new), tuple(keys), len(present) if root else None,
-                           str(root) if root else None)
-
-    def _triton_count(self) -> FamilyCount:
-        done = _triton_served()[self._triton:]
-        compiled = sorted(kernel for kernel, outcome in done if outcome == "compiled")
-        return FamilyCount("triton", "jitwarm's Triton cache manager", sum(o == "served" for _, o in done),
-                           len(compiled), tuple(compiled))
-
-
-def _shown(keys: tuple[str, ...]) -> str:
-    """The first keys, and how many more."""
-    return ", ".join(keys[:_SHOWN_KEYS]) + (f" and {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else "")
-
-
-def _inductor_counters() -> dict[str, int]:
-    """``counters["inductor"]`` when torch._dynamo is imported here (else nothing has compiled through it)."""
-    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
-    return dict(counters["inductor"]) if counters is not None else {}
-
-
-def _triton_served() -> list[tuple[str, str]]:
-    """What jitwarm's Triton cache manager did in this process, if it is imported."""
-    manager = sys.modules.get("jitwarm.kernels.libraries.triton.cache")
-    return manager.served() if manager is not None else []
-
-
-def _vllm_loads() -> int | None:
-    """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: vLLM's counter not imported)."""
-    counter = getattr(sys.modules.get("vllm.compilation.counter"), "compilation_counter", None)
-    loads = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
-    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in loads)
 
 
 _process: Ledger | None = None

@@ -30,13 +30,16 @@ Fingerprint: torch (``torch_key``), triton (``triton_key``), the C++ compiler, t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     SGLANG,
+    FamilyCount,
     Library,
     lock_held,
     own_dir,
@@ -108,7 +111,31 @@ def graph_keys(units: Iterable[str]) -> list[str]:
     return sorted(keys)
 
 
+def _counters() -> dict[str, int]:
+    """``counters["inductor"]`` when torch._dynamo is imported here (else nothing has compiled through it)."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    return dict(counters["inductor"]) if counters is not None else {}
+
+
+class Counters:
+    """Inductor's own hit signal: its FX graph cache's hit and miss counters, noted at the ledger's start."""
+
+    def __init__(self) -> None:
+        self.start = _counters()
+
+    def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
+              new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount:
+        """Hits served, misses compiled (named by the graph keys of the new units, vLLM's tree's among them)."""
+        now = _counters()
+        hits, misses = (now.get(k, 0) - self.start.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+        root = after["inductor"].root
+        written = {**new.get("inductor", {}), **new.get("vllm_compile", {})}  # Inductor writes into vLLM's tree too
+        return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
+                           tuple(f"fxgraph {k}" for k in graph_keys(written)), len(before["inductor"].units),
+                           str(root) if root else None)
+
+
 # The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.
 LIBRARY = Library("inductor", "inductor_cache", resolve, units, ("torch", "triton", "cxx", "arch"),
-                  unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")))
+                  unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")), signal=Counters)
 name, description, build, check, load = bind(LIBRARY)

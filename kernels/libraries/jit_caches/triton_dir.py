@@ -24,9 +24,18 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, own_dir, regular_files, sglang_dir, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import (
+    SGLANG,
+    FamilyCount,
+    Library,
+    own_dir,
+    regular_files,
+    sglang_dir,
+    subdirs,
+)
 
 GROUP = "__grp__"
 _ALONE = (".so", ".autotune.json")
@@ -113,6 +122,29 @@ def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
     return None
 
 
+def _manager_served() -> list[tuple[str, str]]:
+    """What jitwarm's Triton cache manager did in this process, if it is imported (nothing is imported here)."""
+    manager = sys.modules.get("jitwarm.kernels.libraries.triton.cache")
+    return manager.served() if manager is not None else []
+
+
+class ManagerSignal:
+    """Triton's compiles as jitwarm's cache manager answered them (served or compiled), when it serves them."""
+
+    def __init__(self) -> None:
+        self.start = len(_manager_served())
+
+    def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
+              new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount | None:
+        """The manager's answers since the start; None when Triton's compiles do not go through it here."""
+        done = _manager_served()
+        if not (served_by_jitwarm() or done):
+            return None
+        compiled = sorted(kernel for kernel, outcome in done[self.start:] if outcome == "compiled")
+        return FamilyCount("triton", "jitwarm's Triton cache manager",
+                           sum(o == "served" for _, o in done[self.start:]), len(compiled), tuple(compiled))
+
+
 LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), is_commit=_is_group,
-                  normalize=normalize, localize=localize, arch_of=arch_of)
+                  normalize=normalize, localize=localize, arch_of=arch_of, signal=ManagerSignal)
 name, description, build, check, load = bind(LIBRARY)

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from jitwarm.cache.entry import is_safe_relpath
 
@@ -68,6 +69,9 @@ class Library:
     parts : callable or None
         ``parts(unit)``: the library whose file rules a unit of this cache follows, where the cache holds another
         library's units (vLLM's compile tree holds Inductor's and Triton's); None: every unit follows this one's.
+    signal : callable or None
+        ``signal()``: the library's own hit signal, noted now (:class:`Signal`), for the start-up ledger; None:
+        it has none, and the units new in its directory count what compiled.
 
     """
 
@@ -85,6 +89,7 @@ class Library:
     factors_of: Callable[[Path, tuple[str, ...]], dict[str, str]] | None = None
     node_factors: Callable[[Iterable[str]], dict[str, str]] | None = None
     parts: Callable[[str], Library] | None = None
+    signal: Callable[[], Signal] | None = None
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""
@@ -244,3 +249,73 @@ def files_problem(library: Library, unit: object, files: object) -> str | None:
         if not isinstance(digest, str) or not _SHA.fullmatch(digest):
             return f"file {rel!r} has no sha256 digest"
     return None
+
+
+# -- the start-up ledger's count of a family (jitwarm.precompile.ledger) ------------------------------------
+
+#: A ledger line names at most this many of a family's compiled keys.
+SHOWN_KEYS = 3
+#: How a family without a hit signal of its own is counted.
+NO_SIGNAL = "new units in its cache directory"
+
+
+@dataclass(frozen=True)
+class FamilyCount:
+    """One family's line: ``served`` from its cache (None: the library gives no hit signal), ``compiled`` now.
+
+    ``keys`` are the library's keys of what compiled; ``present`` the complete units in its cache directory
+    ``root`` at start (None where the family has no such directory here).
+    """
+
+    family: str
+    signal: str
+    served: int | None
+    compiled: int
+    keys: tuple[str, ...] = ()
+    present: int | None = None
+    root: str | None = None
+
+    def line(self) -> str:
+        """``jitwarm: ledger: <family>: served from cache N, compiled now M (<how it was counted>)[: <keys>]``."""
+        if self.served is None:
+            counts = f"compiled now {self.compiled}, served from cache unknown"
+            how = (f"no hit signal: counted from the new units in {self.root}" if self.root
+                   else "no hit signal, and no cache directory here")
+        else:
+            counts = f"served from cache {self.served}, compiled now {self.compiled}"
+            how = self.signal + (f"; cache {self.root}" if self.root else "")
+        if self.present is not None:
+            how += f", {self.present} unit(s) there at start"
+        return f"jitwarm: ledger: {self.family}: {counts} ({how})" + (f": {shown(self.keys)}" if self.keys else "")
+
+    def after_restore(self) -> str | None:
+        """The warning for a compile although units of the family were present at start, else None."""
+        if not self.compiled or not self.present:
+            return None
+        keys = shown(self.keys) if self.keys else "(keys not known: no new unit was written)"
+        return (f"jitwarm: ledger: {self.family} compiled {self.compiled} although {self.present} unit(s) of "
+                f"{self.family} were present at start in {self.root}: {keys}; none of them has that key (a flag, "
+                "a version or a shape differs: record in the server's image, docs/deployment.md)")
+
+    def as_json(self) -> dict[str, Any]:
+        """The family's JSON object."""
+        return {"signal": self.signal, "served": self.served, "compiled": self.compiled, "keys": list(self.keys),
+                "present_at_start": self.present, "root": self.root}
+
+
+class Signal(Protocol):
+    """A library's own hit signal, noted when the ledger starts (:attr:`Library.signal` makes one then).
+
+    :meth:`count` gets the census of the start (``before``) and now (``after``, :func:`.census.snapshot`) and
+    the units new since (:func:`.census.added`); it returns None where the library gives no signal in this
+    process (its new units count then). It never raises.
+    """
+
+    def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
+              new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount | None:
+        """The family's count since the signal was noted, or None."""
+
+
+def shown(keys: tuple[str, ...]) -> str:
+    """The first keys, and how many more."""
+    return ", ".join(keys[:SHOWN_KEYS]) + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")

@@ -44,11 +44,20 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
 from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, subdirs, tree_files, vllm_tree
+from jitwarm.kernels.libraries.jit_caches.units import (
+    NO_SIGNAL,
+    FamilyCount,
+    Library,
+    regular_files,
+    subdirs,
+    tree_files,
+    vllm_tree,
+)
 
 AOT = "torch_aot_compile"
 INDUCTOR_DIR, TRITON_DIR = "inductor_cache", "triton_cache"
@@ -232,9 +241,41 @@ def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
     return None
 
 
+def _loads() -> int | None:
+    """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: its counter not imported)."""
+    counter = getattr(sys.modules.get("vllm.compilation.counter"), "compilation_counter", None)
+    loads = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
+    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in loads)
+
+
+class Loads:
+    """vLLM's own signal: its ``compilation_counter``'s artifacts loaded, noted at the ledger's start."""
+
+    def __init__(self) -> None:
+        self.start = _loads()
+
+    def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
+              new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount:
+        """Loads served; compiled, the tree's new units of vLLM's own (each with the factor it missed by)."""
+        root = after["vllm_compile"].root
+        # The tree's Inductor and Triton units are those libraries' compiles (Inductor's counters count them).
+        fresh = [unit for unit in new.get("vllm_compile", {}) if LIBRARY.part(unit) is LIBRARY]
+        present = [unit for unit in before["vllm_compile"].units if LIBRARY.part(unit) is LIBRARY]
+        keys = []
+        for unit in sorted(fresh):
+            why = why_missed(root, unit, present) if root is not None and present else None
+            keys.append(f"{unit} ({why})" if why else unit)
+        loads = _loads()
+        served = None if loads is None else loads - (self.start or 0)
+        signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
+                  else NO_SIGNAL)
+        return FamilyCount("vllm_compile", signal, served, len(fresh), tuple(keys), len(present) if root else None,
+                           str(root) if root else None)
+
+
 LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("vllm", "torch", "triton", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors,
-                  parts=part)
+                  parts=part, signal=Loads)
 name, description, build, check, load = bind(LIBRARY)
 
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from jitwarm.precompile.ledger import FamilyCount
+from jitwarm.kernels.libraries.jit_caches.units import FamilyCount
 from jitwarm.precompile.servers.sglang.loader_tap import TAP, loader
 
 

@@ -1,0 +1,119 @@
+"""The floors of the code (issue #32): every import runs down, and no import cycle exists.
+
+Read from the source, every ``import`` counted, a function's own included (only ``if TYPE_CHECKING:`` blocks are
+left out: they never run). Three folders, one way: ``precompile`` (what and when) over ``kernels`` (how a kernel
+or a library's cache is built, loaded, captured, restored) over ``cache`` (where results live). Inside
+``precompile`` three floors: a server room's adapter (its command line, rules, native functions, seals and
+signals: ``servers/``), planning over it (config, plan, warm, hook, ledger, the commands), and the plugins a
+server loads on top (``servers/plugins.py``, ``servers/<room>/plugin.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"cache": 0, "kernels": 1, "precompile": 2}
+ADAPTER, PLANNING, PLUGINS = 0, 1, 2
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three folders by its dotted name under ``jitwarm`` (a package by its own name)."""
+    found = {}
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__"]
+            found[".".join(["jitwarm", *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The modules of ``known`` that ``name`` imports, at any depth of its code."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    never = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+             for stmt in node.body for n in ast.walk(stmt)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in never:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+            targets = submodules + ([base] if len(submodules) < len(node.names) else [])
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def floor(name: str) -> tuple[int, int]:
+    """(folder, floor inside precompile) of a module: the order imports must run down."""
+    parts = name.split(".")
+    folder = FOLDERS[parts[1]]
+    if parts[1] != "precompile":
+        return folder, 0
+    if parts[2:3] != ["servers"]:
+        return folder, PLANNING
+    return folder, PLUGINS if parts[-1] in ("plugins", "plugin") else ADAPTER
+
+
+def test_every_import_runs_down_the_folders_and_the_floors():
+    up = sorted(f"{a} -> {b}" for a, targets in graph().items() for b in targets if floor(b) > floor(a))
+    assert up == [], "\n".join(up)
+
+
+def test_there_is_no_import_cycle():
+    edges = graph()
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    assert cycles == [], cycles
+
+
+def test_the_graph_is_read_from_every_module():
+    """The analysis itself: it sees the modules and their imports, lazy ones too (a check of nothing passes)."""
+    edges = graph()
+    assert len(edges) > 80
+    assert "jitwarm.precompile.config" in edges["jitwarm.precompile.plan"]
+    assert "jitwarm.precompile.warming" in edges["jitwarm.precompile.shipping"]  # imported inside cmd_warm
+    assert floor("jitwarm.precompile.servers.sglang.plugin") > floor("jitwarm.precompile.ledger") \
+        > floor("jitwarm.precompile.servers.sglang.rules") > floor("jitwarm.kernels.backend") \
+        > floor("jitwarm.cache.entry")
