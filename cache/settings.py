@@ -1,5 +1,9 @@
 """Every ``JITWARM_*`` environment variable, each read by its own accessor when it is used, with one parser.
 
+The cache's and the CLI's are declared here; the server plugins declare theirs beside them
+(``precompile/servers/plugins.py``, each plugin's ``ENABLED``) with the same parsers (:func:`flag_setting`,
+:func:`path_setting`).
+
 No accessor reads more than its own variable (a bad ``JITWARM_JOBS`` fails a ``warm``, never a lookup); a
 value that does not parse raises :class:`SettingError` (exit 2) naming the variable. :func:`override` scopes
 changes for tests (``with settings.override(remote_lease_s=2.5): ...``); :func:`scoped_env` any variable.
@@ -22,9 +26,7 @@ from jitwarm.cache.errors import UsageError
 ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "cache_dir", "cache_path", "lock_dir", "allow_shared", "remote", "remote_prefix", "remote_required",
     "remote_lease_s", "remote_max_bytes", "remote_min_rate", "bundle_max_file_bytes", "bundle_max_bytes",
-    "prune_grace_s", "jobs",
-    "strict", "sglang_plugin", "vllm_plugin", "config", "manifest", "record", "record_caches", "triton_cache",
-    "trust_key", "trust_key_file", "ledger")}
+    "prune_grace_s", "jobs", "strict", "record_caches", "trust_key", "trust_key_file", "ledger")}
 
 #: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
@@ -44,41 +46,38 @@ class SettingError(UsageError, ValueError):
     """A setting (an environment variable, or the same value given to the API) does not parse; exit 2."""
 
 
-def _declare(var: str, doc: str, read: Callable[[], T]) -> Callable[[], T]:
+def declare(var: str, doc: str, read: Callable[[], T]) -> Callable[[], T]:
     """Name and document ``read`` as the accessor of ``var``."""
     read.__name__ = read.__qualname__ = var.removeprefix("JITWARM_").lower()
     read.__doc__ = f"``{var}``: {doc}."
     return read
 
 
-def _flag(var: str, doc: str, default: bool = False) -> Callable[[], bool]:
-    """The accessor of a boolean (:func:`flag`)."""
-    return _declare(var, doc, lambda: flag(var, default))
+def flag_setting(var: str, doc: str, default: bool = False) -> Callable[[], bool]:
+    """The accessor of a boolean (:func:`flag`); the plugins declare theirs with it too."""
+    return declare(var, doc, lambda: flag(var, default))
 
 
 def _number(var: str, kind: type, default: float, minimum: float, doc: str) -> Callable[[], Any]:
     """The accessor of a number (:func:`number`)."""
-    return _declare(var, f"{doc} (default {default}, at least {minimum})",
+    return declare(var, f"{doc} (default {default}, at least {minimum})",
                     lambda: number(var, kind, default, minimum=minimum))
 
 
-def _path(var: str, doc: str) -> Callable[[], Path | None]:
-    """The accessor of a file path (absolute; None when unset or blank)."""
+def path_setting(var: str, doc: str) -> Callable[[], Path | None]:
+    """The accessor of a file path (absolute; None when unset or blank); the plugins declare theirs with it too."""
 
     def read() -> Path | None:
         text = _text(var)
         return absolute_path(text) if text else None
 
-    return _declare(var, doc, read)
+    return declare(var, doc, read)
 
 
 # The plain settings, one accessor each (``settings.strict()``); the others are functions below.
-allow_shared = _flag("JITWARM_ALLOW_SHARED", "accept roots, lock directories and entries other users can write")
-remote_required = _flag("JITWARM_REMOTE_REQUIRED", "fail instead of continuing locally when the remote is down")
-strict = _flag("JITWARM_STRICT", "the capture hook never compiles; a missing kernel is an error")
-sglang_plugin = _flag("JITWARM_SGLANG_PLUGIN", "0 makes the sglang plugin inert (default on)", default=True)
-vllm_plugin = _flag("JITWARM_VLLM_PLUGIN", "0 makes the vLLM plugin inert (default on)", default=True)
-triton_cache = _flag("JITWARM_TRITON_CACHE", "0 leaves Triton's own cache manager in place (default on)", default=True)
+allow_shared = flag_setting("JITWARM_ALLOW_SHARED", "accept roots, lock directories and entries other users can write")
+remote_required = flag_setting("JITWARM_REMOTE_REQUIRED", "fail instead of continuing locally when the remote is down")
+strict = flag_setting("JITWARM_STRICT", "the capture hook never compiles; a missing kernel is an error")
 
 remote_lease_s = _number("JITWARM_REMOTE_LEASE_S", float, 30.0, 0.5, "lifetime of a fleet build lease not renewed")
 remote_max_bytes = _number("JITWARM_REMOTE_MAX_BYTES", int, 256 << 20, 0, "larger entries are neither sent nor fetched")
@@ -88,10 +87,8 @@ bundle_max_file_bytes = _number("JITWARM_BUNDLE_MAX_FILE_BYTES", int, 2 << 30, 0
 bundle_max_bytes = _number("JITWARM_BUNDLE_MAX_BYTES", int, 32 << 30, 0, "a bundle whose files total more is refused")
 prune_grace_s = _number("JITWARM_PRUNE_GRACE_S", float, 600.0, 0.0, "prune keeps an entry used this recently (0: off)")
 
-config = _path("JITWARM_CONFIG", "the TOML file of model dims and targets that puts the sglang plugin in plan mode")
-manifest = _path("JITWARM_MANIFEST", "recorded kernels the sglang plugin warms and loads before capture too")
-record = _path("JITWARM_RECORD", "append every Triton and ``load_jit`` kernel this process compiles to this manifest")
-ledger = _path("JITWARM_LEDGER", "a served start writes what it compiled per family here (JSON) after its last capture")
+ledger = path_setting("JITWARM_LEDGER", "a served start writes what it compiled per family here (JSON) after its last "
+                      "capture")
 
 
 def cache_dir() -> Path:

@@ -101,12 +101,15 @@ def test_one_boolean_parser_refuses_what_is_not_a_boolean(monkeypatch, value):
 @pytest.mark.parametrize(("value", "want"), [("1", True), ("yes", True), ("On", True), ("TRUE", True),
                                              ("0", False), ("no", False), ("off", False), ("False", False)])
 def test_one_boolean_parser_accepts_the_four_spellings(monkeypatch, value, want):
-    for var, accessor in (("JITWARM_STRICT", settings.strict), ("JITWARM_SGLANG_PLUGIN", settings.sglang_plugin),
-                          ("JITWARM_TRITON_CACHE", settings.triton_cache)):
+    from jitwarm.precompile.servers import plugins
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
+
+    for var, accessor in (("JITWARM_STRICT", settings.strict), ("JITWARM_SGLANG_PLUGIN", sglang_plugin.ENABLED),
+                          ("JITWARM_TRITON_CACHE", plugins.serve_triton)):
         monkeypatch.setenv(var, value)
         assert accessor() is want
     monkeypatch.delenv("JITWARM_SGLANG_PLUGIN")
-    assert settings.sglang_plugin() is True  # default on
+    assert sglang_plugin.ENABLED() is True  # default on
 
 
 @pytest.mark.parametrize("value", ["0", "1025", "many", "٣", "1.5"])

@@ -33,7 +33,12 @@ def test_each_yaml_block_is_whole_manifests_that_run_as_written(where, block):
     maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
     pods = [d for d in docs if d["kind"] == "Pod"]
     assert pods, where
-    known = set(settings.ENV_VARS.values())
+    from jitwarm.precompile.servers import plugins
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
+    from jitwarm.precompile.servers.vllm import plugin as vllm_plugin
+
+    known = {*settings.ENV_VARS.values(), plugins.CONFIG_ENV, plugins.MANIFEST_ENV, plugins.RECORD_ENV,
+             plugins.TRITON_CACHE_ENV, sglang_plugin.ENABLE_ENV, vllm_plugin.ENABLE_ENV}
     for pod in pods:
         volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
         for init in pod["spec"].get("initContainers", []):

@@ -22,7 +22,17 @@ from typing import Any
 from jitwarm.cache import settings
 
 TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
-CONFIG_ENV, MANIFEST_ENV = (settings.ENV_VARS[name] for name in ("config", "manifest"))
+
+# The plugins' own settings (each plugin declares its on/off switch, ``ENABLED``); the cache's are in
+# jitwarm.cache.settings, read with the same parsers.
+CONFIG_ENV, MANIFEST_ENV, RECORD_ENV, TRITON_CACHE_ENV = (
+    "JITWARM_CONFIG", "JITWARM_MANIFEST", "JITWARM_RECORD", "JITWARM_TRITON_CACHE")
+config_file = settings.path_setting(CONFIG_ENV, "the TOML file of model dims and targets: a plugin plans from it")
+manifest_file = settings.path_setting(MANIFEST_ENV, "recorded kernels a plugin warms and loads before capture too")
+record_file = settings.path_setting(RECORD_ENV, "append every kernel and JIT cache unit this process compiles to "
+                                    "this manifest")
+serve_triton = settings.flag_setting(TRITON_CACHE_ENV, "0 leaves Triton's own cache manager in place (default on)",
+                                     default=True)
 
 
 strict = settings.is_strict
@@ -52,13 +62,13 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
     ``TRITON_CACHE_MANAGER`` is set unless the user chose a manager (``JITWARM_TRITON_CACHE=0`` keeps Triton's
     own); Triton reads it at each compile, the server's children inherit it. Returns the recorder, or None.
     """
-    path = setting(log, settings.record, None)
+    path = setting(log, record_file, None)
     if path and recorder is None:
         from jitwarm.precompile.recording import record
 
         recorder = record(path)
         log.info("jitwarm: recording every %s this process compiles into %s", what, path)
-    if setting(log, settings.triton_cache, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
+    if setting(log, serve_triton, True) and not os.environ.get("TRITON_CACHE_MANAGER"):
         os.environ["TRITON_CACHE_MANAGER"] = TRITON_MANAGER
     return recorder
 
@@ -158,8 +168,8 @@ class PlanMode:
     @classmethod
     def from_settings(cls) -> PlanMode:
         """Plan mode as ``JITWARM_CONFIG`` and ``JITWARM_MANIFEST``, read now, configure it."""
-        config = str(setting(cls.log, settings.config, None) or "") or None
-        manifest = str(setting(cls.log, settings.manifest, None) or "") or None
+        config = str(setting(cls.log, config_file, None) or "") or None
+        manifest = str(setting(cls.log, manifest_file, None) or "") or None
         return cls(config, manifest)
 
     @property

@@ -24,7 +24,8 @@ from jitwarm.precompile.servers.sglang.fields import SERVER_ARGS_FIELDS
 
 log = logging.getLogger(__name__)
 
-ENABLE_ENV = settings.ENV_VARS["sglang_plugin"]  # 0: inert
+ENABLE_ENV = "JITWARM_SGLANG_PLUGIN"
+ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the sglang plugin inert (default on)", default=True)
 
 #: Every CUDA-graph backend of sglang whose ``capture_one`` is wrapped (runner_backend/, lines above).
 CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cls}" for module, cls in (
@@ -65,7 +66,7 @@ def register() -> None:
     on); an unusable ``JITWARM_CONFIG`` is then raised at model-runner start, which stops the server.
     """
     global _plan
-    if not plugins.setting(log, settings.sglang_plugin, True):
+    if not plugins.setting(log, ENABLED, True):
         log.info("jitwarm: sglang plugin inert (%s=0): nothing installed", ENABLE_ENV)
         return
     try:

@@ -32,7 +32,8 @@ from jitwarm.precompile.servers import plugins
 
 log = logging.getLogger(__name__)
 
-ENABLE_ENV = settings.ENV_VARS["vllm_plugin"]  # 0: inert
+ENABLE_ENV = "JITWARM_VLLM_PLUGIN"
+ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the vLLM plugin inert (default on)", default=True)
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
@@ -75,7 +76,7 @@ def register() -> None:
     """
     global _plan, _recorder
     _log_with_vllm()
-    if not plugins.setting(log, settings.vllm_plugin, True):
+    if not plugins.setting(log, ENABLED, True):
         log.info("jitwarm: vllm plugin inert (%s=0): nothing installed", ENABLE_ENV)
         return
     try:
