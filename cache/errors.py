@@ -1,6 +1,19 @@
 """The one error root of jitwarm (:class:`JitwarmError`: exit code and hint by type) and the cache's errors.
 
-It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it.
+It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it. The exit
+codes are this module's table, one class each; an error elsewhere takes its code by deriving from one:
+
+====  ======================  ==================================================================================
+code  class                   meaning
+====  ======================  ==================================================================================
+0                             done (ready)
+1     :class:`JitwarmError`   a build, load or restore failed
+2     :class:`UsageError`     bad flags, config, settings or manifest; a path another user could change
+3     :class:`TimedOut`       waited past the deadline for another process's build
+4     :class:`Refused`        what this node was handed is refused: corrupt, unsigned, keyed on another node
+5     :class:`NotReady`       specs of the plan are missing (offline, strict)
+130                           interrupted (Ctrl-C)
+====  ======================  ==================================================================================
 """
 
 from __future__ import annotations
@@ -41,6 +54,24 @@ class UsageError(JitwarmError):
     exit_code = EXIT_USAGE
 
 
+class TimedOut(JitwarmError):
+    """A wait passed its deadline: exit 3."""
+
+    exit_code = EXIT_TIMEOUT
+
+
+class Refused(JitwarmError):
+    """What this node was handed is refused: a corrupt bundle, an unsigned entry, a unit of another toolchain (4)."""
+
+    exit_code = EXIT_CORRUPT
+
+
+class NotReady(JitwarmError):
+    """Specs of the plan are missing where they must already be (``--offline``, the strict hook): exit 5."""
+
+    exit_code = EXIT_NOT_READY
+
+
 class CacheError(JitwarmError):
     """Base of the cache's errors: one line, the path and the reason; a hint never names a flag (the CLI's own)."""
 
@@ -61,19 +92,15 @@ class CacheWriteError(CacheError):
         return cls(action, str(where), exc.strerror or type(exc).__name__, hint)
 
 
-class UntrustedPath(CacheError):
+class UntrustedPath(CacheError, UsageError):
     """A root, layer, entry or link another user could change (refused unless ``allow_shared``): exit 2."""
 
-    exit_code = EXIT_USAGE
 
-
-class RootNotWritable(CacheWriteError):
+class RootNotWritable(CacheWriteError, UsageError):
     """The cache root (or one of its top directories) cannot be created or written: a setting to fix (exit 2)."""
 
-    exit_code = EXIT_USAGE
 
-
-class LockTimeout(CacheError):
+class LockTimeout(CacheError, TimedOut):
     """Waiting for another process's build of ``key`` passed ``timeout_s``; ``holder`` is who held it, if known."""
 
     def __init__(self, key: str, holder: LockHolder | None, timeout_s: float) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged
-from jitwarm.cache.errors import EXIT_CORRUPT, CacheError
+from jitwarm.cache.errors import CacheError, Refused
 from jitwarm.cache.files import loads, read_file_stat
 
 _DOMAIN = b"jitwarm-entry-signature-v1\0"
@@ -32,10 +32,8 @@ MAX_SIGNATURE_BYTES = 4096
 _HINT = "sign it: publish or export it from a node that has JITWARM_TRUST_KEY (or _FILE), or remove it"
 
 
-class UntrustedEntry(CacheError):
+class UntrustedEntry(CacheError, Refused):
     """An entry from a remote tier is unsigned or its signature does not verify under the fleet key: exit 4."""
-
-    exit_code = EXIT_CORRUPT
 
 
 def key_id(key: bytes) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache import KernelCache, LockTimeout, settings
-from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_NOT_READY, EXIT_TIMEOUT, JitwarmError
+from jitwarm.cache.errors import JitwarmError, NotReady, TimedOut
 from jitwarm.kernels import KernelSpec, Target
 from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import guard
@@ -26,22 +26,19 @@ from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 POLICIES = ("build", "wait", "strict")
 
 
-class KernelsNotReady(JitwarmError, RuntimeError):
-    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss): exit 5."""
+class KernelsNotReady(NotReady, RuntimeError):
+    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss): exit 5.
 
-    exit_code = EXIT_NOT_READY
+    A RuntimeError too: a server that does not know jitwarm's errors fails its start on it all the same.
+    """
 
 
-class WarmTimeout(KernelsNotReady):
+class WarmTimeout(TimedOut, KernelsNotReady):
     """The hook's deadline passed while waiting for kernels (exit 3)."""
 
-    exit_code = EXIT_TIMEOUT
 
-
-class KernelLoadFailed(KernelsNotReady):
+class KernelLoadFailed(JitwarmError, RuntimeError):
     """A spec's cache entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
-
-    exit_code = EXIT_BUILD_FAILED
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec

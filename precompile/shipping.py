@@ -19,34 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache.bundle import file_sha256
-from jitwarm.cache.errors import EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK, CacheError, JitwarmError, UsageError
+from jitwarm.cache.errors import EXIT_OK, CacheError, JitwarmError, NotReady, Refused, UsageError
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
 from jitwarm.kernels import KernelSpec
 from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
 from jitwarm.precompile.coverage import plan_coverage, readiness
 from jitwarm.precompile.plan import WarmPlan
-
-
-class CorruptBundle(JitwarmError):
-    """A bundle that cannot be imported: a member refused, a file that does not verify, a bad manifest (exit 4)."""
-
-    exit_code = EXIT_CORRUPT
-
-
-class HandOverFailed(JitwarmError):
-    """``prestart`` could not put a recorded kernel where its server's loader finds it (exit 1)."""
-
-
-class FingerprintMismatch(JitwarmError):
-    """A captured unit was keyed on a package, compiler, driver or arch this node does not have (exit 4)."""
-
-    exit_code = EXIT_CORRUPT
-
-
-class NotReady(JitwarmError):
-    """``prestart --offline`` found specs of the plan that neither the bundle nor the cache holds (exit 5)."""
-
-    exit_code = EXIT_NOT_READY
 
 
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -104,7 +82,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
-    """Refuse the plan's captured units whose fingerprint differs from this node's (:class:`FingerprintMismatch`).
+    """Refuse the plan's captured units whose fingerprint differs from this node's (``Refused``, exit 4).
 
     ``--target`` stands for the arch where no GPU can be asked; ``--allow-fingerprint-mismatch`` turns each
     refusal into a warning.
@@ -122,7 +100,7 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
         item, recorded, here = found
         why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
         if not getattr(args, "allow_fingerprint_mismatch", False):
-            raise FingerprintMismatch(f"{why}: its library would not use it (build in the server's image)",
+            raise Refused(f"{why}: its library would not use it (build in the server's image)",
                                       "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
     say_unloadable(plan)
@@ -145,7 +123,7 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     A ``load_jit`` build goes where sglang's loader looks, verified; a Triton compile needs nothing more (the
     server's Triton asks jitwarm's cache manager); a captured unit is restored into its library's cache (counted
     on stderr unless ``quiet``; one whose library wrote a differing file of its own is named and left as is).
-    Failures are exit 1: ``CacheError``, :class:`HandOverFailed` (a ``LoadError``, naming the spec), ``OSError``.
+    Failures are exit 1: ``CacheError``, ``JitwarmError`` (a ``LoadError``, naming the spec), ``OSError``.
     """
     from jitwarm.kernels import LoadError
     from jitwarm.kernels.artifacts import artifact
@@ -157,7 +135,7 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
         except LoadError as exc:
             if isinstance(exc, JitwarmError):
                 raise
-            raise HandOverFailed(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
+            raise JitwarmError(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
         placed = getattr(loaded, "placed", None)
         if placed is not None:
             outcomes.setdefault(placed.outcome, Counter())[spec.backend] += 1
@@ -287,7 +265,7 @@ def export_keys(cache: Any, keys: list[str], path: str) -> str:
 
 
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
-    """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, CorruptBundle when it is bad.
+    """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, Refused when it is bad.
 
     The cache's own failures (a full disk, an untrusted root, a lock timeout, an object store fault) keep their
     types and exit codes: only what is wrong with the bundle itself is exit 4.
@@ -303,7 +281,7 @@ def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
     except CacheError as exc:
         if type(exc) is not CacheError:  # a subclass: a write, a lock, a trust problem, not the bundle's content
             raise
-        raise CorruptBundle(exc.reason, exc.hint) from exc
+        raise Refused(exc.reason, exc.hint) from exc
 
 
 def cmd_import(args: argparse.Namespace, plan: None) -> int:

@@ -117,3 +117,25 @@ def test_the_graph_is_read_from_every_module():
     assert floor("jitwarm.precompile.servers.sglang.plugin") > floor("jitwarm.precompile.ledger") \
         > floor("jitwarm.precompile.servers.sglang.rules") > floor("jitwarm.kernels.backend") \
         > floor("jitwarm.cache.entry")
+
+
+def test_the_exit_codes_are_one_table():
+    """Only cache/errors.py gives an error class its exit code; every other error takes one by deriving from a
+    class of that table, and the CLI exits with it (docs/deployment.md, "Exit codes")."""
+    from jitwarm.cache import errors
+
+    table = {errors.JitwarmError: 1, errors.UsageError: 2, errors.TimedOut: 3, errors.Refused: 4, errors.NotReady: 5}
+    assert {cls: cls.exit_code for cls in table} == table
+    assigned = sorted(f"{path.relative_to(ROOT)}:{node.lineno}" for path in modules().values()
+                      for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                      if isinstance(node, (ast.Assign, ast.AnnAssign))
+                      and "exit_code" in ast.unparse(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+                      and path.name != "errors.py")
+    assert assigned == [], assigned
+    from jitwarm.cache.signing import UntrustedEntry
+    from jitwarm.precompile.hook import KernelLoadFailed, KernelsNotReady, WarmTimeout
+
+    codes = {cls.__name__: cls.exit_code for cls in (errors.LockTimeout, errors.UntrustedPath, errors.RootNotWritable,
+                                                     UntrustedEntry, KernelsNotReady, WarmTimeout, KernelLoadFailed)}
+    assert codes == {"LockTimeout": 3, "UntrustedPath": 2, "RootNotWritable": 2, "UntrustedEntry": 4,
+                     "KernelsNotReady": 5, "WarmTimeout": 3, "KernelLoadFailed": 1}

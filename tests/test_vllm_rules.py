@@ -11,7 +11,7 @@ import json
 import pytest
 
 from jitwarm.precompile import servers
-from jitwarm.precompile.servers.vllm import argv, fields, rules
+from jitwarm.precompile.servers.vllm import VERSION, argv, fields, rules
 
 H200, B200 = 143771, 183359
 HOPPER = {"gpu_memory_mb": H200, "device_capability": 90}
@@ -134,7 +134,8 @@ def test_jitwarm_plan_reads_a_vllm_line_end_to_end(tmp_path):
                    env=env)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["ladder"]["source"] == "built-in rules of vLLM 0.33.0" and plan["ladder"]["max_running_requests"] == 32
+    assert plan["ladder"]["source"] == f"built-in rules of vLLM {VERSION}"
+    assert plan["ladder"]["max_running_requests"] == 32
     keys = [s["key"] for s in plan["shapes"]]
     assert keys[0] == "PIECEWISE num_tokens=64 num_reqs=None" and keys[-1] == "FULL num_tokens=1 num_reqs=1 uniform=1"
     assert plan["families"]["skipped"] and plan["specs"] == []  # a Llama runs none of jitwarm's families
@@ -188,7 +189,7 @@ def test_a_cpu_server_plans_no_graphs_and_never_asks_for_gpu_memory(tmp_path, ho
     attempt to run its functions would fail the plan."""
     from precompile_fixtures import jitwarm
 
-    env = installed(tmp_path, "0.32.0+cpu" if how.startswith("installed") else "0.33.0")
+    env = installed(tmp_path, "0.32.0+cpu" if how.startswith("installed") else VERSION)
     flags, line = [], ["vllm", "serve", "m"]
     if how == "VLLM_TARGET_DEVICE in the environment":
         env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -209,7 +210,7 @@ def test_a_server_that_captures_nothing_plans_nothing_on_a_gpu_too(tmp_path, fla
     """On a CUDA device (``--target sm_90``), where the same line without the flag needs the device's memory."""
     from precompile_fixtures import jitwarm
 
-    env = installed(tmp_path, "0.33.0")
+    env = installed(tmp_path, VERSION)
     proc = jitwarm("plan", "--target", "sm_90", "--", "vllm", "serve", "m", flag, env=env)
     assert (proc.returncode, proc.stderr) == (0, f"jitwarm: nothing to warm: the plan is empty ({why}): the server "
                                                  "captures no decode CUDA graphs\n"), proc.stderr
@@ -239,8 +240,8 @@ def test_another_installed_release_plans_with_its_own_functions_memoised(tmp_pat
     plan = json.loads(memo.stdout)
     assert plan["ladder"]["source"] == "vLLM 0.32.0+cpu (installed)"
     assert [s["key"] for s in plan["shapes"]] == [s["key"] for s in theirs["shapes"]]  # PIECEWISE only: the memo's
-    same = jitwarm(*line, env=installed(tmp_path / "same", "0.33.0"))  # the release the rules mirror: the rules
-    assert json.loads(same.stdout)["ladder"]["source"] == "built-in rules of vLLM 0.33.0", same.stderr
+    same = jitwarm(*line, env=installed(tmp_path / "same", VERSION))  # the release the rules mirror: the rules
+    assert json.loads(same.stdout)["ladder"]["source"] == f"built-in rules of vLLM {VERSION}", same.stderr
 
 
 # --- docs/vllm.md: its `jitwarm plan ... -- vllm serve ...` examples run as written ---------------------------
@@ -276,7 +277,7 @@ def test_the_docs_examples_run_as_written(tmp_path):
     examples = docs_examples()
     assert len(examples) >= 3 and all("vllm" in args for args, _ in examples)
     for n, (args, shown) in enumerate(examples):
-        proc = jitwarm(*args, env=installed(tmp_path / str(n), "0.33.0"))
+        proc = jitwarm(*args, env=installed(tmp_path / str(n), VERSION))
         assert proc.returncode == 0, (args, proc.stderr)
         if shown is not None:
             assert proc.stderr == shown + "\n", (args, proc.stderr)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers.command_line import json_object, split_env
 
-__all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ServerAdapter", "UnknownServer", "adapter", "adapter_for",
+__all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ResolutionError", "ServerAdapter", "adapter", "adapter_for",
            "differs_by_memory", "json_object", "recognised", "refusals"]
 
 #: Every server room, by the name of its subpackage.
@@ -100,14 +100,14 @@ class ServerAdapter(Protocol):
         """
 
 
-class UnknownServer(UsageError):
-    """A server command line that no room recognises (exit 2)."""
+class ResolutionError(UsageError, ValueError):
+    """Settings the server itself rejects, or that its room's rules do not mirror; the message says which (exit 2)."""
 
 
 def adapter(name: str) -> ServerAdapter:
-    """Return the room called ``name`` (one of :data:`ROOMS`); :class:`UnknownServer` for any other."""
+    """Return the room called ``name`` (one of :data:`ROOMS`); UsageError for any other."""
     if name not in ROOMS:
-        raise UnknownServer(f"unknown server {name!r}; jitwarm knows {', '.join(ROOMS)}")
+        raise UsageError(f"unknown server {name!r}; jitwarm knows {', '.join(ROOMS)}")
     return cast(ServerAdapter, importlib.import_module(f"{__name__}.{name}"))
 
 
@@ -116,7 +116,7 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
 
     Raises
     ------
-    UnknownServer
+    UsageError
         ``argv`` starts with a program no room recognises; the message lists the launchers known.
 
     """
@@ -127,7 +127,7 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
     words = split_env(argv)[1]
     if not words or words[0].startswith("-"):
         return adapter(DEFAULT)
-    raise UnknownServer(f"not a server command line jitwarm knows: {' '.join(words[:4])} ... (expected "
+    raise UsageError(f"not a server command line jitwarm knows: {' '.join(words[:4])} ... (expected "
                         f"{'; or '.join(room.LAUNCHERS for room in rooms)})")
 
 
@@ -147,7 +147,7 @@ def refusals(resolve: Callable[[dict[str, Any]], Any], inputs: dict[str, Any],
         inputs = {**inputs, "gpu_memory_mb": 80 * 1024}
     try:
         resolve(inputs)
-    except UsageError as exc:  # the room's ResolutionError
+    except UsageError as exc:  # a ResolutionError
         return [str(exc)]
     return []
 

@@ -27,17 +27,13 @@ _DSV4_NAME = re.compile(r"deepseek[-_ .]?v4|(?<![a-z0-9])dsv4", re.IGNORECASE)
 _UNKNOWN = "architecture unknown, every family planned (--model-architecture NAME decides)"
 
 
-class ModelConfigError(UsageError):
-    """The local checkpoint's config.json cannot be read or is malformed (exit 2)."""
-
-
 def model_families(families: tuple[str, ...], model_path: str | None, architecture: str | None,
                    dsv4: Set[str]) -> ModelFamilies:
     """Decide which of ``families`` a server of this model runs: every one for DeepSeek-V4 (``dsv4``), none else.
 
     Raises
     ------
-    ModelConfigError
+    UsageError
         ``model_path`` is a local directory whose config.json is unreadable, too large, not a JSON object, or
         whose ``architectures`` is not a list of names.
 
@@ -81,14 +77,14 @@ def _local_architectures(path: Path) -> list[str] | None:
         return None
     except OSError as exc:
         why = "it is not a regular file" if exc.errno in (errno.EINVAL, errno.ELOOP) else exc.strerror or str(exc)
-        raise ModelConfigError(f"cannot read the model's {path}: {why}") from None
+        raise UsageError(f"cannot read the model's {path}: {why}") from None
     except ValueError as exc:
-        raise ModelConfigError(f"the model's {path} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+        raise UsageError(f"the model's {path} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
     if not isinstance(doc, dict):
-        raise ModelConfigError(f"the model's {path} is not a JSON object")
+        raise UsageError(f"the model's {path} is not a JSON object")
     names = doc.get("architectures", [])
     if names is None:
         return []
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise ModelConfigError(f"the model's {path}: \"architectures\" must be a list of names, got {names!r:.200}")
+        raise UsageError(f"the model's {path}: \"architectures\" must be a list of names, got {names!r:.200}")
     return names

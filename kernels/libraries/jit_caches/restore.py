@@ -42,10 +42,6 @@ from jitwarm.kernels.libraries.jit_caches.units import Files, Library, unit_fold
 _CHUNK = 1 << 20
 
 
-class RestoreFailed(JitwarmError):
-    """A unit could not be written where its library looks (a full disk, a directory not writable: exit 1)."""
-
-
 @dataclass(frozen=True)
 class Placed:
     """What restoring one unit did: ``placed`` it, found it ``present``, or ``kept`` the library's own ``differing``."""
@@ -67,8 +63,9 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
     UntrustedPath
         A folder on the way is a link jitwarm did not place, another user's or writable by others, or something
         other than a regular file is where a unit's file goes (exit 2; nothing written).
-    RestoreFailed
-        The destination cannot be written; nothing of the unit is left there by this call.
+    JitwarmError
+        The destination cannot be written (a full disk, a directory not writable: exit 1); nothing of the unit
+        is left there by this call.
 
     """
     unit_dir = root if unit == "." else root / unit
@@ -79,7 +76,7 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
         if done is None:
             done = _link_files(library, files, source, root, unit_dir)
     except OSError as exc:
-        raise RestoreFailed(f"{library.name}: cannot restore {unit} into {root}: {exc.strerror or exc}") from None
+        raise JitwarmError(f"{library.name}: cannot restore {unit} into {root}: {exc.strerror or exc}") from None
     if done.outcome == "placed" and library.settle is not None:
         library.settle(root, unit, tuple(files))
     return done

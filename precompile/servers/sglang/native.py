@@ -25,9 +25,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from jitwarm.cache.settings import scoped_env
+from jitwarm.precompile.servers import ResolutionError
 from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
 from jitwarm.precompile.servers.sglang import rules
-from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERIFY_MODE_ENV, ResolutionError
+from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERIFY_MODE_ENV
 
 # A test knob of sglang's (srt/environ.py:1573) that makes compact capture uniform
 # (decode_cuda_graph_runner.py:791-794); the inputs describe a real server, so it is held unset.

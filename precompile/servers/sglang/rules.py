@@ -13,8 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from jitwarm.cache.errors import UsageError
-from jitwarm.precompile.servers import differs_by_memory
+from jitwarm.precompile.servers import ResolutionError, differs_by_memory
 from jitwarm.precompile.servers.sglang import VERSION
 
 SOURCE = f"built-in rules of sglang {VERSION}"
@@ -54,10 +53,6 @@ _LARGEST_TIER = 512  # B200, MI300 (:163-171)
 _UNKNOWN_MEMORY_MAX_BS = 160  # gpu_mem is None (:172-180)
 #: One device memory per tier (MiB), to tell whether a config's ladder depends on the memory at all.
 MEMORY_TIER_SAMPLES = (16 * 1024, 24 * 1024, 40 * 1024, 80 * 1024, 141 * 1024, 180 * 1024)
-
-
-class ResolutionError(UsageError, ValueError):
-    """The settings are ones sglang itself rejects; the message says which and why (exit 2)."""
 
 
 def normalize_algorithm(name: str | None) -> str | None:

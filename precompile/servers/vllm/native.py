@@ -24,9 +24,10 @@ from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from jitwarm.precompile.servers import ResolutionError
 from jitwarm.precompile.servers.own_functions import OwnFunctions, checked_inputs
 from jitwarm.precompile.servers.vllm import rules
-from jitwarm.precompile.servers.vllm.rules import INPUT_KEYS, ResolutionError
+from jitwarm.precompile.servers.vllm.rules import INPUT_KEYS
 
 #: A model length that never binds (the rules' assumption when ``max_model_len`` is unknown).
 _LONG_MODEL_LEN = 1 << 30

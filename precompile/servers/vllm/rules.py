@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import ResolutionError
 from jitwarm.precompile.servers.vllm import VERSION
 
 SOURCE = f"built-in rules of vLLM {VERSION}"
@@ -58,10 +58,6 @@ CPU_PLATFORM = "vLLM's CPU platform"
 # The mode each optimization level sets (config/vllm.py:255-340: OPTIMIZATION_LEVEL_00 .. _03).
 _LEVEL_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL_AND_PIECEWISE", 3: "FULL_AND_PIECEWISE"}
 _GIB_MB = 1024
-
-
-class ResolutionError(UsageError, ValueError):
-    """Settings vLLM itself rejects, or that the rules do not mirror; the message says which (exit 2)."""
 
 
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
