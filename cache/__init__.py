@@ -11,9 +11,10 @@ from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, LockTi
 from jitwarm.cache.keys import FORMAT_VERSION, key_of
 from jitwarm.cache.locks import LockHolder
 from jitwarm.cache.maintenance import PruneReport, VerifyReport
+from jitwarm.cache.protocol import Reservation
 from jitwarm.cache.remote import RemoteReport, reset_remote_health
 from jitwarm.cache.store import CacheResult, CacheStats, KernelCache, Outcome
 
 __all__ = ["FORMAT_VERSION", "BuildError", "CacheError", "CacheResult", "CacheStats", "CacheWriteError", "Entry",
            "FileRecord", "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport",
-           "RemoteReport", "RemoteUnavailable", "VerifyReport", "key_of", "reset_remote_health"]
+           "RemoteReport", "RemoteUnavailable", "Reservation", "VerifyReport", "key_of", "reset_remote_health"]

@@ -41,7 +41,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,8 @@ from jitwarm.cache.stamps import stamped_entry, write_stamp
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
+#: A reservation's steps (:meth:`LocalCache.reserving`): yields the staging dir, returns ``(entry, outcome)``.
+Steps = Generator[Path, None, tuple[Entry, str]]
 #: Refresh an entry's last use (its directory mtime) at most this often: well under prune's 600 s grace period.
 TOUCH_INTERVAL_S = 60.0
 #: A last use found younger than this is not touched again: TP ranks starting together touch an entry once.
@@ -253,9 +255,16 @@ class LocalCache:
         finally:
             claim.release()
 
-    def get_or_build(self, key: str, description: Mapping[str, Any], build: BuildFn, timeout_s: float,
-                     on_wait: OnWait | None, fleet: Fleet | None) -> tuple[Entry, str]:
-        """Steps 2-7 after a lock-free miss; ``(entry, outcome)``. A waiter stops once the holder's entry shows."""
+    def reserving(self, key: str, description: Mapping[str, Any], timeout_s: float, on_wait: OnWait | None,
+                  fleet: Fleet | None) -> Steps:
+        """Steps 2-7 after a lock-free miss, as :class:`Reservation` runs them.
+
+        Returns ``(entry, outcome)`` at once when the key is there (or another node's upload is); else yields
+        a fresh staging directory, the key's lock (and its fleet lease) held, for the build to write into:
+        sent None, it seals, publishes (and uploads) what is there; thrown the build's exception, it raises
+        ``BuildError`` from it; closed, it publishes nothing. The lock is released on every path. A waiter
+        stops once the holder's entry shows.
+        """
         self.prepare_root()
         waited, found = False, []
 
@@ -286,12 +295,12 @@ class LocalCache:
                     self._count("hits")
                 return entry, "waited" if waited else "hit"
             if fleet is None:
-                return self._build(key, description, build), "built"                      # 4-6. build
+                return (yield from self._build(key, description)), "built"                 # 4-6. build
             steps = LocalSteps(new_staging=lambda: self.new_staging(key),
                                publish=lambda staged: self._publish(staged, keep_fallback=True),
-                               build=lambda: self._build(key, description, build))
+                               build=lambda: self._build(key, description))
             left = max(0.0, timeout_s - (time.monotonic() - start))
-            return fleet.get_or_build(key, steps, left, None if waited else on_wait)      # or the fleet's
+            return (yield from fleet.get_or_build(key, steps, left, None if waited else on_wait))  # or fleet's
         finally:
             self.root.drop_staging()  # the staged dir was published or removed: no empty staging/ is left
             lock.release()                                                                 # 7. release
@@ -317,8 +326,12 @@ class LocalCache:
                 break
         return entry
 
-    def _build(self, key: str, description: Mapping[str, Any], build: BuildFn) -> Entry:
-        """Build, seal and publish (we hold the key's lock); ValueError for another description's key, BuildError."""
+    def _build(self, key: str, description: Mapping[str, Any]) -> Generator[Path, None, Entry]:
+        """Yield a staging dir to build into, then seal and publish it (we hold the key's lock).
+
+        ValueError for another description's key; ``BuildError`` from an exception thrown in (the build's) or
+        a build that left nothing usable.
+        """
         actual, preimage = keyed(description)
         if actual != key:
             raise ValueError(f"key {key} is not the key of this description ({actual}); pass cache.key(description)")
@@ -328,7 +341,7 @@ class LocalCache:
         self._count("builds")
         try:
             try:
-                build(staging)                                                             # 4. build
+                yield staging                                                              # 4. build
             except Exception as exc:
                 raise BuildError(key, f"{type(exc).__name__}: {exc}") from exc
             try:
@@ -393,3 +406,55 @@ class LocalCache:
                 return False
             self._publish(staged, keep_fallback=False)
             return True
+
+
+class Reservation:
+    """One key got or reserved (``KernelCache.reserve``): ``result`` when it is there, else ``staging``.
+
+    Reserved, the key's lock (and with a remote tier its fleet lease) is held until :meth:`publish` seals and
+    publishes what was written into ``staging`` (and uploads it), :meth:`fail` says the build raised, or
+    :meth:`abandon` drops it; each releases the lock, as a reservation nobody ends does when it is collected.
+    ``KernelCache.get_or_build`` is a reservation whose build runs at once; Triton's compile, which
+    ``get_group`` starts and ``put_group`` ends, is one ended later (kernels/libraries/triton/cache.py).
+    """
+
+    def __init__(self, steps: Steps | None, result: tuple[Entry, str] | None = None) -> None:
+        self._steps = steps
+        self.result = result
+        self.staging: Path | None = None
+        if steps is not None:
+            try:
+                self.staging = next(steps)
+            except StopIteration as done:
+                self.result, self._steps = done.value, None
+
+    def publish(self) -> tuple[Entry, str]:
+        """Seal and publish what ``staging`` holds; ``(entry, outcome)``. ``BuildError``, ``CacheError``."""
+        steps, self._steps, self.staging = self._ongoing(), None, None
+        try:
+            steps.send(None)
+        except StopIteration as done:
+            self.result = done.value
+            return done.value
+        steps.close()
+        raise RuntimeError("a reservation asked for a second build")
+
+    def fail(self, exc: BaseException) -> None:
+        """The build into ``staging`` raised ``exc``: nothing is published.
+
+        Raises ``BuildError`` from it (an ``Exception``), or ``exc`` itself (a ``KeyboardInterrupt``).
+        """
+        steps, self._steps, self.staging = self._ongoing(), None, None
+        steps.throw(exc)
+        raise RuntimeError("a failed build was published")  # the steps always raise what was thrown in
+
+    def abandon(self) -> None:
+        """Drop the reservation, publishing nothing (idempotent; nothing to do once it ended)."""
+        steps, self._steps, self.staging = self._steps, None, None
+        if steps is not None:
+            steps.close()
+
+    def _ongoing(self) -> Steps:
+        if self._steps is None:
+            raise RuntimeError("this reservation has ended")
+        return self._steps

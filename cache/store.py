@@ -21,7 +21,7 @@ from jitwarm.cache.keys import check_key, key_of, key_preimage
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
 from jitwarm.cache.locks import KeyLock, OnWait, wait_until
 from jitwarm.cache.maintenance import PruneReport, VerifyReport, prune_root, verify_copies
-from jitwarm.cache.protocol import BuildFn, LocalCache
+from jitwarm.cache.protocol import BuildFn, LocalCache, Reservation
 from jitwarm.cache.remote import Fleet, RemoteReport, open_store, redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
 
@@ -162,16 +162,33 @@ class KernelCache:
 
         ``missed``: the caller has just looked ``key`` up in vain, so only the look under the lock is made.
         """
+        reservation = self.reserve(description, timeout_s, on_wait, key=key, missed=missed)
+        if reservation.staging is not None:
+            try:
+                build(reservation.staging)
+            except BaseException as exc:
+                reservation.fail(exc)
+            reservation.publish()
+        return CacheResult(*reservation.result)
+
+    def reserve(self, description: Mapping[str, Any], timeout_s: float = 600.0, on_wait: OnWait | None = None, *,
+                key: str | None = None, missed: bool = False) -> Reservation:
+        """The entry of ``description`` if it is there (``result``), else its build reserved to the caller.
+
+        A reservation with a ``staging`` directory holds the key's lock (and fleet lease): write the build
+        there, then ``publish()`` (``BuildError`` if it is unusable), ``fail(exc)`` or ``abandon()``; see
+        :class:`~jitwarm.cache.protocol.Reservation`. Raises as :meth:`get_or_build` does before a build.
+        """
         key = key_of(description) if key is None else check_key(key)
         entry = None if missed else self._local.lookup(key)                          # 1. lock-free lookup
         if entry is not None:
             self._count("hits")
-            return CacheResult(entry, "hit")
+            return Reservation(None, (entry, "hit"))
         if self.read_only:
             raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root})", "build it with a "
                              "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
         self._count("misses")
-        return CacheResult(*self._local.get_or_build(key, description, build, timeout_s, on_wait, self._fleet))
+        return Reservation(self._local.reserving(key, description, timeout_s, on_wait, self._fleet))
 
     def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
         """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.

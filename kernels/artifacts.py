@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from jitwarm.cache import CacheResult, Entry, KernelCache, key_of
+from jitwarm.cache import CacheResult, Entry, KernelCache, Reservation, key_of
 from jitwarm.kernels.backend import Facts, LoadedKernel, LoadError, backend
 from jitwarm.kernels.spec import KernelSpec
 
@@ -73,6 +73,26 @@ class Artifact:
             be.check(self.spec, staging)
 
         return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key, missed=missed)
+
+    def reserve(self, cache: KernelCache, timeout_s: float = 600.0, *, missed: bool = False) -> Reservation:
+        """The spec's entry (``result``), else its build reserved for files a run makes (``KernelCache.reserve``).
+
+        For a compile the library runs itself (Triton's ``get_group`` miss, then its ``put_group``): write its
+        files into ``staging``, then :meth:`publish`. Raises as :meth:`get_or_build` does before a build.
+        """
+        return cache.reserve(self.description, timeout_s, key=self.key, missed=missed)
+
+    def publish(self, reservation: Reservation) -> Entry:
+        """Check the files written into ``reservation.staging``, then seal and publish them.
+
+        The backend's check loads them without a device. ``BuildError`` (from the check's ``LoadError``); the
+        reservation ends either way.
+        """
+        try:
+            backend(self.spec.backend).check(self.spec, reservation.staging)
+        except BaseException as exc:
+            reservation.fail(exc)
+        return reservation.publish()[0]
 
     def read(self, cache: KernelCache, entry: Entry, reader: Callable[[Entry], T], timeout_s: float = 600.0
              ) -> T | None:

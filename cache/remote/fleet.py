@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +32,13 @@ class LocalSteps:
     """What the local tier hands the fleet protocol for one key, all run under the key's host lock.
 
     ``new_staging()``: a fresh staging dir named for the key; ``publish(staged)``: rename a checked entry
-    into the root, returning what is published; ``build()``: build, seal and publish (``BuildError``).
+    into the root, returning what is published; ``build()``: yield the staging dir to build into, then seal
+    and publish it (``BuildError``), as ``LocalCache._build``.
     """
 
     new_staging: Callable[[], Path]
     publish: Callable[[Entry], Entry]
-    build: Callable[[], Entry]
+    build: Callable[[], Generator[Path, None, Entry]]
 
 
 class Fleet:
@@ -53,14 +54,15 @@ class Fleet:
         self._count = count
 
     def get_or_build(self, key: str, steps: LocalSteps, timeout_s: float,
-                     on_wait: OnWait | None) -> tuple[Entry, str]:
+                     on_wait: OnWait | None) -> Generator[Path, None, tuple[Entry, str]]:
         """Download ``key``, else wait for the node that builds it, else build and upload it here.
 
-        Runs under the key's host lock. Returns ``(entry, "downloaded")`` or ``(entry, "built")``. Raises
-        ``LockTimeout`` (another node kept the lease past ``timeout_s``) or ``BuildError``.
+        Runs under the key's host lock, as the local steps' generator: it yields the staging dir to build into
+        only when this node builds (the lease held meanwhile). Returns ``(entry, "downloaded")`` or ``(entry,
+        "built")``. Raises ``LockTimeout`` (another node kept the lease past ``timeout_s``) or ``BuildError``.
         """
         if not self.store.usable:
-            return steps.build(), "built"
+            return (yield from steps.build()), "built"
         try:
             entry = self._download(key, steps)                                  # 1. download
             if entry is not None:
@@ -70,10 +72,10 @@ class Fleet:
         except LeaseWithoutExpiry as exc:  # not an outage: this key alone goes local, required or not
             _warn_once(exc.args[0], f"{exc}: building cache key {key} locally; the lease now expires "
                        f"in {self.lease_s:.0f} s")
-            return self._build_and_upload(steps), "built"
+            return (yield from self._build_and_upload(steps)), "built"
         except RemoteFailure as exc:
             self.store.failed(exc)
-            return steps.build(), "built"
+            return (yield from steps.build()), "built"
         if entry is not None:
             return entry, "downloaded"
         try:
@@ -84,13 +86,13 @@ class Fleet:
                 self.store.failed(exc)
             if entry is not None:
                 return entry, "downloaded"
-            return self._build_and_upload(steps), "built"                       # build, publish, 5. upload
+            return (yield from self._build_and_upload(steps)), "built"          # build, publish, 5. upload
         finally:
             lease.release()                                                     # 6. release
 
-    def _build_and_upload(self, steps: LocalSteps) -> Entry:
+    def _build_and_upload(self, steps: LocalSteps) -> Generator[Path, None, Entry]:
         """Build and publish locally, then upload (a store failure only costs the upload)."""
-        entry = steps.build()
+        entry = yield from steps.build()
         if self.store.usable:
             try:
                 self.store.upload(entry)

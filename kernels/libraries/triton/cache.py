@@ -1,8 +1,9 @@
 """A Triton ``CacheManager`` over jitwarm's cache: every compile of the server's Triton found or built exactly once.
 
-``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager``. A miss reserves the key: a thread
-holds its lock in ``Artifact.get_or_build`` while Triton compiles, and captures what ``put_group`` hands over
-(checked, then sealed). A hit hands Triton copies made under the entry's claim. docs/triton.md, "Serving".
+``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager``. A miss reserves the key
+(``Artifact.reserve``): its lock is held while Triton compiles, and what ``put_group`` hands over is checked,
+sealed and published (``Artifact.publish``). A hit hands Triton copies made under the entry's claim.
+docs/triton.md, "Serving".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from triton.runtime.cache import CacheManager as _TritonCacheManager
 from triton.runtime.cache import FileCacheManager
 
-from jitwarm.cache import CacheError, Entry, KernelCache
+from jitwarm.cache import CacheError, Entry, KernelCache, Reservation
 from jitwarm.kernels.artifacts import Artifact, artifact
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.triton import NAME, SERVED
@@ -107,7 +108,7 @@ class CacheManager(_TritonCacheManager):
     def __init__(self, key: str, override: bool = False, dump: bool = False) -> None:
         self.key = key
         self._cache = _cache()
-        self._reservation: _Reservation | None = None
+        self._reservation: Reservation | None = None
         self._compiling = False  # get_group said None: the files Triton puts next belong to that compile
         self._scratch: Path | None = None
 
@@ -124,27 +125,37 @@ class CacheManager(_TritonCacheManager):
         """A hit's files, copied; None after reserving the key (or when the cache fails: compile unshared)."""
         try:
             entry = art.lookup(self._cache)
+            if entry is None:
+                reservation = art.reserve(self._cache, WAIT_S, missed=True)
+                if reservation.staging is not None:  # this process builds it: Triton compiles, put()s, put_group()s
+                    self._reservation = reservation
+                    weakref.finalize(self, reservation.abandon)  # a compile that never finished frees the key
+                    return None
+                entry = reservation.result[0]  # another process's, got while waiting for its lock
         except (CacheError, OSError) as exc:
             log.warning("jitwarm: cannot look up Triton's %s in the cache (%s): compiling it", art.spec.family, exc)
             return None
-        if entry is None:
-            reservation = _Reservation(self._cache, art, missed=True)
-            entry = reservation.start()
-            if entry is None:  # this process builds it: Triton compiles, put()s, and put_group() publishes
-                self._reservation = reservation
-                weakref.finalize(self, reservation.abandon)
-                return None
         return self._hand_over(art, entry, self._copy_group)
 
     def put_group(self, filename: str, group: dict[str, str]) -> str:
         """Publish the compile whose files Triton ``put`` (the key's lock was held since ``get_group``)."""
         grp = write_group(self._scratch_dir(), filename, [Path(child).name for child in group])
         reservation, self._reservation, self._compiling = self._reservation, None, False
-        if reservation is None:  # put_group without a get_group miss: publish it as it is
-            reservation = _Reservation(self._cache, artifact(served_group(self.key, filename)))
-            if reservation.start() is not None:
-                return str(grp)
-        reservation.publish(grp.parent)
+        art = artifact(served_group(self.key, filename))
+        try:
+            if reservation is None:  # put_group without a get_group miss: publish it as it is
+                reservation = art.reserve(self._cache, WAIT_S)
+            if reservation.staging is not None:
+                mine = GROUP_PREFIX + art.spec.family
+                for path in grp.parent.iterdir():  # the compile's files and its group, not another group's
+                    if path.is_file() and (path.name == mine or not path.name.startswith(GROUP_PREFIX)):
+                        shutil.copy2(path, reservation.staging / path.name)
+                art.publish(reservation)
+        except (CacheError, OSError) as exc:  # the server's compile goes on unshared, whatever the cache said
+            log.warning("jitwarm: Triton's compile %s is not in the cache: %s", art.spec.family, exc)
+        finally:
+            if reservation is not None:
+                reservation.abandon()  # a copy that failed: nothing published, the key's lock released
         return str(grp)  # Triton keeps these paths (CompiledKernel.metadata_group): its own files, never pruned
 
     def put(self, data: Any, filename: str, binary: bool = True) -> str:
@@ -211,59 +222,3 @@ class CacheManager(_TritonCacheManager):
 def _remove_scratch() -> None:
     for path in _scratch_dirs:
         shutil.rmtree(path, ignore_errors=True)
-
-
-class _Reservation:
-    """A key's lock held by a thread's ``Artifact.get_or_build`` until Triton's files arrive (or never do).
-
-    ``_decided``: the thread holds the lock, or finished (a hit, another process's entry, a failure).
-    ``_arrived``: the compile's files are in, or the compile was dropped.
-    """
-
-    def __init__(self, cache: KernelCache, art: Artifact, missed: bool = False) -> None:
-        self._cache = cache
-        self._art = art
-        self._missed = missed  # just looked up and not found: straight to the lock
-        self._capturing = False
-        self._decided = threading.Event()
-        self._arrived = threading.Event()
-        self._files: Path | None = None
-        self._entry: Entry | None = None
-        self._thread = threading.Thread(target=self._run, name="jitwarm-triton-reservation", daemon=True)
-
-    def start(self) -> Entry | None:
-        """Return the entry another process published (after waiting for its lock), or None: compile it here."""
-        self._thread.start()
-        self._decided.wait()
-        return None if self._capturing else self._entry
-
-    def publish(self, files: Path) -> None:
-        """Hand over the directory of Triton's files and wait until they are sealed (or refused)."""
-        self._files = files
-        self._arrived.set()
-        self._thread.join()
-
-    def abandon(self) -> None:
-        """Release the lock without publishing (Triton's compile failed or never finished)."""
-        self._arrived.set()
-
-    def _run(self) -> None:
-        try:
-            self._entry = self._art.get_or_build(self._cache, WAIT_S, capture=self._capture,
-                                                  missed=self._missed).entry
-        except Exception as exc:  # noqa: BLE001 - the server's compile goes on unshared, whatever the cache said
-            if self._files is not None:  # a compile that did finish: say why it is not shared
-                log.warning("jitwarm: Triton's compile %s is not in the cache: %s", self._art.spec.family, exc)
-        finally:
-            self._decided.set()
-
-    def _capture(self, staging: Path) -> None:
-        """Under the key's lock: wait for Triton's files, copy this compile's into ``staging``."""
-        self._capturing = True
-        self._decided.set()
-        if not self._arrived.wait(WAIT_S) or self._files is None:
-            raise RuntimeError("Triton's compile did not finish")  # the cache publishes nothing
-        mine = GROUP_PREFIX + self._art.spec.family
-        for path in self._files.iterdir():  # the compile's files and its group, not another group's
-            if path.is_file() and (path.name == mine or not path.name.startswith(GROUP_PREFIX)):
-                shutil.copy2(path, staging / path.name)
