@@ -206,3 +206,44 @@ def test_ctrl_c_during_a_build_leaves_no_staging_directory(tmp_path):
         "entries", "locks"]
     built = cache_for(root).get_or_build_ex(desc(0), make_builder(tmp_path / "c", 0))  # and after a build
     assert built.outcome == "built" and not (root / "v1" / "staging").exists()
+
+
+def test_a_reservation_holds_the_key_until_it_is_published_failed_or_abandoned(tmp_path):
+    """KernelCache.reserve: the key's lock is held from the reservation to its end, whichever end it has, and
+    only publish() publishes (what Triton's get_group/put_group use; get_or_build is one whose build runs at once)."""
+    import gc
+
+    cache, other = KernelCache(root=tmp_path, layers=()), KernelCache(root=tmp_path, layers=())
+    description = {"kind": "reserved", "n": 1}
+
+    def reserved_elsewhere() -> bool:
+        try:
+            got = other.reserve(description, timeout_s=0.3)
+        except LockTimeout:
+            return True
+        got.abandon()
+        return False
+
+    for end in ("abandon", "fail", "collected"):
+        held = cache.reserve(description)
+        assert held.result is None and held.staging.is_dir() and reserved_elsewhere()
+        (held.staging / "kernel.bin").write_bytes(b"never published")
+        if end == "abandon":
+            held.abandon()
+            held.abandon()  # idempotent
+        elif end == "fail":
+            with pytest.raises(BuildError, match="RuntimeError: nvcc exploded"):
+                held.fail(RuntimeError("nvcc exploded"))
+        else:
+            del held
+            gc.collect()
+        assert not reserved_elsewhere() and cache.lookup(cache.key(description)) is None
+        assert not list((tmp_path / "v1" / "staging").glob("*"))  # its staging directory went with it
+
+    held = cache.reserve(description)
+    (held.staging / "kernel.bin").write_bytes(b"published")
+    entry, outcome = held.publish()
+    assert outcome == "built" and entry.file("kernel.bin").read_bytes() == b"published"
+    assert other.reserve(description).result == (other.lookup(entry.key), "hit")
+    with pytest.raises(RuntimeError, match="has ended"):
+        held.publish()
