@@ -17,8 +17,8 @@ import os
 import secrets
 import tarfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,15 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class ImportReport:
-    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, and those ``present`` already."""
+    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, and those ``present`` already.
+
+    ``descriptions``: each key's description as the bundle's verified ``entry.json`` holds it (not in
+    :meth:`to_json`), so a caller need not look each entry up again to tell what it is.
+    """
 
     imported: tuple[str, ...] = ()
     present: tuple[str, ...] = ()
+    descriptions: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -59,7 +64,7 @@ class ImportReport:
 
     def to_json(self) -> dict[str, Any]:
         """Return the report as a JSON-able dict."""
-        return asdict(self)
+        return {"imported": list(self.imported), "present": list(self.present)}
 
 
 def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None) -> Path:

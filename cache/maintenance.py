@@ -257,8 +257,12 @@ class VerifyReport:
                 "quarantined": list(self.quarantined)}
 
 
-def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool) -> VerifyReport:
-    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
+def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool,
+                  stamped: bool = False) -> VerifyReport:
+    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None).
+
+    ``stamped``: a copy whose stamp matches its files is not hashed again (``LocalCache.check_copy``).
+    """
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:
         found = list(layout.iter_entry_names()) if keys is None else [(k, layout.entry_dir(k)) for k in keys]
@@ -266,7 +270,8 @@ def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool
             if key is None:
                 _entry, why = local.bad_shard(layout, path, read_only=read_only, repair=repair)
             else:
-                entry, why = local.check_copy(layout, key, read_only=read_only, locked=False, repair=repair)
+                entry, why = local.check_copy(layout, key, read_only=read_only, locked=False, repair=repair,
+                                              stamped=stamped)
                 if entry is not None:
                     ok.add(key)
             if why is not None:

@@ -397,9 +397,10 @@ class LocalCache:
         return staged
 
     def publish_new(self, staged: Entry, timeout_s: float) -> bool:
-        """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout."""
-        if self.lookup(staged.key) is not None:
-            return False
+        """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout.
+
+        One lookup, under the lock (a lock-free one before it looked each entry up twice).
+        """
         with KeyLock(self.lock_dir, staged.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
             if self.lookup(staged.key, locked=True) is not None:

@@ -227,13 +227,16 @@ class KernelCache:
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
 
-    def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False) -> VerifyReport:
+    def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False,
+               stamped: bool = False) -> VerifyReport:
         """Re-hash every copy of ``keys`` (default: every entry and shard); ``repair``: quarantine corrupt ones.
 
+        ``stamped``: a copy this host hashed, whose files' stat signature is unchanged since (its stamp), is
+        not hashed again, as a lookup trusts it (``prestart`` after its import: each file hashed once).
         ``CacheError`` only for an untrusted directory.
         """
         return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
-                             repair=repair)
+                             repair=repair, stamped=stamped)
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, *,
               grace_s: float | None = None) -> PruneReport:
@@ -321,7 +324,8 @@ class KernelCache:
                 staged = bundle.unpack_bundle(settings.absolute_path(path), staging, **caps)
             done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
-                                present=tuple(k for k, new in done.items() if not new))
+                                present=tuple(k for k, new in done.items() if not new),
+                                descriptions={k: entry.description for k, entry in staged.items()})
         finally:
             self._local.root.drop_staging(staging)
 

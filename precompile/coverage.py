@@ -14,26 +14,27 @@ from jitwarm.precompile.commands import keys_of, open_cache
 from jitwarm.precompile.plan import WarmPlan
 
 
-def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool) -> Any:
+def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool, stamped: bool = False) -> Any:
     """``cache.verify``, its own warning per corrupt entry muted: the command reports each one, once."""
     logger = logging.getLogger("jitwarm.cache")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        return cache.verify(keys, repair=repair)
+        return cache.verify(keys, repair=repair, stamped=stamped)
     finally:
         logger.setLevel(level)
 
 
 def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
-                  keys: dict[KernelSpec, str] | None = None) -> dict[str, Any]:
+                  keys: dict[KernelSpec, str] | None = None, stamped: bool = False) -> dict[str, Any]:
     """Sort the plan's specs (their ``keys``, when the caller has them) into present, missing and corrupt.
 
     Also ``why`` (each corrupt spec's reason) and ``quarantined`` (moved aside, only with ``repair``).
+    ``stamped``: trust this host's stamps as a lookup does (``cache.verify(stamped=True)``).
     """
     keys = keys_of(plan, cache, look_only=not repair) if keys is None else keys
     keys = {spec.id: key for spec, key in keys.items()}
-    report = verify_reported(cache, list(keys.values()), repair=repair)
+    report = verify_reported(cache, list(keys.values()), repair=repair, stamped=stamped)
     state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
         k: "missing" for k in report.missing}
     coverage: dict[str, Any] = {"present": [], "missing": [], "corrupt": []}

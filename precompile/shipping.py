@@ -61,7 +61,8 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
         if not report.ok:
             print_warm(args, report, outcome(False))
             return warm_exit(report)
-    coverage = plan_coverage(plan, cache, repair=True, keys=keys)
+    # Hashed at import, build or download by this host and stamped: unchanged since, not hashed again.
+    coverage = plan_coverage(plan, cache, repair=True, keys=keys, stamped=True)
     missing, corrupt = coverage["missing"], coverage["corrupt"]
     if missing or corrupt:
         why = "--offline builds nothing" if args.offline else "after warm"
@@ -202,7 +203,7 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
     """
     report = import_bundle(cache, path, sha256=sha256)
     supplied = sorted(set(keys.values()) & set(report.keys))
-    targets = sorted({str(_target_of(e.description)) for k in report.keys if (e := cache.lookup(k)) is not None})
+    targets = sorted({str(_target_of(description)) for description in report.descriptions.values()})
     print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
           f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
           file=sys.stderr)

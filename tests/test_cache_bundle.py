@@ -238,3 +238,36 @@ def test_members_are_streamed_not_read_whole(tmp_path):
         tracemalloc.stop()
     assert peak < 16 << 20, f"peak {peak / 2**20:.1f} MiB"
     assert dest.lookup(big.key).file("big.bin").stat().st_size == 48 << 20
+
+
+def test_prestart_looks_each_entry_up_once_and_hashes_each_file_once(tmp_path, monkeypatch, capsys):
+    """A bundle's entries, imported by ``prestart --offline``: one lookup each (under its lock) and one hash per
+    file (at unpacking); the readiness check after trusts this host's stamps, as the hook's lookups do. Counted
+    by wrapping the cache's own functions, which still run."""
+    import collections
+    import json
+
+    from precompile_fixtures import TINY
+
+    import jitwarm.cache.entry as entry_module
+    from jitwarm.cache.protocol import LocalCache
+    from jitwarm.precompile.cli import main
+
+    assert main(["warm", *TINY, "--cache-dir", str(tmp_path / "a"), "--json"]) == 0
+    assert main(["export", str(tmp_path / "k.tar"), *TINY, "--cache-dir", str(tmp_path / "a"), "--json"]) == 0
+    calls: collections.Counter[str] = collections.Counter()
+    for owner, name in ((LocalCache, "lookup"), (entry_module, "_hash_file")):
+        real = getattr(owner, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    capsys.readouterr()
+    assert main(["prestart", *TINY, "--bundle", str(tmp_path / "k.tar"), "--cache-dir", str(tmp_path / "b"),
+                 "--offline", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ready"] is True
+    entries = [p for p in (tmp_path / "b" / "v1" / "entries").glob("*/*")]
+    files = sum(len(json.loads((p / "entry.json").read_text())["files"]) for p in entries)
+    assert entries and calls == {"lookup": len(entries), "_hash_file": files}, calls
