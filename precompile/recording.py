@@ -14,10 +14,9 @@ each resolved as this process's server resolves it): the units added since start
 from __future__ import annotations
 
 import atexit
-import json
+import importlib
 import logging
 import threading
-import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,10 @@ from jitwarm.cache.errors import UntrustedPath
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 log = logging.getLogger("jitwarm.record")
+
+#: The taps a recording subscribes to, each in its room (a ``TAP`` and ``recording(add)``): Triton's compile
+#: hook, and sglang's loader where sglang runs.
+RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader_tap")
 
 
 class Recorder:
@@ -68,16 +71,15 @@ class Recorder:
                 self.recorded += added
 
     def start(self) -> Recorder:
-        """Install the Triton hook and the load_jit wrapper (whichever can be imported), list the JIT caches.
+        """Subscribe to the taps :data:`RECORDED` names (whichever can be installed), list the JIT caches.
 
-        The server the process runs in is taken first, before the load_jit wrapper imports sglang's loader.
+        The server the process runs in is taken first, before sglang's loader tap imports sglang's loader.
         """
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
         from jitwarm.kernels.libraries.jit_caches.units import running_server
 
         self.under = running_server()
-        self._hook_triton()
-        self._wrap_load_jit()
+        self._subscribe()
         self._before = snapshot(_families(), under_sglang=self.under)
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
@@ -99,12 +101,12 @@ class Recorder:
 
         from jitwarm.kernels.libraries.jit_caches.backend import store
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-        from jitwarm.kernels.libraries.jit_caches.triton_dir import served_by_jitwarm
 
         with self._capturing:
             if not self._before:
                 return 0
-            names = [n for n in self._before if not (n == "triton" and served_by_jitwarm())]
+            # a library whose compiles go elsewhere here (Triton's, through jitwarm's manager) has none to capture
+            names = [n for n, taken in self._before.items() if not taken.library.bypassed()]
             after = snapshot(names, under_sglang=self.under)
             under = self.under  # where the restore resolves each cache: as this server does
             records, failed = [], set()
@@ -143,28 +145,13 @@ class Recorder:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _hook_triton(self) -> None:
-        """Record each Triton compile (Triton's tap: :mod:`jitwarm.kernels.libraries.triton.tap`)."""
-        from jitwarm.kernels.libraries.triton.tap import TAP
-
-        self._subscribe(TAP, types.SimpleNamespace(compile=self._triton_compile))
-
-    def _triton_compile(self, *, repr: str, fn: Any, compile: dict[str, Any], **kwargs: Any) -> None:
-        self.add(triton_record(fn.module, fn.name, repr, compile["specialization_data"]))
-
-    def _wrap_load_jit(self) -> None:
-        """Record every ``load_jit`` call, hit or miss, in a process that runs sglang (its loader's tap).
-
-        Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, for that mode: the tap reads the call where
-        ``load_jit`` has rewritten its flags or sources (:mod:`jitwarm.precompile.servers.sglang.loader_tap`).
-        """
-        from jitwarm.precompile.servers.sglang.loader_tap import TAP
-
-        self._subscribe(TAP, types.SimpleNamespace(call=lambda args, given: self.add(sglang_record(args, given))))
-
-    def _subscribe(self, tap: Any, subscriber: Any) -> None:
-        if tap.subscribe(subscriber):
-            self._undo.append(lambda: tap.unsubscribe(subscriber))
+    def _subscribe(self) -> None:
+        """Subscribe to each tap :data:`RECORDED` names: its room turns what it sees into records."""
+        for name in RECORDED:
+            room = importlib.import_module(name)
+            subscriber = room.recording(lambda body: self.add({"v": VERSION, **body}))
+            if room.TAP.subscribe(subscriber):
+                self._undo.append(lambda tap=room.TAP, sub=subscriber: tap.unsubscribe(sub))
 
 
 def _families() -> list[str]:
@@ -181,39 +168,6 @@ def _families() -> list[str]:
         log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
                     ", ".join(MODULES))
     return list(MODULES) if asked is None else [name for name in MODULES if name in asked]
-
-
-def triton_record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:
-    """The record of one Triton specialization, from what Triton hands its ``jit_cache_hook``."""
-    from importlib.metadata import version
-
-    target = json.loads(specialization).get("target", {})
-    return {"v": VERSION, "kind": "triton", "kernel": f"{module}:{qualname}", "name": repr_,
-            "target": f"sm_{target.get('arch')}" if target.get("backend") == "cuda" else str(target),
-            "triton": version("triton"), "specialization": specialization}
-
-
-def sglang_record(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The record of one ``load_jit(*args, **kwargs)`` call, with the arch sglang builds it for now."""
-    from importlib.metadata import version
-
-    from sglang.kernels.jit.utils import get_jit_cuda_arch
-
-    arch = get_jit_cuda_arch()
-    call = {"args": [str(a) for a in args], **{k: _plain(v) for k, v in sorted(kwargs.items())}}
-    module = "sgl_kernel_jit_" + "_".join(call["args"])  # BuildSpec.module_name (compile/spec.py:55-57)
-    return {"v": VERSION, "kind": "sglang_jit", "module": module, "target": f"sm_{arch.major}{arch.minor}",
-            "arch": {"major": arch.major, "minor": arch.minor, "suffix": getattr(arch, "suffix", "")},
-            "sglang": version("sglang"), "call": call}
-
-
-def _plain(value: Any) -> Any:
-    """A load_jit argument as JSON (tuples of strings are lists; anything else its str)."""
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def record(path: str | Path, cache: Any = None) -> Recorder:

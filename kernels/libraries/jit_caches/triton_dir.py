@@ -146,5 +146,6 @@ class ManagerSignal:
 
 
 LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), is_commit=_is_group,
-                  normalize=normalize, localize=localize, arch_of=arch_of, signal=ManagerSignal)
+                  normalize=normalize, localize=localize, arch_of=arch_of, signal=ManagerSignal,
+                  bypassed=served_by_jitwarm)
 name, description, build, check, load = bind(LIBRARY)

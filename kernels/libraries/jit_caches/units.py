@@ -72,6 +72,9 @@ class Library:
     signal : callable or None
         ``signal()``: the library's own hit signal, noted now (:class:`Signal`), for the start-up ledger; None:
         it has none, and the units new in its directory count what compiled.
+    bypassed : callable
+        ``bypassed()``: the library's compiles go elsewhere in this process (Triton's, through jitwarm's cache
+        manager), so its directory holds none of them to capture.
 
     """
 
@@ -90,6 +93,7 @@ class Library:
     node_factors: Callable[[Iterable[str]], dict[str, str]] | None = None
     parts: Callable[[str], Library] | None = None
     signal: Callable[[], Signal] | None = None
+    bypassed: Callable[[], bool] = lambda: False
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""

@@ -4,10 +4,13 @@ Triton calls the hook right before a compile this process has not done yet (``JI
 specialization), with ``key``, ``repr``, ``fn`` and ``compile``; a subscriber's ``compile(**those)`` sees each one.
 A hook that was there before the tap (someone else's) is still called, after the subscribers, and its answer is
 Triton's. A compile inside :func:`..driver.private_cache` (jitwarm's own builds) passes no hook.
+:func:`recording` is the recorder's subscriber: each compile as a manifest record of kind ``triton``.
 """
 
 from __future__ import annotations
 
+import json
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -30,3 +33,22 @@ def _patch(tap: Tap) -> Callable[[], bool] | None:
 
 
 TAP = Tap(_patch)
+
+
+def recording(add: Callable[[dict[str, Any]], None]) -> Any:
+    """The recorder's subscriber: ``add(record)`` for each compile (the manifest's ``triton`` record body)."""
+
+    def compile(*, repr: str, fn: Any, compile: dict[str, Any], **kwargs: Any) -> None:  # noqa: A002 - Triton's names
+        add(record(fn.module, fn.name, repr, compile["specialization_data"]))
+
+    return types.SimpleNamespace(compile=compile)
+
+
+def record(module: str, qualname: str, repr_: str, specialization: str) -> dict[str, Any]:
+    """The record of one Triton specialization, from what Triton hands its ``jit_cache_hook``."""
+    from importlib.metadata import version
+
+    target = json.loads(specialization).get("target", {})
+    return {"kind": "triton", "kernel": f"{module}:{qualname}", "name": repr_,
+            "target": f"sm_{target.get('arch')}" if target.get("backend") == "cuda" else str(target),
+            "triton": version("triton"), "specialization": specialization}

@@ -11,6 +11,8 @@ import: 219 call sites in 0.5.23, most imported before ``load_plugins()`` runs).
 - ``looked_up(spec, scope, found)``: a ``_find_prebuilt``, ``found`` the build's library or None;
 - ``building(scope)``: ``_build_lock`` taken: the next look-up that finds nothing means a compile.
 
+:func:`recording` is the recorder's subscriber: each call as a manifest record of kind ``sglang_jit``.
+
 The tap is live only in a process that imported sglang already: importing it redirects the process's JIT caches
 under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), which a recording outside sglang must not do (issue #31).
 """
@@ -20,7 +22,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jitwarm.kernels.tap import Tap, replace, undo_all
@@ -74,3 +77,35 @@ def _patch(tap: Tap) -> Callable[[], bool] | None:
 
 
 TAP = Tap(_patch)
+
+
+def recording(add: Callable[[dict[str, Any]], None]) -> Any:
+    """The recorder's subscriber: ``add(record)`` for each ``load_jit`` call, hit or miss.
+
+    Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, for that mode: the call is read where ``load_jit`` has
+    rewritten its flags or sources.
+    """
+    return types.SimpleNamespace(call=lambda args, given: add(record(args, given)))
+
+
+def record(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The record of one ``load_jit(*args, **kwargs)`` call, with the arch sglang builds it for now."""
+    from importlib.metadata import version
+
+    from sglang.kernels.jit.utils import get_jit_cuda_arch
+
+    arch = get_jit_cuda_arch()
+    call = {"args": [str(a) for a in args], **{k: _plain(v) for k, v in sorted(kwargs.items())}}
+    module = "sgl_kernel_jit_" + "_".join(call["args"])  # BuildSpec.module_name (compile/spec.py:55-57)
+    return {"kind": "sglang_jit", "module": module, "target": f"sm_{arch.major}{arch.minor}",
+            "arch": {"major": arch.major, "minor": arch.minor, "suffix": getattr(arch, "suffix", "")},
+            "sglang": version("sglang"), "call": call}
+
+
+def _plain(value: Any) -> Any:
+    """A load_jit argument as JSON (tuples of strings are lists; anything else its str)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
