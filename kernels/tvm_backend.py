@@ -352,3 +352,33 @@ def _dlopen_name(path: str) -> str:
     if not link.is_symlink():
         link.symlink_to(path)
     return str(link)
+
+
+def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
+    """Hand each tvm-ffi build or module load to ``refuse``, where tvm-ffi is installed; (name, undo), or None."""
+    from jitwarm.kernels.tap import replace, undo_all
+
+    try:
+        import tvm_ffi
+        import tvm_ffi.cpp
+    except ImportError:
+        return None
+    undos = []
+    for owner, name in ((tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
+                        (tvm_ffi.cpp, "build"), (tvm_ffi.cpp, "load"), (tvm_ffi, "load_module")):
+        original = getattr(owner, name, None)
+        if original is not None:
+            label = f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"
+            undos.append(replace(owner, name, _refused_first(original, label, refuse)))
+    return "tvm-ffi build and load", undo_all(undos)
+
+
+def _refused_first(fn: Any, label: str, refuse: Callable[[str], None]) -> Any:
+    """``fn`` that hands ``refuse`` its call first."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        refuse(f"{label}({kwargs.get('name') or (args[0] if args else '?')!r})")
+        return fn(*args, **kwargs)
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call

@@ -7,17 +7,21 @@ capturing stream and the server dies later with ``CUDA_ERROR_ILLEGAL_ADDRESS`` (
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
-from jitwarm.kernels.tap import replace, undo_all
 
 _log = logging.getLogger(__name__)
+
+#: The library rooms that seal their library inside capture, each with ``seal(refuse)``: Triton's compile hook,
+#: Inductor's compile and tvm-ffi's build and load (jitwarm's own families are built with tvm-ffi).
+SEALS = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.kernels.libraries.jit_caches.inductor",
+         "jitwarm.kernels.tvm_backend")
 
 _lock = threading.Lock()
 _armed = 0
@@ -82,10 +86,9 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 class ThirdPartySeal:
     """Watch the JIT libraries' compiles and loads, and refuse (or log) each one made while ``when()`` is true.
 
-    Sealed, where each library is in this process: Triton's JIT compile (its ``jit_cache_hook``, through
-    :mod:`jitwarm.kernels.libraries.triton.tap`), each server room's own JIT (sglang's ``load_jit``:
-    ``ServerAdapter.seal``), an Inductor compile (``torch._inductor.compile_fx.fx_codegen_and_compile``, looked up
-    as a module global at each compile) and tvm-ffi's build and load. ``mode="error"`` raises
+    Sealed, where each library is in this process (each room's ``seal``, :data:`SEALS`): Triton's JIT compile
+    (its ``jit_cache_hook``), an Inductor compile, tvm-ffi's build and load, and each server room's own JIT
+    (sglang's ``load_jit``: ``ServerAdapter.seal``). ``mode="error"`` raises
     :class:`CompileDuringCaptureError` naming the kernel; ``"warn"`` logs it once, with ``log``, and lets it run
     (vLLM's ``--jit-monitor-mode`` has the same two). ``when`` defaults to :func:`guarded`: the guard armed or the
     current stream capturing. Off until :meth:`install`: it patches other libraries' process-wide hooks.
@@ -103,19 +106,18 @@ class ThirdPartySeal:
         self._lock = threading.Lock()
 
     def install(self) -> list[str]:
-        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
-        from jitwarm.kernels.libraries.triton.tap import TAP
+        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`).
+
+        Each library room says how it is sealed (``seal(refuse) -> (name, undo) | None``, :data:`SEALS`), and
+        each server room for its own JIT (``ServerAdapter.seal``).
+        """
         from jitwarm.precompile import servers
 
-        triton = _TritonSeal(self.refuse)
-        if TAP.subscribe(triton):
-            self._sealed("Triton compile", lambda: TAP.unsubscribe(triton))
-        for name in servers.ROOMS:
-            sealed = servers.adapter(name).seal(self.refuse)
+        rooms = [importlib.import_module(name) for name in SEALS]
+        for seal in [room.seal for room in rooms] + [servers.adapter(name).seal for name in servers.ROOMS]:
+            sealed = seal(self.refuse)
             if sealed is not None:
                 self._sealed(*sealed)
-        self._seal_inductor()
-        self._seal_tvm_ffi()
         return self.armed
 
     def remove(self) -> None:
@@ -146,61 +148,7 @@ class ThirdPartySeal:
         self.armed.append(name)
         self._undo.append(undo)
 
-    def _seal_inductor(self) -> None:
-        """Inductor's compile, where torch has imported it (a process that never did compiles nothing with it)."""
-        compile_fx = sys.modules.get("torch._inductor.compile_fx")
-        original = getattr(compile_fx, "fx_codegen_and_compile", None)
-        if original is None:
-            return
-
-        def fx_codegen_and_compile(gm: Any, *args: Any, **kwargs: Any) -> Any:
-            region = kwargs.get("compile_region_name") or "an FX graph"
-            self.refuse(f"Inductor compile of {region} ({len(getattr(getattr(gm, 'graph', None), 'nodes', ()))} "
-                        f"nodes)", id(gm))
-            return original(gm, *args, **kwargs)
-
-        fx_codegen_and_compile.__wrapped__ = original  # type: ignore[attr-defined]
-        self._sealed("Inductor compile", replace(compile_fx, "fx_codegen_and_compile", fx_codegen_and_compile))
-
-    def _seal_tvm_ffi(self) -> None:
-        try:
-            import tvm_ffi
-            import tvm_ffi.cpp
-        except ImportError:
-            return
-        undos = []
-        for owner, name in ((tvm_ffi.cpp, "load_inline"), (tvm_ffi.cpp, "build_inline"),
-                            (tvm_ffi.cpp, "build"), (tvm_ffi.cpp, "load"), (tvm_ffi, "load_module")):
-            original = getattr(owner, name, None)
-            if original is not None:
-                label = f"tvm_ffi.{'cpp.' if owner is not tvm_ffi else ''}{name}"
-                undos.append(replace(owner, name, _sealed(original, label, self.refuse)))
-        self._sealed("tvm-ffi build and load", undo_all(undos))
-
 
 def guarded() -> bool:
     """True while the guard is armed or the current stream captures."""
     return is_armed() or stream_is_capturing()
-
-
-class _TritonSeal:
-    """The Triton tap's subscriber: each compile Triton is about to make, named by its kernel."""
-
-    def __init__(self, refuse: Callable[..., None]) -> None:
-        self.refuse = refuse
-
-    def compile(self, *, key: Any = None, repr: str, fn: Any = None, **kwargs: Any) -> None:
-        # Triton's repr leaves the constexprs out: two specializations of one kernel read alike, their keys do not
-        self.refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}",
-                    str(key))
-
-
-def _sealed(fn: Any, label: str, refuse: Callable[[str], None]) -> Any:
-    """``fn`` that hands ``refuse`` its call first."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        refuse(f"{label}({kwargs.get('name') or (args[0] if args else '?')!r})")
-        return fn(*args, **kwargs)
-
-    call.__wrapped__ = fn  # type: ignore[attr-defined]
-    return call

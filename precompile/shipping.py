@@ -88,13 +88,10 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
     ``--target`` stands for the arch where no GPU can be asked; ``--allow-fingerprint-mismatch`` turns each
     refusal into a warning.
     """
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
     from jitwarm.kernels.libraries.jit_caches.backend import mismatch
-    from jitwarm.kernels.libraries.jit_caches.census import library
 
     target = (getattr(args, "targets", None) or [None])[0]
-    for spec in (s for s in plan.recorded if s.backend in KIND_OF.values()):
-        lib = library(spec.backend)
+    for spec, lib in ((s, lib) for s in plan.recorded if (lib := _jit_cache_library(s.backend)) is not None):
         found = mismatch(lib, spec, target)
         if found is None:
             continue
@@ -102,20 +99,29 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
         why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
         if not getattr(args, "allow_fingerprint_mismatch", False):
             raise Refused(f"{why}: its library would not use it (build in the server's image)",
-                                      "--allow-fingerprint-mismatch restores it anyway")
+                          "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
     say_unloadable(plan)
 
 
 def say_unloadable(plan: WarmPlan) -> None:
-    """Warn where the node's server will not load units the plan restores (vLLM's CPU build and its AOT units)."""
-    from jitwarm.kernels.libraries.jit_caches.vllm_compile import AOT, LIBRARY, aot_unloadable
+    """Warn where the node's server will not load units the plan restores (each library says when)."""
+    units: dict[str, list[str]] = {}
+    for spec in plan.recorded:
+        units.setdefault(spec.backend, []).append(spec.family)
+    for kind, families in sorted(units.items()):
+        lib = _jit_cache_library(kind)
+        why = lib.unloadable(families) if lib is not None and lib.unloadable is not None else None
+        if why:
+            print(f"jitwarm: warning: {why}", file=sys.stderr)
 
-    aot = [s for s in plan.recorded if s.backend == LIBRARY.kind and s.family.startswith(f"{AOT}/")
-           and LIBRARY.part(s.family) is LIBRARY]  # its rank directories, not Inductor's units beside them
-    why = aot_unloadable() if aot else None
-    if why:
-        print(f"jitwarm: warning: {len(aot)} AOT artifact(s) of vllm_compile restored, but {why}", file=sys.stderr)
+
+def _jit_cache_library(kind: str) -> Any:
+    """The JIT cache library (``Library``) of a captured unit's kind, None for a kernel's kind."""
+    from jitwarm.kernels.libraries.jit_caches import KIND_OF
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    return library(kind) if kind in KIND_OF.values() else None
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:

@@ -94,7 +94,7 @@ def report_ledger(log: logging.Logger) -> None:
 
 
 #: What the seals watch inside each capture, where the library is in the process (:func:`sealed`).
-SEALS = "Triton compile, sglang load_jit, Inductor compile, tvm-ffi build and load"
+SEALS = "Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit"
 
 
 def seal_line() -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,29 @@ class Counters:
         return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
                            tuple(f"fxgraph {k}" for k in graph_keys(written)), len(before["inductor"].units),
                            str(root) if root else None)
+
+
+def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
+    """Hand each Inductor compile to ``refuse``, where torch has imported it; (name, undo), or None.
+
+    ``fx_codegen_and_compile`` is looked up as a module global at each compile; a process that never imported
+    it compiles nothing with Inductor.
+    """
+    from jitwarm.kernels.tap import replace
+
+    compile_fx = sys.modules.get("torch._inductor.compile_fx")
+    original = getattr(compile_fx, "fx_codegen_and_compile", None)
+    if original is None:
+        return None
+
+    def fx_codegen_and_compile(gm: Any, *args: Any, **kwargs: Any) -> Any:
+        region = kwargs.get("compile_region_name") or "an FX graph"
+        refuse(f"Inductor compile of {region} ({len(getattr(getattr(gm, 'graph', None), 'nodes', ()))} nodes)",
+               id(gm))
+        return original(gm, *args, **kwargs)
+
+    fx_codegen_and_compile.__wrapped__ = original  # type: ignore[attr-defined]
+    return "Inductor compile", replace(compile_fx, "fx_codegen_and_compile", fx_codegen_and_compile)
 
 
 # The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.

