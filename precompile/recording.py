@@ -97,8 +97,6 @@ class Recorder:
         Each goes to jitwarm's cache (``KernelCache()`` unless the recorder was given one), then to the manifest.
         Never raises: a unit that cannot be stored is said once, left out, and tried again at the next capture.
         """
-        from dataclasses import replace
-
         from jitwarm.kernels.libraries.jit_caches.backend import store
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 
@@ -125,7 +123,7 @@ class Recorder:
                     records.append(unit_record(spec))
                     self.captured[name] = self.captured.get(name, 0) + 1
             for name, snap in after.items():  # what was stored is the new baseline; a failed unit stays new
-                self._before[name] = replace(snap, units={u: f for u, f in snap.units.items()
+                self._before[name] = snap._replace(units={u: f for u, f in snap.units.items()
                                                           if (name, u) not in failed})
         for rec in records:
             self.add(rec, kernel=False)

@@ -199,12 +199,3 @@ class RestoredUnit:
     def run(self, *args: Any) -> None:
         """The library runs its own kernels."""
         raise TypeError(f"{self.spec.family}: a restored {self.spec.backend} unit is run by its library, not jitwarm")
-
-
-def bind(library: Library) -> tuple[Any, ...]:
-    """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``."""
-    return (library.kind,
-            lambda spec, facts=None: description(library, spec),
-            lambda spec, staging, described=None: build(library, spec),
-            lambda spec, staging: check(library, spec, staging),
-            lambda spec, entry: load(library, spec, entry))

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.backend import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, vllm_root
+from jitwarm.kernels.libraries.jit_caches.units import Library, bind, regular_files, vllm_root
 
 DIR = "modelinfos"
 
