@@ -80,7 +80,7 @@ class RootLayout:
     def stamp_path(self, entry_dir: Path, key: str) -> Path:
         """Where this root keeps the verification stamp of the entry directory ``entry_dir`` (any root's)."""
         where = hashlib.sha256(os.fsencode(entry_dir)).hexdigest()[:16]
-        return self.stamps / key[:2] / f"{key}-{where}.json"
+        return self.stamps.joinpath(key[:2], f"{key}-{where}.json")  # one Path made, not two: a lookup's hot path
 
     def plan_path(self, plan_id: str) -> Path:
         """Return the path of a plan record; ValueError for a bad ``plan_id`` (see :func:`_json_file`)."""

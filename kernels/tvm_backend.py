@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, build_only, version_lines
-from jitwarm.kernels.families import family
+from jitwarm.kernels.families import Family, family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
 from jitwarm.kernels.target import Target, TargetError
 
@@ -46,11 +46,11 @@ NVCC_FLAGS = ("-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler
 LINK_FLAGS = ("-ltvm_ffi",)
 
 
-def _check_spec(spec: KernelSpec) -> Target:
-    """The spec's target, after checking it is a spec this backend builds; SpecError otherwise."""
+def _check_spec(spec: KernelSpec) -> tuple[Target, Family]:
+    """The spec's target and family, after checking it is a spec this backend builds; SpecError otherwise."""
     if spec.backend != name:
         raise SpecError(f"{spec.id}: not a {name} spec")
-    family(spec)
+    fam = family(spec)
     try:
         target = Target.parse(spec.target)
     except TargetError as exc:
@@ -61,13 +61,16 @@ def _check_spec(spec: KernelSpec) -> Target:
                 raise SpecError(f"{spec.id}: dtype {value!r} not in {DTYPES}")
         elif not isinstance(value, int) or value < (0 if param == "uniform" else 1):
             raise SpecError(f"{spec.id}: param {param}={value!r} must be a positive int")
-    return target
+    return target, fam
 
 
 def translation_unit(spec: KernelSpec) -> str:
     """Return the generated C++/CUDA source that instantiates and exports ``spec``'s kernel; SpecError if none."""
-    _check_spec(spec)
-    fam = family(spec)
+    return _unit(spec, _check_spec(spec)[1])
+
+
+def _unit(spec: KernelSpec, fam: Family) -> str:
+    """:func:`translation_unit` of a spec already checked (:func:`description` checks each spec once, not thrice)."""
     params: dict[str, Any] = spec.params_dict
     if "dtype" in params:
         params["dtype"] = _CTYPES[params["dtype"]]
@@ -99,8 +102,12 @@ def forget_sources() -> None:
 
 def source_digest(spec: KernelSpec) -> str:
     """sha256 over the contents (never the paths) of the family's sources and the generated unit."""
-    unit = translation_unit(spec)
-    return hashlib.sha256((_family_source_digest(family(spec).source) + unit).encode()).hexdigest()
+    return _source_digest(spec, _check_spec(spec)[1])
+
+
+def _source_digest(spec: KernelSpec, fam: Family) -> str:
+    """:func:`source_digest` of a spec already checked."""
+    return hashlib.sha256((_family_source_digest(fam.source) + _unit(spec, fam)).encode()).hexdigest()
 
 
 def gencode(target: Target) -> tuple[str, ...]:
@@ -226,9 +233,9 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
         The compiler for the spec's target is missing.
 
     """
-    target = _check_spec(spec)
+    target, fam = _check_spec(spec)
     return {"family": spec.family, "backend": spec.backend, "target": spec.target, "params": spec.params_dict,
-            "sources": source_digest(spec), "toolchain": toolchain(target, facts)}
+            "sources": _source_digest(spec, fam), "toolchain": toolchain(target, facts)}
 
 
 def _command(target: Target, source: str, output: Path, workdir: str) -> list[str]:
@@ -250,8 +257,8 @@ def _command(target: Target, source: str, output: Path, workdir: str) -> list[st
 def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
     """Compile ``spec`` into ``staging/kernel.so``, described in ``staging/kernel.json``; CompileError if it fails."""
     staging = Path(staging)
-    target = _check_spec(spec)
-    unit = translation_unit(spec)
+    target, fam = _check_spec(spec)
+    unit = _unit(spec, fam)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jitwarm-tvm-") as work:
         source = "kernel.cu" if target.is_cuda else "kernel.cc"
@@ -342,7 +349,7 @@ def _dlopen_name(path: str) -> str:
     # dlopen answers a name it has loaded with the library it loaded then (glibc compares names first,
     # elf/dl-load.c _dl_map_object) and nothing unloads a tvm-ffi module: an entry rebuilt in place gave the old
     # library. A changed file is opened through a link named by its device and inode.
-    st = Path(path).stat()
+    st = os.stat(path)  # noqa: PTH116 - a str: a Path per kernel was most of this 10 us, on the hook's hot path
     if _opened.setdefault(path, (st.st_dev, st.st_ino)) == (st.st_dev, st.st_ino):
         return path
     if not _links:
