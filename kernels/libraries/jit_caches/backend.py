@@ -19,11 +19,9 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
-from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
-from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
 from jitwarm.kernels.libraries.jit_caches.units import (
     SERVERS,
     Files,
@@ -33,6 +31,9 @@ from jitwarm.kernels.libraries.jit_caches.units import (
     unit_folders,
 )
 from jitwarm.kernels.spec import KernelSpec
+
+if TYPE_CHECKING:
+    from jitwarm.kernels.libraries.jit_caches.restore import Placed
 
 #: Layout of a captured unit's entry; part of every description.
 FORMAT = "jitwarm-jit-cache/1"
@@ -91,6 +92,8 @@ def check(library: Library, spec: KernelSpec, staging: Path) -> None:
 
 def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
     """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
+    from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
+
     files, _, under = unit_of(library, spec)
     root = library.root(None, under)
     placed = (Placed("disabled", Path()) if root is None
@@ -103,6 +106,8 @@ def mismatch(library: Library, spec: KernelSpec, target: str | None = None) -> t
 
     The library's own items (:attr:`~.units.Library.node_factors`) are compared where the node can compute them.
     """
+    from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+
     _, recorded, _ = unit_of(library, spec)
     here = fp.node([item for item in recorded if item in fp.ITEMS], target)
     own = [item for item in recorded if item not in fp.ITEMS]
@@ -133,6 +138,7 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
 
     """
     from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 
     check_source(root, files)
     rules = library.part(unit)  # vLLM's tree holds Inductor's and Triton's units: theirs are keyed by their rules

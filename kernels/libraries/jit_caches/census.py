@@ -13,10 +13,29 @@ import importlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
 from jitwarm.kernels.libraries.jit_caches.units import Library, running_server
+
+
+def bind(library: Library) -> tuple[Any, ...]:
+    """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``.
+
+    Each imports the capture backend (:mod:`.backend`, with :mod:`.restore` and :mod:`.fingerprint`) on its
+    first call, not with the family: this census imports every family only to list its units, and the start-up
+    ledger takes one inside the capture hook's constructor, where those modules cost 1.2 ms (docs/performance.md).
+    """
+    def unit_backend() -> Any:
+        from jitwarm.kernels.libraries.jit_caches import backend
+
+        return backend
+
+    return (library.kind,
+            lambda spec, facts=None: unit_backend().description(library, spec),
+            lambda spec, staging, described=None: unit_backend().build(library, spec),
+            lambda spec, staging: unit_backend().check(library, spec, staging),
+            lambda spec, entry: unit_backend().load(library, spec, entry))
 
 
 def library(name: str) -> Library:

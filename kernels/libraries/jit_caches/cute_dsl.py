@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.units import Library, bind, sglang_dir, tree_files
+from jitwarm.kernels.libraries.jit_caches.census import bind
+from jitwarm.kernels.libraries.jit_caches.units import Library, sglang_dir, tree_files
 
 
 def resolve(environ: Mapping[str, str], server: str) -> Path | None:

@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     SGLANG,
     VLLM,
     Library,
-    bind,
     regular_files,
     sglang_dir,
     subdirs,

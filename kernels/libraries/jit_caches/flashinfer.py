@@ -29,7 +29,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, bind, lock_held, sglang_dir, subdirs, tree_files
+from jitwarm.kernels.libraries.jit_caches.census import bind
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_dir, subdirs, tree_files
 
 #: Ninja's own files in the module directory (dot-files, which the shared listing leaves out).
 NINJA_FILES = (".ninja_log", ".ninja_deps")

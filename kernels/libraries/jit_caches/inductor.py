@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     SGLANG,
     FamilyCount,
     Library,
-    bind,
     lock_held,
     own_dir,
     regular_files,

@@ -25,7 +25,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, bind, sglang_dir, tree_files
+from jitwarm.kernels.libraries.jit_caches.census import bind
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, sglang_dir, tree_files
 
 INDEX = "index"
 #: Seconds a file must have been left alone before it is read as a whole version of itself.

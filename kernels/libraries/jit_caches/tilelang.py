@@ -20,7 +20,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, bind, regular_files, sglang_dir, subdirs
+from jitwarm.kernels.libraries.jit_caches.census import bind
+from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_dir, subdirs
 
 MANIFEST = "manifest.json"
 _SOURCES = ("device_kernel.cu", "host_kernel.cu", "params.pkl")

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     SGLANG,
     FamilyCount,
     Library,
-    bind,
     own_dir,
     regular_files,
     sglang_dir,

@@ -135,25 +135,6 @@ class Library:
         return {rel: hashlib.sha256(self.stored_bytes(root, rel)).hexdigest() for rel in sorted(files)}
 
 
-def bind(library: Library) -> tuple[Any, ...]:
-    """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``.
-
-    Each imports the capture backend (:mod:`.backend`, with :mod:`.restore` and :mod:`.fingerprint`) on its
-    first call, not with the family: the start-up ledger's census imports every family only to list its units,
-    inside the capture hook's constructor, where those three modules cost 1.2 ms (docs/performance.md).
-    """
-    def unit_backend() -> Any:
-        from jitwarm.kernels.libraries.jit_caches import backend
-
-        return backend
-
-    return (library.kind,
-            lambda spec, facts=None: unit_backend().description(library, spec),
-            lambda spec, staging, described=None: unit_backend().build(library, spec),
-            lambda spec, staging: unit_backend().check(library, spec, staging),
-            lambda spec, entry: unit_backend().load(library, spec, entry))
-
-
 # -- listing helpers the libraries share -----------------------------------------------------------------------
 
 

@@ -48,11 +48,11 @@ from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
+from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     NO_SIGNAL,
     FamilyCount,
     Library,
-    bind,
     regular_files,
     subdirs,
     tree_files,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from jitwarm.kernels.libraries.jit_caches.units import Library, bind, regular_files, vllm_root
+from jitwarm.kernels.libraries.jit_caches.census import bind
+from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, vllm_root
 
 DIR = "modelinfos"
 
