@@ -2,7 +2,8 @@
 
 One hash per entry, ``<prefix>:v1:entry:<key>``: ``manifest`` (the entry's ``entry.json``), ``meta`` (uploader,
 executable files) and ``file:<path>`` per file. An upload replaces the whole hash in one MULTI/EXEC and a
-download reads it in one atomic script, so a reader sees a complete entry or none (an LRU evicts it whole).
+download sizes it, then reads it in one atomic script that checks it is the entry sized, so a reader sees a
+complete entry or none (an LRU evicts it whole).
 The build lease of a key is the string ``<prefix>:v1:lease:<key>``, taken with ``SET NX PX``.
 """
 
