@@ -68,7 +68,7 @@ class WarmPlan:
     def build(cls, config: ServingConfig) -> WarmPlan:
         """Map every capture shape of ``config`` to the specs of the families its model runs, per backend and target.
 
-        ConfigError when the ladder cannot be resolved, ModelConfigError for an unreadable local checkpoint.
+        ConfigError when the ladder cannot be resolved, UsageError for an unreadable local checkpoint.
         """
         ladder = resolve_ladder(config)
         assert config.room is not None  # a ServingConfig names a room: construction checks it
