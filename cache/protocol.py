@@ -399,8 +399,12 @@ class LocalCache:
     def publish_new(self, staged: Entry, timeout_s: float) -> bool:
         """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout.
 
-        One lookup, under the lock (a lock-free one before it looked each entry up twice).
+        An entry that is there already is found without the lock: a reader's claim (a shared lock) would hold
+        the import up. One that is not is looked up once, under the lock.
         """
+        there = any(os.path.lexists(layout.entry_dir(staged.key)) for layout, _ in self.search_order)
+        if there and self.lookup(staged.key) is not None:
+            return False
         with KeyLock(self.lock_dir, staged.key, shared=self.allow_shared) as lock:
             lock.acquire(timeout_s)
             if self.lookup(staged.key, locked=True) is not None:

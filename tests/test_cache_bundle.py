@@ -271,3 +271,19 @@ def test_prestart_looks_each_entry_up_once_and_hashes_each_file_once(tmp_path, m
     entries = [p for p in (tmp_path / "b" / "v1" / "entries").glob("*/*")]
     files = sum(len(json.loads((p / "entry.json").read_text())["files"]) for p in entries)
     assert entries and calls == {"lookup": len(entries), "_hash_file": files}, calls
+
+
+def test_importing_a_bundle_again_while_its_entries_are_claimed_does_not_wait(tmp_path, exported):
+    """An entry the cache holds already is found without the key's lock: a reader's claim (a loaded kernel) must
+    not hold a second prestart's import up for its lock timeout."""
+    import time
+
+    entries, bundle = exported
+    dest = cache_for(tmp_path / "gpu-box")
+    dest.import_bundle(bundle)
+    with dest.claim(dest.lookup(entries[0].key), timeout_s=5) as claimed:
+        assert claimed is not None
+        started = time.monotonic()
+        report = dest.import_bundle(bundle, timeout_s=30)
+        assert report.present == tuple(sorted([entries[0].key, entries[2].key])) and report.imported == ()
+        assert time.monotonic() - started < 5
