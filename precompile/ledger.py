@@ -85,7 +85,7 @@ class LedgerReport:
 
 
 class Watcher(Protocol):
-    """A family's signal installed by a server's room (sglang's loader: ``servers/sglang/loader_calls.py``)."""
+    """A family's signal installed by a server's room (sglang's loader: ``servers/sglang/loader.py``)."""
 
     def count(self) -> FamilyCount:
         """The family's count since the watcher was installed."""

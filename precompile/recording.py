@@ -29,7 +29,7 @@ log = logging.getLogger("jitwarm.record")
 
 #: The taps a recording subscribes to, each in its room (a ``TAP`` and ``recording(add)``): Triton's compile
 #: hook, and sglang's loader where sglang runs.
-RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader_tap")
+RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader")
 
 
 class Recorder:

@@ -96,14 +96,14 @@ def test_dispatch_refuses_a_miss_while_capturing_even_without_the_guard(monkeypa
 
 
 def test_each_server_room_seals_its_own_jit(monkeypatch, tmp_path, caplog):
-    """The sglang room's seal (servers/sglang/seals.py, through its loader tap) on a stand-in of sglang's loader
+    """The sglang room's seal (servers/sglang/loader.py, through its loader tap) on a stand-in of sglang's loader
     module: a look-up that finds a build (a load follows) or none (a compile follows) raises inside the guard, is
     logged once in ``warn`` mode, passes outside, and the loader's own functions are back after. The real loader
     is sealed in test_sglang_jit.py and inside the real capture path in test_sglang_plugin.py, against the wheel."""
     import logging
     import types
 
-    from jitwarm.precompile.servers.sglang.loader_tap import LOADER
+    from jitwarm.precompile.servers.sglang.loader import LOADER
 
     loader = types.ModuleType(LOADER)
     leaf = tmp_path / "sm90a" / "sgl_kernel_jit_clamp" / "build-k" / "deps-d" / "sgl_kernel_jit_clamp.so"

@@ -93,8 +93,8 @@ def register() -> None:
 
 
 def _loader_calls() -> dict[str, Any]:
-    """The ledger's ``load_jit`` watcher (:mod:`.loader_calls`)."""
-    from jitwarm.precompile.servers.sglang.loader_calls import LoaderCalls
+    """The ledger's ``load_jit`` watcher (:class:`.loader.LoaderCalls`)."""
+    from jitwarm.precompile.servers.sglang.loader import LoaderCalls
 
     return {"load_jit": LoaderCalls().install()}
 
