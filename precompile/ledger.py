@@ -4,10 +4,10 @@ A restored cache proves nothing until the server is seen not compiling: a unit c
 used when one flag or version differs (modelexpress #560; dynamo #10119, #10695). :func:`begin` takes the start
 snapshot (a plugin calls it before the model loads); :func:`report_after_capture`, after the last graph is
 captured, logs one line per family and writes them as JSON to ``JITWARM_LEDGER``. Each family is counted by its
-library's own hit signal where it has one (Inductor's counters, jitwarm's Triton manager, the sglang room's
-``load_jit`` watcher, vLLM's ``compilation_counter``), else by the units new in its cache directory
-(docs/deployment.md, "Ledger", says which family has which). This module imports no library: it reads the
-signals of those already imported.
+library's own hit signal where it has one, which its room holds (``Library.signal``: Inductor's counters,
+jitwarm's Triton manager, vLLM's ``compilation_counter``; the sglang room's ``load_jit`` watcher), else by the
+units new in its cache directory (docs/deployment.md, "Ledger", says which family has which). No library is
+imported for it: the signals read those already imported.
 """
 
 from __future__ import annotations
