@@ -96,6 +96,11 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
     return _finish(staging, key, doc, records, sig, manifest, shared)
 
 
+def is_private(mode: int) -> bool:
+    """Whether a file of ``mode`` is kept from every user but its owner (neither group nor others may read it)."""
+    return not mode & 0o044
+
+
 def stored_mode(mode: int, *, shared: bool) -> int:
     """The mode an entry file is stored with, from the ``mode`` it was built, captured or shipped with.
 
@@ -104,7 +109,7 @@ def stored_mode(mode: int, *, shared: bool) -> int:
     carry the bit so a download keeps it; it is not signed (whoever can alter a store already has the bytes).
     """
     stored = 0o555 if mode & 0o111 else 0o444
-    return stored if shared or mode & 0o044 else stored & 0o500
+    return stored & 0o500 if is_private(mode) and not shared else stored
 
 
 def seal_dirs(staging: Path, shared: bool) -> None:

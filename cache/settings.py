@@ -61,7 +61,7 @@ def flag_setting(var: str, doc: str, default: bool = False) -> Callable[[], bool
 def _number(var: str, kind: type, default: float, minimum: float, doc: str) -> Callable[[], Any]:
     """The accessor of a number (:func:`number`)."""
     return declare(var, f"{doc} (default {default}, at least {minimum})",
-                    lambda: number(var, kind, default, minimum=minimum))
+                   lambda: number(var, kind, default, minimum=minimum))
 
 
 def path_setting(var: str, doc: str) -> Callable[[], Path | None]:

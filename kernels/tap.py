@@ -43,6 +43,10 @@ class Tap:
                 self._subscribers.append(subscriber)
             return self._unpatch is not None
 
+    def attach(self, subscriber: Any) -> Callable[[], None] | None:
+        """:meth:`subscribe`, returning how to :meth:`unsubscribe` it again; None when the library is not here."""
+        return (lambda: self.unsubscribe(subscriber)) if self.subscribe(subscriber) else None
+
     def unsubscribe(self, subscriber: Any) -> None:
         """Remove ``subscriber``; the last one out puts the library's functions back where nobody patched over them.
 

@@ -147,9 +147,9 @@ class Recorder:
         """Subscribe to each tap :data:`RECORDED` names: its room turns what it sees into records."""
         for name in RECORDED:
             room = importlib.import_module(name)
-            subscriber = room.recording(lambda body: self.add({"v": VERSION, **body}))
-            if room.TAP.subscribe(subscriber):
-                self._undo.append(lambda tap=room.TAP, sub=subscriber: tap.unsubscribe(sub))
+            undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
+            if undo is not None:
+                self._undo.append(undo)
 
 
 def _families() -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, unchanged
+from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_private, unchanged
 from jitwarm.cache.errors import RemoteUnavailable
 from jitwarm.cache.files import loads, open_regular
 from jitwarm.cache.locks import LockHolder, this_host
@@ -285,7 +285,7 @@ class StoreBase:
             files.append((rec, data))
             if mode & 0o111:
                 executable.append(rec.path)
-            if not mode & 0o044:
+            if is_private(mode):
                 private.append(rec.path)
         if not unchanged(entry):  # checked after reading: what was read is what was hashed
             log.warning("not uploading cache key %s: its files changed since they were verified", entry.key)

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from jitwarm.cache.entry import is_private
 from jitwarm.cache.errors import JitwarmError
 from jitwarm.cache.files import fsync_dir
 from jitwarm.cache.locks import pid_alive, this_host
@@ -251,7 +252,7 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
     # The library's own modes: 0644 (0755 to run), owner-only for a file the entry keeps private (stored 0400,
     # from a 0600 one the library wrote: issue #31).
     mode = src.stat().st_mode
-    dest.chmod((0o755 if mode & 0o111 else 0o644) & (0o777 if mode & 0o044 else 0o700))
+    dest.chmod((0o755 if mode & 0o111 else 0o644) & (0o700 if is_private(mode) else 0o777))
 
 
 def _stored_digest(library: Library, root: Path, rel: str) -> str | None:

@@ -140,9 +140,10 @@ class ManagerSignal:
         done = _manager_served()
         if not (served_by_jitwarm() or done):
             return None
-        compiled = sorted(kernel for kernel, outcome in done[self.start:] if outcome == "compiled")
-        return FamilyCount("triton", "jitwarm's Triton cache manager",
-                           sum(o == "served" for _, o in done[self.start:]), len(compiled), tuple(compiled))
+        since = done[self.start:]
+        compiled = sorted(kernel for kernel, outcome in since if outcome == "compiled")
+        return FamilyCount("triton", "jitwarm's Triton cache manager", sum(o == "served" for _, o in since),
+                           len(compiled), tuple(compiled))
 
 
 LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), is_commit=_is_group,

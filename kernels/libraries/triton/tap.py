@@ -54,12 +54,12 @@ def record(module: str, qualname: str, repr_: str, specialization: str) -> dict[
             "triton": version("triton"), "specialization": specialization}
 
 
-def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
+def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], None]] | None:
     """Hand each compile Triton is about to make to ``refuse``, named by its kernel; (name, undo), or None."""
 
     def compile(*, key: Any = None, repr: str, fn: Any = None, **kwargs: Any) -> None:  # noqa: A002 - Triton's
         # Triton's repr leaves the constexprs out: two specializations of one kernel read alike, their keys do not
         refuse(f"Triton kernel {fn.module}:{fn.name} {repr}" if fn is not None else f"Triton kernel {repr}", str(key))
 
-    subscriber = types.SimpleNamespace(compile=compile)
-    return ("Triton compile", lambda: TAP.unsubscribe(subscriber)) if TAP.subscribe(subscriber) else None
+    undo = TAP.attach(types.SimpleNamespace(compile=compile))
+    return None if undo is None else ("Triton compile", undo)

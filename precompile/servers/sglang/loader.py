@@ -133,10 +133,8 @@ class _Seal:
 
 def seal(refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
     """Hand each ``load_jit`` load or compile to ``refuse``; (its name, its undo), or None without sglang here."""
-    subscriber = _Seal(refuse)
-    if not TAP.subscribe(subscriber):
-        return None
-    return "sglang load_jit", lambda: TAP.unsubscribe(subscriber)
+    undo = TAP.attach(_Seal(refuse))
+    return None if undo is None else ("sglang load_jit", undo)
 
 
 def module_name(spec: Any, path: Any) -> str:
