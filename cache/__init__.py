@@ -1,6 +1,7 @@
 """The shared kernel cache: content-addressed entries, per-key file locks, exactly-once builds, a remote tier.
 
-The protocol and its design note: :mod:`jitwarm.cache.protocol`. Importing it reads no environment, touches no file.
+The protocol and its design note: :mod:`jitwarm.cache.store.protocol`. Importing it reads no environment and
+touches no file.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, LockTi
 from jitwarm.cache.keys import FORMAT_VERSION, key_of
 from jitwarm.cache.locks import LockHolder
 from jitwarm.cache.maintenance import PruneReport, VerifyReport
-from jitwarm.cache.protocol import Reservation
 from jitwarm.cache.remote import RemoteReport, reset_remote_health
-from jitwarm.cache.store import CacheResult, CacheStats, KernelCache, Outcome
+from jitwarm.cache.store import CacheResult, CacheStats, KernelCache, Outcome, Reservation
 
 __all__ = ["FORMAT_VERSION", "BuildError", "CacheError", "CacheResult", "CacheStats", "CacheWriteError", "Entry",
            "FileRecord", "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport",

@@ -45,7 +45,7 @@ class StagingName(NamedTuple):
 
 
 class RootLayout:
-    """Paths of one cache root (the layout: :mod:`jitwarm.cache.protocol`; also ``plans/`` and ``facts/``).
+    """Paths of one cache root (the layout: :mod:`jitwarm.cache.store.protocol`; also ``plans/`` and ``facts/``).
 
     Only :meth:`ensure`, the staging methods and the ``iter_*`` readers touch the filesystem. Directories
     are made ``0777`` (``shared``: a team umask of 002 makes them group-writable) or ``0755``, less the umask.

@@ -21,7 +21,7 @@ from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
 from jitwarm.cache.stamps import prune_stamps
 
 if TYPE_CHECKING:
-    from jitwarm.cache.protocol import LocalCache
+    from jitwarm.cache.store import LocalCache
 
 log = logging.getLogger("jitwarm.cache")
 

@@ -250,13 +250,13 @@ def test_prestart_looks_each_entry_up_once_and_hashes_each_file_once(tmp_path, m
     from precompile_fixtures import TINY
 
     import jitwarm.cache.entry as entry_module
-    from jitwarm.cache.protocol import LocalCache
+    from jitwarm.cache.store import KernelCache
     from jitwarm.precompile.cli import main
 
     assert main(["warm", *TINY, "--cache-dir", str(tmp_path / "a"), "--json"]) == 0
     assert main(["export", str(tmp_path / "k.tar"), *TINY, "--cache-dir", str(tmp_path / "a"), "--json"]) == 0
     calls: collections.Counter[str] = collections.Counter()
-    for owner, name in ((LocalCache, "lookup"), (entry_module, "_hash_file")):
+    for owner, name in ((KernelCache, "lookup"), (entry_module, "_hash_file")):
         real = getattr(owner, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):

@@ -230,15 +230,15 @@ def test_warm_report_and_plan_record(tmp_path):
 @pytest.fixture
 def parent_lookups(monkeypatch):
     """Every lookup this (the parent) process makes, by key: the cache protocol's, under every caller."""
-    from jitwarm.cache.protocol import LocalCache
+    from jitwarm.cache.store import KernelCache
 
-    keys, lookup = [], LocalCache.lookup
+    keys, lookup = [], KernelCache.lookup
 
     def counted(self, key, **kwargs):
         keys.append(key)
         return lookup(self, key, **kwargs)
 
-    monkeypatch.setattr(LocalCache, "lookup", counted)
+    monkeypatch.setattr(KernelCache, "lookup", counted)
     return keys
 
 

@@ -1,6 +1,6 @@
 """The fleet protocol: under a host lock, download a key from the remote, or take its lease, build and upload.
 
-:mod:`jitwarm.cache.protocol` hands :meth:`Fleet.get_or_build` the :class:`LocalSteps` of the key; this module
+:mod:`jitwarm.cache.store.protocol` hands :meth:`Fleet.get_or_build` the :class:`LocalSteps` of the key; this module
 reaches the local root only through those callables, never by import.
 """
 

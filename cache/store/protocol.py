@@ -30,6 +30,9 @@ build a key (the second rename loses). NFS can hide a fresh rename for a moment:
 our staged copy. A thread must not build or discard a key inside its own claim of it (flock SH and EX
 conflict within a process: it waits out its deadline). The stat signature trusts that whoever can rewrite
 a file and restore its ctime is already root.
+
+:class:`LocalCache` runs it on one root and its layers; :class:`~.kernel_cache.KernelCache` is the same class
+with its settings, a remote tier (whose lease a build here holds, :mod:`jitwarm.cache.remote.fleet`) and bundles.
 """
 
 from __future__ import annotations
@@ -42,25 +45,29 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from jitwarm.cache import settings
 from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
 from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, refresh_dir, remove_tree
-from jitwarm.cache.keys import keyed
+from jitwarm.cache.keys import check_key, key_of, key_preimage, keyed
 from jitwarm.cache.layout import RootLayout
-from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir
+from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir, wait_until
 from jitwarm.cache.maintenance import move_aside, quarantine, shard_problem, sweep_staging
-from jitwarm.cache.remote.fleet import Fleet, LocalSteps
+from jitwarm.cache.remote.fleet import LocalSteps
 from jitwarm.cache.signing import check_local, signature_path
 from jitwarm.cache.stamps import stamped_entry, write_stamp
+
+if TYPE_CHECKING:
+    from jitwarm.cache.remote import Fleet
 
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
-#: A reservation's steps (:meth:`LocalCache.reserving`): yields the staging dir, returns ``(entry, outcome)``.
+#: A reservation's steps (:meth:`LocalCache._reserving`): yields the staging dir, returns ``(entry, outcome)``.
 Steps = Generator[Path, None, tuple[Entry, str]]
 #: Refresh an entry's last use (its directory mtime) at most this often: well under prune's 600 s grace period.
 TOUCH_INTERVAL_S = 60.0
@@ -72,23 +79,60 @@ TOUCH_WAIT_S = 10.0
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats")."""
+
+    hits: int = 0
+    misses: int = 0
+    builds: int = 0
+    waits: int = 0
+    lock_wait_s: float = 0.0
+    corrupt: int = 0
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_uploads: int = 0
+    lease_waits: int = 0
+    remote_rejected: int = 0
+    remote_errors: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the counters as a JSON-able dict."""
+        return asdict(self)
+
+
+Outcome = Literal["hit", "built", "waited", "downloaded"]
+
+
+class CacheResult(NamedTuple):
+    """The entry, and how this call got it: ``"built"`` ran ``build``, ``"waited"`` for another's build."""
+
+    entry: Entry
+    outcome: Outcome
+
+
 class LocalCache:
     """One writable root (or a read-only one) plus read-only layers: the protocol above, top to bottom.
 
-    :class:`~jitwarm.cache.KernelCache` checks keys and the read-only flag before calling in. Lookups raise
-    only for an untrusted directory; quarantine, stamps and touches are best effort and never raise.
+    Lookups raise only for an untrusted directory; quarantine, stamps and touches are best effort and never raise.
+    ``read_only``: lookups only (a miss in ``get_or_build`` raises); ``allow_shared``: accept what other users can
+    write. Thread-safe: two threads exclude each other like two processes.
     """
 
-    def __init__(self, root: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
-                 allow_shared: bool, count: Callable[..., None], trust_key: Callable[[], bytes | None]) -> None:
-        self.root = root
+    def __init__(self, layout: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
+                 allow_shared: bool) -> None:
+        #: The writable root's paths, and the root itself.
+        self.layout, self.root = layout, layout.root
         self.lock_dir = lock_dir
         self.read_only = read_only
         self.allow_shared = allow_shared
         #: ``(layout, read_only)`` of the root, then each layer.
-        self.search_order = [(root, read_only), *((layer, True) for layer in layers)]
-        self._count = count
-        self._trust_key = trust_key  # the fleet key: a shared layer's entries must carry its signature
+        self.search_order = [(layout, read_only), *((layer, True) for layer in layers)]
+        self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
+        self._counts_lock = threading.Lock()
+        self._trust_key: tuple[bytes | None] | None = None
+        self._fleet: Fleet | None = None  # a remote tier's leases (KernelCache), held around a build here
+        # what this instance knows of the entries (a memo: never the truth, always checked)
         self._mutex = threading.Lock()
         self._verified: dict[Path, Entry] = {}
         self._rejected: set[tuple[Path, Signature]] = set()
@@ -96,8 +140,116 @@ class LocalCache:
         self._touched: dict[str, float] = {}
         self._last_use: dict[str, float] = {}  # the last uses found on disk, by key
 
+    def trust_key(self) -> bytes | None:
+        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one."""
+        if self._trust_key is None:
+            self._trust_key = (settings.trust_key(),)
+        return self._trust_key[0]
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        """Add ``amount`` to the counter ``name`` (the one callable every tier counts through)."""
+        with self._counts_lock:
+            self._counts[name] += amount
+
+    def stats(self) -> CacheStats:
+        """Return this instance's counters."""
+        with self._counts_lock:
+            return CacheStats(**self._counts)  # type: ignore[arg-type]
+
+    def key(self, description: Mapping[str, Any]) -> str:
+        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
+        return key_of(description)
+
+    def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
+        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
+        return key_preimage(description)
+
+    def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
+                     on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
+        """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
+
+        ``build`` writes regular files (no links, no ``entry.json``), only under the key's lock. ``timeout_s``
+        bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once when we wait;
+        ``key``: ``cache.key(description)``, computed by the caller (checked before a build).
+
+        Raises
+        ------
+        LockTimeout
+            Another holder kept the key past ``timeout_s``.
+        BuildError
+            ``build`` raised (chained) or wrote nothing usable; nothing is published.
+        CacheError
+            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``;
+            ``RemoteUnavailable`` when a required remote fails.
+        TypeError, ValueError
+            ``description`` is not plain JSON; ``key`` is not this description's.
+
+        """
+        return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
+
+    def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
+                        on_wait: OnWait | None = None, *, key: str | None = None, missed: bool = False
+                        ) -> CacheResult:
+        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
+
+        ``missed``: the caller has just looked ``key`` up in vain, so only the look under the lock is made.
+        """
+        reservation = self.reserve(description, timeout_s, on_wait, key=key, missed=missed)
+        if reservation.staging is not None:
+            try:
+                build(reservation.staging)
+            except BaseException as exc:
+                reservation.fail(exc)
+            reservation.publish()
+        return CacheResult(*reservation.result)
+
+    def reserve(self, description: Mapping[str, Any], timeout_s: float = 600.0, on_wait: OnWait | None = None, *,
+                key: str | None = None, missed: bool = False) -> Reservation:
+        """The entry of ``description`` if it is there (``result``), else its build reserved to the caller.
+
+        A reservation with a ``staging`` directory holds the key's lock (and fleet lease): write the build
+        there, then ``publish()`` (``BuildError`` if it is unusable), ``fail(exc)`` or ``abandon()``; see
+        :class:`Reservation`. Raises as :meth:`get_or_build` does before a build.
+        """
+        key = key_of(description) if key is None else check_key(key)
+        entry = None if missed else self.lookup(key)                          # 1. lock-free lookup
+        if entry is not None:
+            self._count("hits")
+            return Reservation(None, (entry, "hit"))
+        if self.read_only:
+            raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root})", "build it with a "
+                             "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
+        self._count("misses")
+        return Reservation(self._reserving(key, description, timeout_s, on_wait))
+
+    def wait_for(self, key: str, timeout_s: float) -> Entry:
+        """Wait until another process publishes ``key`` and return it; never builds. ``LockTimeout``."""
+        key = check_key(key)
+        entry = self.lookup(key)
+        if entry is not None:
+            self._count("hits")
+            return entry
+        self._count("misses")
+        self._count("waits")
+        parent = self.layout.entry_dir(key).parent
+        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
+
+        def poll() -> Entry | None:
+            refresh_dir(parent)
+            return self.lookup(key)
+
+        start = time.monotonic()
+        try:
+            return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
+        finally:
+            self._count("lock_wait_s", time.monotonic() - start)
+
     def lookup(self, key: str, *, locked: bool = False) -> Entry | None:
-        """Return the first usable entry of ``key`` in the root, then the layers (``locked``: we hold the key)."""
+        """The verified entry of ``key`` from the root or a layer, or None (``locked``: we hold the key).
+
+        ValueError for a malformed key; ``CacheError`` for an untrusted directory.
+        """
+        check_key(key)
         for layout, read_only in self.search_order:
             with self._mutex:
                 entry = self._verified.get(layout.entry_dir(key))
@@ -106,6 +258,48 @@ class LocalCache:
             if entry is not None and not self._was_rejected(entry) and self._touch(entry, locked=locked):
                 return entry
         return None
+
+    @contextlib.contextmanager
+    def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> Iterator[Entry | None]:
+        """``with cache.claim(entry) as claimed:``: ``entry`` kept from prune and quarantine while it is read.
+
+        Yields None when its files are no longer the ones hashed (get it again). Discard or rebuild the key
+        only after the block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
+        """
+        if self._was_rejected(entry):
+            yield None
+            return
+        if entry.path != self.layout.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
+            yield entry if unchanged(entry) else None
+            return
+        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
+        claim.acquire(timeout_s)
+        try:
+            if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
+                yield entry
+            else:
+                claim.release()  # before yielding: the caller may get or build the key again in the block
+                yield None
+        finally:
+            claim.release()
+
+    def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
+        """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.
+
+        The root's is quarantined if unchanged; a layer's (or a read-only cache's) is skipped from now on.
+        ``LockTimeout`` (the entry is skipped all the same).
+        """
+        with self._mutex:
+            self._rejected.add((entry.path, entry.signature))
+        if entry.read_only or self.read_only or entry.path != self.layout.entry_dir(entry.key):
+            log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
+                        "on", entry.key, entry.path, reason)
+            return
+        with KeyLock(self.lock_dir, entry.key, shared=self.allow_shared) as lock:
+            lock.acquire(timeout_s)
+            if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
+                self.forget(entry.path)
+                move_aside(self.layout, entry.key, entry.path, reason)
 
     def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
                    repair: bool = True) -> tuple[Entry | None, str | None]:
@@ -127,7 +321,7 @@ class LocalCache:
         if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
             return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
         check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
-        entry = stamped_entry(self.root, path, key, allow_shared=self.allow_shared, read_only=read_only,
+        entry = stamped_entry(self.layout, path, key, allow_shared=self.allow_shared, read_only=read_only,
                               st=st) if stamped else None
         hashed = entry is None
         if hashed:
@@ -147,7 +341,7 @@ class LocalCache:
 
     def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
         """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
-        if layout is not self.root and self.allow_shared and (key := self._trust_key()) is not None:
+        if layout is not self.layout and self.allow_shared and (key := self.trust_key()) is not None:
             check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
                         f"layer {layout.root}")
 
@@ -186,7 +380,7 @@ class LocalCache:
             if last_use is not None:
                 self._last_use[entry.key] = last_use
         if stamp and not self.read_only:
-            write_stamp(self.root, entry)
+            write_stamp(self.layout, entry)
 
     def forget(self, path: Path) -> None:
         """Drop what is known about the entry directory ``path`` (removed or replaced)."""
@@ -221,42 +415,8 @@ class LocalCache:
             claim.release()
         return True
 
-    def discard(self, entry: Entry, reason: str, timeout_s: float) -> None:
-        """Reject an entry its caller could not use: quarantine the root's if unchanged, else skip it from now on."""
-        with self._mutex:
-            self._rejected.add((entry.path, entry.signature))
-        if entry.read_only or self.read_only or entry.path != self.root.entry_dir(entry.key):
-            log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
-                        "on", entry.key, entry.path, reason)
-            return
-        with KeyLock(self.lock_dir, entry.key, shared=self.allow_shared) as lock:
-            lock.acquire(timeout_s)
-            if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
-                self.forget(entry.path)
-                move_aside(self.root, entry.key, entry.path, reason)
-
-    @contextlib.contextmanager
-    def claim(self, entry: Entry, timeout_s: float) -> Iterator[Entry | None]:
-        """Hold a shared lock on ``entry``'s key while the caller reads it; see :meth:`KernelCache.claim`."""
-        if self._was_rejected(entry):
-            yield None
-            return
-        if entry.path != self.root.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
-            yield entry if unchanged(entry) else None
-            return
-        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
-        claim.acquire(timeout_s)
-        try:
-            if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
-                yield entry
-            else:
-                claim.release()  # before yielding: the caller may get or build the key again in the block
-                yield None
-        finally:
-            claim.release()
-
-    def reserving(self, key: str, description: Mapping[str, Any], timeout_s: float, on_wait: OnWait | None,
-                  fleet: Fleet | None) -> Steps:
+    def _reserving(self, key: str, description: Mapping[str, Any], timeout_s: float, on_wait: OnWait | None
+                   ) -> Steps:
         """Steps 2-7 after a lock-free miss, as :class:`Reservation` runs them.
 
         Returns ``(entry, outcome)`` at once when the key is there (or another node's upload is); else yields
@@ -265,7 +425,7 @@ class LocalCache:
         ``BuildError`` from it; closed, it publishes nothing. The lock is released on every path. A waiter
         stops once the holder's entry shows.
         """
-        self.prepare_root()
+        self._prepare_root()
         waited, found = False, []
 
         def note_wait(holder: LockHolder | None) -> None:
@@ -294,33 +454,33 @@ class LocalCache:
                 if not waited:
                     self._count("hits")
                 return entry, "waited" if waited else "hit"
-            if fleet is None:
+            if self._fleet is None:
                 return (yield from self._build(key, description)), "built"                 # 4-6. build
             steps = LocalSteps(new_staging=lambda: self.new_staging(key),
                                publish=lambda staged: self._publish(staged, keep_fallback=True),
                                build=lambda: self._build(key, description))
             left = max(0.0, timeout_s - (time.monotonic() - start))
-            return (yield from fleet.get_or_build(key, steps, left, None if waited else on_wait))  # or fleet's
+            return (yield from self._fleet.get_or_build(key, steps, left, None if waited else on_wait))  # or fleet's
         finally:
-            self.root.drop_staging()  # the staged dir was published or removed: no empty staging/ is left
+            self.layout.drop_staging()  # the staged dir was published or removed: no empty staging/ is left
             lock.release()                                                                 # 7. release
 
-    def prepare_root(self) -> None:
+    def _prepare_root(self) -> None:
         """Create and trust-check the root's top directories and the lock dir (nothing exists before a write)."""
         try:
-            self.root.ensure(self.root.entries)
+            self.layout.ensure(self.layout.entries)
             ready_lock_dir(self.lock_dir, shared=self.allow_shared)
         except OSError as exc:
             hint = "set JITWARM_CACHE_DIR to a writable directory, or use KernelCache(read_only=True) for lookups"
-            raise RootNotWritable.of("create the cache root", exc, exc.filename or self.root.root, hint) from exc
-        self.check_root(self.root)
+            raise RootNotWritable.of("create the cache root", exc, exc.filename or self.layout.root, hint) from exc
+        self.check_root(self.layout)
 
     def _look_again(self, key: str, *, retry: bool) -> Entry | None:
         """Look up under the lock; with ``retry``, a few more times to outwait NFS attribute caching."""
         entry = self.lookup(key, locked=True)
         for delay in NFS_RETRY_DELAYS_S if retry and entry is None else ():
             time.sleep(delay)
-            refresh_dir(self.root.entry_dir(key).parent)
+            refresh_dir(self.layout.entry_dir(key).parent)
             entry = self.lookup(key, locked=True)
             if entry is not None:
                 break
@@ -336,7 +496,7 @@ class LocalCache:
         if actual != key:
             raise ValueError(f"key {key} is not the key of this description ({actual}); pass cache.key(description)")
         # Our lock on the key proves no live builder of it; clear what dead ones of this host left.
-        sweep_staging(self.root, self.lock_dir, only_key=key, shared=self.allow_shared)
+        sweep_staging(self.layout, self.lock_dir, only_key=key, shared=self.allow_shared)
         staging = self.new_staging(key)
         self._count("builds")
         try:
@@ -345,20 +505,20 @@ class LocalCache:
             except Exception as exc:
                 raise BuildError(key, f"{type(exc).__name__}: {exc}") from exc
             try:
-                sealed = seal(staging, key, preimage, shared=self.root.shared)             # 5. seal
+                sealed = seal(staging, key, preimage, shared=self.layout.shared)             # 5. seal
             except (CacheError, OSError) as exc:
                 raise BuildError(key, str(exc)) from exc
             return self._publish(sealed, keep_fallback=True)                               # 6. rename
         except BaseException:
-            self.root.drop_staging(staging)
+            self.layout.drop_staging(staging)
             raise
 
     def new_staging(self, tag: str) -> Path:
         """Create a fresh, empty staging directory for ``tag`` (a key or ``BUNDLE_TAG``); CacheWriteError."""
         try:
-            return self.root.make_staging_dir(tag)
+            return self.layout.make_staging_dir(tag)
         except OSError as exc:
-            raise CacheWriteError.of("create the staging directory", exc, self.root.staging) from exc
+            raise CacheWriteError.of("create the staging directory", exc, self.layout.staging) from exc
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
         """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return what is published.
@@ -367,10 +527,10 @@ class LocalCache:
         (another host's lock dir) is success; a winner that stays invisible (NFS, DeepEP #683) means serving
         our staged copy (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
         """
-        final = self.root.entry_dir(staged.key)
+        final = self.layout.entry_dir(staged.key)
         for _attempt in range(2):
             try:
-                self.root.ensure(final.parent)
+                self.layout.ensure(final.parent)
                 staged.path.rename(final)
             except OSError as exc:
                 # EACCES/EPERM over an existing entry: a corrupt one that could not be quarantined (another

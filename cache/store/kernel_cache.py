@@ -1,64 +1,27 @@
-"""KernelCache: the one public face of the cache (its protocol is :mod:`jitwarm.cache.protocol`); its counters."""
+"""KernelCache: the cache's one public face, the protocol (:mod:`.protocol`) with its settings, remote and bundles."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 from jitwarm.cache import bundle, settings
 from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
-from jitwarm.cache.files import directory_size, refresh_dir
-from jitwarm.cache.keys import check_key, key_of, key_preimage
+from jitwarm.cache.files import directory_size
+from jitwarm.cache.keys import check_key
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
-from jitwarm.cache.locks import KeyLock, OnWait, wait_until
 from jitwarm.cache.maintenance import PruneReport, VerifyReport, prune_root, verify_copies
-from jitwarm.cache.protocol import BuildFn, LocalCache, Reservation
 from jitwarm.cache.remote import Fleet, RemoteReport, open_store, redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
+from jitwarm.cache.store.protocol import LocalCache
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats")."""
-
-    hits: int = 0
-    misses: int = 0
-    builds: int = 0
-    waits: int = 0
-    lock_wait_s: float = 0.0
-    corrupt: int = 0
-    remote_hits: int = 0
-    remote_misses: int = 0
-    remote_uploads: int = 0
-    lease_waits: int = 0
-    remote_rejected: int = 0
-    remote_errors: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the counters as a JSON-able dict."""
-        return asdict(self)
-
-
-Outcome = Literal["hit", "built", "waited", "downloaded"]
-
-
-class CacheResult(NamedTuple):
-    """The entry, and how this call got it: ``"built"`` ran ``build``, ``"waited"`` for another's build."""
-
-    entry: Entry
-    outcome: Outcome
-
-
-class KernelCache:
+class KernelCache(LocalCache):
     """The shared, content-addressed kernel cache (docs/cache.md).
 
     Each argument left None is read from its setting (:mod:`jitwarm.cache.settings`): ``root``
@@ -74,20 +37,15 @@ class KernelCache:
                  lock_dir: str | os.PathLike[str] | None = None,
                  read_only: bool = False, allow_shared: bool = False, remote: str | None = None,
                  remote_prefix: str | None = None, remote_required: bool | None = None) -> None:
-        self.root = (settings.directory(settings.absolute_path(root), "cache root") if root is not None
-                     else settings.cache_dir())
+        root_dir = (settings.directory(settings.absolute_path(root), "cache root") if root is not None
+                    else settings.cache_dir())
         self.layers = settings.cache_path() if layers is None else tuple(
             settings.directory(settings.absolute_path(p), "cache layer") for p in layers)
-        self.read_only = bool(read_only)
-        self.allow_shared = bool(allow_shared) or settings.allow_shared()
-        layout = RootLayout(self.root, shared=self.allow_shared)
-        self.lock_dir = (settings.absolute_path(lock_dir) if lock_dir is not None
-                         else settings.lock_dir() or layout.locks)
-        self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
-        self._counts_lock = threading.Lock()
-        self._trust_key: tuple[bytes | None] | None = None
-        self._local = LocalCache(layout, [RootLayout(p) for p in self.layers], self.lock_dir, read_only=self.read_only,
-                                 allow_shared=self.allow_shared, count=self._count, trust_key=self.trust_key)
+        shared = bool(allow_shared) or settings.allow_shared()
+        layout = RootLayout(root_dir, shared=shared)
+        super().__init__(layout, [RootLayout(p) for p in self.layers],
+                         settings.absolute_path(lock_dir) if lock_dir is not None
+                         else settings.lock_dir() or layout.locks, read_only=bool(read_only), allow_shared=shared)
         self.remote = settings.remote() if remote is None else (settings.check_remote_url(remote) if remote else None)
         self.remote_prefix = settings.check_remote_prefix(remote_prefix) if remote_prefix else (
             settings.remote_prefix() if self.remote else settings.DEFAULT_REMOTE_PREFIX)
@@ -99,17 +57,6 @@ class KernelCache:
         self._fleet = None if self._remote is None else Fleet(self._remote, lease_s=settings.remote_lease_s(),
                                                               count=self._count)
 
-    def trust_key(self) -> bytes | None:
-        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one."""
-        if self._trust_key is None:
-            self._trust_key = (settings.trust_key(),)
-        return self._trust_key[0]
-
-    def _count(self, name: str, amount: float = 1) -> None:
-        """Add ``amount`` to the counter ``name`` (the one callable every tier counts through)."""
-        with self._counts_lock:
-            self._counts[name] += amount
-
     @property
     def remote_display(self) -> str | None:
         """The remote tier's URL without its password, or None without one."""
@@ -120,113 +67,6 @@ class KernelCache:
         mode += f", remote={self.remote_display!r}" if self.remote else ""
         return f"KernelCache(root={str(self.root)!r}, layers={[str(p) for p in self.layers]}{mode})"
 
-    def key(self, description: Mapping[str, Any]) -> str:
-        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
-        return key_of(description)
-
-    def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
-        return key_preimage(description)
-
-    def lookup(self, key: str) -> Entry | None:
-        """The verified entry of ``key`` from the root or a layer, or None; ValueError, ``CacheError`` (untrusted)."""
-        return self._local.lookup(check_key(key))
-
-    def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
-                     on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
-        """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
-
-        ``build`` writes regular files (no links, no ``entry.json``), only under the key's lock. ``timeout_s``
-        bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once when we wait;
-        ``key``: ``cache.key(description)``, computed by the caller (checked before a build).
-
-        Raises
-        ------
-        LockTimeout
-            Another holder kept the key past ``timeout_s``.
-        BuildError
-            ``build`` raised (chained) or wrote nothing usable; nothing is published.
-        CacheError
-            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``;
-            ``RemoteUnavailable`` when a required remote fails.
-        TypeError, ValueError
-            ``description`` is not plain JSON; ``key`` is not this description's.
-
-        """
-        return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
-
-    def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
-                        on_wait: OnWait | None = None, *, key: str | None = None, missed: bool = False
-                        ) -> CacheResult:
-        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
-
-        ``missed``: the caller has just looked ``key`` up in vain, so only the look under the lock is made.
-        """
-        reservation = self.reserve(description, timeout_s, on_wait, key=key, missed=missed)
-        if reservation.staging is not None:
-            try:
-                build(reservation.staging)
-            except BaseException as exc:
-                reservation.fail(exc)
-            reservation.publish()
-        return CacheResult(*reservation.result)
-
-    def reserve(self, description: Mapping[str, Any], timeout_s: float = 600.0, on_wait: OnWait | None = None, *,
-                key: str | None = None, missed: bool = False) -> Reservation:
-        """The entry of ``description`` if it is there (``result``), else its build reserved to the caller.
-
-        A reservation with a ``staging`` directory holds the key's lock (and fleet lease): write the build
-        there, then ``publish()`` (``BuildError`` if it is unusable), ``fail(exc)`` or ``abandon()``; see
-        :class:`~jitwarm.cache.protocol.Reservation`. Raises as :meth:`get_or_build` does before a build.
-        """
-        key = key_of(description) if key is None else check_key(key)
-        entry = None if missed else self._local.lookup(key)                          # 1. lock-free lookup
-        if entry is not None:
-            self._count("hits")
-            return Reservation(None, (entry, "hit"))
-        if self.read_only:
-            raise CacheError(f"cache miss for key {key} in a read-only cache ({self.root})", "build it with a "
-                             "writable KernelCache, or import a bundle (KernelCache.import_bundle)")
-        self._count("misses")
-        return Reservation(self._local.reserving(key, description, timeout_s, on_wait, self._fleet))
-
-    def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.
-
-        ``LockTimeout`` (the entry is skipped all the same).
-        """
-        self._local.discard(entry, reason, timeout_s)
-
-    def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> AbstractContextManager[Entry | None]:
-        """``with cache.claim(entry) as claimed:``: ``entry`` kept from prune and quarantine while it is read.
-
-        Yields None when its files are no longer the ones hashed (get it again). Discard or rebuild the key
-        only after the block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
-        """
-        return self._local.claim(entry, timeout_s)
-
-    def wait_for(self, key: str, timeout_s: float) -> Entry:
-        """Wait until another process publishes ``key`` and return it; never builds. ``LockTimeout``."""
-        key = check_key(key)
-        entry = self._local.lookup(key)
-        if entry is not None:
-            self._count("hits")
-            return entry
-        self._count("misses")
-        self._count("waits")
-        parent = self._local.root.entry_dir(key).parent
-        lock = KeyLock(self.lock_dir, key, shared=self.allow_shared)  # for its holder record
-
-        def poll() -> Entry | None:
-            refresh_dir(parent)
-            return self._local.lookup(key)
-
-        start = time.monotonic()
-        try:
-            return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
-        finally:
-            self._count("lock_wait_s", time.monotonic() - start)
-
     def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False,
                stamped: bool = False) -> VerifyReport:
         """Re-hash every copy of ``keys`` (default: every entry and shard); ``repair``: quarantine corrupt ones.
@@ -235,7 +75,7 @@ class KernelCache:
         not hashed again, as a lookup trusts it (``prestart`` after its import: each file hashed once).
         ``CacheError`` only for an untrusted directory.
         """
-        return verify_copies(self._local, None if keys is None else sorted({check_key(k) for k in keys}),
+        return verify_copies(self, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair, stamped=stamped)
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, *,
@@ -248,20 +88,15 @@ class KernelCache:
         """
         self._require_writable("prune")
         grace = settings.prune_grace_s() if grace_s is None else max(0.0, float(grace_s))
-        report = prune_root(self._local.root, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
+        report = prune_root(self.layout, self.lock_dir, max_bytes=max_bytes, older_than_s=older_than_s,
                             grace_s=grace, shared=self.allow_shared)
         for key in report.removed:
-            self._local.forget(self._local.root.entry_dir(key))
+            self.forget(self.layout.entry_dir(key))
         return report
 
     def size_bytes(self) -> int:
         """Return the total size of the entries in the writable root (0 if it does not exist)."""
-        return sum(directory_size(path) for _key, path in self._local.root.iter_entry_dirs())
-
-    def stats(self) -> CacheStats:
-        """Return this instance's counters."""
-        with self._counts_lock:
-            return CacheStats(**self._counts)  # type: ignore[arg-type]
+        return sum(directory_size(path) for _key, path in self.layout.iter_entry_dirs())
 
     def check_remote(self) -> str | None:
         """None if the remote answers (or none is set), else why not (logged once; raises if required)."""
@@ -314,27 +149,27 @@ class KernelCache:
         self._require_writable("import a bundle")
         caps = {"max_file_bytes": settings.bundle_max_file_bytes(), "max_bytes": settings.bundle_max_bytes(),
                 "shared": self.allow_shared, "sha256": sha256, "trust_key": self.trust_key()}
-        self._local.prepare_root()
-        staging = self._local.new_staging(BUNDLE_TAG)
+        self._prepare_root()
+        staging = self.new_staging(BUNDLE_TAG)
         try:
             if is_bundle_url(path):  # read as a stream, hashed as read: nothing published before the pin is met
                 with open_bundle(str(path)) as body:
                     staged = bundle.unpack_stream(body, str(path), staging, **caps)
             else:
                 staged = bundle.unpack_bundle(settings.absolute_path(path), staging, **caps)
-            done = {key: self._local.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
+            done = {key: self.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new),
                                 descriptions={k: entry.description for k, entry in staged.items()})
         finally:
-            self._local.root.drop_staging(staging)
+            self.layout.drop_staging(staging)
 
     def write_plan_record(self, plan_id: str, record: Mapping[str, Any]) -> Path:
         """Atomically write ``<root>/v1/plans/<plan_id>.json``; ValueError for a bad id, TypeError, CacheError."""
         self._require_writable("write a plan record")
-        self._local.root.plan_path(plan_id)  # a bad id raises before anything is created
-        self._local.prepare_root()
-        return write_plan_record(self._local.root, plan_id, record)
+        self.layout.plan_path(plan_id)  # a bad id raises before anything is created
+        self._prepare_root()
+        return write_plan_record(self.layout, plan_id, record)
 
     def prepare_root(self) -> None:
         """Create and trust-check the root's top folders now: RootNotWritable (exit 2) where it cannot be.
@@ -343,23 +178,23 @@ class KernelCache:
         not one failure per spec after the work (issue #31).
         """
         self._require_writable("write entries")
-        self._local.prepare_root()
+        self._prepare_root()
 
     def read_fact(self, name: str) -> str | None:
         """A fact kept by :meth:`write_fact`, or None (also unreadable, untrusted); ValueError for a bad name."""
-        return read_fact(self._local.root, name, allow_shared=self.allow_shared)
+        return read_fact(self.layout, name, allow_shared=self.allow_shared)
 
     def write_fact(self, name: str, value: str) -> None:
         """Keep ``value`` as the fact ``name``: best effort (a read-only or unwritable root keeps nothing)."""
         if self.read_only:
             return
         with contextlib.suppress(OSError, CacheError):
-            self._local.prepare_root()
-            write_fact(self._local.root, name, value)
+            self._prepare_root()
+            write_fact(self.layout, name, value)
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
         """The plan record from the root, else the first layer that has it, else None (a bad one is skipped)."""
-        return read_plan_record([layout for layout, _ in self._local.search_order], plan_id)
+        return read_plan_record([layout for layout, _ in self.search_order], plan_id)
 
     def _require_writable(self, what: str) -> None:
         """Raise CacheError for a write on a read-only cache."""
