@@ -45,6 +45,14 @@ def this_host() -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "localhost"
 
 
+def left_by_dead_process(host: str, pid: str) -> bool:
+    """Whether a temporary named for ``host`` and ``pid`` (as written in its name) is this host's, of a process gone.
+
+    Another host's, on a shared filesystem, is never judged: its pid means nothing here.
+    """
+    return host == this_host() and pid.isdigit() and not pid_alive(int(pid))
+
+
 def pid_alive(pid: int) -> bool:
     """Return True if ``pid`` is a live process on this host (a zombie counts as dead)."""
     if pid == os.getpid():

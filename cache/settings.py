@@ -97,7 +97,10 @@ def cache_dir() -> Path:
         text = _text(var)
         if text:
             return directory(absolute_path(text).joinpath(*tail), var)
-    return Path("~").expanduser() / ".cache" / "jitwarm"
+    try:
+        return absolute_path("~/.cache/jitwarm")
+    except SettingError:  # no HOME and no passwd entry: a container under an arbitrary uid
+        raise SettingError("no home directory for the default cache ~/.cache/jitwarm: set JITWARM_CACHE_DIR") from None
 
 
 def cache_path() -> tuple[Path, ...]:
@@ -272,8 +275,16 @@ def directory(path: Path, what: str) -> Path:
 
 
 def absolute_path(path: str | os.PathLike[str]) -> Path:
-    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem."""
-    return Path(os.path.normpath(Path(path).expanduser().absolute()))
+    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem.
+
+    SettingError (exit 2) where ``~`` cannot be expanded: ``~name`` of no user, or no home at all (no ``HOME`` and
+    no passwd entry, as a container run under an arbitrary uid has). ``Path.expanduser`` raised a bare RuntimeError.
+    """
+    text = os.fspath(path)
+    expanded = os.path.expanduser(text)  # noqa: PTH111 - os.path leaves what it cannot expand, Path raises
+    if expanded.startswith("~"):
+        raise SettingError(f"cannot expand {text!r}: no such user or home directory (give an absolute path)")
+    return Path(os.path.normpath(Path(expanded).absolute()))
 
 
 @contextmanager

@@ -6,6 +6,7 @@ are the attack's: every numeric flag with every kind of bad number, wrong types 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from precompile_fixtures import TINY, TINY_FAST, jitwarm
@@ -55,6 +58,9 @@ FLAG_CASES = [[*BASE, flag, value] for flag in INT_FLAGS for value in BAD_NUMBER
     ["warm", *TINY, "--timeout", "２"], ["prune", "--older-than", "٣d"], ["prune", "--max-bytes", "٣"],
     [*BASE, "--config", ""], ["status", *TINY, "--cache-dir", ""], ["warm", *TINY, "--cache-dir", " "],
     [*BASE, "--manifest", ""], ["prestart", *TINY, "--bundle", ""],
+    # a ~ of no user: Path.expanduser raised a bare RuntimeError (a traceback) for each path flag
+    ["prune", "--max-bytes", "0", "--cache-dir", "~jitwarm-no-such-user/c"],
+    ["status", *TINY, "--cache-dir", "~jitwarm-no-such-user/c"], [*BASE, "--manifest", "~jitwarm-no-such-user/m"],
 ]
 
 TOML_CASES = [
@@ -110,7 +116,7 @@ def test_special_files_as_config_do_not_hang(capsys, tmp_path, make):
 
 
 @pytest.mark.parametrize("env", [{"JITWARM_JOBS": "lots"}, {"JITWARM_JOBS": "0"}, {"JITWARM_JOBS": "99999"},
-                                 {"JITWARM_REMOTE": "http://x"},
+                                 {"JITWARM_REMOTE": "http://x"}, {"JITWARM_LOCK_DIR": "~jitwarm-no-such-user/l"},
                                  {"JITWARM_REMOTE": "redis://127.0.0.1:1/0", "JITWARM_REMOTE_LEASE_S": "soon"}])
 def test_bad_environment_is_one_line_and_exit_2(tmp_path, env):
     proc = jitwarm("warm", *TINY, "--cache-dir", str(tmp_path / "c"), env=env)
@@ -154,21 +160,33 @@ def test_warm_says_what_it_will_do_before_building_and_summarizes_hits(tmp_path)
 SLOW_CXX = '#!/bin/sh\n[ "$1" = --version ] && exec g++ --version\necho $$ >> {pids}\nsleep 60\nexec g++ "$@"\n'
 
 
-def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
-    pids = tmp_path / "compiler.pids"
-    cxx = tmp_path / "slow-c++"
+def start_slow_warm(tmp_path: Path, **popen: Any) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """``jitwarm warm`` of TINY with two workers, once both are inside a compiler that takes a minute.
+
+    Returns the process, the file of the compilers' pids, the cache root and the $TMPDIR it was given.
+    """
+    pids, cxx = tmp_path / "compiler.pids", tmp_path / "slow-c++"
     cxx.write_text(SLOW_CXX.format(pids=pids))
     cxx.chmod(0o755)
-    root = tmp_path / "cache"
+    root, scratch = tmp_path / "cache", tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "jitwarm", "warm", *TINY, "--cache-dir", str(root), "--jobs", "2"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "CXX": str(cxx)},
-                            # SIGINT as a terminal's foreground process has it, even when this run was started in
-                            # the background of a non-interactive shell (`cmd &`), which leaves it ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env={**os.environ, "CXX": str(cxx), "TMPDIR": str(scratch)}, **popen)
     deadline = time.monotonic() + 60
     while not (pids.exists() and len(pids.read_text().split()) >= 2):  # both workers are compiling
-        assert time.monotonic() < deadline and proc.poll() is None
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"warm did not reach its compilers (exit {proc.poll()})")
         time.sleep(0.05)
+    return proc, pids, root, scratch
+
+
+def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
+    proc, pids, root, scratch = start_slow_warm(
+        tmp_path, stderr=subprocess.PIPE, text=True,
+        # SIGINT as a terminal's foreground process has it, even when this run was started in the background of a
+        # non-interactive shell (`cmd &`), which leaves it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
     time.sleep(0.5)
@@ -183,6 +201,27 @@ def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
             os.kill(pid, 0)
     assert not list(root.glob("v1/entries/*/*"))  # nothing half-built was published
     time.sleep(0.5)
+    assert not list(root.glob("v1/staging/*"))
+    assert not list(scratch.glob("jitwarm-*")), list(scratch.iterdir())  # and nothing of the builds in $TMPDIR
+
+
+def test_a_warm_killed_mid_build_leaves_its_builds_only_inside_its_cache(tmp_path):
+    """SIGKILL to warm and to each build worker's process group (its own session) while both compilers run, as the
+    OOM killer or an evicted pod does: what the builds wrote stays in the cache's staging directory, which prune
+    (or the next builder of the key) clears. A tvm-ffi build's source was in $TMPDIR, where nothing removed it."""
+    proc, pids, root, scratch = start_slow_warm(tmp_path, stderr=subprocess.DEVNULL, start_new_session=True)
+    groups = {proc.pid}
+    for pid in map(int, pids.read_text().split()):
+        with contextlib.suppress(ProcessLookupError):
+            groups.add(os.getpgid(pid))  # the worker's session: the worker and its compiler
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not list(scratch.glob("jitwarm-*")), list(scratch.iterdir())
+    assert len(list(root.glob("v1/staging/*/.tvm-*"))) == 2  # each killed build's source, in its staging dir
+    pruned = jitwarm("prune", "--cache-dir", str(root), "--max-bytes", "0", "--grace", "0")
+    assert pruned.returncode == 0 and "2 abandoned builds" in pruned.stdout, (pruned.stdout, pruned.stderr)
     assert not list(root.glob("v1/staging/*"))
 
 
@@ -328,3 +367,29 @@ def test_an_untrusted_lock_dir_or_root_is_one_line_exit_2_before_any_build(tmp_p
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"jitwarm: error: refusing {what} {untrusted}: ")
     assert not list(root.glob("v1/entries/*/*"))
+
+
+def test_a_uid_with_no_home_is_told_to_give_the_cache_dir():
+    """A container run under an arbitrary uid has no passwd entry, and often no HOME: the default cache
+    (~/.cache/jitwarm) cannot be placed. One line naming JITWARM_CACHE_DIR, exit 2 (Path.expanduser raised a bare
+    RuntimeError)."""
+    import pwd
+
+    uid = 54321
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process under a uid with no passwd entry")
+    with contextlib.suppress(KeyError):
+        pwd.getpwuid(uid)
+        pytest.skip(f"uid {uid} has a passwd entry here")
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME") and not k.startswith("JITWARM_")}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, *argv],
+                              env=env, capture_output=True, text=True, timeout=120, cwd="/")
+
+    if run("-c", "import jitwarm.cache").returncode != 0:
+        pytest.skip("this interpreter or jitwarm is not readable by another uid here")
+    proc = run("-m", "jitwarm", "prune", "--max-bytes", "0")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("jitwarm: error: no home directory for the default cache ~/.cache/jitwarm: set "
+                           "JITWARM_CACHE_DIR\n")

@@ -393,3 +393,43 @@ def test_cli_remote_flags(remote, tmp_path, capsys, monkeypatch):
     dead = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["status", *TINY, *root, "--remote", dead, "--remote-required"]) == 1
     assert "is unavailable" in capsys.readouterr().err
+
+
+def test_a_download_cut_at_its_deadline_leaves_the_other_calls_on_the_store_alone(remote, tmp_path, monkeypatch):
+    """Past its deadline a download's own connection is shut, not the client's pool: another thread's calls on the
+    same store meanwhile (here, status reports; in a fleet, a lease's heartbeat) all answer."""
+    import threading
+
+    counter = tmp_path / "builds.log"
+    big = make_builder(counter, 14, extra={"big.bin": bytes(range(256)) * 40})  # about 10 KB
+    key = remote.cache(tmp_path / "a").get_or_build(desc(14), big).key
+    host_port = remote.url.split("//")[1].split("/")[0].rsplit("@", 1)[-1]
+    proxy = TrickleProxy(int(host_port.rsplit(":", 1)[1]))
+    slow_url = remote.url.replace(host_port, f"127.0.0.1:{proxy.port}") + "?socket_timeout=2"
+    monkeypatch.setenv("JITWARM_REMOTE_MIN_RATE", "5000")
+    node = KernelCache(root=tmp_path / "b", layers=(), remote=slow_url, remote_prefix=remote.prefix)
+    answers, stop = [], threading.Event()
+
+    def ask() -> None:  # a status reply is a few bytes: quick through the trickle, unless its socket is shut
+        while not stop.is_set():
+            try:
+                report = node.remote_report([key])
+            except Exception as exc:  # noqa: BLE001 - what reached the caller is the finding
+                answers.append(f"raised {exc!r}")
+            else:
+                answers.append(report.error or key in report.present)
+
+    try:
+        proxy.trickle = True
+        asker = threading.Thread(target=ask)
+        asker.start()
+        try:
+            result = node.get_or_build_ex(desc(14), big)
+            time.sleep(0.5)  # and after the cut
+        finally:
+            stop.set()
+            asker.join(timeout=30)
+        assert result.outcome == "built" and "slower than" in (node.remote_error or "")
+        assert len(answers) >= 5 and [a for a in answers if a is not True] == []
+    finally:
+        proxy.stop()

@@ -166,15 +166,30 @@ class RemoteStore(StoreBase):
             return None
 
     def _fetch(self, key: str, args: tuple[object, ...], sha1: str, size: int) -> Any:
-        """One _FETCH call, ended by the deadline ``size`` bytes earn at the minimum rate.
+        """One _FETCH call on a connection of its own, ended by the deadline ``size`` bytes earn at the minimum rate.
 
-        Past it the pool's sockets are shut (redis-py's disconnect shuts each one), which ends the blocked read.
+        Past it that connection's socket is shut, which ends the blocked read. Shutting the pool's sockets instead
+        also closed those other threads were reading (a status report, a lease's heartbeat): they failed with a
+        bare ``OSError`` (EBADF) that no caller expects.
         """
-        client = self._client()
-        grace = client.connection_pool.connection_kwargs.get("socket_timeout") or READ_TIMEOUT_S
-        with deadline(f"download: {self.entry_name(key)}", size, grace, self.min_rate,
-                      client.connection_pool.disconnect):
-            return self.call("download", lambda c: c.eval(_FETCH, 1, self.entry_name(key), *args, sha1))
+        own: list[Any] = []  # its client, made inside the call: redis-py 5.0 connects as it makes one
+
+        def fetch(pooled: Any) -> Any:
+            own.append(type(pooled)(connection_pool=pooled.connection_pool, single_connection_client=True))
+            return own[0].eval(_FETCH, 1, self.entry_name(key), *args, sha1)
+
+        def cut() -> None:
+            connection = own[0].connection if own else None
+            if connection is not None:
+                connection.disconnect()
+
+        grace = self._client().connection_pool.connection_kwargs.get("socket_timeout") or READ_TIMEOUT_S
+        try:
+            with deadline(f"download: {self.entry_name(key)}", size, grace, self.min_rate, cut):
+                return self.call("download", fetch)
+        finally:
+            for client in own:
+                client.close()  # its connection goes back to the pool (a cut one reconnects when next used)
 
     def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
                    signed: dict[str, Any], uploader: dict[str, Any]) -> None:
