@@ -104,8 +104,10 @@ class Ledger:
 
     def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
+        from jitwarm.precompile import servers
 
-        self._before = snapshot()
+        self._dirs = servers.cache_dirs(servers.running())  # where the server this runs in keeps each cache
+        self._before = snapshot(dirs=self._dirs)
         self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
         self.watchers: dict[str, Watcher] = dict(watchers or {})
 
@@ -122,7 +124,7 @@ class Ledger:
         """
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 
-        after = snapshot(self._before)
+        after = snapshot(self._before, dirs=self._dirs)
         new = added(self._before, after)
         counts = []
         for name in FAMILIES:

@@ -35,6 +35,7 @@ from jitwarm.cache import settings
 from jitwarm.cache.errors import UsageError
 from jitwarm.cache.files import read_file_stat, untrusted_reason
 from jitwarm.kernels import KernelSpec
+from jitwarm.precompile.servers import ROOMS
 
 log = logging.getLogger("jitwarm.manifest")
 
@@ -96,8 +97,8 @@ def _check_unit_record(record: dict[str, Any], where: str) -> None:
     if problem is None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                       for k, v in fingerprint.items())):
         problem = "its fingerprint is not an object of strings"
-    if problem is None and record.get("under", "") not in ("", "sglang", "vllm"):
-        problem = "its 'under' is none of '', 'sglang', 'vllm'"
+    if problem is None and record.get("under", "") not in ("", *ROOMS):
+        problem = f"its 'under' is none of '', {', '.join(repr(room) for room in ROOMS)}"
     if problem is not None:
         raise ManifestError(f"{where}: jit_cache record of {record['library']} {record['unit']!r}: {problem}")
 

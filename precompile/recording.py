@@ -48,6 +48,7 @@ class Recorder:
         self._capturing = threading.Lock()
         #: The server this process runs in, decided before the recorder imports anything of sglang's itself.
         self.under = ""
+        self._dirs: Mapping[str, Any] = {}
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
@@ -76,11 +77,12 @@ class Recorder:
         The server the process runs in is taken first, before sglang's loader tap imports sglang's loader.
         """
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
-        from jitwarm.kernels.libraries.jit_caches.units import running_server
+        from jitwarm.precompile import servers
 
-        self.under = running_server()
+        self.under = servers.running()
+        self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
         self._subscribe()
-        self._before = snapshot(_families(), under_sglang=self.under)
+        self._before = snapshot(_families(), dirs=self._dirs)
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
         return self
@@ -105,7 +107,7 @@ class Recorder:
                 return 0
             # a library whose compiles go elsewhere here (Triton's, through jitwarm's manager) has none to capture
             names = [n for n, taken in self._before.items() if not taken.library.bypassed()]
-            after = snapshot(names, under_sglang=self.under)
+            after = snapshot(names, dirs=self._dirs)
             under = self.under  # where the restore resolves each cache: as this server does
             records, failed = [], set()
             for name, units in added(self._before, after).items():

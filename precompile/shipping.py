@@ -9,6 +9,7 @@ with the server's environment; a unit whose fingerprint differs from this node's
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -105,15 +106,18 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 
 
 def say_unloadable(plan: WarmPlan) -> None:
-    """Warn where the node's server will not load units the plan restores (each library says when)."""
-    units: dict[str, list[str]] = {}
+    """Warn where the node's server will not load units the plan restores (each server's room says when)."""
+    from jitwarm.precompile import servers
+
+    units: dict[str, dict[str, list[str]]] = {}  # server -> library -> units recorded under it
     for spec in plan.recorded:
-        units.setdefault(spec.backend, []).append(spec.family)
-    for kind, families in sorted(units.items()):
-        lib = _jit_cache_library(kind)
-        why = lib.unloadable(families) if lib is not None and lib.unloadable is not None else None
-        if why:
-            print(f"jitwarm: warning: {why}", file=sys.stderr)
+        lib = _jit_cache_library(spec.backend)
+        if lib is not None:
+            units.setdefault(str(spec.params_dict.get("under", "")), {}).setdefault(lib.name, []).append(spec.family)
+    for server, by_library in sorted(units.items()):
+        for room in (server,) if server else servers.ROOMS:  # "": a script that ran the server's code itself
+            for why in servers.adapter(room).unloadable(by_library):
+                print(f"jitwarm: warning: {why}", file=sys.stderr)
 
 
 def _jit_cache_library(kind: str) -> Any:
@@ -128,28 +132,32 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     """Load each recorded server kernel the way its server will find it; return how many were handed over.
 
     A ``load_jit`` build goes where sglang's loader looks, verified; a Triton compile needs nothing more (the
-    server's Triton asks jitwarm's cache manager); a captured unit is restored into its library's cache (counted
-    on stderr unless ``quiet``; one whose library wrote a differing file of its own is named and left as is).
+    server's Triton asks jitwarm's cache manager); a captured unit is restored into its library's cache where the
+    server it was recorded under keeps it, as that server's room reads this environment (counted on stderr
+    unless ``quiet``; one whose library wrote a differing file of its own is named and left as is).
     Failures are exit 1: ``CacheError``, ``JitwarmError`` (a ``LoadError``, naming the spec), ``OSError``.
     """
     from jitwarm.kernels import LoadError
     from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.jit_caches.units import placed_by
+    from jitwarm.precompile import servers
 
     outcomes: dict[str, Counter[str]] = {}
-    for spec in plan.recorded:
-        try:
-            loaded = artifact(spec, cache).load(cache)
-        except LoadError as exc:
-            if isinstance(exc, JitwarmError):
-                raise
-            raise JitwarmError(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
-        placed = getattr(loaded, "placed", None)
-        if placed is not None:
-            outcomes.setdefault(placed.outcome, Counter())[spec.backend] += 1
-            if placed.outcome == "kept":
-                print(f"jitwarm: warning: {spec.backend} unit {spec.family}: {placed.dest} holds the library's own "
-                      f"{placed.differing}, different from the recorded one: kept, the unit not restored",
-                      file=sys.stderr)
+    with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
+        for spec in plan.recorded:
+            try:
+                loaded = artifact(spec, cache).load(cache)
+            except LoadError as exc:
+                if isinstance(exc, JitwarmError):
+                    raise
+                raise JitwarmError(f"cannot hand {spec.id} over to its server: {str(exc).splitlines()[0]}") from exc
+            placed = getattr(loaded, "placed", None)
+            if placed is not None:
+                outcomes.setdefault(placed.outcome, Counter())[spec.backend] += 1
+                if placed.outcome == "kept":
+                    print(f"jitwarm: warning: {spec.backend} unit {spec.family}: {placed.dest} holds the library's own "
+                          f"{placed.differing}, different from the recorded one: kept, the unit not restored",
+                          file=sys.stderr)
     if outcomes and not quiet:
         said = "; ".join(f"{outcome} {c.total()} (" + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) + ")"
                          for outcome, c in sorted(outcomes.items()))

@@ -27,6 +27,7 @@ from jitwarm.kernels.libraries.jit_caches import MODULES, fingerprint
 from jitwarm.kernels.libraries.jit_caches.census import added, library, snapshot
 from jitwarm.precompile import record
 from jitwarm.precompile.manifest import read_manifest
+from jitwarm.precompile.servers import cache_dirs
 
 #: Units each writer of tests/jit_cache_trees.py lays out (Inductor: a graph, an AOT entry, a module, a C++ kernel).
 UNITS = {family: 4 if family == "inductor" else 1 for family in MODULES}
@@ -102,30 +103,45 @@ def test_each_cache_is_resolved_as_its_library_and_sglang_resolve_it(tmp_path):
                      "deep_gemm": "sg/deep_gemm", "cute_dsl": "sg/cute_aot", "flashinfer": "sg/.cache/flashinfer",
                      "ptx": "sg/nv"}
     for family, rel in expect_sglang.items():
-        assert library(family).root(base, True) == tmp_path / rel, family
+        assert library(family).root(base, cache_dirs("sglang", base)) == tmp_path / rel, family
     plain = {"triton": f"{home}/.triton/cache", "tilelang": f"{home}/.tilelang/cache",
              "deep_gemm": f"{home}/.dj", "flashinfer": f"{home}/.cache/flashinfer",
              "ptx": f"{home}/.nv/ComputeCache"}
     for family, path in plain.items():
-        assert str(library(family).root({}, False)) == path, family
+        assert str(library(family).root({})) == path, family
     # sglang's own variable wins over DeepGEMM's under sglang (compile_utils.py:51 overwrites DG_JIT_CACHE_DIR)
     both = {"SGLANG_DG_CACHE_DIR": str(tmp_path / "dg"), "DG_JIT_CACHE_DIR": str(tmp_path / "other")}
-    assert library("deep_gemm").root(both, True) == tmp_path / "dg"
-    assert library("deep_gemm").root(both, False) == tmp_path / "other"
-    assert library("cute_dsl").root({"SGLANG_CUTE_AOT_CACHE_DIR": ""}, True) is None  # an empty value: turned off
-    assert library("triton").root({"TRITON_HOME": str(tmp_path)}, False) == tmp_path / ".triton" / "cache"
+    assert library("deep_gemm").root(both, cache_dirs("sglang", both)) == tmp_path / "dg"
+    assert library("deep_gemm").root(both) == tmp_path / "other"
+    assert cache_dirs("sglang", {"SGLANG_CUTE_AOT_CACHE_DIR": ""})["cute_dsl"] is None  # an empty value: turned off
+    assert library("triton").root({"TRITON_HOME": str(tmp_path)}) == tmp_path / ".triton" / "cache"
+
+
+
+def test_a_tilde_that_cannot_be_expanded_is_left_as_the_libraries_leave_it_never_raised(tmp_path, monkeypatch):
+    """``~name`` of no user (or no home at all): os.path.expanduser, which the libraries and sglang use, leaves it;
+    Path.expanduser raised RuntimeError, which stopped the start-up ledger inside the server."""
+    from jitwarm.precompile.ledger import Ledger
+
+    odd = "~jitwarm-no-such-user/c"
+    monkeypatch.chdir(tmp_path)
+    assert library("triton").root({"TRITON_CACHE_DIR": odd}) == tmp_path / odd  # relative, as Triton reads it
+    assert cache_dirs("sglang", {"SGLANG_CACHE_DIR": odd})["inductor"] == tmp_path / odd / "inductor"
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SGLANG_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_HOME"):
+        monkeypatch.setenv(var, odd)
+    assert Ledger().report() is not None
 
 
 def test_a_census_diff_is_what_the_run_added(tmp_path):
     env = env_for(tmp_path)
     trees.inductor(Path(env["TORCHINDUCTOR_CACHE_DIR"]))
-    before = snapshot(environ=env, under_sglang=False)
+    before = snapshot(environ=env)
     trees.ptx(Path(env["CUDA_CACHE_PATH"]))
     trees.write(Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "zz" / "czznew.py", "# a new module")
-    new = added(before, snapshot(environ=env, under_sglang=False))
+    new = added(before, snapshot(environ=env))
     assert new == {"inductor": {"zz/czznew": ("zz/czznew.py",)}, "ptx": {".": ("5/c/5c7e1a0f3b2d9e84", "index")}}
     trees.write(Path(env["CUDA_CACHE_PATH"]) / "7" / "1" / "71aa", b"another entry")  # the PTX unit grew
-    assert set(added(before, snapshot(environ=env, under_sglang=False))["ptx"]) == {"."}
+    assert set(added(before, snapshot(environ=env))["ptx"]) == {"."}
 
 
 @pytest.fixture
@@ -329,3 +345,33 @@ def test_the_sglang_plugin_stores_what_each_graph_compiled_before_the_server_is_
         assert rec["library"] == "tilelang" and rec["unit"].endswith("/kernels/6f1b3c")
     finally:
         recorder.stop()
+
+
+def test_a_recorded_group_file_not_in_tritons_format_is_one_line_and_the_entry_quarantined(tmp_path):
+    """An entry whose Triton group file hashes to its record but is not a group (only a crafted manifest and
+    entry can be that) is refused by the restore as a LoadError (quarantined, exit 1, one line), never a KeyError
+    traceback from rewriting its paths; nothing is left at the destination."""
+    import hashlib
+
+    from jitwarm.kernels.artifacts import artifact
+    from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
+    from jitwarm.precompile.manifest import append_records, unit_record
+
+    data, rel = b'{"not": "a group"}', "ABCDEF/__grp__kernel.json"
+    spec = unit_spec(library("triton"), "ABCDEF", {rel: hashlib.sha256(data).hexdigest()}, {"arch": "sm_90"},
+                     "sm_90")
+    cache = KernelCache(tmp_path / "cache")
+
+    def capture(staging: Path) -> None:
+        trees.write(staging / rel, data)
+
+    key = artifact(spec, cache).get_or_build(cache, capture=capture).entry.key
+    manifest = tmp_path / "m.jsonl"
+    append_records(manifest, [unit_record(spec)])
+    dest = tmp_path / "triton"
+    proc = jitwarm("prestart", "--manifest", str(manifest), "--cache-dir", str(cache.root), "--offline",
+                   "--allow-fingerprint-mismatch", env={"TRITON_CACHE_DIR": str(dest)})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "is not a file triton wrote" in proc.stderr, proc.stderr
+    assert cache.lookup(key) is None and list((cache.root / "v1" / "quarantine").iterdir())
+    assert not dest.exists() or not any(p.is_file() for p in dest.rglob("*"))

@@ -36,6 +36,7 @@ from precompile_fixtures import jitwarm
 from jitwarm.cache import KernelCache
 from jitwarm.kernels.libraries.jit_caches import census, cute_dsl, deep_gemm, flashinfer, tilelang
 from jitwarm.precompile import record
+from jitwarm.precompile.servers import cache_dirs
 
 WORKER = Path(__file__).parent / "workers" / "jit_library_trees.py"
 
@@ -91,7 +92,7 @@ def test_a_flashinfer_module_restored_is_where_flashinfer_looks_and_ninja_has_no
         built = run_worker(env, "flashinfer", "build")
     modules = built["modules"]
     assert all(m["is_compiled"] for m in modules) and len(compiled.read_text().splitlines()) == 6  # 4 objects, 2 .so
-    root = flashinfer.LIBRARY.root({"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]}, "")
+    root = flashinfer.LIBRARY.root({"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]})
     assert str(root) == built["cache_dir"]  # where FlashInfer's jit/env.py puts its cache
     listed = flashinfer.LIBRARY.present(root)
 
@@ -131,11 +132,11 @@ def test_a_flashinfer_module_restored_is_where_flashinfer_looks_and_ninja_has_no
     assert "no work to do" not in ninja_plan(flashinfer_wheel, build_dir)
     # ...and the ledger's census sees the rebuild FlashInfer's ninja then does in place (the same file names)
     where = {"FLASHINFER_WORKSPACE_BASE": env["FLASHINFER_WORKSPACE_BASE"]}
-    before = census.snapshot(["flashinfer"], environ=where, under_sglang="")
+    before = census.snapshot(["flashinfer"], environ=where)
     ninja = [str(flashinfer_wheel / "bin" / "ninja"), "-C", str(build_dir), "-f", str(build_dir / "build.ninja")]
     subprocess.run(ninja, check=True, capture_output=True, env={**os.environ, **env}, timeout=60)
     assert len(compiled.read_text().splitlines()) == 8  # the object and the .so again
-    assert set(census.added(before, census.snapshot(["flashinfer"], environ=where, under_sglang=""))
+    assert set(census.added(before, census.snapshot(["flashinfer"], environ=where))
                .get("flashinfer", {})) == {unit_of(decode)}
 
 
@@ -152,7 +153,7 @@ def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_co
                                       env={**os.environ, **env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True)
             out = json.loads(worker.stdout.readline())  # TileLang has saved its kernels (and waits)
-        root = tilelang.LIBRARY.root({"TILELANG_CACHE_DIR": env["TILELANG_CACHE_DIR"]}, "")
+        root = tilelang.LIBRARY.root({"TILELANG_CACHE_DIR": env["TILELANG_CACHE_DIR"]})
         assert str(root) == out["cache_dir"] and out["namespace"] == "0.1.12/linux-x86_64"
         written = {Path(p).relative_to(root).as_posix(): p for p in out["written"].values()}
         units = tilelang.LIBRARY.present(root)
@@ -169,7 +170,7 @@ def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_co
         (k2 / "params.pkl").unlink()
         second = json.loads(worker.communicate(f"{dst}\n", timeout=120)[0].splitlines()[-1])
         assert worker.returncode == 0
-        assert str(tilelang.LIBRARY.root({}, "")) == second["default_cache_dir"]  # TILELANG_CACHE_DIR unset
+        assert str(tilelang.LIBRARY.root({})) == second["default_cache_dir"]  # TILELANG_CACHE_DIR unset
         verdicts = second["verdicts"]
         listed = tilelang.LIBRARY.present(dst)
         assert len(verdicts) == 3
@@ -185,7 +186,8 @@ def test_tilelang_units_are_the_kernel_directories_its_own_cache_classes_call_co
 def test_cute_dsl_objects_are_the_ones_sglang_s_own_cache_exported(sglang_env, tmp_path):
     fingerprint_dir = tmp_path / "cute_aot" / ("5e" * 32)
     out = run_worker(sglang_env, "cute", str(fingerprint_dir), "rmsnorm", "fp8_gemm")
-    root = cute_dsl.LIBRARY.root({"SGLANG_CUTE_AOT_CACHE_DIR": str(tmp_path / "cute_aot")}, "sglang")
+    where = {"SGLANG_CUTE_AOT_CACHE_DIR": str(tmp_path / "cute_aot")}
+    root = cute_dsl.LIBRARY.root(where, cache_dirs("sglang", where))
     units = cute_dsl.LIBRARY.present(root)
     assert set(units) == {Path(p).relative_to(root).as_posix() for p in out["objects"].values()}
     assert list(fingerprint_dir.glob("*.lock")) and all(not u.endswith(".lock") for u in units)  # locks: no unit
@@ -199,8 +201,8 @@ def test_deep_gemm_units_follow_the_cache_code_its_wheel_ships(deep_gemm_wheel, 
     assert 'paths.emplace_back(std::filesystem::path(home) / ".dj")' in disk
     assert 'dir / "cache" / entry_name' in disk and 'std::format("{}.{}", tag, digest)' in disk
     assert 'paths[0] / "tmp" / get_uuid()' in disk
-    assert deep_gemm.LIBRARY.root({"HOME": str(tmp_path)}, "") == tmp_path / ".dj"
-    assert deep_gemm.LIBRARY.root({"DJ_JIT_CACHE_DIR": f"{tmp_path}/w:/ro"}, "") == tmp_path / "w"
+    assert deep_gemm.LIBRARY.root({"HOME": str(tmp_path)}) == tmp_path / ".dj"
+    assert deep_gemm.LIBRARY.root({"DJ_JIT_CACHE_DIR": f"{tmp_path}/w:/ro"}) == tmp_path / "w"
     trees.deep_gemm(tmp_path / "dg")
     [(unit, files)] = deep_gemm.LIBRARY.present(tmp_path / "dg").items()
     assert unit == "cache/sm90_fp8_gemm_1d2d.9f2c4e0a1b2c3d4e" and files[-1] != f"{unit}/.committed"

@@ -139,3 +139,37 @@ def test_the_exit_codes_are_one_table():
                                                      UntrustedEntry, KernelsNotReady, WarmTimeout, KernelLoadFailed)}
     assert codes == {"LockTimeout": 3, "UntrustedPath": 2, "RootNotWritable": 2, "UntrustedEntry": 4,
                      "KernelsNotReady": 5, "WarmTimeout": 3, "KernelLoadFailed": 1}
+
+
+def test_kernels_names_no_variable_a_server_room_reads_for_its_caches():
+    """A server room tells a library room where its caches are: every variable a room's ``cache_dirs`` reads
+    (sglang's ``SGLANG_CACHE_DIR``, vLLM's ``VLLM_CACHE_ROOT``, ...) is absent from ``kernels/``, code and prose."""
+    from collections.abc import Mapping
+
+    from jitwarm.precompile import servers
+
+    class Reads(Mapping):
+        def __init__(self):
+            self.names = set()
+
+        def __getitem__(self, key):
+            self.names.add(key)
+            raise KeyError(key)
+
+        def get(self, key, default=None):
+            self.names.add(key)
+            return default
+
+        def __iter__(self):
+            return iter(())
+
+        def __len__(self):
+            return 0
+
+    read = Reads()
+    for room in servers.ROOMS:
+        assert servers.adapter(room).cache_dirs(read)  # every room places some cache
+    assert {"SGLANG_CACHE_DIR", "VLLM_CACHE_ROOT"} <= read.names  # the probe sees what the rooms read
+    named = sorted(f"{path.relative_to(ROOT)}: {var}" for path in (ROOT / "kernels").rglob("*.py")
+                   for var in read.names if var in path.read_text(encoding="utf-8"))
+    assert named == [], named

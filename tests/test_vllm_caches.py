@@ -145,32 +145,40 @@ def _tag_hash(tag: str) -> str:
 def test_under_vllm_each_family_resolves_the_directory_vllm_uses(tmp_path):
     """vLLM's tree is the ``vllm_compile`` family's, with the Inductor and Triton directories vLLM sets in it; the
     ``inductor`` and ``triton`` families are those libraries' own directories, where they write when vLLM does not
-    redirect them (vLLM's CPU build without AOT compile: issue #30)."""
+    redirect them (vLLM's CPU build without AOT compile: issue #30). The vLLM room says so: the libraries know no
+    server."""
     import getpass
 
     from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.precompile.servers import cache_dirs
+
+    def at(name, environ, server):
+        return library(name).root(environ, cache_dirs(server, environ))
 
     env = {"VLLM_CACHE_ROOT": str(tmp_path / "v"), "TMPDIR": str(tmp_path / "t"), "TRITON_HOME": str(tmp_path / "h")}
     tree = tmp_path / "v" / "torch_compile_cache"
-    assert library("vllm_compile").root(env, "vllm") == tree
-    assert library("vllm_modelinfo").root(env, "vllm") == tmp_path / "v" / "modelinfos"  # registry.py:969
-    assert library("inductor").root(env, "vllm") == tmp_path / "t" / f"torchinductor_{getpass.getuser()}"
-    assert library("triton").root(env, "vllm") == tmp_path / "h" / ".triton" / "cache"
-    assert library("deep_gemm").root(env, "vllm") == tmp_path / "v" / "deep_gemm"  # utils/deep_gemm.py:281-285
-    assert library("vllm_compile").root({"XDG_CACHE_HOME": str(tmp_path / "x")}, "") == \
+    assert at("vllm_compile", env, "vllm") == tree
+    assert at("vllm_modelinfo", env, "vllm") == tmp_path / "v" / "modelinfos"  # registry.py:969
+    assert at("inductor", env, "vllm") == tmp_path / "t" / f"torchinductor_{getpass.getuser()}"
+    assert at("triton", env, "vllm") == tmp_path / "h" / ".triton" / "cache"
+    assert at("deep_gemm", env, "vllm") == tmp_path / "v" / "deep_gemm"  # utils/deep_gemm.py:281-285
+    assert at("vllm_compile", {"XDG_CACHE_HOME": str(tmp_path / "x")}, "vllm") == \
         tmp_path / "x" / "vllm" / "torch_compile_cache"  # envs.py:340-344, :714-719
+    assert library("vllm_compile").root(env) is None  # the library knows no server ...
+    assert at("vllm_compile", env, "") == tree  # ... and a process that has not imported vLLM yet finds its tree
+    assert at("deep_gemm", {**env, "DJ_JIT_CACHE_DIR": str(tmp_path / "dj")}, "vllm") == tmp_path / "v" / "deep_gemm"
     # A directory vLLM set in its tree (compiler_interface.py:29-42) is the tree's; one outside is the user's.
     ours = {"TORCHINDUCTOR_CACHE_DIR": str(tree / "h" / "rank_0_0" / "inductor_cache"),
             "TRITON_CACHE_DIR": str(tree / "h" / "rank_0_0" / "triton_cache")}
-    assert library("inductor").root({**env, **ours}, "vllm") == library("inductor").root(env, "vllm")
-    assert library("triton").root({**env, **ours}, "vllm") == library("triton").root(env, "vllm")
+    assert at("inductor", {**env, **ours}, "vllm") == at("inductor", env, "vllm")
+    assert at("triton", {**env, **ours}, "vllm") == at("triton", env, "vllm")
     mine = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine"), "TRITON_CACHE_DIR": str(tmp_path / "mine-t")}
-    assert library("inductor").root({**env, **mine}, "vllm") == tmp_path / "mine"
-    assert library("triton").root({**env, **mine}, "vllm") == tmp_path / "mine-t"
+    assert at("inductor", {**env, **mine}, "vllm") == tmp_path / "mine"
+    assert at("triton", {**env, **mine}, "vllm") == tmp_path / "mine-t"
     off = {**env, "VLLM_DISABLE_COMPILE_CACHE": "1", **ours}
-    assert library("vllm_compile").root(off, "vllm") is None  # and the tree's directories are plain ones again
-    assert library("inductor").root(off, "vllm") == tree / "h" / "rank_0_0" / "inductor_cache"
-    assert library("inductor").root({**env, "SGLANG_CACHE_DIR": str(tmp_path / "sg")}, "sglang") == \
+    assert at("vllm_compile", off, "vllm") is None  # and the tree's directories are plain ones again
+    assert at("inductor", off, "vllm") == tree / "h" / "rank_0_0" / "inductor_cache"
+    assert at("inductor", {**env, "SGLANG_CACHE_DIR": str(tmp_path / "sg")}, "sglang") == \
         tmp_path / "sg" / "inductor"  # sglang's as before
 
 
@@ -207,3 +215,31 @@ def test_the_units_of_vllms_tree_are_the_complete_ones_each_family_named_by_its_
         "3f9a0c1b2d/rank_0_0/triton_cache", f"torch_aot_compile/{'ab' * 32}/inductor_cache/triton/0"]
     trees.write(rank / "mtp" / "artifact_a", b"now it is")
     assert "3f9a0c1b2d/rank_0_0/mtp" in library("vllm_compile").present(tree)
+
+
+@pytest.mark.parametrize("under", ["vllm", ""], ids=["under-vllm", "a-script"])
+def test_prestart_warns_where_this_nodes_vllm_will_not_load_its_restored_aot_artifacts(tmp_path, monkeypatch, capsys,
+                                                                                       under):
+    """The vLLM room says so (its CPU build cannot load its own AOT artifact), for units a vLLM server recorded and
+    for units a script that ran vLLM's code itself recorded (``under`` empty); not with AOT compile off."""
+    import hashlib
+
+    from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
+    from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.precompile.manifest import append_records, unit_record
+    from jitwarm.precompile.plan import WarmPlan
+    from jitwarm.precompile.shipping import say_unloadable
+
+    unit = "torch_aot_compile/3f2a/rank_0_0"
+    spec = unit_spec(library("vllm_compile"), unit, {f"{unit}/model": hashlib.sha256(b"m").hexdigest()},
+                     {"vllm": "0.32.0"}, "cpu", under)
+    manifest = tmp_path / "m.jsonl"
+    append_records(manifest, [unit_record(spec)])
+    plan = WarmPlan.empty().with_manifests([manifest])
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    say_unloadable(plan)
+    assert "1 AOT artifact(s) of vllm_compile restored, but vLLM's CPU build cannot load" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
+    say_unloadable(plan)
+    assert capsys.readouterr().err == ""

@@ -18,15 +18,18 @@ judges them (``check``), turns a config into raw ladder inputs (``ladder_inputs`
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers.command_line import json_object, split_env
 
 __all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ResolutionError", "ServerAdapter", "adapter", "adapter_for",
-           "differs_by_memory", "json_object", "recognised", "refusals"]
+           "cache_dirs", "differs_by_memory", "json_object", "recognised", "refusals", "running"]
 
 #: Every server room, by the name of its subpackage.
 ROOMS = ("sglang", "vllm")
@@ -99,6 +102,18 @@ class ServerAdapter(Protocol):
         Returns the seal's name and its undo, or None where the server has no JIT of its own in this process.
         """
 
+    def cache_dirs(self, environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
+        """Where a server process started with ``environ`` keeps each JIT library's cache it moves or owns.
+
+        Library name -> directory (None: turned off there); a library left out is where its own variables put
+        it. ``own_only``: only the caches the server itself writes, where they are in any process that runs its
+        code (a script that records, then imports vLLM for offline inference). Never raises. The kernels layer
+        names no server: this is how a library learns its server's redirect.
+        """
+
+    def unloadable(self, units: Mapping[str, list[str]]) -> list[str]:
+        """Why this node's server will not load restored units (library name -> units) although they are there."""
+
 
 class ResolutionError(UsageError, ValueError):
     """Settings the server itself rejects, or that its room's rules do not mirror; the message says which (exit 2)."""
@@ -109,6 +124,23 @@ def adapter(name: str) -> ServerAdapter:
     if name not in ROOMS:
         raise UsageError(f"unknown server {name!r}; jitwarm knows {', '.join(ROOMS)}")
     return cast(ServerAdapter, importlib.import_module(f"{__name__}.{name}"))
+
+
+def running() -> str:
+    """The room whose server this process runs, by what it has imported; ``""`` for neither."""
+    return next((name for name in ROOMS if name in sys.modules), "")
+
+
+def cache_dirs(server: str, environ: Mapping[str, str] | None = None) -> Mapping[str, Path | None]:
+    """The JIT libraries' cache directories ``server``'s room gives (:meth:`ServerAdapter.cache_dirs`).
+
+    ``""`` (a process that runs no server, or has not imported it yet): every room's own caches, and the other
+    libraries where their own variables put them. ``environ``: the process's environment, default this one's.
+    """
+    env = os.environ if environ is None else environ
+    if server:
+        return adapter(server).cache_dirs(env)
+    return {name: path for room in ROOMS for name, path in adapter(room).cache_dirs(env, own_only=True).items()}
 
 
 def adapter_for(argv: Sequence[str]) -> ServerAdapter:

@@ -1,8 +1,8 @@
 """The JIT caches a server's libraries fill at start, one family each: captured from a run, stored, restored.
 
-sglang points them all under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320); vLLM keeps torch.compile's, with
-the Inductor and Triton directories it uses, under ``VLLM_CACHE_ROOT/torch_compile_cache``, and its model
-inspection under ``VLLM_CACHE_ROOT/modelinfos``. Each family is one
+Each library resolves its own variables here; where a server moves a library's cache, or keeps one of its own
+(vLLM's compile tree and model inspection, sglang's CuTe DSL objects), its room says so
+(``jitwarm.precompile.servers``, ``ServerAdapter.cache_dirs``): this package names no server. Each family is one
 module here (the table of kinds, modules and caches: docs/kernels.md), a :class:`~.units.Library` and the
 backend of its kind, sharing :mod:`.backend`, :mod:`.units`, :mod:`.fingerprint`, :mod:`.restore` and
 :mod:`.census`. Each kind can only ``capture``. Importing this package imports none of the libraries.

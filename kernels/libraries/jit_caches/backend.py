@@ -2,13 +2,14 @@
 
 A unit's spec: ``family`` the unit (its path in the library's cache, the library's own key), ``backend`` the
 library's kind, ``target`` the arch it was compiled for; its params are the unit's files with their sha256s
-(``files``), the fingerprint the recording process saw (``fingerprint``) and the server the destination is
-resolved under (``under``: ``sglang``, ``vllm`` or empty). It implements
-:class:`jitwarm.kernels.backend.Backend`: the description is content-addressed (the files' digests), so every
-process capturing the same unit names one entry; ``build`` never happens (a unit is captured, :func:`store`);
-``check`` refuses staged files that are not exactly the unit's digests (a file rewritten between the snapshot
-and the copy is never sealed); ``load`` restores the unit where this process's environment puts the library's
-cache (:func:`~.restore.place`), under the entry's claim.
+(``files``), the fingerprint the recording process saw (``fingerprint``) and the server that ran it (``under``:
+a server room's name, or empty), whose room says where a restore puts the unit (:func:`~.units.placed_by`).
+
+It implements :class:`jitwarm.kernels.backend.Backend`: the description is content-addressed (the files'
+digests), so every process capturing the same unit names one entry; ``build`` never happens (a unit is captured,
+:func:`store`); ``check`` refuses staged files that are not exactly the unit's digests (a file rewritten between
+the snapshot and the copy is never sealed); ``load`` restores the unit where this process's environment puts the
+library's cache under that server (:func:`~.restore.place`), under the entry's claim.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from jitwarm.kernels.backend import CompileError, LoadError, SpecError
 from jitwarm.kernels.libraries.jit_caches.units import (
-    SERVERS,
     Files,
     Library,
     canonical,
+    dirs_under,
     files_problem,
     unit_folders,
 )
@@ -59,8 +60,8 @@ def unit_of(library: Library, spec: KernelSpec) -> tuple[Files, dict[str, str], 
     if problem is None and not (isinstance(fingerprint, dict)
                                 and all(isinstance(v, str) for v in fingerprint.values())):
         problem = "its fingerprint is not a {item: value} object of strings"
-    if problem is None and under and under not in SERVERS:
-        problem = f"it is restored under server {under!r}, not one of {', '.join(SERVERS)}"
+    if problem is None and under and not under.isidentifier():
+        problem = f"it is restored under {under!r}, not a server room's name"
     if problem is not None:
         raise SpecError(f"{library.name} unit {spec.family}: {problem}")
     return files, fingerprint, under
@@ -91,11 +92,11 @@ def check(library: Library, spec: KernelSpec, staging: Path) -> None:
 
 
 def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
-    """Restore the unit of ``entry`` where this process's environment puts the library's cache."""
+    """Restore the unit of ``entry`` where this process's environment puts the library's cache under its server."""
     from jitwarm.kernels.libraries.jit_caches.restore import Placed, place
 
     files, _, under = unit_of(library, spec)
-    root = library.root(None, under)
+    root = library.root(None, dirs_under(under))
     placed = (Placed("disabled", Path()) if root is None
               else place(library.part(spec.family), spec.family, files, Path(entry.path), root))
     return RestoredUnit(spec, placed)

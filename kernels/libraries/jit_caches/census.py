@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
-from jitwarm.kernels.libraries.jit_caches.units import Library, running_server
+from jitwarm.kernels.libraries.jit_caches.units import Dirs, Library
 
 
 def bind(library: Library) -> tuple[Any, ...]:
@@ -61,17 +61,17 @@ class Snapshot(NamedTuple):
 
 
 def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
-             under_sglang: bool | str | None = None) -> dict[str, Snapshot]:
-    """Each library's (default: all) directory and complete units now, under the server ``under_sglang``.
+             dirs: Dirs | None = None) -> dict[str, Snapshot]:
+    """Each library's (default: all) directory and complete units now.
 
-    A server's name, or True for sglang; default: the one imported here (:func:`~.units.running_server`).
+    The directory is where a server's ``dirs`` put it, else where the library's own variables in ``environ``
+    (default: this process's) do.
     """
     env = os.environ if environ is None else environ
-    server = running_server() if under_sglang is None else under_sglang
     wanted = set(MODULES if names is None else names)
     taken = {}
     for lib in (library(name) for name in MODULES if name in wanted):
-        root = lib.root(env, server)
+        root = lib.root(env, dirs)
         units = lib.present(root)
         sizes = {unit: tuple(_size(root / rel) for rel in files) for unit, files in units.items()} if root else {}
         taken[lib.name] = Snapshot(lib, root, units, sizes)

@@ -3,10 +3,8 @@
 Where (sgl-deep-gemm 0.2.3.post2, sglang 0.5.23's pin, whose JIT is deep_jit: ``DiskCache::from_env`` in
 include/deep_jit/cache/disk.hpp, with the prefix ``DG``): ``DG_JIT_CACHE_DIR``, else ``DJ_JIT_CACHE_DIR``, a
 ``:``-separated list whose first path is the one written (the others are read-only lookup roots), else
-``$HOME/.dj``. sglang overrides it with ``SGLANG_DG_CACHE_DIR``, default ``<SGLANG_CACHE_DIR>/deep_gemm``
-(srt/environ.py:1373), exported as ``DG_JIT_CACHE_DIR`` when its wrapper is imported
-(srt/layers/deep_gemm_wrapper/compile_utils.py:51); vLLM sets an unset ``DG_JIT_CACHE_DIR`` to
-``VLLM_CACHE_ROOT/deep_gemm`` (vLLM 0.33.0 utils/deep_gemm.py:281-285).
+``$HOME/.dj``. sglang overwrites ``DG_JIT_CACHE_DIR`` and vLLM sets it when unset, each under its own cache
+directory (their rooms say where).
 
 A unit is one entry directory ``cache/<kernel name>.<digest>/`` (deep_jit's key: an FNV-1a hex digest of the
 compiler's signature, the options and the generated code with its headers): deep_jit compiles into
@@ -25,15 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import (
-    SGLANG,
-    VLLM,
-    Library,
-    regular_files,
-    sglang_dir,
-    subdirs,
-    vllm_root,
-)
+from jitwarm.kernels.libraries.jit_caches.units import Library, expand, regular_files, subdirs
 
 #: deep_jit's completion marker (disk.hpp ``kCommitFileName``), written last into the entry before its rename.
 COMMITTED = ".committed"
@@ -42,18 +32,12 @@ REQUIRED = ("kernel.cu", "kernel.cubin")
 _SKIP = ("tmp", "locks")
 
 
-def resolve(environ: Mapping[str, str], server: str) -> Path:
-    """The directory DeepGEMM's JIT uses in ``environ`` (sglang's override first, when under sglang)."""
-    if server == SGLANG:
-        if environ.get("SGLANG_DG_CACHE_DIR"):  # exported as DG_JIT_CACHE_DIR, which deep_jit reads as a list
-            return Path(environ["SGLANG_DG_CACHE_DIR"].split(":")[0])
-        return sglang_dir(environ, "deep_gemm")
+def resolve(environ: Mapping[str, str]) -> Path:
+    """The directory DeepGEMM's JIT writes in ``environ``."""
     for var in ("DG_JIT_CACHE_DIR", "DJ_JIT_CACHE_DIR"):  # Env::get: the library's prefix, then deep_jit's own
         if environ.get(var):
             return Path(environ[var].split(":")[0])
-    if server == VLLM:  # vLLM sets DG_JIT_CACHE_DIR to it when unset (utils/deep_gemm.py:281-285)
-        return vllm_root(environ) / "deep_gemm"
-    return Path(environ.get("HOME") or Path("~").expanduser()) / ".dj"
+    return Path(environ.get("HOME") or expand("~")) / ".dj"
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:

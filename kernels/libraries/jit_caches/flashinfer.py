@@ -2,8 +2,7 @@
 
 Where (flashinfer/jit/env.py): ``FLASHINFER_WORKSPACE_BASE`` (default: home) ``/.cache/flashinfer``, each
 module in ``<version>/<archs>/cached_ops/<name>/`` (``<archs>``: the sorted target archs with FlashInfer's
-suffix, ``90a`` for sm_90, ``_get_workspace_dir_name``); under sglang the base is ``SGLANG_CACHE_DIR`` itself
-(srt/environ.py:2318-2319).
+suffix, ``90a`` for sm_90, ``_get_workspace_dir_name``); sglang sets the base to its own cache directory.
 
 A unit is one module: ninja builds it in place under ``cached_ops/tmp/<name>.lock`` (flashinfer/jit/core.py,
 ``JitSpecNvcc.build``), so it is complete when ``<name>.so`` is there and no build holds that lock. FlashInfer
@@ -30,18 +29,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, lock_held, sglang_dir, subdirs, tree_files
+from jitwarm.kernels.libraries.jit_caches.units import Library, expand, lock_held, subdirs, tree_files
 
 #: Ninja's own files in the module directory (dot-files, which the shared listing leaves out).
 NINJA_FILES = (".ninja_log", ".ninja_deps")
 
 
-def resolve(environ: Mapping[str, str], server: str) -> Path:
+def resolve(environ: Mapping[str, str]) -> Path:
     """FlashInfer's ``FLASHINFER_CACHE_DIR`` in ``environ``."""
-    base = environ.get("FLASHINFER_WORKSPACE_BASE")
-    if not base:
-        base = sglang_dir(environ) if server == SGLANG else Path("~").expanduser()
-    return Path(base) / ".cache" / "flashinfer"
+    return Path(environ.get("FLASHINFER_WORKSPACE_BASE") or expand("~")) / ".cache" / "flashinfer"
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:

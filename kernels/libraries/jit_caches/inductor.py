@@ -1,13 +1,11 @@
 """PyTorch Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``): FX graphs, AOTAutograd entries, generated code.
 
 Where (torch/_inductor/runtime/cache_dir_utils.py, ``cache_dir``): ``TORCHINDUCTOR_CACHE_DIR``, else
-``$TMPDIR/torchinductor_<user>``; under sglang, ``<SGLANG_CACHE_DIR>/inductor`` (``redirect_third_party_caches``,
-srt/environ.py:2308-2320). vLLM's compile cache sets ``TORCHINDUCTOR_CACHE_DIR`` whatever it was to an
-``inductor_cache/`` of its compile tree when it compiles through its own backend or AOT
-(``compilation/compiler_interface.py:29-35``, ``decorators.py:585-589``): those units belong to the tree
-(:mod:`.vllm_compile`), and under vLLM this family is Inductor's own directory, where Inductor writes otherwise
-(vLLM's CPU build without AOT compile, ``VLLM_USE_AOT_COMPILE=0``: 13 C++ modules and their FX graphs for a
-2-layer model).
+``$TMPDIR/torchinductor_<user>``. A server that moves it says so in its room (``jitwarm.precompile.servers``):
+sglang sets it under its own cache directory; vLLM into its compile tree while it compiles through its own
+backend or AOT (those units are the tree's, :mod:`.vllm_compile`), and this family is then Inductor's own
+directory, where Inductor writes otherwise (vLLM's CPU build without AOT compile: 13 C++ modules and their FX
+graphs for a 2-layer model).
 
 Units, each named by Inductor's own hash:
 
@@ -38,13 +36,10 @@ from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
-    SGLANG,
     FamilyCount,
     Library,
     lock_held,
-    own_dir,
     regular_files,
-    sglang_dir,
     subdirs,
     tree_files,
 )
@@ -56,13 +51,10 @@ _WHOLE_FILES = ("fxgraph", "aotautograd")
 _BUILD_DIR = "_CxxBuild"  # cpp_builder.py: _BUILD_TEMP_DIR
 
 
-def resolve(environ: Mapping[str, str], server: str) -> Path:
-    """Inductor's ``cache_dir()`` in ``environ`` under ``server`` (a directory vLLM set in its tree is the tree's)."""
-    given = own_dir(environ, "TORCHINDUCTOR_CACHE_DIR", server)
-    if given is not None:
-        return Path(given)
-    if server == SGLANG:
-        return sglang_dir(environ, "inductor")
+def resolve(environ: Mapping[str, str]) -> Path:
+    """Inductor's ``cache_dir()`` in ``environ``."""
+    if environ.get("TORCHINDUCTOR_CACHE_DIR") is not None:
+        return Path(environ["TORCHINDUCTOR_CACHE_DIR"])
     try:
         import getpass
 

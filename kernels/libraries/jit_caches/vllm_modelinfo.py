@@ -1,4 +1,4 @@
-"""vLLM's model inspection cache (``VLLM_CACHE_ROOT/modelinfos``): what a model class supports, found at start.
+"""vLLM's model inspection cache (``modelinfos``): what a model class supports, found at start.
 
 vLLM inspects the model's class in a child process before it starts the engine (about 20 s of a cold start on
 vLLM's CPU build) and keeps the answer as ``<module>-<class>.json`` (``model_executor/models/registry.py:966-1031``
@@ -9,18 +9,12 @@ Fingerprint: the vLLM version (its ``_ModelInfo`` fields).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from jitwarm.kernels.libraries.jit_caches.census import bind
-from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, vllm_root
+from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, server_own
 
 DIR = "modelinfos"
-
-
-def resolve(environ: Mapping[str, str], server: str = "") -> Path:
-    """``VLLM_CACHE_ROOT/modelinfos`` in ``environ``, whoever runs (only vLLM writes it)."""
-    return vllm_root(environ) / DIR
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
@@ -28,5 +22,5 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return {name: (name,) for name in regular_files(root) if name.endswith(".json")}
 
 
-LIBRARY = Library("vllm_modelinfo", "vllm_modelinfo_cache", resolve, units, ("vllm",), unit_is_dir=False)
+LIBRARY = Library("vllm_modelinfo", "vllm_modelinfo_cache", server_own, units, ("vllm",), unit_is_dir=False)
 name, description, build, check, load = bind(LIBRARY)

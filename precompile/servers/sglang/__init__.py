@@ -4,7 +4,8 @@ Its modules: :mod:`.argv` (the server's command line, from ``flags.json``: every
 :mod:`.fields` (what ServingConfig's fields mean to sglang), :mod:`.rules` (the decode CUDA-graph resolution,
 mirrored in plain Python), :mod:`.native` (the same by the installed sglang's own functions, for a release the
 rules do not mirror), :mod:`.plugin` (the ``sglang.srt.plugins`` entry point) and :mod:`.loader` (sglang's JIT
-loader tapped once: ``load_jit`` recorded, counted for the start-up ledger, refused inside capture). This package
+loader tapped once: ``load_jit`` recorded, counted for the start-up ledger, refused inside capture) and
+:mod:`.caches` (where sglang puts the JIT libraries' caches). This package
 is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
 """
 
@@ -34,7 +35,7 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMN
 # The adapter's functions, by the module (and name, where it differs) that defines each.
 _FUNCTIONS = {"recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields",
               "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
-              "seal": "loader"}
+              "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"}
 
 
 def model_families(families: tuple[str, ...], model_path: str | None,

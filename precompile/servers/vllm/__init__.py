@@ -3,7 +3,8 @@
 Its modules: :mod:`.argv` (the server's command line: ``vllm serve MODEL ...``), :mod:`.fields` (what
 ServingConfig's fields and ``server_options`` mean to vLLM), :mod:`.rules` (the capture sizes, modes and graphs,
 mirrored in plain Python), :mod:`.native` (the same by the installed vLLM's own functions, for a release the
-rules do not mirror) and :mod:`.plugin` (the ``vllm.general_plugins`` entry point). This package is the room's
+rules do not mirror), :mod:`.plugin` (the ``vllm.general_plugins`` entry point) and :mod:`.caches` (where vLLM
+keeps its caches and the JIT libraries', and what this node's vLLM will not load). This package is the room's
 adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
 """
 
@@ -51,7 +52,8 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
 
 # The adapter's functions, by the module (and name, where it differs) that defines each.
 _FUNCTIONS = {"recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native"}
+              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native",
+              "cache_dirs": "caches", "unloadable": "caches"}
 
 
 def model_families(families: tuple[str, ...], model_path: str | None,
@@ -74,7 +76,7 @@ def seal(refuse: Callable[[str], None]) -> None:
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:
     """Why a start of this server in ``environ`` could not be restored to compile nothing (said by capture)."""
-    from jitwarm.kernels.libraries.jit_caches.vllm_compile import aot_unloadable
+    from jitwarm.precompile.servers.vllm.caches import aot_unloadable
 
     why = aot_unloadable(environ)
     return [why] if why else []

