@@ -2,6 +2,7 @@
 
 The build workers and sglang's describe child speak it. The child answers on a private copy of its stdout and
 points stdout itself at stderr (:func:`answers`): whatever the code it imports prints never enters the answers.
+A child that imports a server or torch runs in :func:`scratch_env`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,17 @@ import json
 import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO
+
+
+def scratch_env(scratch: str | os.PathLike[str]) -> dict[str, str]:
+    """The variables of a child that imports torch (or a server that does), so it makes nothing outside ``scratch``.
+
+    Importing ``torch._dynamo`` makes Inductor's cache directory (torch/_inductor/runtime/cache_dir_utils.py):
+    ``$TMPDIR/torchinductor_$USER``, or ``~/.cache/sglang/inductor`` once sglang is imported (its redirect). A jitwarm
+    command made them on the node, outside the cache it was given (issue #31). None of jitwarm's children compiles
+    through Inductor, so nothing of theirs is lost with ``scratch``, which the caller removes after.
+    """
+    return {"TMPDIR": os.fspath(scratch), "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}  # noqa: PTH118
 
 
 def encode(message: Any) -> bytes:

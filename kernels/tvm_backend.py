@@ -260,7 +260,10 @@ def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = No
     target, fam = _check_spec(spec)
     unit = _unit(spec, fam)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="jitwarm-tvm-") as work:
+    # The source goes inside the staging directory, as the Triton and load_jit builds put theirs: a build killed
+    # part-way leaves it there, under the key's lock, and the next builder of the key (or prune) removes the
+    # staging directory whole. In /tmp, every killed build left one behind.
+    with tempfile.TemporaryDirectory(prefix=".tvm-", dir=staging) as work:
         source = "kernel.cu" if target.is_cuda else "kernel.cc"
         Path(work, source).write_text(unit, encoding="utf-8")
         cmd = _command(target, source, staging / LIBRARY, work)

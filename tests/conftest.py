@@ -68,9 +68,14 @@ def prestarted(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch, tmp_path_factory):
-    """Point the default cache at a fresh directory and drop env knobs a developer may have set."""
+    """Point the default cache at a fresh directory and drop env knobs a developer may have set.
+
+    The suite's own (``JITWARM_TEST_*``: where the wheel sets live, CI's floor pass) stay: a wheel set first made
+    inside a test was made again under ``~/.cache`` when ``JITWARM_TEST_WHEELS`` pointed elsewhere.
+    """
     for name in list(os.environ):
-        if name.startswith("JITWARM_") or name == "SGLANG_RAGGED_VERIFY_MODE":
+        ours = name.startswith("JITWARM_") and not name.startswith("JITWARM_TEST_")
+        if ours or name == "SGLANG_RAGGED_VERIFY_MODE":
             monkeypatch.delenv(name)
     monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path_factory.mktemp("default-cache")))
     # A test's recording captures no JIT cache unit unless it asks (tests/test_jit_caches*.py): another process's

@@ -58,9 +58,10 @@ def test_tvm_ffi_seal_lets_calls_through_outside_capture(tmp_path):
         seal.remove()
 
 
-def test_triton_seal_stops_a_jit_compile_and_is_removed_after():
+def test_triton_seal_stops_a_jit_compile_and_is_removed_after(tmp_path):
     proc = subprocess.run([sys.executable, str(WORKERS / "triton_seal.py")], capture_output=True, text=True,
-                          timeout=300, env={"TRITON_DEFAULT_FP_FUSION": "1", **os.environ})
+                          timeout=300, env={"TRITON_DEFAULT_FP_FUSION": "1", **os.environ,
+                                            "TRITON_CACHE_DIR": str(tmp_path / "triton")})  # the compile after: here
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["outcome"] == "CompileDuringCaptureError"

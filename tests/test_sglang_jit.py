@@ -137,10 +137,15 @@ def _run(script: str, env: dict[str, str], *args: str | Path, timeout: float = 3
 
 
 @pytest.fixture(scope="module")
-def base_env(sglang_env) -> dict[str, str]:
-    """The wheel's environment, without a developer's JITWARM_*/SGLANG_* knobs, with CUDA_HOME set."""
+def base_env(sglang_env, tmp_path_factory) -> dict[str, str]:
+    """The wheel's environment, without a developer's JITWARM_*/SGLANG_* knobs, with CUDA_HOME set.
+
+    The scripts that stand in for the server import sglang and torch, which make Inductor's directory: a
+    temporary one here, not ``~/.cache/sglang/inductor`` of whoever runs the tests.
+    """
     kept = {k: v for k, v in os.environ.items() if not k.startswith(("JITWARM_", "SGLANG_"))}
     return {**kept, **sglang_env, "CUDA_HOME": CUDA_HOME, "PYTHONWARNINGS": "ignore",
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")),
             "JITWARM_RECORD_CACHES": "none"}  # load_jit records only (the JIT cache units: test_jit_caches_*.py)
 
 
@@ -229,12 +234,17 @@ def test_a_node_prestarted_from_the_bundle_serves_sglangs_loader_without_compili
 
 @pytest.mark.nvcc
 def test_warm_with_the_manifest_hands_the_module_over_to_sglangs_cache_as_prestart_does(replay, base_env):
-    """``warm --manifest`` in the server's image leaves the module where ``load_jit`` finds it (issue #21)."""
-    warm_jit = replay["tmp"] / "warm-jit"
+    """``warm --manifest`` in the server's image leaves the module where ``load_jit`` finds it (issue #21), and
+    makes nothing outside the caches it was given: its sglang children, which import sglang and torch, made
+    ``~/.cache/sglang/inductor`` (sglang's redirect of Inductor's directory) before they were given a scratch one."""
+    warm_jit, home = replay["tmp"] / "warm-jit", replay["tmp"] / "home"
+    home.mkdir()
+    env = {k: v for k, v in base_env.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")}
     proc = subprocess.run([sys.executable, "-m", "jitwarm", "warm", "--manifest", str(replay["manifest_path"]),
                            "--target", "sm_90", "--cache-dir", str(replay["cache"])], capture_output=True, text=True,
-                          env={**base_env, "SGLANG_JIT_CACHE_DIR": str(warm_jit)}, timeout=300)
+                          env={**env, "SGLANG_JIT_CACHE_DIR": str(warm_jit), "HOME": str(home)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(home.rglob("*")) == []
     serving = _run(SERVE, {**base_env, "SGLANG_CRASH_ON_JIT_COMPILE": "1",
                            "SGLANG_JIT_CACHE_DIR": str(replay["tmp"] / "empty")}, warm_jit)
     assert "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling" in serving["refused"]  # the flag is in force

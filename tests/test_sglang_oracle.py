@@ -174,8 +174,9 @@ def native(sglang_env, tmp_path_factory):
     request = {"grid": GRID, "argv": [case for case, _ in ARGV_CASES] + [c for c, _ in ARGV_REJECTED] + [ENV_ARGV],
                "cli": CLI_REQUESTS}
     out = tmp_path_factory.mktemp("sglang-oracle") / "answer.json"
+    env = {**os.environ, **sglang_env, "TORCHINDUCTOR_CACHE_DIR": str(out.parent / "inductor")}  # not ~/.cache/sglang
     proc = subprocess.run([sys.executable, str(WORKER), str(out)], input=json.dumps(request), text=True,
-                          capture_output=True, env={**os.environ, **sglang_env}, timeout=300)
+                          capture_output=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = json.loads(out.read_text(encoding="utf-8"))
     assert answer["version"] == sglang_wheel.SGLANG_VERSION
@@ -436,8 +437,12 @@ PLAN_ARGV = ["--json", "--target", "cpu", "--ragged-verify-mode", "compact", "--
 
 
 def test_plan_with_the_mirrored_release_installed_never_imports_it(sglang_env, tmp_path):
-    """auto takes the built-in rules for the release they mirror; sglang's own functions only when asked."""
-    env = {**sglang_env, "JITWARM_CACHE_DIR": str(tmp_path / "cache")}
+    """auto takes the built-in rules for the release they mirror; sglang's own functions only when asked, in a
+    child that makes nothing outside the cache (it imports sglang and torch, which made
+    ``~/.cache/sglang/inductor`` before the child ran in a scratch directory)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**sglang_env, "JITWARM_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(home)}
     runs = {source: _plan(["--ladder-source", source, *PLAN_ARGV], env, tmp_path)[0]
             for source in ("auto", "builtin", "sglang")}
     for source in ("auto", "builtin"):
@@ -448,6 +453,7 @@ def test_plan_with_the_mirrored_release_installed_never_imports_it(sglang_env, t
     assert not runs["sglang"]["sglang_imported"]
     assert asked["shapes"] == runs["auto"]["plan"]["shapes"] and len(asked["shapes"]) == 23
     assert not (tmp_path / "cache" / "ladders").exists()  # the mirrored release needs no memo
+    assert sorted(home.rglob("*")) == []
 
 
 def test_another_release_is_resolved_by_its_own_functions_once_then_from_the_memo(sglang_env, tmp_path):

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jitwarm.kernels.channel import scratch_env
 from jitwarm.precompile.servers import resolution_memo
 
 #: What a room's ``native.resolve`` is: the raw inputs in, the resolution out; ValueError for refused settings.
@@ -83,8 +86,10 @@ class OwnFunctions:
             except ValueError as exc:
                 raise self.error(str(exc)) from None
         try:
-            proc = subprocess.run([sys.executable, "-m", self.module], input=json.dumps({"inputs": inputs}),
-                                  capture_output=True, text=True, timeout=self.timeout_s, check=False)
+            with tempfile.TemporaryDirectory(prefix="jitwarm-own-functions-") as scratch:  # it imports torch
+                proc = subprocess.run([sys.executable, "-m", self.module], input=json.dumps({"inputs": inputs}),
+                                      capture_output=True, text=True, timeout=self.timeout_s, check=False,
+                                      env={**os.environ, **scratch_env(scratch)})
         except (OSError, subprocess.SubprocessError) as exc:
             raise self.error(f"cannot run {self.functions} ({exc})", hint="use --ladder-source builtin") from None
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"

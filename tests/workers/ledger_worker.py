@@ -57,11 +57,14 @@ def inductor(mode: str) -> None:
 
 
 def triton() -> None:
+    import atexit
+    import shutil
     import tempfile
 
     import gpu_stub
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="own-triton-")
+    atexit.register(shutil.rmtree, os.environ["TRITON_CACHE_DIR"], True)  # nothing of ours left in /tmp
     gpu_stub.install()
     from jitwarm.kernels.libraries.triton import cache as triton_cache
     from jitwarm.precompile import ledger

@@ -12,8 +12,10 @@ which says whether Triton's stages ran (cache_hit False) or a cache answered. Pr
 {"compiles": [{"name", "cache_hit"}], "recorded": N, "seconds": <the warmup, until every kernel is ready>}.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -25,7 +27,10 @@ from triton import knobs
 
 def main() -> int:
     mode = sys.argv[1]
-    os.environ["TRITON_CACHE_DIR"] = os.environ.get("SERVER_TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="own-triton-")
+    if not os.environ.get("SERVER_TRITON_CACHE_DIR"):  # a directory of our own, removed when we exit
+        own = tempfile.mkdtemp(prefix="own-triton-")
+        atexit.register(shutil.rmtree, own, True)
+    os.environ["TRITON_CACHE_DIR"] = os.environ.get("SERVER_TRITON_CACHE_DIR") or own
     knobs.cache.dir = os.environ["TRITON_CACHE_DIR"]
     gpu_stub.install()
     compiles = []

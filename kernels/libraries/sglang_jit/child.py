@@ -78,13 +78,14 @@ def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dic
     CompileError when ``load_jit`` failed, timed out or published nothing (``output``: sglang's, ninja's, nvcc's text).
     """
     result_file = cache_dir.parent / f".{cache_dir.name}-result.json"
-    env = _child_env(SGLANG_JIT_CACHE_DIR=str(cache_dir), SGLANG_CRASH_ON_JIT_COMPILE="0",
-                     SGLANG_JIT_FORCE_RECOMPILE="0")
-    env.pop("SGLANG_JIT_CACHE_KEEP", None)
     cmd = [sys.executable, "-m", _CHILD, "build", json.dumps(arch), str(result_file)]
     try:
-        proc = subprocess.run(cmd, input=json.dumps(call), capture_output=True, text=True, env=env,
-                              timeout=_BUILD_TIMEOUT_S, check=False)
+        with tempfile.TemporaryDirectory(prefix="jitwarm-sglang-jit-") as scratch:
+            env = _child_env(scratch, SGLANG_JIT_CACHE_DIR=str(cache_dir), SGLANG_CRASH_ON_JIT_COMPILE="0",
+                             SGLANG_JIT_FORCE_RECOMPILE="0")
+            env.pop("SGLANG_JIT_CACHE_KEEP", None)
+            proc = subprocess.run(cmd, input=json.dumps(call), capture_output=True, text=True, env=env,
+                                  timeout=_BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as exc:
         raise CompileError(f"{module}: sglang's load_jit did not finish within {exc.timeout} s") from exc
     try:
@@ -97,9 +98,14 @@ def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dic
     return result
 
 
-def _child_env(**overrides: str) -> dict[str, str]:
-    """Our environment with our import path, so the child imports the sglang the caller checked."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **overrides}
+def _child_env(scratch: str, **overrides: str) -> dict[str, str]:
+    """Our environment with our import path, so the child imports the sglang the caller checked, in ``scratch``.
+
+    It imports sglang and torch (:func:`~jitwarm.kernels.channel.scratch_env`): a ``jitwarm warm`` that replayed
+    ``load_jit`` left ``~/.cache/sglang/inductor`` on the build box.
+    """
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **channel.scratch_env(scratch),
+            **overrides}
 
 
 class _Describer:
@@ -109,9 +115,10 @@ class _Describer:
         self._lock = threading.Lock()
         self._log = tempfile.TemporaryFile()  # its stderr: sglang's warnings, and why it died if it does
         self._lines = channel.LineReader()
+        self._scratch = tempfile.TemporaryDirectory(prefix="jitwarm-sglang-describe-")  # see _child_env
         self.proc = subprocess.Popen([sys.executable, "-m", _CHILD, "describe", json.dumps(arch)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=_child_env())
+                                     env=_child_env(self._scratch.name))
         self._reply(_START_TIMEOUT_S)  # {"ready": true}, or sglang's import error
 
     def ask(self, call: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +157,7 @@ class _Describer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._scratch.cleanup()
 
 
 _describers: dict[tuple[Any, ...], _Describer] = {}

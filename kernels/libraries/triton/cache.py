@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -23,6 +24,7 @@ from triton.runtime.cache import CacheManager as _TritonCacheManager
 from triton.runtime.cache import FileCacheManager
 
 from jitwarm.cache import CacheError, Entry, KernelCache, Reservation
+from jitwarm.cache.locks import left_by_dead_process, this_host
 from jitwarm.kernels.artifacts import Artifact, artifact
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.triton import NAME, SERVED
@@ -41,6 +43,7 @@ _state: dict[str, Any] = {"cache": None, "failed": None}
 #: (jitwarm.precompile.ledger).
 _served: list[tuple[str, str]] = []
 _scratch_dirs: list[Path] = []
+_SCRATCH = "jitwarm-triton-"
 
 
 def served_group(triton_key: str, group: str) -> KernelSpec:
@@ -211,11 +214,27 @@ class CacheManager(_TritonCacheManager):
         return str(dest)
 
     def _scratch_dir(self) -> Path:
-        """Where this manager's files wait for Triton to read them back; removed when this process exits."""
+        """Where this manager's files wait for Triton to read them back; removed when this process exits.
+
+        Named by host and pid: a server killed before it exits leaves its own, which the next manager of this
+        host removes (:func:`_sweep_scratch`); a server in a crash loop filled $TMPDIR with copies of its kernels.
+        """
         if self._scratch is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix="jitwarm-triton-"))
+            _sweep_scratch()
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH}{this_host()}~{os.getpid()}~"))
             _scratch_dirs.append(self._scratch)
         return self._scratch
+
+
+def _sweep_scratch() -> None:
+    """Remove the scratch directories this user's processes of this host left in $TMPDIR when they were killed."""
+    with contextlib.suppress(OSError), os.scandir(tempfile.gettempdir()) as found:
+        for item in found:
+            host, _, rest = item.name.removeprefix(_SCRATCH).partition("~")
+            pid = rest.partition("~")[0]
+            if (item.name.startswith(_SCRATCH) and left_by_dead_process(host, pid)
+                    and item.is_dir(follow_symlinks=False) and item.stat(follow_symlinks=False).st_uid == os.getuid()):
+                shutil.rmtree(item.path, ignore_errors=True)
 
 
 @atexit.register
