@@ -7,6 +7,7 @@ Lock files are private to the cache's owner (0600): a 0644 one let any local use
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -15,8 +16,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import stat
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -51,6 +54,29 @@ def left_by_dead_process(host: str, pid: str) -> bool:
     Another host's, on a shared filesystem, is never judged: its pid means nothing here.
     """
     return host == this_host() and pid.isdigit() and not pid_alive(int(pid))
+
+
+def process_scratch(prefix: str) -> Path:
+    """A new directory in $TMPDIR named for this host and process, removed when the process exits.
+
+    A process killed first leaves its own: the first call for ``prefix`` in each process removes those of this
+    user's dead processes of this host (a server in a crash loop filled $TMPDIR with copies of its kernels).
+    """
+    if prefix not in _swept:
+        _swept.add(prefix)
+        with contextlib.suppress(OSError), os.scandir(tempfile.gettempdir()) as found:
+            for item in found:
+                host, _, rest = item.name.removeprefix(prefix).partition("~")
+                if (item.name.startswith(prefix) and left_by_dead_process(host, rest.partition("~")[0])
+                        and item.is_dir(follow_symlinks=False)
+                        and item.stat(follow_symlinks=False).st_uid == os.getuid()):
+                    shutil.rmtree(item.path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{this_host()}~{os.getpid()}~")
+    atexit.register(shutil.rmtree, path, True)
+    return Path(path)
+
+
+_swept: set[str] = set()
 
 
 def pid_alive(pid: int) -> bool:

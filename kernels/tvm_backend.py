@@ -8,7 +8,6 @@ exactly the ones in the key, nothing probes ``nvidia-smi``, and no ninja files l
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hashlib
 import importlib.util
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jitwarm.cache.locks import process_scratch
 from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, build_only, version_lines
 from jitwarm.kernels.families import Family, family
 from jitwarm.kernels.spec import DTYPES, KernelSpec
@@ -344,7 +344,7 @@ def _tvm_ffi() -> Any:
 
 #: The file each path this process dlopened held then, as ``(st_dev, st_ino)``.
 _opened: dict[str, tuple[int, int]] = {}
-_links: list[str] = []
+_links: list[Path] = []
 
 
 def _dlopen_name(path: str) -> str:
@@ -355,10 +355,9 @@ def _dlopen_name(path: str) -> str:
     st = os.stat(path)  # noqa: PTH116 - a str: a Path per kernel was most of this 10 us, on the hook's hot path
     if _opened.setdefault(path, (st.st_dev, st.st_ino)) == (st.st_dev, st.st_ino):
         return path
-    if not _links:
-        _links.append(tempfile.mkdtemp(prefix="jitwarm-dlopen-"))
-        atexit.register(shutil.rmtree, _links[0], True)
-    link = Path(_links[0]) / f"{st.st_dev}-{st.st_ino}-{Path(path).name}"
+    if not _links:  # removed at exit; a killed server's, by the next one to make its own
+        _links.append(process_scratch("jitwarm-dlopen-"))
+    link = _links[0] / f"{st.st_dev}-{st.st_ino}-{Path(path).name}"
     if not link.is_symlink():
         link.symlink_to(path)
     return str(link)

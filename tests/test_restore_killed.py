@@ -1,9 +1,9 @@
-"""A restore killed part-way leaves nothing the next restore does not clear (issue #31, N9).
+"""A process killed part-way leaves nothing the next one does not clear (issue #31, N9).
 
 A real ``jitwarm prestart`` restoring a 256 MiB Inductor unit is SIGKILLed while it writes the unit's temporary
 beside the destination; the temporary is there, then the next restore removes it, places the unit whole, and
 leaves no ``.jitwarm-*`` behind. A temporary of another host (a shared filesystem) or of a live process is never
-touched.
+touched. The same holds for what a process keeps in $TMPDIR until it exits (:func:`.process_scratch`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import jit_cache_trees as trees
+import pytest
 
-from jitwarm.cache import KernelCache
+from jitwarm.cache import KernelCache, locks
 from jitwarm.cache.locks import this_host
 from jitwarm.kernels.libraries.jit_caches.backend import store
 from jitwarm.kernels.libraries.jit_caches.census import library
@@ -73,3 +75,38 @@ def test_another_hosts_or_a_live_processs_temporaries_are_left_alone(tmp_path):
     (folder / f".jitwarm-stage~{this_host()}~{int(dead.stdout)}~ef").mkdir()  # a killed rename-mode stage
     assert sorted(sweep(folder)) == sorted([mine_dead, f".jitwarm-stage~{this_host()}~{int(dead.stdout)}~ef"])
     assert sorted(p.name for p in folder.iterdir()) == sorted([mine_alive, theirs])
+
+
+@pytest.mark.parametrize("user", ["triton manager", "dlopen links"])
+def test_the_scratch_of_a_killed_process_is_removed_by_the_next_of_this_host(user, tmp_path, monkeypatch):
+    """What a process keeps in $TMPDIR until it exits stays when it is killed: the copies jitwarm's Triton manager
+    hands Triton (a server in a crash loop filled $TMPDIR with them), the links a rebuilt library is dlopened
+    through. The next process of this host to make its own removes those of dead processes, and only those: a
+    live process's, and another host's on a shared $TMPDIR, stay."""
+    from jitwarm.kernels import tvm_backend
+    from jitwarm.kernels.libraries.triton import cache as triton_cache
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(locks, "_swept", set())  # this test process swept $TMPDIR before, when it was another
+    prefix = "jitwarm-triton-" if user == "triton manager" else "jitwarm-dlopen-"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    stale, live, other = (tmp_path / f"{prefix}{host}~{pid}~x1" for host, pid in (
+        (this_host(), dead), (this_host(), os.getppid()), ("another-host", dead)))
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "kernel.so").write_bytes(b"\x7fELF")
+    if user == "triton manager":
+        made = triton_cache.CacheManager("ab" * 32)._scratch_dir()
+    else:  # a library file replaced after it was opened: the next dlopen goes through a link
+        monkeypatch.setattr(tvm_backend, "_opened", {})
+        monkeypatch.setattr(tvm_backend, "_links", [])
+        library = tmp_path / "entry" / "kernel.so"
+        library.parent.mkdir()
+        library.write_bytes(b"one")
+        assert tvm_backend._dlopen_name(str(library)) == str(library)
+        (tmp_path / "entry" / "rebuilt.so").write_bytes(b"two")
+        (tmp_path / "entry" / "rebuilt.so").replace(library)
+        made = Path(tvm_backend._dlopen_name(str(library))).parent
+    assert not stale.exists() and live.exists() and other.exists()
+    assert made.parent == tmp_path and made.name.startswith(f"{prefix}{this_host()}~{os.getpid()}~")

@@ -248,24 +248,3 @@ def test_a_captured_group_is_checked_before_it_is_sealed(tmp_path):
         art.get_or_build(cache, capture=not_a_cubin)
     assert art.lookup(cache) is None
 
-
-def test_the_scratch_of_a_killed_server_is_removed_by_the_next_manager_of_this_host(tmp_path, monkeypatch):
-    """The copies the manager hands Triton wait in $TMPDIR and go when the process exits; a server killed before
-    that leaves them. The next manager of this host removes those of dead processes, and only those: a live
-    process's, and another host's on a shared $TMPDIR, stay."""
-    import tempfile
-
-    from jitwarm.cache.locks import this_host
-    from jitwarm.kernels.libraries.triton import cache as triton_cache
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    stale, live, other = (tmp_path / f"jitwarm-triton-{host}~{pid}~x1" for host, pid in (
-        (this_host(), dead), (this_host(), os.getppid()), ("another-host", dead)))
-    for folder in (stale, live, other):
-        folder.mkdir()
-        (folder / "add_one.cubin").write_bytes(b"\x7fELF")
-    scratch = triton_cache.CacheManager("ab" * 32)._scratch_dir()
-    assert not stale.exists() and live.exists() and other.exists()
-    assert scratch.parent == tmp_path and scratch.name.startswith(f"jitwarm-triton-{this_host()}~{os.getpid()}~")

@@ -8,12 +8,9 @@ docs/triton.md, "Serving".
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import os
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -24,7 +21,7 @@ from triton.runtime.cache import CacheManager as _TritonCacheManager
 from triton.runtime.cache import FileCacheManager
 
 from jitwarm.cache import CacheError, Entry, KernelCache, Reservation
-from jitwarm.cache.locks import left_by_dead_process, this_host
+from jitwarm.cache.locks import process_scratch
 from jitwarm.kernels.artifacts import Artifact, artifact
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.triton import NAME, SERVED
@@ -42,7 +39,6 @@ _state: dict[str, Any] = {"cache": None, "failed": None}
 #: handed to Triton) or ``(..., "compiled")`` (Triton compiled it here): the start-up ledger's signal
 #: (jitwarm.precompile.ledger).
 _served: list[tuple[str, str]] = []
-_scratch_dirs: list[Path] = []
 _SCRATCH = "jitwarm-triton-"
 
 
@@ -214,30 +210,7 @@ class CacheManager(_TritonCacheManager):
         return str(dest)
 
     def _scratch_dir(self) -> Path:
-        """Where this manager's files wait for Triton to read them back; removed when this process exits.
-
-        Named by host and pid: a server killed before it exits leaves its own, which the next manager of this
-        host removes (:func:`_sweep_scratch`); a server in a crash loop filled $TMPDIR with copies of its kernels.
-        """
+        """Where this manager's files wait for Triton to read them back: a :func:`.process_scratch` directory."""
         if self._scratch is None:
-            _sweep_scratch()
-            self._scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH}{this_host()}~{os.getpid()}~"))
-            _scratch_dirs.append(self._scratch)
+            self._scratch = process_scratch(_SCRATCH)
         return self._scratch
-
-
-def _sweep_scratch() -> None:
-    """Remove the scratch directories this user's processes of this host left in $TMPDIR when they were killed."""
-    with contextlib.suppress(OSError), os.scandir(tempfile.gettempdir()) as found:
-        for item in found:
-            host, _, rest = item.name.removeprefix(_SCRATCH).partition("~")
-            pid = rest.partition("~")[0]
-            if (item.name.startswith(_SCRATCH) and left_by_dead_process(host, pid)
-                    and item.is_dir(follow_symlinks=False) and item.stat(follow_symlinks=False).st_uid == os.getuid()):
-                shutil.rmtree(item.path, ignore_errors=True)
-
-
-@atexit.register
-def _remove_scratch() -> None:
-    for path in _scratch_dirs:
-        shutil.rmtree(path, ignore_errors=True)
