@@ -21,7 +21,7 @@ from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
 from jitwarm.cache.stamps import prune_stamps
 
 if TYPE_CHECKING:
-    from jitwarm.cache.store import LocalCache
+    from jitwarm.cache.store import CacheReader
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -257,11 +257,11 @@ class VerifyReport:
                 "quarantined": list(self.quarantined)}
 
 
-def verify_copies(local: LocalCache, keys: Sequence[str] | None, *, repair: bool,
+def verify_copies(local: CacheReader, keys: Sequence[str] | None, *, repair: bool,
                   stamped: bool = False) -> VerifyReport:
     """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None).
 
-    ``stamped``: a copy whose stamp matches its files is not hashed again (``LocalCache.check_copy``).
+    ``stamped``: a copy whose stamp matches its files is not hashed again (``CacheReader.check_copy``).
     """
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:

@@ -31,35 +31,31 @@ our staged copy. A thread must not build or discard a key inside its own claim o
 conflict within a process: it waits out its deadline). The stat signature trusts that whoever can rewrite
 a file and restore its ctime is already root.
 
-:class:`LocalCache` runs it on one root and its layers; :class:`~.kernel_cache.KernelCache` is the same class
+:class:`LocalCache` runs it on one root and its layers: reading them (lookup, verify-on-read, claims, discard) is
+:class:`~.reading.CacheReader`'s, get-or-build is below. :class:`~.kernel_cache.KernelCache` is the same class
 with its settings, a remote tier (whose lease a build here holds, :mod:`jitwarm.cache.remote.fleet`) and bundles.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
-import stat
-import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from jitwarm.cache import settings
-from jitwarm.cache.entry import Entry, Signature, seal, unchanged, verify_entry
-from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, CorruptEntry, RootNotWritable
-from jitwarm.cache.files import check_trusted, check_trusted_dir, fsync_dir, refresh_dir, remove_tree
+from jitwarm.cache.entry import Entry, seal, unchanged, verify_entry
+from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, RootNotWritable
+from jitwarm.cache.files import fsync_dir, refresh_dir, remove_tree
 from jitwarm.cache.keys import check_key, key_of, key_preimage, keyed
 from jitwarm.cache.layout import RootLayout
-from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, SharedClaim, ready_lock_dir, wait_until
-from jitwarm.cache.maintenance import move_aside, quarantine, shard_problem, sweep_staging
+from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, ready_lock_dir, wait_until
+from jitwarm.cache.maintenance import sweep_staging
 from jitwarm.cache.remote.fleet import LocalSteps
-from jitwarm.cache.signing import check_local, signature_path
-from jitwarm.cache.stamps import stamped_entry, write_stamp
+from jitwarm.cache.store.reading import CacheReader
 
 if TYPE_CHECKING:
     from jitwarm.cache.remote import Fleet
@@ -69,37 +65,8 @@ log = logging.getLogger("jitwarm.cache")
 BuildFn = Callable[[Path], None]
 #: A reservation's steps (:meth:`LocalCache._reserving`): yields the staging dir, returns ``(entry, outcome)``.
 Steps = Generator[Path, None, tuple[Entry, str]]
-#: Refresh an entry's last use (its directory mtime) at most this often: well under prune's 600 s grace period.
-TOUCH_INTERVAL_S = 60.0
-#: A last use found younger than this is not touched again: TP ranks starting together touch an entry once.
-RECENT_USE_S = 30.0
-#: How long a touch waits for a prune that holds the key's lock (it then finds the entry gone, or kept).
-TOUCH_WAIT_S = 10.0
 # NFS can hide a just-renamed directory from other clients for a moment (DeepEP #683): look again.
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Counters of one :class:`KernelCache` in this process (docs/cache.md, "Stats")."""
-
-    hits: int = 0
-    misses: int = 0
-    builds: int = 0
-    waits: int = 0
-    lock_wait_s: float = 0.0
-    corrupt: int = 0
-    remote_hits: int = 0
-    remote_misses: int = 0
-    remote_uploads: int = 0
-    lease_waits: int = 0
-    remote_rejected: int = 0
-    remote_errors: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the counters as a JSON-able dict."""
-        return asdict(self)
-
 
 Outcome = Literal["hit", "built", "waited", "downloaded"]
 
@@ -111,50 +78,16 @@ class CacheResult(NamedTuple):
     outcome: Outcome
 
 
-class LocalCache:
-    """One writable root (or a read-only one) plus read-only layers: the protocol above, top to bottom.
+class LocalCache(CacheReader):
+    """The protocol above on one root and its layers: the reads of :class:`.CacheReader`, then get-or-build.
 
-    Lookups raise only for an untrusted directory; quarantine, stamps and touches are best effort and never raise.
-    ``read_only``: lookups only (a miss in ``get_or_build`` raises); ``allow_shared``: accept what other users can
-    write. Thread-safe: two threads exclude each other like two processes.
+    ``read_only``: lookups only (a miss in ``get_or_build`` raises).
     """
 
     def __init__(self, layout: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
                  allow_shared: bool) -> None:
-        #: The writable root's paths, and the root itself.
-        self.layout, self.root = layout, layout.root
-        self.lock_dir = lock_dir
-        self.read_only = read_only
-        self.allow_shared = allow_shared
-        #: ``(layout, read_only)`` of the root, then each layer.
-        self.search_order = [(layout, read_only), *((layer, True) for layer in layers)]
-        self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
-        self._counts_lock = threading.Lock()
-        self._trust_key: tuple[bytes | None] | None = None
+        super().__init__(layout, layers, lock_dir, read_only=read_only, allow_shared=allow_shared)
         self._fleet: Fleet | None = None  # a remote tier's leases (KernelCache), held around a build here
-        # what this instance knows of the entries (a memo: never the truth, always checked)
-        self._mutex = threading.Lock()
-        self._verified: dict[Path, Entry] = {}
-        self._rejected: set[tuple[Path, Signature]] = set()
-        self._trusted: set[Path] = set()
-        self._touched: dict[str, float] = {}
-        self._last_use: dict[str, float] = {}  # the last uses found on disk, by key
-
-    def trust_key(self) -> bytes | None:
-        """The fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``), read on first use; ``SettingError`` for a bad one."""
-        if self._trust_key is None:
-            self._trust_key = (settings.trust_key(),)
-        return self._trust_key[0]
-
-    def _count(self, name: str, amount: float = 1) -> None:
-        """Add ``amount`` to the counter ``name`` (the one callable every tier counts through)."""
-        with self._counts_lock:
-            self._counts[name] += amount
-
-    def stats(self) -> CacheStats:
-        """Return this instance's counters."""
-        with self._counts_lock:
-            return CacheStats(**self._counts)  # type: ignore[arg-type]
 
     def key(self, description: Mapping[str, Any]) -> str:
         """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
@@ -243,177 +176,6 @@ class LocalCache:
             return wait_until(poll, timeout_s, key=key, holder=lock.read_holder)
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
-
-    def lookup(self, key: str, *, locked: bool = False) -> Entry | None:
-        """The verified entry of ``key`` from the root or a layer, or None (``locked``: we hold the key).
-
-        ValueError for a malformed key; ``CacheError`` for an untrusted directory.
-        """
-        check_key(key)
-        for layout, read_only in self.search_order:
-            with self._mutex:
-                entry = self._verified.get(layout.entry_dir(key))
-            if entry is None or not unchanged(entry):
-                entry, _why = self.check_copy(layout, key, read_only=read_only, locked=locked, stamped=True)
-            if entry is not None and not self._was_rejected(entry) and self._touch(entry, locked=locked):
-                return entry
-        return None
-
-    @contextlib.contextmanager
-    def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> Iterator[Entry | None]:
-        """``with cache.claim(entry) as claimed:``: ``entry`` kept from prune and quarantine while it is read.
-
-        Yields None when its files are no longer the ones hashed (get it again). Discard or rebuild the key
-        only after the block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
-        """
-        if self._was_rejected(entry):
-            yield None
-            return
-        if entry.path != self.layout.entry_dir(entry.key):  # a layer's: nothing of this cache removes it
-            yield entry if unchanged(entry) else None
-            return
-        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
-        claim.acquire(timeout_s)
-        try:
-            if unchanged(entry):  # still there, the very files that were hashed: nothing can remove them now
-                yield entry
-            else:
-                claim.release()  # before yielding: the caller may get or build the key again in the block
-                yield None
-        finally:
-            claim.release()
-
-    def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.
-
-        The root's is quarantined if unchanged; a layer's (or a read-only cache's) is skipped from now on.
-        ``LockTimeout`` (the entry is skipped all the same).
-        """
-        with self._mutex:
-            self._rejected.add((entry.path, entry.signature))
-        if entry.read_only or self.read_only or entry.path != self.layout.entry_dir(entry.key):
-            log.warning("rejected cache entry %s at %s: %s; it cannot be moved, so this cache skips it from now "
-                        "on", entry.key, entry.path, reason)
-            return
-        with KeyLock(self.lock_dir, entry.key, shared=self.allow_shared) as lock:
-            lock.acquire(timeout_s)
-            if unchanged(entry):  # still the very entry the caller rejected, not a rebuild of its key
-                self.forget(entry.path)
-                move_aside(self.layout, entry.key, entry.path, reason)
-
-    def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
-                   repair: bool = True) -> tuple[Entry | None, str | None]:
-        """Verify one copy: ``(entry, None)``, ``(None, why)`` when corrupt (quarantined or skipped), or a miss.
-
-        ``stamped``: a copy whose stamp matches its files is not hashed; ``repair=False`` writes nothing.
-        """
-        path = layout.entry_dir(key)
-        self.forget(path)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return None, None
-        except OSError:  # ENOTDIR, EACCES: the shard is a file, or cannot be entered (or a top dir is broken)
-            return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        self.check_root(layout)
-        parent = os.path.dirname(path)  # noqa: PTH120 - a str, not one more Path, on the hook's hot path
-        shard = os.lstat(parent)
-        if not stat.S_ISDIR(shard.st_mode):  # a symlinked shard: the lstat above went through it
-            return self.bad_shard(layout, path.parent, read_only=read_only, repair=repair)
-        check_trusted(parent, "cache directory", allow_shared=self.allow_shared, st=shard)
-        entry = stamped_entry(self.layout, path, key, allow_shared=self.allow_shared, read_only=read_only,
-                              st=st) if stamped else None
-        hashed = entry is None
-        if hashed:
-            try:
-                entry = verify_entry(path, key, allow_shared=self.allow_shared, read_only=read_only)
-            except (CorruptEntry, FileNotFoundError) as exc:
-                if not os.path.lexists(path):
-                    return None, None  # moved away (pruned, quarantined) while we read it: a plain miss
-                why = str(exc) if isinstance(exc, CorruptEntry) else f"{exc.filename}: vanished from the entry"
-                self._count("corrupt")
-                quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair,
-                           locked=locked, shared=self.allow_shared)
-                return None, why
-        self._check_signed(layout, entry)
-        self._remember(entry, stamp=hashed and repair, last_use=None if hashed else st.st_mtime)
-        return entry, None
-
-    def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
-        """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
-        if layout is not self.layout and self.allow_shared and (key := self.trust_key()) is not None:
-            check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
-                        f"layer {layout.root}")
-
-    def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
-                  repair: bool) -> tuple[Entry | None, str | None]:
-        """``(None, why)`` for a shard path that is no usable directory (moved aside in the root), else a miss."""
-        self.check_root(layout)  # an untrusted top directory raises here, before any shard is blamed
-        why = shard_problem(shard)
-        if why is not None:  # None also when it is gone meanwhile, or the problem is above it
-            self._count("corrupt")
-            quarantine(layout, self.lock_dir, f"shard-{shard.name}", shard, why, read_only=read_only,
-                       repair=repair, shared=self.allow_shared)
-        return None, why
-
-    def _was_rejected(self, entry: Entry) -> bool:
-        """Whether :meth:`discard` rejected this very entry (its path and signature)."""
-        if not self._rejected:  # nearly always: no lock, no hash of the signature
-            return False
-        with self._mutex:
-            return (entry.path, entry.signature) in self._rejected
-
-    def check_root(self, layout: RootLayout) -> None:
-        """Trust-check a root's top directories that exist, by what they resolve to, once per instance."""
-        for path in (layout.root, layout.base, layout.entries):
-            if path not in self._trusted:
-                try:
-                    check_trusted_dir(path, "cache root", allow_shared=self.allow_shared)
-                except (FileNotFoundError, NotADirectoryError):
-                    return
-                self._trusted.add(path)
-
-    def _remember(self, entry: Entry, *, stamp: bool = True, last_use: float | None = None) -> None:
-        """Memoize a verified entry (``last_use``: its directory's mtime) and stamp it for the next processes."""
-        with self._mutex:
-            self._verified[entry.path] = entry
-            if last_use is not None:
-                self._last_use[entry.key] = last_use
-        if stamp and not self.read_only:
-            write_stamp(self.layout, entry)
-
-    def forget(self, path: Path) -> None:
-        """Drop what is known about the entry directory ``path`` (removed or replaced)."""
-        with self._mutex:
-            self._verified.pop(path, None)
-
-    def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
-        """Set the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
-
-        Under the key's shared claim (unless ``locked``: we hold the key), for invariant 4.
-        """
-        if entry.read_only:
-            return True
-        now = time.time()
-        with self._mutex:
-            if (now - self._touched.get(entry.key, 0.0) < TOUCH_INTERVAL_S
-                    or now - self._last_use.get(entry.key, 0.0) < RECENT_USE_S):
-                return True
-            self._touched[entry.key] = now
-        claim = SharedClaim(self.lock_dir, entry.key, create=not self.read_only, shared=self.allow_shared)
-        with contextlib.suppress(CacheError):  # no usable lock (a read-only volume, no flock): touch unlocked
-            if not locked:
-                claim.acquire(TOUCH_WAIT_S)
-        try:
-            os.utime(entry.path)
-        except FileNotFoundError:
-            self.forget(entry.path)
-            return False
-        except OSError:
-            pass
-        finally:
-            claim.release()
-        return True
 
     def _reserving(self, key: str, description: Mapping[str, Any], timeout_s: float, on_wait: OnWait | None
                    ) -> Steps:
