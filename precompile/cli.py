@@ -30,7 +30,7 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import capture, commands, coverage, shipping
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
-from jitwarm.precompile.config import FlagParser, add_serving_flags, path_flag, split_server_argv
+from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.log_lines import log_lines
 from jitwarm.precompile.plan import WarmPlan
 

@@ -15,7 +15,8 @@ import yaml
 
 from jitwarm.cache import settings
 from jitwarm.precompile.cli import build_parser
-from jitwarm.precompile.config import read_config_file, split_server_argv
+from jitwarm.precompile.config import read_config_file
+from jitwarm.precompile.flags import split_server_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = [(path.relative_to(ROOT), block) for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
