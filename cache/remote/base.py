@@ -1,4 +1,4 @@
-"""StoreBase and RenewedLease: what every remote store and its fleet lease do alike, whatever holds the entries.
+"""StoreBase: what every remote store does alike, whatever holds the entries (their leases: :mod:`.lease`).
 
 Each remote URL has one health record in this process (its pooled client, and whether and why it is down),
 shared by every cache: a failure one of them sees turns the remote off for all, for :data:`RETRY_AFTER_S`.
@@ -7,24 +7,25 @@ shared by every cache: a failure one of them sees turns the remote off for all, 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_private, unchanged
 from jitwarm.cache.errors import RemoteUnavailable
-from jitwarm.cache.files import loads, open_regular
-from jitwarm.cache.locks import LockHolder, this_host
+from jitwarm.cache.files import open_regular
+from jitwarm.cache.locks import this_host
 from jitwarm.cache.signing import sign
+
+if TYPE_CHECKING:
+    from jitwarm.cache.remote.lease import RenewedLease
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -32,8 +33,6 @@ T = TypeVar("T")
 
 #: After a failure the remote is skipped for this long by every cache of this process, then tried again.
 RETRY_AFTER_S = 60.0
-#: A lease token is a few dozen bytes; only this much of one is read.
-MAX_TOKEN_BYTES = 4096
 
 
 class RemoteFailure(Exception):
@@ -42,10 +41,6 @@ class RemoteFailure(Exception):
 
 class TooSlow(RemoteFailure):
     """A transfer ran past its overall deadline (:func:`deadline`): the store is slower than the minimum rate."""
-
-
-class LeaseWithoutExpiry(RemoteFailure):
-    """Another writer set a key's fleet lease without a TTL: this node builds the key locally (internal)."""
 
 
 @contextlib.contextmanager
@@ -314,90 +309,6 @@ class StoreBase:
             "unknown uploader"
         log.warning("rejected remote entry %s on %s (uploaded by %s): %s; it is not used and will be "
                     "replaced by the next build", key, self.display, str(origin)[:200], why)
-
-
-class RenewedLease:
-    """The fleet-wide build lease of one cache key, renewed in the background every third of its lifetime.
-
-    Every call but :meth:`release` raises RemoteFailure for a store fault. A store's lease defines how it is
-    taken (``_take()``: what proves it ours, or None), read (``_read()``: the token, or None), renewed
-    (``_renew()``: False once it is not ours) and deleted (``_delete(held)``: only if ours). Its token
-    ``{"host", "pid", "since", "nonce"}`` says who builds. A renewal that finds the lease taken over (its holder
-    stalled past its expiry) warns and sets :attr:`lost`: another node may build the key once more, never a
-    corrupt entry.
-    """
-
-    def __init__(self, store: Any, key: str, ttl_s: float) -> None:
-        self.store = store
-        self.key = key
-        self.name: str = store.lease_name(key)
-        self.ttl_s = max(0.1, float(ttl_s))
-        self.lost = False
-        self._held: Any = None  # what proves the lease ours: our token (Redis) or its ETag (S3)
-        self._since = time.time()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def try_acquire(self) -> bool:
-        """Take the lease if nobody holds it (or its holder's expired) and start renewing it."""
-        self._since = time.time()
-        self._held = self._take()
-        if self._held is None:
-            return False
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
-        self._thread.start()
-        return True
-
-    def holder(self) -> LockHolder | None:
-        """Return who holds the lease now (None if nobody, or an unreadable token)."""
-        return holder_of(self._read())
-
-    def check_expiry(self) -> None:
-        """Heal a lease that would never expire, and raise LeaseWithoutExpiry (here: every lease expires)."""
-
-    def release(self) -> None:
-        """Stop renewing and delete the lease if it is still ours; never raises for store errors."""
-        if self._held is None:
-            return
-        self._stop_renewing()
-        held, self._held = self._held, None
-        try:
-            self._delete(held)
-        except RemoteFailure as exc:  # it expires by itself
-            log.debug("could not release the fleet lease of %s (%s); it expires in %.1f s", self.key, exc,
-                      self.ttl_s)
-
-    def _token(self, **extra: Any) -> bytes:
-        """A new token naming this process as the holder since :meth:`try_acquire`."""
-        record = LockHolder(host=this_host(), pid=os.getpid(), since=self._since)
-        return json.dumps({**record.to_json(), "nonce": secrets.token_hex(8), **extra}).encode()
-
-    def _stop_renewing(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                if self._renew():
-                    continue
-            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
-                log.debug("could not renew the fleet lease of %s: %s", self.key, exc)
-                continue
-            log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); another node "
-                        "may build it too", self.key, self.store.display, self.ttl_s)
-            self.lost = True  # after the warning: whoever sees it set can read why
-            return
-
-
-def holder_of(token: bytes | None) -> LockHolder | None:
-    """Who a lease token names, or None for no token or an unreadable one."""
-    try:
-        return LockHolder.from_record(loads(token or b""))
-    except (TypeError, ValueError, KeyError, OverflowError):
-        return None
 
 
 def strings(value: object) -> list[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.files import remove_tree
 from jitwarm.cache.locks import OnWait, wait_until
-from jitwarm.cache.remote.base import LeaseWithoutExpiry, RemoteFailure, RenewedLease, StoreBase
+from jitwarm.cache.remote.base import RemoteFailure, StoreBase
+from jitwarm.cache.remote.lease import LeaseWithoutExpiry, RenewedLease
 
 log = logging.getLogger("jitwarm.cache")
 

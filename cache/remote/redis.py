@@ -20,7 +20,8 @@ from jitwarm.cache.entry import MAX_MANIFEST_BYTES, Entry, FileRecord, unpack_en
 from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
-from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease, StoreBase, deadline, strings
+from jitwarm.cache.remote.base import StoreBase, deadline, strings
+from jitwarm.cache.remote.lease import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")

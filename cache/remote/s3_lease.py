@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from jitwarm.cache.files import loads
-from jitwarm.cache.remote.base import MAX_TOKEN_BYTES, RenewedLease, holder_of
+from jitwarm.cache.remote.lease import MAX_TOKEN_BYTES, RenewedLease, holder_of
 
 if TYPE_CHECKING:
     from jitwarm.cache.remote.s3 import Got, ObjectStore
@@ -28,7 +28,7 @@ MAX_TTL_S = 3600.0
 
 
 class ObjectLease(RenewedLease):
-    """The fleet build lease of one key in an object store (:class:`~jitwarm.cache.remote.base.RenewedLease`)."""
+    """The fleet build lease of one key in an object store (:class:`~jitwarm.cache.remote.lease.RenewedLease`)."""
 
     store: ObjectStore
 
