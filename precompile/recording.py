@@ -19,11 +19,14 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jitwarm.cache import settings
 from jitwarm.cache.errors import UntrustedPath
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
+
+if TYPE_CHECKING:
+    from jitwarm.kernels.libraries.jit_caches.units import Dirs
 
 log = logging.getLogger("jitwarm.record")
 
@@ -48,7 +51,7 @@ class Recorder:
         self._capturing = threading.Lock()
         #: The server this process runs in, decided before the recorder imports anything of sglang's itself.
         self.under = ""
-        self._dirs: Mapping[str, Any] = {}
+        self._dirs: Dirs = {}  # where the server this runs in keeps each library's cache (:meth:`start`)
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).

@@ -63,6 +63,10 @@ def starts(request, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ledger")
     manifest, cache, own, restored = tmp / "m.jsonl", tmp / "cache", tmp / "own", tmp / "restored"
     caches = private_caches(tmp / "caches")
+    # Inductor keeps its precompiled headers in $TMPDIR/torchinductor_<user> whatever TORCHINDUCTOR_CACHE_DIR says
+    # (torch/_inductor/codecache.py, _HEADER_DIR): the children's own $TMPDIR, not the box's.
+    caches["TMPDIR"] = str(tmp / "tmpdir")
+    Path(caches["TMPDIR"]).mkdir()
     triton_env = {**caches, **TRITON_ENV, "JITWARM_CACHE_DIR": str(tmp / "triton-cache")}
     inductor_cold = start("inductor", "record", str(manifest), str(cache),
                           env={**caches, **INDUCTOR_ENV, "TORCHINDUCTOR_CACHE_DIR": str(own)})
