@@ -145,8 +145,20 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
                 members = list(_checked_members(path, tar, max_file_bytes, max_bytes))
                 staged, listed = _unpack(path, tar, members, staging, shared)
         except _READ_ERRORS as exc:
-            raise CacheError(f"cannot read bundle {path}: {exc}") from exc
+            raise CacheError(f"cannot read bundle {path}: {_read_problem(exc)}") from exc
     return staged_entries(path, staging, staged, listed, shared=shared, trust_key=trust_key)
+
+
+def _read_problem(exc: BaseException) -> str:
+    """One line for why a bundle could not be read.
+
+    tarfile's ``r:*`` lists every compression it tried, one line each, under "file could not be opened
+    successfully:": the CLI printed that first line alone, ending in a colon.
+    """
+    text = str(exc)
+    if isinstance(exc, tarfile.ReadError) and text.startswith("file could not be opened successfully"):
+        return "not a tar archive (plain, gzip, bz2 or xz)"
+    return text.splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, max_file_bytes: int,
@@ -163,7 +175,7 @@ def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, 
                                      shared)
         hashing.drain()
     except _READ_ERRORS as exc:
-        raise CacheError(f"cannot read bundle {where}: {exc}") from exc
+        raise CacheError(f"cannot read bundle {where}: {_read_problem(exc)}") from exc
     if sha256 is not None:
         _check_pin(where, hashing.digest.hexdigest(), sha256)
     return staged_entries(where, staging, staged, listed, shared=shared, trust_key=trust_key)

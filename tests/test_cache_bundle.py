@@ -102,7 +102,7 @@ BAD_ARCHIVES = {
 }
 
 
-@pytest.mark.parametrize("kind", [*BAD_ARCHIVES, "corrupted_file", "truncated", "entry_dropped"])
+@pytest.mark.parametrize("kind", [*BAD_ARCHIVES, "corrupted_file", "truncated", "entry_dropped", "not_a_tar"])
 def test_unsafe_or_corrupt_bundle_imports_nothing(tmp_path, exported, kind):
     entries, bundle = exported
     key = entries[0].key
@@ -122,6 +122,9 @@ def test_unsafe_or_corrupt_bundle_imports_nothing(tmp_path, exported, kind):
     elif kind == "truncated":
         expect = "cannot read bundle"
         bad.write_bytes(bundle.read_bytes()[: bundle.stat().st_size // 2])
+    elif kind == "not_a_tar":  # tarfile names each compression it tried, a line each: one line is said
+        expect = r"cannot read bundle .*: not a tar archive \(plain, gzip, bz2 or xz\)$"
+        bad.write_bytes(bytes(range(256)) * 12)
     else:
         expect, extra = BAD_ARCHIVES[kind]
         def add(info, data):
@@ -131,8 +134,9 @@ def test_unsafe_or_corrupt_bundle_imports_nothing(tmp_path, exported, kind):
 
     dest_root = tmp_path / "dest"
     dest = cache_for(dest_root)
-    with pytest.raises(CacheError, match=expect):
+    with pytest.raises(CacheError, match=expect) as refused:
         dest.import_bundle(bad)
+    assert "\n" not in str(refused.value)  # the CLI's one line says it all
     assert not list((dest_root / "v1" / "entries").rglob("*"))
     assert not (dest_root / "v1" / "staging").exists()
     assert dest.lookup(key) is None and dest.lookup(entries[2].key) is None
