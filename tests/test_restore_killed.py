@@ -82,7 +82,7 @@ def test_the_scratch_of_a_killed_process_is_removed_by_the_next_of_this_host(use
     """What a process keeps in $TMPDIR until it exits stays when it is killed: the copies jitwarm's Triton manager
     hands Triton (a server in a crash loop filled $TMPDIR with them), the links a rebuilt library is dlopened
     through. The next process of this host to make its own removes those of dead processes, and only those: a
-    live process's, and another host's on a shared $TMPDIR, stay."""
+    live process's, another host's on a shared $TMPDIR, and a link planted under such a name, stay."""
     from jitwarm.kernels import tvm_backend
     from jitwarm.kernels.libraries.triton import cache as triton_cache
 
@@ -96,6 +96,11 @@ def test_the_scratch_of_a_killed_process_is_removed_by_the_next_of_this_host(use
     for folder in (stale, live, other):
         folder.mkdir()
         (folder / "kernel.so").write_bytes(b"\x7fELF")
+    victim = tmp_path / "victim"  # a link named as a dead process's scratch is not followed
+    victim.mkdir()
+    (victim / "keep").write_bytes(b"")
+    planted = tmp_path / f"{prefix}{this_host()}~{dead}~planted"
+    planted.symlink_to(victim)
     if user == "triton manager":
         made = triton_cache.CacheManager("ab" * 32)._scratch_dir()
     else:  # a library file replaced after it was opened: the next dlopen goes through a link
@@ -109,4 +114,5 @@ def test_the_scratch_of_a_killed_process_is_removed_by_the_next_of_this_host(use
         (tmp_path / "entry" / "rebuilt.so").replace(library)
         made = Path(tvm_backend._dlopen_name(str(library))).parent
     assert not stale.exists() and live.exists() and other.exists()
+    assert planted.is_symlink() and (victim / "keep").exists()
     assert made.parent == tmp_path and made.name.startswith(f"{prefix}{this_host()}~{os.getpid()}~")
