@@ -1,8 +1,9 @@
 """A process killed part-way leaves nothing the next one does not clear (issue #31, N9).
 
 A real ``jitwarm prestart`` restoring a 256 MiB Inductor unit is SIGKILLed while it writes the unit's temporary
-beside the destination; the temporary is there, then the next restore removes it, places the unit whole, and
-leaves no ``.jitwarm-*`` behind. A temporary of another host (a shared filesystem) or of a live process is never
+beside the destination (stopped there by the test, with the unit's bytes written and neither fsync nor rename
+done); the temporary is there, then the next restore removes it, places the unit whole, and leaves no
+``.jitwarm-*`` behind. A temporary of another host (a shared filesystem) or of a live process is never
 touched. The same holds for what a process keeps in $TMPDIR until it exits (:func:`.process_scratch`).
 """
 
@@ -32,10 +33,33 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.rglob(".jitwarm-*"))
 
 
-def prestart(manifest: Path, cache: Path, dst: Path) -> subprocess.Popen:
+#: ``jitwarm`` that stops itself (SIGSTOP) when the restore first syncs a file it wrote: the temporary is whole
+#: and not yet renamed. Polling for it raced a restore that finished between two polls on a busy box.
+STOPS_MID_RESTORE = """
+import os, signal, sys, types
+from jitwarm.kernels.libraries.jit_caches import restore
+from jitwarm.precompile.cli import main
+
+def fsync(fd):
+    os.kill(os.getpid(), signal.SIGSTOP)
+    os.fsync(fd)
+
+restore.os = types.SimpleNamespace(**{**vars(os), "fsync": fsync})
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def prestart(manifest: Path, cache: Path, dst: Path, *, stop: bool = False) -> subprocess.Popen:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(dst), "JITWARM_CACHE_DIR": str(cache)}
-    return subprocess.Popen([sys.executable, "-m", "jitwarm", "prestart", "--manifest", str(manifest), "--offline"],
+    program = ["-c", STOPS_MID_RESTORE] if stop else ["-m", "jitwarm"]
+    return subprocess.Popen([sys.executable, *program, "prestart", "--manifest", str(manifest), "--offline"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (its state in /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
 
 
 def test_a_sigkilled_restore_leaves_only_what_the_next_restore_clears(tmp_path):
@@ -47,13 +71,14 @@ def test_a_sigkilled_restore_leaves_only_what_the_next_restore_clears(tmp_path):
     manifest = tmp_path / "m.jsonl"
     append_records(manifest, [unit_record(store(lib, src, unit, files, KernelCache(root=cache_dir)))
                               for unit, files in lib.present(src).items()])
-    proc = prestart(manifest, cache_dir, dst)
-    deadline = time.monotonic() + 60
-    while not leftovers(dst) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
+    proc = prestart(manifest, cache_dir, dst, stop=True)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not stopped(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None and stopped(proc.pid), proc.communicate()
     proc.kill()
     proc.communicate()
-    assert leftovers(dst), "the restore finished before it could be killed in the middle"
+    assert leftovers(dst), "SIGKILLed in the middle of the restore, it left no temporary"
     assert not (dst / "ha" / "chabig.main.so").exists()  # never half a unit where Inductor looks
 
     again = prestart(manifest, cache_dir, dst)
