@@ -139,3 +139,41 @@ def test_each_server_room_seals_its_own_jit(monkeypatch, tmp_path, caplog):
     finally:
         seal.remove()
     assert (loader.BuildSpec, loader._find_prebuilt, loader._build_lock) == originals
+
+
+def test_inductor_seal_logs_each_graph_once_even_where_a_freed_graphs_address_is_reused(monkeypatch, caplog):
+    """In ``warn`` mode each Inductor compile inside capture is logged once per graph. A graph was known by its
+    id(), which the next graph takes once the first is freed: a second compile inside capture went unlogged (the
+    real vLLM plugin test saw 2 warnings of 3, by chance). Here the reuse is made certain, on a stand-in of
+    ``torch._inductor.compile_fx`` whose compile does nothing; real Inductor compiles inside vLLM's real capture
+    path are test_vllm_plugin.py's."""
+    import logging
+    import types
+
+    compile_fx = types.ModuleType("torch._inductor.compile_fx")
+    compile_fx.fx_codegen_and_compile = lambda gm, *args, **kwargs: "compiled"
+    monkeypatch.setitem(sys.modules, "torch._inductor.compile_fx", compile_fx)
+
+    class Graph:  # what the seal reads of an FX GraphModule
+        def __init__(self) -> None:
+            self.graph = types.SimpleNamespace(nodes=[1, 2, 3])
+
+    seal = guard_module.ThirdPartySeal(mode="warn", when=lambda: True, log=logging.getLogger("seal-test"))
+    assert "Inductor compile" in seal.install()
+    try:
+        with caplog.at_level(logging.WARNING, logger="seal-test"):
+            first = Graph()
+            assert compile_fx.fx_codegen_and_compile(first) == "compiled"
+            address, kept = id(first), []
+            del first
+            second = Graph()
+            while id(second) != address and len(kept) < 10_000:  # CPython hands the freed block out again
+                kept.append(second)
+                second = Graph()
+            assert id(second) == address, "no new graph took the freed one's address"
+            for _ in range(2):  # the second graph: logged once, however often it is compiled
+                assert compile_fx.fx_codegen_and_compile(second) == "compiled"
+    finally:
+        seal.remove()
+    assert [r.getMessage().split(" is compiled")[0] for r in caplog.records] == [
+        "jitwarm: Inductor compile of an FX graph (3 nodes)"] * 2

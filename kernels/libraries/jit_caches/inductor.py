@@ -27,9 +27,11 @@ Fingerprint: torch (``torch_key``), triton (``triton_key``), the C++ compiler, t
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -140,10 +142,19 @@ def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
     if original is None:
         return None
 
+    # A graph's own number, which ``refuse`` logs once: its id() was reused by the next graph once it was freed,
+    # and a second compile inside a capture went unlogged (a vLLM plugin test saw 2 warnings of 3).
+    numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+    counter = itertools.count()
+
     def fx_codegen_and_compile(gm: Any, *args: Any, **kwargs: Any) -> Any:
         region = kwargs.get("compile_region_name") or "an FX graph"
+        try:
+            number = numbers.setdefault(gm, next(counter))
+        except TypeError:  # not weakly referable: each compile is its own
+            number = next(counter)
         refuse(f"Inductor compile of {region} ({len(getattr(getattr(gm, 'graph', None), 'nodes', ()))} nodes)",
-               id(gm))
+               number)
         return original(gm, *args, **kwargs)
 
     fx_codegen_and_compile.__wrapped__ = original  # type: ignore[attr-defined]
