@@ -160,14 +160,16 @@ def test_hook_waits_for_another_builder_then_loads(tmp_path):
     plan = plan_of(TINY)
     first, rest = plan.specs[0], plan.specs[1:]
     assert warm_specs(rest, plan.plan_id, cache, jobs=1, progress=False).ok
-    marker = tmp_path / "locked"
+    marker, release = tmp_path / "locked", tmp_path / "release"
     import subprocess
     import sys
+    import threading
 
     from precompile_fixtures import WORKERS
 
     builder = subprocess.Popen([sys.executable, str(WORKERS / "slow_builder.py"), str(root),
-                                json.dumps(first.to_json()), str(marker), "3"], stdout=subprocess.PIPE, text=True)
+                                json.dumps(first.to_json()), str(marker), str(release)],
+                               stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
@@ -177,6 +179,9 @@ def test_hook_waits_for_another_builder_then_loads(tmp_path):
             CaptureHook(plan, cache=cache, device="cpu", policy="wait", timeout_s=0.5)()
         timed_out = jitwarm("warm", *TINY, "--cache-dir", str(root), "--timeout", "0.5")
         assert timed_out.returncode == 3, timed_out.stderr
+        # The builder lets go 2 s into the hook's wait: the hook must find the key held, wait, then load.
+        let_go = threading.Timer(2.0, release.touch)
+        let_go.start()
         hook = CaptureHook(plan, cache=cache, device="cpu", policy="wait", timeout_s=120)
         try:
             report = hook()
@@ -185,6 +190,7 @@ def test_hook_waits_for_another_builder_then_loads(tmp_path):
         assert report.waited == 1 and report.built == 0 and report.loaded == 3
         assert builder.wait(60) == 0 and builder.stdout.read().strip() == "built"
     finally:
+        release.touch()
         builder.kill()
 
 

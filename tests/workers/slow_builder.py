@@ -1,6 +1,9 @@
-"""Hold one spec's build lock for a while: write MARKER once the lock is held, sleep, then build for real.
+"""Hold one spec's build lock until told: write MARKER once the lock is held, wait for RELEASE, then build for real.
 
-usage: slow_builder.py CACHE_ROOT SPEC_JSON MARKER SLEEP_S
+The holder waits for a file, not a fixed time: on a busy box a timed hold could end before the test's slow steps
+(a whole `jitwarm warm` start) had found the key still held.
+
+usage: slow_builder.py CACHE_ROOT SPEC_JSON MARKER RELEASE
 """
 
 import json
@@ -12,14 +15,16 @@ from jitwarm.cache import KernelCache
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels import backend as kernel_backend
 
-root, spec_json, marker, sleep_s = sys.argv[1], sys.argv[2], Path(sys.argv[3]), float(sys.argv[4])
+root, spec_json, marker, release = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 spec = KernelSpec.from_json(json.loads(spec_json))
 backend = kernel_backend(spec.backend)
 
 
 def build(staging: Path) -> None:
     marker.write_text("locked")
-    time.sleep(sleep_s)
+    deadline = time.monotonic() + 120
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     backend.build(spec, staging)
 
 
