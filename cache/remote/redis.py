@@ -21,7 +21,7 @@ from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.remote.base import StoreBase, deadline, strings
-from jitwarm.cache.remote.lease import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease
+from jitwarm.cache.remote.fleet import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
