@@ -156,17 +156,25 @@ class KeyLock:
         self.lock_dir = lock_dir
         self.shared = shared
         self.lock_path, self.holder_path = _lock_paths(lock_dir, key)
-        self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
+        self._lock: FileLock | None = None
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
         try:
-            self._file_lock().acquire(blocking=False)
+            if self._lock is None:  # its mode depends on the lock dir
+                mode = _ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
+                # preserve_lock_file also turns off filelock's soft-lock fallback: it outlives a SIGKILLed holder.
+                self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
+            self._lock.acquire(blocking=False)
         except Timeout:  # a TimeoutError, hence an OSError: catch it first
             return False
         except OSError as exc:
             raise _lock_error(self.lock_path, exc) from exc
-        self._write_holder()
+        record = LockHolder(host=this_host(), pid=os.getpid(), since=time.time())
+        try:  # a failure only costs waiters the name of the holder
+            write_atomic(self.holder_path, json.dumps(record.to_json()).encode(), durable=False)
+        except OSError as exc:
+            log.debug("could not write holder record %s: %s", self.holder_path, exc)
         return True
 
     def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
@@ -217,14 +225,6 @@ class KeyLock:
             return None
         return None if holder.host == this_host() and not pid_alive(holder.pid) else holder
 
-    def _file_lock(self) -> FileLock:
-        """Make this instance's FileLock on first use."""
-        if self._lock is None:
-            mode = _ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
-            # preserve_lock_file also turns off filelock's soft-lock fallback: it outlives a SIGKILLed holder.
-            self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
-        return self._lock
-
     def _current_holder(self) -> LockHolder | None:
         """Read the holder record, allowing a new holder a moment to write it."""
         for _ in range(5):
@@ -233,14 +233,6 @@ class KeyLock:
                 return holder
             time.sleep(0.01)
         return None
-
-    def _write_holder(self) -> None:
-        """Record who holds the lock now; a failure only costs waiters the name of the holder."""
-        record = LockHolder(host=this_host(), pid=os.getpid(), since=time.time())
-        try:
-            write_atomic(self.holder_path, json.dumps(record.to_json()).encode(), durable=False)
-        except OSError as exc:
-            log.debug("could not write holder record %s: %s", self.holder_path, exc)
 
     def __enter__(self) -> KeyLock:
         return self

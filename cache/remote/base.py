@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_private, unchanged
@@ -19,9 +19,6 @@ from jitwarm.cache.errors import RemoteUnavailable
 from jitwarm.cache.files import open_regular
 from jitwarm.cache.locks import this_host
 from jitwarm.cache.signing import sign
-
-if TYPE_CHECKING:
-    from jitwarm.cache.remote.fleet import RenewedLease
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -171,10 +168,6 @@ class StoreBase:
         self.shared = shared
         self._count = count or (lambda name, amount=1: None)
         self._rejected: dict[str, str] = {}  # key -> what identifies an entry already rejected (sha1, ETag)
-
-    def new_lease(self, key: str, ttl_s: float) -> RenewedLease:
-        """Return the fleet build lease of ``key``, of lifetime ``ttl_s``."""
-        return self.lease_class(self, key, ttl_s)
 
     def _describe(self, exc: BaseException) -> str:
         """One line for a client error, after ``<what>: `` in its RemoteFailure."""

@@ -74,8 +74,11 @@ class Fleet:
             self._count("remote_misses")
             lease, entry = self._lease_or_download(key, steps, timeout_s, on_wait)  # 2-3. lease, or wait
         except LeaseWithoutExpiry as exc:  # not an outage: this key alone goes local, required or not
-            _warn_once(exc.args[0], f"{exc}: building cache key {key} locally; the lease now expires "
-                       f"in {self.lease_s:.0f} s")
+            with _warned_lock:
+                first = exc.args[0] not in _warned  # warned once per lease name, later at debug level
+                _warned.add(exc.args[0])
+            (log.warning if first else log.debug)("%s: building cache key %s locally; the lease now expires in "
+                                                  "%.0f s", exc, key, self.lease_s)
             return (yield from self._build_and_upload(steps)), "built"
         except RemoteFailure as exc:
             self.store.failed(exc)
@@ -122,7 +125,7 @@ class Fleet:
     def _lease_or_download(self, key: str, steps: LocalSteps, timeout_s: float,
                            on_wait: OnWait | None) -> tuple[RenewedLease | None, Entry | None]:
         """Take the key's lease, or wait (polling with backoff) until its holder's upload can be downloaded."""
-        lease = self.store.new_lease(key, self.lease_s)
+        lease = self.store.lease_class(self.store, key, self.lease_s)
         if lease.try_acquire():
             return lease, None
         lease.check_expiry()
@@ -147,14 +150,6 @@ class Fleet:
                               where=f" (fleet lease on {self.store.display})", backoff=POLL_BACKOFF)
         finally:
             self._count("lock_wait_s", time.monotonic() - start)
-
-
-def _warn_once(what: str, message: str) -> None:
-    """Log ``message`` as a warning the first time ``what`` is seen in this process, later at debug level."""
-    with _warned_lock:
-        first = what not in _warned
-        _warned.add(what)
-    (log.warning if first else log.debug)("%s", message)
 
 
 class LeaseWithoutExpiry(RemoteFailure):

@@ -84,13 +84,8 @@ class LocalCache(CacheReader):
         super().__init__(layout, layers, lock_dir, read_only=read_only, allow_shared=allow_shared)
         self._fleet: Fleet | None = None  # the remote tier (KernelCache), whose lease a build here holds
 
-    def key(self, description: Mapping[str, Any]) -> str:
-        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
-        return key_of(description)
-
-    def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the exact object hashed into the key; TypeError."""
-        return key_preimage(description)
+    key = staticmethod(key_of)
+    key_preimage = staticmethod(key_preimage)
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
@@ -99,18 +94,10 @@ class LocalCache(CacheReader):
         ``build`` writes regular files (no links, no ``entry.json``). ``timeout_s`` bounds the wait for another
         holder, not our build; ``on_wait(holder)`` is called once when we wait; ``key``: precomputed.
 
-        Raises
-        ------
-        LockTimeout
-            Another holder kept the key past ``timeout_s``.
-        BuildError
-            ``build`` raised (chained) or wrote nothing usable; nothing is published.
-        CacheError
-            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``;
-            ``RemoteUnavailable`` when a required remote fails.
-        TypeError, ValueError
-            ``description`` is not plain JSON; ``key`` is not this description's.
-
+        Raises ``LockTimeout`` (another holder kept the key past ``timeout_s``), ``BuildError`` (``build`` raised
+        or wrote nothing usable: nothing is published), ``CacheError`` (a miss in a read-only cache, an
+        untrusted directory, ``CacheWriteError``, a required remote's ``RemoteUnavailable``), TypeError or
+        ValueError (not plain JSON; a wrong ``key``).
         """
         return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
 

@@ -176,15 +176,12 @@ class CacheReader:
                 quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair,
                            locked=locked, shared=self.allow_shared)
                 return None, why
-        self._check_signed(layout, entry)
+        if layout is not self.layout and self.allow_shared and (fleet_key := self.trust_key()) is not None:
+            # a shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies
+            check_local(fleet_key, entry, signature_path(layout.base, key),
+                        f"entry {key} of shared layer {layout.root}")
         self._remember(entry, stamp=hashed and repair, last_use=None if hashed else st.st_mtime)
         return entry, None
-
-    def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
-        """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
-        if layout is not self.layout and self.allow_shared and (key := self.trust_key()) is not None:
-            check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
-                        f"layer {layout.root}")
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
