@@ -47,11 +47,7 @@ class LocalSteps:
 
 
 class Fleet:
-    """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
-
-    A store failure at any step goes to :meth:`StoreBase.failed` (logged once, built locally;
-    ``RemoteUnavailable`` when required). The lease is released (if still ours) on every path.
-    """
+    """Gets a key through the remote tier: one build per key across the fleet; a store failure builds locally."""
 
     def __init__(self, store: StoreBase, *, lease_s: float, count: Callable[..., None]) -> None:
         self.store = store
@@ -159,11 +155,9 @@ class LeaseWithoutExpiry(RemoteFailure):
 class RenewedLease:
     """The fleet-wide build lease of one cache key, renewed in the background every third of its lifetime.
 
-    Every call but :meth:`release` raises RemoteFailure for a store fault. A store's lease defines
-    ``_take()`` (what proves it ours, or None), ``_read()`` (the token, or None), ``_renew()`` (False once it
-    is not ours) and ``_delete(held)`` (only if ours). Its token ``{"host", "pid", "since", "nonce"}`` says who
-    builds. A renewal that finds the lease taken over warns and sets :attr:`lost`: another node may build the
-    key once more, never a corrupt entry.
+    Every call but :meth:`release` raises RemoteFailure. A store's lease defines ``_take()`` (what proves it
+    ours, or None), ``_read()`` (the token), ``_renew()`` (False once not ours) and ``_delete(held)``. A lease
+    found taken over sets :attr:`lost`: another node may build the key once more, never a corrupt entry.
     """
 
     def __init__(self, store: Any, key: str, ttl_s: float) -> None:
