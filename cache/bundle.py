@@ -61,11 +61,10 @@ class ImportReport:
 
 def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None) -> Path:
     """Write ``entries`` (signed with ``trust_key``) to a tar at ``path`` atomically; CacheWriteError, CacheError."""
-    if path.is_dir():
-        raise CacheWriteError("write the bundle", str(path), "it is a directory")
     if path.exists() and not path.is_file():
         # The rename below replaces what is there: as root, `export ... /dev/null` replaced the device node.
-        raise CacheWriteError("write the bundle", str(path), "it is not a regular file (a device, FIFO or socket)")
+        why = "it is a directory" if path.is_dir() else "it is not a regular file (a device, FIFO or socket)"
+        raise CacheWriteError("write the bundle", str(path), why)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with tarfile.open(tmp, "w:gz" if is_gzip_name(path.name) else "w", format=tarfile.PAX_FORMAT) as tar:
