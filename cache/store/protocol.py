@@ -40,7 +40,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -49,7 +49,6 @@ from jitwarm.cache.entry import Entry, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, RootNotWritable
 from jitwarm.cache.files import fsync_dir, refresh_dir, remove_tree
 from jitwarm.cache.keys import check_key, key_of, key_preimage, keyed
-from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, ready_lock_dir, wait_until
 from jitwarm.cache.maintenance import sweep_staging
 from jitwarm.cache.remote.fleet import LocalSteps
@@ -79,10 +78,7 @@ class CacheResult(NamedTuple):
 class LocalCache(CacheReader):
     """The protocol above on one root and its layers; ``read_only``: a miss in ``get_or_build`` raises."""
 
-    def __init__(self, layout: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
-                 allow_shared: bool) -> None:
-        super().__init__(layout, layers, lock_dir, read_only=read_only, allow_shared=allow_shared)
-        self._fleet: Fleet | None = None  # the remote tier (KernelCache), whose lease a build here holds
+    _fleet: Fleet | None = None  # the remote tier (KernelCache), whose lease a build here holds
 
     key = staticmethod(key_of)
     key_preimage = staticmethod(key_preimage)
