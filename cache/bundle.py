@@ -1,10 +1,7 @@
 """Relocatable bundles: a tar of entries laid out as a cache root, and its validating, streaming unpacker.
 
-``bundle.json`` first, then ``v1/entries/<kk>/<key>/<file>`` (``entry.json`` last of each) and, exported
-with a fleet key, ``v1/signatures/<kk>/<key>.json`` (:mod:`jitwarm.cache.signing`), so ``tar xf bundle.tar
--C /opt/layer`` makes a working layer; bundles of the older layout (no ``v1/``) still import. Sizes are
-capped from the headers and members streamed in chunks (a 28 MB ``.tar.gz`` holding one 6 GiB member
-ended in ``MemoryError``).
+Sizes are capped from the headers and members streamed in chunks (a 28 MB ``.tar.gz`` holding one 6 GiB
+member ended in ``MemoryError``).
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ from jitwarm.cache.signing import MAX_SIGNATURE_BYTES, SIGNATURES_DIR, check_loc
 
 #: Optional first member: ``{"format": 1, "keys": [...]}``.
 BUNDLE_MANIFEST = "bundle.json"
-#: A bundle with more members than this is refused (each costs memory while the headers are checked).
 MAX_MEMBERS = 1_000_000
 _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
 _CHUNK = 1 << 20
@@ -47,11 +43,7 @@ _CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class ImportReport:
-    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, and those ``present`` already.
-
-    ``descriptions``: each key's description as the bundle's verified ``entry.json`` holds it (not in
-    :meth:`to_json`), so a caller need not look each entry up again to tell what it is.
-    """
+    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, those ``present``, and their descriptions."""
 
     imported: tuple[str, ...] = ()
     present: tuple[str, ...] = ()
@@ -68,16 +60,11 @@ class ImportReport:
 
 
 def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None) -> Path:
-    """Write ``entries`` (signed with ``trust_key``) to a tar at ``path`` (gzip'd for ``.gz``/``.tgz``), atomically.
-
-    ``CacheWriteError`` when ``path`` is no regular file or cannot be written (no partial file is left),
-    ``CacheError`` when an entry file cannot be read.
-    """
-    if path.is_dir():
-        raise CacheWriteError("write the bundle", str(path), "it is a directory")
+    """Write ``entries`` (signed with ``trust_key``) to a tar at ``path`` atomically; CacheWriteError, CacheError."""
     if path.exists() and not path.is_file():
         # The rename below replaces what is there: as root, `export ... /dev/null` replaced the device node.
-        raise CacheWriteError("write the bundle", str(path), "it is not a regular file (a device, FIFO or socket)")
+        why = "it is a directory" if path.is_dir() else "it is not a regular file (a device, FIFO or socket)"
+        raise CacheWriteError("write the bundle", str(path), why)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with tarfile.open(tmp, "w:gz" if is_gzip_name(path.name) else "w", format=tarfile.PAX_FORMAT) as tar:
@@ -98,12 +85,7 @@ def is_gzip_name(name: str) -> bool:
 
 
 def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes | None) -> None:
-    """Add ``bundle.json``, then each entry's files, its ``entry.json`` last, then its signature (with a key).
-
-    The manifest is read once, and written and signed from those bytes; the executable files signed are the
-    ones written with mode 0555 (docs/cache.md, "What each tier trusts"); a private file is written 0400 or
-    0500 (:func:`stored_mode`). Owners are zeroed.
-    """
+    """Add ``bundle.json``, then each entry's files, its ``entry.json`` last, then its signature (with a key)."""
     head = json.dumps({"format": FORMAT_VERSION, "keys": [e.key for e in entries]}).encode()
     _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
     for entry in entries:
@@ -128,10 +110,8 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
                   max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
     """Check every member header of the bundle at ``path``, then unpack it under ``staging``; return its entries.
 
-    Files are streamed by this code, never ``tarfile.extract``; each entry is verified. ``CacheError`` for a
-    bad archive or entry, ``CacheWriteError`` for a failed write. ``sha256``: the file must hash to it (on the
-    descriptor it is then read from: a file swapped after the check is never imported). ``trust_key``: every
-    entry must carry its signature under that key, else ``UntrustedEntry`` (exit 4).
+    ``CacheError`` for a bad archive or entry, ``CacheWriteError``; ``sha256``: the pin; ``trust_key``: an
+    unsigned entry is ``UntrustedEntry`` (exit 4).
     """
     try:
         fd, _st = open_regular(path)
@@ -150,11 +130,7 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
 
 
 def _read_problem(exc: BaseException) -> str:
-    """One line for why a bundle could not be read.
-
-    tarfile's ``r:*`` lists every compression it tried, one line each, under "file could not be opened
-    successfully:": the CLI printed that first line alone, ending in a colon.
-    """
+    """One line for why a bundle could not be read (tarfile's ``r:*`` lists each compression it tried)."""
     text = str(exc)
     if isinstance(exc, tarfile.ReadError) and text.startswith("file could not be opened successfully"):
         return "not a tar archive (plain, gzip, bz2 or xz)"
@@ -163,11 +139,7 @@ def _read_problem(exc: BaseException) -> str:
 
 def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, max_file_bytes: int,
                   max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
-    """:func:`unpack_bundle` for a bundle ``where`` read once front to back (an object's body) with ``raw.read``.
-
-    Each member is checked as its header arrives (the caller drops ``staging`` on any error: nothing is
-    published); ``sha256`` is over every byte read, the tar's end padding included.
-    """
+    """:func:`unpack_bundle` for a stream read once (``raw.read``); the caller drops ``staging`` on an error."""
     hashing = _Hashing(raw)
     try:
         with tarfile.open(fileobj=hashing, mode="r|*") as tar:
@@ -183,7 +155,7 @@ def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, 
 
 def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: list[str] | None, *, shared: bool,
                    trust_key: bytes | None) -> dict[str, Entry]:
-    """Verify each entry dir unpacked under ``staging`` (with ``trust_key`` its signature too); return them by key."""
+    """Verify each entry dir unpacked under ``staging`` (and its signature); return them by key."""
     if not staged:
         raise CacheError(f"bundle {where} holds no entries")
     if listed is not None and sorted(listed) != sorted(staged):
@@ -194,7 +166,6 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: l
     for key, entry_dir in sorted(staged.items()):
         _write(entry_dir, seal_dirs, entry_dir, shared)
         try:
-            # The unpacked files are ours, written with safe modes; this is their one hash.
             entries[key] = verify_entry(entry_dir, key, allow_shared=True)
         except CorruptEntry as exc:
             raise CacheError(f"bundle {where}: entry {key} does not verify: {exc}") from None
@@ -205,7 +176,7 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: l
 
 def _checked_members(where: Any, tar: tarfile.TarFile, max_file_bytes: int,
                      max_bytes: int) -> Iterator[tuple[tarfile.TarInfo, str]]:
-    """Yield (member, name in staging) of each regular file as its header is read; CacheError for an unsafe one."""
+    """Yield (member, name in staging) of each regular file; CacheError for an unsafe one."""
     seen: set[str] = set()
     total = 0
     for count, m in enumerate(tar, 1):
@@ -244,7 +215,7 @@ def _checked_members(where: Any, tar: tarfile.TarFile, max_file_bytes: int,
 
 
 def _staged_name(name: str) -> str | None:
-    """Where a file member goes in staging: ``bundle.json``, ``entries/<kk>/<key>/<file>``, ``signatures/...``."""
+    """Where a file member goes in staging, or None."""
     if name == BUNDLE_MANIFEST:
         return name
     rel = name.removeprefix(f"{VERSION_DIR}/")
@@ -258,7 +229,7 @@ def _staged_name(name: str) -> str | None:
 
 def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.TarInfo, str]], staging: Path,
             shared: bool) -> tuple[dict[str, Path], list[str] | None]:
-    """Stream each checked member into ``staging`` (made empty by the cache); return the entry dirs, listed keys."""
+    """Stream each checked member into ``staging``; return the entry dirs and the listed keys."""
     dir_mode = 0o777 if shared else 0o755
     _write(staging, make_dirs, staging, dir_mode)
     staged, listed = {}, None
@@ -294,7 +265,7 @@ def _listed_keys(where: Any, member: tarfile.TarInfo, src: Any) -> list[str]:
 
 
 def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int, shared: bool) -> None:
-    """Copy one file member to the new file ``dest`` in chunks (a failed write: CacheWriteError)."""
+    """Copy one file member to the new file ``dest`` in chunks."""
     _write(dest.parent, make_dirs, dest.parent, dir_mode)
     fd = _write(dest, os.open, dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -308,7 +279,7 @@ def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int,
 
 
 def _write(where: Path, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run one write step on ``where``; its OSError becomes a CacheWriteError naming the file and the reason."""
+    """Run one write step on ``where``; OSError becomes CacheWriteError."""
     try:
         return fn(*args)
     except OSError as exc:
@@ -323,7 +294,7 @@ def _check_pin(where: Any, digest: str, sha256: str) -> None:
 
 
 def _export_error(path: Path, exc: OSError) -> CacheError:
-    """An entry file that cannot be exported: a CacheError, so that any OSError is the bundle's write error."""
+    """An entry file that cannot be exported (a CacheError: an OSError is the bundle's write error)."""
     return CacheError(f"cannot export cache entry file {path}: {exc.strerror or exc}")
 
 
@@ -367,7 +338,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes | _Source, mode: int, mtim
 
 
 def file_sha256(f: Any) -> str:
-    """Return the sha256 of the open binary file ``f`` from its start (as ``sha256sum`` prints it); rewinds it."""
+    """Return the sha256 of the open binary file ``f`` from its start; rewinds it."""
     f.seek(0)
     digest = hashlib.sha256()
     while chunk := f.read(_CHUNK):
@@ -388,6 +359,6 @@ class _Hashing:
         return data
 
     def drain(self) -> None:
-        """Read what the tar reader left (its end blocks and padding): they are part of the digest."""
+        """Read what the tar reader left: it is part of the digest."""
         while self.read(_CHUNK):
             pass

@@ -1,9 +1,4 @@
-"""Cache entries: the ``entry.json`` manifest, sealing a build, verifying a copy, unpacking a download.
-
-Every file hash of the cache happens here, once per file on each publish path (:func:`seal` a build,
-:func:`unpack_entry` a download, :func:`verify_entry` a lookup or a bundle); each returns an :class:`Entry`
-carrying the stat signature of what it hashed, so publishing compares signatures instead of hashing again.
-"""
+"""Cache entries: the ``entry.json`` manifest, and every file hash of the cache (seal, verify, unpack)."""
 
 from __future__ import annotations
 
@@ -22,15 +17,12 @@ from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.files import check_trusted, fsync_tree, loads, make_dirs, open_regular, read_file_stat, write_atomic
 from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
 
-#: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"
-#: A manifest (or a remote one) larger than this is corrupt: it lists a few files and one description.
 MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
 
 _SigItem = tuple[str, int, int, int, int]
-#: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file (relative names, sorted), as
-#: seen when their bytes were hashed; a rename of the entry directory leaves it unchanged.
+#: ``(name, inode, size, mtime_ns, ctime_ns)`` of the manifest and every file, sorted, as hashed.
 Signature = tuple[_SigItem, ...]
 
 
@@ -45,12 +37,7 @@ class FileRecord:
 
 @dataclass(frozen=True)
 class Entry:
-    """A published, verified cache entry.
-
-    ``files``: the artifact files' sorted relative paths (``entry.json`` excluded), sized and hashed in
-    ``records``; ``read_only``: a layer's (or a read-only cache's); ``signature``: what was hashed
-    (:func:`unchanged` compares it, ``discard`` tells this entry from a rebuild of its key by it).
-    """
+    """A published, verified cache entry: ``files`` (sorted, no ``entry.json``) and what was hashed."""
 
     key: str
     path: Path
@@ -75,11 +62,7 @@ class Entry:
 
 
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
-    """Turn a finished build directory into an entry, ready to be renamed into place.
-
-    Files get :func:`stored_mode`, each hashed once; ``entry.json`` is written last. Raises ``CacheError`` when
-    the build wrote no files, a link or special file, or an ``entry.json``.
-    """
+    """Hash a finished build directory and write its ``entry.json``; ``CacheError`` for no files or a link."""
     records, sig = [], {}
     for rel, st in _walk_files(staging, error=CacheError):
         if rel == MANIFEST:
@@ -88,7 +71,7 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
         digest, sig[rel] = _hash_file(staging / rel, rel)
         records.append(FileRecord(rel, sig[rel][2], digest))
     if not records:
-        # Never publish an empty artifact (FlashInfer PR #4136 checks for a non-empty cubin for the same reason).
+        # Never publish an empty artifact (FlashInfer PR #4136).
         raise CacheError("the build wrote no files into its staging directory")
     doc = {"format": FORMAT_VERSION, "key": key, "preimage": preimage, "created": time.time(),
            "files": [asdict(r) for r in records]}
@@ -97,17 +80,12 @@ def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = Fa
 
 
 def is_private(mode: int) -> bool:
-    """Whether a file of ``mode`` is kept from every user but its owner (neither group nor others may read it)."""
+    """Whether neither group nor others may read a file of ``mode``."""
     return not mode & 0o044
 
 
 def stored_mode(mode: int, *, shared: bool) -> int:
-    """The mode an entry file is stored with, from the ``mode`` it was built, captured or shipped with.
-
-    0444, or 0555 when executable. A file nobody but its owner may read stays so (0400, 0500) unless the root
-    is ``shared``: a captured 0600 file was stored readable by everyone (issue #31). Bundles and remote entries
-    carry the bit so a download keeps it; it is not signed (whoever can alter a store already has the bytes).
-    """
+    """0444, or 0555 when executable; a private file stays so (0400, 0500) unless ``shared`` (issue #31)."""
     stored = 0o555 if mode & 0o111 else 0o444
     return stored & 0o500 if is_private(mode) and not shared else stored
 
@@ -121,7 +99,7 @@ def seal_dirs(staging: Path, shared: bool) -> None:
 
 def _finish(staging: Path, key: str, doc: dict[str, Any], records: list[FileRecord], sig: dict[str, _SigItem],
             manifest: bytes, shared: bool) -> Entry:
-    """Seal the directories, write the manifest last and fsync the tree: the Entry of a staged build or download."""
+    """Seal the directories, write the manifest last and fsync the tree."""
     seal_dirs(staging, shared)
     write_atomic(staging / MANIFEST, manifest, durable=False, mode=0o444)
     fsync_tree(staging)
@@ -130,11 +108,9 @@ def _finish(staging: Path, key: str, doc: dict[str, Any], records: list[FileReco
 
 
 def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = False) -> Entry:
-    """Fully verify the entry directory at ``path`` for ``key`` and return it (each file hashed once).
+    """Hash the entry directory at ``path`` for ``key`` and return it.
 
-    Raises ``FileNotFoundError`` for no directory (a miss) or a file that vanished while read (the caller
-    tells a removal from damage), ``CacheError`` for what other users can write, ``CorruptEntry`` for
-    anything else: the manifest, a file it does not list or lacks, a size or sha256, an unreadable file.
+    Raises ``FileNotFoundError`` (no directory, or a file vanished), ``CacheError`` (untrusted), ``CorruptEntry``.
     """
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -160,18 +136,13 @@ def verify_entry(path: Path, key: str, *, allow_shared: bool, read_only: bool = 
                 raise CorruptEntry(f"{path / rec.path}: sha256 does not match {MANIFEST}")
     except FileNotFoundError:
         raise
-    except OSError as exc:  # e.g. a directory this user may not read: unusable, so corrupt, never a traceback
+    except OSError as exc:  # e.g. a directory this user may not read
         raise CorruptEntry(f"{exc.filename or path}: cannot be read: {exc.strerror or exc}") from None
     return _entry(path, key, doc, records, sig, read_only=read_only)
 
 
 def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | None = None) -> Entry | None:
-    """Return ``stamped`` (what this host hashed) if the files at its path are still those, reading none.
-
-    The same names and the same inode, size, mtime and ctime of each file mean the same bytes (a write moves
-    mtime and ctime, a replacement the inode). None when anything differs; ``CacheError`` for what other
-    users can write. ``st``: an ``lstat`` of the directory already taken.
-    """
+    """Return ``stamped`` if its files' stat signature is unchanged (reading none), else None; ``CacheError``."""
     try:
         st = st if st is not None else os.lstat(stamped.path)
         if not stat.S_ISDIR(st.st_mode):
@@ -181,8 +152,7 @@ def recheck_entry(stamped: Entry, *, allow_shared: bool, st: os.stat_result | No
         found = _walk_files(stamped.path, error=OSError, folders=folders)  # a link or special file: not stamped
         if tuple(_sig_item(rel, fst) for rel, fst in found) != stamped.signature:
             return None
-        # Only the folders the stamped files lie in (an added one, even empty, is not what was stamped), and
-        # each as trusted as the files: a folder another user can write lets them swap a file after this check.
+        # Exactly the folders the files lie in, each trusted: another user's folder lets them swap a file.
         holding = {rel[:at] for rel, _ in found for at, char in enumerate(rel) if char == "/"}
         if {rel for rel, _ in folders} != holding:
             return None
@@ -207,7 +177,7 @@ def unchanged(entry: Entry) -> bool:
 
 def _entry(path: Path, key: str, doc: dict[str, Any], records: list[FileRecord], sig: dict[str, _SigItem], *,
            read_only: bool) -> Entry:
-    """Make the Entry of a checked manifest at ``path``, with the signature in name order."""
+    """The Entry of a checked manifest at ``path``."""
     ordered = sorted(records, key=lambda r: r.path)
     return Entry(key=key, path=path, files=tuple(r.path for r in ordered), description=doc["preimage"]["description"],
                  preimage=doc["preimage"], records=tuple(ordered), created=float(doc.get("created", 0.0)),
@@ -227,15 +197,11 @@ def _sig_item(name: str, st: os.stat_result) -> _SigItem:
 
 
 def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], list[FileRecord]]:
-    """Return the document and file records of a manifest for ``key``; ``where`` names it in errors.
-
-    Raises ``CorruptEntry`` for anything but a valid manifest of this format for ``key`` (a preimage that
-    does not hash to it included).
-    """
+    """Return the document and file records of a manifest for ``key``; ``CorruptEntry`` for anything else."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptEntry(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        doc = loads(data)  # bounded depth: 100,000 nested "[" must be a corrupt entry, not a RecursionError
+        doc = loads(data)
         if not isinstance(doc, dict) or not isinstance(doc["preimage"], dict):
             raise TypeError("not an object")
         if not isinstance(doc["preimage"].get("description"), dict):
@@ -268,12 +234,7 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
 
 def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, bytes],
                  executable: Collection[str] = (), private: Collection[str] = (), *, shared: bool = False) -> Entry:
-    """Write an entry received as bytes (from the remote tier) into the empty staging dir ``staging``.
-
-    Every byte is checked first (``CorruptEntry``: nothing is written), then written as :func:`seal` leaves
-    a build: the ``executable`` files 0555, the ``private`` ones readable by their owner only. Raises
-    ``CacheWriteError``.
-    """
+    """Check an entry received as bytes (``CorruptEntry``), then write it into ``staging``; ``CacheWriteError``."""
     where = f"remote entry {key}"
     doc, records = parse_manifest(manifest, key, f"{where} {MANIFEST}")
     _same_files(where, {r.path for r in records}, set(files))
@@ -285,7 +246,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
     dir_mode = 0o777 if shared else 0o755
     sig, dest = {}, staging
     try:
-        staging.mkdir(mode=dir_mode, exist_ok=True)  # the cache's staging dirs are made empty beforehand
+        staging.mkdir(mode=dir_mode, exist_ok=True)
         for rel in sorted(files):
             dest = staging / rel
             make_dirs(dest.parent, dir_mode)
@@ -298,12 +259,12 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
                 sig[rel] = _sig_item(rel, os.fstat(fd))
         dest = staging / MANIFEST
         return _finish(staging, key, doc, records, sig, manifest, shared)
-    except OSError as exc:  # a full disk, a read-only root: the caller removes staging
+    except OSError as exc:  # the caller removes staging
         raise CacheWriteError.of("write the downloaded entry to", exc, dest) from exc
 
 
 def is_safe_relpath(rel: object) -> bool:
-    """Return True for a normalized relative POSIX path without ``..`` (an entry is valid wherever it is mounted)."""
+    """Return True for a normalized relative POSIX path without ``..``."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel:
         return False
     if not rel.isascii():
@@ -311,16 +272,12 @@ def is_safe_relpath(rel: object) -> bool:
             rel.encode("utf-8")  # a lone surrogate from JSON cannot become a file name
         except UnicodeEncodeError:
             return False
-    # No empty, "." or ".." part is what "normalized" means (PurePosixPath says so at ten times the cost).
     return all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
 def _walk_files(root: Path, *, error: type[Exception],
                folders: list[tuple[str, os.stat_result]] | None = None) -> list[tuple[str, os.stat_result]]:
-    """List regular files under ``root`` as (relative path, lstat); ``error`` on links or specials (hot path).
-
-    ``folders``, when given, receives each folder below ``root`` the same way.
-    """
+    """List regular files (and into ``folders``, folders) under ``root`` as (relative path, lstat); ``error``."""
     found: list[tuple[str, os.stat_result]] = []
     pending = [(os.fspath(root), "")]
     while pending:
@@ -343,9 +300,9 @@ def _walk_files(root: Path, *, error: type[Exception],
 
 
 def _hash_file(path: Path, rel: str) -> tuple[str, _SigItem]:
-    """Hash a file in chunks without following a symlink; return the digest and its signature item."""
+    """Hash a file without following a symlink; return the digest and its signature item."""
     h = hashlib.sha256()
-    fd, _st = open_regular(path)  # never blocks: a FIFO swapped in after the listing is an OSError, not a hang
+    fd, _st = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)

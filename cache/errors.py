@@ -1,7 +1,6 @@
 """The one error root of jitwarm (:class:`JitwarmError`: exit code and hint by type) and the cache's errors.
 
-It lives in the lowest layer so that ``cache``, ``kernels`` and ``precompile`` can all derive from it. The exit
-codes are this module's table, one class each; an error elsewhere takes its code by deriving from one:
+The exit codes, one class each; an error elsewhere takes its code by deriving from one:
 
 ====  ======================  ==================================================================================
 code  class                   meaning
@@ -30,11 +29,7 @@ EXIT_INTERRUPTED = 130
 
 
 class JitwarmError(Exception):
-    """Base of every error jitwarm raises on purpose; ``str(exc)`` is ``"<reason>; <hint>"``.
-
-    ``exit_code`` (by type) is what a command ending in this error exits with; ``hint`` is what the operator
-    can do. Every subclass pickles (process pools) with its message and attributes, whatever its ``__init__``.
-    """
+    """Base of every error jitwarm raises on purpose; ``str(exc)`` is ``"<reason>; <hint>"``; every subclass pickles."""
 
     exit_code: ClassVar[int] = EXIT_BUILD_FAILED
 
@@ -112,10 +107,7 @@ class LockTimeout(CacheError, TimedOut):
 
 
 class BuildError(CacheError):
-    """The build of ``key`` raised (its ``__cause__``) or made no usable artifact; nothing was published.
-
-    A later call may retry. ``reason`` is what failed (``"RuntimeError: nvcc exploded"``), not the message.
-    """
+    """The build of ``key`` raised (its ``__cause__``) or made no usable artifact; nothing was published."""
 
     def __init__(self, key: str, reason: str) -> None:
         self.key = key

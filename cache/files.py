@@ -1,9 +1,7 @@
 """Files another process may touch: bounded reads that never block, atomic writes, and the trust rule.
 
-Every open goes through :func:`open_regular` (``O_NONBLOCK``: a FIFO planted where a holder record was made
-waiters block past their deadline), every JSON document through :func:`loads` (100,000 nested ``[`` made
-``json.loads`` raise ``RecursionError`` out of lookups); :func:`untrusted_reason` is the trust rule
-(docs/cache.md, "Trust").
+Every open goes through :func:`open_regular` (a planted FIFO blocked waiters past their deadline), every JSON
+document through :func:`loads` (100,000 nested ``[`` raised ``RecursionError`` out of lookups).
 """
 
 from __future__ import annotations
@@ -84,8 +82,7 @@ def read_json(path: str | os.PathLike[str], max_bytes: int) -> Any:
 
 
 def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename or create in it) to stable storage; best effort."""
-    # Some filesystems (and some NFS servers) refuse fsync on a directory; the rename is still atomic.
+    """Flush a directory's entries to stable storage; best effort (some NFS servers refuse)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -144,8 +141,7 @@ def make_dirs(path: Path, mode: int = 0o755) -> None:
 
 
 def remove_tree(path: Path) -> bool:
-    """Delete a directory tree if it exists; True when it is gone afterwards."""
-    # ignore_errors: another process may be removing the same tree (a concurrent prune or sweep).
+    """Delete a directory tree if it exists (another process may be removing it too); True when it is gone."""
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
 
@@ -174,10 +170,7 @@ def untrusted_reason(st: os.stat_result) -> str | None:
 
 
 def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.stat_result | None = None) -> None:
-    """Unless ``allow_shared``, UntrustedPath if ``path`` itself (``lstat``, or ``st``: a symlink fails) is untrusted.
-
-    FileNotFoundError if it is missing.
-    """
+    """Unless ``allow_shared``, UntrustedPath if ``path`` itself (``lstat``, or ``st``) is untrusted."""
     if allow_shared:
         return
     reason = untrusted_reason(st if st is not None else os.lstat(path))
@@ -186,9 +179,8 @@ def check_trusted(path: Path | str, what: str, *, allow_shared: bool, st: os.sta
 
 
 def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
-    """Check a top directory (a root, its ``v1`` or ``entries``, a layer, a lock dir) by what it resolves to.
+    """Check a top directory (a root, a layer, a lock dir) by what it resolves to (this user's or root's link).
 
-    A symlink there (a root on another volume) is fine when this user or root owns it and its target passes.
     Raises ``UntrustedPath``, ``CacheError`` (no directory) or FileNotFoundError (none, or dangling).
     """
     st = os.lstat(path)

@@ -20,28 +20,20 @@ MAX_DESCRIPTION_DEPTH = MAX_JSON_DEPTH - 8
 
 
 def key_of(description: Mapping[str, Any]) -> str:
-    """Return the 64-hex-digit sha256 key of ``description``.
+    """Return the 64-hex-digit sha256 key of ``description`` (plain JSON; tuples hash as lists).
 
-    ``description`` holds dicts with str keys, lists or tuples (they hash alike), str, int, finite float,
-    bool and None; canonical JSON has sorted keys, no spaces, ASCII only.
-
-    Raises
-    ------
-    TypeError
-        ``description`` is not a mapping, or holds a value that is not plain JSON (the message gives its
-        path, e.g. ``description['flags'][2]``).
-
+    Raises TypeError for a value that is not plain JSON, naming its path (``description['flags'][2]``).
     """
     return _digest(_preimage_text(description))
 
 
 def key_preimage(description: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the exact object whose canonical JSON is hashed into the key (tuples become lists); TypeError."""
+    """Return the exact object whose canonical JSON is hashed into the key; TypeError."""
     return json.loads(_preimage_text(description))
 
 
 def keyed(description: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Return ``(key_of(description), key_preimage(description))`` with one check and one serialization."""
+    """Return ``(key_of(description), key_preimage(description))`` with one serialization."""
     text = _preimage_text(description)
     return _digest(text), json.loads(text)
 
@@ -71,7 +63,7 @@ def check_key(key: object) -> str:
 
 
 def _preimage_text(description: Mapping[str, Any]) -> str:
-    """Check ``description`` and return the canonical JSON of its preimage: the one input of every key."""
+    """Check ``description`` and return the canonical JSON of its preimage."""
     if not isinstance(description, Mapping):
         raise TypeError(f"a cache description must be a dict, not {type(description).__name__}")
     _check_json(description)
@@ -85,7 +77,7 @@ def _digest(text: str) -> str:
 
 
 def _check_json(value: Any, path: tuple[Any, ...] = ()) -> None:
-    """Reject anything json.dumps would coerce or mangle, naming where it sits (formatted only on error)."""
+    """Reject anything json.dumps would coerce or mangle, naming where it sits."""
     if value is None or isinstance(value, (str, bool, int)):
         return
     if len(path) >= MAX_DESCRIPTION_DEPTH:

@@ -22,7 +22,6 @@ from jitwarm.cache.locks import this_host
 
 log = logging.getLogger("jitwarm.cache")
 
-#: Top folder of the current on-disk format.
 VERSION_DIR = "v1"
 #: Tag of a staging directory that holds an unpacked bundle rather than one key's build.
 BUNDLE_TAG = "bundle"
@@ -31,7 +30,6 @@ BUNDLE_TAG = "bundle"
 _STAGING_RE = re.compile(r"(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{64}|" + BUNDLE_TAG + r")-[0-9a-f]{8}")
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-#: Size caps of the small JSON files the cache reads back: facts, plan records (stamps: jitwarm.cache.stamps).
 MAX_FACT_BYTES = 1 << 16
 MAX_PLAN_RECORD_BYTES = 16 << 20
 
@@ -45,11 +43,7 @@ class StagingName(NamedTuple):
 
 
 class RootLayout:
-    """Paths of one cache root (the layout: :mod:`jitwarm.cache.store.protocol`; also ``plans/`` and ``facts/``).
-
-    Only :meth:`ensure`, the staging methods and the ``iter_*`` readers touch the filesystem. Directories
-    are made ``0777`` (``shared``: a team umask of 002 makes them group-writable) or ``0755``, less the umask.
-    """
+    """Paths of one cache root (:mod:`jitwarm.cache.store.protocol`); directories are made 0777 if ``shared``."""
 
     def __init__(self, root: Path, *, shared: bool = False) -> None:
         self.root = root
@@ -83,7 +77,7 @@ class RootLayout:
         return self.stamps.joinpath(key[:2], f"{key}-{where}.json")  # one Path made, not two: a lookup's hot path
 
     def plan_path(self, plan_id: str) -> Path:
-        """Return the path of a plan record; ValueError for a bad ``plan_id`` (see :func:`_json_file`)."""
+        """Return the path of a plan record; ValueError for a bad ``plan_id``."""
         return _json_file(self.plans, plan_id, "plan id")
 
     def make_staging_dir(self, tag: str) -> Path:
@@ -93,11 +87,10 @@ class RootLayout:
             self.ensure(self.staging)
             try:
                 path.mkdir(mode=self.dir_mode)
+                return path
             except FileNotFoundError:
                 if not tries_left:
                     raise
-            else:
-                return path
         raise AssertionError("unreachable")
 
     def drop_staging(self, path: Path | None = None) -> None:
@@ -154,10 +147,7 @@ class RootLayout:
 
 
 def write_plan_record(layout: RootLayout, plan_id: str, record: Mapping[str, Any]) -> Path:
-    """Atomically write ``record`` as ``<root>/v1/plans/<plan_id>.json`` and return its path.
-
-    ValueError for a bad ``plan_id``, TypeError for a record that is not JSON (both before any write).
-    """
+    """Atomically write ``record`` as ``<root>/v1/plans/<plan_id>.json``; ValueError, TypeError, CacheWriteError."""
     target = layout.plan_path(plan_id)
     data = json.dumps(dict(record), indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
     try:

@@ -1,9 +1,4 @@
-"""Per-key build locks (flock via filelock) with a holder record, readers' shared claims, and the one wait loop.
-
-Lock files are private to the cache's owner (0600): a 0644 one let any local user ``flock`` it, and root's
-``warm`` timed out (exit 3). The lock directory is held to the cache root's trust rule unless ``allow_shared``
-(docs/cache.md, "Trust"). Every wait is :func:`wait_until`, which logs the holder once and has a deadline.
-"""
+"""Per-key build locks (flock via filelock) with a holder record, readers' shared claims, and the one wait loop."""
 
 from __future__ import annotations
 
@@ -35,11 +30,9 @@ log = logging.getLogger("jitwarm.cache")
 
 T = TypeVar("T")
 
-#: A waiter that has waited this long logs, once, who holds what it waits for.
 WAIT_LOG_AFTER_S = 3.0
 #: While blocked on a key's lock, try it every 20 ms (filelock's default) and ask ``give_up`` every 50 ms.
 _POLL_S, LOOK_EVERY_S = 0.02, 0.05
-#: A holder record is a few dozen bytes; anything larger was not written by a holder.
 _MAX_HOLDER_BYTES = 4096
 
 
@@ -49,18 +42,14 @@ def this_host() -> str:
 
 
 def left_by_dead_process(host: str, pid: str) -> bool:
-    """Whether a temporary named for ``host`` and ``pid`` (as written in its name) is this host's, of a process gone.
-
-    Another host's, on a shared filesystem, is never judged: its pid means nothing here.
-    """
+    """Whether a temporary named for ``host`` and ``pid`` is of a dead process of this host (never another host's)."""
     return host == this_host() and pid.isdigit() and not pid_alive(int(pid))
 
 
 def process_scratch(prefix: str) -> Path:
     """A new directory in $TMPDIR named for this host and process, removed when the process exits.
 
-    A process killed first leaves its own: the first call for ``prefix`` in each process removes those of this
-    user's dead processes of this host (a server in a crash loop filled $TMPDIR with copies of its kernels).
+    The first call for ``prefix`` removes those of this user's dead processes (a crash loop filled $TMPDIR).
     """
     if prefix not in _swept:
         _swept.add(prefix)
@@ -86,7 +75,7 @@ def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
-        # A SIGKILLed child stays a zombie until its parent reaps it, but it holds no locks any more.
+        # A SIGKILLed child stays a zombie until reaped, but it holds no locks any more.
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except FileNotFoundError:
@@ -104,7 +93,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who holds a key's lock (or fleet lease) since when (``time.time()``), written on taking it."""
+    """Who holds a key's lock (or fleet lease) since when (``time.time()``)."""
 
     host: str
     pid: int
@@ -135,10 +124,9 @@ OnWait = Callable[[LockHolder | None], None]
 def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
                holder: Callable[[], LockHolder | None], where: str = "",
                backoff: tuple[float, float, float] = (0.02, 1.5, 0.5)) -> T:
-    """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns non-None, and return that.
+    """Call ``poll`` with a backoff ``(first, factor, cap)`` until it returns non-None; ``LockTimeout``.
 
-    After :data:`WAIT_LOG_AFTER_S`, log once who holds ``key`` (``holder()``, ``where``); ``LockTimeout`` when
-    ``timeout_s`` passes.
+    After :data:`WAIT_LOG_AFTER_S`, log once who holds ``key``.
     """
     start, logged = time.monotonic(), False
     delay, factor, cap = backoff
@@ -158,11 +146,9 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
 
 
 class KeyLock:
-    """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock through filelock) plus ``<key>.holder``.
+    """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock, one descriptor per instance) and ``.holder``.
 
-    One descriptor per instance, so two threads exclude each other as two processes do; the kernel drops a
-    flock when its holder dies. Lock files are never deleted: unlinking one while others wait on it splits
-    them across inodes (two builders at once).
+    Lock files are never deleted: unlinking one while others wait on it splits them across inodes.
     """
 
     def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:
@@ -170,26 +156,33 @@ class KeyLock:
         self.lock_dir = lock_dir
         self.shared = shared
         self.lock_path, self.holder_path = _lock_paths(lock_dir, key)
-        self._lock: FileLock | None = None  # made on first acquire: its mode depends on the lock dir
+        self._lock: FileLock | None = None
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free right now; never waits. CacheError if it cannot be locked at all."""
         try:
-            self._file_lock().acquire(blocking=False)
+            if self._lock is None:  # its mode depends on the lock dir
+                mode = _ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
+                # preserve_lock_file also turns off filelock's soft-lock fallback: it outlives a SIGKILLed holder.
+                self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
+            self._lock.acquire(blocking=False)
         except Timeout:  # a TimeoutError, hence an OSError: catch it first
             return False
         except OSError as exc:
             raise _lock_error(self.lock_path, exc) from exc
-        self._write_holder()
+        record = LockHolder(host=this_host(), pid=os.getpid(), since=time.time())
+        try:  # a failure only costs waiters the name of the holder
+            write_atomic(self.holder_path, json.dumps(record.to_json()).encode(), durable=False)
+        except OSError as exc:
+            log.debug("could not write holder record %s: %s", self.holder_path, exc)
         return True
 
     def acquire(self, timeout_s: float, *, on_wait: OnWait | None = None,
                 give_up: Callable[[], bool] | None = None) -> bool:
-        """Take the lock, waiting at most ``timeout_s`` (``math.inf``: for ever) for another holder.
+        """Take the lock, waiting at most ``timeout_s``; ``LockTimeout``, ``CacheError`` (cannot lock).
 
         ``on_wait(holder)`` is called once when the lock is busy; ``give_up()``, asked every
         :data:`LOOK_EVERY_S` and at the deadline, ends the wait without the lock when True: the only False.
-        Raises ``LockTimeout`` at the deadline, ``CacheError`` when the lock file cannot be opened or locked.
         """
         if self.try_acquire():
             return True
@@ -215,7 +208,7 @@ class KeyLock:
             raise
 
     def release(self) -> None:
-        """Drop the holder record, then the lock (in that order, so a new holder's record survives)."""
+        """Drop the holder record, then the lock (so a new holder's record survives)."""
         if self._lock is None or not self._lock.is_locked:
             return
         with contextlib.suppress(OSError):
@@ -225,39 +218,21 @@ class KeyLock:
     def read_holder(self) -> LockHolder | None:
         """The holder record, or None: none, unreadable, or of a dead process of this host (SIGKILLed)."""
         try:
-            # Bounded, non-blocking, no link followed: in a shared sticky lock dir another user can plant a FIFO
-            # here, and a plain open() of it blocked every waiter past its deadline.
+            # Non-blocking: a FIFO planted here blocked every waiter past its deadline.
             data = read_json(self.holder_path, _MAX_HOLDER_BYTES)
             holder = LockHolder.from_record(data)
         except (OSError, ValueError, KeyError, TypeError, OverflowError):
             return None
         return None if holder.host == this_host() and not pid_alive(holder.pid) else holder
 
-    def _file_lock(self) -> FileLock:
-        """Make this instance's FileLock on first use (creating the lock dir)."""
-        if self._lock is None:
-            mode = _ready_lock_file(self.lock_dir, self.lock_path, shared=self.shared)
-            # preserve_lock_file also turns off filelock's soft-lock fallback on filesystems without flock:
-            # a soft marker outlives a SIGKILLed holder.
-            self._lock = FileLock(self.lock_path, thread_local=False, preserve_lock_file=True, mode=mode)
-        return self._lock
-
     def _current_holder(self) -> LockHolder | None:
-        """Read the holder record, allowing a new holder a moment to write it after taking the lock."""
+        """Read the holder record, allowing a new holder a moment to write it."""
         for _ in range(5):
             holder = self.read_holder()
             if holder is not None:
                 return holder
             time.sleep(0.01)
         return None
-
-    def _write_holder(self) -> None:
-        """Record who holds the lock now; a failure only costs waiters the name of the holder."""
-        record = LockHolder(host=this_host(), pid=os.getpid(), since=time.time())
-        try:
-            write_atomic(self.holder_path, json.dumps(record.to_json()).encode(), durable=False)
-        except OSError as exc:
-            log.debug("could not write holder record %s: %s", self.holder_path, exc)
 
     def __enter__(self) -> KeyLock:
         return self
@@ -271,23 +246,20 @@ _PRIVATE: set[Path] = set()  # lock files found private (or made so) by this pro
 
 
 def ready_lock_dir(lock_dir: Path, *, shared: bool) -> int:
-    """Create ``lock_dir`` if missing, check it like a cache root, and return the mode of its new lock files.
-
-    ``UntrustedPath`` (unless ``shared``), CacheError (no directory) or OSError (cannot be created).
-    """
+    """Create and trust-check ``lock_dir``; return its lock files' mode. ``UntrustedPath``, CacheError, OSError."""
     mode = _READY.get((lock_dir, shared))
     if mode is not None:
         return mode
     make_dirs(lock_dir, 0o777 if shared else 0o755)  # as the root: the umask decides a shared one
     check_trusted_dir(lock_dir, "lock directory", allow_shared=shared)
-    # A team's shared cache (allow_shared, a group-writable lock dir): the group must open the files too.
+    # Private (0600): a 0644 one let any user flock it (root's warm timed out); a shared one: the group's too.
     mode = (0o664 if lock_dir.stat().st_mode & stat.S_IWGRP else 0o644) if shared else 0o600
     _READY[(lock_dir, shared)] = mode
     return mode
 
 
 def _ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
-    """:func:`ready_lock_dir`, then make ``lock_path`` private or refuse another user's; return its mode."""
+    """:func:`ready_lock_dir`, then make ``lock_path`` private or refuse another user's."""
     mode = ready_lock_dir(lock_dir, shared=shared)
     if shared or lock_path in _PRIVATE:
         return mode
@@ -304,7 +276,7 @@ def _ready_lock_file(lock_dir: Path, lock_path: Path, *, shared: bool) -> int:
 
 
 def _lock_error(lock_path: Path, exc: OSError) -> CacheError:
-    """A lock file that cannot be opened or locked, in one line; the NFS advice when flock itself is missing."""
+    """A lock file that cannot be opened or locked, in one line."""
     if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
         return CacheError(f"cannot lock {lock_path}: this filesystem does not support flock",
                           "set JITWARM_LOCK_DIR to node-local storage such as /dev/shm/jitwarm-locks")
@@ -317,17 +289,15 @@ def _lock_error(lock_path: Path, exc: OSError) -> CacheError:
 
 @functools.lru_cache(maxsize=1 << 14)
 def _lock_paths(lock_dir: Path, key: str) -> tuple[Path, Path]:
-    """``<key>.lock`` and ``<key>.holder`` in ``lock_dir`` (memoized: the capture hook claims every kernel)."""
+    """``<key>.lock`` and ``<key>.holder`` (memoized: the capture hook claims every kernel)."""
     return lock_dir / f"{key}.lock", lock_dir / f"{key}.holder"
 
 
 class SharedClaim:
     """A reader's claim: a SHARED flock on the lock file :class:`KeyLock` locks exclusively.
 
-    While held, prune's and quarantine's try-lock fails (they keep the entry) and a builder, import or
-    ``discard`` waits. Its holder must not lock the key exclusively inside it: flock SH and EX conflict
-    within a process too (``LockTimeout``). With ``create=False`` (a read-only cache) a lock file that cannot
-    be opened means no claim: nothing of this cache can remove the entry then.
+    Its holder must not lock the key exclusively inside it (``LockTimeout``). With ``create=False`` (a
+    read-only cache) a lock file that cannot be opened means no claim.
     """
 
     def __init__(self, lock_dir: Path, key: str, *, create: bool, shared: bool = False) -> None:
@@ -360,13 +330,13 @@ class SharedClaim:
         os.close(fd)
 
     def _open(self) -> int | None:
-        """Open the lock file without blocking or following a link; None when it cannot be had read-only."""
+        """Open the lock file without blocking or following a link; None when it cannot be."""
         flags, path = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, self.lock.lock_path
         if self.create:
             try:
                 mode = _ready_lock_file(self.lock.lock_dir, path, shared=self.lock.shared)
                 return os.open(path, flags | os.O_RDWR | os.O_CREAT, mode)
-            except OSError as exc:  # (an untrusted lock dir or file is a CacheError, not an OSError: it raises)
+            except OSError as exc:  # (an untrusted one is a CacheError: it raises)
                 log.debug("claim of %s: cannot create %s (%s); reading it unlocked", self.lock.key, path, exc)
         try:
             return os.open(path, flags | os.O_RDONLY)  # a shared flock needs no write access

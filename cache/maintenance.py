@@ -28,10 +28,7 @@ log = logging.getLogger("jitwarm.cache")
 
 @dataclass(frozen=True)
 class PruneReport:
-    """Result of :meth:`KernelCache.prune`: ``removed`` keys (least recently used first), and those kept.
-
-    ``skipped_locked``: due, but locked or claimed; ``skipped_recent``: used within the grace period.
-    """
+    """Result of :meth:`KernelCache.prune`: ``removed`` keys (least recently used first), and those kept."""
 
     removed: tuple[str, ...] = ()
     freed_bytes: int = 0
@@ -48,10 +45,7 @@ class PruneReport:
 
 def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = None, shared: bool = False
                   ) -> list[str]:
-    """Remove staging dirs of dead processes of this host (never another host's) whose key is not locked.
-
-    With ``only_key`` the caller holds that key's lock, and only its dirs are considered. Returns their names.
-    """
+    """Remove staging dirs of dead processes of this host whose key is not locked (``only_key``: we hold it)."""
     removed = []
     for name, path in layout.iter_staging():
         if name is None or name.host != this_host() or (only_key and name.key != only_key) or pid_alive(name.pid):
@@ -69,15 +63,11 @@ def sweep_staging(layout: RootLayout, lock_dir: Path, *, only_key: str | None = 
 
 def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, older_than_s: float | None,
                grace_s: float = 0.0, shared: bool = False) -> PruneReport:
-    """Remove entries of one writable root, least recently used first (see :meth:`KernelCache.prune`).
-
-    Last use is the entry directory's mtime, which lookups refresh. Each removal try-locks the key and
-    renames the entry into staging before deleting it. ValueError for ``max_bytes`` < 0.
-    """
+    """Remove entries of one writable root, least recently used first (:meth:`KernelCache.prune`); ValueError."""
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
     if os.path.lexists(lock_dir):
-        ready_lock_dir(lock_dir, shared=shared)  # an untrusted lock dir is refused before anything is removed
+        ready_lock_dir(lock_dir, shared=shared)  # refuse an untrusted lock dir first
     staging_removed = sweep_staging(layout, lock_dir, shared=shared)
     now = time.time()
     candidates = []
@@ -101,10 +91,7 @@ def prune_root(layout: RootLayout, lock_dir: Path, *, max_bytes: int | None, old
 
 
 def _remove_entry(layout: RootLayout, lock_dir: Path, key: str, path: Path, grace_s: float, shared: bool) -> str:
-    """Move one entry out under its lock and delete it: ``"removed"``, ``"locked"`` or ``"recent"``.
-
-    Its last use is read again under the lock: a lookup since the listing touched it under a claim.
-    """
+    """Move one entry out under its lock (its last use read again) and delete it; return the outcome."""
     trash = None
     with KeyLock(lock_dir, key, shared=shared) as lock:
         if not lock.try_acquire():
@@ -145,18 +132,14 @@ def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:
 
 
 def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
-    """Rename ``path`` (we hold its lock) into quarantine with a ``.reason`` note; a failed move is logged.
-
-    Returns False then (another user's entry, a read-only volume): it stays where it is, never used.
-    """
+    """Rename ``path`` (we hold its lock) into quarantine with a ``.reason`` note; False (logged) if it cannot."""
     dest = layout.quarantine_dir(name)
     try:
         layout.ensure(layout.quarantine)
         try:
             path.rename(dest)
         except PermissionError:
-            # Moving a directory to another parent rewrites its "..": our own unreadable (0000) entry or shard
-            # needs its owner's write bit back first. Another user's is left where it is.
+            # Moving a directory rewrites its "..": our own unreadable (0000) one needs its write bit back.
             st = os.lstat(path)
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 raise
@@ -164,7 +147,7 @@ def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
             path.rename(dest)
     except FileNotFoundError:
         return False
-    except OSError as exc:  # e.g. another user's entry in a shared root, a read-only volume: leave it, still unused
+    except OSError as exc:  # another user's entry, a read-only volume: left, never used
         log.warning("%s could not be quarantined (%s): %s", path, exc.strerror or exc, reason)
         return False
     with contextlib.suppress(OSError):
@@ -177,9 +160,8 @@ def quarantine(layout: RootLayout, lock_dir: Path, name: str, path: Path, reason
                repair: bool, shared: bool, locked: bool = False) -> None:
     """Move a writable root's corrupt copy ``path`` (of key ``name``, or ``shard-<kk>``) aside, else log it.
 
-    Unless ``locked`` (the caller holds ``name``), its lock is only tried (a holder is a builder, which
-    quarantines the copy itself, or a reader) and the copy checked once more under it: another process may
-    have replaced it. Never raises, but for an untrusted entry found under the lock.
+    Unless ``locked``, its lock is only tried and the copy checked once more under it. Never raises, but for
+    an untrusted entry.
     """
     if read_only or not repair:
         log.warning("corrupt cache copy %s%s: %s", path, f" in read-only {layout.root}" if read_only
@@ -190,7 +172,7 @@ def quarantine(layout: RootLayout, lock_dir: Path, name: str, path: Path, reason
         if not locked and not lock.try_acquire():
             log.warning("%s (not quarantined: its lock is held): %s", path, reason)
             return
-    except CacheError as exc:  # no lock dir (a read-only volume): nothing can be moved there either
+    except CacheError as exc:  # no lock dir (a read-only volume)
         log.warning("%s (not quarantined: %s): %s", path, exc.reason, reason)
         return
     with lock:
@@ -199,7 +181,7 @@ def quarantine(layout: RootLayout, lock_dir: Path, name: str, path: Path, reason
 
 
 def _still_bad(path: Path, name: str, shared: bool) -> bool:
-    """Whether the copy at ``path`` is still corrupt: a shard (``shard-<kk>``) or the entry of key ``name``."""
+    """Whether the copy at ``path`` (a shard, or the entry of key ``name``) is still corrupt."""
     if name.startswith("shard-"):
         return shard_problem(path) is not None
     try:
@@ -210,10 +192,7 @@ def _still_bad(path: Path, name: str, shared: bool) -> bool:
 
 
 def shard_problem(shard: Path) -> str | None:
-    """Why ``entries/<kk>`` cannot hold entries (a symlink, a file, unreadable), or None when it can.
-
-    None also when it is missing, or a directory above it is the problem (not for this shard to answer).
-    """
+    """Why ``entries/<kk>`` cannot hold entries, or None (also when missing, or a directory above is the problem)."""
     try:
         st = os.lstat(shard)
     except OSError:
@@ -235,11 +214,7 @@ def shard_problem(shard: Path) -> str | None:
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """Result of :meth:`KernelCache.verify`.
-
-    ``ok``: keys with a copy that verified; ``corrupt``: key (or a bad shard's path) -> why; ``missing``:
-    requested keys with no copy; ``quarantined``: those of ``corrupt`` moved aside (only with ``repair``).
-    """
+    """Result of :meth:`KernelCache.verify`: ``corrupt`` maps a key (or a bad shard's path) to why."""
 
     ok: tuple[str, ...] = ()
     corrupt: dict[str, str] = field(default_factory=dict)
@@ -259,10 +234,7 @@ class VerifyReport:
 
 def verify_copies(local: CacheReader, keys: Sequence[str] | None, *, repair: bool,
                   stamped: bool = False) -> VerifyReport:
-    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None).
-
-    ``stamped``: a copy whose stamp matches its files is not hashed again (``CacheReader.check_copy``).
-    """
+    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
     ok, corrupt, quarantined = set(), {}, set()
     for layout, read_only in local.search_order:
         found = list(layout.iter_entry_names()) if keys is None else [(k, layout.entry_dir(k)) for k in keys]
@@ -284,7 +256,7 @@ def verify_copies(local: CacheReader, keys: Sequence[str] | None, *, repair: boo
 
 
 def _lexists(path: Path) -> bool:
-    """Whether something is at ``path``; True also when a shard in the way is not a directory (it is the fault)."""
+    """Whether something is at ``path``; True also when a shard in the way is not a directory."""
     try:
         os.lstat(path)
     except FileNotFoundError:

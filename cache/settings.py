@@ -1,12 +1,7 @@
 """Every ``JITWARM_*`` environment variable, each read by its own accessor when it is used, with one parser.
 
-The cache's and the CLI's are declared here; the server plugins declare theirs beside them
-(``precompile/servers/plugins.py``, each plugin's ``ENABLED``) with the same parsers (:func:`flag_setting`,
-:func:`path_setting`).
-
 No accessor reads more than its own variable (a bad ``JITWARM_JOBS`` fails a ``warm``, never a lookup); a
-value that does not parse raises :class:`SettingError` (exit 2) naming the variable. :func:`override` scopes
-changes for tests (``with settings.override(remote_lease_s=2.5): ...``); :func:`scoped_env` any variable.
+value that does not parse raises :class:`SettingError` (exit 2). :func:`override` scopes changes for tests.
 """
 
 from __future__ import annotations
@@ -28,11 +23,8 @@ ENV_VARS: Mapping[str, str] = {name: f"JITWARM_{name.upper()}" for name in (
     "remote_lease_s", "remote_max_bytes", "remote_min_rate", "bundle_max_file_bytes", "bundle_max_bytes",
     "prune_grace_s", "jobs", "strict", "record_caches", "trust_key", "trust_key_file", "ledger")}
 
-#: URL schemes the remote tier accepts (redis-py's own URL forms, and an S3 bucket).
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "s3://")
-#: An S3 bucket name (3-63 of lower-case letters, digits, dots and hyphens).
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-#: Key namespace on the remote when none is set.
 DEFAULT_REMOTE_PREFIX = "jitwarm"
 #: More parallel builds than this is a typo, not a machine (a 20,000-process pool would take the host down).
 MAX_JOBS = 1024
@@ -127,18 +119,14 @@ def remote_prefix() -> str:
     return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
 
 
-#: The largest fleet key file read (a key is a few dozen bytes; /dev/zero is not one).
 MAX_KEY_BYTES = 4096
 
 
 def trust_key() -> bytes | None:
-    """``JITWARM_TRUST_KEY`` (the key itself) or ``JITWARM_TRUST_KEY_FILE``: the fleet key entries are signed with.
+    """``JITWARM_TRUST_KEY`` or ``JITWARM_TRUST_KEY_FILE``: the fleet key (at least 16 bytes), or None.
 
-    At least 16 bytes (a file's trailing newline is not part of it). The file is held as ssh holds a private key
-    (issue #31, N3, N4): a regular file (a link the operator gave is followed: a Kubernetes Secret is one), read
-    bounded and without blocking, owned by this user or root, readable and writable by no one else. Both
-    variables set, or a file that is none of that, is a SettingError. None: no key (entries are neither signed
-    nor checked).
+    The file is held as ssh holds a private key (issue #31): regular (a link is followed), this user's or
+    root's, private. Both set, or a file that is none of that, is a SettingError.
     """
     text, path = _text("JITWARM_TRUST_KEY"), _text("JITWARM_TRUST_KEY_FILE")
     if text and path:
@@ -152,12 +140,12 @@ def trust_key() -> bytes | None:
 
 
 def _key_file(path: str) -> bytes:
-    """The key in the file ``path``, checked as :func:`trust_key` says; SettingError naming what is wrong."""
+    """The key in the file ``path``, checked as :func:`trust_key` says; SettingError."""
     from jitwarm.cache.files import read_file_stat
 
     try:
         data, st = read_file_stat(os.path.realpath(path), MAX_KEY_BYTES)
-    except OSError as exc:  # a FIFO or a device (EINVAL: not a regular file), a file too large, none
+    except OSError as exc:  # a FIFO or a device (EINVAL), a file too large, none
         raise SettingError(f"JITWARM_TRUST_KEY_FILE: cannot read {path}: {exc.strerror or exc}") from None
     if st.st_uid not in (os.getuid(), 0):
         raise SettingError(f"JITWARM_TRUST_KEY_FILE: {path} is owned by uid {st.st_uid}: the fleet key must be "
@@ -187,10 +175,7 @@ def jobs_set() -> bool:
 
 
 def record_caches() -> tuple[str, ...] | None:
-    """``JITWARM_RECORD_CACHES``: the JIT cache families a recording captures, comma-separated; ``none``: none.
-
-    Unset, blank or ``all``: every family (None). The names are the kernels layer's to check.
-    """
+    """``JITWARM_RECORD_CACHES``: the JIT cache families a recording captures (comma-separated); None: all."""
     text = _text("JITWARM_RECORD_CACHES")
     if text is None or text.lower() == "all":
         return None
@@ -265,8 +250,7 @@ def directory(path: Path, what: str) -> Path:
     try:
         path.stat()
     except OSError as exc:
-        # A name too long or a link loop was exit 1 "File name too long" from the first open (attack round 2);
-        # missing (or a parent that is a file: the cache's own writability check says so) stays for later.
+        # A name too long or a link loop was exit 1 from the first open; missing stays for later.
         if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
             raise SettingError(f"{what}: {path}: {exc.strerror}") from None
     if os.path.lexists(path) and not path.is_dir():
@@ -275,11 +259,7 @@ def directory(path: Path, what: str) -> Path:
 
 
 def absolute_path(path: str | os.PathLike[str]) -> Path:
-    """Expand ``~`` and make ``path`` absolute and normalized, without touching the filesystem.
-
-    SettingError (exit 2) where ``~`` cannot be expanded: ``~name`` of no user, or no home at all (no ``HOME`` and
-    no passwd entry, as a container run under an arbitrary uid has). ``Path.expanduser`` raised a bare RuntimeError.
-    """
+    """Expand ``~`` and make ``path`` absolute and normalized; SettingError where ``~`` cannot be expanded."""
     text = os.fspath(path)
     expanded = os.path.expanduser(text)  # noqa: PTH111 - os.path leaves what it cannot expand, Path raises
     if expanded.startswith("~"):
@@ -289,10 +269,7 @@ def absolute_path(path: str | os.PathLike[str]) -> Path:
 
 @contextmanager
 def override(**values: object) -> Iterator[None]:
-    """Set settings by accessor name for a ``with`` block (``None`` unsets; child processes inherit them).
-
-    TypeError for an unknown name or a value no variable can hold (nothing is changed). Not thread-safe.
-    """
+    """Set settings by accessor name for a ``with`` block (``None`` unsets); TypeError. Not thread-safe."""
     unknown = sorted(set(values) - set(ENV_VARS))
     if unknown:
         raise TypeError(f"unknown setting(s) {unknown}; known: {sorted(ENV_VARS)}")

@@ -1,12 +1,7 @@
-"""The fleet key: entries a node publishes to a remote tier are signed over their manifest, and checked on read.
+"""The fleet key: HMAC-SHA256 over an entry's key, manifest and executable files, checked before it is used.
 
 Content hashes prove integrity, not origin: whoever can write the store can write a matching manifest too.
-With a key (``JITWARM_TRUST_KEY`` or ``_FILE``), each upload carries ``{"key_id", "hmac"}``: HMAC-SHA256 over
-the entry's key, its ``entry.json`` bytes and its executable files. A download whose signature is missing or
-does not verify raises :class:`UntrustedEntry` (exit 4) before anything is written.
-
-Bundles and shared layers keep it in ``v1/signatures/<kk>/<key>.json``, beside the entries (a signature cannot
-be listed in the manifest it signs): one signed export serves as a bundle and, ``tar xf`` into a layer, as that.
+Bundles and shared layers keep signatures in ``v1/signatures/<kk>/<key>.json``, beside the entries.
 """
 
 from __future__ import annotations
@@ -25,9 +20,7 @@ from jitwarm.cache.errors import CacheError, Refused
 from jitwarm.cache.files import loads, read_file_stat
 
 _DOMAIN = b"jitwarm-entry-signature-v1\0"
-#: Where a bundle or a layer keeps its entries' signatures, under ``v1/``: ``signatures/<kk>/<key>.json``.
 SIGNATURES_DIR = "signatures"
-#: A signature file is ``{"key_id", "hmac"}``: anything larger is not one.
 MAX_SIGNATURE_BYTES = 4096
 _HINT = "sign it: publish or export it from a node that has JITWARM_TRUST_KEY (or _FILE), or remove it"
 
@@ -37,7 +30,7 @@ class UntrustedEntry(CacheError, Refused):
 
 
 def key_id(key: bytes) -> str:
-    """The public name of ``key``: the first 16 hex digits of its sha256 (tells two keys apart, reveals neither)."""
+    """The public name of ``key``: the first 16 hex digits of its sha256."""
     return hashlib.sha256(key).hexdigest()[:16]
 
 
@@ -60,21 +53,17 @@ def check(key: bytes, entry_key: str, manifest: bytes, executable: Collection[st
 
 
 def signature_path(base: Path, entry_key: str) -> Path:
-    """Where the signature of ``entry_key`` is under ``base`` (a root's or a staging dir's ``v1``-level folder)."""
+    """Where the signature of ``entry_key`` is under ``base`` (a ``v1``-level folder)."""
     return base / SIGNATURES_DIR / entry_key[:2] / f"{entry_key}.json"
 
 
 def signature_file(key: bytes, entry_key: str, manifest: bytes, executable: Collection[str]) -> bytes:
-    """The bytes of the signature file of one entry (for a bundle: a layer made from it has them too)."""
+    """The bytes of the signature file of one entry."""
     return json.dumps(sign(key, entry_key, manifest, executable), sort_keys=True).encode()
 
 
 def check_local(key: bytes, entry: Entry, signature: Path, subject: str) -> None:
-    """Raise UntrustedEntry unless the file ``signature`` signs the verified local ``entry`` under ``key``.
-
-    A missing or unreadable signature file is an unsigned entry. The entry's manifest is read again and
-    :func:`~jitwarm.cache.entry.unchanged` checked after: what was checked is what was hashed.
-    """
+    """Raise UntrustedEntry unless the file ``signature`` (missing: unsigned) signs the local ``entry``."""
     doc = None
     with contextlib.suppress(OSError, ValueError):
         doc = loads(read_file_stat(signature, MAX_SIGNATURE_BYTES)[0])

@@ -1,8 +1,6 @@
 """Verification stamps: what this host hashed an entry as, so a later process need not hash it again.
 
-``<root>/v1/verified/<kk>/<key>-<where>.json`` holds the entry's stat signature and checked manifest, and
-starts with the sha256 of its own body. A stamp is a hint: one that is missing, damaged, planted or stale
-costs a full hash, never a wrong answer (docs/cache.md, "What is verified, and when").
+A stamp is a hint: one that is missing, damaged, planted or stale costs a full hash, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from jitwarm.cache.files import loads, read_file_stat, untrusted_reason, write_a
 from jitwarm.cache.keys import is_key
 from jitwarm.cache.layout import RootLayout
 
-#: A stamp holds an entry's signature and manifest content; one larger than this is ignored (and never written).
 MAX_STAMP_BYTES = 1 << 20
 
 
@@ -52,11 +49,7 @@ def _read(path: Path | str, *, allow_shared: bool) -> Any:
 
 def stamped_entry(root: RootLayout, path: Path, key: str, *, allow_shared: bool, read_only: bool,
                   st: os.stat_result | None = None) -> Entry | None:
-    """The entry at ``path`` if ``root`` holds a stamp its files still match (:func:`recheck_entry`), else None.
-
-    A stamp not ours, not a regular file, too large or malformed is ignored; ``CacheError`` for an untrusted
-    entry. ``st``: an ``lstat`` of ``path`` already taken.
-    """
+    """The entry at ``path`` if ``root`` holds a stamp its files still match, else None; ``CacheError``."""
     try:
         stamped = _stamp_entry(_read(root.stamp_path(path, key), allow_shared=allow_shared), path, key, read_only)
     except (OSError, ValueError):

@@ -26,8 +26,7 @@ from s3_fixtures import faulty_store
 
 from jitwarm.cache import KernelCache, RemoteUnavailable, reset_remote_health
 from jitwarm.cache.remote import FleetLease, RemoteStore
-from jitwarm.cache.remote.s3 import ObjectStore
-from jitwarm.cache.remote.s3_lease import ObjectLease
+from jitwarm.cache.remote.s3 import ObjectLease, ObjectStore
 from jitwarm.cache.signing import UntrustedEntry
 from jitwarm.kernels.artifacts import artifact
 

@@ -1,9 +1,7 @@
 """The remote tier: a second cache level the fleet shares, so each key is built once per fleet.
 
-A *store* (:class:`~jitwarm.cache.remote.base.StoreBase`) moves whole entries and makes a key's build lease:
-:mod:`.redis` (``redis://``) or :mod:`.s3` (``s3://``, its lease in :mod:`.s3_lease`). The *fleet protocol*
-(:mod:`.fleet`) decides when to download, lease, wait, build and upload. What a store returns goes through
-:func:`jitwarm.cache.entry.unpack_entry`: a remote is never trusted (docs/cache.md, "Remote tier").
+A store (:mod:`.redis`, :mod:`.s3`) moves whole entries and makes a key's build lease; the fleet protocol
+(:mod:`.fleet`) decides when to download, lease, wait, build and upload. A remote is never trusted.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ __all__ = ["Fleet", "FleetLease", "LocalSteps", "ObjectStore", "RemoteFailure", 
 
 def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared: bool,
                count: Callable[..., None], min_rate: int = 1 << 20) -> RemoteStore | ObjectStore:
-    """Return the store of ``url`` (``s3://``: :class:`ObjectStore`, else Redis); connects to nothing.
+    """The store of ``url`` (``s3://``: :class:`ObjectStore`, else Redis) with the fleet key; connects to nothing.
 
-    Its entries are signed and checked with the fleet key (``JITWARM_TRUST_KEY`` or ``_FILE``). Raises
-    ``SettingError`` (exit 2) for a bad key setting, or ``s3://`` without boto3 (the ``s3`` extra).
+    Raises ``SettingError`` (exit 2) for a bad key setting, or ``s3://`` without boto3 (the ``s3`` extra).
     """
     key = trust_key()
     if not url.startswith("s3://"):

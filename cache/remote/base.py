@@ -1,8 +1,4 @@
-"""StoreBase: what every remote store does alike, whatever holds the entries (their leases: :mod:`.lease`).
-
-Each remote URL has one health record in this process (its pooled client, and whether and why it is down),
-shared by every cache: a failure one of them sees turns the remote off for all, for :data:`RETRY_AFTER_S`.
-"""
+"""StoreBase: what every remote store does alike, and each remote URL's health in this process."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, Entry, is_private, unchanged
@@ -23,9 +19,6 @@ from jitwarm.cache.errors import RemoteUnavailable
 from jitwarm.cache.files import open_regular
 from jitwarm.cache.locks import this_host
 from jitwarm.cache.signing import sign
-
-if TYPE_CHECKING:
-    from jitwarm.cache.remote.lease import RenewedLease
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -36,21 +29,19 @@ RETRY_AFTER_S = 60.0
 
 
 class RemoteFailure(Exception):
-    """A call to the remote failed (internal: :meth:`StoreBase.failed` logs it, or raises RemoteUnavailable)."""
+    """A call to the remote failed (internal: for :meth:`StoreBase.failed`)."""
 
 
 class TooSlow(RemoteFailure):
-    """A transfer ran past its overall deadline (:func:`deadline`): the store is slower than the minimum rate."""
+    """A transfer ran past its overall deadline (:func:`deadline`)."""
 
 
 @contextlib.contextmanager
 def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[], object]) -> Iterator[None]:
-    """Bound one transfer of ``size`` bytes to ``grace_s`` (one read's timeout) plus ``size`` at ``rate`` bytes/s.
+    """Bound one transfer of ``size`` bytes to ``grace_s`` plus ``size`` at ``rate`` bytes/s (0: no bound).
 
-    The per-read timeout alone let a store that sends a few bytes now and then hold a download, and the key's
-    lock, for as long as it liked (issue #31: over 300 s). Past the deadline a timer thread calls ``abort()``,
-    which shuts the transfer's socket so the blocked read returns, and the block raises :class:`TooSlow`
-    (``"<what>: slower than ..."``), whatever the read raised or returned. ``rate`` 0: no overall deadline.
+    A per-read timeout alone let a trickling store hold a download and the key's lock (issue #31: over 300 s).
+    Past the deadline a timer thread calls ``abort()`` to wake the read, and the block raises :class:`TooSlow`.
     """
     if rate <= 0:
         yield
@@ -62,8 +53,7 @@ def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[]
         if done.wait(limit):
             return
         fired.set()
-        # Again and again until the block exits: a client that retries a dropped read (redis-py's Retry)
-        # reconnects, and the new connection trickles as slowly as the first.
+        # Until the block exits: a client that retries a dropped read (redis-py's Retry) reconnects.
         while True:
             with contextlib.suppress(Exception):  # a transfer that ended meanwhile: nothing left to shut
                 abort()
@@ -87,11 +77,7 @@ def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[]
 
 
 def interrupt(stream: Any) -> None:
-    """Shut the socket under an HTTP body (botocore's ``StreamingBody``) so a read blocked on it returns now.
-
-    Closing alone does not wake a ``recv`` blocked in another thread; ``shutdown`` does (urllib3 2.3 and later
-    have ``HTTPResponse.shutdown``; before, the connection's socket is shut directly).
-    """
+    """Shut the socket under an HTTP body so a read blocked on it returns (closing does not wake a ``recv``)."""
     raw = getattr(stream, "_raw_stream", stream)
     shutdown = getattr(raw, "shutdown", None)
     if shutdown is not None:
@@ -120,7 +106,7 @@ class RemoteReport:
 
 @dataclass
 class _Health:
-    """One remote URL in this process: its pooled client (made on first use), and whether (and why) it is down."""
+    """One remote URL in this process: its pooled client, and whether (and why) it is down."""
 
     client: Any = None
     down_until: float = 0.0
@@ -161,28 +147,18 @@ def redact(url: str) -> str:
 
 
 class StoreBase:
-    """Entries of one cache format on one remote, and the health of that remote.
+    """Entries of one cache format on one remote; every call goes through :meth:`call` (``RemoteFailure``).
 
-    Every call to the remote goes through :meth:`call`, which raises :class:`RemoteFailure` (never a client
-    library's exception); the caller hands it to :meth:`failed`. Nothing here locks: the caller holds the
-    key's host lock. ``shared`` is the local root's ``allow_shared``; ``trust_key``
-    (:mod:`jitwarm.cache.signing`) signs uploads and checks downloads. A store (:mod:`.redis`, :mod:`.s3`)
-    defines how entries are laid out and asked for:
-
-    - ``fetch(key, dest) -> Entry | None``: download ``key``'s entry into the empty staging dir ``dest``,
-      checked before anything is written. None for no entry, one over ``max_bytes``, or one that failed the
-      check (reported, not kept). Raises ``RemoteFailure`` or ``CacheWriteError``; the caller removes ``dest``.
-    - ``lease_class``: its :class:`RenewedLease`, made by :meth:`new_lease`.
-    - ``_connect()`` (a client, connected to nothing yet), ``_errors()`` (the client's exceptions that are
-      faults of the remote), ``_probe()``, ``_present(keys)`` and ``_put_entry(key, manifest, files, signed,
-      uploader)`` (one entry, whole).
+    A store (:mod:`.redis`, :mod:`.s3`) defines ``lease_class``, ``_connect()``, ``_errors()``, ``_probe()``,
+    ``_present(keys)``, ``_put_entry(...)`` and ``fetch(key, dest) -> Entry | None``: the entry downloaded into
+    ``dest`` after every byte is checked; None for none, one over ``max_bytes`` or a rejected one. Raises
+    ``RemoteFailure`` or ``CacheWriteError``; the caller removes ``dest``.
     """
 
     def __init__(self, url: str, prefix: str = "jitwarm", *, required: bool = False, max_bytes: int = 256 << 20,
                  shared: bool = False, count: Callable[..., None] | None = None,
                  trust_key: bytes | None = None, min_rate: int = 1 << 20) -> None:
         self.trust_key = trust_key
-        #: Bytes per second below which a download is a fault of the store (:func:`deadline`; 0: per read only).
         self.min_rate = min_rate
         self.url = url
         self.display = redact(url)
@@ -193,16 +169,12 @@ class StoreBase:
         self._count = count or (lambda name, amount=1: None)
         self._rejected: dict[str, str] = {}  # key -> what identifies an entry already rejected (sha1, ETag)
 
-    def new_lease(self, key: str, ttl_s: float) -> RenewedLease:
-        """Return the fleet build lease of ``key``, of lifetime ``ttl_s``."""
-        return self.lease_class(self, key, ttl_s)
-
     def _describe(self, exc: BaseException) -> str:
         """One line for a client error, after ``<what>: `` in its RemoteFailure."""
         return f"{type(exc).__name__}: {exc}"
 
     def _client(self) -> Any:
-        """The pooled client of this URL, made on first use (importing jitwarm.cache must not cost its import)."""
+        """The pooled client of this URL, made on first use."""
         health = _health(self.url)
         with _HEALTH_LOCK:
             if health.client is None:
@@ -265,10 +237,7 @@ class StoreBase:
                             missing=tuple(k for k, f in zip(keys, found, strict=True) if not f))
 
     def upload(self, entry: Entry) -> bool:
-        """Upload a verified local entry, signed with the fleet key if set; ``RemoteFailure``.
-
-        Its files are read, not hashed again: False (logged) when they changed since, or are over ``max_bytes``.
-        """
+        """Upload a verified local entry (signed); False (logged) if it changed or is too large. ``RemoteFailure``."""
         if entry.size_bytes > self.max_bytes:
             log.info("not uploading cache key %s to %s: %d bytes is over the remote size cap of %d bytes "
                      "(JITWARM_REMOTE_MAX_BYTES)", entry.key, self.display, entry.size_bytes, self.max_bytes)
@@ -317,7 +286,7 @@ def strings(value: object) -> list[str]:
 
 
 def _read(path: Path, size: int) -> tuple[bytes, int]:
-    """Read a file of a local entry to upload it, and its mode (a grown file fails the signature check after)."""
+    """Read a file of a local entry to upload it, and its mode."""
     fd, st = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         return f.read(size + 1), st.st_mode

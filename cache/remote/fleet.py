@@ -1,28 +1,33 @@
 """The fleet protocol: under a host lock, download a key from the remote, or take its lease, build and upload.
 
-:mod:`jitwarm.cache.store.protocol` hands :meth:`Fleet.get_or_build` the :class:`LocalSteps` of the key; this module
-reaches the local root only through those callables, never by import.
+The lease (:class:`RenewedLease`) makes the fleet build each key about once; each store says how a lease is
+taken, read, renewed and deleted. This module reaches the local root only through :class:`LocalSteps`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jitwarm.cache.entry import Entry
-from jitwarm.cache.files import remove_tree
-from jitwarm.cache.locks import OnWait, wait_until
+from jitwarm.cache.files import loads, remove_tree
+from jitwarm.cache.locks import LockHolder, OnWait, this_host, wait_until
 from jitwarm.cache.remote.base import RemoteFailure, StoreBase
-from jitwarm.cache.remote.lease import LeaseWithoutExpiry, RenewedLease
 
 log = logging.getLogger("jitwarm.cache")
 
 #: Waiters on another node's lease poll the remote with this backoff (seconds): first, factor, cap.
 POLL_BACKOFF = (0.05, 1.5, 1.0)
+#: A lease token is a few dozen bytes; only this much of one is read.
+MAX_TOKEN_BYTES = 4096
 
 _warned_lock = threading.Lock()
 _warned: set[str] = set()
@@ -32,9 +37,8 @@ _warned: set[str] = set()
 class LocalSteps:
     """What the local tier hands the fleet protocol for one key, all run under the key's host lock.
 
-    ``new_staging()``: a fresh staging dir named for the key; ``publish(staged)``: rename a checked entry
-    into the root, returning what is published; ``build()``: yield the staging dir to build into, then seal
-    and publish it (``BuildError``), as ``LocalCache._build``.
+    ``new_staging()``: a fresh staging dir; ``publish(staged)``: rename a checked entry into the root;
+    ``build()``: yield the staging dir to build into, then seal and publish it (``BuildError``).
     """
 
     new_staging: Callable[[], Path]
@@ -43,11 +47,7 @@ class LocalSteps:
 
 
 class Fleet:
-    """Gets a key through the remote tier: exactly one build per key across every node sharing the remote.
-
-    A store failure at any step goes to :meth:`StoreBase.failed` (logged once, built locally;
-    ``RemoteUnavailable`` when required). The lease is released (if still ours) on every path.
-    """
+    """Gets a key through the remote tier: one build per key across the fleet; a store failure builds locally."""
 
     def __init__(self, store: StoreBase, *, lease_s: float, count: Callable[..., None]) -> None:
         self.store = store
@@ -58,9 +58,8 @@ class Fleet:
                      on_wait: OnWait | None) -> Generator[Path, None, tuple[Entry, str]]:
         """Download ``key``, else wait for the node that builds it, else build and upload it here.
 
-        Runs under the key's host lock, as the local steps' generator: it yields the staging dir to build into
-        only when this node builds (the lease held meanwhile). Returns ``(entry, "downloaded")`` or ``(entry,
-        "built")``. Raises ``LockTimeout`` (another node kept the lease past ``timeout_s``) or ``BuildError``.
+        Yields the staging dir only when this node builds (the lease held meanwhile); returns ``(entry,
+        outcome)``. Raises ``LockTimeout`` (another node kept the lease past ``timeout_s``) or ``BuildError``.
         """
         if not self.store.usable:
             return (yield from steps.build()), "built"
@@ -71,8 +70,11 @@ class Fleet:
             self._count("remote_misses")
             lease, entry = self._lease_or_download(key, steps, timeout_s, on_wait)  # 2-3. lease, or wait
         except LeaseWithoutExpiry as exc:  # not an outage: this key alone goes local, required or not
-            _warn_once(exc.args[0], f"{exc}: building cache key {key} locally; the lease now expires "
-                       f"in {self.lease_s:.0f} s")
+            with _warned_lock:
+                first = exc.args[0] not in _warned  # warned once per lease name, later at debug level
+                _warned.add(exc.args[0])
+            (log.warning if first else log.debug)("%s: building cache key %s locally; the lease now expires in "
+                                                  "%.0f s", exc, key, self.lease_s)
             return (yield from self._build_and_upload(steps)), "built"
         except RemoteFailure as exc:
             self.store.failed(exc)
@@ -119,7 +121,7 @@ class Fleet:
     def _lease_or_download(self, key: str, steps: LocalSteps, timeout_s: float,
                            on_wait: OnWait | None) -> tuple[RenewedLease | None, Entry | None]:
         """Take the key's lease, or wait (polling with backoff) until its holder's upload can be downloaded."""
-        lease = self.store.new_lease(key, self.lease_s)
+        lease = self.store.lease_class(self.store, key, self.lease_s)
         if lease.try_acquire():
             return lease, None
         lease.check_expiry()
@@ -146,9 +148,86 @@ class Fleet:
             self._count("lock_wait_s", time.monotonic() - start)
 
 
-def _warn_once(what: str, message: str) -> None:
-    """Log ``message`` as a warning the first time ``what`` is seen in this process, later at debug level."""
-    with _warned_lock:
-        first = what not in _warned
-        _warned.add(what)
-    (log.warning if first else log.debug)("%s", message)
+class LeaseWithoutExpiry(RemoteFailure):
+    """Another writer set a key's fleet lease without a TTL: this node builds the key locally (internal)."""
+
+
+class RenewedLease:
+    """The fleet-wide build lease of one cache key, renewed in the background every third of its lifetime.
+
+    Every call but :meth:`release` raises RemoteFailure. A store's lease defines ``_take()`` (what proves it
+    ours, or None), ``_read()`` (the token), ``_renew()`` (False once not ours) and ``_delete(held)``. A lease
+    found taken over sets :attr:`lost`: another node may build the key once more, never a corrupt entry.
+    """
+
+    def __init__(self, store: Any, key: str, ttl_s: float) -> None:
+        self.store = store
+        self.key = key
+        self.name: str = store.lease_name(key)
+        self.ttl_s = max(0.1, float(ttl_s))
+        self.lost = False
+        self._held: Any = None  # what proves the lease ours: our token (Redis) or its ETag (S3)
+        self._since = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def try_acquire(self) -> bool:
+        """Take the lease if nobody holds it (or its holder's expired) and start renewing it."""
+        self._since = time.time()
+        self._held = self._take()
+        if self._held is None:
+            return False
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name=f"jitwarm-lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+        return True
+
+    def holder(self) -> LockHolder | None:
+        """Return who holds the lease now (None if nobody, or an unreadable token)."""
+        return holder_of(self._read())
+
+    def check_expiry(self) -> None:
+        """Heal a lease that would never expire, and raise LeaseWithoutExpiry (here: every lease expires)."""
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours; never raises for store errors."""
+        if self._held is None:
+            return
+        self._stop_renewing()
+        held, self._held = self._held, None
+        try:
+            self._delete(held)
+        except RemoteFailure as exc:  # it expires by itself
+            log.debug("could not release the fleet lease of %s (%s); it expires in %.1f s", self.key, exc,
+                      self.ttl_s)
+
+    def _token(self, **extra: Any) -> bytes:
+        """A new token naming this process as the holder since :meth:`try_acquire`."""
+        record = LockHolder(host=this_host(), pid=os.getpid(), since=self._since)
+        return json.dumps({**record.to_json(), "nonce": secrets.token_hex(8), **extra}).encode()
+
+    def _stop_renewing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if self._renew():
+                    continue
+            except RemoteFailure as exc:  # keep trying: a short outage need not cost the lease
+                log.debug("could not renew the fleet lease of %s: %s", self.key, exc)
+                continue
+            log.warning("fleet lease of cache key %s on %s was lost (held past its %.1f s expiry); another node "
+                        "may build it too", self.key, self.store.display, self.ttl_s)
+            self.lost = True  # after the warning: whoever sees it set can read why
+            return
+
+
+def holder_of(token: bytes | None) -> LockHolder | None:
+    """Who a lease token names, or None for no token or an unreadable one."""
+    try:
+        return LockHolder.from_record(loads(token or b""))
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return None

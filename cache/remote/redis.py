@@ -1,10 +1,7 @@
-"""RemoteStore and FleetLease: the fleet's shared second cache level in Redis, entries as hashes.
+"""RemoteStore and FleetLease: the fleet's shared second cache level in Redis, one hash per entry.
 
-One hash per entry, ``<prefix>:v1:entry:<key>``: ``manifest`` (the entry's ``entry.json``), ``meta`` (uploader,
-executable files) and ``file:<path>`` per file. An upload replaces the whole hash in one MULTI/EXEC and a
-download sizes it, then reads it in one atomic script that checks it is the entry sized, so a reader sees a
-complete entry or none (an LRU evicts it whole).
-The build lease of a key is the string ``<prefix>:v1:lease:<key>``, taken with ``SET NX PX``.
+An upload replaces the whole hash in one MULTI/EXEC and a download sizes it, then reads it in one atomic
+script, so a reader sees a complete entry or none. A key's lease is a string taken with ``SET NX PX``.
 """
 
 from __future__ import annotations
@@ -21,27 +18,22 @@ from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.remote.base import StoreBase, deadline, strings
-from jitwarm.cache.remote.lease import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease
+from jitwarm.cache.remote.fleet import MAX_TOKEN_BYTES, LeaseWithoutExpiry, RenewedLease
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
 
-#: An entry hash has a manifest, a meta field and one field per file; more fields than this is not ours.
 MAX_FIELDS = 100_000
-#: The ``meta`` field (uploader, executable files) is at most this large.
 MAX_META_BYTES = 1 << 20
 #: Deadlines unless the URL sets ``socket_connect_timeout`` / ``socket_timeout`` (redis-py query args).
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 
-# Sizes the entry hash on the server before anything is sent: HGETALL of an entry over the size cap (or of a
-# planted 1 GiB blob) downloaded all of it first. Called twice: with ARGV[6] "" it returns the size, {4, bytes,
-# sha1 of the manifest}, so the download's deadline is sized by it (issue #31: a trickling store held a
-# download for over 300 s); with ARGV[6] that sha1 it returns {5, HGETALL}, in the same atomic step that checks
-# the entry is still the one sized (else {0}: replaced meanwhile, a miss). Other replies: {0} (no entry),
-# {1, what, n, sha1} (malformed: rejected), {2} (the manifest this store rejected before), {3, n} (files total
-# n bytes, over the cap). ARGV: max file bytes, max manifest bytes, max meta bytes, max fields, sha1 of a
-# rejected manifest or "", the sha1 sized.
+# Sizes the entry hash on the server before anything is sent (HGETALL of a planted 1 GiB blob downloaded it all).
+# With ARGV[6] "": {4, bytes, sha1 of the manifest}, to size the download's deadline (issue #31); with ARGV[6]
+# that sha1: {5, HGETALL} if it is still that entry, else {0}. Other replies: {0} (no entry), {1, what, n, sha1}
+# (malformed), {2} (rejected before), {3, n} (over the cap). ARGV: caps (file, manifest, meta, fields), the
+# sha1 of a rejected manifest or "", the sha1 sized.
 _FETCH = """
 local mlen = redis.call('hstrlen', KEYS[1], 'manifest')
 if mlen == 0 then return {0} end
@@ -68,8 +60,7 @@ return {4, files + other + mlen + framing, sha1}
 # stalled past its expiry cannot extend or delete the lease a new holder took meanwhile.
 _EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-# A lease jitwarm sets always expires (SET NX PX). One without a TTL (set by hand, by another tool) would keep
-# every node waiting until its deadline: give it the lease lifetime, so the fleet heals, and say it had none.
+# A lease without a TTL (set by hand) would keep every node waiting: give it one, and say it had none.
 _ADD_EXPIRY = "if redis.call('pttl', KEYS[1]) == -1 then redis.call('pexpire', KEYS[1], ARGV[1]) return 1 end return 0"
 
 
@@ -167,11 +158,9 @@ class RemoteStore(StoreBase):
             return None
 
     def _fetch(self, key: str, args: tuple[object, ...], sha1: str, size: int) -> Any:
-        """One _FETCH call on a connection of its own, ended by the deadline ``size`` bytes earn at the minimum rate.
+        """One _FETCH call on a connection of its own, cut at the deadline ``size`` bytes earn.
 
-        Past it that connection's socket is shut, which ends the blocked read. Shutting the pool's sockets instead
-        also closed those other threads were reading (a status report, a lease's heartbeat): they failed with a
-        bare ``OSError`` (EBADF) that no caller expects.
+        Cutting the pool's sockets instead failed other threads' reads (a lease's heartbeat) with EBADF.
         """
         own: list[Any] = []  # its client, made inside the call: redis-py 5.0 connects as it makes one
 
@@ -223,7 +212,7 @@ def _text(value: object) -> str:
 
 
 def _loads(data: bytes | None) -> dict[str, Any]:
-    """Parse the ``meta`` field; it is informational, so anything malformed (or nested too deep) reads as empty."""
+    """Parse the ``meta`` field; anything malformed reads as empty."""
     with contextlib.suppress(ValueError, TypeError):
         doc = loads(data or b"{}")
         if isinstance(doc, dict):

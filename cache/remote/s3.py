@@ -1,11 +1,10 @@
-"""ObjectStore: the fleet's shared second cache level in an S3 bucket: content-addressed blobs, the record last.
+"""ObjectStore and ObjectLease: the fleet's shared second cache level in an S3 bucket (docs/cache.md).
 
-Under ``s3://BUCKET/PATH/<prefix>/v1/``: ``blobs/<sha256>`` (one file's bytes; entries holding the same bytes
-share it), ``entries/<key>.json`` (the entry's record: its ``entry.json`` text, executable files, uploader) and
-``leases/<key>.json`` (the fleet build lease, :mod:`.s3_lease`). An upload puts the blobs first and the
-record last with ``If-None-Match: *``, so a reader sees a complete entry or none and two publishers of one
-key cannot both win (412: the other node's entry stands). Every read is sized and hashed before anything is
-written locally (docs/cache.md, "Object-store tier").
+Under ``s3://BUCKET/PATH/<prefix>/v1/``: ``blobs/<sha256>``, ``entries/<key>.json`` (the entry's record) and
+``leases/<key>.json``. An upload puts the blobs first and the record last with ``If-None-Match: *``, so a
+reader sees a complete entry or none and two publishers of one key cannot both win. A lease is taken with
+``If-None-Match: *`` and renewed with ``If-Match: <our ETag>``; it expires by the store's clock (its
+Last-Modified against the ``Date`` header), and an expired one is taken over with ``If-Match: <its ETag>``.
 """
 
 from __future__ import annotations
@@ -27,21 +26,23 @@ from jitwarm.cache.errors import CorruptEntry
 from jitwarm.cache.files import loads
 from jitwarm.cache.keys import FORMAT_VERSION
 from jitwarm.cache.remote.base import RemoteFailure, StoreBase, deadline, interrupt, strings
-from jitwarm.cache.remote.s3_lease import ObjectLease
+from jitwarm.cache.remote.fleet import MAX_TOKEN_BYTES, RenewedLease, holder_of
 from jitwarm.cache.signing import check
 
 log = logging.getLogger("jitwarm.cache")
 
-#: An entry record is its manifest as a JSON string (escaping at most doubles it, bar control characters
-#: nobody writes) plus a small ``uploader``/``executable`` part; more than this is not ours.
+#: An entry record is its manifest as a JSON string (escaping at most doubles it) plus a small part.
 MAX_RECORD_BYTES = 4 * MAX_MANIFEST_BYTES + (1 << 20)
 #: Blobs this large or larger go up in parts of this size (S3 caps a single PUT at 5 GiB; parts retry alone).
 MULTIPART_BYTES = 64 << 20
-#: Deadlines and attempts of every request (botocore's "standard" retry mode backs off exponentially on
-#: 500, 503, throttling and connection errors): a fleet start-up must not hang on a dead store.
+#: Deadlines and attempts of every request: a fleet start-up must not hang on a dead store.
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 MAX_ATTEMPTS = 3
+#: Last-Modified and Date have whole-second resolution: a lease is expired only this long after its lifetime.
+CLOCK_RESOLUTION_S = 1.0
+#: A lease naming a longer lifetime than this (planted, or garbled) is held to it: the fleet heals.
+MAX_TTL_S = 3600.0
 
 
 class Got(NamedTuple):
@@ -53,10 +54,7 @@ class Got(NamedTuple):
 
 
 def new_client(read_timeout_s: float | None = None) -> Any:
-    """An S3 client: boto3's own configuration chain (AWS_ENDPOINT_URL, keys, region, profiles).
-
-    ``read_timeout_s``: instead of :data:`READ_TIMEOUT_S` (a multipart upload's completion can take minutes).
-    """
+    """An S3 client from boto3's own configuration chain; ``read_timeout_s``: instead of :data:`READ_TIMEOUT_S`."""
     import boto3  # imported on first use: importing jitwarm.cache must not cost a boto3 import
     from botocore.config import Config
 
@@ -84,6 +82,61 @@ def describe(exc: BaseException) -> str:
 
 def _status(exc: Any) -> int:
     return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+class ObjectLease(RenewedLease):
+    """The fleet build lease of one key in an object store."""
+
+    store: ObjectStore
+
+    def _take(self) -> str | None:
+        etag = self._put(IfNoneMatch="*")
+        if etag is None:
+            current = self._get()
+            if current is None:  # released between our put and our read: one more try
+                etag = self._put(IfNoneMatch="*")
+            elif self._expired(current):
+                etag = self._put(IfMatch=current.etag)
+                if etag is not None:
+                    log.info("took over the expired fleet lease of cache key %s on %s (%s)", self.key,
+                             self.store.display, holder_of(current.body) or "unreadable lease")
+        return etag
+
+    def _read(self) -> bytes | None:
+        current = self._get()
+        return None if current is None else current.body
+
+    def _renew(self) -> bool:
+        """Put the lease again with ``If-Match: <our ETag>``: False (412) once another node took it over."""
+        etag = self._put(IfMatch=self._held or "")
+        if etag is None:
+            return False
+        self._held = etag
+        return True
+
+    def _delete(self, held: str) -> None:
+        current = self._get()
+        # Compare, then delete: a node can take the lease over only once it expired, a lifetime after our
+        # last renewal, so it is still ours between the two calls.
+        if current is not None and current.etag == held and not self.lost:
+            self.store.call("lease", lambda c: c.delete_object(Bucket=self.store.bucket, Key=self.name))
+
+    def _get(self) -> Got | None:
+        return self.store.get(self.name, MAX_TOKEN_BYTES, "lease", clip=True)
+
+    def _put(self, **condition: str) -> str | None:
+        return self.store.put(self.name, self._token(ttl_s=self.ttl_s), "lease", **condition)
+
+    def _expired(self, current: Got) -> bool:
+        """Whether ``current`` outlived its holder's lifetime (ours when it names none), by the store's clock."""
+        ttl = self.ttl_s
+        try:
+            named = float(loads(current.body)["ttl_s"])
+            if 0 < named:
+                ttl = min(named, MAX_TTL_S)
+        except (TypeError, ValueError, KeyError, OverflowError):
+            pass
+        return current.age_s > ttl + CLOCK_RESOLUTION_S
 
 
 class ObjectStore(StoreBase):
@@ -117,10 +170,7 @@ class ObjectStore(StoreBase):
         self.call("check", lambda c: c.head_bucket(Bucket=self.bucket))
 
     def get(self, name: str, limit: int, what: str, *, clip: bool = False) -> Got | None:
-        """Read object ``name`` (None if absent); RemoteFailure for a store fault or a body cut short.
-
-        A body over ``limit`` is ``CorruptEntry`` (never read), or with ``clip`` its first ``limit`` bytes.
-        """
+        """Read object ``name`` (None if absent); RemoteFailure. Over ``limit``: ``CorruptEntry``, or ``clip``ped."""
         def read(client: Any) -> Got | None:
             try:
                 reply = client.get_object(Bucket=self.bucket, Key=name)
@@ -143,11 +193,7 @@ class ObjectStore(StoreBase):
         return self.call(what, read)
 
     def put(self, name: str, body: bytes, what: str, **condition: str) -> str | None:
-        """PUT ``body`` at ``name``, under a condition if given (``IfNoneMatch="*"``, ``IfMatch=etag``).
-
-        Returns its new ETag, or None when the condition failed (412, or 409 for a concurrent conditional
-        write). RemoteFailure for anything else.
-        """
+        """PUT ``body`` at ``name`` under ``condition``; its new ETag, or None when the condition failed (409, 412)."""
         checksum = base64.b64encode(hashlib.sha256(body).digest()).decode()
 
         def write(client: Any) -> str | None:
@@ -162,10 +208,7 @@ class ObjectStore(StoreBase):
         return self.call(what, write)
 
     def fetch(self, key: str, dest: Path) -> Entry | None:
-        """Download ``key``'s entry as :meth:`StoreBase.fetch` says: the record, then each blob sized and hashed.
-
-        With a required store, an entry that failed the check is ``RemoteFailure`` naming the bad object.
-        """
+        """Download ``key``'s entry (:meth:`StoreBase.fetch`); a rejected one is ``RemoteFailure`` if required."""
         got = self.get(self.entry_name(key), MAX_RECORD_BYTES, "download", clip=True)
         if got is None or self._rejected.get(key) == got.etag:
             return None  # nothing there, or the record we rejected before: not worth a download
@@ -202,10 +245,7 @@ class ObjectStore(StoreBase):
 
     def _put_entry(self, key: str, manifest: bytes, files: list[tuple[FileRecord, bytes]],
                    signed: dict[str, Any], uploader: dict[str, Any]) -> None:
-        """Blobs first, the record last and only if absent (another node's record that won stands).
-
-        A record this store rejected is replaced, blobs and all, only if it is still that record (``If-Match``).
-        """
+        """Blobs first, the record last and only if absent; a record rejected here is replaced (``If-Match``)."""
         replacing = self._rejected.get(key)
         for sha256, data in {rec.sha256: data for rec, data in files}.items():
             self._put_blob(sha256, data, overwrite=replacing is not None)

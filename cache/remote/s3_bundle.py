@@ -1,12 +1,7 @@
-"""Bundles in the object store: ``export s3://BUCKET/KEY.tar`` and ``import`` / ``prestart --bundle s3://...``.
+"""Bundles in the object store, streamed both ways: a multipart upload, and the object's body into the unpacker.
 
-Both stream, never a local copy: the tar goes up as a multipart upload one :data:`PART_BYTES` part at a time,
-and comes down from the object's body into the validating unpacker (:func:`jitwarm.cache.bundle.unpack_stream`),
-which hashes every byte so a ``--sha256`` pin is compared before anything is published. The object appears
-only when its upload completes: an export cut short (a store fault, a full disk, Ctrl-C) aborts it. A store
-fault (down, 403, a body cut short, a read slower than ``JITWARM_REMOTE_MIN_RATE``) is :class:`BundleStoreError`
-(exit 1) naming it; a bad bundle stays the
-unpacker's ``CacheError`` (exit 4 from the CLI).
+The object appears only when its upload completes. A store fault is :class:`BundleStoreError` (exit 1); a bad
+bundle stays the unpacker's ``CacheError``.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ from jitwarm.cache.settings import SettingError, remote_min_rate
 
 #: Size of each uploaded part (S3: 5 MiB at least but the last, 10,000 parts at most: 640 GiB at 64 MiB).
 PART_BYTES = MULTIPART_BYTES
-#: The read deadline of CompleteMultipartUpload: S3 "could take several minutes" to assemble the parts
-#: (CompleteMultipartUpload API reference); under the tier's 10 s, a 1 GiB bundle's completion on moto timed
-#: out, was retried and failed with 500.
+#: The read deadline of CompleteMultipartUpload, which "could take several minutes" (S3 API reference): under
+#: the tier's 10 s, a 1 GiB bundle's completion on moto timed out, was retried and failed with 500.
 COMPLETE_TIMEOUT_S = 600.0
 
 
@@ -53,10 +47,7 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = None) -> str:
-    """Stream ``entries`` as one tar (gzip'd for ``.gz``/``.tgz``) to the object ``url``; return its sha256.
-
-    ``BundleStoreError`` for a store fault (no object is left), ``CacheError`` for an unreadable entry file.
-    """
+    """Stream ``entries`` as one tar to the object ``url``; return its sha256. ``BundleStoreError``, ``CacheError``."""
     out = _MultipartWriter(url)
     try:
         with tarfile.open(fileobj=out, mode="w|gz" if is_gzip_name(url) else "w|", format=tarfile.PAX_FORMAT) as tar:
@@ -70,11 +61,7 @@ def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = N
 
 @contextlib.contextmanager
 def open_bundle(url: str) -> Iterator[Any]:
-    """Yield the body of the object ``url`` as a stream (``read(n)``); close it after.
-
-    ``UsageError`` (exit 2) for no such object, ``BundleStoreError`` for a store fault, then or while reading
-    (a body shorter than its ``Content-Length`` included).
-    """
+    """Yield the body of the object ``url`` as a stream; ``UsageError`` (no such object), ``BundleStoreError``."""
     bucket, key = split_url(url)
     client = _client(url)
     try:
@@ -85,7 +72,7 @@ def open_bundle(url: str) -> Iterator[Any]:
         raise BundleStoreError(f"cannot read bundle {url}: {describe(exc)}") from exc
     size = int(reply.get("ContentLength") or 0)
     body = _Body(reply["Body"], size, url)
-    try:  # the whole read has its deadline (JITWARM_REMOTE_MIN_RATE), not only each socket read
+    try:
         with deadline(f"cannot read bundle {url}", size, s3.READ_TIMEOUT_S, remote_min_rate(),
                       lambda: interrupt(reply["Body"])):
             yield body
@@ -97,7 +84,7 @@ def open_bundle(url: str) -> Iterator[Any]:
 
 
 def _client(url: str, read_timeout_s: float | None = None) -> Any:
-    """A new S3 client for bundle ``url``; SettingError without boto3, BundleStoreError for a bad configuration."""
+    """A new S3 client for bundle ``url``; SettingError without boto3, BundleStoreError."""
     try:
         return new_client(read_timeout_s)
     except ImportError:
@@ -169,7 +156,7 @@ class _MultipartWriter:
         self._upload_id = None
 
     def abort(self) -> None:
-        """Abort an upload begun and not completed (best effort: a lifecycle rule reaps what this cannot)."""
+        """Abort an upload begun and not completed (best effort)."""
         if self._upload_id is not None:
             with contextlib.suppress(Exception):
                 self._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)

@@ -24,12 +24,9 @@ from jitwarm.cache.store.protocol import LocalCache
 class KernelCache(LocalCache):
     """The shared, content-addressed kernel cache (docs/cache.md).
 
-    Each argument left None is read from its setting (:mod:`jitwarm.cache.settings`): ``root``
-    (``JITWARM_CACHE_DIR``), ``layers`` (``JITWARM_CACHE_PATH``; ``()`` for none), ``lock_dir``
-    (``JITWARM_LOCK_DIR``, else ``<root>/v1/locks``), the remote ones (``""``: no remote) only with a remote.
-    ``read_only``: lookups only (a miss in ``get_or_build`` raises); ``allow_shared``: accept what other
-    users can write. ``SettingError`` when a setting does not parse. Construction touches no file and
-    connects to nothing; instances are thread-safe (two threads exclude each other like two processes).
+    Each argument left None is read from its ``JITWARM_*`` setting (``remote=""``: no remote); ``read_only``:
+    lookups only; ``allow_shared``: accept what other users can write. ``SettingError`` when a setting does
+    not parse. Construction touches no file and connects to nothing; instances are thread-safe.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None,
@@ -71,9 +68,7 @@ class KernelCache(LocalCache):
                stamped: bool = False) -> VerifyReport:
         """Re-hash every copy of ``keys`` (default: every entry and shard); ``repair``: quarantine corrupt ones.
 
-        ``stamped``: a copy this host hashed, whose files' stat signature is unchanged since (its stamp), is
-        not hashed again, as a lookup trusts it (``prestart`` after its import: each file hashed once).
-        ``CacheError`` only for an untrusted directory.
+        ``stamped``: a copy whose stamp still matches is not hashed again. ``CacheError`` for an untrusted directory.
         """
         return verify_copies(self, None if keys is None else sorted({check_key(k) for k in keys}),
                              repair=repair, stamped=stamped)
@@ -82,8 +77,7 @@ class KernelCache(LocalCache):
               grace_s: float | None = None) -> PruneReport:
         """Remove root entries least recently used first (to ``max_bytes``, or unused ``older_than_s``).
 
-        Keeps an entry locked, claimed or used within ``grace_s`` (``JITWARM_PRUNE_GRACE_S``); also removes
-        dead builders' staging dirs and, with ``older_than_s``, old quarantined copies. ``CacheError`` (a
+        Keeps an entry locked, claimed or used within ``grace_s`` (``JITWARM_PRUNE_GRACE_S``). ``CacheError`` (a
         read-only cache), ``UntrustedPath`` (the lock dir).
         """
         self._require_writable("prune")
@@ -112,14 +106,11 @@ class KernelCache(LocalCache):
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
     def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
-        """Write the entries of ``keys`` (signed, with a fleet key) to one relocatable tar, gzip'd for .gz/.tgz.
-
-        ``CacheError`` for a missing or corrupt key, ``CacheWriteError`` (no partial file is left).
-        """
+        """Write the entries of ``keys`` to one relocatable tar; ``CacheError`` (a missing key), ``CacheWriteError``."""
         return bundle.write_bundle(self._entries(keys, path), settings.absolute_path(path), trust_key=self.trust_key())
 
     def export_bundle_to_store(self, keys: Iterable[str], url: str) -> str:
-        """Stream the entries of ``keys`` as one bundle to the object ``s3://BUCKET/KEY.tar``; return its sha256.
+        """Stream the entries of ``keys`` to the object ``s3://BUCKET/KEY.tar``; return its sha256.
 
         ``CacheError`` for a missing key, ``BundleStoreError`` (a store fault: no object is left).
         """
@@ -128,7 +119,7 @@ class KernelCache(LocalCache):
         return upload_bundle(url, self._entries(keys, url), trust_key=self.trust_key())
 
     def _entries(self, keys: Iterable[str], dest: object) -> list[Entry]:
-        """The entries of ``keys`` in key order, for an export to ``dest``; CacheError naming missing ones."""
+        """The entries of ``keys`` in key order; CacheError naming missing ones."""
         found = {k: self.lookup(k) for k in sorted({check_key(k) for k in keys})}
         missing = [k for k, e in found.items() if e is None]
         if missing:
@@ -140,10 +131,8 @@ class KernelCache(LocalCache):
                       sha256: str | None = None) -> ImportReport:
         """Import a bundle (a file, or an object ``s3://BUCKET/KEY.tar``): nothing published before all verified.
 
-        Each key the root and layers lack is published by a rename under its lock. ``sha256``: a bundle that
-        does not hash to it is refused before anything is unpacked. Raises ``CacheError`` (a bad bundle:
-        nothing imported; a read-only cache), ``CacheWriteError``, ``LockTimeout``; with a fleet key,
-        ``UntrustedEntry`` (exit 4) for an entry whose signature is missing or does not verify; from the
+        ``sha256``: the pin the bundle must hash to. Raises ``CacheError`` (a bad bundle, a read-only cache),
+        ``CacheWriteError``, ``LockTimeout``, ``UntrustedEntry`` (exit 4: unsigned under a fleet key); from the
         object store, ``BundleStoreError`` for a fault and ``UsageError`` for no such object.
         """
         self._require_writable("import a bundle")
@@ -152,7 +141,7 @@ class KernelCache(LocalCache):
         self._prepare_root()
         staging = self.new_staging(BUNDLE_TAG)
         try:
-            if is_bundle_url(path):  # read as a stream, hashed as read: nothing published before the pin is met
+            if is_bundle_url(path):
                 with open_bundle(str(path)) as body:
                     staged = bundle.unpack_stream(body, str(path), staging, **caps)
             else:
@@ -172,16 +161,12 @@ class KernelCache(LocalCache):
         return write_plan_record(self.layout, plan_id, record)
 
     def prepare_root(self) -> None:
-        """Create and trust-check the root's top folders now: RootNotWritable (exit 2) where it cannot be.
-
-        The command line asks it before a warm or a server start, so an unwritable ``--cache-dir`` is one line,
-        not one failure per spec after the work (issue #31).
-        """
+        """Create and trust-check the root's top folders now: RootNotWritable (exit 2) if it cannot be (issue #31)."""
         self._require_writable("write entries")
         self._prepare_root()
 
     def read_fact(self, name: str) -> str | None:
-        """A fact kept by :meth:`write_fact`, or None (also unreadable, untrusted); ValueError for a bad name."""
+        """A fact kept by :meth:`write_fact`, or None; ValueError for a bad name."""
         return read_fact(self.layout, name, allow_shared=self.allow_shared)
 
     def write_fact(self, name: str, value: str) -> None:
@@ -193,7 +178,7 @@ class KernelCache(LocalCache):
             write_fact(self.layout, name, value)
 
     def read_plan_record(self, plan_id: str) -> dict[str, Any] | None:
-        """The plan record from the root, else the first layer that has it, else None (a bad one is skipped)."""
+        """The plan record from the root, else the first layer that has it, else None."""
         return read_plan_record([layout for layout, _ in self.search_order], plan_id)
 
     def _require_writable(self, what: str) -> None:

@@ -31,9 +31,7 @@ our staged copy. A thread must not build or discard a key inside its own claim o
 conflict within a process: it waits out its deadline). The stat signature trusts that whoever can rewrite
 a file and restore its ctime is already root.
 
-:class:`LocalCache` runs it on one root and its layers: reading them (lookup, verify-on-read, claims, discard) is
-:class:`~.reading.CacheReader`'s, get-or-build is below. :class:`~.kernel_cache.KernelCache` is the same class
-with its settings, a remote tier (whose lease a build here holds, :mod:`jitwarm.cache.remote.fleet`) and bundles.
+Reads are :class:`~.reading.CacheReader`'s; get-or-build is :class:`LocalCache`'s, below.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -51,7 +49,6 @@ from jitwarm.cache.entry import Entry, seal, unchanged, verify_entry
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, RootNotWritable
 from jitwarm.cache.files import fsync_dir, refresh_dir, remove_tree
 from jitwarm.cache.keys import check_key, key_of, key_preimage, keyed
-from jitwarm.cache.layout import RootLayout
 from jitwarm.cache.locks import KeyLock, LockHolder, OnWait, ready_lock_dir, wait_until
 from jitwarm.cache.maintenance import sweep_staging
 from jitwarm.cache.remote.fleet import LocalSteps
@@ -63,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jitwarm.cache")
 
 BuildFn = Callable[[Path], None]
-#: A reservation's steps (:meth:`LocalCache._reserving`): yields the staging dir, returns ``(entry, outcome)``.
+#: A reservation's steps: yields the staging dir, returns ``(entry, outcome)``.
 Steps = Generator[Path, None, tuple[Entry, str]]
 # NFS can hide a just-renamed directory from other clients for a moment (DeepEP #683): look again.
 NFS_RETRY_DELAYS_S = (0.02, 0.05, 0.1, 0.2)
@@ -79,54 +76,31 @@ class CacheResult(NamedTuple):
 
 
 class LocalCache(CacheReader):
-    """The protocol above on one root and its layers: the reads of :class:`.CacheReader`, then get-or-build.
+    """The protocol above on one root and its layers; ``read_only``: a miss in ``get_or_build`` raises."""
 
-    ``read_only``: lookups only (a miss in ``get_or_build`` raises).
-    """
+    _fleet: Fleet | None = None  # the remote tier (KernelCache), whose lease a build here holds
 
-    def __init__(self, layout: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
-                 allow_shared: bool) -> None:
-        super().__init__(layout, layers, lock_dir, read_only=read_only, allow_shared=allow_shared)
-        self._fleet: Fleet | None = None  # a remote tier's leases (KernelCache), held around a build here
-
-    def key(self, description: Mapping[str, Any]) -> str:
-        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
-        return key_of(description)
-
-    def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
-        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
-        return key_preimage(description)
+    key = staticmethod(key_of)
+    key_preimage = staticmethod(key_preimage)
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
         """Return the entry of ``description``, running ``build(staging_dir)`` here if no process has.
 
-        ``build`` writes regular files (no links, no ``entry.json``), only under the key's lock. ``timeout_s``
-        bounds the wait for another holder, not our build; ``on_wait(holder)`` is called once when we wait;
-        ``key``: ``cache.key(description)``, computed by the caller (checked before a build).
+        ``build`` writes regular files (no links, no ``entry.json``). ``timeout_s`` bounds the wait for another
+        holder, not our build; ``on_wait(holder)`` is called once when we wait; ``key``: precomputed.
 
-        Raises
-        ------
-        LockTimeout
-            Another holder kept the key past ``timeout_s``.
-        BuildError
-            ``build`` raised (chained) or wrote nothing usable; nothing is published.
-        CacheError
-            A miss in a read-only cache, an untrusted directory, an unusable lock dir; ``CacheWriteError``;
-            ``RemoteUnavailable`` when a required remote fails.
-        TypeError, ValueError
-            ``description`` is not plain JSON; ``key`` is not this description's.
-
+        Raises ``LockTimeout`` (another holder kept the key past ``timeout_s``), ``BuildError`` (``build`` raised
+        or wrote nothing usable: nothing is published), ``CacheError`` (a miss in a read-only cache, an
+        untrusted directory, ``CacheWriteError``, a required remote's ``RemoteUnavailable``), TypeError or
+        ValueError (not plain JSON; a wrong ``key``).
         """
         return self.get_or_build_ex(description, build, timeout_s, on_wait, key=key).entry
 
     def get_or_build_ex(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                         on_wait: OnWait | None = None, *, key: str | None = None, missed: bool = False
                         ) -> CacheResult:
-        """Like :meth:`get_or_build`, returning ``CacheResult(entry, outcome)``.
-
-        ``missed``: the caller has just looked ``key`` up in vain, so only the look under the lock is made.
-        """
+        """:meth:`get_or_build` returning ``CacheResult``; ``missed``: the caller just looked ``key`` up in vain."""
         reservation = self.reserve(description, timeout_s, on_wait, key=key, missed=missed)
         if reservation.staging is not None:
             try:
@@ -138,11 +112,9 @@ class LocalCache(CacheReader):
 
     def reserve(self, description: Mapping[str, Any], timeout_s: float = 600.0, on_wait: OnWait | None = None, *,
                 key: str | None = None, missed: bool = False) -> Reservation:
-        """The entry of ``description`` if it is there (``result``), else its build reserved to the caller.
+        """The entry of ``description`` (``result``), else its build reserved to the caller (:class:`Reservation`).
 
-        A reservation with a ``staging`` directory holds the key's lock (and fleet lease): write the build
-        there, then ``publish()`` (``BuildError`` if it is unusable), ``fail(exc)`` or ``abandon()``; see
-        :class:`Reservation`. Raises as :meth:`get_or_build` does before a build.
+        Raises as :meth:`get_or_build` does before a build.
         """
         key = key_of(description) if key is None else check_key(key)
         entry = None if missed else self.lookup(key)                          # 1. lock-free lookup
@@ -179,13 +151,9 @@ class LocalCache(CacheReader):
 
     def _reserving(self, key: str, description: Mapping[str, Any], timeout_s: float, on_wait: OnWait | None
                    ) -> Steps:
-        """Steps 2-7 after a lock-free miss, as :class:`Reservation` runs them.
+        """Steps 2-7 after a lock-free miss: return ``(entry, outcome)``, or yield a staging dir under the lock.
 
-        Returns ``(entry, outcome)`` at once when the key is there (or another node's upload is); else yields
-        a fresh staging directory, the key's lock (and its fleet lease) held, for the build to write into:
-        sent None, it seals, publishes (and uploads) what is there; thrown the build's exception, it raises
-        ``BuildError`` from it; closed, it publishes nothing. The lock is released on every path. A waiter
-        stops once the holder's entry shows.
+        Sent None, it publishes what was built; thrown the build's exception, ``BuildError``; closed, nothing.
         """
         self._prepare_root()
         waited, found = False, []
@@ -197,7 +165,7 @@ class LocalCache(CacheReader):
             if on_wait is not None:
                 on_wait(holder)
 
-        def published() -> bool:  # waiters need not queue on the lock once the holder's entry is visible
+        def published() -> bool:  # a waiter stops once the holder's entry shows
             found[:] = [e for e in (self.lookup(key),) if e is not None]
             return bool(found)
 
@@ -224,11 +192,11 @@ class LocalCache(CacheReader):
             left = max(0.0, timeout_s - (time.monotonic() - start))
             return (yield from self._fleet.get_or_build(key, steps, left, None if waited else on_wait))  # or fleet's
         finally:
-            self.layout.drop_staging()  # the staged dir was published or removed: no empty staging/ is left
+            self.layout.drop_staging()  # no empty staging/ is left
             lock.release()                                                                 # 7. release
 
     def _prepare_root(self) -> None:
-        """Create and trust-check the root's top directories and the lock dir (nothing exists before a write)."""
+        """Create and trust-check the root's top directories and the lock dir."""
         try:
             self.layout.ensure(self.layout.entries)
             ready_lock_dir(self.lock_dir, shared=self.allow_shared)
@@ -238,7 +206,7 @@ class LocalCache(CacheReader):
         self.check_root(self.layout)
 
     def _look_again(self, key: str, *, retry: bool) -> Entry | None:
-        """Look up under the lock; with ``retry``, a few more times to outwait NFS attribute caching."""
+        """Look up under the lock; with ``retry``, a few more times (NFS attribute caching)."""
         entry = self.lookup(key, locked=True)
         for delay in NFS_RETRY_DELAYS_S if retry and entry is None else ():
             time.sleep(delay)
@@ -249,11 +217,7 @@ class LocalCache(CacheReader):
         return entry
 
     def _build(self, key: str, description: Mapping[str, Any]) -> Generator[Path, None, Entry]:
-        """Yield a staging dir to build into, then seal and publish it (we hold the key's lock).
-
-        ValueError for another description's key; ``BuildError`` from an exception thrown in (the build's) or
-        a build that left nothing usable.
-        """
+        """Yield a staging dir to build into, then seal and publish it; ValueError (wrong key), ``BuildError``."""
         actual, preimage = keyed(description)
         if actual != key:
             raise ValueError(f"key {key} is not the key of this description ({actual}); pass cache.key(description)")
@@ -283,11 +247,10 @@ class LocalCache(CacheReader):
             raise CacheWriteError.of("create the staging directory", exc, self.layout.staging) from exc
 
     def _publish(self, staged: Entry, *, keep_fallback: bool) -> Entry:
-        """Rename a sealed, downloaded or unpacked entry into place (we hold the lock); return what is published.
+        """Rename a staged entry into place (we hold the lock); return what is published.
 
-        A rename keeps inodes and times, so an unchanged signature proves it is what was hashed. A lost race
-        (another host's lock dir) is success; a winner that stays invisible (NFS, DeepEP #683) means serving
-        our staged copy (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
+        A lost race is success; a winner that stays invisible (NFS, DeepEP #683) means serving our staged copy
+        (DeepEP PR #684), or ``CacheError`` without ``keep_fallback``.
         """
         final = self.layout.entry_dir(staged.key)
         for _attempt in range(2):
@@ -295,8 +258,7 @@ class LocalCache(CacheReader):
                 self.layout.ensure(final.parent)
                 staged.path.rename(final)
             except OSError as exc:
-                # EACCES/EPERM over an existing entry: a corrupt one that could not be quarantined (another
-                # user's in a shared root) sits there; like a lost race, look again, then serve our own copy.
+                # EACCES/EPERM over an existing entry: another user's corrupt one sits there; a lost race too.
                 lost = exc.errno in (errno.EEXIST, errno.ENOTEMPTY) or (
                     exc.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(final))
                 if not lost:
@@ -308,7 +270,7 @@ class LocalCache(CacheReader):
                 continue
             fsync_dir(final.parent)
             entry = replace(staged, path=final)
-            if not unchanged(entry):
+            if not unchanged(entry):  # a rename keeps inodes and times
                 entry = verify_entry(final, staged.key, allow_shared=self.allow_shared)
             self._remember(entry)
             return entry
@@ -319,11 +281,8 @@ class LocalCache(CacheReader):
         return staged
 
     def publish_new(self, staged: Entry, timeout_s: float) -> bool:
-        """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout.
-
-        An entry that is there already is found without the lock: a reader's claim (a shared lock) would hold
-        the import up. One that is not is looked up once, under the lock.
-        """
+        """Publish a verified bundle entry under its lock; False if the key is available already. LockTimeout."""
+        # An entry there already is found without the lock: a reader's claim would hold the import up.
         there = any(os.path.lexists(layout.entry_dir(staged.key)) for layout, _ in self.search_order)
         if there and self.lookup(staged.key) is not None:
             return False
@@ -336,13 +295,10 @@ class LocalCache(CacheReader):
 
 
 class Reservation:
-    """One key got or reserved (``KernelCache.reserve``): ``result`` when it is there, else ``staging``.
+    """One key got (``result``) or reserved: then the key's lock (and fleet lease) is held for ``staging``.
 
-    Reserved, the key's lock (and with a remote tier its fleet lease) is held until :meth:`publish` seals and
-    publishes what was written into ``staging`` (and uploads it), :meth:`fail` says the build raised, or
-    :meth:`abandon` drops it; each releases the lock, as a reservation nobody ends does when it is collected.
-    ``KernelCache.get_or_build`` is a reservation whose build runs at once; Triton's compile, which
-    ``get_group`` starts and ``put_group`` ends, is one ended later (kernels/libraries/triton/cache.py).
+    :meth:`publish`, :meth:`fail` or :meth:`abandon` ends it and releases the lock, as being collected does.
+    Triton's compile is one that ``get_group`` starts and ``put_group`` ends (kernels/libraries/triton/cache.py).
     """
 
     def __init__(self, steps: Steps | None, result: tuple[Entry, str] | None = None) -> None:
@@ -367,16 +323,13 @@ class Reservation:
         raise RuntimeError("a reservation asked for a second build")
 
     def fail(self, exc: BaseException) -> None:
-        """The build into ``staging`` raised ``exc``: nothing is published.
-
-        Raises ``BuildError`` from it (an ``Exception``), or ``exc`` itself (a ``KeyboardInterrupt``).
-        """
+        """The build raised ``exc``: nothing is published; raises ``BuildError`` from it, or a ``BaseException``."""
         steps, self._steps, self.staging = self._ongoing(), None, None
         steps.throw(exc)
         raise RuntimeError("a failed build was published")  # the steps always raise what was thrown in
 
     def abandon(self) -> None:
-        """Drop the reservation, publishing nothing (idempotent; nothing to do once it ended)."""
+        """Drop the reservation, publishing nothing (idempotent)."""
         steps, self._steps, self.staging = self._steps, None, None
         if steps is not None:
             steps.close()

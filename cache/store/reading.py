@@ -1,8 +1,4 @@
-"""Reading one cache: lookup with verify-on-read, stamps and touches, claims and discard.
-
-Invariants 3 to 5 of the design note (:mod:`.protocol`): an entry is returned only once hashed here or
-unchanged since this host hashed it, a reader holds a shared claim, a corrupt copy is a miss.
-"""
+"""Reading one cache (invariants 3 to 5 of :mod:`.protocol`): lookup with verify-on-read, claims and discard."""
 
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ log = logging.getLogger("jitwarm.cache")
 TOUCH_INTERVAL_S = 60.0
 #: A last use found younger than this is not touched again: TP ranks starting together touch an entry once.
 RECENT_USE_S = 30.0
-#: How long a touch waits for a prune that holds the key's lock (it then finds the entry gone, or kept).
 TOUCH_WAIT_S = 10.0
 
 
@@ -61,26 +56,19 @@ class CacheStats:
 
 
 class CacheReader:
-    """The entries of one root (writable or not) and its read-only layers, as :class:`.LocalCache` reads them.
-
-    Lookups raise only for an untrusted directory; quarantine, stamps and touches are best effort and never raise.
-    ``read_only``: never writes an entry; ``allow_shared``: accept what other users can write. Thread-safe: two
-    threads exclude each other like two processes.
-    """
+    """The entries of one root and its read-only layers; lookups raise only for an untrusted directory."""
 
     def __init__(self, layout: RootLayout, layers: Sequence[RootLayout], lock_dir: Path, *, read_only: bool,
                  allow_shared: bool) -> None:
-        #: The writable root's paths, and the root itself.
         self.layout, self.root = layout, layout.root
         self.lock_dir = lock_dir
         self.read_only = read_only
         self.allow_shared = allow_shared
-        #: ``(layout, read_only)`` of the root, then each layer.
         self.search_order = [(layout, read_only), *((layer, True) for layer in layers)]
         self._counts: dict[str, float] = {f.name: 0 for f in fields(CacheStats)}
         self._counts_lock = threading.Lock()
         self._trust_key: tuple[bytes | None] | None = None
-        # what this instance knows of the entries (a memo: never the truth, always checked)
+        # what this instance knows of the entries: a memo, always checked
         self._mutex = threading.Lock()
         self._verified: dict[Path, Entry] = {}
         self._rejected: set[tuple[Path, Signature]] = set()
@@ -105,10 +93,7 @@ class CacheReader:
             return CacheStats(**self._counts)  # type: ignore[arg-type]
 
     def lookup(self, key: str, *, locked: bool = False) -> Entry | None:
-        """The verified entry of ``key`` from the root or a layer, or None (``locked``: we hold the key).
-
-        ValueError for a malformed key; ``CacheError`` for an untrusted directory.
-        """
+        """The verified entry of ``key`` from the root or a layer, or None; ValueError, ``CacheError`` (untrusted)."""
         check_key(key)
         for layout, read_only in self.search_order:
             with self._mutex:
@@ -123,8 +108,8 @@ class CacheReader:
     def claim(self, entry: Entry, *, timeout_s: float = 600.0) -> Iterator[Entry | None]:
         """``with cache.claim(entry) as claimed:``: ``entry`` kept from prune and quarantine while it is read.
 
-        Yields None when its files are no longer the ones hashed (get it again). Discard or rebuild the key
-        only after the block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
+        Yields None when its files are no longer the ones hashed. Discard or rebuild the key only after the
+        block (they wait for this claim). ``LockTimeout``, ``CacheError`` (no flock here).
         """
         if self._was_rejected(entry):
             yield None
@@ -144,11 +129,7 @@ class CacheReader:
             claim.release()
 
     def discard(self, entry: Entry, reason: str, *, timeout_s: float = 600.0) -> None:
-        """Set aside an entry its caller cannot use (one dlopen rejects): quarantined, or skipped in a layer.
-
-        The root's is quarantined if unchanged; a layer's (or a read-only cache's) is skipped from now on.
-        ``LockTimeout`` (the entry is skipped all the same).
-        """
+        """Set aside an entry its caller cannot use: quarantined if unchanged, else (a layer's) skipped; LockTimeout."""
         with self._mutex:
             self._rejected.add((entry.path, entry.signature))
         if entry.read_only or self.read_only or entry.path != self.layout.entry_dir(entry.key):
@@ -163,7 +144,7 @@ class CacheReader:
 
     def check_copy(self, layout: RootLayout, key: str, *, read_only: bool, locked: bool, stamped: bool = False,
                    repair: bool = True) -> tuple[Entry | None, str | None]:
-        """Verify one copy: ``(entry, None)``, ``(None, why)`` when corrupt (quarantined or skipped), or a miss.
+        """Verify one copy: ``(entry, None)``, ``(None, why)`` when corrupt, or ``(None, None)`` (a miss).
 
         ``stamped``: a copy whose stamp matches its files is not hashed; ``repair=False`` writes nothing.
         """
@@ -195,15 +176,12 @@ class CacheReader:
                 quarantine(layout, self.lock_dir, key, path, why, read_only=read_only, repair=repair,
                            locked=locked, shared=self.allow_shared)
                 return None, why
-        self._check_signed(layout, entry)
+        if layout is not self.layout and self.allow_shared and (fleet_key := self.trust_key()) is not None:
+            # a shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies
+            check_local(fleet_key, entry, signature_path(layout.base, key),
+                        f"entry {key} of shared layer {layout.root}")
         self._remember(entry, stamp=hashed and repair, last_use=None if hashed else st.st_mtime)
         return entry, None
-
-    def _check_signed(self, layout: RootLayout, entry: Entry) -> None:
-        """A shared layer's entry under a fleet key: UntrustedEntry (exit 4) unless its signature verifies."""
-        if layout is not self.layout and self.allow_shared and (key := self.trust_key()) is not None:
-            check_local(key, entry, signature_path(layout.base, entry.key), f"entry {entry.key} of shared "
-                        f"layer {layout.root}")
 
     def bad_shard(self, layout: RootLayout, shard: Path, *, read_only: bool,
                   repair: bool) -> tuple[Entry | None, str | None]:
@@ -248,10 +226,7 @@ class CacheReader:
             self._verified.pop(path, None)
 
     def _touch(self, entry: Entry, *, locked: bool = False) -> bool:
-        """Set the entry directory's mtime as its last use (noatime mounts too), rate-limited; False if gone.
-
-        Under the key's shared claim (unless ``locked``: we hold the key), for invariant 4.
-        """
+        """Set the entry directory's mtime as its last use under a claim (invariant 4), rate-limited; False if gone."""
         if entry.read_only:
             return True
         now = time.time()
