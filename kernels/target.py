@@ -1,8 +1,4 @@
-"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``), parsed in one place for plan and dispatch.
-
-The node's GPUs are probed here too, once per process (:func:`local_gpus`): the plan's default target and
-memory, and the fingerprint's arch and driver, read the same answer.
-"""
+"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``); and the node's GPUs, probed once."""
 
 from __future__ import annotations
 
@@ -38,9 +34,7 @@ class Target:
         Raises
         ------
         TargetError
-            Not ``cpu`` or ``sm_XY``; an arch below sm_75; an arch-specific ``sm_XYa`` name, which the
-            run time never reports (a device is ``sm_90``; Triton picks ``sm_90a`` code for it by itself),
-            so a plan for it could never match at capture.
+            Not ``cpu`` or ``sm_XY``; below sm_75; or ``sm_XYa``, which no device reports, so it never matches.
 
         """
         if not isinstance(text, str):
