@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from jitwarm.kernels.backend import SpecError
 from jitwarm.kernels.spec import KernelSpec, ModelDims, VerifyLayout
+from jitwarm.kernels.target import Target, TargetError
 
 Rule = Callable[[VerifyLayout, ModelDims], list[dict[str, int | str]]]
 
@@ -88,3 +89,14 @@ def family(spec: KernelSpec) -> Family:
     if names != fam.params:
         raise SpecError(f"{spec.id}: params {names} are not the {fam.name} params {fam.params}")
     return fam
+
+
+def checked(spec: KernelSpec, backend: str) -> tuple[Target, Family]:
+    """The target and family of a ``backend`` spec of a known family; SpecError otherwise."""
+    if spec.backend != backend:
+        raise SpecError(f"{spec.id}: not a {backend} spec (backend {spec.backend!r})")
+    fam = family(spec)
+    try:
+        return Target.parse(spec.target), fam
+    except TargetError as exc:
+        raise SpecError(f"{spec.id}: {exc}") from None

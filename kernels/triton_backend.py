@@ -19,11 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, LoadError, SpecError, version_lines
-from jitwarm.kernels.families import family
+from jitwarm.kernels.backend import CompileError, LoadError, version_lines
+from jitwarm.kernels.families import checked, family
 from jitwarm.kernels.libraries.triton import driver
 from jitwarm.kernels.spec import KernelSpec
-from jitwarm.kernels.target import Target, TargetError
 from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
 
 name = "triton"
@@ -38,14 +37,8 @@ _interpreted_lock = threading.Lock()
 
 def _checked(spec: KernelSpec) -> tuple[KernelSignature, int | None]:
     """The spec's kernel signature and CUDA arch (None for cpu); SpecError for a spec this backend cannot build."""
-    if spec.backend != name:
-        raise SpecError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
-    family(spec)
-    try:
-        arch = Target.parse(spec.target).arch
-    except TargetError as exc:
-        raise SpecError(f"triton backend: {exc}") from None
-    return kernel_signature(spec), arch
+    target, _ = checked(spec, name)
+    return kernel_signature(spec), target.arch
 
 
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from typing import Any
 
 from jitwarm.cache.locks import process_scratch
 from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, build_only, version_lines
-from jitwarm.kernels.families import Family, family
+from jitwarm.kernels.families import Family, checked
 from jitwarm.kernels.spec import DTYPES, KernelSpec
-from jitwarm.kernels.target import Target, TargetError
+from jitwarm.kernels.target import Target
 
 name = "tvm_ffi"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -45,13 +45,7 @@ LINK_FLAGS = ("-ltvm_ffi",)
 
 def _check_spec(spec: KernelSpec) -> tuple[Target, Family]:
     """The spec's target and family, after checking it is a spec this backend builds; SpecError otherwise."""
-    if spec.backend != name:
-        raise SpecError(f"{spec.id}: not a {name} spec")
-    fam = family(spec)
-    try:
-        target = Target.parse(spec.target)
-    except TargetError as exc:
-        raise SpecError(f"{spec.id}: {exc}") from None
+    target, fam = checked(spec, name)
     for param, value in spec.params:
         if param == "dtype":
             if value not in DTYPES:
