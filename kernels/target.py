@@ -29,13 +29,9 @@ class Target:
 
     @classmethod
     def parse(cls, text: Any) -> Target:
-        """Return the target ``text`` names.
+        """Return the target ``text`` names; TargetError for anything but ``cpu`` or ``sm_XY`` from sm_75.
 
-        Raises
-        ------
-        TargetError
-            Not ``cpu`` or ``sm_XY``; below sm_75; or ``sm_XYa``, which no device reports, so it never matches.
-
+        ``sm_XYa`` is refused too: no device reports it, so a plan for it never matches at capture.
         """
         if not isinstance(text, str):
             raise TargetError(f"target must be a string such as 'sm_90' or 'cpu', got {text!r}")

@@ -43,11 +43,7 @@ def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTL
                   recheck_s: float = 0.0) -> bytes:
     """The bytes of ``path`` as one version: unchanged ``quiet_s`` before, during and ``recheck_s`` after the read.
 
-    Raises
-    ------
-    OSError
-        The file vanished, or it kept changing for ``timeout_s`` (``EAGAIN``: the driver is still writing it).
-
+    OSError when the file vanished, or ``EAGAIN`` when it kept changing for ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:

