@@ -1,8 +1,6 @@
 """The one path from a spec to a cache entry and to a loaded kernel: description, key, lookup, build, load.
 
-Warm, the capture hook, dispatch and the CLI all go through :func:`artifact` (a build worker is handed its
-description and key, :meth:`Artifact.from_json`). A build is checked before it is sealed; an entry that still
-fails to load is quarantined and rebuilt once under its lock.
+A build is checked before it is sealed; an entry that still fails to load is quarantined and rebuilt once.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ class Artifact:
                      capture: Callable[[Path], None] | None = None, missed: bool = False) -> CacheResult:
         """Return the entry and how it was got: hit, built here, waited for, or downloaded.
 
-        Under the key's lock the backend builds into staging, or ``capture(staging)`` writes the files a run
-        produced (the server's Triton compile); then ``check`` loads them without a device before the cache
-        seals them. ``missed``: the caller has just looked the key up and found nothing.
+        Under the key's lock the backend builds, or ``capture(staging)`` writes the files a run produced; then
+        ``check`` loads them before the cache seals them. ``missed``: the caller just found nothing.
 
         Raises
         ------
@@ -75,19 +72,11 @@ class Artifact:
         return cache.get_or_build_ex(self.description, build, timeout_s, on_wait, key=self.key, missed=missed)
 
     def reserve(self, cache: KernelCache, timeout_s: float = 600.0, *, missed: bool = False) -> Reservation:
-        """The spec's entry (``result``), else its build reserved for files a run makes (``KernelCache.reserve``).
-
-        For a compile the library runs itself (Triton's ``get_group`` miss, then its ``put_group``): write its
-        files into ``staging``, then :meth:`publish`. Raises as :meth:`get_or_build` does before a build.
-        """
+        """The spec's entry (``result``), else its build reserved for files a run writes, then :meth:`publish`."""
         return cache.reserve(self.description, timeout_s, key=self.key, missed=missed)
 
     def publish(self, reservation: Reservation) -> Entry:
-        """Check the files written into ``reservation.staging``, then seal and publish them.
-
-        The backend's check loads them without a device. ``BuildError`` (from the check's ``LoadError``); the
-        reservation ends either way.
-        """
+        """Check the files written into ``reservation.staging``, then seal and publish them; else ``BuildError``."""
         try:
             backend(self.spec.backend).check(self.spec, reservation.staging)
         except BaseException as exc:
@@ -105,9 +94,8 @@ class Artifact:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed), under its claim.
 
         Unclaimed, a ``prune`` beside a starting hook failed that load in 20 of 20 trials. An entry that vanished
-        before its claim is got again; one that fails to load is discarded and the spec built again, once.
-        ``build=False`` (``JITWARM_STRICT=1``) builds nothing: an entry that fails to load is discarded and
-        named, one that is gone is named (issue #31, N8: strict used to rebuild inside the hook).
+        is got again; one that fails to load is discarded and built again, once. ``build=False`` (strict) builds
+        nothing (issue #31, N8).
 
         Raises
         ------
@@ -159,15 +147,9 @@ _memo: dict[KernelSpec, Artifact] = {}
 
 
 def artifact(spec: KernelSpec, facts: Facts | None = None) -> Artifact:
-    """Return ``spec``'s artifact, its description and key computed once per process.
+    """Return ``spec``'s artifact, its description and key computed once per process (SpecError, ToolchainError).
 
     ``facts`` (the cache about to be used) keeps the backend's toolchain probes between processes.
-
-    Raises
-    ------
-    SpecError, ToolchainError
-        The backend cannot describe the spec (see :mod:`jitwarm.kernels.backend`).
-
     """
     found = _memo.get(spec)  # lock-free hit: a dict read is atomic under the GIL
     if found is not None:

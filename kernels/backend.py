@@ -1,20 +1,16 @@
 """The backend contract: how one spec is described, built, checked and loaded; and the registry of kinds.
 
-A backend is a module implementing :class:`Backend`: ``tvm_backend`` and ``triton_backend`` for jitwarm's own
-families, the server's kinds in their library's room (:mod:`jitwarm.kernels.libraries`). Each declares what it
-can do (:func:`abilities`); asking for anything else is a usage error (:func:`refusal`). The failure rules:
+A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend``, and the server's kinds
+in :mod:`jitwarm.kernels.libraries`), declaring what it can do (:func:`abilities`). The failure rules:
 
-- ``description(spec, facts)`` is cheap and pure given the toolchain: JSON-able, no paths, hosts, times or
-  device presence. Raises :class:`SpecError` for a spec the backend cannot build, :class:`ToolchainError`
-  when the compiler it needs is missing.
-- ``build(spec, staging, described)`` writes the artifact files into the empty directory ``staging``; it runs
-  under the cache's key lock; ``described`` is the description the key was computed from (None: compute it).
-  Raises :class:`CompileError` with the compiler's whole output; leaves nothing but files in ``staging`` (the
-  cache removes it on any failure).
-- ``check(spec, staging)`` loads what ``build`` wrote, in the build's process and without a device, so a
-  library that cannot be loaded is never published. Raises :class:`LoadError`.
-- ``load(spec, entry)`` loads a published entry into this process and returns a :class:`LoadedKernel`. Raises
-  :class:`LoadError` when the artifact cannot be loaded or holds another spec; it never returns None.
+- ``description(spec, facts)``: cheap, JSON-able, no paths, hosts, times or device presence. Raises
+  :class:`SpecError` for a spec it cannot build, :class:`ToolchainError` when its compiler is missing.
+- ``build(spec, staging, described)``: writes the files into the empty ``staging``, under the key's lock
+  (``described``: the description the key came from). Raises :class:`CompileError` with the compiler's output.
+- ``check(spec, staging)``: loads what ``build`` wrote, without a device, so nothing unloadable is published.
+  Raises :class:`LoadError`.
+- ``load(spec, entry)``: returns a :class:`LoadedKernel`, never None. Raises :class:`LoadError` when the
+  artifact cannot be loaded or holds another spec.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.libraries import LIBRARY_KINDS
 from jitwarm.kernels.spec import KernelSpec
 
-#: Backend name -> (its module, imported on first use; what it can do: ``build`` a spec from a plan,
-#: ``replay`` a record of a server's run, ``capture`` what the server's own JIT compiles while it runs).
+#: Backend name -> (its module, imported on first use; ``build``, ``replay`` a record, ``capture`` from a run).
 _KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "tvm_ffi": ("jitwarm.kernels.tvm_backend", frozenset({"build"})),
     "triton": ("jitwarm.kernels.triton_backend", frozenset({"build"})),
@@ -44,10 +39,7 @@ _process = {"build_only": False}
 
 
 def set_build_only() -> None:
-    """Say that this process only builds and checks (a warm's build worker): it hands no library a tensor.
-
-    A backend may import its runtime leaner there (:mod:`~jitwarm.kernels.tvm_backend`: tvm_ffi without torch).
-    """
+    """Say that this process only builds and checks (a build worker): backends may import their runtimes leaner."""
     _process["build_only"] = True
 
 
@@ -103,14 +95,7 @@ class LoadError(JitwarmError, RuntimeError):
 
 
 def version_lines(exe: str, name: str | None = None, timeout_s: float = 60.0) -> list[str]:
-    """The non-empty lines ``exe --version`` prints, stripped: the one toolchain probe of every backend.
-
-    Raises
-    ------
-    ToolchainError
-        ``exe`` cannot be run, times out, exits non-zero or prints nothing (the message names ``name``).
-
-    """
+    """The non-empty lines ``exe --version`` prints, stripped; ToolchainError if it fails or prints nothing."""
     try:
         proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -122,10 +107,7 @@ def version_lines(exe: str, name: str | None = None, timeout_s: float = 60.0) ->
 
 
 class Facts(Protocol):
-    """Where a backend keeps what it derived from this host's toolchain between processes (a KernelCache).
-
-    A fact is named by the state it was derived from (a compiler binary's stat), so it is stale only if that is.
-    """
+    """Where a backend keeps toolchain facts between processes (a KernelCache), each named by what it came from."""
 
     def read_fact(self, name: str) -> str | None:
         """The fact ``name``, or None."""
@@ -135,21 +117,15 @@ class Facts(Protocol):
 
 
 class LoadedKernel(Protocol):
-    """One spec's kernel loaded into this process.
-
-    ``run(*args)`` launches it with the family's positional arguments (``Family.run_args``) on the tensors'
-    device and current stream. ``preload()`` forces the module onto the current CUDA device (a module load:
-    never inside capture) and returns how many kernels it touched, 0 with no device call for a ``cpu`` spec;
-    it is idempotent.
-    """
+    """One spec's kernel loaded into this process."""
 
     spec: KernelSpec
 
     def preload(self) -> int:
-        """Put the kernel on the current device; return how many kernels were loaded onto one."""
+        """Put the module on the current CUDA device (never inside capture); return its kernels, 0 for cpu."""
 
     def run(self, *args: Any) -> None:
-        """Launch the kernel."""
+        """Launch with the family's ``run_args`` on the tensors' device and current stream."""
 
 
 class Backend(Protocol):
@@ -175,9 +151,8 @@ def backend(name: str) -> Backend:
     if name not in _KINDS:
         raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
     module_name = _KINDS[name][0]
-    # sys.modules first: import_module costs microseconds, per spec on the hook's path. But not a module another
-    # thread is still importing (sys.modules holds it from the start): a build pool's threads got one without
-    # its functions (AttributeError: partially initialized module); import_module waits for that import.
+    # sys.modules first (import_module costs microseconds per spec on the hook's path), but not a module another
+    # thread is still importing: a build pool's threads got one without its functions.
     module = sys.modules.get(module_name)
     if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
         module = importlib.import_module(module_name)

@@ -1,8 +1,4 @@
-"""What dispatch must know about CUDA-graph capture: whether one is running, and the error a miss raises then.
-
-A compile or module load inside capture issues driver calls (``cuModuleLoadData``) into the capturing stream
-(sglang #33356, #33795); :mod:`jitwarm.precompile.guard` adds an explicitly armed state on top.
-"""
+"""Whether a CUDA-graph capture is running, and the error a miss raises then (sglang #33356, #33795)."""
 
 from __future__ import annotations
 
@@ -27,10 +23,10 @@ class CompileDuringCaptureError(RuntimeError):
 
 
 def stream_is_capturing() -> bool:
-    """True when torch is loaded, CUDA is initialized in this process and the current stream is capturing.
+    """True when torch is loaded, CUDA is initialized here and the current stream is capturing.
 
-    ``is_initialized`` is a flag, where ``is_available`` asks the driver (twice per kernel on the hook's path),
-    and asking an uninitialized process for its current stream would initialize CUDA (a forked child fails).
+    ``is_initialized`` is a flag (``is_available`` asks the driver); asking an uninitialized process for its
+    stream would initialize CUDA, which fails in a forked child.
     """
     torch = sys.modules.get("torch")  # never import torch just to learn that nothing is captured
     if torch is None or not torch.cuda.is_initialized():

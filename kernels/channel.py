@@ -1,9 +1,4 @@
-"""The JSON-lines channel between jitwarm and a child process: one JSON document per line, each way.
-
-The build workers and sglang's describe child speak it. The child answers on a private copy of its stdout and
-points stdout itself at stderr (:func:`answers`): whatever the code it imports prints never enters the answers.
-A child that imports a server or torch runs in :func:`scratch_env`.
-"""
+"""The JSON-lines channel between jitwarm and a child process (build workers, sglang's describer): a message a line."""
 
 from __future__ import annotations
 
@@ -14,19 +9,12 @@ from typing import Any, BinaryIO
 
 
 def scratch_env(scratch: str | os.PathLike[str]) -> dict[str, str]:
-    """The variables of a child that imports torch (or a server that does), so it makes nothing outside ``scratch``.
+    """The variables of a child that imports torch, so it makes nothing outside ``scratch``.
 
-    Importing ``torch._dynamo`` makes Inductor's cache directory (torch/_inductor/runtime/cache_dir_utils.py):
-    ``$TMPDIR/torchinductor_$USER``, or ``~/.cache/sglang/inductor`` once sglang is imported (its redirect). A jitwarm
-    command made them on the node, outside the cache it was given (issue #31). None of jitwarm's children compiles
-    through Inductor, so nothing of theirs is lost with ``scratch``, which the caller removes after.
+    Importing ``torch._dynamo`` makes Inductor's cache directory, which a jitwarm command left on the node
+    (issue #31); no child of jitwarm compiles through Inductor, so nothing is lost with ``scratch``.
     """
     return {"TMPDIR": os.fspath(scratch), "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}  # noqa: PTH118
-
-
-def encode(message: Any) -> bytes:
-    """``message`` as one line of JSON, newline included."""
-    return json.dumps(message).encode() + b"\n"
 
 
 def decode(line: bytes | str) -> Any:
@@ -36,15 +24,12 @@ def decode(line: bytes | str) -> Any:
 
 def send(stream: BinaryIO, message: Any) -> None:
     """Write one message and flush it (the other side waits for whole lines)."""
-    stream.write(encode(message))
+    stream.write(json.dumps(message).encode() + b"\n")
     stream.flush()
 
 
 def answers() -> BinaryIO:
-    """In the child: the stream its answers go to, a copy of stdout; stdout itself goes to stderr from now on.
-
-    Call it before importing anything that might print.
-    """
+    """In the child, before importing anything that prints: a copy of stdout for answers; stdout goes to stderr."""
     stream = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     return stream

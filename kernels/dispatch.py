@@ -1,8 +1,7 @@
 """Dispatch: the process's table of loaded kernels, the hooks that may forbid a miss, and the miss path.
 
-A hit is a dict read. A miss never compiles or loads into a capturing stream; every miss hook may forbid it
-(the capture guard of :mod:`jitwarm.precompile` does); then the spec goes the one path
-(:mod:`jitwarm.kernels.artifacts`). The module functions act on :data:`default`.
+A hit is a dict read. A miss never compiles or loads into a capturing stream, and any miss hook (the guard)
+may forbid it. The module functions act on :data:`default`.
 """
 
 from __future__ import annotations
@@ -71,9 +70,8 @@ class Dispatcher:
                       build: bool = True) -> Any:
         """Return the loaded kernel of ``spec``, loading it (and building it if needed) on first use.
 
-        ``shape`` is what asked for the spec (a ``VerifyLayout`` from ``ops``), for the miss hooks' message;
-        ``entry`` is its verified cache entry when the caller holds it already (the capture hook); ``build=False``
-        (strict) never builds (``Artifact.load``).
+        ``shape`` (what asked for it) is for the miss message; ``entry`` a verified entry the caller holds;
+        ``build=False`` (strict) never builds.
 
         Raises
         ------

@@ -1,7 +1,6 @@
-"""The kernel families in one table: each one's specialization rule, params, run() arguments and sources.
+"""The kernel families in one table: specialization rule, params, run() arguments and sources (pure Python).
 
-Planning and dispatch call the same :meth:`Family.specs_for`, so a warm plan covers what capture asks for; both
-backends read params and argument order from here. Pure Python; the math is :mod:`jitwarm.kernels.reference`.
+Planning and dispatch call the same :meth:`Family.specs_for`, so a warm plan covers what capture asks for.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 
 from jitwarm.kernels.backend import SpecError
 from jitwarm.kernels.spec import KernelSpec, ModelDims, VerifyLayout
+from jitwarm.kernels.target import Target, TargetError
 
 Rule = Callable[[VerifyLayout, ModelDims], list[dict[str, int | str]]]
 
@@ -27,11 +27,7 @@ def plan_threads(slots: int) -> int:
 
 @dataclass(frozen=True)
 class Family:
-    """One kernel family (docs/kernels.md gives each one's ``run()`` argument shapes).
-
-    ``params`` are sorted as :class:`KernelSpec` stores them; ``source`` is the tvm_ffi header in ``csrc/`` and
-    ``cxx_kernel`` its C++ type with one ``{param}`` field per spec param.
-    """
+    """One kernel family: sorted ``params``, its tvm_ffi header in ``csrc/`` and C++ type (a field per param)."""
 
     name: str
     params: tuple[str, ...]
@@ -93,3 +89,14 @@ def family(spec: KernelSpec) -> Family:
     if names != fam.params:
         raise SpecError(f"{spec.id}: params {names} are not the {fam.name} params {fam.params}")
     return fam
+
+
+def checked(spec: KernelSpec, backend: str) -> tuple[Target, Family]:
+    """The target and family of a ``backend`` spec of a known family; SpecError otherwise."""
+    if spec.backend != backend:
+        raise SpecError(f"{spec.id}: not a {backend} spec (backend {spec.backend!r})")
+    fam = family(spec)
+    try:
+        return Target.parse(spec.target), fam
+    except TargetError as exc:
+        raise SpecError(f"{spec.id}: {exc}") from None

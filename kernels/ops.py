@@ -1,8 +1,7 @@
 """Public kernel API: validate the arguments, derive the spec, dispatch, run (docs/kernels.md, "Specs and dispatch").
 
-Each op derives its one spec from its tensors and the host-side ``VerifyLayout`` with the family's ``specs_for``
-(the warm planner's function). Every argument is checked before any kernel runs (``ValueError`` naming it);
-nothing is read back from the device. The math: :mod:`jitwarm.kernels.reference`.
+Each op derives its spec with the family's ``specs_for`` (the planner's); every argument is checked first
+(``ValueError`` naming it), and nothing is read back from the device.
 """
 
 from __future__ import annotations

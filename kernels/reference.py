@@ -1,8 +1,7 @@
 """Torch reference of the three kernel families: the definition every backend is tested against (docs/kernels.md).
 
-Plain torch, any device. Arithmetic is float32 whatever the input dtype, rounded once to the output dtype.
-Rotary angles agree bit for bit with every backend: ``inv_freq`` in float64 rounded once to float32, times
-``float32(pos)`` in one float32 multiply; only the float32 ``cos``/``sin`` (about 1 ulp) differ.
+Arithmetic is float32, rounded once to the output dtype; rotary angles match every backend bit for bit
+(``inv_freq`` in float64 rounded once), only ``cos``/``sin`` differ (about 1 ulp).
 """
 
 from __future__ import annotations

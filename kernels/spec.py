@@ -31,8 +31,7 @@ class ModelDims:
 class VerifyLayout:
     """Tokens verified per request slot (each at least 1), as the runner holds them on the host.
 
-    Planning and dispatch both read it (sglang's ``RaggedVerifyLayout`` carries the same ``verify_lens_cpu``),
-    so a kernel is never chosen from data read back from the device.
+    Planning and dispatch both read it (as sglang's ``verify_lens_cpu``): nothing is read back from the device.
 
     Examples
     --------

@@ -1,12 +1,8 @@
 """One tap per library hook point: patched once, shared by every subscriber (the recorder, the ledger, the seal).
 
-Each of them once patched the same functions itself (sglang's loader in three modules, each with its own undo list,
-and Triton's ``jit_cache_hook`` chained twice, issue #32): the order of their undos decided which patch survived.
-A :class:`Tap` patches when its first subscriber comes and puts the library's own functions back when the last one
-leaves, unless someone patched over it meanwhile; then it stays, passing calls through.
-
-A subscriber is any object; the tap calls its method named after the event, where it has one. A subscriber may
-raise (the seal refuses a compile that way): the exception reaches the library's caller, as a patch's would.
+When each patched for itself, the order of their undos decided which patch survived (issue #32). A :class:`Tap`
+patches for its first subscriber and unpatches after the last, unless someone patched over it meanwhile. A
+subscriber's method named after the event is called; what it raises reaches the library's caller.
 """
 
 from __future__ import annotations
@@ -15,8 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-#: ``patch(tap)`` installs the tap's wrappers and returns how to take them out again (True once every original is
-#: back), or None when the library is not in this process (nothing then is patched, and the tap stays off).
+#: ``patch(tap)`` installs the wrappers and returns their undo (True once every original is back), or None when
+#: the library is not in this process.
 Patch = Callable[["Tap"], "Callable[[], bool] | None"]
 
 
@@ -48,11 +44,7 @@ class Tap:
         return (lambda: self.unsubscribe(subscriber)) if self.subscribe(subscriber) else None
 
     def unsubscribe(self, subscriber: Any) -> None:
-        """Remove ``subscriber``; the last one out puts the library's functions back where nobody patched over them.
-
-        Where someone did, the tap stays live with no subscriber (its wrappers pass calls through): patching again
-        at the next subscribe would chain it twice.
-        """
+        """Remove ``subscriber``; the last one out unpatches, unless someone patched over it (then it stays live)."""
         with self._lock:
             if subscriber in self._subscribers:
                 self._subscribers.remove(subscriber)

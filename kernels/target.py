@@ -1,8 +1,4 @@
-"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``), parsed in one place for plan and dispatch.
-
-The node's GPUs are probed here too, once per process (:func:`local_gpus`): the plan's default target and
-memory, and the fingerprint's arch and driver, read the same answer.
-"""
+"""Target: where a kernel runs, ``cpu`` or one CUDA arch (``sm_90``); and the node's GPUs, probed once."""
 
 from __future__ import annotations
 
@@ -33,15 +29,9 @@ class Target:
 
     @classmethod
     def parse(cls, text: Any) -> Target:
-        """Return the target ``text`` names.
+        """Return the target ``text`` names; TargetError for anything but ``cpu`` or ``sm_XY`` from sm_75.
 
-        Raises
-        ------
-        TargetError
-            Not ``cpu`` or ``sm_XY``; an arch below sm_75; an arch-specific ``sm_XYa`` name, which the
-            run time never reports (a device is ``sm_90``; Triton picks ``sm_90a`` code for it by itself),
-            so a plan for it could never match at capture.
-
+        ``sm_XYa`` is refused too: no device reports it, so a plan for it never matches at capture.
         """
         if not isinstance(text, str):
             raise TargetError(f"target must be a string such as 'sm_90' or 'cpu', got {text!r}")

@@ -8,11 +8,7 @@ from jitwarm.kernels.spec import VerifyLayout
 
 
 class TokenMap(NamedTuple):
-    """Ragged verify layout and compression plan of one batch, int32 tensors (docs/kernels.md, "plan").
-
-    ``cu_lens [R+1]``, ``token_req``, ``token_pos`` and ``token_out_row [N]`` (-1 for a token that closes no
-    block), ``num_out [1]`` (rows written) and ``uniform [1]`` (decided on the device). Importing it imports no torch.
-    """
+    """Ragged verify layout and compression plan of one batch, int32 tensors (docs/kernels.md, "plan")."""
 
     cu_lens: Any
     token_req: Any

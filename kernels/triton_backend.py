@@ -1,13 +1,7 @@
-"""The Triton backend: description, ahead-of-time build to a cubin, load and launch of one spec.
+"""The Triton backend: description, ahead-of-time build to a cubin (no GPU needed), load and launch of one spec.
 
-``build`` runs ``triton.compile`` with an explicit signature, constexprs, attrs and ``GPUTarget("cuda", XX, 32)``
-(no GPU or driver needed) into a private Triton cache, and writes ``<kernel>.cubin``, ``<kernel>.json``
-(Triton's metadata, paths reduced to file names) and ``launch.json``; ``check`` can only see that the cubin is
-an ELF image (loading it needs a device).
-
-Target ``cpu`` runs the same kernels under Triton's interpreter, for correctness checks without a GPU (slow,
-not for serving). ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, so the interpreter copy is a
-second import of ``triton_kernels.py`` under its own name with the flag scoped to that import.
+Target ``cpu`` runs the same kernels under Triton's interpreter (correctness checks only): ``TRITON_INTERPRET``
+is read when ``@triton.jit`` decorates, so that copy is a second import of ``triton_kernels.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +19,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from jitwarm.kernels.backend import CompileError, LoadError, SpecError, version_lines
-from jitwarm.kernels.families import family
+from jitwarm.kernels.backend import CompileError, LoadError, version_lines
+from jitwarm.kernels.families import checked, family
 from jitwarm.kernels.libraries.triton import driver
 from jitwarm.kernels.spec import KernelSpec
-from jitwarm.kernels.target import Target, TargetError
 from jitwarm.kernels.triton_launch import KernelSignature, bind, kernel_signature
 
 name = "triton"
@@ -44,14 +37,8 @@ _interpreted_lock = threading.Lock()
 
 def _checked(spec: KernelSpec) -> tuple[KernelSignature, int | None]:
     """The spec's kernel signature and CUDA arch (None for cpu); SpecError for a spec this backend cannot build."""
-    if spec.backend != name:
-        raise SpecError(f"{spec.id}: not a triton spec (backend {spec.backend!r})")
-    family(spec)
-    try:
-        arch = Target.parse(spec.target).arch
-    except TargetError as exc:
-        raise SpecError(f"triton backend: {exc}") from None
-    return kernel_signature(spec), arch
+    target, _ = checked(spec, name)
+    return kernel_signature(spec), target.arch
 
 
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
@@ -88,8 +75,7 @@ def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None 
 
     # The private cache is removed before the entry is sealed: Triton's group files hold absolute paths.
     with tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, driver.private_cache(tmp):
-        # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two
-        # boxes would differ byte for byte (the cost: profilers show no source lines).
+        # No line info: it embeds this checkout's absolute path in the cubin (profilers show no source lines).
         knobs.compilation.disable_line_info = True
         src = _ast_source(spec)
         try:
@@ -147,10 +133,7 @@ def _read_launch(spec: KernelSpec, root: Path) -> dict[str, Any]:
 
 
 class CudaKernel:
-    """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel`` (a ``LoadedKernel``).
-
-    One module per device, loaded by ``preload()``, or by ``run()`` unless the stream is capturing (it raises).
-    """
+    """A cubin built by :func:`build`, launched through Triton's ``CompiledKernel``; one module per device."""
 
     def __init__(self, spec: KernelSpec, root: Path, launch: dict[str, Any]) -> None:
         self.spec = spec

@@ -1,8 +1,4 @@
-"""How a family's ``run()`` arguments map onto its Triton kernel: signature, constexprs, checks and grid.
-
-Pure Python. ``triton_backend`` compiles with :func:`kernel_signature` and launches with :func:`bind`, so the
-compiled signature and the launched arguments come from one table.
-"""
+"""How a family's ``run()`` arguments map onto its Triton kernel: signature, constexprs, checks and grid."""
 
 from __future__ import annotations
 
@@ -27,11 +23,7 @@ _TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "i32": "torch
 
 @dataclass(frozen=True)
 class KernelSignature:
-    """The compile-time view of one spec's kernel.
-
-    Every parameter in order with its Triton type (``*fp32``, ``i32``, ``fp64`` for ``theta``, ``constexpr``),
-    the constexpr values (spec params and derived block sizes) and the warps of each program.
-    """
+    """The compile-time view of one spec's kernel: typed parameters in order, constexpr values, warps."""
 
     kernel: str
     arg_names: tuple[str, ...]
@@ -91,8 +83,7 @@ def kernel_signature(spec: KernelSpec) -> KernelSignature:
 def bind(spec: KernelSpec, args: Sequence[Any]) -> tuple[tuple[int, int, int], tuple[Any, ...]]:
     """Check ``run()`` arguments against ``spec``; return the grid and every kernel parameter in signature order.
 
-    Nothing is read from the device. ValueError on a wrong count, dtype, shape, device, a non-contiguous tensor
-    or a pointer that is not 16-byte aligned.
+    ValueError on a wrong count, dtype, shape, device, a non-contiguous tensor or a pointer not 16-byte aligned.
     """
     names = RUN_ARGS[spec.family]
     if len(args) != len(names):

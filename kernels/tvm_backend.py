@@ -1,9 +1,7 @@
 """tvm-ffi backend: build one kernel spec into a shared library with g++ (cpu) or nvcc (sm_XY), and load it.
 
-:func:`build` writes exactly ``kernel.so`` and ``kernel.json`` (the unit is compiled in a private temporary
-directory); :func:`check` and :func:`load` ``dlopen`` it through tvm-ffi and read back the spec it was built
-for, which needs no GPU. The compiler is invoked directly (not ``tvm_ffi.cpp.build_inline``): the flags are
-exactly the ones in the key, nothing probes ``nvidia-smi``, and no ninja files land in the entry.
+The compiler is invoked directly (not ``tvm_ffi.cpp.build_inline``): the flags are exactly the key's, nothing
+probes ``nvidia-smi``, and the entry holds only ``kernel.so`` and ``kernel.json``.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ from typing import Any
 
 from jitwarm.cache.locks import process_scratch
 from jitwarm.kernels.backend import CompileError, Facts, LoadError, SpecError, ToolchainError, build_only, version_lines
-from jitwarm.kernels.families import Family, family
+from jitwarm.kernels.families import Family, checked
 from jitwarm.kernels.spec import DTYPES, KernelSpec
-from jitwarm.kernels.target import Target, TargetError
+from jitwarm.kernels.target import Target
 
 name = "tvm_ffi"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -37,9 +35,8 @@ MANIFEST = "kernel.json"
 EXPORTS = ("run", "preload", "spec_id")
 _CTYPES = {"float32": "float", "bfloat16": "jitwarm::bf16"}
 
-# Exact compile flags (paths are added separately and never recorded). No -march=native and no fast
-# math: a cache built on a build box must run on the serving box, and rotary angles must match the
-# reference bit for bit (see csrc/norm_rope.cuh).
+# Exact compile flags (paths are never recorded). No -march=native (built here, run there) and no fast math
+# (rotary angles match the reference bit for bit, csrc/norm_rope.cuh).
 CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden")
 NVCC_FLAGS = ("-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
               "--cudart", "shared", "-x", "cu")
@@ -48,13 +45,7 @@ LINK_FLAGS = ("-ltvm_ffi",)
 
 def _check_spec(spec: KernelSpec) -> tuple[Target, Family]:
     """The spec's target and family, after checking it is a spec this backend builds; SpecError otherwise."""
-    if spec.backend != name:
-        raise SpecError(f"{spec.id}: not a {name} spec")
-    fam = family(spec)
-    try:
-        target = Target.parse(spec.target)
-    except TargetError as exc:
-        raise SpecError(f"{spec.id}: {exc}") from None
+    target, fam = checked(spec, name)
     for param, value in spec.params:
         if param == "dtype":
             if value not in DTYPES:
@@ -70,7 +61,7 @@ def translation_unit(spec: KernelSpec) -> str:
 
 
 def _unit(spec: KernelSpec, fam: Family) -> str:
-    """:func:`translation_unit` of a spec already checked (:func:`description` checks each spec once, not thrice)."""
+    """:func:`translation_unit` of a spec already checked."""
     params: dict[str, Any] = spec.params_dict
     if "dtype" in params:
         params["dtype"] = _CTYPES[params["dtype"]]
@@ -135,10 +126,9 @@ _derived: dict[str, str] = {}  # toolchain facts memoized in this process, by na
 
 
 def compiler_identity(compiler: str, facts: Facts | None = None) -> str:
-    """Identity line(s) from ``compiler --version``, memoized per process and, with ``facts``, per binary.
+    """Identity line(s) from ``compiler --version``, memoized per process and, with ``facts``, per binary's stat.
 
-    The fact is named by the binary's path and stat, as sccache and ccache key a compiler; a script (a wrapper
-    that execs another binary) is probed every time. ToolchainError when it is missing or ``--version`` fails.
+    A script (a wrapper) is probed every time. ToolchainError when it is missing or ``--version`` fails.
     """
     exe = shutil.which(compiler)
     if exe is None:
@@ -225,13 +215,7 @@ def toolchain(target: Target, facts: Facts | None = None) -> dict[str, Any]:
 def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
     """Return the cache description of ``spec``: params, source digest and toolchain fingerprint.
 
-    Raises
-    ------
-    SpecError
-        ``spec`` is not a tvm_ffi spec of a known family with exactly that family's params.
-    ToolchainError
-        The compiler for the spec's target is missing.
-
+    SpecError for a spec not of a known family with its exact params; ToolchainError for a missing compiler.
     """
     target, fam = _check_spec(spec)
     return {"family": spec.family, "backend": spec.backend, "target": spec.target, "params": spec.params_dict,
@@ -260,9 +244,7 @@ def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = No
     target, fam = _check_spec(spec)
     unit = _unit(spec, fam)
     start = time.perf_counter()
-    # The source goes inside the staging directory, as the Triton and load_jit builds put theirs: a build killed
-    # part-way leaves it there, under the key's lock, and the next builder of the key (or prune) removes the
-    # staging directory whole. In /tmp, every killed build left one behind.
+    # The source goes inside staging, which the next builder (or prune) removes: in /tmp, killed builds left theirs.
     with tempfile.TemporaryDirectory(prefix=".tvm-", dir=staging) as work:
         source = "kernel.cu" if target.is_cuda else "kernel.cc"
         Path(work, source).write_text(unit, encoding="utf-8")
@@ -328,8 +310,7 @@ def _open(spec: KernelSpec, path: str) -> TvmKernel:
 
 def _tvm_ffi() -> Any:
     """The tvm_ffi package (with ``libinfo``); in a build-only process imported with torch hidden."""
-    # tvm_ffi/__init__.py imports torch first (a Windows symbol-clash workaround, 0.1.11 to 0.1.15): 2.1 s of the
-    # 2.5 s a build worker took to import it. A build worker hands a library no tensor; torch still imports later.
+    # tvm_ffi/__init__.py imports torch first (a Windows workaround, 0.1.11 to 0.1.15): 2.1 s of a worker's 2.5 s.
     if "tvm_ffi" not in sys.modules and "torch" not in sys.modules and build_only():
         sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
         try:
@@ -349,9 +330,8 @@ _links: list[Path] = []
 
 def _dlopen_name(path: str) -> str:
     """A name under which dlopen loads the file now at ``path``, not one it loaded from that path before."""
-    # dlopen answers a name it has loaded with the library it loaded then (glibc compares names first,
-    # elf/dl-load.c _dl_map_object) and nothing unloads a tvm-ffi module: an entry rebuilt in place gave the old
-    # library. A changed file is opened through a link named by its device and inode.
+    # dlopen answers a name it has loaded with the library it loaded then (glibc, _dl_map_object): an entry
+    # rebuilt in place gave the old library. A changed file is opened through a link named by its inode.
     st = os.stat(path)  # noqa: PTH116 - a str: a Path per kernel was most of this 10 us, on the hook's hot path
     if _opened.setdefault(path, (st.st_dev, st.st_ino)) == (st.st_dev, st.st_ino):
         return path

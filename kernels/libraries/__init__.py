@@ -1,12 +1,7 @@
 """The server's JIT libraries, one room each: how each library's cache is keyed, served and replayed.
 
-A room is a subpackage whose ``__init__`` declares ``KINDS = {kind: (backend module, abilities)}`` (``build``,
-``replay`` from a record, ``capture`` from a run; :func:`jitwarm.kernels.backend.refusal`) and imports nothing
-of its library. Each kind's backend implements :class:`jitwarm.kernels.backend.Backend` with the library's own
-key and goes through :class:`jitwarm.kernels.artifacts.Artifact`: captured files are sealed with
-``get_or_build(capture=...)`` and checked as a build is; what a consumer reads is read under the entry's claim.
-Nothing outside a room imports its library's private names. A new room: a subpackage, listed in :data:`ROOMS`
-(docs/kernels.md).
+A room is a subpackage whose ``__init__`` declares ``KINDS = {kind: (backend module, abilities)}`` and imports
+nothing of its library; a new room is listed in :data:`ROOMS` (docs/kernels.md).
 """
 
 from __future__ import annotations

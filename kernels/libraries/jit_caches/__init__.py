@@ -1,11 +1,6 @@
-"""The JIT caches a server's libraries fill at start, one family each: captured from a run, stored, restored.
+"""The JIT caches a server's libraries fill at start, one module a family (docs/kernels.md): capture only.
 
-Each library resolves its own variables here; where a server moves a library's cache, or keeps one of its own
-(vLLM's compile tree and model inspection, sglang's CuTe DSL objects), its room says so
-(``jitwarm.precompile.servers``, ``ServerAdapter.cache_dirs``): this package names no server. Each family is one
-module here (the table of kinds, modules and caches: docs/kernels.md), a :class:`~.units.Library` and the
-backend of its kind, sharing :mod:`.backend`, :mod:`.units`, :mod:`.fingerprint`, :mod:`.restore` and
-:mod:`.census`. Each kind can only ``capture``. Importing this package imports none of the libraries.
+This package names no server: where a server moves a cache, its room says so (``ServerAdapter.cache_dirs``).
 """
 
 from __future__ import annotations

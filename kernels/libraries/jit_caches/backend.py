@@ -1,15 +1,9 @@
 """The backend every cache family shares: a captured unit as a spec, stored through the one path, restored by load.
 
-A unit's spec: ``family`` the unit (its path in the library's cache, the library's own key), ``backend`` the
-library's kind, ``target`` the arch it was compiled for; its params are the unit's files with their sha256s
-(``files``), the fingerprint the recording process saw (``fingerprint``) and the server that ran it (``under``:
-a server room's name, or empty), whose room says where a restore puts the unit (:func:`~.units.placed_by`).
-
-It implements :class:`jitwarm.kernels.backend.Backend`: the description is content-addressed (the files'
-digests), so every process capturing the same unit names one entry; ``build`` never happens (a unit is captured,
-:func:`store`); ``check`` refuses staged files that are not exactly the unit's digests (a file rewritten between
-the snapshot and the copy is never sealed); ``load`` restores the unit where this process's environment puts the
-library's cache under that server (:func:`~.restore.place`), under the entry's claim.
+A unit's spec: ``family`` the unit's path in the library's cache, ``backend`` the library's kind, ``target`` its
+arch; params: its files' sha256s, the fingerprint the recording process saw, and the server it ran ``under``.
+The description is content-addressed; ``build`` never happens (units are captured, :func:`store`); ``check``
+refuses staged files that are not exactly the unit's digests; ``load`` restores (:func:`~.restore.place`).
 """
 
 from __future__ import annotations
@@ -103,10 +97,7 @@ def load(library: Library, spec: KernelSpec, entry: Any) -> RestoredUnit:
 
 
 def mismatch(library: Library, spec: KernelSpec, target: str | None = None) -> tuple[str, str, str] | None:
-    """The first fingerprint item of ``spec`` that differs on this node: ``(item, recorded, node)``, or None.
-
-    The library's own items (:attr:`~.units.Library.node_factors`) are compared where the node can compute them.
-    """
+    """The first fingerprint item of ``spec`` that differs on this node: ``(item, recorded, node)``, or None."""
     from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 
     _, recorded, _ = unit_of(library, spec)
@@ -121,12 +112,8 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
           under: str = "") -> KernelSpec:
     """Store one complete unit of ``root`` as a jitwarm entry through the one path; return its spec.
 
-    The files are hashed, then copied into the entry's staging directory under the key's lock
-    (``Artifact.get_or_build(capture=...)``), where :func:`check` hashes them again: a unit that changed
-    meanwhile is refused, never half-stored. Many processes storing the same unit publish it once.
-
-    Only the server's own files are taken (:func:`check_source`): a unit another user could have planted or
-    changed is refused whole.
+    The files are hashed, then copied under the key's lock, where :func:`check` hashes them again: a unit that
+    changed meanwhile is refused, never half-stored.
 
     Raises
     ------
@@ -166,12 +153,10 @@ def store(library: Library, root: Path, unit: str, files: tuple[str, ...], cache
 
 
 def check_source(root: Path, files: tuple[str, ...]) -> None:
-    """UntrustedPath unless every file of a unit, and every folder from ``root`` down to it, is the server's own.
+    """UntrustedPath unless every file of a unit, and every folder from ``root`` down, is the server's own.
 
-    Owned by this user or root and not writable by others (a folder may be with its sticky bit, as /tmp is:
-    ``cache.files.untrusted_reason``), and a regular file with no other hard link (through another name its bytes
-    change after the check). Unless ``JITWARM_ALLOW_SHARED=1``. A unit another user planted in the library's
-    cache was stored, signed, bundled and restored on every node (issue #31, N7).
+    Owned by this user or root, not writable by others, a file regular with no other hard link; unless
+    ``JITWARM_ALLOW_SHARED=1`` (a planted unit was restored on every node: issue #31, N7).
     """
     import stat
 

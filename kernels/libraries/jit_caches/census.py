@@ -1,10 +1,7 @@
 """The units of every family present now, and what a run added: the recorder's and the start-up ledger's view.
 
-A :func:`snapshot` holds, per library, the directory this process's environment resolves, its complete units
-(:meth:`~.units.Library.present`) and their files' sizes; :func:`added` compares two. A unit is added when its
-name is new, its files changed (the PTX cache grows inside its one unit) or one changed size (FlashInfer's ninja
-rebuilds a module in place and appends to its ``.ninja_log``). Sizes, not times: DeepGEMM touches ``.committed``
-at every hit (deep_jit ``try_update_mtime``). A directory that moved between the two counts whole.
+A unit is added when its name is new, its files changed or one changed size (FlashInfer's ninja rebuilds in
+place). Sizes, not times: DeepGEMM touches ``.committed`` at every hit (deep_jit ``try_update_mtime``).
 """
 
 from __future__ import annotations
@@ -22,9 +19,7 @@ from jitwarm.kernels.libraries.jit_caches.units import Dirs, Library
 def bind(library: Library) -> tuple[Any, ...]:
     """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``.
 
-    Each imports the capture backend (:mod:`.backend`, with :mod:`.restore` and :mod:`.fingerprint`) on its
-    first call, not with the family: this census imports every family only to list its units, and the start-up
-    ledger takes one inside the capture hook's constructor, where those modules cost 1.2 ms (docs/performance.md).
+    Each imports :mod:`.backend` on its first call: the ledger lists units inside the hook, where it cost 1.2 ms.
     """
     def unit_backend() -> Any:
         from jitwarm.kernels.libraries.jit_caches import backend
@@ -47,11 +42,7 @@ def library(name: str) -> Library:
 
 
 class Snapshot(NamedTuple):
-    """One library's cache directory and its complete units at one moment (``root`` None: turned off).
-
-    A NamedTuple, not a frozen dataclass: the start-up ledger imports this module inside the capture hook, where
-    making a dataclass's methods cost 0.5 ms.
-    """
+    """One library's cache directory (None: off) and complete units at one moment (a NamedTuple: 0.5 ms cheaper)."""
 
     library: Library
     root: Path | None
@@ -62,11 +53,7 @@ class Snapshot(NamedTuple):
 
 def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
              dirs: Dirs | None = None) -> dict[str, Snapshot]:
-    """Each library's (default: all) directory and complete units now.
-
-    The directory is where a server's ``dirs`` put it, else where the library's own variables in ``environ``
-    (default: this process's) do.
-    """
+    """Each library's (default: all) directory, from ``dirs`` or ``environ``, and its complete units now."""
     env = os.environ if environ is None else environ
     wanted = set(MODULES if names is None else names)
     taken = {}
@@ -79,7 +66,6 @@ def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | No
 
 
 def _size(path: Path) -> int:
-    """The size of ``path``, -1 when it is gone."""
     try:
         return path.lstat().st_size
     except OSError:

@@ -1,13 +1,4 @@
-"""sglang's CuTe DSL AOT cache: compiled objects loaded into the process.
-
-Where: only sglang keeps it (kernels/jit/cute_aot_cache.py, ``get_jit_cache``), so the sglang room says where
-(``jitwarm.precompile.servers.sglang.caches``); outside sglang there is none. Objects are
-namespaced under a source-fingerprint directory (CuTe's version, CUDA version, arch, the sources' hash).
-
-A unit is one object ``<sha256 of the compile key>.o``, exported to a dot-file and ``os.replace``d into place
-under the key's ``.lock`` (``_export_to_disk``), so always whole. sglang loads these objects as code: the
-directory must be trusted, as jitwarm's cache is.
-"""
+"""sglang's CuTe DSL AOT cache (kernels/jit/cute_aot_cache.py): a unit is one ``.o``, ``os.replace``d whole."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """DeepGEMM's JIT cache (``DG_JIT_CACHE_DIR``): the FP8 GEMMs, minutes cold (sglang PR #18823).
 
-Where (sgl-deep-gemm 0.2.3.post2, sglang 0.5.23's pin, whose JIT is deep_jit: ``DiskCache::from_env`` in
-include/deep_jit/cache/disk.hpp, with the prefix ``DG``): ``DG_JIT_CACHE_DIR``, else ``DJ_JIT_CACHE_DIR``, a
-``:``-separated list whose first path is the one written (the others are read-only lookup roots), else
-``$HOME/.dj``. sglang overwrites ``DG_JIT_CACHE_DIR`` and vLLM sets it when unset, each under its own cache
-directory (their rooms say where).
-
-A unit is one entry directory ``cache/<kernel name>.<digest>/`` (deep_jit's key: an FNV-1a hex digest of the
-compiler's signature, the options and the generated code with its headers): deep_jit compiles into
-``tmp/<uuid>/``, writes and fsyncs the completion marker ``.committed`` last, and renames the whole directory
-into place (``DiskCacheEntry::commit``); a lookup is a hit exactly when ``.committed`` is there. So a unit is
-complete when it holds ``.committed``, and the marker goes with its unit, restored last (the kind of marker
-sglang #32124 asks for). Older DeepGEMM releases (csrc/jit/compiler.hpp: ``kernel.<name>.<digest>/`` with
-``kernel.cu`` and ``kernel.cubin``, no marker, default ``$HOME/.deep_gemm``) are listed too. Units are looked
-for at any depth below the root (sglang has kept a subdirectory per process, PR #27604), never under ``tmp/``
-or ``locks/`` (sglang's precompile locks, compile_utils.py:130-138).
+sgl-deep-gemm 0.2.3.post2 (deep_jit, include/deep_jit/cache/disk.hpp): a unit is an entry directory holding
+the ``.committed`` marker, written last before its rename (a lookup hits exactly then), restored last; older
+releases' ``kernel.<name>.<digest>/`` with ``kernel.cu`` and ``kernel.cubin`` too. At any depth (sglang keeps a
+subdirectory per process, PR #27604), never under ``tmp/`` or ``locks/``.
 """
 
 from __future__ import annotations

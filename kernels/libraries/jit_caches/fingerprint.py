@@ -1,16 +1,8 @@
 """What a captured unit's library keyed it on that the node must match: package, compiler and driver versions, arch.
 
-A cache copied to a node where one of these differs is transferred "successfully" and never hit (modelexpress
-#560, dynamo #10119 and #10695): the library's key changes and it compiles again, or, worse, a unit built for
-another toolchain is loaded. Each library lists its items (:attr:`~.units.Library.items`); a unit carries their
-values as the recording process saw them, and a restore compares them with the node's (:func:`differing`).
-
-Items: the installed distribution's version (``torch``, ``triton``, ``tilelang``, ``deep_gemm`` (sglang's
-``sgl-deep-gemm`` or DeepGEMM's own), ``flashinfer``, ``sglang``, ``vllm``; ``cutlass-dsl`` joins every
-``nvidia-cutlass-dsl*`` distribution, as CuTe DSL's own key does); ``nvcc`` and ``cxx``, the compiler's
-``--version`` line (through :func:`jitwarm.kernels.backend.version_lines`); ``arch``, the GPU's ``sm_XY``
-(``cpu`` without one); ``driver``, the NVIDIA driver's version (the driver's PTX cache is keyed by it). A value
-that cannot be found is ``absent``.
+A cache copied to a node where one of these differs is copied "successfully" and never hit (modelexpress #560,
+dynamo #10119 and #10695). A unit carries its library's items as recorded; a restore compares them with the
+node's (:func:`differing`). A value that cannot be found is ``absent``.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ def node(items: Iterable[str], target: str | None = None) -> dict[str, str]:
 
 
 def value(item: str, target: str | None = None) -> str:
-    """The node's value of one item (see the module docstring)."""
+    """The node's value of one item: a distribution's version, a compiler's ``--version`` line, arch or driver."""
     if item in PACKAGES:
         return package_version(PACKAGES[item])
     if item == "cutlass-dsl":
@@ -94,7 +86,7 @@ def _nvcc() -> str:
 
 @functools.lru_cache(maxsize=8)
 def _compiler(exe: str, name: str) -> str:
-    """The line of ``exe --version`` that names the release (nvcc's last, a C++ compiler's first), or ``absent``."""
+    """The line of ``exe --version`` that names the release, or ``absent``."""
     from jitwarm.kernels.backend import ToolchainError, version_lines
 
     try:

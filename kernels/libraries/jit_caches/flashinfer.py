@@ -1,24 +1,9 @@
 """FlashInfer's JIT cache (``FLASHINFER_WORKSPACE_BASE``/.cache/flashinfer): its ``cached_ops`` modules.
 
-Where (flashinfer/jit/env.py): ``FLASHINFER_WORKSPACE_BASE`` (default: home) ``/.cache/flashinfer``, each
-module in ``<version>/<archs>/cached_ops/<name>/`` (``<archs>``: the sorted target archs with FlashInfer's
-suffix, ``90a`` for sm_90, ``_get_workspace_dir_name``); sglang sets the base to its own cache directory.
-
-A unit is one module: ninja builds it in place under ``cached_ops/tmp/<name>.lock`` (flashinfer/jit/core.py,
-``JitSpecNvcc.build``), so it is complete when ``<name>.so`` is there and no build holds that lock. FlashInfer
-never loads a JIT-built ``.so`` without running ninja first (``try_load`` returns only AOT artifacts): the
-JIT path's freshness is ninja's. So the unit is everything ninja reads for it: the module directory whole
-(``build.ninja``, ninja's own ``.ninja_log`` and ``.ninja_deps``, the objects, the ``.so``) and the sources
-FlashInfer generated for it under ``<version>/<archs>/generated/`` (the inputs ``build.ninja`` names there, and
-``generated/<name>/`` with the headers they include): generated anew on the node they would be newer than the
-restored objects, and ninja would build again. ``cubins/`` holds FlashInfer's downloaded cubins, verified by
-their own checksums: not units here.
-
-Ninja also compares times: an output older than an input, or newer than the time its ``.ninja_deps`` and
-``.ninja_log`` records hold, is rebuilt. A restore therefore gives each output the modification time ninja
-logged for it, and each generated input the earliest of those (:func:`settle`), so that ``ninja`` has no work
-on the node as long as the module's paths and commands are the recording box's (the same image, the same
-``FLASHINFER_WORKSPACE_BASE``: ``build.ninja`` holds absolute paths).
+A unit is one ``<version>/<archs>/cached_ops/<name>/``, complete with ``<name>.so`` while no build holds
+``cached_ops/tmp/<name>.lock`` (flashinfer/jit/core.py), with everything ninja reads for it: FlashInfer runs
+ninja before it loads a JIT-built ``.so``, so the unit takes the sources it generated under ``generated/``, and
+a restore gives each file the time ninja logged (:func:`settle`), else ninja builds again.
 """
 
 from __future__ import annotations
@@ -98,7 +83,7 @@ def logged_mtimes(log: Path) -> dict[str, int]:
 
 
 def settle(root: Path, unit: str, files: tuple[str, ...]) -> None:
-    """Give a restored module the times ninja logged (the module docstring); nothing when it has no log."""
+    """Give a restored module the times ninja logged, sources the earliest; nothing when it has no log."""
     logged = logged_mtimes(root / unit / ".ninja_log")
     if not logged:
         return

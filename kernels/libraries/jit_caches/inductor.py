@@ -1,28 +1,10 @@
-"""PyTorch Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``): FX graphs, AOTAutograd entries, generated code.
+"""PyTorch Inductor's cache (``TORCHINDUCTOR_CACHE_DIR``, else ``$TMPDIR/torchinductor_<user>``).
 
-Where (torch/_inductor/runtime/cache_dir_utils.py, ``cache_dir``): ``TORCHINDUCTOR_CACHE_DIR``, else
-``$TMPDIR/torchinductor_<user>``. A server that moves it says so in its room (``jitwarm.precompile.servers``):
-sglang sets it under its own cache directory; vLLM into its compile tree while it compiles through its own
-backend or AOT (those units are the tree's, :mod:`.vllm_compile`), and this family is then Inductor's own
-directory, where Inductor writes otherwise (vLLM's CPU build without AOT compile: 13 C++ modules and their FX
-graphs for a 2-layer model).
-
-Units, each named by Inductor's own hash:
-
-- every file under ``fxgraph/`` and ``aotautograd/`` (one cached graph or candidate entry, written whole by
-  ``write_atomic``: a dot-file renamed into place, codecache.py);
-- in each code directory (``<2 chars>/``), the files that share a stem (``<hash>.py``; ``<hash>.main.cpp``
-  with the ``.so`` built from it). A group with a ``.cpp`` is complete only with its ``.so``, while no build
-  holds ``locks/<hash>.lock`` and no ``<name>_CxxBuild`` directory of a build cut short is left beside it:
-  the C++ compiler writes the ``.so`` in place under that lock (``_worker_compile_cpp``, cpp_builder.py).
-
-- in ``precompiled_headers/``, a header ``<hash>.h`` with the ``.h.gch`` g++ builds from it in place, under
-  ``precompiled_headers/locks/<hash>.lock`` (``_precompile_header``, codecache.py:3548): Inductor builds it in
-  every process that loads a C++ module, cached or not, unless it is there (codecache.py:3784). Measured on vLLM's
-  CPU build (docs/vllm.md, "Caches of a real start"): 149 MB, and 6 s of a 47 s restored start without it.
-
-``triton/`` is Triton's own cache (Inductor points ``TRITON_CACHE_DIR`` there): the ``triton`` family's.
-Fingerprint: torch (``torch_key``), triton (``triton_key``), the C++ compiler, the arch.
+Units, each named by Inductor's hash: every file under ``fxgraph/`` and ``aotautograd/`` (written whole by
+``write_atomic``); in each code directory, the files that share a stem, a ``.cpp`` complete only with its ``.so``
+while no build holds ``locks/<hash>.lock`` and no ``*_CxxBuild`` directory is left (cpp_builder.py); in
+``precompiled_headers/``, a ``.h`` with its ``.h.gch`` (codecache.py:3548; 6 s of a 47 s vLLM CPU start).
+``triton/`` is the ``triton`` family's.
 """
 
 from __future__ import annotations
@@ -130,11 +112,7 @@ class Counters:
 
 
 def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
-    """Hand each Inductor compile to ``refuse``, where torch has imported it; (name, undo), or None.
-
-    ``fx_codegen_and_compile`` is looked up as a module global at each compile; a process that never imported
-    it compiles nothing with Inductor.
-    """
+    """Hand each Inductor compile to ``refuse``, where torch has imported it; (name, undo), or None."""
     from jitwarm.kernels.tap import replace
 
     compile_fx = sys.modules.get("torch._inductor.compile_fx")
@@ -142,8 +120,7 @@ def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
     if original is None:
         return None
 
-    # A graph's own number, which ``refuse`` logs once: its id() was reused by the next graph once it was freed,
-    # and a second compile inside a capture went unlogged (a vLLM plugin test saw 2 warnings of 3).
+    # A graph's own number, not its id(): a freed graph's id went to the next, whose compile went unlogged.
     numbers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     counter = itertools.count()
 

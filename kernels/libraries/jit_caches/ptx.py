@@ -1,20 +1,8 @@
-"""The CUDA driver's PTX JIT cache (``CUDA_CACHE_PATH``): PTX the driver compiled to SASS for this GPU.
+"""The CUDA driver's PTX JIT cache (``CUDA_CACHE_PATH``), keyed by the driver's version among others.
 
-Where (CUDA's environment variables): ``CUDA_CACHE_PATH``, else ``~/.nv/ComputeCache`` (sglang
-sets it under its own cache directory). The driver keys its entries by the PTX, the options,
-the GPU and its own version: a driver upgrade invalidates the cache, so the driver version is in the
-fingerprint.
-
-The driver keeps one ``index`` file naming every entry of the tree, so the tree is one unit (``.``): complete
-when its index is there, new when any file was added. Restored whole into an empty cache, or file by file
-beside the node's own entries with the index last; an index the node's driver wrote itself is kept.
-
-The driver rewrites its index in place while the process runs, so a plain read can see it torn (truncated and
-half rewritten). Every file of this unit is therefore read whole (:func:`settled_bytes`): from one open file
-whose size and times did not change during the read (for the index, nor :data:`RECHECK_S` after it) and had
-not changed for :data:`QUIET_S` before it; the hash and the copy of a capture each read it so, and the entry's
-check refuses the unit if the two differ (it is captured again at the next capture). A torn index is never
-stored.
+The driver's ``index`` names every entry, so the whole tree is one unit (``.``), complete with its index, which
+goes last. The driver rewrites the index in place while it runs: every file is read settled
+(:func:`settled_bytes`), and the entry's check refuses a unit whose two reads differ. A torn index is never stored.
 """
 
 from __future__ import annotations
@@ -33,10 +21,8 @@ INDEX = "index"
 QUIET_S = 0.25
 #: Seconds a capture waits for a quiet moment before it gives the unit up (to the next capture).
 SETTLE_TIMEOUT_S = 10.0
-#: Seconds between a read of the index and a last look at it. ext4 publishes a truncate's new size before its
-#: new mtime, so a read inside that gap sees an empty file with the old, quiet mtime twice (fstat, read,
-#: fstat); a look this much later sees the truncate's mtime (tests/test_jit_caches_ptx.py hit the gap when the
-#: writer restarted after a quiet moment). The entry files are written once, never rewritten in place.
+#: Seconds between a read of the index and a last look at it: ext4 publishes a truncate's size before its mtime,
+#: so a read in that gap saw an empty file with the old mtime twice (tests/test_jit_caches_ptx.py).
 RECHECK_S = 0.01
 
 
@@ -57,11 +43,7 @@ def settled_bytes(path: Path, quiet_s: float = QUIET_S, timeout_s: float = SETTL
                   recheck_s: float = 0.0) -> bytes:
     """The bytes of ``path`` as one version: unchanged ``quiet_s`` before, during and ``recheck_s`` after the read.
 
-    Raises
-    ------
-    OSError
-        The file vanished, or it kept changing for ``timeout_s`` (``EAGAIN``: the driver is still writing it).
-
+    OSError when the file vanished, or ``EAGAIN`` when it kept changing for ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:
@@ -86,11 +68,7 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 class _DriverCache(Library):
-    """The PTX cache's library: its files are read settled (the module docstring), never as they are being rewritten.
-
-    It adds no field, so it inherits Library's frozen dataclass methods as they are: decorating it again made the
-    same six methods anew, 1 ms of every import of this module (the start-up ledger's census, in the capture hook).
-    """
+    """The PTX cache's library: its files are read settled (not a dataclass again: that cost 1 ms an import)."""
 
     def stored_bytes(self, root: Path, rel: str) -> bytes:
         """The settled bytes of ``root/rel`` (:func:`settled_bytes`; the index looked at again after the read)."""

@@ -1,25 +1,12 @@
 """Put one captured unit where its library looks: wholly there or absent, verified, never over the library's own file.
 
-Two ways, chosen by what is at the destination:
+A unit that is a directory of its own and absent there is staged beside it and renamed into place; otherwise each
+file is hard-linked into place (never replacing one) with the commit record last, and a failure removes what
+this call placed. A file already there with other bytes is the library's own compile and is kept. Every byte is
+hashed against the entry's manifest on the way.
 
-- The unit is a directory of its own (:attr:`~.units.Library.unit_is_dir`) and it is absent (or empty, as
-  Triton's manager leaves one): its files are written into a staging directory beside it, made durable, and
-  renamed into place in one step, as DeepGEMM and TileLang publish their own.
-- Otherwise (its files share a directory with other units, as Inductor's do, or the library made the directory
-  meanwhile): each file is written to a dot-file beside its destination and hard-linked into place, which never
-  replaces an existing file; the library's commit record goes last (Triton's group file, the ``.so`` Inductor
-  builds from its ``.cpp``), so the library sees no unit until it is whole; a failure part-way removes the files
-  this call placed.
-
-A destination file that exists already counts as present when its bytes are the unit's (as stored); different
-bytes are the library's own compile and are kept (the unit is not restored, the caller is told which file).
-Every byte copied is hashed against the entry's manifest on the way. Once placed, the library's
-:attr:`~.units.Library.settle` gives the files what its build tool reads beside their bytes (FlashInfer's ninja
-rebuilds an output newer than the time it logged for it).
-
-Temporaries are named ``.jitwarm-<name>~<host>~<pid>~<random>[.tmp]``: a restore killed part-way (SIGKILL) leaves
-them, up to a unit's size, and the next restore into that directory removes those of its host whose process is
-gone (issue #31, N9). Another host's, on a shared filesystem, are never touched.
+Temporaries are ``.jitwarm-<name>~<host>~<pid>~<random>[.tmp]``: the next restore into that directory removes
+those of its host whose process is gone (issue #31, N9); another host's are never touched.
 """
 
 from __future__ import annotations
@@ -55,15 +42,12 @@ class Placed:
 def place(library: Library, unit: str, files: Files, source: Path, root: Path) -> Placed:
     """Restore ``unit`` (``files`` as stored under ``source``, an entry's directory) into the cache at ``root``.
 
-    The destination is trusted as the cache trusts its root (:func:`check_destination`) before anything is written.
-
     Raises
     ------
     LoadError
         A file of the entry does not hash to its recorded digest (the entry is corrupt).
     UntrustedPath
-        A folder on the way is a link jitwarm did not place, another user's or writable by others, or something
-        other than a regular file is where a unit's file goes (exit 2; nothing written).
+        :func:`check_destination` refused the destination (exit 2; nothing written).
     JitwarmError
         The destination cannot be written (a full disk, a directory not writable: exit 1); nothing of the unit
         is left there by this call.
@@ -86,12 +70,9 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
 def check_destination(root: Path, files: Files) -> None:
     """UntrustedPath unless restoring ``files`` under ``root`` writes only into this user's own folders.
 
-    The library's root is checked as the cache checks its own (a link there is the operator's when this user or
-    root owns it; ``cache.files.check_trusted_dir``); below it, every folder that exists is a real folder (no link:
-    a restore wrote root's files through another user's link into a root-only directory), owned by this user or
-    root and not writable by others, and where a unit's file goes there is nothing, or a regular file (a FIFO there
-    hung the restore, which read it to compare: issue #31, N1, N5). ``JITWARM_ALLOW_SHARED=1`` accepts folders
-    others own or can write, never a link or a FIFO.
+    The root is checked as the cache checks its own; below it no link, no folder of another user or writable by
+    others (``JITWARM_ALLOW_SHARED=1`` accepts those), and nothing but a regular file where a file goes (a FIFO
+    hung the restore: issue #31, N1, N5).
     """
     import stat
 
@@ -104,7 +85,6 @@ def check_destination(root: Path, files: Files) -> None:
         check_trusted_dir(root, "the library's cache", allow_shared=shared)
     except FileNotFoundError:
         pass  # made by the restore, as this user
-    # The root itself is checked above.
     for path, is_file in [(root / f, False) for f in unit_folders(files)] + [(root / rel, True) for rel in files]:
         try:
             st = path.lstat()
@@ -124,7 +104,6 @@ def check_destination(root: Path, files: Files) -> None:
 
 
 def _empty_or_absent(path: Path) -> bool:
-    """Whether ``path`` is missing or an empty directory."""
     try:
         with os.scandir(path) as it:
             return next(it, None) is None
@@ -196,15 +175,12 @@ _PREFIX = ".jitwarm-"
 
 
 def _temporary(name: str) -> str:
-    """A temporary's name beside ``name``: this host's and this process's (see the module docstring)."""
+    """A temporary's name beside ``name``: this host's and this process's."""
     return f"{_PREFIX}{name}~{this_host()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"  # a host name may hold dots
 
 
 def sweep(folder: Path) -> list[str]:
-    """Remove the temporaries in ``folder`` that a restore on this host left when it was killed; return their names.
-
-    Each folder is looked at once per process. Never raises: what cannot be removed stays for the next sweep.
-    """
+    """Remove the temporaries a killed restore on this host left in ``folder`` (once a process); return their names."""
     if folder in _swept:
         return []
     _swept.add(folder)
@@ -255,14 +231,12 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
         os.fsync(out.fileno())
     if h.hexdigest() != digest:
         raise LoadError(f"{library.name}: the cache entry's {rel} does not match its recorded sha256")
-    # The library's own modes: 0644 (0755 to run), owner-only for a file the entry keeps private (stored 0400,
-    # from a 0600 one the library wrote: issue #31).
+    # The library's modes: 0644 (0755 to run), owner-only for a file the entry keeps private (issue #31).
     mode = src.stat().st_mode
     dest.chmod((0o755 if mode & 0o111 else 0o644) & (0o700 if is_private(mode) else 0o777))
 
 
 def _stored_digest(library: Library, root: Path, rel: str) -> str | None:
-    """The sha256 of ``root/rel`` as the unit would store it; None when it cannot be read."""
     try:
         return hashlib.sha256(library.stored_bytes(root, rel)).hexdigest()
     except (OSError, ValueError):
@@ -270,7 +244,6 @@ def _stored_digest(library: Library, root: Path, rel: str) -> str | None:
 
 
 def _undo(placed: list[Path]) -> None:
-    """Remove the files this call placed, last first."""
     for path in reversed(placed):
         with contextlib.suppress(OSError):
             path.unlink()

@@ -1,16 +1,8 @@
 """TileLang's kernel cache (``TILELANG_CACHE_DIR``): the DeepSeek-V4 MHC prenorm and fp8 attention kernels.
 
-Where (tilelang/env.py): ``TILELANG_CACHE_DIR``, else ``~/.tilelang/cache`` (sglang
-sets it under its own cache directory).
-
-A unit is one kernel directory ``<version>/<platform>-<machine>/kernels/<key>/`` (tilelang/cache/
-kernel_cache.py, ``_get_cache_namespace`` and ``_get_cache_path``): TileLang writes it in ``.staging/`` beside
-``kernels/`` and renames the whole directory into place once it holds every file its execution backend's
-``_get_complete_cache_files`` names. Complete: from 0.1.15 on, its ``manifest.json`` (written last) is there
-with every file it lists; in 0.1.12 (sglang 0.5.23's pin), which writes no manifest, the files of one backend:
-``device_kernel.cu``, ``host_kernel.cu``, ``params.pkl`` and ``executable.so`` (tvm_ffi, the default),
-``kernel_lib.so`` (cython, torch), ``kernel.cubin`` and ``kernel.py`` (nvrtc); or CuTe DSL's ``device_kernel.py``,
-``host_kernel.py``, ``kernel.py``, ``params.pkl`` and ``launcher_lib.so`` (jit/adapter/*/kernel_cache.py).
+A unit is one ``<version>/<platform>-<machine>/kernels/<key>/`` (tilelang/cache/kernel_cache.py), renamed into
+place whole; complete with its ``manifest.json`` and every file it lists (0.1.15 on), or, in 0.1.12 (sglang
+0.5.23's pin), with the files of one execution backend (``_get_complete_cache_files``).
 """
 
 from __future__ import annotations

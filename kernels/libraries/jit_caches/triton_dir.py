@@ -1,19 +1,8 @@
 """Triton's own cache directory (``TRITON_CACHE_DIR``), when jitwarm's cache manager is not serving Triton.
 
-Where (triton/knobs.py, ``cache_knobs``): ``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache`` (home by
-default); under Inductor ``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``, which Inductor exports as
-``TRITON_CACHE_DIR``. A server that moves it says so in its room (``jitwarm.precompile.servers``): sglang sets it
-under its own cache directory, vLLM into its compile tree while it compiles (those units are the tree's,
-:mod:`.vllm_compile`).
-
-A unit is one key directory (``<base32 sha256>/``, Triton's ``get_cache_key``). Triton's
-``FileCacheManager.put`` replaces each file atomically and ``compile`` writes the group file
-``__grp__<name>.json`` last, so a directory with a group is complete when every file the group names is there
-(``get_group``'s own test, runtime/cache.py); one without a group is complete when it holds only files Triton
-keeps alone (a launcher ``.so``, ``*.autotune.json``), never a compile's stages without their group.
-
-A group file names its files by absolute path, so a moved cache misses: the unit stores it with bare names
-and the restore writes the destination's paths. The arch comes from the compile's metadata (``target.arch``).
+A unit is one key directory, complete when every file its ``__grp__`` file (written last) names is there
+(``get_group``'s own test, runtime/cache.py), or holding only files Triton keeps alone (a launcher ``.so``,
+``*.autotune.json``). Group files name absolute paths: stored with bare names, restored with the destination's.
 """
 
 from __future__ import annotations
@@ -59,7 +48,7 @@ def served_by_jitwarm() -> bool:
 
 
 def units(root: Path) -> dict[str, tuple[str, ...]]:
-    """The complete key directories of one Triton cache directory (see the module docstring)."""
+    """The complete key directories of one Triton cache directory."""
     found: dict[str, tuple[str, ...]] = {}
     for key_dir in subdirs(root):
         if key_dir.name.startswith("tmp."):
@@ -111,7 +100,7 @@ def arch_of(root: Path, files: tuple[str, ...]) -> str | None:
 
 
 def _manager_served() -> list[tuple[str, str]]:
-    """What jitwarm's Triton cache manager did in this process, if it is imported (nothing is imported here)."""
+    """What jitwarm's Triton cache manager did in this process, if it is imported (imports nothing)."""
     manager = sys.modules.get("jitwarm.kernels.libraries.triton.cache")
     return manager.served() if manager is not None else []
 

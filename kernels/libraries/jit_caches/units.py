@@ -1,13 +1,8 @@
 """A JIT library's cache as a directory of units: where it lives, which file groups are complete, their digests.
 
-Each library writes every compile into its own cache directory as a group of files that belong together
-(Triton's key directory and its ``__grp__`` file, DeepGEMM's ``kernel.<name>.<hash>/``, Inductor's module or its
-``.cpp`` with the ``.so`` built from it). jitwarm never reads their meaning: a :class:`Library` says where the
-cache is (as the library resolves its own variables; a server that moves it says so in its room, :data:`Dirs`),
-which groups are *complete* (never half a group), which file goes last when one is restored, and which node
-facts the library's key depends on (:mod:`.fingerprint`). A unit is named by its path under the cache root, the
-library's own key, so the same compile on two boxes is the same unit; what ``units(root)`` lists after a run,
-minus what it listed before, is what the run compiled.
+A unit is a group of files one compile writes (Triton's key directory, DeepGEMM's ``kernel.<name>.<hash>/``),
+named by its path under the cache root, the library's own key: what ``units(root)`` lists after a run, minus
+what it listed before, is what the run compiled. jitwarm never reads the files' meaning.
 """
 
 from __future__ import annotations
@@ -28,66 +23,32 @@ from typing import Any, Protocol
 
 from jitwarm.cache.entry import is_safe_relpath
 
-#: A unit's files: paths relative to the cache root -> their bytes' sha256 (as stored, :attr:`Library.normalize`).
+#: A unit's files: paths relative to the cache root -> their stored bytes' sha256.
 Files = dict[str, str]
 _SHA = re.compile(r"[0-9a-f]{64}")
-#: Where a server keeps the libraries' caches, as its room (``jitwarm.precompile.servers``) reads its environment:
-#: library name -> directory, None where the server turns it off. A library it leaves out is where the library's
-#: own variables put it. The kernels layer names no server: a server's redirect reaches it only as this.
+#: Where a server keeps the libraries' caches (library -> directory, None: off); one left out is where the
+#: library's own variables put it. The kernels layer names no server: a redirect reaches it only as this.
 Dirs = Mapping[str, Path | None]
 
 
 @dataclass(frozen=True)
 class Library:
-    """One JIT library's cache directory (see the module docstring), the contract each family's module fills.
+    """One JIT library's cache directory: the contract each family's module fills.
 
-    Failure semantics, as a reader needs them without the implementation: ``resolve``, ``is_commit``,
-    ``arch_of``, ``factors_of``, ``node_factors``, ``signal`` and ``bypassed`` never raise (a value they cannot
-    read is None, absent or left out); ``units`` and ``settle`` may raise ``OSError`` (a directory removed while
-    it is listed: :meth:`present` answers nothing then, and a restore names the unit); ``normalize`` and
-    ``localize`` may raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file that is
-    not in the library's format (the capture of that unit fails, named; a restore raises ``LoadError``, which
-    quarantines the entry). None of them runs under a lock of jitwarm's; a restore calls ``localize`` and
-    ``settle`` under the entry's claim.
+    ``resolve(environ)`` is the directory the library's own variables give (None: off, or only a server keeps
+    it); ``units(root)`` the complete units, ``{unit: files relative to root}``; ``items`` the fingerprint items
+    its key depends on. ``unit_is_dir``: a unit is ``root/unit/``, restored by one rename. ``is_commit(rel)``:
+    the commit record, restored last. ``normalize``/``localize`` rewrite a file when captured and restored
+    (Triton's group files' paths). ``arch_of`` reads the arch from the unit; ``settle`` runs after a restore
+    (FlashInfer's ninja times); ``factors_of``/``node_factors`` give the library's own key factors (vLLM's);
+    ``parts(unit)`` the library whose rules a unit follows (vLLM's tree holds Inductor's); ``signal()`` its own
+    hit signal for the ledger (None: new units count); ``bypassed()``: its compiles go elsewhere here.
 
-    Attributes
-    ----------
-    name, kind : str
-        ``inductor`` and its backend kind ``inductor_cache``.
-    resolve : callable
-        ``resolve(environ) -> Path | None``: the cache directory the library's own variables give in a process
-        with that environment; None when the persistent cache is off there, or when only a server keeps this
-        cache (sglang's CuTe DSL objects, vLLM's compile tree: its room's :data:`Dirs` place it).
-    units : callable
-        ``units(root) -> {unit: files}``: the complete units under ``root``, files relative to ``root``.
-    items : tuple of str
-        The fingerprint items the library's key depends on (:mod:`.fingerprint`).
-    unit_is_dir : bool
-        The unit is a directory of its own (``root/unit/``): restored by one rename when it is absent there.
-    is_commit : callable
-        ``is_commit(rel)``: the file the library looks for first (its commit record), restored last.
-    normalize, localize : callable or None
-        A file rewritten when captured (absolute paths made relative) and when restored (made absolute under the
-        destination): Triton's group files.
-    arch_of : callable or None
-        ``arch_of(root, files)``: the arch read from the unit itself (Triton's metadata), else the node's.
-    settle : callable or None
-        ``settle(root, unit, files)`` once a restore placed the files: what the library's build tool reads beside
-        their bytes (FlashInfer's ninja: the times it logged).
-    factors_of, node_factors : callable or None
-        ``factors_of(root, files)``: fingerprint items of the library's own, as the unit or the recording process
-        has them (vLLM's cache key factors); ``node_factors(items)``: this node's values of those it can compute
-        (one left out is not compared).
-    parts : callable or None
-        ``parts(unit)``: the library whose file rules a unit of this cache follows, where the cache holds another
-        library's units (vLLM's compile tree holds Inductor's and Triton's); None: every unit follows this one's.
-    signal : callable or None
-        ``signal()``: the library's own hit signal, noted now (:class:`Signal`), for the start-up ledger; None:
-        it has none, and the units new in its directory count what compiled.
-    bypassed : callable
-        ``bypassed()``: the library's compiles go elsewhere in this process (Triton's, through jitwarm's cache
-        manager), so its directory holds none of them to capture.
-
+    Failure semantics: ``resolve``, ``is_commit``, ``arch_of``, ``factors_of``, ``node_factors``, ``signal`` and
+    ``bypassed`` never raise; ``units`` and ``settle`` may raise ``OSError``; ``normalize`` and ``localize`` may
+    raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file not in the library's
+    format (a restore turns that into ``LoadError``, which quarantines the entry). None runs under a jitwarm
+    lock; a restore calls ``localize`` and ``settle`` under the entry's claim.
     """
 
     name: str
@@ -112,10 +73,7 @@ class Library:
         return self if self.parts is None else self.parts(unit)
 
     def root(self, environ: Mapping[str, str] | None = None, dirs: Dirs | None = None) -> Path | None:
-        """The absolute cache directory; None: off.
-
-        Where a server's ``dirs`` put it, else where the library resolves ``environ`` (default: this process's).
-        """
+        """The absolute cache directory, from a server's ``dirs``, else ``environ``'s (default: this process's)."""
         found = dirs[self.name] if dirs and self.name in dirs else self.resolve(
             os.environ if environ is None else environ)
         return None if found is None else Path(os.path.abspath(expand(found)))  # noqa: PTH100 - no symlinks resolved
@@ -143,9 +101,6 @@ class Library:
         return {rel: hashlib.sha256(self.stored_bytes(root, rel)).hexdigest() for rel in sorted(files)}
 
 
-# -- listing helpers the libraries share -----------------------------------------------------------------------
-
-
 def regular_files(folder: Path) -> Iterator[str]:
     """Names of the regular files directly in ``folder`` (no links, no dot-files: writers' temporaries)."""
     with os.scandir(folder) as it:
@@ -170,11 +125,7 @@ def tree_files(folder: Path) -> list[str]:
 
 
 def lock_held(path: Path) -> bool:
-    """Whether another process holds an flock on ``path`` (a library's per-key build lock); False if none exists.
-
-    A shared try-lock fails exactly while a writer holds the exclusive lock that filelock (Inductor's, FlashInfer's)
-    takes around a build; it is released at once.
-    """
+    """Whether another process holds an flock on ``path`` (filelock's build lock); a shared try-lock tells."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -191,12 +142,7 @@ def lock_held(path: Path) -> bool:
 
 
 def expand(path: str | os.PathLike[str]) -> Path:
-    """``~`` expanded as the libraries expand it (``os.path.expanduser``), never raising.
-
-    A ``~name`` of no user, or a home that cannot be found (no ``HOME``, no passwd entry: a container's arbitrary
-    uid), is left as it is; ``Path.expanduser`` raises RuntimeError there, which stopped the start-up ledger
-    inside a server.
-    """
+    """``~`` expanded as ``os.path.expanduser`` does, never raising (``Path.expanduser`` raised without a home)."""
     return Path(os.path.expanduser(path))  # noqa: PTH111
 
 
@@ -205,17 +151,12 @@ def server_own(environ: Mapping[str, str]) -> None:
     del environ
 
 
-#: The server rooms' :data:`Dirs` while a restore runs: ``dirs_of(server)`` (:func:`placed_by`).
 _PLACED_BY: ContextVar[Callable[[str], Dirs] | None] = ContextVar("jitwarm_placed_by", default=None)
 
 
 @contextmanager
 def placed_by(dirs_of: Callable[[str], Dirs]) -> Iterator[None]:
-    """Inside the block, a unit recorded under a server is restored where ``dirs_of(server)`` puts its library.
-
-    The restore runs through the generic ``Artifact.load`` (its claim, its quarantine of a corrupt entry), whose
-    backend contract carries no environment: the caller, which knows the server rooms, sets this around it.
-    """
+    """Inside the block, a unit recorded under a server is restored where ``dirs_of(server)`` puts its library."""
     token = _PLACED_BY.set(dirs_of)
     try:
         yield
@@ -224,11 +165,7 @@ def placed_by(dirs_of: Callable[[str], Dirs]) -> Iterator[None]:
 
 
 def dirs_under(server: str) -> Dirs:
-    """The :data:`Dirs` of ``server`` (``""``: a process that ran none) for this restore.
-
-    RuntimeError outside :func:`placed_by` for a server's unit: restoring it where its library alone would look puts
-    it where that server never looks (a caller's bug, never a corrupt entry, so not a LoadError that quarantines it).
-    """
+    """The :data:`Dirs` of ``server`` (``""``: none) for this restore; RuntimeError outside :func:`placed_by`."""
     dirs_of = _PLACED_BY.get()
     if dirs_of is None and not server:
         return {}
@@ -239,14 +176,8 @@ def dirs_under(server: str) -> Dirs:
 
 
 def unit_folders(files: Iterable[str]) -> list[Path]:
-    """Every folder between a cache's root and the files of a unit, relative to the root, parents first (not the root).
-
-    What the trust checks of a capture (the unit's source) and of a restore (its destination) walk.
-    """
+    """Every folder between a cache's root and a unit's files, relative to the root, parents first."""
     return sorted({part for rel in files for part in (Path(rel).parent, *Path(rel).parent.parents)} - {Path()})
-
-
-# -- what a spec of a unit carries, checked ---------------------------------------------------------------------
 
 
 def canonical(value: Mapping[str, str]) -> str:
@@ -271,8 +202,6 @@ def files_problem(library: Library, unit: object, files: object) -> str | None:
     return None
 
 
-# -- the start-up ledger's count of a family (jitwarm.precompile.ledger) ------------------------------------
-
 #: A ledger line names at most this many of a family's compiled keys.
 SHOWN_KEYS = 3
 #: How a family without a hit signal of its own is counted.
@@ -281,11 +210,7 @@ NO_SIGNAL = "new units in its cache directory"
 
 @dataclass(frozen=True)
 class FamilyCount:
-    """One family's line: ``served`` from its cache (None: the library gives no hit signal), ``compiled`` now.
-
-    ``keys`` are the library's keys of what compiled; ``present`` the complete units in its cache directory
-    ``root`` at start (None where the family has no such directory here).
-    """
+    """One family's ledger line: ``served`` (None: no hit signal), ``compiled``, keys, units ``present`` at start."""
 
     family: str
     signal: str
@@ -324,16 +249,11 @@ class FamilyCount:
 
 
 class Signal(Protocol):
-    """A library's own hit signal, noted when the ledger starts (:attr:`Library.signal` makes one then).
-
-    :meth:`count` gets the census of the start (``before``) and now (``after``, :func:`.census.snapshot`) and
-    the units new since (:func:`.census.added`); it returns None where the library gives no signal in this
-    process (its new units count then). It never raises.
-    """
+    """A library's own hit signal, noted when the ledger starts; :meth:`count` never raises."""
 
     def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
               new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount | None:
-        """The family's count since the signal was noted, or None."""
+        """The count from the census at start, now and the new units; None where there is no signal here."""
 
 
 def shown(keys: tuple[str, ...]) -> str:

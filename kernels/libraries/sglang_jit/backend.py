@@ -1,11 +1,8 @@
 """The server's own sglang ``load_jit`` modules (kind ``sglang_jit``): keyed, built and looked up by sglang.
 
-A spec is one recorded ``load_jit`` call: ``family`` sglang's module name, ``target`` the recording arch,
-``params`` the call as canonical JSON, the sglang version and (recent manifests) sglang's full arch (``9.0a``).
-Its description is what sglang's own build key hashes, computed by sglang (:mod:`.child`), so our key changes
-exactly when sglang's does; ``load`` puts the leaf where sglang's loader looks, under sglang's build lock
-(docs/kernels.md). A leaf re-hashes against the loading node's files (``compile/cache.py:369-418``): replay in
-the server's image.
+A spec is one recorded ``load_jit`` call (module name, recording arch, the call as JSON, sglang's version and
+arch); its description is what sglang's own build key hashes, computed by sglang (:mod:`.child`), so our key
+changes exactly when sglang's does (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -85,7 +82,7 @@ def installed_sglang() -> str:
 
 
 def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
-    """Return the cache description of ``spec`` (``facts`` unused: sglang fingerprints its compilers itself).
+    """Return the cache description of ``spec`` (``facts`` unused: sglang fingerprints its compilers).
 
     Raises
     ------
@@ -112,10 +109,7 @@ _descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
 
 
 def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = None) -> None:
-    """Build ``spec`` with sglang's ``load_jit`` in a fresh interpreter, into a private cache; its leaf to ``staging``.
-
-    CompileError when ``load_jit`` failed, timed out or published nothing (``output``: sglang's whole text).
-    """
+    """Build ``spec`` with sglang's ``load_jit`` in a fresh interpreter; its leaf to ``staging``; CompileError."""
     staging = Path(staging)
     call, arch, _ = _parse(spec)
     start = time.perf_counter()
@@ -164,10 +158,7 @@ class SglangCacheDirError(JitwarmError, OSError):
 
 
 def cache_root() -> Path:
-    """The JIT cache root sglang uses: its own ``cache_root()`` when loaded (cache.py:317-319), else the same rule.
-
-    ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit`` (``EnvStr(None)``, srt/environ.py:1397).
-    """
+    """The JIT cache root sglang uses: its ``cache_root()`` when loaded, else ``$SGLANG_JIT_CACHE_DIR`` or default."""
     loaded = sys.modules.get("sglang.kernels.jit.utils.compile.cache")
     if loaded is not None:
         return Path(loaded.cache_root())
@@ -175,17 +166,15 @@ def cache_root() -> Path:
 
 
 def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Put ``entry``'s leaf into sglang's JIT cache (``cache_dir``, default :func:`cache_root`); return its library.
+    """Put ``entry``'s leaf into sglang's JIT cache (default :func:`cache_root`); return its library's path.
 
-    The path returned is the one sglang's ``find_prebuilt`` returns. A complete leaf there is kept; otherwise the
-    files, checked against the entry's sha256s, are staged beside it and renamed into place under sglang's build
-    lock, so sglang's lock-free loader sees the leaf whole or not at all.
+    A complete leaf there is kept; otherwise the checked files are staged and renamed into place under sglang's
+    build lock, so its lock-free loader sees the leaf whole or not at all.
 
     Raises
     ------
     LoadError
-        The entry is not this spec's, was built under another sglang key than described, or a file of it cannot
-        be read or does not match its sha256 (the cache discards such an entry).
+        The entry is not this spec's or under another sglang key, or a file of it is unreadable or differs.
     SglangCacheDirError
         sglang's cache directory cannot be written (the entry is kept).
 
@@ -198,8 +187,7 @@ def materialize(spec: KernelSpec, entry: Any, cache_dir: str | os.PathLike[str] 
                         "changed between describing and building")
     leaf = Path(cache_dir if cache_dir is not None else cache_root()) / doc["leaf"]
     try:
-        # A complete leaf is kept as it is, whoever built it: sglang only publishes whole leaves, and its own
-        # fast path takes no lock either (loader.py:135).
+        # A complete leaf is kept: sglang publishes only whole leaves, its fast path takes no lock (loader.py:135).
         if _complete(leaf, doc):
             return leaf / doc["library"]
         leaf.parent.mkdir(parents=True, exist_ok=True)
@@ -259,9 +247,9 @@ class SglangJitKernel:
         self._module: Any = None
 
     def preload(self) -> int:
-        """On a CUDA device of the spec's arch: the recorded ``load_jit`` (a cache hit) loads the module; else 0.
+        """Load the module with the recorded ``load_jit`` (a hit) on a device of the spec's arch; 0 without CUDA.
 
-        Another device's capability is refused: the call would compile at once there (arch.py:104-128).
+        RuntimeError on another arch, where the call would compile (arch.py:104-128).
         """
         try:
             import torch

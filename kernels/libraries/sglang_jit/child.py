@@ -1,16 +1,9 @@
 """sglang's own ``load_jit``, run in child processes for the sglang_jit backend: both sides of that boundary.
 
-sglang's JIT state is process-global: the arch is a module global set by ``override_jit_cuda_arch``
-(utils/arch.py:162-185), the target tag and the environment fingerprint are computed once per process
-(``cache_once``, compile/cache.py:214,233), the cache dir and the crash flag are read from the environment
-(srt/environ.py:1397,1411). So every replay runs in a fresh interpreter with one arch for its whole life:
-
-- :func:`describe`: one long-lived child per arch and environment (``python -m ...child describe ARCH``: one
-  JSON line per call on stdin, one answer per line, the first saying whether sglang imported) runs
-  ``load_jit`` up to its cache decision;
-- :func:`build`: one child per build (``... build ARCH RESULT``: the call on stdin, the outcome in ``RESULT``).
-
-``ARCH`` is ``[major, minor, suffix or null]`` (null: sglang's default suffix for the arch, arch.py:82-101).
+sglang's JIT state is process-global (the arch, utils/arch.py:162-185; the target tag and fingerprint,
+``cache_once``), so each child has one arch for its life: :func:`describe` keeps one per arch and environment
+(``describe ARCH``: a JSON call a line on stdin, an answer a line), :func:`build` runs one per build
+(``build ARCH RESULT``). ``ARCH`` is ``[major, minor, suffix or null]``.
 """
 
 from __future__ import annotations
@@ -54,8 +47,6 @@ def env_signature() -> tuple[Any, ...]:
 def describe(arch: Arch, call: dict[str, Any], signature: tuple[Any, ...]) -> dict[str, Any]:
     """The parts of sglang's build key of ``load_jit(call)`` (:func:`sglang_key`), by the child of ``arch``.
 
-    ``signature`` is :func:`env_signature`, computed once by the caller.
-
     Raises
     ------
     SpecError
@@ -74,8 +65,8 @@ def describe(arch: Arch, call: dict[str, Any], signature: tuple[Any, ...]) -> di
 def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dict[str, Any]:
     """Run ``load_jit(call)`` for ``arch`` into ``cache_dir``; return ``{"leaf", "key", "driver"}`` (leaf: relative).
 
-    The child runs with sglang's crash, force-recompile and keep switches off, whatever the server set.
-    CompileError when ``load_jit`` failed, timed out or published nothing (``output``: sglang's, ninja's, nvcc's text).
+    sglang's crash, force-recompile and keep switches are off. CompileError when ``load_jit`` failed, timed out or
+    published nothing (``output``: sglang's, ninja's, nvcc's text).
     """
     result_file = cache_dir.parent / f".{cache_dir.name}-result.json"
     cmd = [sys.executable, "-m", _CHILD, "build", json.dumps(arch), str(result_file)]
@@ -99,11 +90,7 @@ def build(module: str, arch: Arch, call: dict[str, Any], cache_dir: Path) -> dic
 
 
 def _child_env(scratch: str, **overrides: str) -> dict[str, str]:
-    """Our environment with our import path, so the child imports the sglang the caller checked, in ``scratch``.
-
-    It imports sglang and torch (:func:`~jitwarm.kernels.channel.scratch_env`): a ``jitwarm warm`` that replayed
-    ``load_jit`` left ``~/.cache/sglang/inductor`` on the build box.
-    """
+    """Our environment and import path, in ``scratch`` (the child imports torch: ``channel.scratch_env``)."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **channel.scratch_env(scratch),
             **overrides}
 
@@ -188,9 +175,8 @@ def call_arguments(call: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 def observe(call: dict[str, Any], *, build: bool) -> tuple[Any, Path]:
     """Run sglang's ``load_jit`` on ``call``; return the BuildSpec it resolved and the directory it keyed.
 
-    Without ``build``, ``SGLANG_CRASH_ON_JIT_COMPILE`` stops it at its cache decision, before its lock
-    (loader.py:148-156). Both are seen where load_jit hands them to the real ``cache.compute_build_key`` and
-    ``cache.build_key_dir`` (loader.py:130-133), so every branch load_jit takes is in them.
+    Without ``build``, ``SGLANG_CRASH_ON_JIT_COMPILE`` stops it at its cache decision (loader.py:148-156); both
+    are seen where load_jit hands them to ``cache.compute_build_key`` and ``cache.build_key_dir``.
     """
     from sglang.kernels.jit.utils.compile import cache, loader
 
@@ -286,11 +272,7 @@ def toolchain_problem(spec: Any) -> str | None:
 
 
 def driver() -> str:
-    """Make modules linked with ``-lcuda`` loadable here: "present" (a driver), "stub" or "absent".
-
-    load_jit dlopens what it built before publishing it (loader.py:189-198); a ``-lcuda`` module (dsv4/wo_a.py:28)
-    needs libcuda.so.1, which the toolkit's stub (toolchain.py:59-68) provides on a box without a driver.
-    """
+    """Make ``-lcuda`` modules loadable (load_jit dlopens its build): "present" (a driver), "stub" or "absent"."""
     from sglang.kernels.jit.utils.compile import toolchain
 
     with contextlib.suppress(OSError):

@@ -1,11 +1,8 @@
 """The server's own Triton kernels (kind ``triton_jit``): described by Triton's own cache key, built by Triton.
 
-A recorded spec is one specialization (``family`` ``module:qualname``, ``params["specialization"]`` what Triton
-handed its ``jit_cache_hook``); a served spec (target ``served``, :func:`.cache.served_group`) is a compile the
-server's Triton asked :mod:`.cache` for, captured, never built here. Both are described by the key Triton's
-``compile`` makes its cache manager with, so a CPU box's replay is the entry the GPU server's JIT finds
-(docs/triton.md). Descriptions and builds hold ``driver.LOCK`` (Triton's knobs and active driver are
-process-global).
+A recorded spec is one specialization (``module:qualname``, the data Triton handed its ``jit_cache_hook``); a
+served spec (target ``served``) is a compile the server's Triton asked :mod:`.cache` for, captured, never built
+here. Both are keyed as Triton keys its cache (docs/triton.md), under ``driver.LOCK``.
 """
 
 from __future__ import annotations
@@ -30,11 +27,7 @@ FORMAT = "jitwarm-triton-cache/1"
 def description(spec: KernelSpec, facts: Any = None) -> dict[str, Any]:
     """Return ``{"format", "triton_key", "group"}`` for ``spec`` (``"file"`` for a served single file).
 
-    Raises
-    ------
-    SpecError
-        The kernel cannot be imported by name, is not a Triton kernel, or its specialization does not fit it.
-
+    SpecError when the kernel cannot be imported by name, is no Triton kernel, or the specialization does not fit.
     """
     served = _served(spec)
     if served is not None:
@@ -81,7 +74,7 @@ def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = No
 
 
 def check(spec: KernelSpec, staging: Path) -> None:
-    """The one group :func:`build` wrote and its files are in ``staging``, its cubin an ELF image; LoadError if not."""
+    """The one group :func:`build` wrote and its files are in ``staging``, its cubins ELF; LoadError if not."""
     served = _served(spec)
     if served is not None and served[0] == "file":
         if not (Path(staging) / spec.family).is_file():
@@ -106,7 +99,6 @@ def load(spec: KernelSpec, entry: Any) -> TritonJitKernel:
 
 
 def _check_group(spec: KernelSpec, root: Path, group: str) -> None:
-    """The group's files are there, its cubins ELF images; LoadError if not."""
     for child, path in read_group(root, group).items():
         if child.endswith(".cubin"):
             with path.open("rb") as f:
@@ -122,10 +114,7 @@ class TritonJitKernel:
         self._compiled: dict[int, Any] = {}
 
     def preload(self) -> int:
-        """On a CUDA device: Triton's ``preload`` through jitwarm's cache (a hit), then the module load; else 0.
-
-        The kernel lands in the ``JITFunction``'s cache for the device: the first launch compiles and loads nothing.
-        """
+        """On a CUDA device: Triton's ``preload`` through jitwarm's cache (a hit), then the module load; else 0."""
         import torch
 
         if not torch.cuda.is_available():
@@ -154,11 +143,7 @@ class TritonJitKernel:
 def resolve(kernel: str) -> Any:
     """Return the ``JITFunction`` named ``module:qualname`` (through an autotuner's or heuristics' ``.fn``).
 
-    Raises
-    ------
-    SpecError
-        The module cannot be imported (its ``sys.exit()`` included), lacks the name, or it is no Triton kernel.
-
+    SpecError when the module cannot be imported (``sys.exit()`` included), lacks the name, or it is no kernel.
     """
     from triton.runtime.jit import JITFunction
 
@@ -166,8 +151,7 @@ def resolve(kernel: str) -> Any:
     if not module_name or not qualname or "<locals>" in qualname:
         raise SpecError(f"{kernel}: not importable by name (a kernel defined inside a function cannot be replayed)")
     try:
-        # Code a manifest names: its sys.exit() is this spec's failure; what it prints goes to stderr, since the
-        # parent imports it too (to describe the spec) and its stdout may be a --json report.
+        # Its sys.exit() is this spec's failure; its prints go to stderr (stdout may be a --json report).
         with contextlib.redirect_stdout(sys.stderr):
             obj: Any = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure of the server's module
@@ -193,8 +177,7 @@ _probing = threading.local()
 def triton_cache_key(fn: Any, specialization: str, target: dict[str, Any]) -> tuple[str, str]:
     """Return the key Triton makes its cache manager with for this compile, and the group it asks for.
 
-    Triton's own ``preload`` runs with a cache manager that stops at ``get_group``, so the key is Triton's
-    (compiler.py, ``compile``), nothing of it repeated here. Other threads' compiles get the manager they had.
+    Triton's own ``preload`` runs with a manager that stops at ``get_group``: the key is Triton's, not repeated here.
     """
     from triton import knobs
     from triton.runtime.cache import CacheManager, FileCacheManager

@@ -1,9 +1,7 @@
 """A Triton ``CacheManager`` over jitwarm's cache: every compile of the server's Triton found or built exactly once.
 
-``TRITON_CACHE_MANAGER=jitwarm.kernels.libraries.triton.cache:CacheManager``. A miss reserves the key
-(``Artifact.reserve``): its lock is held while Triton compiles, and what ``put_group`` hands over is checked,
-sealed and published (``Artifact.publish``). A hit hands Triton copies made under the entry's claim.
-docs/triton.md, "Serving".
+A miss reserves the key (its lock held while Triton compiles) and publishes what ``put_group`` hands over; a hit
+hands Triton copies made under the entry's claim (docs/triton.md, "Serving").
 """
 
 from __future__ import annotations
@@ -35,9 +33,7 @@ WAIT_S = 600.0
 
 _state_lock = threading.Lock()
 _state: dict[str, Any] = {"cache": None, "failed": None}
-#: Each compile this process's managers answered, in order: ``("<kernel> <Triton key>", "served")`` (an entry
-#: handed to Triton) or ``(..., "compiled")`` (Triton compiled it here): the start-up ledger's signal
-#: (jitwarm.precompile.ledger).
+#: Each compile this process's managers answered: ``("<kernel> <Triton key>", "served" or "compiled")``.
 _served: list[tuple[str, str]] = []
 _SCRATCH = "jitwarm-triton-"
 
@@ -210,7 +206,7 @@ class CacheManager(_TritonCacheManager):
         return str(dest)
 
     def _scratch_dir(self) -> Path:
-        """Where this manager's files wait for Triton to read them back: a :func:`.process_scratch` directory."""
+        """Where this manager's files wait for Triton to read them back (a :func:`.process_scratch` directory)."""
         if self._scratch is None:
             self._scratch = process_scratch(_SCRATCH)
         return self._scratch

@@ -1,11 +1,4 @@
-"""Every use of Triton's driver and backend internals in jitwarm, so a Triton upgrade is fixed here alone.
-
-``driver.active``/``_active``/``set_active`` (:func:`reporting`: a box without a GPU compiles under a driver that
-only reports the target), ``GPUTarget`` (:func:`gpu_target`), ``nvidia.compiler.get_ptxas`` (:func:`ptxas`) and
-``CompiledKernel._init_handles`` (:func:`load_module`: the module load Triton otherwise does at the first launch,
-inside a CUDA-graph capture if that is where it is). Triton's cache's group files (:func:`write_group`,
-:func:`read_group`).
-"""
+"""Every use of Triton's driver and backend internals in jitwarm, so a Triton upgrade is fixed here alone."""
 
 from __future__ import annotations
 
@@ -45,11 +38,7 @@ def ptxas(arch: int) -> Path:
 
 @contextlib.contextmanager
 def private_cache(directory: str) -> Iterator[None]:
-    """Under :data:`LOCK`, Triton's own file cache in ``directory``, whatever this process's knobs say.
-
-    Every build is then a real compile (never a stale ``~/.triton`` hit), and no ``TRITON_CACHE_MANAGER``,
-    ``TRITON_KERNEL_OVERRIDE`` (foreign IR), IR dump or ``jit_cache_hook`` (a recorder, a guard) takes part.
-    """
+    """Under :data:`LOCK`, Triton's own file cache in ``directory``; no manager, override, IR dump or hook."""
     from triton import knobs
 
     with LOCK, knobs.cache.scope(), knobs.runtime.scope(), knobs.compilation.scope():
@@ -68,11 +57,7 @@ def load_module(kernel: Any) -> None:
 
 @contextlib.contextmanager
 def reporting(target: dict[str, Any]) -> Iterator[None]:
-    """Triton's active driver if its device is ``target``, else (a build box) one that only reports ``target``.
-
-    Triton's ``preload`` asks the driver for the current device and target only, and refuses another target's
-    specialization.
-    """
+    """Triton's active driver if its device is ``target``, else (a build box) one that only reports ``target``."""
     from triton.runtime import driver
 
     try:
@@ -82,8 +67,7 @@ def reporting(target: dict[str, Any]) -> Iterator[None]:
     if active:  # outside the try: an error of the block is the caller's, never a reason to yield again
         yield
         return
-    # Put back exactly what was active (None: resolved lazily again); reset_active() would build the default
-    # driver right away, and on a box without a GPU that raises (runtime/driver.py, DriverConfig).
+    # Put back exactly what was active: reset_active() builds the default driver, which raises without a GPU.
     previous = driver._active
     driver.set_active(_TargetOnlyDriver(target))
     try:

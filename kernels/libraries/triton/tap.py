@@ -1,10 +1,7 @@
 """Triton's ``knobs.runtime.jit_cache_hook``, chained once for every subscriber (the recorder, the capture seal).
 
-Triton calls the hook right before a compile this process has not done yet (``JITFunction._do_compile``, once per
-specialization), with ``key``, ``repr``, ``fn`` and ``compile``; a subscriber's ``compile(**those)`` sees each one.
-A hook that was there before the tap (someone else's) is still called, after the subscribers, and its answer is
-Triton's. A compile inside :func:`..driver.private_cache` (jitwarm's own builds) passes no hook.
-:func:`recording` is the recorder's subscriber: each compile as a manifest record of kind ``triton``.
+Triton calls it before each new specialization's compile; a hook that was there before is still called, after
+the subscribers, and its answer is Triton's.
 """
 
 from __future__ import annotations
