@@ -1,10 +1,8 @@
-"""Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
+"""Build workers: fresh interpreters (``python -m jitwarm.precompile.builders``) that get or build one spec at a time.
 
-Each worker is ``python -m jitwarm.precompile.builders``: one artifact per line in, one JSON answer per line out
-(:mod:`jitwarm.kernels.channel`). A fresh interpreter, not a ``multiprocessing`` child, never re-imports the
-caller's ``__main__`` (``sglang.launch_server``), and a worker that dies is known by the task it held. Workers run
-in their own session: a terminal's Ctrl-C reaches only the parent, which stops them and their compilers. Errors
-and entries cross as data (the entry as the worker verified it, so the parent uses it without a second lookup).
+One artifact per line in, one JSON answer per line out (:mod:`jitwarm.kernels.channel`). A fresh interpreter never
+re-imports the caller's ``__main__`` (``sglang.launch_server``); a worker that dies is known by the task it held;
+workers run in their own session, so a terminal's Ctrl-C reaches only the parent, which stops them.
 """
 
 from __future__ import annotations
@@ -62,11 +60,7 @@ class Failure:
 
 @dataclass
 class SpecResult:
-    """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
-
-    ``entry`` is the verified entry (the lookup's, or the worker's), handed on so nobody looks it up again. A
-    failure keeps its :class:`Failure` as ``error`` (first line), ``error_kind``, ``error_type`` and ``detail``.
-    """
+    """What warming one spec did: hit, built, waited, downloaded or failed; ``entry``: the verified entry, handed on."""
 
     spec: KernelSpec
     outcome: str  # "hit" | "built" | "waited" | "downloaded" | "failed"
@@ -85,7 +79,7 @@ class SpecResult:
         return self.outcome == "failed" and self.error_kind == "timeout"
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-able dict (the spec as its id; failure fields and ``remote_error`` only when set)."""
+        """Return a JSON-able dict (failure fields and ``remote_error`` only when set)."""
         data = {"spec": self.spec.id, "outcome": self.outcome, "seconds": round(self.seconds, 3), "key": self.key}
         if self.outcome == "failed":
             data.update(error=self.error, error_kind=self.error_kind, error_type=self.error_type, detail=self.detail)
@@ -122,7 +116,7 @@ class BuildPool:
     def run(self, tasks: Sequence[Artifact]) -> Iterator[SpecResult]:
         """Yield one result per artifact as it finishes; a worker that dies fails its task (retried once alone).
 
-        On ``KeyboardInterrupt`` (or any exception in the caller) every worker is stopped before it propagates.
+        Any exception in the caller (``KeyboardInterrupt``) stops every worker before it propagates.
         """
         pending = list(tasks)
         retried: set[KernelSpec] = set()
@@ -160,10 +154,7 @@ class BuildPool:
             self.close()
 
     def close(self) -> None:
-        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period.
-
-        A second Ctrl-C while this runs does not interrupt it: it cannot leave a worker or a compiler behind.
-        """
+        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left; a second Ctrl-C waits."""
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
@@ -200,7 +191,7 @@ class BuildPool:
         return worker
 
     def _relay(self, worker: _Worker, chunk: bytes, key: Any, selector: selectors.BaseSelector) -> None:
-        """Pass a worker's log lines on to our stderr (see :meth:`_say`)."""
+        """Pass a worker's log lines on to our stderr."""
         if not chunk:
             selector.unregister(key.fd)
             chunk = b"\n" if worker.errors.pending else b""
@@ -209,7 +200,7 @@ class BuildPool:
             self._say(line)
 
     def _say(self, line: bytes) -> None:
-        """Write one of the workers' lines on our stderr, each distinct line once (eight workers, one warning)."""
+        """Write a worker's line on our stderr, each distinct line once (eight workers, one warning)."""
         if line.strip() and line not in self._said:
             self._said.add(line)
             sys.stderr.write(line.decode("utf-8", "replace") + "\n")
@@ -238,7 +229,7 @@ def entry_to_json(entry: Entry) -> dict[str, Any]:
 
 
 def entry_from_json(data: dict[str, Any]) -> Entry:
-    """The entry a worker sent (:func:`entry_to_json`), its records and signature as the worker hashed them."""
+    """The entry a worker sent, its records and signature as the worker hashed them."""
     return Entry(key=data["key"], path=Path(data["path"]), files=tuple(data["files"]),
                  description=data["description"], preimage=data["preimage"],
                  records=tuple(FileRecord(**r) for r in data["records"]), created=data["created"],
@@ -246,7 +237,7 @@ def entry_from_json(data: dict[str, Any]) -> Entry:
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the worker and its compiler: ``start_new_session`` made it the group leader."""
+    """Signal the worker and its compiler (``start_new_session`` made it the group leader)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 

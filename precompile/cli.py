@@ -1,9 +1,7 @@
 """The ``jitwarm`` command line: its parser, its flags' checks, and how every error becomes one line and an exit code.
 
-Exit codes: 0 ok (also for an empty plan: nothing to warm); 1 a build or a write failed (or a required remote tier
-is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 corrupt entries or
-bundle; 5 not ready (specs of the plan missing); 130 interrupted. Every error jitwarm raises on purpose is a
-:class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code, printed as one line, never a traceback.
+Every error jitwarm raises on purpose carries its exit code (the table is ``jitwarm.cache.errors``'s); 130 is an
+interrupt. None is printed as a traceback.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "capture": ("run the server once with jitwarm recording until its start is over, stop it, store and verify "
                 "every JIT cache unit it compiled (--export: bundle them)", capture.cmd_capture),
 }
-#: Commands that act on the cache as a whole or run the server: they take no serving flags and build no plan.
+#: Commands that take no serving flags and build no plan.
 PLANLESS = ("prune", "import", "capture")
 
 _MAX_BYTES = 1 << 60  # an exabyte: more is a typo
@@ -66,8 +64,8 @@ class _Help(argparse.HelpFormatter):
 
 
 def _number(text: str, what: str, example: str) -> float:
+    """A finite number >= 0 in ASCII digits (float() reads any script's: '٣')."""
     try:
-        # float() reads any script's digits ('２', '٣'): refused, as the integer flags refuse them.
         value = float(text) if text.isascii() else float("x")
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid {what} {text!r} ({example})") from None
@@ -233,9 +231,8 @@ def _run(argv: Sequence[str] | None) -> int:
     except JitwarmError as exc:
         return _fail(args, _cli_message(exc), exc.exit_code)
     except KeyboardInterrupt:
-        # Exiting now: a second Ctrl-C must not cut that short. Python's finalization puts its SIGINT handler
-        # back to SIG_DFL (it keeps SIG_IGN), and an impatient second Ctrl-C there killed the process by
-        # signal instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
+        # A second Ctrl-C during finalization (which restores SIG_DFL, but keeps SIG_IGN) killed us by signal
+        # instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
@@ -247,10 +244,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespace:
-    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so.
-
-    argparse's words alone said only 'unrecognized arguments'.
-    """
+    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so."""
     try:
         return parser.parse_args(own)
     except UsageError as exc:
@@ -262,8 +256,7 @@ def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespac
 
 def _check_combinations(args: argparse.Namespace, server_argv: list[str] | None) -> None:
     """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2 (issue #31)."""
-    if server_argv == []:
-        # `jitwarm prestart -- $SERVER` with SERVER unset: the likeliest mistake in a Pod spec.
+    if server_argv == []:  # `jitwarm prestart -- $SERVER` with SERVER unset
         raise UsageError("no server command line after -- (is the variable that holds it empty?)")
     if getattr(args, "sha256", None) and not getattr(args, "bundle", None):
         raise UsageError("--sha256 pins the bundle given with --bundle: give --bundle FILE too")

@@ -1,7 +1,7 @@
 """The capture guard: a kernel compile or module load inside CUDA-graph capture becomes a clear error.
 
-Without it, a JIT compile that lands in capture issues driver calls (``cuModuleLoadData``) into the
-capturing stream and the server dies later with ``CUDA_ERROR_ILLEGAL_ADDRESS`` (sglang #33356, #33795).
+Otherwise its driver calls (``cuModuleLoadData``) land in the capturing stream and the server dies later with
+``CUDA_ERROR_ILLEGAL_ADDRESS`` (sglang #33356, #33795).
 """
 
 from __future__ import annotations
@@ -84,14 +84,11 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Watch the JIT libraries' compiles and loads, and refuse (or log) each one made while ``when()`` is true.
+    """Refuse (``mode="error"``) or log once (``"warn"``) each JIT library compile or load made while ``when()``.
 
-    Sealed, where each library is in this process (each room's ``seal``, :data:`SEALS`): Triton's JIT compile
-    (its ``jit_cache_hook``), an Inductor compile, tvm-ffi's build and load, and each server room's own JIT
-    (sglang's ``load_jit``: ``ServerAdapter.seal``). ``mode="error"`` raises
-    :class:`CompileDuringCaptureError` naming the kernel; ``"warn"`` logs it once, with ``log``, and lets it run
-    (vLLM's ``--jit-monitor-mode`` has the same two). ``when`` defaults to :func:`guarded`: the guard armed or the
-    current stream capturing. Off until :meth:`install`: it patches other libraries' process-wide hooks.
+    Each library room and server room seals its own library (``seal(refuse)``: Triton's ``jit_cache_hook``, Inductor,
+    tvm-ffi, sglang's ``load_jit``). ``when`` defaults to :func:`guarded`. Off until :meth:`install`: it patches
+    other libraries' process-wide hooks.
     """
 
     def __init__(self, *, mode: str = "error", when: Callable[[], bool] | None = None,
@@ -106,11 +103,7 @@ class ThirdPartySeal:
         self._lock = threading.Lock()
 
     def install(self) -> list[str]:
-        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`).
-
-        Each library room says how it is sealed (``seal(refuse) -> (name, undo) | None``, :data:`SEALS`), and
-        each server room for its own JIT (``ServerAdapter.seal``).
-        """
+        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
         from jitwarm.precompile import servers
 
         rooms = [importlib.import_module(name) for name in SEALS]
@@ -127,11 +120,7 @@ class ThirdPartySeal:
         self.armed = []
 
     def refuse(self, what: str, key: Any = None) -> None:
-        """Raise or log ``what`` (about to be compiled or loaded) when ``when()`` says so.
-
-        ``key`` is its identity where its name is not one. ``warn`` logs each once: sglang looks a build up twice
-        before it compiles it.
-        """
+        """Raise or log ``what`` (about to compile or load) when ``when()``; ``warn`` logs each ``(what, key)`` once."""
         if not self.when():
             return
         if self.mode == "error":

@@ -1,8 +1,7 @@
 """CaptureHook: returns only when every kernel of the plan is built, loaded, on the device, and all ranks met.
 
-The order is the point (sglang PR #33795, #34286): wait for every key, load every module, force every
-kernel onto the device, drain the device, meet the other TP ranks, then arm the guard — all after the
-last warmup and before ``torch.cuda.CUDAGraph()`` is created.
+The order is the point (sglang PR #33795, #34286): wait for every key, load every module, force every kernel onto
+the device, drain it, meet the other TP ranks, arm the guard; after the last warmup, before the graph.
 """
 
 from __future__ import annotations
@@ -27,10 +26,7 @@ POLICIES = ("build", "wait", "strict")
 
 
 class KernelsNotReady(NotReady, RuntimeError):
-    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss): exit 5.
-
-    A RuntimeError too: a server that does not know jitwarm's errors fails its start on it all the same.
-    """
+    """The hook could not make every kernel ready (a build failed, strict found a miss): exit 5, and a RuntimeError."""
 
 
 class WarmTimeout(TimedOut, KernelsNotReady):
@@ -38,7 +34,7 @@ class WarmTimeout(TimedOut, KernelsNotReady):
 
 
 class KernelLoadFailed(JitwarmError, RuntimeError):
-    """A spec's cache entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
+    """A spec's entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
@@ -65,14 +61,6 @@ class TorchDevice:
             torch.cuda.synchronize(self.device)
 
 
-def default_barrier() -> Callable[[], None] | None:
-    """torch.distributed's default-group barrier when it is initialised, else None."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.barrier
-    return None
-
-
 @dataclass
 class HookReport:
     """What a hook call did (``first``: False for the cheap repeat calls); ``steps`` times each step."""
@@ -91,18 +79,15 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call (1) makes every key of the plan for this device's target present within ``timeout_s``: building
-    what is missing (``policy="build"``), waiting for another process (``"wait"``) or failing at once
-    (``"strict"``, also forced by ``JITWARM_STRICT=1``); (2) loads every module; (3) forces every kernel onto the
-    device; (4) synchronizes it; (5) meets the other TP ranks at ``barrier``; then arms the guard. Later calls
-    only synchronize and meet, so the hook fits sglang's ``post_warmup_hook`` slot.
+    The first call makes every key of the plan for this device's target present within ``timeout_s`` (``policy``:
+    ``"build"`` what is missing, ``"wait"`` for another process, or ``"strict"``: fail, also under
+    ``JITWARM_STRICT=1``), loads every module, forces every kernel onto the device, synchronizes, meets the other
+    ranks at ``barrier`` (default: torch.distributed's) and arms the guard. Later calls only synchronize and meet.
 
-    ``device`` is a torch device or any object with ``target`` and ``synchronize()`` (default: the current CUDA
-    device, else cpu); ``barrier`` defaults to torch.distributed's when initialised; ``warm`` is a
-    :class:`~jitwarm.precompile.warming.WarmHandle` to join first. ``manifest`` (one path or several) adds the
-    server's recorded kernels for this target; with it, or ``serve_triton``, every Triton compile of this process
-    goes through ``cache`` (:mod:`jitwarm.kernels.libraries.triton.cache`). :attr:`ledger` is ``ledger`` or this
-    process's start-up ledger (:mod:`jitwarm.precompile.ledger`).
+    ``device``: a torch device or any object with ``target`` and ``synchronize()``; ``warm``: a
+    :class:`~jitwarm.precompile.warming.WarmHandle` to join first; ``manifest`` (paths) adds the server's recorded
+    kernels, and with it or ``serve_triton`` every Triton compile goes through ``cache``; :attr:`ledger` is
+    ``ledger`` or this process's start-up ledger.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
@@ -117,7 +102,10 @@ class CaptureHook:
         self.plan, self.policy, self.timeout_s, self.jobs = plan, policy, timeout_s, jobs
         self.cache = cache or KernelCache()
         self.device = device if hasattr(device, "synchronize") and hasattr(device, "target") else TorchDevice(device)
-        self.barrier = barrier if barrier is not None else default_barrier()
+        if barrier is None and (torch := sys.modules.get("torch")) is not None:  # torch.distributed's, if initialised
+            dist = torch.distributed
+            barrier = dist.barrier if dist.is_available() and dist.is_initialized() else None
+        self.barrier = barrier
         self.warm_handle = warm
         self.seal = guard.ThirdPartySeal() if seal_third_party else None
         self.ready = False
@@ -167,11 +155,7 @@ class CaptureHook:
         return report
 
     def ledger_report(self) -> Any:
-        """The :class:`~jitwarm.precompile.ledger.LedgerReport` since the ledger's snapshot: call it after capture.
-
-        Per family, what this process served from cache and what still compiled
-        (:func:`~jitwarm.precompile.ledger.report_after_capture` also logs it and writes ``JITWARM_LEDGER``).
-        """
+        """The :class:`~jitwarm.precompile.ledger.LedgerReport` since the ledger's snapshot: call it after capture."""
         return self.ledger.report()
 
     def close(self) -> None:
@@ -190,10 +174,7 @@ class CaptureHook:
         return result
 
     def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> dict[KernelSpec, Any]:
-        """Step (1): return each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one.
-
-        Each spec is looked up once in this process; each entry is claimed while it loads (``Artifact.load``).
-        """
+        """Step (1): each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one."""
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
             try:
@@ -202,12 +183,10 @@ class CaptureHook:
                 raise WarmTimeout(str(exc)) from None
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
         keys = {spec: artifact(spec, self.cache).key for spec in specs if entries.get(spec) is None}
-        if keys:
-            # Each load claims its entry while it loads (Artifact.load); until then prune's grace period keeps
-            # what a lookup returned (docs/cache.md, "Prune"). Holding claims here made a discard of an entry
-            # that fails to load wait for this very hook's claim.
-            found = {key: self.cache.lookup(key) for key in keys.values()}
-            entries.update((spec, found[key]) for spec, key in keys.items())
+        # Not claimed here (prune's grace keeps them until each load claims its own): a claim held here made the
+        # discard of an entry that fails to load wait for this very hook.
+        found = {key: self.cache.lookup(key) for key in keys.values()}
+        entries.update((spec, found[key]) for spec, key in keys.items())
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:
@@ -255,9 +234,8 @@ def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureH
     """Capture one graph per shape, largest batch first, as sglang's ``capture_one`` does: ``{bs: (graph, outputs)}``.
 
     Per shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then ``forward(shape)``
-    captured into a new graph. The hook is also called once before the ladder, so the warmups find every kernel
-    loaded. ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` on one
-    shared pool; tests pass recording fakes.
+    captured. ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` on one
+    shared pool.
     """
     hook = hook or CaptureHook(plan)
     if graph_factory is None or capture is None:

@@ -1,13 +1,9 @@
 """The start-up ledger: what a served start still compiled, per family, and what its caches served.
 
-A restored cache proves nothing until the server is seen not compiling: a unit copied "successfully" is never
-used when one flag or version differs (modelexpress #560; dynamo #10119, #10695). :func:`begin` takes the start
-snapshot (a plugin calls it before the model loads); :func:`report_after_capture`, after the last graph is
-captured, logs one line per family and writes them as JSON to ``JITWARM_LEDGER``. Each family is counted by its
-library's own hit signal where it has one, which its room holds (``Library.signal``: Inductor's counters,
-jitwarm's Triton manager, vLLM's ``compilation_counter``; the sglang room's ``load_jit`` watcher), else by the
-units new in its cache directory (docs/deployment.md, "Ledger", says which family has which). No library is
-imported for it: the signals read those already imported.
+A restored cache proves nothing until the server is seen not compiling (modelexpress #560; dynamo #10119, #10695).
+:func:`begin` takes the snapshot before the model loads; :func:`report_after_capture`, after the last capture,
+logs one line per family and writes ``JITWARM_LEDGER``. Each family is counted by its library's own signal where
+it has one, else by the units new in its cache (docs/deployment.md, "Ledger"). No library is imported for it.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ class LedgerReport:
         return [f.line() for f in self.families] + self.warnings()
 
     def warnings(self) -> list[str]:
-        """One line per family that compiled although units of it were present at start, naming the keys."""
+        """One line per family that compiled although units of it were present at start."""
         return [w for f in self.families if (w := f.after_restore())]
 
     def as_json(self) -> dict[str, Any]:
@@ -62,10 +58,9 @@ class LedgerReport:
                                            for f in self.families if f.after_restore()]}
 
     def write(self, path: str | Path) -> None:
-        """Write :meth:`as_json` to ``path`` whole (a temporary file beside it, renamed); OSError if it cannot.
+        """Write :meth:`as_json` to ``path`` whole; OSError if it cannot, or if what is there is no regular file.
 
-        Only a regular file is replaced: a device, a FIFO or a link there is refused (OSError) and left as it is
-        (the rename would have replaced ``/dev/null`` itself, as root: issue #31, N6).
+        The rename would have replaced ``/dev/null`` itself, as root (issue #31, N6).
         """
         import errno
         import stat
@@ -95,12 +90,7 @@ class Watcher(Protocol):
 
 
 class Ledger:
-    """The start snapshot of one process; :meth:`report` counts what happened since.
-
-    Taking it lists every JIT cache family's complete units and notes each library's own hit signal
-    (:attr:`~jitwarm.kernels.libraries.jit_caches.units.Library.signal`); ``watchers`` (a server room's) count
-    their own families.
-    """
+    """The start snapshot of one process (every JIT cache's units, each library's signal); :meth:`report` counts."""
 
     def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
@@ -117,11 +107,7 @@ class Ledger:
             self.watchers.setdefault(name, watcher)
 
     def report(self) -> LedgerReport:
-        """Each family's count since the snapshot (never raises OSError: a vanished directory counts empty).
-
-        A family is counted by its library's own signal, else by a server room's watcher, else by the units new
-        in its cache directory; a family with neither a directory nor a watcher here counted nothing.
-        """
+        """Each family's count since the snapshot (its signal, a watcher, or its new units); never raises OSError."""
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 
         after = snapshot(self._before, dirs=self._dirs)
@@ -150,7 +136,7 @@ _process_lock = threading.Lock()
 
 
 def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
-    """The process's ledger, its snapshot taken now if not yet (once: later calls return it, adding ``watchers``)."""
+    """The process's ledger, its snapshot taken now if not yet (later calls return it, adding ``watchers``)."""
     global _process
     with _process_lock:
         if _process is None:
@@ -163,8 +149,7 @@ def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
 def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
     """Log the ledger's lines and write them to ``JITWARM_LEDGER`` when set: the one call after the last capture.
 
-    ``ledger`` defaults to this process's (:func:`begin`). A path that is a directory or cannot be written is
-    one warning line: the server goes on. Returns the report.
+    ``ledger`` defaults to the process's. A path that cannot be written is one warning: the server goes on.
     """
     from jitwarm.cache import settings
 

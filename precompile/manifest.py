@@ -1,21 +1,12 @@
 """Manifests: the server's own JIT kernels as a run compiled them, one JSON record per line, as KernelSpecs.
 
-A record says enough to build its kernel again elsewhere and to name it to a person:
+Records (``v`` 1): ``{"kind": "triton", "kernel": "pkg.mod:qualname", "target", "specialization"}``,
+``{"kind": "sglang_jit", "module", "target", "call"}`` and ``{"kind": "jit_cache", "library", "unit", "target",
+"files", "fingerprint", "under"}`` (a JIT library's cache unit, restored where the server ``under`` puts it).
 
-- ``{"v": 1, "kind": "triton", "kernel": "pkg.mod:qualname", "target": "sm_90", "triton": "3.8.0",
-  "specialization": <Triton's own specialization data, a JSON string>, "name": <Triton's repr>}``
-- ``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": <the running
-  sglang's version>, "call": {"args": [...], ...}}``
-- ``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
-  "cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang", "vllm" or ""}``:
-  one complete unit of a JIT library's own cache, stored in jitwarm's cache
-  (:mod:`jitwarm.kernels.libraries.jit_caches`), restored where the server ``under`` puts that cache.
-
-Many ranks append to one manifest: each append locks the file itself (filelock's ``flock``, which excludes other
-processes and threads alike) and adds only the records it lacks. A manifest is code (replaying it imports the
-modules it names), so it is trusted only from this user or root, unwritable by others (``JITWARM_ALLOW_SHARED=1``
-accepts it anyway). A disk that fills mid-append (or a kill) leaves at most a torn last line: readers ignore it,
-saying so once, and the next append cuts it off, so one short write never costs the records before it.
+Many ranks append to one manifest: each append flocks the file itself and adds only the records it lacks. A
+manifest is code (replay imports its modules): trusted only from this user or root. A torn last line (a full disk,
+a kill) is ignored by readers, said once, and cut off by the next append.
 """
 
 from __future__ import annotations
@@ -116,13 +107,8 @@ def unit_record(spec: KernelSpec) -> dict[str, Any]:
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Return the records of a manifest file, each once, in first-seen order (a torn last line is left out).
 
-    Raises
-    ------
-    ManifestError
-        The file is missing, not a regular file (a directory, a FIFO, a device), unreadable, too large, owned
-        or writable by another user (unless ``JITWARM_ALLOW_SHARED=1``), not UTF-8 JSON lines, or holds a bad
-        record.
-
+    ManifestError: the file is missing, not a regular file, unreadable, too large, not trusted (unless
+    ``JITWARM_ALLOW_SHARED=1``), not UTF-8 JSON lines, or holds a bad record.
     """
     try:
         # Follow a symlink the operator gave (a Kubernetes ConfigMap is one); then no blocking, no link, a
@@ -176,19 +162,11 @@ def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
 
 
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
-    """Add the records the manifest at ``path`` lacks (creating it); return how many were added.
+    """Add the records the manifest at ``path`` lacks (creating it), under the file's own lock; return how many.
 
-    The read and the write happen under an exclusive lock of the file itself; a torn last line is cut off
-    first, and a write that fails (a full disk) is undone, so the count is of records that are in the file.
-
-    Raises
-    ------
-    ManifestError
-        ``path`` is not a regular file, is not trusted, holds a bad record, or was replaced while it was opened.
-    OSError
-        The write failed (``ENOSPC``): the file is as it was; or ``filelock.Timeout`` (a ``TimeoutError``):
-        another append held the lock past :data:`LOCK_TIMEOUT_S`.
-
+    A torn last line is cut off first; a failed write (``ENOSPC``) is undone and raised as OSError. ManifestError:
+    not a regular file, not trusted, a bad record, or replaced while opened; ``filelock.Timeout`` past
+    :data:`LOCK_TIMEOUT_S`.
     """
     new = [check_record(dict(r)) for r in records]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
@@ -258,11 +236,7 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
 
 def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None = None
              ) -> tuple[tuple[KernelSpec, ...], int]:
-    """The specs of manifest records, each once, and how many records ``targets`` left out.
-
-    ``--target`` selects records (an H200's are ``sm_90``), it does not retarget them: Triton's specialization
-    data and load_jit's build are the arch's own.
-    """
+    """The specs of manifest records, each once, and how many records ``targets`` left out (it never retargets)."""
     records, wanted = list(records), None if targets is None else set(targets)
     kept = [r for r in records if wanted is None or r["target"] in wanted]
     return tuple(dict.fromkeys(spec_of(r) for r in kept)), len(records) - len(kept)

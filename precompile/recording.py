@@ -1,14 +1,8 @@
-"""Record the server's own JIT kernels as a run compiles them: every Triton specialization, every load_jit module.
+"""Record the server's own JIT kernels as a run compiles them: Triton specializations, load_jit modules, cache units.
 
-``record(path)`` (or ``JITWARM_RECORD=path`` under the jitwarm sglang or vLLM plugin) chains Triton's
-``knobs.runtime.jit_cache_hook`` (called before each compile a process has not done yet) and, when sglang is
-importable, sees every ``load_jit`` call inside sglang's loader; each new kernel is appended to the manifest at
-``path`` (:mod:`jitwarm.precompile.manifest`). A hit costs nothing more than a set lookup.
-
-It also captures what the run adds to the JIT libraries' own caches (:mod:`jitwarm.kernels.libraries.jit_caches`,
-each resolved as this process's server resolves it): the units added since start are stored in jitwarm's cache at
-:meth:`Recorder.capture` (by :meth:`Recorder.stop` and at exit) and named in the manifest as ``jit_cache`` records
-(docs/deployment.md, "Warm the server's kernels").
+``record(path)`` (or ``JITWARM_RECORD=path`` under a jitwarm plugin) subscribes to Triton's compile hook and
+sglang's loader and appends each new kernel to the manifest. At :meth:`Recorder.capture` (on stop and at exit) the
+units the JIT libraries added to their own caches are stored in jitwarm's cache and named as ``jit_cache`` records.
 """
 
 from __future__ import annotations
@@ -56,8 +50,7 @@ class Recorder:
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
         """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
 
-        It counts as seen only once its append succeeded, so a record a full disk refused is appended the next
-        time it is handed over. :attr:`recorded` counts the ``kernel`` records, :attr:`captured` the units.
+        It counts as seen once appended, so one a full disk refused is tried again; ``kernel``: counted in ``recorded``.
         """
         rid = record_id(record)
         with self._lock:
@@ -75,10 +68,7 @@ class Recorder:
                 self.recorded += added
 
     def start(self) -> Recorder:
-        """Subscribe to the taps :data:`RECORDED` names (whichever can be installed), list the JIT caches.
-
-        The server the process runs in is taken first, before sglang's loader tap imports sglang's loader.
-        """
+        """Subscribe to the taps of :data:`RECORDED`, list the JIT caches (the server is taken first)."""
         from jitwarm.kernels.libraries.jit_caches.census import snapshot
         from jitwarm.precompile import servers
 
@@ -97,10 +87,9 @@ class Recorder:
             self._undo.pop()()
 
     def capture(self) -> int:
-        """Store every unit the JIT libraries' caches gained since start (or the last capture); return how many.
+        """Store every unit the JIT caches gained since start (or the last capture); return how many; never raises.
 
-        Each goes to jitwarm's cache (``KernelCache()`` unless the recorder was given one), then to the manifest.
-        Never raises: a unit that cannot be stored is said once, left out, and tried again at the next capture.
+        A unit that cannot be stored is said, left out, and tried again at the next capture.
         """
         from jitwarm.kernels.libraries.jit_caches.backend import store
         from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
@@ -149,7 +138,7 @@ class Recorder:
         self.stop()
 
     def _subscribe(self) -> None:
-        """Subscribe to each tap :data:`RECORDED` names: its room turns what it sees into records."""
+        """Subscribe to each tap of :data:`RECORDED`."""
         for name in RECORDED:
             room = importlib.import_module(name)
             undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
@@ -176,13 +165,6 @@ def _families() -> list[str]:
 def record(path: str | Path, cache: Any = None) -> Recorder:
     """Start recording every JIT kernel this process compiles into the manifest at ``path``.
 
-    The units its JIT libraries add to their own caches are stored in ``cache`` (default ``KernelCache()``) when
-    the recording stops, and named in the manifest too.
-
-    Examples
-    --------
-    >>> with record("server.jsonl"):      # doctest: +SKIP
-    ...     run_the_server_warmup()
-
+    Units its libraries add to their caches are stored in ``cache`` (default ``KernelCache()``) when it stops.
     """
     return Recorder(path, cache).start()

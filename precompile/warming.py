@@ -57,7 +57,7 @@ class WarmReport:
 
 
 def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
-    """The constructor arguments that rebuild ``cache`` in a worker process (``remote=False``: local only)."""
+    """The arguments that rebuild ``cache`` in a worker (``remote=False``: local only)."""
     return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
             "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared,
             "remote": (cache.remote or "") if remote else "", "remote_prefix": cache.remote_prefix,
@@ -65,11 +65,7 @@ def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
 
 
 class Progress:
-    """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
-
-    Each update says the time elapsed and left: the mean so far per spec times the specs left (builds of one plan
-    take alike, and a 6-minute ``warm --target sm_90`` should say so early).
-    """
+    """Progress on a stream: a redrawn bar on a terminal, one line per build otherwise, with elapsed time and eta."""
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
         self.total, self.done = total, 0
@@ -87,7 +83,7 @@ class Progress:
         self.stream.flush()
 
     def timing(self) -> str:
-        """``elapsed 1m05s, eta 2m10s`` (no eta before the first spec is done, nor after the last)."""
+        """``elapsed 1m05s, eta 2m10s`` (the eta is the mean per spec so far times the specs left)."""
         elapsed = time.perf_counter() - self.start_time
         left = max(0, self.total - self.done)
         eta = f", eta {_clock(elapsed / self.done * left)}" if self.done and left else ""
@@ -127,12 +123,10 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
     """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
 
-    Each build runs in a fresh worker process through the cache's ``get_or_build``, so concurrent warms (other
-    ranks, a prestart container) build each spec once in total and a crashing compiler fails only its spec.
-    ``jobs`` defaults to ``JITWARM_JOBS``, else the core count; ``progress`` (unless False) goes to stderr;
-    ``timeout_s`` bounds each wait on another process's lock. A failed build is in the report (``report.ok``),
-    never raised; ``KeyboardInterrupt`` stops every worker first. With every spec present the plan's completion
-    record is written (best effort).
+    Each build runs in a worker process through ``get_or_build``, so concurrent warms build each spec once in total
+    and a crashing compiler fails only its spec. ``jobs`` defaults to ``JITWARM_JOBS``, else the cores;
+    ``timeout_s`` bounds each wait on another process's lock. A failed build is in the report, never raised. With
+    every spec present the plan's completion record is written (best effort).
     """
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
@@ -149,9 +143,8 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
                on_result: Callable[[SpecResult], None] | None = None, *, missed: bool = False) -> WarmReport:
     """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
 
-    Each spec is looked up once, here (not at all with ``missed``: the capture hook has just found none); a worker
-    gets only misses and looks again only under the key's lock. A remote tier is asked once before any worker
-    starts: down, the workers run local-only (``RemoteUnavailable`` if required).
+    Each spec is looked up once, here (not with ``missed``: the hook has just found none); a worker looks again only
+    under the key's lock. A remote tier is asked once first: down, the workers run local-only.
     """
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
