@@ -21,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache import Entry, FileRecord
-from jitwarm.kernels import KernelSpec, channel
+from jitwarm.cache import BuildError, CacheError, Entry, FileRecord, KernelCache, LockTimeout, RemoteUnavailable
+from jitwarm.kernels import CompileError, KernelSpec, LoadError, SpecError, TargetError, ToolchainError, channel
 from jitwarm.kernels.artifacts import Artifact
+from jitwarm.kernels.backend import set_build_only
+from jitwarm.precompile.log_lines import log_lines
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
 STOP_GRACE_S = 3.0
@@ -44,9 +46,6 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
         """Classify an exception raised while getting or building a spec."""
-        from jitwarm.cache import BuildError, CacheError, LockTimeout, RemoteUnavailable
-        from jitwarm.kernels import CompileError, LoadError, SpecError, TargetError, ToolchainError
-
         cause = exc.__cause__ if isinstance(exc, BuildError) and exc.__cause__ is not None else exc
         kinds = (("timeout", LockTimeout), ("remote_unavailable", RemoteUnavailable), ("compile", CompileError),
                  ("load", LoadError), ("toolchain", ToolchainError), ("spec", (SpecError, TargetError)),
@@ -253,10 +252,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
-    from jitwarm.cache import KernelCache
-    from jitwarm.kernels.backend import set_build_only
-    from jitwarm.precompile.log_lines import log_lines  # the parent relays our stderr: the CLI's form of a line
-
     set_build_only()  # this worker hands no library a tensor: backends may import their runtimes leaner
     cache = KernelCache(**config["cache"])
     try:

@@ -28,7 +28,12 @@ from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
+from jitwarm.precompile.commands import keys_of, open_cache
+from jitwarm.precompile.coverage import plan_coverage
+from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
+from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.servers.command_line import split_env
+from jitwarm.precompile.shipping import check_export_target, export_keys
 
 #: Seconds the plugin's ledger may lag the health endpoint.
 LEDGER_GRACE_S = 30.0
@@ -230,8 +235,6 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
 
     Raises ServerFailed, UsageError (a line no room recognises), KeyboardInterrupt after stopping the server.
     """
-    from jitwarm.precompile.manifest import read_manifest, record_id
-
     room = servers.adapter_for(argv)
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
@@ -293,11 +296,6 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, warnings: list[str],
                   ledger: dict[str, Any] | None) -> Captured:
     """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not."""
-    from jitwarm.precompile.commands import keys_of
-    from jitwarm.precompile.coverage import plan_coverage
-    from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
-    from jitwarm.precompile.plan import WarmPlan
-
     plan = WarmPlan.empty().with_manifests([manifest]) if manifest.is_file() else WarmPlan.empty()
     keys = keys_of(plan, cache)
     coverage = plan_coverage(plan, cache, keys=keys)
@@ -311,14 +309,10 @@ def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, 
 
 def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
     """Run ``capture``; print what it stored (``--json``: one object); ``--export`` the bundle."""
-    from jitwarm.precompile.commands import open_cache
-
     if not server_argv:
         raise UsageError("capture needs the server's command line after -- (jitwarm capture -- vllm serve MODEL ...)")
     manifest = Path(args.manifest or "server.jsonl").absolute()
     if args.export:
-        from jitwarm.precompile.shipping import check_export_target
-
         check_export_target(args.export)
     cache = open_cache(args, writes=True)  # an unwritable root is said now, not after the server's start
     done = capture(server_argv, manifest, cache=cache, cache_dir=args.cache_dir, timeout_s=args.timeout)
@@ -326,8 +320,6 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
         print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)
     digest = None
     if args.export and done.keys:
-        from jitwarm.precompile.shipping import export_keys
-
         digest = export_keys(cache, done.keys, args.export)
     compiled = None if done.ledger is None else done.ledger.get("compiled")
     if args.json:

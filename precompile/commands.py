@@ -1,8 +1,4 @@
-"""What the planning ``jitwarm`` commands share, and ``plan``, ``warm`` and ``prune``.
-
-Each ``cmd_*`` takes the parsed arguments and the plan (None for the commands on the whole cache) and returns its
-exit code; output goes to stdout (one JSON object with ``--json``), problems to stderr.
-"""
+"""What the planning ``jitwarm`` commands share (cache, keys, plan), and ``plan``, ``warm``'s report and ``prune``."""
 
 from __future__ import annotations
 
@@ -12,8 +8,12 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+from jitwarm.cache import KernelCache
 from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_CORRUPT, EXIT_OK, EXIT_TIMEOUT, UsageError
-from jitwarm.kernels import KernelSpec
+from jitwarm.cache.files import check_trusted_dir
+from jitwarm.kernels import KernelSpec, SpecError, Target, TargetError, ToolchainError
+from jitwarm.kernels.artifacts import artifact
+from jitwarm.precompile.config import from_namespace, serving_flags_given
 from jitwarm.precompile.plan import WarmPlan
 
 REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
@@ -23,12 +23,10 @@ PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragg
 
 
 def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
-    """The ``KernelCache`` the flags describe (``--cache-dir``, ``--remote``...); UsageError on a bad value.
+    """The ``KernelCache`` the flags describe; UsageError on a bad value or an untrusted root or lock directory.
 
     ``writes``: the command will publish entries, so its root is made ready now (RootNotWritable, exit 2).
     """
-    from jitwarm.cache import KernelCache
-
     remote = getattr(args, "remote", None)
     from_env = remote == REMOTE_FROM_ENV
     try:
@@ -39,8 +37,6 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
         raise UsageError(str(exc).replace("remote:", "--remote:", 1)) from None
     if from_env and cache.remote is None:
         raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
-    from jitwarm.cache.files import check_trusted_dir
-
     for path, what in ((cache.root, "cache root"), (cache.lock_dir, "lock directory")):
         if path.is_dir():
             # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
@@ -54,12 +50,8 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
     """Each spec's cache key; ``look_only``: the cache's toolchain facts are read, never written (issue #13).
 
-    A spec that cannot be keyed here (a recorded kernel whose module does not import here, a missing toolchain)
-    is left out, with one line on stderr saying why: it counts as missing.
+    A spec that cannot be keyed here is left out (it counts as missing), with one line on stderr saying why.
     """
-    from jitwarm.kernels import SpecError, ToolchainError
-    from jitwarm.kernels.artifacts import artifact
-
     facts = SimpleNamespace(read_fact=cache.read_fact, write_fact=lambda name, value: None) if look_only else cache
     keys = {}
     for spec in plan.specs:
@@ -76,22 +68,16 @@ def plan_asked(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
 
 
 def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
-    """Whether a server line, a config file or a serving flag asks for jitwarm's families (no PLAN_MODIFIERS do)."""
-    from jitwarm.precompile.config import serving_flags_given
-
+    """Whether a server line, a config file or a serving flag (no PLAN_MODIFIERS) asks for jitwarm's families."""
     asked = argparse.Namespace(**{**vars(args), **dict.fromkeys(PLAN_MODIFIERS)})
     return serving_flags_given(asked, server_argv)
 
 
 def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmPlan:
-    """The plan the flags describe: the serving config's, plus the recorded kernels of each ``--manifest``.
+    """The plan the flags describe: the config's, plus the recorded kernels of each ``--manifest`` on its targets.
 
-    ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels; the plan's
-    targets select the records made on them.
+    ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels.
     """
-    from jitwarm.kernels import Target, TargetError
-    from jitwarm.precompile.config import from_namespace
-
     manifests = getattr(args, "manifest", None) or []
     if not manifests or asks_for_families(args, server_argv):
         plan = WarmPlan.build(from_namespace(args, server_argv))
@@ -107,10 +93,7 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
 
 
 def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """An empty plan is success, said once; only ``export`` refuses (there is no bundle to write).
-
-    An init container sharing the template of a server that captures no graphs must not block the pod.
-    """
+    """An empty plan is success, said once (an init container must not block the pod); ``export`` refuses."""
     why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
     what = "the server captures no decode CUDA graphs"
     if plan.shapes and plan.families is not None and not plan.families.planned:  # e.g. a Llama server
@@ -183,10 +166,7 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None = None) -> None:
-    """The warm summary: each failure with its whole text (a compiler's full diagnostic), then the totals.
-
-    With ``--json``, one JSON document on stdout instead: ``doc``, else the report's.
-    """
+    """The warm summary: each failure with its whole text, then the totals; ``--json``: ``doc`` or the report's."""
     if args.json:
         print(json.dumps(doc if doc is not None else report.to_json()))
         return
@@ -209,10 +189,7 @@ def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None
 
 
 def warm_exit(report: Any) -> int:
-    """0 when every spec is there; 3 when the only failures are waits past the deadline; else 1.
-
-    4 when an entry from a remote tier failed the fleet key: an attack or a misconfigured fleet, not a build to retry.
-    """
+    """0 when every spec is there; 4 when a remote entry failed the fleet key; 3 when all failures are waits; else 1."""
     failed = [r for r in report.results if r.outcome == "failed"]
     if not failed:
         return EXIT_OK

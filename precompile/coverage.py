@@ -1,4 +1,4 @@
-"""What the cache holds of a plan: ``status`` and ``verify``, which only look (``--repair`` moves corrupt ones)."""
+"""What the cache holds of a plan: ``status`` and ``verify`` (``--repair`` moves corrupt entries aside)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool, stamped
 
 def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
                   keys: dict[KernelSpec, str] | None = None, stamped: bool = False) -> dict[str, Any]:
-    """Sort the plan's specs (their ``keys``, when the caller has them) into present, missing and corrupt.
+    """Sort the plan's specs into present, missing and corrupt, with ``why`` and (``repair``) ``quarantined``.
 
-    Also ``why`` (each corrupt spec's reason) and ``quarantined`` (moved aside, only with ``repair``).
-    ``stamped``: trust this host's stamps as a lookup does (``cache.verify(stamped=True)``).
+    ``keys``: the caller's, else computed; ``stamped``: trust this host's stamps as a lookup does.
     """
     keys = keys_of(plan, cache, look_only=not repair) if keys is None else keys
     keys = {spec.id: key for spec, key in keys.items()}
@@ -53,7 +52,7 @@ def readiness(coverage: dict[str, list[str]]) -> int:
 
 
 def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Show how much of the plan the cache holds (and what the remote holds) and its size; never changes it."""
+    """Show how much of the plan the cache (and the remote) holds, and its size; never changes it."""
     cache = open_cache(args)
     keys = keys_of(plan, cache, look_only=True)  # once: a spec that cannot be keyed is said once
     coverage = plan_coverage(plan, cache, keys=keys)
@@ -94,11 +93,7 @@ def remote_coverage(cache: Any, keys: dict[str, str]) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
-    """Hash every file of the plan's entries; ``--repair`` moves corrupt ones aside.
-
-    ``--all`` hashes every entry of the cache and needs no plan; given one (a server command line, serving
-    flags, a manifest), the plan's specs without an entry are reported as missing too (exit 5).
-    """
+    """Hash every file of the plan's entries (``--all``: of every entry, the plan's missing ones reported too)."""
     cache = open_cache(args)
     if args.all:
         keys = keys_of(plan, cache, look_only=not args.repair) if plan is not None else {}

@@ -1,9 +1,4 @@
-"""jitwarm's serving flags: their parser, their values' types, and where the server's command line starts.
-
-:func:`add_serving_flags` gives ``plan``, ``warm`` and the other commands sglang's flag names (and a few aliases of
-jitwarm's own); :mod:`jitwarm.precompile.config` turns what they parse into a ServingConfig. Every bad value is a
-:class:`ConfigError`: one line, exit 2.
-"""
+"""jitwarm's serving flags (sglang's names): their parser, their values' types, and where the server's line starts."""
 
 from __future__ import annotations
 
@@ -71,11 +66,7 @@ MAX_PATH, MAX_NAME = 4096, 255
 
 
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one is refused, and one no filesystem takes.
-
-    ``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag; a path too long failed later as a write error,
-    exit 1 (issue #31, N10).
-    """
+    """A path flag's value; an empty one (an unset variable) and one no filesystem takes are refused (issue #31)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     if len(text.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in text.split("/")):

@@ -13,8 +13,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jitwarm.kernels import KernelSpec
+from jitwarm.kernels import KernelSpec, dispatch
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
+from jitwarm.precompile import servers
 
 _log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
 
 def install() -> None:
     """Register :func:`check_dispatch_miss` with the default kernel dispatcher (idempotent)."""
-    from jitwarm.kernels import dispatch
-
     dispatch.add_miss_hook(check_dispatch_miss)  # a no-op when it is registered already
 
 
@@ -104,8 +103,6 @@ class ThirdPartySeal:
 
     def install(self) -> list[str]:
         """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
-        from jitwarm.precompile import servers
-
         rooms = [importlib.import_module(name) for name in SEALS]
         for seal in [room.seal for room in rooms] + [servers.adapter(name).seal for name in servers.ROOMS]:
             sealed = seal(self.refuse)

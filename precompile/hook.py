@@ -16,9 +16,10 @@ from typing import Any
 
 from jitwarm.cache import KernelCache, LockTimeout, settings
 from jitwarm.cache.errors import JitwarmError, NotReady, TimedOut
-from jitwarm.kernels import KernelSpec, Target
+from jitwarm.kernels import KernelSpec, Target, dispatch
 from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import guard
+from jitwarm.precompile import ledger as start_ledger
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 
@@ -118,8 +119,6 @@ class CaptureHook:
             triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call
         if ledger is None:  # its snapshot taken now, unless the server's plugin took it at start
-            from jitwarm.precompile import ledger as start_ledger
-
             ledger = start_ledger.begin()
         self.ledger = ledger
 
@@ -218,8 +217,6 @@ class CaptureHook:
 
     def _load(self, specs: list[KernelSpec], entries: dict[KernelSpec, Any]) -> list[Any]:
         """Step (2): load every spec, each entry claimed while it loads."""
-        from jitwarm.kernels import dispatch
-
         try:
             build = self.policy != "strict"  # strict builds nothing, not even an entry that fails to load
             return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec), build=build)

@@ -8,16 +8,22 @@ it has one, else by the units new in its cache (docs/deployment.md, "Ledger"). N
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from jitwarm.cache import settings
+from jitwarm.cache.files import write_atomic
+from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 from jitwarm.kernels.libraries.jit_caches.units import NO_SIGNAL, FamilyCount
+from jitwarm.precompile import servers
 
 log = logging.getLogger("jitwarm.ledger")
 
@@ -62,11 +68,6 @@ class LedgerReport:
 
         The rename would have replaced ``/dev/null`` itself, as root (issue #31, N6).
         """
-        import errno
-        import stat
-
-        from jitwarm.cache.files import write_atomic
-
         target = Path(path)
         try:
             mode = target.lstat().st_mode
@@ -93,9 +94,6 @@ class Ledger:
     """The start snapshot of one process (every JIT cache's units, each library's signal); :meth:`report` counts."""
 
     def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
-        from jitwarm.kernels.libraries.jit_caches.census import snapshot
-        from jitwarm.precompile import servers
-
         self._dirs = servers.cache_dirs(servers.running())  # where the server this runs in keeps each cache
         self._before = snapshot(dirs=self._dirs)
         self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
@@ -108,8 +106,6 @@ class Ledger:
 
     def report(self) -> LedgerReport:
         """Each family's count since the snapshot (its signal, a watcher, or its new units); never raises OSError."""
-        from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-
         after = snapshot(self._before, dirs=self._dirs)
         new = added(self._before, after)
         counts = []
@@ -151,8 +147,6 @@ def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
 
     ``ledger`` defaults to the process's. A path that cannot be written is one warning: the server goes on.
     """
-    from jitwarm.cache import settings
-
     report = (ledger or begin()).report()
     for count in report.families:
         log.info("%s", count.line())

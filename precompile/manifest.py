@@ -26,6 +26,10 @@ from jitwarm.cache import settings
 from jitwarm.cache.errors import UsageError
 from jitwarm.cache.files import read_file_stat, untrusted_reason
 from jitwarm.kernels import KernelSpec
+from jitwarm.kernels.libraries.jit_caches import MODULES
+from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
+from jitwarm.kernels.libraries.jit_caches.census import library
+from jitwarm.kernels.libraries.jit_caches.units import files_problem
 from jitwarm.precompile.servers import ROOMS
 
 log = logging.getLogger("jitwarm.manifest")
@@ -77,10 +81,6 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
 
 def _check_unit_record(record: dict[str, Any], where: str) -> None:
     """Raise ManifestError unless the ``jit_cache`` record names a known library's well-formed unit."""
-    from jitwarm.kernels.libraries.jit_caches import MODULES
-    from jitwarm.kernels.libraries.jit_caches.census import library
-    from jitwarm.kernels.libraries.jit_caches.units import files_problem
-
     if not isinstance(record["library"], str) or record["library"] not in MODULES:
         raise ManifestError(f"{where}: a jit_cache record names its library, one of {', '.join(MODULES)}")
     problem = files_problem(library(record["library"]), record["unit"], record["files"])
@@ -96,8 +96,6 @@ def _check_unit_record(record: dict[str, Any], where: str) -> None:
 
 def unit_record(spec: KernelSpec) -> dict[str, Any]:
     """The manifest record of a captured unit's spec (:func:`jitwarm.kernels.libraries.jit_caches.backend.store`)."""
-    from jitwarm.kernels.libraries.jit_caches.census import library
-
     params = spec.params_dict
     return {"v": VERSION, "kind": "jit_cache", "library": library(spec.backend).name, "unit": spec.family,
             "target": spec.target, "files": json.loads(str(params["files"])),
@@ -221,9 +219,6 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
         return KernelSpec(record["kernel"], "triton_jit", record["target"],
                           {"specialization": record["specialization"]})
     if record["kind"] == "jit_cache":
-        from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
-        from jitwarm.kernels.libraries.jit_caches.census import library
-
         return unit_spec(library(record["library"]), record["unit"], record["files"], record["fingerprint"],
                          record["target"], str(record.get("under", "")))
     call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))

@@ -46,10 +46,7 @@ class WarmPlan:
 
     def with_manifests(self, paths: Iterable[str | os.PathLike[str]],
                        targets: Iterable[str] | None = None) -> WarmPlan:
-        """Return the plan with the server kernels recorded in ``paths`` after its own (needed by no shape of ours).
-
-        ``targets`` selects the records made on those targets (None: all); ManifestError names a bad file, line.
-        """
+        """Return the plan plus the kernels recorded in ``paths`` (``targets``: those made there; None: all)."""
         from jitwarm.precompile.manifest import read_manifest, specs_of
 
         paths = [str(p) for p in paths]
@@ -66,7 +63,7 @@ class WarmPlan:
 
     @classmethod
     def build(cls, config: ServingConfig) -> WarmPlan:
-        """Map every capture shape of ``config`` to the specs of the families its model runs, per backend and target.
+        """Map every capture shape to the specs of the families the model runs, per backend and target.
 
         ConfigError when the ladder cannot be resolved, UsageError for an unreadable local checkpoint.
         """

@@ -15,8 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jitwarm.cache import settings
+from jitwarm.cache import KernelCache, settings
 from jitwarm.cache.errors import UntrustedPath
+from jitwarm.cache.settings import SettingError
+from jitwarm.kernels.libraries.jit_caches import MODULES
+from jitwarm.kernels.libraries.jit_caches.backend import store
+from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
+from jitwarm.precompile import servers
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 if TYPE_CHECKING:
@@ -69,9 +74,6 @@ class Recorder:
 
     def start(self) -> Recorder:
         """Subscribe to the taps of :data:`RECORDED`, list the JIT caches (the server is taken first)."""
-        from jitwarm.kernels.libraries.jit_caches.census import snapshot
-        from jitwarm.precompile import servers
-
         self.under = servers.running()
         self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
         self._subscribe()
@@ -91,9 +93,6 @@ class Recorder:
 
         A unit that cannot be stored is said, left out, and tried again at the next capture.
         """
-        from jitwarm.kernels.libraries.jit_caches.backend import store
-        from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-
         with self._capturing:
             if not self._before:
                 return 0
@@ -126,8 +125,6 @@ class Recorder:
     def _open_cache(self) -> Any:
         """The cache units are stored in, opened on first use."""
         if self._cache is None:
-            from jitwarm.cache import KernelCache
-
             self._cache = KernelCache()
         return self._cache
 
@@ -148,9 +145,6 @@ class Recorder:
 
 def _families() -> list[str]:
     """The cache families ``JITWARM_RECORD_CACHES`` asks for (all by default); an unknown name is said, skipped."""
-    from jitwarm.cache.settings import SettingError
-    from jitwarm.kernels.libraries.jit_caches import MODULES
-
     try:
         asked = settings.record_caches()
     except SettingError as exc:

@@ -1,8 +1,4 @@
-"""Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens.
-
-The config's room resolves the ladder (:meth:`~jitwarm.precompile.servers.ServerAdapter.resolve_ladder`), asked
-once per config and process, with the device memory filled in where the ladder reads it.
-"""
+"""Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens."""
 
 from __future__ import annotations
 
@@ -17,10 +13,7 @@ from jitwarm.precompile.config import ConfigError, ServingConfig, local_gpu_memo
 
 @dataclass(frozen=True)
 class CaptureShape:
-    """One CUDA graph the server captures: its batch size, the key the server stores it under, its verify layout.
-
-    ``graph_key`` is the token count (``bs * draft tokens``) for compact ragged-verify graphs, else ``bs``.
-    """
+    """One CUDA graph the server captures: its batch size, verify layout and key (token count for compact graphs)."""
 
     bs: int
     layout: VerifyLayout
@@ -35,12 +28,10 @@ class CaptureShape:
 
 @dataclass(frozen=True)
 class Ladder:
-    """The resolved decode capture of a config, as its room's :meth:`resolve_ladder` answered.
+    """The resolved decode capture of a config, in capture order (largest first; empty with ``disabled``'s reason).
 
-    ``shapes`` are in capture order (largest first; empty when decode graphs are off, ``disabled`` says why),
-    ``capture_bs`` ascending; ``width`` is the tokens per request (1, or a speculative verify's draft tokens);
-    ``compact``: compact ragged-verify graphs; ``gpu_memory_mb``: the device memory the default max batch was
-    taken from, when it mattered.
+    ``capture_bs`` ascending; ``width``: tokens per request; ``gpu_memory_mb``: the memory the default max batch
+    was taken from, when it mattered.
     """
 
     source: str
@@ -63,12 +54,8 @@ class Ladder:
 def resolve_ladder(config: ServingConfig) -> Ladder:
     """Resolve the decode graphs ``config``'s server captures (once per config and process).
 
-    Raises
-    ------
-    ConfigError
-        The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), the server rejects the
-        settings, or its own functions were needed and cannot run.
-
+    ConfigError: the ladder needs the device memory and it is unknown, the server rejects the settings, or its own
+    functions were needed and cannot run.
     """
     room = config.room
     assert room is not None  # a ServingConfig names a room: construction checks it

@@ -19,11 +19,19 @@ from typing import Any
 
 from jitwarm.cache.bundle import file_sha256
 from jitwarm.cache.errors import EXIT_OK, CacheError, JitwarmError, NotReady, Refused, UsageError
+from jitwarm.cache.remote.base import redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
-from jitwarm.kernels import KernelSpec
+from jitwarm.kernels import KernelSpec, LoadError
+from jitwarm.kernels.artifacts import artifact
+from jitwarm.kernels.libraries.jit_caches import KIND_OF
+from jitwarm.kernels.libraries.jit_caches.backend import mismatch
+from jitwarm.kernels.libraries.jit_caches.census import library
+from jitwarm.kernels.libraries.jit_caches.units import placed_by
+from jitwarm.precompile import servers
 from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
 from jitwarm.precompile.coverage import plan_coverage, readiness
 from jitwarm.precompile.plan import WarmPlan
+from jitwarm.precompile.warming import warm
 
 
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -31,14 +39,10 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
     With ``--json`` stdout holds one JSON document whatever the outcome (a readiness probe reads ``ready``).
     """
-    from jitwarm.precompile.warming import warm
-
     start = time.perf_counter()
     check_fingerprints(args, plan)
     cache = open_cache(args, writes=True)
     if args.offline and cache.remote is not None:  # said, not silently skipped (issue #31)
-        from jitwarm.cache.remote.base import redact
-
         print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
               f"{cache.root} count", file=sys.stderr)
     keys = keys_of(plan, cache)
@@ -83,8 +87,6 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 
     ``--target`` stands for the arch where no GPU is; ``--allow-fingerprint-mismatch`` makes each a warning.
     """
-    from jitwarm.kernels.libraries.jit_caches.backend import mismatch
-
     target = (args.targets or [None])[0]
     for spec, lib in ((s, lib) for s in plan.recorded if (lib := _jit_cache_library(s.backend)) is not None):
         found = mismatch(lib, spec, target)
@@ -101,8 +103,6 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 
 def say_unloadable(plan: WarmPlan) -> None:
     """Warn where the node's server will not load units the plan restores (its room says when)."""
-    from jitwarm.precompile import servers
-
     units: dict[str, dict[str, list[str]]] = {}  # server -> library -> units recorded under it
     for spec in plan.recorded:
         lib = _jit_cache_library(spec.backend)
@@ -116,9 +116,6 @@ def say_unloadable(plan: WarmPlan) -> None:
 
 def _jit_cache_library(kind: str) -> Any:
     """The JIT cache library (``Library``) of a captured unit's kind, None for a kernel's kind."""
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
-    from jitwarm.kernels.libraries.jit_caches.census import library
-
     return library(kind) if kind in KIND_OF.values() else None
 
 
@@ -129,11 +126,6 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
     where the server it was recorded under keeps it (counted on stderr unless ``quiet``; one the library holds a
     differing file of is left as is). Failures are exit 1: ``CacheError``, ``JitwarmError``, ``OSError``.
     """
-    from jitwarm.kernels import LoadError
-    from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.jit_caches.units import placed_by
-    from jitwarm.precompile import servers
-
     outcomes: dict[str, Counter[str]] = {}
     with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
         for spec in plan.recorded:
@@ -162,9 +154,6 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
 
     With a remote tier the units stay (a build worker downloads them).
     """
-    from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
-
     if cache.remote is not None:
         return plan
     absent = {s for s in plan.recorded if s.backend in KIND_OF.values() and artifact(s, cache).lookup(cache) is None}
@@ -180,8 +169,6 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
 
 def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Build every missing spec of the plan in parallel; with every one there, hand the recorded ones over."""
-    from jitwarm.precompile.warming import warm
-
     check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
     cache = open_cache(args, writes=True)
     plan = without_absent_units(plan, cache, quiet=args.json)
