@@ -222,17 +222,11 @@ class BuildPool:
                                  entry=entry_from_json(data["entry"]))
 
 
-def entry_to_json(entry: Entry) -> dict[str, Any]:
-    """An entry as a worker sends it: every field, the path as a string."""
-    return {**asdict(entry), "path": str(entry.path)}
-
-
 def entry_from_json(data: dict[str, Any]) -> Entry:
     """The entry a worker sent, its records and signature as the worker hashed them."""
-    return Entry(key=data["key"], path=Path(data["path"]), files=tuple(data["files"]),
-                 description=data["description"], preimage=data["preimage"],
-                 records=tuple(FileRecord(**r) for r in data["records"]), created=data["created"],
-                 read_only=data["read_only"], signature=tuple(tuple(item) for item in data["signature"]))
+    return Entry(**{**data, "path": Path(data["path"]), "files": tuple(data["files"]),
+                    "records": tuple(FileRecord(**r) for r in data["records"]),
+                    "signature": tuple(tuple(item) for item in data["signature"])})
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
@@ -260,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start = time.perf_counter()
                 try:  # the parent looked the key up just before handing it over: go straight to the lock
                     got = Artifact.from_json(channel.decode(line)).get_or_build(cache, config["timeout_s"], missed=True)
-                    answer = {"outcome": got.outcome, "key": got.entry.key, "entry": entry_to_json(got.entry)}
+                    entry = {**asdict(got.entry), "path": str(got.entry.path)}  # the path as a string
+                    answer = {"outcome": got.outcome, "key": got.entry.key, "entry": entry}
                 except Exception as exc:  # reported per spec: one bad spec must not fail the others
                     answer = {"failure": asdict(Failure.of(exc))}
                 channel.send(answers, {**answer, "seconds": time.perf_counter() - start,

@@ -28,8 +28,7 @@ from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
-from jitwarm.precompile.commands import keys_of, open_cache
-from jitwarm.precompile.coverage import plan_coverage
+from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.servers.command_line import split_env
@@ -274,7 +273,10 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
         server.stop()
         warnings = sorted({line[line.index("jitwarm:"):] for line in _lines(server_log)
                            if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
-        report = _read_json(ledger)
+        try:
+            report = json.loads(ledger.read_text())
+        except (OSError, ValueError):
+            report = None
     return _check_stored(manifest, cache, before, ready_s, warnings, report)
 
 
@@ -284,13 +286,6 @@ def _lines(path: Path) -> list[str]:
             return [line.decode(errors="replace").rstrip() for line in f]
     except OSError:
         return []
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, warnings: list[str],

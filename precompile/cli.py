@@ -26,8 +26,8 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import capture, commands, coverage, shipping
-from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
+from jitwarm.precompile import capture, commands, shipping
+from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.log_lines import log_lines
 from jitwarm.precompile.plan import WarmPlan
@@ -36,9 +36,9 @@ Command = Callable[[argparse.Namespace, WarmPlan | None], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", commands.cmd_plan),
     "warm": ("build every missing kernel of the plan into the cache, in parallel", shipping.cmd_warm),
-    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", coverage.cmd_status),
+    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", commands.cmd_status),
     "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
-               "missing one", coverage.cmd_verify),
+               "missing one", commands.cmd_verify),
     "prestart": ("import a bundle, warm, verify: the init-container step", shipping.cmd_prestart),
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
@@ -216,7 +216,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "capture":
             return capture.cmd_capture(args, server_argv)
         if args.command in PLANLESS or (args.command == "verify" and args.all
-                                        and not plan_asked(args, server_argv)):
+                                        and not (args.manifest or asks_for_families(args, server_argv))):
             if server_argv is not None:
                 raise UsageError(f"{args.command} takes no server command line")
             return COMMANDS[args.command][1](args, None)

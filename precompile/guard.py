@@ -105,9 +105,9 @@ class ThirdPartySeal:
         """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
         rooms = [importlib.import_module(name) for name in SEALS]
         for seal in [room.seal for room in rooms] + [servers.adapter(name).seal for name in servers.ROOMS]:
-            sealed = seal(self.refuse)
-            if sealed is not None:
-                self._sealed(*sealed)
+            if (sealed := seal(self.refuse)) is not None:
+                self.armed.append(sealed[0])
+                self._undo.append(sealed[1])
         return self.armed
 
     def remove(self) -> None:
@@ -129,10 +129,6 @@ class ThirdPartySeal:
         self.log.warning("jitwarm: %s is compiled or loaded during CUDA-graph capture: a driver call inside the "
                          "capture can kill the server (sglang #33356); JITWARM_STRICT=1 refuses it. %s", what,
                          CompileDuringCaptureError.THIRD_PARTY_HINT)
-
-    def _sealed(self, name: str, undo: Callable[[], Any]) -> None:
-        self.armed.append(name)
-        self._undo.append(undo)
 
 
 def guarded() -> bool:

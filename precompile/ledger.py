@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jitwarm.cache import settings
 from jitwarm.cache.files import write_atomic
@@ -80,26 +80,19 @@ class LedgerReport:
         write_atomic(target, text.encode(), durable=False)
 
 
-class Watcher(Protocol):
-    """A family's signal installed by a server's room (sglang's loader: ``servers/sglang/loader.py``)."""
-
-    def count(self) -> FamilyCount:
-        """The family's count since the watcher was installed."""
-
-    def remove(self) -> None:
-        """Undo what installing it did."""
-
-
 class Ledger:
-    """The start snapshot of one process (every JIT cache's units, each library's signal); :meth:`report` counts."""
+    """The start snapshot of one process (every JIT cache's units, each library's signal); :meth:`report` counts.
 
-    def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
+    ``watchers``: a server room's own signals by family, each with ``count() -> FamilyCount`` and ``remove()``.
+    """
+
+    def __init__(self, watchers: Mapping[str, Any] | None = None) -> None:
         self._dirs = servers.cache_dirs(servers.running())  # where the server this runs in keeps each cache
         self._before = snapshot(dirs=self._dirs)
         self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
-        self.watchers: dict[str, Watcher] = dict(watchers or {})
+        self.watchers: dict[str, Any] = dict(watchers or {})
 
-    def watch(self, watchers: Mapping[str, Watcher]) -> None:
+    def watch(self, watchers: Mapping[str, Any]) -> None:
         """Count the families of ``watchers`` by them (a server's room hands over the signal it installed)."""
         for name, watcher in watchers.items():
             self.watchers.setdefault(name, watcher)
@@ -131,7 +124,7 @@ _process: Ledger | None = None
 _process_lock = threading.Lock()
 
 
-def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
+def begin(watchers: Mapping[str, Any] | None = None) -> Ledger:
     """The process's ledger, its snapshot taken now if not yet (later calls return it, adding ``watchers``)."""
     global _process
     with _process_lock:

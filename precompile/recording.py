@@ -76,7 +76,11 @@ class Recorder:
         """Subscribe to the taps of :data:`RECORDED`, list the JIT caches (the server is taken first)."""
         self.under = servers.running()
         self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
-        self._subscribe()
+        for name in RECORDED:  # each tap's room turns what it sees into records
+            room = importlib.import_module(name)
+            undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
+            if undo is not None:
+                self._undo.append(undo)
         self._before = snapshot(_families(), dirs=self._dirs)
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
@@ -104,8 +108,9 @@ class Recorder:
             for name, units in added(self._before, after).items():
                 snap = after[name]
                 for unit, files in units.items():
+                    self._cache = self._cache or KernelCache()  # opened on first use
                     try:
-                        spec = store(snap.library, snap.root, unit, files, self._open_cache(), under=under)
+                        spec = store(snap.library, snap.root, unit, files, self._cache, under=under)
                     except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
                         log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
                                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -122,25 +127,11 @@ class Recorder:
             self.add(rec, kernel=False)
         return len(records)
 
-    def _open_cache(self) -> Any:
-        """The cache units are stored in, opened on first use."""
-        if self._cache is None:
-            self._cache = KernelCache()
-        return self._cache
-
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-    def _subscribe(self) -> None:
-        """Subscribe to each tap of :data:`RECORDED`."""
-        for name in RECORDED:
-            room = importlib.import_module(name)
-            undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
-            if undo is not None:
-                self._undo.append(undo)
 
 
 def _families() -> list[str]:

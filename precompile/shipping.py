@@ -28,8 +28,7 @@ from jitwarm.kernels.libraries.jit_caches.backend import mismatch
 from jitwarm.kernels.libraries.jit_caches.census import library
 from jitwarm.kernels.libraries.jit_caches.units import placed_by
 from jitwarm.precompile import servers
-from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
-from jitwarm.precompile.coverage import plan_coverage, readiness
+from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import warm
 
