@@ -113,10 +113,7 @@ class BuildPool:
         self._said: set[bytes] = set()  # what workers wrote on stderr: each line once, not once per worker
 
     def run(self, tasks: Sequence[Artifact]) -> Iterator[SpecResult]:
-        """Yield one result per artifact as it finishes; a worker that dies fails its task (retried once alone).
-
-        Any exception in the caller (``KeyboardInterrupt``) stops every worker before it propagates.
-        """
+        """Yield one result per artifact as it finishes (a dead worker's task retried once); an exception stops all."""
         pending = list(tasks)
         retried: set[KernelSpec] = set()
         selector = selectors.DefaultSelector()
@@ -218,15 +215,12 @@ class BuildPool:
             if data.get("failure"):
                 yield SpecResult.failed(spec, Failure(**data["failure"]), data["seconds"], data["remote_error"])
             else:
+                entry = data["entry"]  # as the worker hashed it
+                entry = Entry(**{**entry, "path": Path(entry["path"]), "files": tuple(entry["files"]),
+                                 "records": tuple(FileRecord(**r) for r in entry["records"]),
+                                 "signature": tuple(tuple(item) for item in entry["signature"])})
                 yield SpecResult(spec, data["outcome"], data["seconds"], data["key"], remote_error=data["remote_error"],
-                                 entry=entry_from_json(data["entry"]))
-
-
-def entry_from_json(data: dict[str, Any]) -> Entry:
-    """The entry a worker sent, its records and signature as the worker hashed them."""
-    return Entry(**{**data, "path": Path(data["path"]), "files": tuple(data["files"]),
-                    "records": tuple(FileRecord(**r) for r in data["records"]),
-                    "signature": tuple(tuple(item) for item in data["signature"])})
+                                 entry=entry)
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:

@@ -1,9 +1,8 @@
 """``jitwarm capture -- <server line>``: one real start of the server, recorded, stopped, checked.
 
-The server runs as its line says, in its own process group, with jitwarm's plugin recording (``JITWARM_RECORD``).
-Its start is over when its health endpoint answers and the plugin has written the start-up ledger
-(``JITWARM_LEDGER``) at the worker's ready point. The group is then stopped (SIGINT, SIGTERM, SIGKILL), and every
-recorded unit is checked stored and verified in the cache; a failed capture leaves nothing half-written.
+The server runs in its own process group with jitwarm's plugin recording (``JITWARM_RECORD``); its start is over
+when its health endpoint answers and the plugin wrote the start-up ledger (``JITWARM_LEDGER``). Then the group is
+stopped and every recorded unit is checked stored and verified in the cache.
 """
 
 from __future__ import annotations
@@ -58,18 +57,13 @@ class ServerProcess:
     started: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path, cwd: str | None = None) -> ServerProcess:
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path) -> ServerProcess:
         """Start ``argv`` (leading ``NAME=value`` words join ``env``), output into ``log``; OSError if it cannot."""
         words_env, words = split_env(argv)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(words, env={**env, **words_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+            proc = subprocess.Popen(words, env={**env, **words_env}, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, log)
-
-    @property
-    def pid(self) -> int:
-        """The server's pid, which is also its process group's id."""
-        return self.proc.pid
 
     def exited(self) -> int | None:
         """The server's exit status once its main process has exited, else None."""
@@ -79,45 +73,36 @@ class ServerProcess:
         """The last ``lines`` lines of its output."""
         return _lines(self.log)[-lines:]
 
-    def first_error(self, lines: int = _TAIL_LINES) -> list[str]:
-        """The ``lines`` lines from its first error line on, when that comes before :meth:`tail`'s.
-
-        A multi-process server's last lines are its front's traceback; the cause, a worker's error, comes before.
-        """
+    def first_error(self) -> list[str]:
+        """The lines from its first error on (a worker's, logged before the front's traceback), if before the tail."""
         text = _lines(self.log)
         first = next((i for i, line in enumerate(text) if _ERROR.search(line)), None)
-        return [] if first is None or first >= len(text) - lines else text[first:first + lines]
+        return [] if first is None or first >= len(text) - _TAIL_LINES else text[first:first + _TAIL_LINES]
 
     def group_alive(self) -> bool:
-        """Whether any process of its group is left (its workers outlive a killed main process).
-
-        Reaps the group's members that are our children: as a subreaper (PID 1 of a container) orphaned workers
-        are, and would stay zombies in the group forever.
-        """
+        """Whether any process of its group is left, reaping those that are our children (orphans, as a subreaper)."""
         self.proc.poll()
         with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-self.pid, os.WNOHANG)[0]:
+            while os.waitpid(-self.proc.pid, os.WNOHANG)[0]:
                 pass
         try:
-            os.killpg(self.pid, 0)
+            os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:  # a member changed its uid: still there
             pass
         return True
 
-    def stop(self, grace_s: float | None = None, term_grace_s: float | None = None) -> int | None:
-        """SIGINT the whole group (a server's Ctrl-C), then SIGTERM, then SIGKILL; return the main exit status.
+    def stop(self) -> int | None:
+        """SIGINT the group (a server's Ctrl-C), then SIGTERM, then SIGKILL; the main exit status, None if unreaped.
 
-        The graces default to :data:`STOP_GRACE_S` and :data:`TERM_GRACE_S`, read now. A Ctrl-C while waiting kills
-        the group at once and is raised again (no terminal's Ctrl-C reaches its session). None: not reaped.
+        A Ctrl-C while waiting kills the group at once and is raised again (no terminal's Ctrl-C reaches it).
         """
-        graces = (STOP_GRACE_S if grace_s is None else grace_s, TERM_GRACE_S if term_grace_s is None else term_grace_s)
-        try:
-            for sig, wait_s in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), (*graces, 5.0), strict=True):
+        try:  # the graces are read now (a test sets them)
+            for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
                 if not self.group_alive():
                     break
-                os.killpg(self.pid, sig)
+                os.killpg(self.proc.pid, sig)
                 deadline = time.monotonic() + wait_s
                 while self.group_alive() and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -125,7 +110,7 @@ class ServerProcess:
             pass
         except KeyboardInterrupt:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             raise
         try:
             return self.proc.wait(timeout=5)
@@ -177,12 +162,7 @@ def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path,
 
 def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any,
                stale: tuple[int, int] | None = None) -> float:
-    """Wait until ``url`` answers and the plugin wrote ``ledger``; return the seconds to ``url``'s first answer.
-
-    ``stale`` is the ``(inode, mtime)`` of a file there before the start (the plugin replaces it whole). The ledger
-    may lag the answer by :data:`LEDGER_GRACE_S`. ServerFailed: the server exited, did not answer within
-    ``timeout_s``, or answered without the plugin's ledger.
-    """
+    """Wait until ``url`` answers and the plugin wrote a new ``ledger``; the seconds to ready; else ServerFailed."""
     deadline = server.started + timeout_s
     while not answers(url):
         _check_running(server, "before it was ready")
@@ -230,10 +210,7 @@ class Captured:
 
 def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str | None, timeout_s: float,
             log: IO[str] = sys.stderr) -> Captured:
-    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored.
-
-    Raises ServerFailed, UsageError (a line no room recognises), KeyboardInterrupt after stopping the server.
-    """
+    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored."""
     room = servers.adapter_for(argv)
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
@@ -254,7 +231,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
             server = ServerProcess.start(words, env, server_log)
         except OSError as exc:
             raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {words[0]}") from None
-        print(f"jitwarm: capture: {room.NAME} started (pid {server.pid}), recording into {manifest}; waiting for "
+        print(f"jitwarm: capture: {room.NAME} started (pid {server.proc.pid}), recording into {manifest}; waiting for "
               f"{url} and the plugin's ledger", file=log)
         try:
             ready_s = wait_ready(server, url, ledger, timeout_s, room, stale)

@@ -24,10 +24,7 @@ PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragg
 
 
 def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
-    """The ``KernelCache`` the flags describe; UsageError on a bad value or an untrusted root or lock directory.
-
-    ``writes``: the command will publish entries, so its root is made ready now (RootNotWritable, exit 2).
-    """
+    """The ``KernelCache`` the flags describe (``writes``: its root made ready); UsageError for a bad one."""
     remote = getattr(args, "remote", None)
     from_env = remote == REMOTE_FROM_ENV
     try:
@@ -47,10 +44,7 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
 
 
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
-    """Each spec's cache key; ``look_only``: the cache's toolchain facts are read, never written (issue #13).
-
-    A spec that cannot be keyed here is left out (it counts as missing), with one line on stderr saying why.
-    """
+    """Each spec's key (``look_only``: toolchain facts never written, issue #13); one unkeyable is said and left out."""
     facts = SimpleNamespace(read_fact=cache.read_fact, write_fact=lambda name, value: None) if look_only else cache
     keys = {}
     for spec in plan.specs:
@@ -68,10 +62,7 @@ def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -
 
 
 def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmPlan:
-    """The plan the flags describe: the config's, plus the recorded kernels of each ``--manifest`` on its targets.
-
-    ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels.
-    """
+    """The config's plan plus each ``--manifest``'s kernels on its targets (a manifest alone: only those)."""
     manifests = getattr(args, "manifest", None) or []
     if not manifests or asks_for_families(args, server_argv):
         plan = WarmPlan.build(from_namespace(args, server_argv))
@@ -220,10 +211,7 @@ def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool, stamped
 
 def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
                   keys: dict[KernelSpec, str] | None = None, stamped: bool = False) -> dict[str, Any]:
-    """Sort the plan's specs into present, missing and corrupt, with ``why`` and (``repair``) ``quarantined``.
-
-    ``keys``: the caller's, else computed; ``stamped``: trust this host's stamps as a lookup does.
-    """
+    """Sort the plan's specs into present, missing and corrupt, with ``why`` and (``repair``) ``quarantined``."""
     keys = keys_of(plan, cache, look_only=not repair) if keys is None else keys
     keys = {spec.id: key for spec, key in keys.items()}
     report = verify_reported(cache, list(keys.values()), repair=repair, stamped=stamped)

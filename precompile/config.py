@@ -1,8 +1,4 @@
-"""ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
-
-The fields carry sglang's names; the room named by ``server`` gives them its server's meaning. Below the class,
-where the values come from, merged by :func:`from_namespace`: a TOML file, the server's line, jitwarm's flags.
-"""
+"""ServingConfig, and where its values come from (:func:`from_namespace`): a TOML file, the server's line, flags."""
 
 from __future__ import annotations
 
@@ -52,19 +48,10 @@ _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": 64, "parallel": 1
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The server settings that decide the capture ladder, plus the model dims and build targets.
+    """The server settings that decide the capture ladder (sglang's names), plus the model dims and build targets.
 
-    None means "not given": the server's default applies. ``server_options`` holds the room's settings that no
-    field holds. Construction normalises lists, takes the room's defaults for unset fields and validates:
-    :class:`ConfigError` lists every problem, including combinations the server itself rejects.
-
-    Examples
-    --------
-    >>> cfg = ServingConfig(cuda_graph_max_bs_decode=128, speculative_algorithm="DSPARK",
-    ...                     speculative_num_draft_tokens=6, ragged_verify_mode="compact", targets=("cpu",))
-    >>> cfg.model.compress_ratios
-    (4, 128)
-
+    None means "not given" (the server's default); ``server_options``: the room's own settings. Construction takes
+    the room's defaults and validates: :class:`ConfigError` lists every problem, the server's own rejections too.
     """
 
     cuda_graph_max_bs_decode: int | None = None
@@ -275,10 +262,7 @@ ALIASES = {"cuda_graph_max_bs": "cuda_graph_max_bs_decode", "cuda_graph_bs": "cu
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Return the fields a TOML file (its top level, or its ``[jitwarm]`` table) sets; ConfigError if it cannot.
-
-    A link the operator gave is followed (a ConfigMap is one); a FIFO, a device or a huge file is refused.
-    """
+    """Return the fields a TOML file (its top level, or its ``[jitwarm]`` table) sets; ConfigError if it cannot."""
     try:
         raw, _ = read_file_stat(os.path.realpath(path), MAX_CONFIG_BYTES)
     except OSError as exc:

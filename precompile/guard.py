@@ -1,8 +1,4 @@
-"""The capture guard: a kernel compile or module load inside CUDA-graph capture becomes a clear error.
-
-Otherwise its driver calls (``cuModuleLoadData``) land in the capturing stream and the server dies later with
-``CUDA_ERROR_ILLEGAL_ADDRESS`` (sglang #33356, #33795).
-"""
+"""The capture guard: a compile or module load inside CUDA-graph capture becomes a clear error (sglang #33356)."""
 
 from __future__ import annotations
 
@@ -85,9 +81,7 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 class ThirdPartySeal:
     """Refuse (``mode="error"``) or log once (``"warn"``) each JIT library compile or load made while ``when()``.
 
-    Each library room and server room seals its own library (``seal(refuse)``: Triton's ``jit_cache_hook``, Inductor,
-    tvm-ffi, sglang's ``load_jit``). ``when`` defaults to :func:`guarded`. Off until :meth:`install`: it patches
-    other libraries' process-wide hooks.
+    Each library and server room seals its own (``seal(refuse)``); off until :meth:`install` (it patches hooks).
     """
 
     def __init__(self, *, mode: str = "error", when: Callable[[], bool] | None = None,

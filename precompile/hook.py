@@ -1,7 +1,6 @@
 """CaptureHook: returns only when every kernel of the plan is built, loaded, on the device, and all ranks met.
 
-The order is the point (sglang PR #33795, #34286): wait for every key, load every module, force every kernel onto
-the device, drain it, meet the other TP ranks, arm the guard; after the last warmup, before the graph.
+The order is the point (sglang PR #33795, #34286): all of it after the last warmup, before the graph.
 """
 
 from __future__ import annotations
@@ -80,15 +79,10 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call makes every key of the plan for this device's target present within ``timeout_s`` (``policy``:
-    ``"build"`` what is missing, ``"wait"`` for another process, or ``"strict"``: fail, also under
-    ``JITWARM_STRICT=1``), loads every module, forces every kernel onto the device, synchronizes, meets the other
-    ranks at ``barrier`` (default: torch.distributed's) and arms the guard. Later calls only synchronize and meet.
-
-    ``device``: a torch device or any object with ``target`` and ``synchronize()``; ``warm``: a
-    :class:`~jitwarm.precompile.warming.WarmHandle` to join first; ``manifest`` (paths) adds the server's recorded
-    kernels, and with it or ``serve_triton`` every Triton compile goes through ``cache``; :attr:`ledger` is
-    ``ledger`` or this process's start-up ledger.
+    The first call makes every spec for this device's target present within ``timeout_s`` (``policy``: ``"build"``,
+    ``"wait"`` for another process, ``"strict"``: fail; ``JITWARM_STRICT=1`` forces it), loads each, forces it onto
+    the device, synchronizes, meets the ranks at ``barrier`` and arms the guard. Later calls synchronize and meet.
+    ``manifest`` adds the server's recorded kernels; with it or ``serve_triton`` Triton compiles go through ``cache``.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
@@ -228,12 +222,7 @@ class CaptureHook:
 def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,
                    warmups: int = 2, graph_factory: Callable[[], Any] | None = None,
                    capture: Callable[[Any], Any] | None = None) -> dict[int, tuple[Any, Any]]:
-    """Capture one graph per shape, largest batch first, as sglang's ``capture_one`` does: ``{bs: (graph, outputs)}``.
-
-    Per shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then ``forward(shape)``
-    captured. ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` on one
-    shared pool.
-    """
+    """Capture one graph per shape, largest first, after ``warmups`` warmup rounds each: ``{bs: (graph, outputs)}``."""
     hook = hook or CaptureHook(plan)
     if graph_factory is None or capture is None:
         import torch

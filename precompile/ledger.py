@@ -1,9 +1,7 @@
 """The start-up ledger: what a served start still compiled, per family, and what its caches served.
 
-A restored cache proves nothing until the server is seen not compiling (modelexpress #560; dynamo #10119, #10695).
-:func:`begin` takes the snapshot before the model loads; :func:`report_after_capture`, after the last capture,
-logs one line per family and writes ``JITWARM_LEDGER``. Each family is counted by its library's own signal where
-it has one, else by the units new in its cache (docs/deployment.md, "Ledger"). No library is imported for it.
+A restored cache proves nothing until the server is seen not compiling (modelexpress #560; dynamo #10119).
+Each family is counted by its library's own signal where it has one, else by its new units (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -64,10 +62,7 @@ class LedgerReport:
                                            for f in self.families if f.after_restore()]}
 
     def write(self, path: str | Path) -> None:
-        """Write :meth:`as_json` to ``path`` whole; OSError if it cannot, or if what is there is no regular file.
-
-        The rename would have replaced ``/dev/null`` itself, as root (issue #31, N6).
-        """
+        """Write :meth:`as_json` whole; OSError if it cannot, or if what is there is no regular file (issue #31, N6)."""
         target = Path(path)
         try:
             mode = target.lstat().st_mode
@@ -81,10 +76,7 @@ class LedgerReport:
 
 
 class Ledger:
-    """The start snapshot of one process (every JIT cache's units, each library's signal); :meth:`report` counts.
-
-    ``watchers``: a server room's own signals by family, each with ``count() -> FamilyCount`` and ``remove()``.
-    """
+    """The start snapshot of one process; :meth:`report` counts since (``watchers``: a room's, by family)."""
 
     def __init__(self, watchers: Mapping[str, Any] | None = None) -> None:
         self._dirs = servers.cache_dirs(servers.running())  # where the server this runs in keeps each cache
@@ -136,10 +128,7 @@ def begin(watchers: Mapping[str, Any] | None = None) -> Ledger:
 
 
 def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
-    """Log the ledger's lines and write them to ``JITWARM_LEDGER`` when set: the one call after the last capture.
-
-    ``ledger`` defaults to the process's. A path that cannot be written is one warning: the server goes on.
-    """
+    """Log the ledger's lines and write ``JITWARM_LEDGER`` when set (else a warning): after the last capture."""
     report = (ledger or begin()).report()
     for count in report.families:
         log.info("%s", count.line())

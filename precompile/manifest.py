@@ -1,12 +1,9 @@
 """Manifests: the server's own JIT kernels as a run compiled them, one JSON record per line, as KernelSpecs.
 
-Records (``v`` 1): ``{"kind": "triton", "kernel": "pkg.mod:qualname", "target", "specialization"}``,
-``{"kind": "sglang_jit", "module", "target", "call"}`` and ``{"kind": "jit_cache", "library", "unit", "target",
-"files", "fingerprint", "under"}`` (a JIT library's cache unit, restored where the server ``under`` puts it).
-
-Many ranks append to one manifest: each append flocks the file itself and adds only the records it lacks. A
-manifest is code (replay imports its modules): trusted only from this user or root. A torn last line (a full disk,
-a kill) is ignored by readers, said once, and cut off by the next append.
+Kinds: ``triton`` (``kernel``, ``specialization``), ``sglang_jit`` (``module``, ``call``) and ``jit_cache``
+(a JIT library's cache unit: ``library``, ``unit``, ``files``, ``fingerprint``, ``under``), each with ``target``.
+Ranks append under the file's own flock, each record once. A manifest is code (replay imports it): trusted only
+from this user or root. A torn last line is ignored, said once, and cut off by the next append.
 """
 
 from __future__ import annotations
@@ -103,11 +100,7 @@ def unit_record(spec: KernelSpec) -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Return the records of a manifest file, each once, in first-seen order (a torn last line is left out).
-
-    ManifestError: the file is missing, not a regular file, unreadable, too large, not trusted (unless
-    ``JITWARM_ALLOW_SHARED=1``), not UTF-8 JSON lines, or holds a bad record.
-    """
+    """Return a manifest's records, each once, in order (a torn last line left out); ManifestError when it cannot."""
     try:
         # Follow a symlink the operator gave (a Kubernetes ConfigMap is one); then no blocking, no link, a
         # regular file of bounded size: a directory or /proc/self/mem is one line, not an OSError.
@@ -162,9 +155,8 @@ def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
     """Add the records the manifest at ``path`` lacks (creating it), under the file's own lock; return how many.
 
-    A torn last line is cut off first; a failed write (``ENOSPC``) is undone and raised as OSError. ManifestError:
-    not a regular file, not trusted, a bad record, or replaced while opened; ``filelock.Timeout`` past
-    :data:`LOCK_TIMEOUT_S`.
+    A torn last line is cut off first; a failed write is undone and raised (OSError). ManifestError: not a regular
+    file, not trusted, a bad record, or replaced while opened; ``filelock.Timeout`` past :data:`LOCK_TIMEOUT_S`.
     """
     new = [check_record(dict(r)) for r in records]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)

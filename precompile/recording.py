@@ -1,9 +1,4 @@
-"""Record the server's own JIT kernels as a run compiles them: Triton specializations, load_jit modules, cache units.
-
-``record(path)`` (or ``JITWARM_RECORD=path`` under a jitwarm plugin) subscribes to Triton's compile hook and
-sglang's loader and appends each new kernel to the manifest. At :meth:`Recorder.capture` (on stop and at exit) the
-units the JIT libraries added to their own caches are stored in jitwarm's cache and named as ``jit_cache`` records.
-"""
+"""Record the server's own JIT kernels as a run compiles them (Triton, load_jit) and the cache units it adds."""
 
 from __future__ import annotations
 
@@ -53,10 +48,7 @@ class Recorder:
         self._dirs: Dirs = {}  # where the server this runs in keeps each library's cache (:meth:`start`)
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
-        """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
-
-        It counts as seen once appended, so one a full disk refused is tried again; ``kernel``: counted in ``recorded``.
-        """
+        """Append ``record`` unless recorded already (one refused is tried again); never raises."""
         rid = record_id(record)
         with self._lock:
             if rid in self._seen:
@@ -93,10 +85,7 @@ class Recorder:
             self._undo.pop()()
 
     def capture(self) -> int:
-        """Store every unit the JIT caches gained since start (or the last capture); return how many; never raises.
-
-        A unit that cannot be stored is said, left out, and tried again at the next capture.
-        """
+        """Store the units the JIT caches gained since the last capture; return how many; never raises."""
         with self._capturing:
             if not self._before:
                 return 0
@@ -148,8 +137,5 @@ def _families() -> list[str]:
 
 
 def record(path: str | Path, cache: Any = None) -> Recorder:
-    """Start recording every JIT kernel this process compiles into the manifest at ``path``.
-
-    Units its libraries add to their caches are stored in ``cache`` (default ``KernelCache()``) when it stops.
-    """
+    """Start recording every JIT kernel this process compiles into ``path``; units are stored in ``cache`` at stop."""
     return Recorder(path, cache).start()

@@ -28,19 +28,15 @@ class CaptureShape:
 
 @dataclass(frozen=True)
 class Ladder:
-    """The resolved decode capture of a config, in capture order (largest first; empty with ``disabled``'s reason).
-
-    ``capture_bs`` ascending; ``width``: tokens per request; ``gpu_memory_mb``: the memory the default max batch
-    was taken from, when it mattered.
-    """
+    """The resolved decode capture of a config: ``shapes`` largest first (none: ``disabled`` says why)."""
 
     source: str
     shapes: tuple[CaptureShape, ...]
     capture_bs: tuple[int, ...]
-    width: int
+    width: int  # tokens per request (1, or a speculative verify's draft tokens)
     compact: bool
     max_running_requests: int | None
-    gpu_memory_mb: int | None
+    gpu_memory_mb: int | None  # the memory the default max batch was taken from, when it mattered
     disabled: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -52,11 +48,7 @@ class Ladder:
 
 @functools.lru_cache(maxsize=64)
 def resolve_ladder(config: ServingConfig) -> Ladder:
-    """Resolve the decode graphs ``config``'s server captures (once per config and process).
-
-    ConfigError: the ladder needs the device memory and it is unknown, the server rejects the settings, or its own
-    functions were needed and cannot run.
-    """
+    """Resolve the decode graphs ``config``'s server captures, once per config; ConfigError when it cannot."""
     room = config.room
     assert room is not None  # a ServingConfig names a room: construction checks it
     inputs = room.ladder_inputs(config)

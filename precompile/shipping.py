@@ -1,8 +1,4 @@
-"""Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, ``warm`` and ``prestart``.
-
-``prestart`` is the init container's step: import a bundle, warm what is missing, verify, and hand the server's
-recorded kernels over where its loader and libraries look (as this environment places each library's cache).
-"""
+"""Kernels between boxes: ``warm``, ``prestart`` (the init container's step), ``export`` and ``import`` of bundles."""
 
 from __future__ import annotations
 
@@ -34,10 +30,7 @@ from jitwarm.precompile.warming import warm
 
 
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Import a bundle (``--bundle``), warm (``--offline``: build nothing), verify the plan's entries, hand over.
-
-    With ``--json`` stdout holds one JSON document whatever the outcome (a readiness probe reads ``ready``).
-    """
+    """Import ``--bundle``, warm (``--offline``: build nothing), verify, hand over; ``--json``: one document always."""
     start = time.perf_counter()
     check_fingerprints(args, plan)
     cache = open_cache(args, writes=True)
@@ -82,10 +75,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
-    """Refuse the plan's captured units whose fingerprint differs from this node's (``Refused``, exit 4).
-
-    ``--target`` stands for the arch where no GPU is; ``--allow-fingerprint-mismatch`` makes each a warning.
-    """
+    """Refuse (exit 4) captured units keyed on another node (``--allow-fingerprint-mismatch``: a warning each)."""
     target = (args.targets or [None])[0]
     for spec, lib in ((s, lib) for s in plan.recorded if (lib := _jit_cache_library(s.backend)) is not None):
         found = mismatch(lib, spec, target)
@@ -119,11 +109,9 @@ def _jit_cache_library(kind: str) -> Any:
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
-    """Load each recorded server kernel the way its server will find it; return how many were handed over.
+    """Load each recorded server kernel where its server will look (units: where it keeps their library's cache).
 
-    A ``load_jit`` build goes where sglang's loader looks; a captured unit is restored into its library's cache
-    where the server it was recorded under keeps it (counted on stderr unless ``quiet``; one the library holds a
-    differing file of is left as is). Failures are exit 1: ``CacheError``, ``JitwarmError``, ``OSError``.
+    Returns how many; restored units are counted on stderr unless ``quiet``. Failures are exit 1.
     """
     outcomes: dict[str, Counter[str]] = {}
     with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
@@ -149,10 +137,7 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
 
 
 def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> WarmPlan:
-    """The plan without the captured JIT cache units ``cache`` lacks (said once): a unit is never built.
-
-    With a remote tier the units stay (a build worker downloads them).
-    """
+    """The plan without the captured units ``cache`` lacks (said once), unless a remote tier may hold them."""
     if cache.remote is not None:
         return plan
     absent = {s for s in plan.recorded if s.backend in KIND_OF.values() and artifact(s, cache).lookup(cache) is None}
@@ -242,10 +227,7 @@ def export_keys(cache: Any, keys: list[str], path: str) -> str:
 
 
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
-    """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, Refused when it is bad.
-
-    The cache's own failures (a full disk, a lock timeout) keep their types: only a bad bundle is exit 4.
-    """
+    """Import a bundle (a file or ``s3://``): UsageError when there is none, Refused when it is bad (not the cache)."""
     if is_bundle_url(path):
         split_url(path)
     elif not Path(path).is_file():

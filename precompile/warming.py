@@ -56,14 +56,6 @@ class WarmReport:
         return data
 
 
-def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
-    """The arguments that rebuild ``cache`` in a worker (``remote=False``: local only)."""
-    return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
-            "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared,
-            "remote": (cache.remote or "") if remote else "", "remote_prefix": cache.remote_prefix,
-            "remote_required": cache.remote_required}
-
-
 class Progress:
     """Progress on a stream: a redrawn bar on a terminal, one line per build otherwise, with elapsed time and eta."""
 
@@ -121,13 +113,7 @@ def _clock(seconds: float) -> str:
 def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = None,
          progress: bool | None = None, timeout_s: float = 900.0,
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
-    """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
-
-    Each build runs in a worker process through ``get_or_build``, so concurrent warms build each spec once in total
-    and a crashing compiler fails only its spec. ``jobs`` defaults to ``JITWARM_JOBS``, else the cores;
-    ``timeout_s`` bounds each wait on another process's lock. A failed build is in the report, never raised. With
-    every spec present the plan's completion record is written (best effort).
-    """
+    """Build every spec the cache lacks, each once per host (failures in the report); record the plan when complete."""
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
     if report.ok and len(report.entries()) == len(report.results) and not cache.read_only:
@@ -141,11 +127,7 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
 def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jobs: int | None = None,
                progress: bool | None = None, timeout_s: float = 900.0,
                on_result: Callable[[SpecResult], None] | None = None, *, missed: bool = False) -> WarmReport:
-    """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
-
-    Each spec is looked up once, here (not with ``missed``: the hook has just found none); a worker looks again only
-    under the key's lock. A remote tier is asked once first: down, the workers run local-only.
-    """
+    """Get or build ``specs`` (see :func:`warm`) in their order; each is looked up once here (not with ``missed``)."""
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
     report = WarmReport(plan_id, remote=cache.remote_display)
@@ -176,7 +158,11 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
         for result in report.results:
             if result.outcome == "failed":
                 show.update(result)
-    pool = BuildPool(min(jobs, len(missing)), _cache_args(cache, remote=report.remote_error is None), timeout_s)
+    remote = (cache.remote or "") if report.remote_error is None else ""  # down: the workers run local-only
+    cache_args = {"root": str(cache.root), "layers": [str(p) for p in cache.layers], "lock_dir": str(cache.lock_dir),
+                  "read_only": cache.read_only, "allow_shared": cache.allow_shared, "remote": remote,
+                  "remote_prefix": cache.remote_prefix, "remote_required": cache.remote_required}
+    pool = BuildPool(min(jobs, len(missing)), cache_args, timeout_s)
     for result in pool.run(missing) if missing else ():  # each with the entry its worker verified: no lookup
         report.remote_error = report.remote_error or result.remote_error
         record(result)
