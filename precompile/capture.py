@@ -217,8 +217,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
                          f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
     words_env, words = split_env(argv)
     with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
-        # The line's own NAME=value words are the server's environment: capture's settings go on top of them
-        # (`VLLM_PLUGINS=other vllm serve` started without jitwarm's plugin).
+        # capture's settings go on top of the line's own NAME=value words (`VLLM_PLUGINS=other vllm serve`)
         env = server_env(room, {**os.environ, **words_env}, manifest, Path(scratch) / "ledger.json", cache_dir)
         ledger = Path(env["JITWARM_LEDGER"])
         stale = _identity(ledger)

@@ -18,8 +18,7 @@ from jitwarm.precompile.config import from_namespace, serving_flags_given
 from jitwarm.precompile.plan import WarmPlan
 
 REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
-#: Flags that tune how a plan is made but do not ask for jitwarm's own families: with ``--manifest`` alone they
-#: leave the plan manifest-only.
+#: Flags that tune a plan but do not ask for jitwarm's own families (with ``--manifest`` alone: manifest-only).
 PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragged_verify_mode")
 
 

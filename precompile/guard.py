@@ -15,8 +15,7 @@ from jitwarm.precompile import servers
 
 _log = logging.getLogger(__name__)
 
-#: The library rooms that seal their library inside capture, each with ``seal(refuse)``: Triton's compile hook,
-#: Inductor's compile and tvm-ffi's build and load (jitwarm's own families are built with tvm-ffi).
+#: The library rooms that seal their library inside capture (``seal(refuse)``): Triton, Inductor, tvm-ffi.
 SEALS = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.kernels.libraries.jit_caches.inductor",
          "jitwarm.kernels.tvm_backend")
 

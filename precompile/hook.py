@@ -79,10 +79,9 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call makes every spec for this device's target present within ``timeout_s`` (``policy``: ``"build"``,
-    ``"wait"`` for another process, ``"strict"``: fail; ``JITWARM_STRICT=1`` forces it), loads each, forces it onto
-    the device, synchronizes, meets the ranks at ``barrier`` and arms the guard. Later calls synchronize and meet.
-    ``manifest`` adds the server's recorded kernels; with it or ``serve_triton`` Triton compiles go through ``cache``.
+    The first call makes every spec for this device's target present within ``timeout_s`` (``policy``: build, wait
+    for another process, or strict: fail; ``JITWARM_STRICT=1`` forces strict), loads each onto the device,
+    synchronizes, meets the ranks at ``barrier`` and arms the guard. Later calls only synchronize and meet.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,

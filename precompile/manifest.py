@@ -102,8 +102,7 @@ def unit_record(spec: KernelSpec) -> dict[str, Any]:
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Return a manifest's records, each once, in order (a torn last line left out); ManifestError when it cannot."""
     try:
-        # Follow a symlink the operator gave (a Kubernetes ConfigMap is one); then no blocking, no link, a
-        # regular file of bounded size: a directory or /proc/self/mem is one line, not an OSError.
+        # a link the operator gave is followed (a ConfigMap is one); a directory or /proc/self/mem is one line
         data, st = read_file_stat(os.path.realpath(path), MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
@@ -165,9 +164,8 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"manifest {path} is not a regular file")
         check_trusted(path, st)
-        # The manifest is its own lock file: preserve_lock_file keeps filelock from ever removing it (and from
-        # its soft-lock fallback, a marker written into the file); filelock opens the path again, so the file
-        # it locked must be the one ``fd`` holds.
+        # The manifest is its own lock file, never removed (preserve_lock_file); filelock opens the path again,
+        # so the file it locked must be the one ``fd`` holds.
         lock = FileLock(os.fspath(path), thread_local=False, preserve_lock_file=True)
         with lock.acquire(timeout=LOCK_TIMEOUT_S):
             locked = os.lstat(path)

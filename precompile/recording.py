@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jitwarm.record")
 
-#: The taps a recording subscribes to, each in its room (a ``TAP`` and ``recording(add)``): Triton's compile
-#: hook, and sglang's loader where sglang runs.
+#: The taps a recording subscribes to, each room's ``TAP`` and ``recording(add)``: Triton's, sglang's loader.
 RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader")
 
 

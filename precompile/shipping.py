@@ -109,10 +109,7 @@ def _jit_cache_library(kind: str) -> Any:
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
-    """Load each recorded server kernel where its server will look (units: where it keeps their library's cache).
-
-    Returns how many; restored units are counted on stderr unless ``quiet``. Failures are exit 1.
-    """
+    """Load each recorded kernel where its server will look (units: its library's cache); how many; failures: exit 1."""
     outcomes: dict[str, Counter[str]] = {}
     with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
         for spec in plan.recorded:
