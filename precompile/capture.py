@@ -200,7 +200,6 @@ def _identity(path: Path) -> tuple[int, int] | None:
 class Captured:
     """What one capture stored: this start's ``units`` per library, the ``keys`` of all the manifest names."""
 
-    manifest: Path
     units: Counter[str]
     keys: list[str]
     ready_s: float
@@ -253,20 +252,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
             report = json.loads(ledger.read_text())
         except (OSError, ValueError):
             report = None
-    return _check_stored(manifest, cache, before, ready_s, warnings, report)
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            return [line.decode(errors="replace").rstrip() for line in f]
-    except OSError:
-        return []
-
-
-def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, warnings: list[str],
-                  ledger: dict[str, Any] | None) -> Captured:
-    """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not."""
+    # every unit the manifest names must be stored and verify; ``units`` counts this start's
     plan = WarmPlan.empty().with_manifests([manifest]) if manifest.is_file() else WarmPlan.empty()
     keys = keys_of(plan, cache)
     coverage = plan_coverage(plan, cache, keys=keys)
@@ -275,7 +261,15 @@ def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, 
                            f"{len(coverage['corrupt'])} do not verify: {', '.join(coverage['missing'][:3])}")
     new = [spec_of(r) for r in (read_manifest(manifest) if manifest.is_file() else []) if record_id(r) not in before]
     units = Counter(spec.backend.removesuffix("_cache") for spec in new)
-    return Captured(manifest, units, sorted(keys.values()), ready_s, warnings, ledger)
+    return Captured(units, sorted(keys.values()), ready_s, warnings, report)
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            return [line.decode(errors="replace").rstrip() for line in f]
+    except OSError:
+        return []
 
 
 def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:

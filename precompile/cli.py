@@ -137,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "plan":
             continue
         c = p.add_argument_group("cache")
-        c.add_argument("--cache-dir", type=path_flag, metavar="DIR",
-                       help="writable cache root (env JITWARM_CACHE_DIR)")
+        c.add_argument("--cache-dir", type=path_flag, metavar="DIR", help="writable cache root (env JITWARM_CACHE_DIR)")
         if name not in PLANLESS:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         if name == "capture":
@@ -170,8 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--offline", action="store_true",
                            help="build nothing: a spec the bundle and the cache lack is exit 5")
         elif name == "verify":
-            c.add_argument("--all", action="store_true",
-                           help="verify every entry of the cache (no plan needed)")
+            c.add_argument("--all", action="store_true", help="verify every entry of the cache (no plan needed)")
             c.add_argument("--repair", action="store_true",
                            help="move corrupt entries to quarantine (they are rebuilt)")
         elif name == "prune":

@@ -79,8 +79,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
     version = f"{servers.DEFAULT} {servers.adapter(servers.DEFAULT).VERSION}"
     g = parser.add_argument_group(f"serving ({version}'s flag names; or the server's command line after --)")
-    g.add_argument("--config", type=path_flag, metavar="FILE.toml",
-                   help="read these settings from a TOML file first")
+    g.add_argument("--config", type=path_flag, metavar="FILE.toml", help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",
                    help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
@@ -95,8 +94,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    help="capture every batch size up to the max")
     g.add_argument("--speculative-algorithm", metavar="NAME",
                    help="the server's algorithm, e.g. DSPARK, EAGLE, NGRAM (the speculative ladder needs one)")
-    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N",
-                   help="tokens verified per request")
+    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N", help="tokens verified per request")
     g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
                    help="EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)")
     g.add_argument("--speculative-eagle-topk", type=_finite_int, metavar="K")
