@@ -1,8 +1,4 @@
-"""What to build and when: serving config, capture shapes, warm plan, warm, capture hook and CLI.
-
-The planning half (``ServingConfig``, ``WarmPlan``, shapes) is imported eagerly and imports no torch; the
-warm service, the hook and the guard are loaded on first access.
-"""
+"""What to build and when; the planning half imports no torch, the rest is loaded on first access."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Build workers: fresh Python processes that get or build one spec at a time and report the outcome as data.
+"""Build workers: fresh interpreters (``python -m jitwarm.precompile.builders``) that get or build one spec at a time.
 
-Each worker is ``python -m jitwarm.precompile.builders``: one artifact per line in, one JSON answer per line out
-(:mod:`jitwarm.kernels.channel`). A fresh interpreter, not a ``multiprocessing`` child, never re-imports the
-caller's ``__main__`` (``sglang.launch_server``), and a worker that dies is known by the task it held. Workers run
-in their own session: a terminal's Ctrl-C reaches only the parent, which stops them and their compilers. Errors
-and entries cross as data (the entry as the worker verified it, so the parent uses it without a second lookup).
+One artifact per line in, one JSON answer per line out (:mod:`jitwarm.kernels.channel`). A fresh interpreter never
+re-imports the caller's ``__main__`` (``sglang.launch_server``); a worker that dies is known by the task it held;
+workers run in their own session, so a terminal's Ctrl-C reaches only the parent, which stops them.
 """
 
 from __future__ import annotations
@@ -23,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache import Entry, FileRecord
-from jitwarm.kernels import KernelSpec, channel
+from jitwarm.cache import BuildError, CacheError, Entry, FileRecord, KernelCache, LockTimeout, RemoteUnavailable
+from jitwarm.kernels import CompileError, KernelSpec, LoadError, SpecError, TargetError, ToolchainError, channel
 from jitwarm.kernels.artifacts import Artifact
+from jitwarm.kernels.backend import set_build_only
+from jitwarm.precompile.log_lines import log_lines
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
 STOP_GRACE_S = 3.0
@@ -46,9 +46,6 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
         """Classify an exception raised while getting or building a spec."""
-        from jitwarm.cache import BuildError, CacheError, LockTimeout, RemoteUnavailable
-        from jitwarm.kernels import CompileError, LoadError, SpecError, TargetError, ToolchainError
-
         cause = exc.__cause__ if isinstance(exc, BuildError) and exc.__cause__ is not None else exc
         kinds = (("timeout", LockTimeout), ("remote_unavailable", RemoteUnavailable), ("compile", CompileError),
                  ("load", LoadError), ("toolchain", ToolchainError), ("spec", (SpecError, TargetError)),
@@ -62,11 +59,7 @@ class Failure:
 
 @dataclass
 class SpecResult:
-    """What warming one spec did: hit, built, waited (another process built it), downloaded or failed.
-
-    ``entry`` is the verified entry (the lookup's, or the worker's), handed on so nobody looks it up again. A
-    failure keeps its :class:`Failure` as ``error`` (first line), ``error_kind``, ``error_type`` and ``detail``.
-    """
+    """What warming one spec did: hit, built, waited, downloaded or failed; ``entry``: the verified entry, handed on."""
 
     spec: KernelSpec
     outcome: str  # "hit" | "built" | "waited" | "downloaded" | "failed"
@@ -85,7 +78,7 @@ class SpecResult:
         return self.outcome == "failed" and self.error_kind == "timeout"
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-able dict (the spec as its id; failure fields and ``remote_error`` only when set)."""
+        """Return a JSON-able dict (failure fields and ``remote_error`` only when set)."""
         data = {"spec": self.spec.id, "outcome": self.outcome, "seconds": round(self.seconds, 3), "key": self.key}
         if self.outcome == "failed":
             data.update(error=self.error, error_kind=self.error_kind, error_type=self.error_type, detail=self.detail)
@@ -120,10 +113,7 @@ class BuildPool:
         self._said: set[bytes] = set()  # what workers wrote on stderr: each line once, not once per worker
 
     def run(self, tasks: Sequence[Artifact]) -> Iterator[SpecResult]:
-        """Yield one result per artifact as it finishes; a worker that dies fails its task (retried once alone).
-
-        On ``KeyboardInterrupt`` (or any exception in the caller) every worker is stopped before it propagates.
-        """
+        """Yield one result per artifact as it finishes (a dead worker's task retried once); an exception stops all."""
         pending = list(tasks)
         retried: set[KernelSpec] = set()
         selector = selectors.DefaultSelector()
@@ -160,10 +150,7 @@ class BuildPool:
             self.close()
 
     def close(self) -> None:
-        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left after the grace period.
-
-        A second Ctrl-C while this runs does not interrupt it: it cannot leave a worker or a compiler behind.
-        """
+        """Stop every worker: close its input, SIGTERM its session, SIGKILL what is left; a second Ctrl-C waits."""
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
@@ -200,7 +187,7 @@ class BuildPool:
         return worker
 
     def _relay(self, worker: _Worker, chunk: bytes, key: Any, selector: selectors.BaseSelector) -> None:
-        """Pass a worker's log lines on to our stderr (see :meth:`_say`)."""
+        """Pass a worker's log lines on to our stderr."""
         if not chunk:
             selector.unregister(key.fd)
             chunk = b"\n" if worker.errors.pending else b""
@@ -209,7 +196,7 @@ class BuildPool:
             self._say(line)
 
     def _say(self, line: bytes) -> None:
-        """Write one of the workers' lines on our stderr, each distinct line once (eight workers, one warning)."""
+        """Write a worker's line on our stderr, each distinct line once (eight workers, one warning)."""
         if line.strip() and line not in self._said:
             self._said.add(line)
             sys.stderr.write(line.decode("utf-8", "replace") + "\n")
@@ -228,25 +215,16 @@ class BuildPool:
             if data.get("failure"):
                 yield SpecResult.failed(spec, Failure(**data["failure"]), data["seconds"], data["remote_error"])
             else:
+                entry = data["entry"]  # as the worker hashed it
+                entry = Entry(**{**entry, "path": Path(entry["path"]), "files": tuple(entry["files"]),
+                                 "records": tuple(FileRecord(**r) for r in entry["records"]),
+                                 "signature": tuple(tuple(item) for item in entry["signature"])})
                 yield SpecResult(spec, data["outcome"], data["seconds"], data["key"], remote_error=data["remote_error"],
-                                 entry=entry_from_json(data["entry"]))
-
-
-def entry_to_json(entry: Entry) -> dict[str, Any]:
-    """An entry as a worker sends it: every field, the path as a string."""
-    return {**asdict(entry), "path": str(entry.path)}
-
-
-def entry_from_json(data: dict[str, Any]) -> Entry:
-    """The entry a worker sent (:func:`entry_to_json`), its records and signature as the worker hashed them."""
-    return Entry(key=data["key"], path=Path(data["path"]), files=tuple(data["files"]),
-                 description=data["description"], preimage=data["preimage"],
-                 records=tuple(FileRecord(**r) for r in data["records"]), created=data["created"],
-                 read_only=data["read_only"], signature=tuple(tuple(item) for item in data["signature"]))
+                                 entry=entry)
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the worker and its compiler: ``start_new_session`` made it the group leader."""
+    """Signal the worker and its compiler (``start_new_session`` made it the group leader)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
@@ -262,10 +240,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     # A module a replay imports that prints must not put a line that is not an answer into the protocol.
     answers = channel.answers()
-    from jitwarm.cache import KernelCache
-    from jitwarm.kernels.backend import set_build_only
-    from jitwarm.precompile.log_lines import log_lines  # the parent relays our stderr: the CLI's form of a line
-
     set_build_only()  # this worker hands no library a tensor: backends may import their runtimes leaner
     cache = KernelCache(**config["cache"])
     try:
@@ -274,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 start = time.perf_counter()
                 try:  # the parent looked the key up just before handing it over: go straight to the lock
                     got = Artifact.from_json(channel.decode(line)).get_or_build(cache, config["timeout_s"], missed=True)
-                    answer = {"outcome": got.outcome, "key": got.entry.key, "entry": entry_to_json(got.entry)}
+                    entry = {**asdict(got.entry), "path": str(got.entry.path)}  # the path as a string
+                    answer = {"outcome": got.outcome, "key": got.entry.key, "entry": entry}
                 except Exception as exc:  # reported per spec: one bad spec must not fail the others
                     answer = {"failure": asdict(Failure.of(exc))}
                 channel.send(answers, {**answer, "seconds": time.perf_counter() - start,

@@ -1,17 +1,8 @@
-"""``jitwarm capture -- <server line>``: one real start of the server, recorded, until its start is over.
+"""``jitwarm capture -- <server line>``: one real start of the server, recorded, stopped, checked.
 
-What an operator did by hand in four steps (start the server with jitwarm's variables, wait, stop it, export) is
-one command. The server runs as its command line says, in its own process group, with jitwarm's plugin loaded
-(the room's plugins variable names it: every installed plugin loads when it is unset) and recording
-(``JITWARM_RECORD``): at the worker's ready point the plugin stores every JIT cache unit the start compiled and
-writes the start-up ledger (``JITWARM_LEDGER``), the plugin's own signal that compiling and capturing are over.
-The start is over when the server's health endpoint answers and that ledger is written. The whole group is then
-stopped (SIGINT, as Ctrl-C stops a server, then SIGTERM and SIGKILL past their deadlines), every recorded unit is
-checked stored and verified in the cache, and with ``--export`` bundled.
-
-A server that exits or is not ready in time is exit 1 with its last log lines; a server that serves but whose
-plugin never reported is exit 1 too (jitwarm is not installed where the server runs). What was stored is stored
-whole or not at all (the cache's one publish path), so a failed capture leaves nothing half-written.
+The server runs in its own process group with jitwarm's plugin recording (``JITWARM_RECORD``); its start is over
+when its health endpoint answers and the plugin wrote the start-up ledger (``JITWARM_LEDGER``). Then the group is
+stopped and every recorded unit is checked stored and verified in the cache.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +27,13 @@ from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
+from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
+from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
+from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.servers.command_line import split_env
+from jitwarm.precompile.shipping import check_export_target, export_keys
 
-#: Seconds the plugin's ledger may lag the health endpoint (both come after the worker's ready point).
+#: Seconds the plugin's ledger may lag the health endpoint.
 LEDGER_GRACE_S = 30.0
 #: Seconds the server's process group has after SIGINT, then after SIGTERM, before the next signal.
 STOP_GRACE_S, TERM_GRACE_S = 60.0, 10.0
@@ -55,31 +50,20 @@ class ServerFailed(JitwarmError):
 
 @dataclass
 class ServerProcess:
-    """A server started in a process group of its own, its output going to ``log``; stopped as a whole group.
-
-    The tests and ``bench/real_server.py`` start real servers through it too.
-    """
+    """A server started in a process group of its own, its output going to ``log``; stopped as a whole group."""
 
     proc: subprocess.Popen[bytes]
     log: Path
     started: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path, cwd: str | None = None) -> ServerProcess:
-        """Start ``argv`` (its leading ``NAME=value`` words join ``env``) with stdout and stderr into ``log``.
-
-        OSError when the program cannot be started (not found, not executable).
-        """
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path) -> ServerProcess:
+        """Start ``argv`` (leading ``NAME=value`` words join ``env``), output into ``log``; OSError if it cannot."""
         words_env, words = split_env(argv)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(words, env={**env, **words_env}, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+            proc = subprocess.Popen(words, env={**env, **words_env}, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return cls(proc, log)
-
-    @property
-    def pid(self) -> int:
-        """The server's pid, which is also its process group's id."""
-        return self.proc.pid
 
     def exited(self) -> int | None:
         """The server's exit status once its main process has exited, else None."""
@@ -87,59 +71,38 @@ class ServerProcess:
 
     def tail(self, lines: int = _TAIL_LINES) -> list[str]:
         """The last ``lines`` lines of its output."""
-        try:
-            with open(self.log, "rb") as f:
-                return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
-        except OSError:
-            return []
+        return _lines(self.log)[-lines:]
 
-    def first_error(self, lines: int = _TAIL_LINES) -> list[str]:
-        """The first ``lines`` lines from its first error line on, when that comes before :meth:`tail`'s.
-
-        A multi-process server's last lines are its front process's traceback ("EngineCore failed to start"); the
-        cause, a worker's own error, is logged before it.
-        """
-        try:
-            with open(self.log, "rb") as f:
-                text = [line.decode(errors="replace").rstrip() for line in f]
-        except OSError:
-            return []
+    def first_error(self) -> list[str]:
+        """The lines from its first error on (a worker's, logged before the front's traceback), if before the tail."""
+        text = _lines(self.log)
         first = next((i for i, line in enumerate(text) if _ERROR.search(line)), None)
-        return [] if first is None or first >= len(text) - lines else text[first:first + lines]
+        return [] if first is None or first >= len(text) - _TAIL_LINES else text[first:first + _TAIL_LINES]
 
     def group_alive(self) -> bool:
-        """Whether any process of its group is left (its workers outlive a killed main process).
-
-        Reaps what of the group are this process's children: the main process, and, where this process is a
-        subreaper (PID 1 of a container), workers orphaned to it, which would stay zombies in the group forever.
-        """
+        """Whether any process of its group is left, reaping those that are our children (orphans, as a subreaper)."""
         self.proc.poll()
-        try:
-            while os.waitpid(-self.pid, os.WNOHANG)[0]:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-self.proc.pid, os.WNOHANG)[0]:
                 pass
-        except ChildProcessError:
-            pass
         try:
-            os.killpg(self.pid, 0)
+            os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:  # a member changed its uid: still there
-            return True
+            pass
         return True
 
-    def stop(self, grace_s: float | None = None, term_grace_s: float | None = None) -> int | None:
-        """SIGINT the whole group (a server's Ctrl-C: its workers exit cleanly), then SIGTERM, then SIGKILL.
+    def stop(self) -> int | None:
+        """SIGINT the group (a server's Ctrl-C), then SIGTERM, then SIGKILL; the main exit status, None if unreaped.
 
-        The graces default to :data:`STOP_GRACE_S` and :data:`TERM_GRACE_S`, read now. A Ctrl-C while it waits
-        kills the group at once and is raised again: the group lives in its own session, where no terminal's
-        Ctrl-C reaches it. Returns the main process's exit status (None if it could not be reaped).
+        A Ctrl-C while waiting kills the group at once and is raised again (no terminal's Ctrl-C reaches it).
         """
-        graces = (STOP_GRACE_S if grace_s is None else grace_s, TERM_GRACE_S if term_grace_s is None else term_grace_s)
-        try:
-            for sig, wait_s in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), (*graces, 5.0), strict=True):
+        try:  # the graces are read now (a test sets them)
+            for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
                 if not self.group_alive():
                     break
-                os.killpg(self.pid, sig)
+                os.killpg(self.proc.pid, sig)
                 deadline = time.monotonic() + wait_s
                 while self.group_alive() and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -147,7 +110,7 @@ class ServerProcess:
             pass
         except KeyboardInterrupt:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             raise
         try:
             return self.proc.wait(timeout=5)
@@ -157,18 +120,13 @@ class ServerProcess:
 
 def health_url(room: Any, argv: Sequence[str]) -> str:
     """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
-    host, port = None, str(room.DEFAULT_PORT)
+    given = {}
     words = split_env(argv)[1]
     for i, word in enumerate(words):
-        for flag in ("--host", "--port"):
-            value = word.split("=", 1)[1] if word.startswith(f"{flag}=") else (
-                words[i + 1] if word == flag and i + 1 < len(words) else None)
-            if value is None:
-                continue
-            if flag == "--host":
-                host = value
-            else:
-                port = value
+        flag, eq, value = word.partition("=")
+        if flag in ("--host", "--port") and (eq or i + 1 < len(words)):
+            given[flag] = value if eq else words[i + 1]
+    host, port = given.get("--host"), given.get("--port", str(room.DEFAULT_PORT))
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"the server's --port {port!r} is not a port number")
     host = "127.0.0.1" if host in _ANY_HOST or host is None else host
@@ -190,7 +148,7 @@ def answers(url: str) -> bool:
 
 def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path, cache_dir: str | None
                ) -> dict[str, str]:
-    """The server's environment: ``base`` with jitwarm's plugin named, recording into ``manifest``, its ledger."""
+    """``base`` with jitwarm's plugin named, recording into ``manifest``, writing ``ledger``."""
     env = dict(base)
     plugins = env.get(room.PLUGINS_ENV)
     if plugins is not None and "jitwarm" not in [p.strip() for p in plugins.split(",")]:
@@ -204,18 +162,7 @@ def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path,
 
 def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any,
                stale: tuple[int, int] | None = None) -> float:
-    """Wait until ``url`` answers and the plugin wrote ``ledger``; return the seconds to ``url``'s first answer.
-
-    ``stale`` is the ``(inode, mtime)`` a file there had before the start: that file is not this start's report
-    (the plugin replaces it whole, a new inode). The ledger may lag the answer by :data:`LEDGER_GRACE_S`, within
-    ``timeout_s``.
-
-    Raises
-    ------
-    ServerFailed
-        The server exited, did not answer within ``timeout_s``, or answered without the plugin's ledger.
-
-    """
+    """Wait until ``url`` answers and the plugin wrote a new ``ledger``; the seconds to ready; else ServerFailed."""
     deadline = server.started + timeout_s
     while not answers(url):
         _check_running(server, "before it was ready")
@@ -251,13 +198,8 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 @dataclass
 class Captured:
-    """What one capture stored.
+    """What one capture stored: this start's ``units`` per library, the ``keys`` of all the manifest names."""
 
-    This start's ``units`` per library, the ``keys`` of every unit the manifest names, the seconds to ready, the
-    plugin's warnings and the start's own ledger.
-    """
-
-    manifest: Path
     units: Counter[str]
     keys: list[str]
     ready_s: float
@@ -267,30 +209,27 @@ class Captured:
 
 def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str | None, timeout_s: float,
             log: IO[str] = sys.stderr) -> Captured:
-    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored.
-
-    Raises ServerFailed (exit 1), UsageError for a line no room recognises, KeyboardInterrupt after stopping
-    the server on Ctrl-C.
-    """
+    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored."""
     room = servers.adapter_for(argv)
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
                          f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
     words_env, words = split_env(argv)
     with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
-        # The line's own NAME=value words are the server's environment: capture's settings go on top of them
-        # (`VLLM_PLUGINS=other vllm serve` started without jitwarm's plugin).
+        # capture's settings go on top of the line's own NAME=value words (`VLLM_PLUGINS=other vllm serve`)
         env = server_env(room, {**os.environ, **words_env}, manifest, Path(scratch) / "ledger.json", cache_dir)
         ledger = Path(env["JITWARM_LEDGER"])
-        stale, before = _identity(ledger), _recorded(manifest)
-        _say_before(room, env, log)
+        stale = _identity(ledger)
+        before = {record_id(r) for r in read_manifest(manifest)} if manifest.exists() else set()
+        for why in room.start_warnings(env):  # the room's known reasons a restored start compiles again
+            print(f"jitwarm: warning: {why}", file=log)
         server_log = Path(scratch) / "server.log"
         url = health_url(room, argv)
         try:
             server = ServerProcess.start(words, env, server_log)
         except OSError as exc:
             raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {words[0]}") from None
-        print(f"jitwarm: capture: {room.NAME} started (pid {server.pid}), recording into {manifest}; waiting for "
+        print(f"jitwarm: capture: {room.NAME} started (pid {server.proc.pid}), recording into {manifest}; waiting for "
               f"{url} and the plugin's ledger", file=log)
         try:
             ready_s = wait_ready(server, url, ledger, timeout_s, room, stale)
@@ -309,49 +248,11 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
         server.stop()
         warnings = sorted({line[line.index("jitwarm:"):] for line in _lines(server_log)
                            if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
-        report = _read_json(ledger)
-    return _check_stored(manifest, cache, before, ready_s, warnings, report)
-
-
-def _say_before(room: Any, env: Mapping[str, str], log: IO[str]) -> None:
-    """What the operator should know before the start: the room's known reasons a restored start compiles again."""
-    for why in room.start_warnings(env):
-        print(f"jitwarm: warning: {why}", file=log)
-
-
-def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _recorded(manifest: Path) -> set[str]:
-    """The ids of the records ``manifest`` holds (none when it is not there yet)."""
-    from jitwarm.precompile.manifest import read_manifest, record_id
-
-    return {record_id(r) for r in read_manifest(manifest)} if manifest.exists() else set()
-
-
-def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, warnings: list[str],
-                  ledger: dict[str, Any] | None) -> Captured:
-    """Every unit the manifest names is in the cache and verifies; ServerFailed naming what is not.
-
-    ``units`` counts this start's (records not among ``before``); ``keys`` are all the manifest names, as the
-    bundle of ``prestart --manifest`` holds them.
-    """
-    from jitwarm.precompile.commands import keys_of
-    from jitwarm.precompile.coverage import plan_coverage
-    from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
-    from jitwarm.precompile.plan import WarmPlan
-
+        try:
+            report = json.loads(ledger.read_text())
+        except (OSError, ValueError):
+            report = None
+    # every unit the manifest names must be stored and verify; ``units`` counts this start's
     plan = WarmPlan.empty().with_manifests([manifest]) if manifest.is_file() else WarmPlan.empty()
     keys = keys_of(plan, cache)
     coverage = plan_coverage(plan, cache, keys=keys)
@@ -360,19 +261,23 @@ def _check_stored(manifest: Path, cache: Any, before: set[str], ready_s: float, 
                            f"{len(coverage['corrupt'])} do not verify: {', '.join(coverage['missing'][:3])}")
     new = [spec_of(r) for r in (read_manifest(manifest) if manifest.is_file() else []) if record_id(r) not in before]
     units = Counter(spec.backend.removesuffix("_cache") for spec in new)
-    return Captured(manifest, units, sorted(keys.values()), ready_s, warnings, ledger)
+    return Captured(units, sorted(keys.values()), ready_s, warnings, report)
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            return [line.decode(errors="replace").rstrip() for line in f]
+    except OSError:
+        return []
 
 
 def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
     """Run ``capture``; print what it stored (``--json``: one object); ``--export`` the bundle."""
-    from jitwarm.precompile.commands import open_cache
-
     if not server_argv:
         raise UsageError("capture needs the server's command line after -- (jitwarm capture -- vllm serve MODEL ...)")
     manifest = Path(args.manifest or "server.jsonl").absolute()
     if args.export:
-        from jitwarm.precompile.shipping import check_export_target
-
         check_export_target(args.export)
     cache = open_cache(args, writes=True)  # an unwritable root is said now, not after the server's start
     done = capture(server_argv, manifest, cache=cache, cache_dir=args.cache_dir, timeout_s=args.timeout)
@@ -380,8 +285,6 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
         print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)
     digest = None
     if args.export and done.keys:
-        from jitwarm.precompile.shipping import export_keys
-
         digest = export_keys(cache, done.keys, args.export)
     compiled = None if done.ledger is None else done.ledger.get("compiled")
     if args.json:

@@ -1,10 +1,4 @@
-"""The ``jitwarm`` command line: its parser, its flags' checks, and how every error becomes one line and an exit code.
-
-Exit codes: 0 ok (also for an empty plan: nothing to warm); 1 a build or a write failed (or a required remote tier
-is down); 2 bad usage, config or input; 3 timed out waiting for another process's build; 4 corrupt entries or
-bundle; 5 not ready (specs of the plan missing); 130 interrupted. Every error jitwarm raises on purpose is a
-:class:`~jitwarm.cache.errors.JitwarmError` carrying its exit code, printed as one line, never a traceback.
-"""
+"""The ``jitwarm`` command line: its parser, its flags' checks, and every error as one line and its exit code."""
 
 from __future__ import annotations
 
@@ -28,8 +22,8 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import capture, commands, coverage, shipping
-from jitwarm.precompile.commands import REMOTE_FROM_ENV, build_plan, plan_asked
+from jitwarm.precompile import capture, commands, shipping
+from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.log_lines import log_lines
 from jitwarm.precompile.plan import WarmPlan
@@ -38,9 +32,9 @@ Command = Callable[[argparse.Namespace, WarmPlan | None], int]
 COMMANDS: dict[str, tuple[str, Command]] = {
     "plan": ("list the capture shapes and the kernel specs they need (no compiling)", commands.cmd_plan),
     "warm": ("build every missing kernel of the plan into the cache, in parallel", shipping.cmd_warm),
-    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", coverage.cmd_status),
+    "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", commands.cmd_status),
     "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
-               "missing one", coverage.cmd_verify),
+               "missing one", commands.cmd_verify),
     "prestart": ("import a bundle, warm, verify: the init-container step", shipping.cmd_prestart),
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
@@ -48,7 +42,7 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "capture": ("run the server once with jitwarm recording until its start is over, stop it, store and verify "
                 "every JIT cache unit it compiled (--export: bundle them)", capture.cmd_capture),
 }
-#: Commands that act on the cache as a whole or run the server: they take no serving flags and build no plan.
+#: Commands that take no serving flags and build no plan.
 PLANLESS = ("prune", "import", "capture")
 
 _MAX_BYTES = 1 << 60  # an exabyte: more is a typo
@@ -66,8 +60,8 @@ class _Help(argparse.HelpFormatter):
 
 
 def _number(text: str, what: str, example: str) -> float:
+    """A finite number >= 0 in ASCII digits (float() reads any script's: '٣')."""
     try:
-        # float() reads any script's digits ('２', '٣'): refused, as the integer flags refuse them.
         value = float(text) if text.isascii() else float("x")
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid {what} {text!r} ({example})") from None
@@ -138,14 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name not in PLANLESS:
             add_serving_flags(p)
             p.add_argument("--manifest", action="append", type=path_flag, metavar="PATH",
-                           help="also plan the server kernels recorded in this manifest (jitwarm.precompile.record; "
-                                "JITWARM_RECORD); alone, plan only those")
+                           help="also plan the server kernels recorded here (JITWARM_RECORD); alone, only those")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             continue
         c = p.add_argument_group("cache")
-        c.add_argument("--cache-dir", type=path_flag, metavar="DIR",
-                       help="writable cache root (env JITWARM_CACHE_DIR)")
+        c.add_argument("--cache-dir", type=path_flag, metavar="DIR", help="writable cache root (env JITWARM_CACHE_DIR)")
         if name not in PLANLESS:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         if name == "capture":
@@ -160,30 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
                            help="deadline for waiting on another process's build")
         r = p.add_argument_group("remote tier (one compile per spec across a fleet)")
         r.add_argument("--remote", nargs="?", const=REMOTE_FROM_ENV, metavar="URL",
-                       help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://..., or "
-                            "bucket, s3://BUCKET/PREFIX (the s3 extra; env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
+                       help="the fleet's Redis, redis[s]://[:PASSWORD@]HOST:PORT/DB, or bucket, s3://BUCKET/PREFIX "
+                            "(env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
         r.add_argument("--remote-prefix", metavar="PREFIX",
                        help="key namespace on that server (env JITWARM_REMOTE_PREFIX; default jitwarm)")
         r.add_argument("--remote-required", action="store_true",
-                       help="fail (exit 1) instead of continuing locally when the remote is down "
-                            "(env JITWARM_REMOTE_REQUIRED=1)")
+                       help="fail (exit 1) when the remote is down (env JITWARM_REMOTE_REQUIRED=1)")
         if name in ("warm", "prestart"):
             c.add_argument("--allow-fingerprint-mismatch", action="store_true",
-                           help="restore a captured JIT cache unit even when a package, compiler, driver or arch "
-                                "its library keyed it on differs here (a warning each; default: exit 4)")
+                           help="restore captured units keyed on another package, compiler, driver or arch (warned)")
         if name == "prestart":
             c.add_argument("--bundle", type=path_flag, metavar="FILE",
                            help="import this bundle first (a file, or an object s3://BUCKET/KEY.tar, streamed)")
             c.add_argument("--sha256", type=_sha256, metavar="DIGEST",
-                           help="refuse a --bundle whose sha256 (as sha256sum prints it, and export reports it) is "
-                                "not DIGEST, before importing anything (exit 4)")
+                           help="refuse a --bundle whose sha256 (as export reports it) is not DIGEST (exit 4)")
             c.add_argument("--offline", action="store_true",
-                           help="build nothing: a spec the bundle and the cache lack is exit 5, and so is a "
-                                "bundle that holds none of the plan's specs")
+                           help="build nothing: a spec the bundle and the cache lack is exit 5")
         elif name == "verify":
-            c.add_argument("--all", action="store_true",
-                           help="verify every entry of the cache (no plan needed; with one, its missing specs "
-                                "are reported too)")
+            c.add_argument("--all", action="store_true", help="verify every entry of the cache (no plan needed)")
             c.add_argument("--repair", action="store_true",
                            help="move corrupt entries to quarantine (they are rebuilt)")
         elif name == "prune":
@@ -218,7 +204,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "capture":
             return capture.cmd_capture(args, server_argv)
         if args.command in PLANLESS or (args.command == "verify" and args.all
-                                        and not plan_asked(args, server_argv)):
+                                        and not (args.manifest or asks_for_families(args, server_argv))):
             if server_argv is not None:
                 raise UsageError(f"{args.command} takes no server command line")
             return COMMANDS[args.command][1](args, None)
@@ -233,9 +219,8 @@ def _run(argv: Sequence[str] | None) -> int:
     except JitwarmError as exc:
         return _fail(args, _cli_message(exc), exc.exit_code)
     except KeyboardInterrupt:
-        # Exiting now: a second Ctrl-C must not cut that short. Python's finalization puts its SIGINT handler
-        # back to SIG_DFL (it keeps SIG_IGN), and an impatient second Ctrl-C there killed the process by
-        # signal instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
+        # A second Ctrl-C during finalization (which restores SIG_DFL, but keeps SIG_IGN) killed us by signal
+        # instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
@@ -247,10 +232,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespace:
-    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so.
-
-    argparse's words alone said only 'unrecognized arguments'.
-    """
+    """Parse jitwarm's own flags; a server line given without ``--`` before it is told so."""
     try:
         return parser.parse_args(own)
     except UsageError as exc:
@@ -262,8 +244,7 @@ def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespac
 
 def _check_combinations(args: argparse.Namespace, server_argv: list[str] | None) -> None:
     """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2 (issue #31)."""
-    if server_argv == []:
-        # `jitwarm prestart -- $SERVER` with SERVER unset: the likeliest mistake in a Pod spec.
+    if server_argv == []:  # `jitwarm prestart -- $SERVER` with SERVER unset
         raise UsageError("no server command line after -- (is the variable that holds it empty?)")
     if getattr(args, "sha256", None) and not getattr(args, "bundle", None):
         raise UsageError("--sha256 pins the bundle given with --bundle: give --bundle FILE too")

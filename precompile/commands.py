@@ -1,34 +1,29 @@
-"""What the planning ``jitwarm`` commands share, and ``plan``, ``warm`` and ``prune``.
-
-Each ``cmd_*`` takes the parsed arguments and the plan (None for the commands on the whole cache) and returns its
-exit code; output goes to stdout (one JSON object with ``--json``), problems to stderr.
-"""
+"""What the ``jitwarm`` commands share (cache, keys, plan), and ``plan``, ``status``, ``verify`` and ``prune``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from types import SimpleNamespace
 from typing import Any
 
-from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_CORRUPT, EXIT_OK, EXIT_TIMEOUT, UsageError
-from jitwarm.kernels import KernelSpec
+from jitwarm.cache import KernelCache
+from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_CORRUPT, EXIT_NOT_READY, EXIT_OK, EXIT_TIMEOUT, UsageError
+from jitwarm.cache.files import check_trusted_dir
+from jitwarm.kernels import KernelSpec, SpecError, Target, TargetError, ToolchainError
+from jitwarm.kernels.artifacts import artifact
+from jitwarm.precompile.config import from_namespace, serving_flags_given
 from jitwarm.precompile.plan import WarmPlan
 
 REMOTE_FROM_ENV = "$JITWARM_REMOTE"  # `--remote` given without a URL
-#: Flags that tune how a plan is made but do not ask for jitwarm's own families: with ``--manifest`` alone they
-#: leave the plan manifest-only.
+#: Flags that tune a plan but do not ask for jitwarm's own families (with ``--manifest`` alone: manifest-only).
 PLAN_MODIFIERS = ("targets", "backends", "ladder_source", "gpu_memory_mb", "ragged_verify_mode")
 
 
 def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
-    """The ``KernelCache`` the flags describe (``--cache-dir``, ``--remote``...); UsageError on a bad value.
-
-    ``writes``: the command will publish entries, so its root is made ready now (RootNotWritable, exit 2).
-    """
-    from jitwarm.cache import KernelCache
-
+    """The ``KernelCache`` the flags describe (``writes``: its root made ready); UsageError for a bad one."""
     remote = getattr(args, "remote", None)
     from_env = remote == REMOTE_FROM_ENV
     try:
@@ -39,12 +34,8 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
         raise UsageError(str(exc).replace("remote:", "--remote:", 1)) from None
     if from_env and cache.remote is None:
         raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
-    from jitwarm.cache.files import check_trusted_dir
-
     for path, what in ((cache.root, "cache root"), (cache.lock_dir, "lock directory")):
-        if path.is_dir():
-            # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
-            # with a failure per spec and status "missing" (attack round 2: a root or lock dir another user owns).
+        if path.is_dir():  # refused once, here: each build worker refused it, and warm said exit 1 per spec
             check_trusted_dir(path, what, allow_shared=cache.allow_shared)
     if writes:
         cache.prepare_root()
@@ -52,14 +43,7 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
 
 
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
-    """Each spec's cache key; ``look_only``: the cache's toolchain facts are read, never written (issue #13).
-
-    A spec that cannot be keyed here (a recorded kernel whose module does not import here, a missing toolchain)
-    is left out, with one line on stderr saying why: it counts as missing.
-    """
-    from jitwarm.kernels import SpecError, ToolchainError
-    from jitwarm.kernels.artifacts import artifact
-
+    """Each spec's key (``look_only``: toolchain facts never written, issue #13); one unkeyable is said and left out."""
     facts = SimpleNamespace(read_fact=cache.read_fact, write_fact=lambda name, value: None) if look_only else cache
     keys = {}
     for spec in plan.specs:
@@ -70,28 +54,14 @@ def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[Kern
     return keys
 
 
-def plan_asked(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
-    """Whether the command line asks for a plan: a manifest, or what :func:`asks_for_families`."""
-    return bool(getattr(args, "manifest", None)) or asks_for_families(args, server_argv)
-
-
 def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -> bool:
-    """Whether a server line, a config file or a serving flag asks for jitwarm's families (no PLAN_MODIFIERS do)."""
-    from jitwarm.precompile.config import serving_flags_given
-
+    """Whether a server line, a config file or a serving flag (no PLAN_MODIFIERS) asks for jitwarm's families."""
     asked = argparse.Namespace(**{**vars(args), **dict.fromkeys(PLAN_MODIFIERS)})
     return serving_flags_given(asked, server_argv)
 
 
 def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmPlan:
-    """The plan the flags describe: the serving config's, plus the recorded kernels of each ``--manifest``.
-
-    ``--manifest`` alone (nothing that :func:`asks_for_families`) plans only the recorded kernels; the plan's
-    targets select the records made on them.
-    """
-    from jitwarm.kernels import Target, TargetError
-    from jitwarm.precompile.config import from_namespace
-
+    """The config's plan plus each ``--manifest``'s kernels on its targets (a manifest alone: only those)."""
     manifests = getattr(args, "manifest", None) or []
     if not manifests or asks_for_families(args, server_argv):
         plan = WarmPlan.build(from_namespace(args, server_argv))
@@ -107,10 +77,7 @@ def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmP
 
 
 def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """An empty plan is success, said once; only ``export`` refuses (there is no bundle to write).
-
-    An init container sharing the template of a server that captures no graphs must not block the pod.
-    """
+    """An empty plan is success, said once (an init container must not block the pod); ``export`` refuses."""
     why = plan.ladder.disabled if plan.ladder and plan.ladder.disabled else "no capture shapes"
     what = "the server captures no decode CUDA graphs"
     if plan.shapes and plan.families is not None and not plan.families.planned:  # e.g. a Llama server
@@ -183,10 +150,7 @@ def cmd_plan(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None = None) -> None:
-    """The warm summary: each failure with its whole text (a compiler's full diagnostic), then the totals.
-
-    With ``--json``, one JSON document on stdout instead: ``doc``, else the report's.
-    """
+    """The warm summary: each failure with its whole text, then the totals; ``--json``: ``doc`` or the report's."""
     if args.json:
         print(json.dumps(doc if doc is not None else report.to_json()))
         return
@@ -209,10 +173,7 @@ def print_warm(args: argparse.Namespace, report: Any, doc: dict[str, Any] | None
 
 
 def warm_exit(report: Any) -> int:
-    """0 when every spec is there; 3 when the only failures are waits past the deadline; else 1.
-
-    4 when an entry from a remote tier failed the fleet key: an attack or a misconfigured fleet, not a build to retry.
-    """
+    """0 when every spec is there; 4 when a remote entry failed the fleet key; 3 when all failures are waits; else 1."""
     failed = [r for r in report.results if r.outcome == "failed"]
     if not failed:
         return EXIT_OK
@@ -234,3 +195,104 @@ def cmd_prune(args: argparse.Namespace, plan: None) -> int:
         print(f"jitwarm: pruned {len(report.removed)} entries ({report.freed_bytes / 2**20:.1f} MiB) and "
               f"{len(report.staging_removed)} abandoned builds; {report.remaining_bytes / 2**20:.1f} MiB left{kept}")
     return EXIT_OK
+
+
+def verify_reported(cache: Any, keys: list[str] | None, *, repair: bool, stamped: bool = False) -> Any:
+    """``cache.verify``, its own warning per corrupt entry muted: the command reports each one, once."""
+    logger = logging.getLogger("jitwarm.cache")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return cache.verify(keys, repair=repair, stamped=stamped)
+    finally:
+        logger.setLevel(level)
+
+
+def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
+                  keys: dict[KernelSpec, str] | None = None, stamped: bool = False) -> dict[str, Any]:
+    """Sort the plan's specs into present, missing and corrupt, with ``why`` and (``repair``) ``quarantined``."""
+    keys = keys_of(plan, cache, look_only=not repair) if keys is None else keys
+    keys = {spec.id: key for spec, key in keys.items()}
+    report = verify_reported(cache, list(keys.values()), repair=repair, stamped=stamped)
+    state = {k: "present" for k in report.ok} | {k: "corrupt" for k in report.corrupt} | {
+        k: "missing" for k in report.missing}
+    coverage: dict[str, Any] = {"present": [], "missing": [], "corrupt": []}
+    for spec in plan.specs:  # a spec that could not be keyed (keys_of said why) is missing
+        coverage[state.get(keys.get(spec.id, ""), "missing")].append(spec.id)
+    coverage["why"] = {s: report.corrupt[keys[s]] for s in coverage["corrupt"]}
+    coverage["quarantined"] = [s for s in coverage["corrupt"] if keys[s] in report.quarantined]
+    return coverage
+
+
+def readiness(coverage: dict[str, list[str]]) -> int:
+    """Exit 4 when an entry of the plan is corrupt, 5 when one is missing, 0 only when every one is there."""
+    if coverage["corrupt"]:
+        return EXIT_CORRUPT
+    return EXIT_NOT_READY if coverage["missing"] else EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
+    """Show how much of the plan the cache (and the remote) holds, and its size; never changes it."""
+    cache = open_cache(args)
+    keys = keys_of(plan, cache, look_only=True)  # once: a spec that cannot be keyed is said once
+    coverage = plan_coverage(plan, cache, keys=keys)
+    record = cache.read_plan_record(plan.plan_id)
+    data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
+            "complete": bool(record and record.get("complete")) and not coverage["missing"],
+            **{k: len(coverage[k]) for k in ("present", "missing", "corrupt")}, "specs": coverage}
+    if cache.remote:
+        data["remote"] = remote_coverage(cache, {spec.id: key for spec, key in keys.items()})
+    if args.json:
+        print(json.dumps(data))
+        return readiness(coverage)
+    print(f"plan {plan.plan_id}: {data['present']}/{len(plan.specs)} present, {data['missing']} missing, "
+          f"{data['corrupt']} corrupt; cache {cache.root} holds {data['size_bytes'] / 2**20:.1f} MiB")
+    for state in ("missing", "corrupt"):
+        for spec_id in coverage[state]:
+            print(f"  {state}: {spec_id}")
+    if cache.remote:
+        remote = data["remote"]
+        if not remote["available"]:
+            print(f"remote {remote['url']} (prefix {remote['prefix']}): unavailable ({remote['error']})")
+        else:
+            print(f"remote {remote['url']} (prefix {remote['prefix']}): {remote['present']}/{len(plan.specs)} "
+                  f"present on remote, {remote['missing']} missing")
+            for spec_id in remote["specs"]["missing"]:
+                print(f"  missing on remote: {spec_id}")
+    return readiness(coverage)
+
+
+def remote_coverage(cache: Any, keys: dict[str, str]) -> dict[str, Any]:
+    """Sort the specs (id -> key) into present on the remote tier and missing there (nothing is downloaded)."""
+    report = cache.remote_report(keys.values())
+    present = set(report.present)
+    specs = {"present": [s for s, k in keys.items() if k in present],
+             "missing": [s for s, k in keys.items() if k not in present]} if report.available else {}
+    return {"url": report.url, "prefix": report.prefix, "available": report.available, "error": report.error,
+            "present": len(specs.get("present", ())), "missing": len(specs.get("missing", ())), "specs": specs}
+
+
+def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
+    """Hash every file of the plan's entries (``--all``: of every entry, the plan's missing ones reported too)."""
+    cache = open_cache(args)
+    if args.all:
+        keys = keys_of(plan, cache, look_only=not args.repair) if plan is not None else {}
+        report = verify_reported(cache, None, repair=args.repair)
+        ok, corrupt, why, moved = list(report.ok), list(report.corrupt), report.corrupt, set(report.quarantined)
+        have = set(ok) | set(corrupt)
+        missing = [spec.id for spec in plan.specs if keys.get(spec) not in have] if plan is not None else []
+    else:
+        coverage = plan_coverage(plan, cache, repair=args.repair)
+        ok, corrupt, missing = coverage["present"], coverage["corrupt"], coverage["missing"]
+        why, moved = coverage["why"], set(coverage["quarantined"])
+    if args.json:
+        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair)}))
+    else:
+        for item in corrupt:
+            state = "quarantined" if item in moved else "left as it is; --repair moves it aside" if not args.repair \
+                else "not moved"
+            print(f"jitwarm: corrupt ({state}): {item}: {why.get(item, '?')}", file=sys.stderr)
+        for item in missing:
+            print(f"jitwarm: missing: {item}", file=sys.stderr)
+        print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
+    return readiness({"corrupt": corrupt, "missing": missing})

@@ -1,13 +1,4 @@
-"""ServingConfig: the server settings that decide which CUDA graphs get captured, plus model dims and targets.
-
-The capture fields carry sglang's names; the room named by ``server`` gives them its server's meaning
-(:mod:`jitwarm.precompile.servers`).
-
-Where the values come from, below the class: a TOML file, the server's command line and jitwarm's own flags
-(:mod:`jitwarm.precompile.flags`). The flags carry sglang's names and a TOML file the same keys; the server's
-command line (after ``--``) is read by the room that recognises its launcher. :func:`from_namespace` merges
-them: file, server's line, flags.
-"""
+"""ServingConfig, and where its values come from (:func:`from_namespace`): a TOML file, the server's line, flags."""
 
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ from jitwarm.kernels.target import local_gpus
 from jitwarm.precompile import servers
 from jitwarm.precompile.flags import ConfigError, FlagParser, add_serving_flags, split_server_argv
 
-#: Largest batch size accepted: larger is not a real server, and a million-entry ladder would take minutes and
-#: gigabytes to enumerate.
+#: Largest batch size accepted: a million-entry ladder would take minutes and gigabytes to enumerate.
 MAX_BATCH_SIZE = 4096
 
 
@@ -44,8 +34,7 @@ def local_gpu_memory_mb() -> int | None:
     return min((gpu.memory_mb for gpu in local_gpus()), default=0) or None
 
 
-# The checked fields by kind (each named in messages by its flag): the kinds in _LIMITS are positive ints up to
-# their limit (memory in MiB: 16 TiB); "flag" a bool; "bs_list" a list of batch sizes; "text" a string.
+# The checked fields by kind, each named by its flag: the kinds in _LIMITS are positive ints up to their limit.
 _KINDS = {
     "batch": ("cuda_graph_max_bs_decode",), "bs_list": ("cuda_graph_bs_decode",),
     "flag": ("disable_cuda_graph", "disable_decode_cuda_graph", "disable_cuda_graph_padding", "enable_dp_attention"),
@@ -59,26 +48,15 @@ _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": 64, "parallel": 1
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The server settings that decide the capture ladder, plus the model dims and build targets.
+    """The server settings that decide the capture ladder (sglang's names), plus the model dims and build targets.
 
-    None means "not given": the server's default applies (the default max batch comes from ``gpu_memory_mb``,
-    read from the local GPU when there is one). ``server_options`` holds the room's settings that no field holds.
-    Construction normalises lists, takes the room's defaults for unset fields (sglang's
-    ``SGLANG_RAGGED_VERIFY_MODE``) and validates: :class:`ConfigError` lists every problem, including
-    combinations the server itself rejects.
-
-    Examples
-    --------
-    >>> cfg = ServingConfig(cuda_graph_max_bs_decode=128, speculative_algorithm="DSPARK",
-    ...                     speculative_num_draft_tokens=6, ragged_verify_mode="compact", targets=("cpu",))
-    >>> cfg.model.compress_ratios
-    (4, 128)
-
+    None means "not given" (the server's default); ``server_options``: the room's own settings. Construction takes
+    the room's defaults and validates: :class:`ConfigError` lists every problem, the server's own rejections too.
     """
 
     cuda_graph_max_bs_decode: int | None = None
     cuda_graph_bs_decode: tuple[int, ...] | None = None
-    cuda_graph_config: str | None = None  # a JSON object (this and server_options are kept as canonical JSON text)
+    cuda_graph_config: str | None = None  # a JSON object, kept as canonical JSON text (as server_options)
     disable_cuda_graph: bool = False
     disable_decode_cuda_graph: bool = False
     disable_cuda_graph_padding: bool = False
@@ -94,9 +72,9 @@ class ServingConfig:
     gpu_memory_mb: int | None = None
     ragged_verify_mode: str | None = None
     ladder_source: str = "auto"
-    model_path: str | None = None  # the server's --model-path: a local checkpoint's config.json names its architecture
-    model_architecture: str | None = None  # what config.json's "architectures" says, when the path is not local
-    head_dim: int = ModelDims.head_dim  # the model dims default to ModelDims' (and are its fields: ``model``)
+    model_path: str | None = None
+    model_architecture: str | None = None  # config.json's "architectures", when the path is not local
+    head_dim: int = ModelDims.head_dim  # the model dims are ModelDims' fields (``model``)
     rope_dim: int = ModelDims.rope_dim
     num_q_heads: int = ModelDims.num_q_heads
     num_kv_heads: int = ModelDims.num_kv_heads
@@ -134,7 +112,7 @@ class ServingConfig:
         return servers.adapter(self.server) if self.server in servers.ROOMS else None
 
     def validate(self, problems: Sequence[str] = ()) -> None:
-        """Raise :class:`ConfigError` listing every problem (``problems`` found before, then these), or return."""
+        """Raise :class:`ConfigError` listing ``problems`` and every problem found here, or return."""
         problems = list(problems)
         room = self.room
         if room is None:
@@ -173,7 +151,7 @@ class ServingConfig:
         return ModelDims(**{f.name: getattr(self, f.name) for f in fields(ModelDims)})
 
     def to_json(self) -> dict[str, Any]:
-        """Return the config as a JSON-able dict (the keys a TOML config file takes; unset ones omitted)."""
+        """Return the config as a JSON-able dict (the keys a TOML file takes; unset ones omitted)."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
                 for f in fields(self) if f.name != "mode_from_env"}
         for name in ("cuda_graph_config", "server_options"):
@@ -183,7 +161,7 @@ class ServingConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "config") -> ServingConfig:
-        """Build from a mapping with field names (dashes or underscores, or aliases); unknown keys are an error."""
+        """Build from a mapping of field names (dashes or underscores, or aliases); unknown keys are an error."""
         return cls(**fields_of(data, source))
 
     @classmethod
@@ -193,10 +171,7 @@ class ServingConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> ServingConfig:
-        """Build from jitwarm's flags, then optionally ``--`` and the server's command line (``--config`` first).
-
-        An argv that is a server command line (a launcher a room recognises, or ``--model-path``) is read as one.
-        """
+        """Build from jitwarm's flags, then optionally ``--`` and the server's command line (``--config`` first)."""
         own, server = split_server_argv(sys.argv[1:] if argv is None else argv)
         parser = FlagParser(prog="jitwarm", add_help=False)
         add_serving_flags(parser)
@@ -207,7 +182,7 @@ class ServingConfig:
 
 
 def _check_types(cfg: ServingConfig) -> list[str]:
-    """Type and range problems of the fields, one message each (before anything else looks at them)."""
+    """Type and range problems of the fields, one message each."""
     problems = []
     for kind, name in ((kind, name) for kind, names in _KINDS.items() for name in names):
         value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
@@ -277,7 +252,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-#: Largest TOML config file read (a real one is a few hundred bytes; /dev/zero is not one).
+#: Largest TOML config file read (a real one is a few hundred bytes).
 MAX_CONFIG_BYTES = 1 << 20
 
 # Older jitwarm names that stay as documented aliases of sglang's, and sglang's own aliases.
@@ -287,13 +262,8 @@ ALIASES = {"cuda_graph_max_bs": "cuda_graph_max_bs_decode", "cuda_graph_bs": "cu
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Return the ServingConfig fields a TOML file sets; ConfigError for an unreadable file or an unknown key.
-
-    The keys are the top level's, or the ``[jitwarm]`` table's when there is one.
-    """
+    """Return the fields a TOML file (its top level, or its ``[jitwarm]`` table) sets; ConfigError if it cannot."""
     try:
-        # Follow a link the operator gave (a ConfigMap is one); then no blocking (a FIFO planted where the file
-        # should be), a regular file of bounded size (/dev/zero is not a config).
         raw, _ = read_file_stat(os.path.realpath(path), MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError([f"cannot read --config {path}: {exc.strerror or exc}"]) from None
@@ -331,13 +301,13 @@ _FLAG_FIELDS = tuple(f.name for f in fields(ServingConfig)
 
 
 def serving_flags_given(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> bool:
-    """Whether anything describes a server: its command line, a config file, or a flag beyond --target/--backend."""
+    """Whether a server line, a config file or a flag beyond --target/--backend describes a server."""
     return server_argv is not None or bool(getattr(ns, "config", None)) or any(
         getattr(ns, name, None) is not None for name in _FLAG_FIELDS if name not in ("targets", "backends"))
 
 
 def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> ServingConfig:
-    """Build a config from parsed flags: the TOML file (if any), then the server's command line, then flags."""
+    """Build a config from parsed flags: the TOML file (if any), then the server's line, then the flags."""
     values: dict[str, Any] = {}
     if getattr(ns, "config", None):
         values.update(read_config_file(ns.config))

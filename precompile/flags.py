@@ -1,9 +1,4 @@
-"""jitwarm's serving flags: their parser, their values' types, and where the server's command line starts.
-
-:func:`add_serving_flags` gives ``plan``, ``warm`` and the other commands sglang's flag names (and a few aliases of
-jitwarm's own); :mod:`jitwarm.precompile.config` turns what they parse into a ServingConfig. Every bad value is a
-:class:`ConfigError`: one line, exit 2.
-"""
+"""jitwarm's serving flags (sglang's names): their parser, their values' types, and where the server's line starts."""
 
 from __future__ import annotations
 
@@ -71,11 +66,7 @@ MAX_PATH, MAX_NAME = 4096, 255
 
 
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one is refused, and one no filesystem takes.
-
-    ``--cache-dir "$DIR"`` with ``DIR`` unset would be no flag; a path too long failed later as a write error,
-    exit 1 (issue #31, N10).
-    """
+    """A path flag's value; an empty one (an unset variable) and one no filesystem takes are refused (issue #31)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     if len(text.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in text.split("/")):
@@ -88,8 +79,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
     version = f"{servers.DEFAULT} {servers.adapter(servers.DEFAULT).VERSION}"
     g = parser.add_argument_group(f"serving ({version}'s flag names; or the server's command line after --)")
-    g.add_argument("--config", type=path_flag, metavar="FILE.toml",
-                   help="read these settings from a TOML file first")
+    g.add_argument("--config", type=path_flag, metavar="FILE.toml", help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",
                    help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
@@ -104,8 +94,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
                    help="capture every batch size up to the max")
     g.add_argument("--speculative-algorithm", metavar="NAME",
                    help="the server's algorithm, e.g. DSPARK, EAGLE, NGRAM (the speculative ladder needs one)")
-    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N",
-                   help="tokens verified per request")
+    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N", help="tokens verified per request")
     g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
                    help="EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)")
     g.add_argument("--speculative-eagle-topk", type=_finite_int, metavar="K")

@@ -1,8 +1,4 @@
-"""The capture guard: a kernel compile or module load inside CUDA-graph capture becomes a clear error.
-
-Without it, a JIT compile that lands in capture issues driver calls (``cuModuleLoadData``) into the
-capturing stream and the server dies later with ``CUDA_ERROR_ILLEGAL_ADDRESS`` (sglang #33356, #33795).
-"""
+"""The capture guard: a compile or module load inside CUDA-graph capture becomes a clear error (sglang #33356)."""
 
 from __future__ import annotations
 
@@ -13,13 +9,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jitwarm.kernels import KernelSpec
+from jitwarm.kernels import KernelSpec, dispatch
 from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
+from jitwarm.precompile import servers
 
 _log = logging.getLogger(__name__)
 
-#: The library rooms that seal their library inside capture, each with ``seal(refuse)``: Triton's compile hook,
-#: Inductor's compile and tvm-ffi's build and load (jitwarm's own families are built with tvm-ffi).
+#: The library rooms that seal their library inside capture (``seal(refuse)``): Triton, Inductor, tvm-ffi.
 SEALS = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.kernels.libraries.jit_caches.inductor",
          "jitwarm.kernels.tvm_backend")
 
@@ -41,8 +37,6 @@ def check_dispatch_miss(spec: KernelSpec, shape: Any = None) -> None:
 
 def install() -> None:
     """Register :func:`check_dispatch_miss` with the default kernel dispatcher (idempotent)."""
-    from jitwarm.kernels import dispatch
-
     dispatch.add_miss_hook(check_dispatch_miss)  # a no-op when it is registered already
 
 
@@ -84,14 +78,9 @@ def capture_guard(*, seal_third_party: bool = False) -> Iterator[None]:
 
 
 class ThirdPartySeal:
-    """Watch the JIT libraries' compiles and loads, and refuse (or log) each one made while ``when()`` is true.
+    """Refuse (``mode="error"``) or log once (``"warn"``) each JIT library compile or load made while ``when()``.
 
-    Sealed, where each library is in this process (each room's ``seal``, :data:`SEALS`): Triton's JIT compile
-    (its ``jit_cache_hook``), an Inductor compile, tvm-ffi's build and load, and each server room's own JIT
-    (sglang's ``load_jit``: ``ServerAdapter.seal``). ``mode="error"`` raises
-    :class:`CompileDuringCaptureError` naming the kernel; ``"warn"`` logs it once, with ``log``, and lets it run
-    (vLLM's ``--jit-monitor-mode`` has the same two). ``when`` defaults to :func:`guarded`: the guard armed or the
-    current stream capturing. Off until :meth:`install`: it patches other libraries' process-wide hooks.
+    Each library and server room seals its own (``seal(refuse)``); off until :meth:`install` (it patches hooks).
     """
 
     def __init__(self, *, mode: str = "error", when: Callable[[], bool] | None = None,
@@ -106,18 +95,12 @@ class ThirdPartySeal:
         self._lock = threading.Lock()
 
     def install(self) -> list[str]:
-        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`).
-
-        Each library room says how it is sealed (``seal(refuse) -> (name, undo) | None``, :data:`SEALS`), and
-        each server room for its own JIT (``ServerAdapter.seal``).
-        """
-        from jitwarm.precompile import servers
-
+        """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
         rooms = [importlib.import_module(name) for name in SEALS]
         for seal in [room.seal for room in rooms] + [servers.adapter(name).seal for name in servers.ROOMS]:
-            sealed = seal(self.refuse)
-            if sealed is not None:
-                self._sealed(*sealed)
+            if (sealed := seal(self.refuse)) is not None:
+                self.armed.append(sealed[0])
+                self._undo.append(sealed[1])
         return self.armed
 
     def remove(self) -> None:
@@ -127,11 +110,7 @@ class ThirdPartySeal:
         self.armed = []
 
     def refuse(self, what: str, key: Any = None) -> None:
-        """Raise or log ``what`` (about to be compiled or loaded) when ``when()`` says so.
-
-        ``key`` is its identity where its name is not one. ``warn`` logs each once: sglang looks a build up twice
-        before it compiles it.
-        """
+        """Raise or log ``what`` (about to compile or load) when ``when()``; ``warn`` logs each ``(what, key)`` once."""
         if not self.when():
             return
         if self.mode == "error":
@@ -143,10 +122,6 @@ class ThirdPartySeal:
         self.log.warning("jitwarm: %s is compiled or loaded during CUDA-graph capture: a driver call inside the "
                          "capture can kill the server (sglang #33356); JITWARM_STRICT=1 refuses it. %s", what,
                          CompileDuringCaptureError.THIRD_PARTY_HINT)
-
-    def _sealed(self, name: str, undo: Callable[[], Any]) -> None:
-        self.armed.append(name)
-        self._undo.append(undo)
 
 
 def guarded() -> bool:

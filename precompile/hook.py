@@ -1,8 +1,6 @@
 """CaptureHook: returns only when every kernel of the plan is built, loaded, on the device, and all ranks met.
 
-The order is the point (sglang PR #33795, #34286): wait for every key, load every module, force every
-kernel onto the device, drain the device, meet the other TP ranks, then arm the guard — all after the
-last warmup and before ``torch.cuda.CUDAGraph()`` is created.
+The order is the point (sglang PR #33795, #34286): all of it after the last warmup, before the graph.
 """
 
 from __future__ import annotations
@@ -17,9 +15,10 @@ from typing import Any
 
 from jitwarm.cache import KernelCache, LockTimeout, settings
 from jitwarm.cache.errors import JitwarmError, NotReady, TimedOut
-from jitwarm.kernels import KernelSpec, Target
+from jitwarm.kernels import KernelSpec, Target, dispatch
 from jitwarm.kernels.artifacts import KernelLoadError, artifact
 from jitwarm.precompile import guard
+from jitwarm.precompile import ledger as start_ledger
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import WarmHandle, WarmReport, warm_specs
 
@@ -27,10 +26,7 @@ POLICIES = ("build", "wait", "strict")
 
 
 class KernelsNotReady(NotReady, RuntimeError):
-    """The hook could not make every kernel of the plan ready (a build failed, or strict found a miss): exit 5.
-
-    A RuntimeError too: a server that does not know jitwarm's errors fails its start on it all the same.
-    """
+    """The hook could not make every kernel ready (a build failed, strict found a miss): exit 5, and a RuntimeError."""
 
 
 class WarmTimeout(TimedOut, KernelsNotReady):
@@ -38,7 +34,7 @@ class WarmTimeout(TimedOut, KernelsNotReady):
 
 
 class KernelLoadFailed(JitwarmError, RuntimeError):
-    """A spec's cache entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
+    """A spec's entry does not load, and neither did its rebuild (strict: none); ``spec`` names it (exit 1)."""
 
     def __init__(self, spec: KernelSpec, reason: str) -> None:
         self.spec = spec
@@ -65,14 +61,6 @@ class TorchDevice:
             torch.cuda.synchronize(self.device)
 
 
-def default_barrier() -> Callable[[], None] | None:
-    """torch.distributed's default-group barrier when it is initialised, else None."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.barrier
-    return None
-
-
 @dataclass
 class HookReport:
     """What a hook call did (``first``: False for the cheap repeat calls); ``steps`` times each step."""
@@ -91,18 +79,9 @@ class HookReport:
 class CaptureHook:
     """The capture-time hook: call it after the last warmup and before ``torch.cuda.CUDAGraph()``.
 
-    The first call (1) makes every key of the plan for this device's target present within ``timeout_s``: building
-    what is missing (``policy="build"``), waiting for another process (``"wait"``) or failing at once
-    (``"strict"``, also forced by ``JITWARM_STRICT=1``); (2) loads every module; (3) forces every kernel onto the
-    device; (4) synchronizes it; (5) meets the other TP ranks at ``barrier``; then arms the guard. Later calls
-    only synchronize and meet, so the hook fits sglang's ``post_warmup_hook`` slot.
-
-    ``device`` is a torch device or any object with ``target`` and ``synchronize()`` (default: the current CUDA
-    device, else cpu); ``barrier`` defaults to torch.distributed's when initialised; ``warm`` is a
-    :class:`~jitwarm.precompile.warming.WarmHandle` to join first. ``manifest`` (one path or several) adds the
-    server's recorded kernels for this target; with it, or ``serve_triton``, every Triton compile of this process
-    goes through ``cache`` (:mod:`jitwarm.kernels.libraries.triton.cache`). :attr:`ledger` is ``ledger`` or this
-    process's start-up ledger (:mod:`jitwarm.precompile.ledger`).
+    The first call makes every spec for this device's target present within ``timeout_s`` (``policy``: build, wait
+    for another process, or strict: fail; ``JITWARM_STRICT=1`` forces strict), loads each onto the device,
+    synchronizes, meets the ranks at ``barrier`` and arms the guard. Later calls only synchronize and meet.
     """
 
     def __init__(self, plan: WarmPlan, cache: KernelCache | None = None, barrier: Callable[[], Any] | None = None,
@@ -117,7 +96,10 @@ class CaptureHook:
         self.plan, self.policy, self.timeout_s, self.jobs = plan, policy, timeout_s, jobs
         self.cache = cache or KernelCache()
         self.device = device if hasattr(device, "synchronize") and hasattr(device, "target") else TorchDevice(device)
-        self.barrier = barrier if barrier is not None else default_barrier()
+        if barrier is None and (torch := sys.modules.get("torch")) is not None:  # torch.distributed's, if initialised
+            dist = torch.distributed
+            barrier = dist.barrier if dist.is_available() and dist.is_initialized() else None
+        self.barrier = barrier
         self.warm_handle = warm
         self.seal = guard.ThirdPartySeal() if seal_third_party else None
         self.ready = False
@@ -130,8 +112,6 @@ class CaptureHook:
             triton_cache.serve(self.cache)
         guard.install()  # a dispatch miss while any stream captures raises, even before the first call
         if ledger is None:  # its snapshot taken now, unless the server's plugin took it at start
-            from jitwarm.precompile import ledger as start_ledger
-
             ledger = start_ledger.begin()
         self.ledger = ledger
 
@@ -167,11 +147,7 @@ class CaptureHook:
         return report
 
     def ledger_report(self) -> Any:
-        """The :class:`~jitwarm.precompile.ledger.LedgerReport` since the ledger's snapshot: call it after capture.
-
-        Per family, what this process served from cache and what still compiled
-        (:func:`~jitwarm.precompile.ledger.report_after_capture` also logs it and writes ``JITWARM_LEDGER``).
-        """
+        """The :class:`~jitwarm.precompile.ledger.LedgerReport` since the ledger's snapshot: call it after capture."""
         return self.ledger.report()
 
     def close(self) -> None:
@@ -190,10 +166,7 @@ class CaptureHook:
         return result
 
     def _make_present(self, specs: list[KernelSpec], deadline: float, report: HookReport) -> dict[KernelSpec, Any]:
-        """Step (1): return each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one.
-
-        Each spec is looked up once in this process; each entry is claimed while it loads (``Artifact.load``).
-        """
+        """Step (1): each spec's verified entry: the warm's, a lookup's, a waited-for or a worker's one."""
         entries: dict[KernelSpec, Any] = {}
         if self.warm_handle is not None:
             try:
@@ -202,12 +175,10 @@ class CaptureHook:
                 raise WarmTimeout(str(exc)) from None
             entries.update(warmed.entries())  # verified by the warm in this process: no second lookup
         keys = {spec: artifact(spec, self.cache).key for spec in specs if entries.get(spec) is None}
-        if keys:
-            # Each load claims its entry while it loads (Artifact.load); until then prune's grace period keeps
-            # what a lookup returned (docs/cache.md, "Prune"). Holding claims here made a discard of an entry
-            # that fails to load wait for this very hook's claim.
-            found = {key: self.cache.lookup(key) for key in keys.values()}
-            entries.update((spec, found[key]) for spec, key in keys.items())
+        # Not claimed here (prune's grace keeps them until each load claims its own): a claim held here made the
+        # discard of an entry that fails to load wait for this very hook.
+        found = {key: self.cache.lookup(key) for key in keys.values()}
+        entries.update((spec, found[key]) for spec, key in keys.items())
         missing = [s for s in specs if entries[s] is None]
         report.hits = len(specs) - len(missing)
         if not missing:
@@ -239,8 +210,6 @@ class CaptureHook:
 
     def _load(self, specs: list[KernelSpec], entries: dict[KernelSpec, Any]) -> list[Any]:
         """Step (2): load every spec, each entry claimed while it loads."""
-        from jitwarm.kernels import dispatch
-
         try:
             build = self.policy != "strict"  # strict builds nothing, not even an entry that fails to load
             return [dispatch.ensure_loaded(spec, cache=self.cache, entry=entries.get(spec), build=build)
@@ -252,13 +221,7 @@ class CaptureHook:
 def capture_ladder(plan: WarmPlan, forward: Callable[[Any], Any], hook: CaptureHook | None = None, *,
                    warmups: int = 2, graph_factory: Callable[[], Any] | None = None,
                    capture: Callable[[Any], Any] | None = None) -> dict[int, tuple[Any, Any]]:
-    """Capture one graph per shape, largest batch first, as sglang's ``capture_one`` does: ``{bs: (graph, outputs)}``.
-
-    Per shape: ``warmups`` times (synchronize, barrier, ``forward(shape)``, ``hook()``), then ``forward(shape)``
-    captured into a new graph. The hook is also called once before the ladder, so the warmups find every kernel
-    loaded. ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` on one
-    shared pool; tests pass recording fakes.
-    """
+    """Capture one graph per shape, largest first, after ``warmups`` warmup rounds each: ``{bs: (graph, outputs)}``."""
     hook = hook or CaptureHook(plan)
     if graph_factory is None or capture is None:
         import torch

@@ -1,27 +1,27 @@
 """The start-up ledger: what a served start still compiled, per family, and what its caches served.
 
-A restored cache proves nothing until the server is seen not compiling: a unit copied "successfully" is never
-used when one flag or version differs (modelexpress #560; dynamo #10119, #10695). :func:`begin` takes the start
-snapshot (a plugin calls it before the model loads); :func:`report_after_capture`, after the last graph is
-captured, logs one line per family and writes them as JSON to ``JITWARM_LEDGER``. Each family is counted by its
-library's own hit signal where it has one, which its room holds (``Library.signal``: Inductor's counters,
-jitwarm's Triton manager, vLLM's ``compilation_counter``; the sglang room's ``load_jit`` watcher), else by the
-units new in its cache directory (docs/deployment.md, "Ledger", says which family has which). No library is
-imported for it: the signals read those already imported.
+A restored cache proves nothing until the server is seen not compiling (modelexpress #560; dynamo #10119).
+Each family is counted by its library's own signal where it has one, else by its new units (docs/deployment.md).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from jitwarm.cache import settings
+from jitwarm.cache.files import write_atomic
+from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 from jitwarm.kernels.libraries.jit_caches.units import NO_SIGNAL, FamilyCount
+from jitwarm.precompile import servers
 
 log = logging.getLogger("jitwarm.ledger")
 
@@ -51,7 +51,7 @@ class LedgerReport:
         return [f.line() for f in self.families] + self.warnings()
 
     def warnings(self) -> list[str]:
-        """One line per family that compiled although units of it were present at start, naming the keys."""
+        """One line per family that compiled although units of it were present at start."""
         return [w for f in self.families if (w := f.after_restore())]
 
     def as_json(self) -> dict[str, Any]:
@@ -62,16 +62,7 @@ class LedgerReport:
                                            for f in self.families if f.after_restore()]}
 
     def write(self, path: str | Path) -> None:
-        """Write :meth:`as_json` to ``path`` whole (a temporary file beside it, renamed); OSError if it cannot.
-
-        Only a regular file is replaced: a device, a FIFO or a link there is refused (OSError) and left as it is
-        (the rename would have replaced ``/dev/null`` itself, as root: issue #31, N6).
-        """
-        import errno
-        import stat
-
-        from jitwarm.cache.files import write_atomic
-
+        """Write :meth:`as_json` whole; OSError if it cannot, or if what is there is no regular file (issue #31, N6)."""
         target = Path(path)
         try:
             mode = target.lstat().st_mode
@@ -84,46 +75,22 @@ class LedgerReport:
         write_atomic(target, text.encode(), durable=False)
 
 
-class Watcher(Protocol):
-    """A family's signal installed by a server's room (sglang's loader: ``servers/sglang/loader.py``)."""
-
-    def count(self) -> FamilyCount:
-        """The family's count since the watcher was installed."""
-
-    def remove(self) -> None:
-        """Undo what installing it did."""
-
-
 class Ledger:
-    """The start snapshot of one process; :meth:`report` counts what happened since.
+    """The start snapshot of one process; :meth:`report` counts since (``watchers``: a room's, by family)."""
 
-    Taking it lists every JIT cache family's complete units and notes each library's own hit signal
-    (:attr:`~jitwarm.kernels.libraries.jit_caches.units.Library.signal`); ``watchers`` (a server room's) count
-    their own families.
-    """
-
-    def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
-        from jitwarm.kernels.libraries.jit_caches.census import snapshot
-        from jitwarm.precompile import servers
-
+    def __init__(self, watchers: Mapping[str, Any] | None = None) -> None:
         self._dirs = servers.cache_dirs(servers.running())  # where the server this runs in keeps each cache
         self._before = snapshot(dirs=self._dirs)
         self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
-        self.watchers: dict[str, Watcher] = dict(watchers or {})
+        self.watchers: dict[str, Any] = dict(watchers or {})
 
-    def watch(self, watchers: Mapping[str, Watcher]) -> None:
+    def watch(self, watchers: Mapping[str, Any]) -> None:
         """Count the families of ``watchers`` by them (a server's room hands over the signal it installed)."""
         for name, watcher in watchers.items():
             self.watchers.setdefault(name, watcher)
 
     def report(self) -> LedgerReport:
-        """Each family's count since the snapshot (never raises OSError: a vanished directory counts empty).
-
-        A family is counted by its library's own signal, else by a server room's watcher, else by the units new
-        in its cache directory; a family with neither a directory nor a watcher here counted nothing.
-        """
-        from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-
+        """Each family's count since the snapshot (its signal, a watcher, or its new units); never raises OSError."""
         after = snapshot(self._before, dirs=self._dirs)
         new = added(self._before, after)
         counts = []
@@ -149,8 +116,8 @@ _process: Ledger | None = None
 _process_lock = threading.Lock()
 
 
-def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
-    """The process's ledger, its snapshot taken now if not yet (once: later calls return it, adding ``watchers``)."""
+def begin(watchers: Mapping[str, Any] | None = None) -> Ledger:
+    """The process's ledger, its snapshot taken now if not yet (later calls return it, adding ``watchers``)."""
     global _process
     with _process_lock:
         if _process is None:
@@ -161,13 +128,7 @@ def begin(watchers: Mapping[str, Watcher] | None = None) -> Ledger:
 
 
 def report_after_capture(ledger: Ledger | None = None) -> LedgerReport:
-    """Log the ledger's lines and write them to ``JITWARM_LEDGER`` when set: the one call after the last capture.
-
-    ``ledger`` defaults to this process's (:func:`begin`). A path that is a directory or cannot be written is
-    one warning line: the server goes on. Returns the report.
-    """
-    from jitwarm.cache import settings
-
+    """Log the ledger's lines and write ``JITWARM_LEDGER`` when set (else a warning): after the last capture."""
     report = (ledger or begin()).report()
     for count in report.families:
         log.info("%s", count.line())

@@ -1,21 +1,9 @@
 """Manifests: the server's own JIT kernels as a run compiled them, one JSON record per line, as KernelSpecs.
 
-A record says enough to build its kernel again elsewhere and to name it to a person:
-
-- ``{"v": 1, "kind": "triton", "kernel": "pkg.mod:qualname", "target": "sm_90", "triton": "3.8.0",
-  "specialization": <Triton's own specialization data, a JSON string>, "name": <Triton's repr>}``
-- ``{"v": 1, "kind": "sglang_jit", "module": <load_jit's module name>, "target": "sm_90", "sglang": <the running
-  sglang's version>, "call": {"args": [...], ...}}``
-- ``{"v": 1, "kind": "jit_cache", "library": "inductor", "unit": <its path in the library's cache>, "target":
-  "cpu", "files": {<path>: <sha256>}, "fingerprint": {"torch": "2.13.0", ...}, "under": "sglang", "vllm" or ""}``:
-  one complete unit of a JIT library's own cache, stored in jitwarm's cache
-  (:mod:`jitwarm.kernels.libraries.jit_caches`), restored where the server ``under`` puts that cache.
-
-Many ranks append to one manifest: each append locks the file itself (filelock's ``flock``, which excludes other
-processes and threads alike) and adds only the records it lacks. A manifest is code (replaying it imports the
-modules it names), so it is trusted only from this user or root, unwritable by others (``JITWARM_ALLOW_SHARED=1``
-accepts it anyway). A disk that fills mid-append (or a kill) leaves at most a torn last line: readers ignore it,
-saying so once, and the next append cuts it off, so one short write never costs the records before it.
+Kinds: ``triton`` (``kernel``, ``specialization``), ``sglang_jit`` (``module``, ``call``) and ``jit_cache``
+(a JIT library's cache unit: ``library``, ``unit``, ``files``, ``fingerprint``, ``under``), each with ``target``.
+Ranks append under the file's own flock, each record once. A manifest is code (replay imports it): trusted only
+from this user or root. A torn last line is ignored, said once, and cut off by the next append.
 """
 
 from __future__ import annotations
@@ -35,6 +23,10 @@ from jitwarm.cache import settings
 from jitwarm.cache.errors import UsageError
 from jitwarm.cache.files import read_file_stat, untrusted_reason
 from jitwarm.kernels import KernelSpec
+from jitwarm.kernels.libraries.jit_caches import MODULES
+from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
+from jitwarm.kernels.libraries.jit_caches.census import library
+from jitwarm.kernels.libraries.jit_caches.units import files_problem
 from jitwarm.precompile.servers import ROOMS
 
 log = logging.getLogger("jitwarm.manifest")
@@ -86,10 +78,6 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
 
 def _check_unit_record(record: dict[str, Any], where: str) -> None:
     """Raise ManifestError unless the ``jit_cache`` record names a known library's well-formed unit."""
-    from jitwarm.kernels.libraries.jit_caches import MODULES
-    from jitwarm.kernels.libraries.jit_caches.census import library
-    from jitwarm.kernels.libraries.jit_caches.units import files_problem
-
     if not isinstance(record["library"], str) or record["library"] not in MODULES:
         raise ManifestError(f"{where}: a jit_cache record names its library, one of {', '.join(MODULES)}")
     problem = files_problem(library(record["library"]), record["unit"], record["files"])
@@ -105,8 +93,6 @@ def _check_unit_record(record: dict[str, Any], where: str) -> None:
 
 def unit_record(spec: KernelSpec) -> dict[str, Any]:
     """The manifest record of a captured unit's spec (:func:`jitwarm.kernels.libraries.jit_caches.backend.store`)."""
-    from jitwarm.kernels.libraries.jit_caches.census import library
-
     params = spec.params_dict
     return {"v": VERSION, "kind": "jit_cache", "library": library(spec.backend).name, "unit": spec.family,
             "target": spec.target, "files": json.loads(str(params["files"])),
@@ -114,19 +100,9 @@ def unit_record(spec: KernelSpec) -> dict[str, Any]:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Return the records of a manifest file, each once, in first-seen order (a torn last line is left out).
-
-    Raises
-    ------
-    ManifestError
-        The file is missing, not a regular file (a directory, a FIFO, a device), unreadable, too large, owned
-        or writable by another user (unless ``JITWARM_ALLOW_SHARED=1``), not UTF-8 JSON lines, or holds a bad
-        record.
-
-    """
+    """Return a manifest's records, each once, in order (a torn last line left out); ManifestError when it cannot."""
     try:
-        # Follow a symlink the operator gave (a Kubernetes ConfigMap is one); then no blocking, no link, a
-        # regular file of bounded size: a directory or /proc/self/mem is one line, not an OSError.
+        # a link the operator gave is followed (a ConfigMap is one); a directory or /proc/self/mem is one line
         data, st = read_file_stat(os.path.realpath(path), MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
@@ -176,19 +152,10 @@ def _parse(data: bytes, where: str) -> tuple[list[dict[str, Any]], bool]:
 
 
 def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> int:
-    """Add the records the manifest at ``path`` lacks (creating it); return how many were added.
+    """Add the records the manifest at ``path`` lacks (creating it), under the file's own lock; return how many.
 
-    The read and the write happen under an exclusive lock of the file itself; a torn last line is cut off
-    first, and a write that fails (a full disk) is undone, so the count is of records that are in the file.
-
-    Raises
-    ------
-    ManifestError
-        ``path`` is not a regular file, is not trusted, holds a bad record, or was replaced while it was opened.
-    OSError
-        The write failed (``ENOSPC``): the file is as it was; or ``filelock.Timeout`` (a ``TimeoutError``):
-        another append held the lock past :data:`LOCK_TIMEOUT_S`.
-
+    A torn last line is cut off first; a failed write is undone and raised (OSError). ManifestError: not a regular
+    file, not trusted, a bad record, or replaced while opened; ``filelock.Timeout`` past :data:`LOCK_TIMEOUT_S`.
     """
     new = [check_record(dict(r)) for r in records]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
@@ -197,9 +164,8 @@ def append_records(path: str | os.PathLike[str], records: Iterable[Mapping[str, 
         if not stat.S_ISREG(st.st_mode):
             raise ManifestError(f"manifest {path} is not a regular file")
         check_trusted(path, st)
-        # The manifest is its own lock file: preserve_lock_file keeps filelock from ever removing it (and from
-        # its soft-lock fallback, a marker written into the file); filelock opens the path again, so the file
-        # it locked must be the one ``fd`` holds.
+        # The manifest is its own lock file, never removed (preserve_lock_file); filelock opens the path again,
+        # so the file it locked must be the one ``fd`` holds.
         lock = FileLock(os.fspath(path), thread_local=False, preserve_lock_file=True)
         with lock.acquire(timeout=LOCK_TIMEOUT_S):
             locked = os.lstat(path)
@@ -243,9 +209,6 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
         return KernelSpec(record["kernel"], "triton_jit", record["target"],
                           {"specialization": record["specialization"]})
     if record["kind"] == "jit_cache":
-        from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
-        from jitwarm.kernels.libraries.jit_caches.census import library
-
         return unit_spec(library(record["library"]), record["unit"], record["files"], record["fingerprint"],
                          record["target"], str(record.get("under", "")))
     call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))
@@ -258,11 +221,7 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
 
 def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None = None
              ) -> tuple[tuple[KernelSpec, ...], int]:
-    """The specs of manifest records, each once, and how many records ``targets`` left out.
-
-    ``--target`` selects records (an H200's are ``sm_90``), it does not retarget them: Triton's specialization
-    data and load_jit's build are the arch's own.
-    """
+    """The specs of manifest records, each once, and how many records ``targets`` left out (it never retargets)."""
     records, wanted = list(records), None if targets is None else set(targets)
     kept = [r for r in records if wanted is None or r["target"] in wanted]
     return tuple(dict.fromkeys(spec_of(r) for r in kept)), len(records) - len(kept)

@@ -19,15 +19,6 @@ class WarmPlan:
     """The unique kernel specs of a capture ladder, in the order capture first needs them, and which shapes need each.
 
     ``plan_id`` hashes the sorted spec set: two configs that need the same kernels share a plan id and record.
-
-    Examples
-    --------
-    >>> cfg = ServingConfig(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
-    ...                     speculative_num_draft_tokens=6, ragged_verify_mode="compact", targets=("cpu",))
-    >>> plan = WarmPlan.build(cfg)
-    >>> len(plan.shapes), len(plan.specs)
-    (35, 30)
-
     """
 
     config: ServingConfig | None
@@ -46,10 +37,7 @@ class WarmPlan:
 
     def with_manifests(self, paths: Iterable[str | os.PathLike[str]],
                        targets: Iterable[str] | None = None) -> WarmPlan:
-        """Return the plan with the server kernels recorded in ``paths`` after its own (needed by no shape of ours).
-
-        ``targets`` selects the records made on those targets (None: all); ManifestError names a bad file, line.
-        """
+        """Return the plan plus the kernels recorded in ``paths`` (``targets``: those made there; None: all)."""
         from jitwarm.precompile.manifest import read_manifest, specs_of
 
         paths = [str(p) for p in paths]
@@ -66,10 +54,7 @@ class WarmPlan:
 
     @classmethod
     def build(cls, config: ServingConfig) -> WarmPlan:
-        """Map every capture shape of ``config`` to the specs of the families its model runs, per backend and target.
-
-        ConfigError when the ladder cannot be resolved, UsageError for an unreadable local checkpoint.
-        """
+        """Map every capture shape to the specs of the families the model runs; ConfigError, UsageError."""
         ladder = resolve_ladder(config)
         assert config.room is not None  # a ServingConfig names a room: construction checks it
         families = config.room.model_families(tuple(FAMILIES), config.model_path, config.model_architecture)

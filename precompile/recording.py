@@ -1,15 +1,4 @@
-"""Record the server's own JIT kernels as a run compiles them: every Triton specialization, every load_jit module.
-
-``record(path)`` (or ``JITWARM_RECORD=path`` under the jitwarm sglang or vLLM plugin) chains Triton's
-``knobs.runtime.jit_cache_hook`` (called before each compile a process has not done yet) and, when sglang is
-importable, sees every ``load_jit`` call inside sglang's loader; each new kernel is appended to the manifest at
-``path`` (:mod:`jitwarm.precompile.manifest`). A hit costs nothing more than a set lookup.
-
-It also captures what the run adds to the JIT libraries' own caches (:mod:`jitwarm.kernels.libraries.jit_caches`,
-each resolved as this process's server resolves it): the units added since start are stored in jitwarm's cache at
-:meth:`Recorder.capture` (by :meth:`Recorder.stop` and at exit) and named in the manifest as ``jit_cache`` records
-(docs/deployment.md, "Warm the server's kernels").
-"""
+"""Record the server's own JIT kernels as a run compiles them (Triton, load_jit) and the cache units it adds."""
 
 from __future__ import annotations
 
@@ -21,8 +10,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jitwarm.cache import settings
+from jitwarm.cache import KernelCache, settings
 from jitwarm.cache.errors import UntrustedPath
+from jitwarm.cache.settings import SettingError
+from jitwarm.kernels.libraries.jit_caches import MODULES
+from jitwarm.kernels.libraries.jit_caches.backend import store
+from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
+from jitwarm.precompile import servers
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, unit_record
 
 if TYPE_CHECKING:
@@ -30,8 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jitwarm.record")
 
-#: The taps a recording subscribes to, each in its room (a ``TAP`` and ``recording(add)``): Triton's compile
-#: hook, and sglang's loader where sglang runs.
+#: The taps a recording subscribes to, each room's ``TAP`` and ``recording(add)``: Triton's, sglang's loader.
 RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader")
 
 
@@ -54,11 +47,7 @@ class Recorder:
         self._dirs: Dirs = {}  # where the server this runs in keeps each library's cache (:meth:`start`)
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True) -> None:
-        """Append ``record`` unless this process recorded it already (never raises: a recording is a side job).
-
-        It counts as seen only once its append succeeded, so a record a full disk refused is appended the next
-        time it is handed over. :attr:`recorded` counts the ``kernel`` records, :attr:`captured` the units.
-        """
+        """Append ``record`` unless recorded already (one refused is tried again); never raises."""
         rid = record_id(record)
         with self._lock:
             if rid in self._seen:
@@ -75,16 +64,14 @@ class Recorder:
                 self.recorded += added
 
     def start(self) -> Recorder:
-        """Subscribe to the taps :data:`RECORDED` names (whichever can be installed), list the JIT caches.
-
-        The server the process runs in is taken first, before sglang's loader tap imports sglang's loader.
-        """
-        from jitwarm.kernels.libraries.jit_caches.census import snapshot
-        from jitwarm.precompile import servers
-
+        """Subscribe to the taps of :data:`RECORDED`, list the JIT caches (the server is taken first)."""
         self.under = servers.running()
         self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
-        self._subscribe()
+        for name in RECORDED:  # each tap's room turns what it sees into records
+            room = importlib.import_module(name)
+            undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
+            if undo is not None:
+                self._undo.append(undo)
         self._before = snapshot(_families(), dirs=self._dirs)
         atexit.register(self.capture)
         self._undo.append(lambda: atexit.unregister(self.capture))
@@ -97,14 +84,7 @@ class Recorder:
             self._undo.pop()()
 
     def capture(self) -> int:
-        """Store every unit the JIT libraries' caches gained since start (or the last capture); return how many.
-
-        Each goes to jitwarm's cache (``KernelCache()`` unless the recorder was given one), then to the manifest.
-        Never raises: a unit that cannot be stored is said once, left out, and tried again at the next capture.
-        """
-        from jitwarm.kernels.libraries.jit_caches.backend import store
-        from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
-
+        """Store the units the JIT caches gained since the last capture; return how many; never raises."""
         with self._capturing:
             if not self._before:
                 return 0
@@ -116,8 +96,9 @@ class Recorder:
             for name, units in added(self._before, after).items():
                 snap = after[name]
                 for unit, files in units.items():
+                    self._cache = self._cache or KernelCache()  # opened on first use
                     try:
-                        spec = store(snap.library, snap.root, unit, files, self._open_cache(), under=under)
+                        spec = store(snap.library, snap.root, unit, files, self._cache, under=under)
                     except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
                         log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
                                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -134,34 +115,15 @@ class Recorder:
             self.add(rec, kernel=False)
         return len(records)
 
-    def _open_cache(self) -> Any:
-        """The cache units are stored in, opened on first use."""
-        if self._cache is None:
-            from jitwarm.cache import KernelCache
-
-            self._cache = KernelCache()
-        return self._cache
-
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _subscribe(self) -> None:
-        """Subscribe to each tap :data:`RECORDED` names: its room turns what it sees into records."""
-        for name in RECORDED:
-            room = importlib.import_module(name)
-            undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
-            if undo is not None:
-                self._undo.append(undo)
-
 
 def _families() -> list[str]:
     """The cache families ``JITWARM_RECORD_CACHES`` asks for (all by default); an unknown name is said, skipped."""
-    from jitwarm.cache.settings import SettingError
-    from jitwarm.kernels.libraries.jit_caches import MODULES
-
     try:
         asked = settings.record_caches()
     except SettingError as exc:
@@ -174,15 +136,5 @@ def _families() -> list[str]:
 
 
 def record(path: str | Path, cache: Any = None) -> Recorder:
-    """Start recording every JIT kernel this process compiles into the manifest at ``path``.
-
-    The units its JIT libraries add to their own caches are stored in ``cache`` (default ``KernelCache()``) when
-    the recording stops, and named in the manifest too.
-
-    Examples
-    --------
-    >>> with record("server.jsonl"):      # doctest: +SKIP
-    ...     run_the_server_warmup()
-
-    """
+    """Start recording every JIT kernel this process compiles into ``path``; units are stored in ``cache`` at stop."""
     return Recorder(path, cache).start()

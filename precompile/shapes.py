@@ -1,8 +1,4 @@
-"""Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens.
-
-The config's room resolves the ladder (:meth:`~jitwarm.precompile.servers.ServerAdapter.resolve_ladder`), asked
-once per config and process, with the device memory filled in where the ladder reads it.
-"""
+"""Capture shapes: the decode graphs a config's server captures, each with its graph key and verify_lens."""
 
 from __future__ import annotations
 
@@ -17,10 +13,7 @@ from jitwarm.precompile.config import ConfigError, ServingConfig, local_gpu_memo
 
 @dataclass(frozen=True)
 class CaptureShape:
-    """One CUDA graph the server captures: its batch size, the key the server stores it under, its verify layout.
-
-    ``graph_key`` is the token count (``bs * draft tokens``) for compact ragged-verify graphs, else ``bs``.
-    """
+    """One CUDA graph the server captures: its batch size, verify layout and key (token count for compact graphs)."""
 
     bs: int
     layout: VerifyLayout
@@ -35,21 +28,15 @@ class CaptureShape:
 
 @dataclass(frozen=True)
 class Ladder:
-    """The resolved decode capture of a config, as its room's :meth:`resolve_ladder` answered.
-
-    ``shapes`` are in capture order (largest first; empty when decode graphs are off, ``disabled`` says why),
-    ``capture_bs`` ascending; ``width`` is the tokens per request (1, or a speculative verify's draft tokens);
-    ``compact``: compact ragged-verify graphs; ``gpu_memory_mb``: the device memory the default max batch was
-    taken from, when it mattered.
-    """
+    """The resolved decode capture of a config: ``shapes`` largest first (none: ``disabled`` says why)."""
 
     source: str
     shapes: tuple[CaptureShape, ...]
     capture_bs: tuple[int, ...]
-    width: int
+    width: int  # tokens per request (1, or a speculative verify's draft tokens)
     compact: bool
     max_running_requests: int | None
-    gpu_memory_mb: int | None
+    gpu_memory_mb: int | None  # the memory the default max batch was taken from, when it mattered
     disabled: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -61,15 +48,7 @@ class Ladder:
 
 @functools.lru_cache(maxsize=64)
 def resolve_ladder(config: ServingConfig) -> Ladder:
-    """Resolve the decode graphs ``config``'s server captures (once per config and process).
-
-    Raises
-    ------
-    ConfigError
-        The ladder depends on the device memory and it is unknown (``--gpu-memory-mb``), the server rejects the
-        settings, or its own functions were needed and cannot run.
-
-    """
+    """Resolve the decode graphs ``config``'s server captures, once per config; ConfigError when it cannot."""
     room = config.room
     assert room is not None  # a ServingConfig names a room: construction checks it
     inputs = room.ladder_inputs(config)

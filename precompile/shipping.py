@@ -1,10 +1,4 @@
-"""Kernels between boxes: ``export`` a plan's entries as one bundle, ``import`` one, ``warm`` and ``prestart``.
-
-``prestart`` is the init container's step: import a bundle, warm what is missing (``--offline``: nothing), verify
-the plan's entries and hand the server's recorded kernels over to its loader (``warm --manifest`` hands over
-too). Captured cache units are restored where this process's environment puts each library's cache, so it runs
-with the server's environment; a unit whose fingerprint differs from this node's is refused first (exit 4).
-"""
+"""Kernels between boxes: ``warm``, ``prestart`` (the init container's step), ``export`` and ``import`` of bundles."""
 
 from __future__ import annotations
 
@@ -21,38 +15,35 @@ from typing import Any
 
 from jitwarm.cache.bundle import file_sha256
 from jitwarm.cache.errors import EXIT_OK, CacheError, JitwarmError, NotReady, Refused, UsageError
+from jitwarm.cache.remote.base import redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
-from jitwarm.kernels import KernelSpec
-from jitwarm.precompile.commands import keys_of, open_cache, print_warm, warm_exit
-from jitwarm.precompile.coverage import plan_coverage, readiness
+from jitwarm.kernels import KernelSpec, LoadError
+from jitwarm.kernels.artifacts import artifact
+from jitwarm.kernels.libraries.jit_caches import KIND_OF
+from jitwarm.kernels.libraries.jit_caches.backend import mismatch
+from jitwarm.kernels.libraries.jit_caches.census import library
+from jitwarm.kernels.libraries.jit_caches.units import placed_by
+from jitwarm.precompile import servers
+from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
 from jitwarm.precompile.plan import WarmPlan
+from jitwarm.precompile.warming import warm
 
 
 def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Import a bundle (``--bundle``), warm (``--offline``: build nothing), verify the plan's entries, hand over.
-
-    With ``--json`` stdout holds one JSON document whatever the outcome (a readiness probe reads ``ready``);
-    progress, warnings and errors go to stderr.
-    """
-    from jitwarm.precompile.warming import warm
-
+    """Import ``--bundle``, warm (``--offline``: build nothing), verify, hand over; ``--json``: one document always."""
     start = time.perf_counter()
     check_fingerprints(args, plan)
     cache = open_cache(args, writes=True)
-    if args.offline and cache.remote is not None:
-        # A node that must not depend on the fleet's store at start: --offline reads the bundle and the local
-        # cache only, and says so (issue #31: it never looked there, silently).
-        from jitwarm.cache.remote.base import redact
-
+    if args.offline and cache.remote is not None:  # said, not silently skipped (issue #31)
         print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
               f"{cache.root} count", file=sys.stderr)
     keys = keys_of(plan, cache)
     supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
-                               sha256=getattr(args, "sha256", None)) if args.bundle else None
+                               sha256=args.sha256) if args.bundle else None
     summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
 
     def outcome(ready: bool, **more: Any) -> dict[str, Any]:
-        """The probe's document: the summary so far, ``ready``, the seconds since start and ``more``."""
+        """The probe's document: the summary so far, ``ready``, the seconds and ``more``."""
         return {**summary, "ready": ready, "seconds": round(time.perf_counter() - start, 3), **more}
 
     if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
@@ -84,21 +75,15 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
-    """Refuse the plan's captured units whose fingerprint differs from this node's (``Refused``, exit 4).
-
-    ``--target`` stands for the arch where no GPU can be asked; ``--allow-fingerprint-mismatch`` turns each
-    refusal into a warning.
-    """
-    from jitwarm.kernels.libraries.jit_caches.backend import mismatch
-
-    target = (getattr(args, "targets", None) or [None])[0]
+    """Refuse (exit 4) captured units keyed on another node (``--allow-fingerprint-mismatch``: a warning each)."""
+    target = (args.targets or [None])[0]
     for spec, lib in ((s, lib) for s in plan.recorded if (lib := _jit_cache_library(s.backend)) is not None):
         found = mismatch(lib, spec, target)
         if found is None:
             continue
         item, recorded, here = found
         why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
-        if not getattr(args, "allow_fingerprint_mismatch", False):
+        if not args.allow_fingerprint_mismatch:
             raise Refused(f"{why}: its library would not use it (build in the server's image)",
                           "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
@@ -106,9 +91,7 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 
 
 def say_unloadable(plan: WarmPlan) -> None:
-    """Warn where the node's server will not load units the plan restores (each server's room says when)."""
-    from jitwarm.precompile import servers
-
+    """Warn where the node's server will not load units the plan restores (its room says when)."""
     units: dict[str, dict[str, list[str]]] = {}  # server -> library -> units recorded under it
     for spec in plan.recorded:
         lib = _jit_cache_library(spec.backend)
@@ -122,26 +105,11 @@ def say_unloadable(plan: WarmPlan) -> None:
 
 def _jit_cache_library(kind: str) -> Any:
     """The JIT cache library (``Library``) of a captured unit's kind, None for a kernel's kind."""
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
-    from jitwarm.kernels.libraries.jit_caches.census import library
-
     return library(kind) if kind in KIND_OF.values() else None
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
-    """Load each recorded server kernel the way its server will find it; return how many were handed over.
-
-    A ``load_jit`` build goes where sglang's loader looks, verified; a Triton compile needs nothing more (the
-    server's Triton asks jitwarm's cache manager); a captured unit is restored into its library's cache where the
-    server it was recorded under keeps it, as that server's room reads this environment (counted on stderr
-    unless ``quiet``; one whose library wrote a differing file of its own is named and left as is).
-    Failures are exit 1: ``CacheError``, ``JitwarmError`` (a ``LoadError``, naming the spec), ``OSError``.
-    """
-    from jitwarm.kernels import LoadError
-    from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.jit_caches.units import placed_by
-    from jitwarm.precompile import servers
-
+    """Load each recorded kernel where its server will look (units: its library's cache); how many; failures: exit 1."""
     outcomes: dict[str, Counter[str]] = {}
     with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
         for spec in plan.recorded:
@@ -166,15 +134,7 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
 
 
 def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> WarmPlan:
-    """The plan without its captured JIT cache units that ``cache`` lacks (said once on stderr).
-
-    A unit is captured from a run, never built: where the recording run's cache (or its bundle) has not been
-    imported, ``warm`` and ``export`` go on with what they can build or hold. With a remote tier the units stay
-    (a build worker downloads them).
-    """
-    from jitwarm.kernels.artifacts import artifact
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
-
+    """The plan without the captured units ``cache`` lacks (said once), unless a remote tier may hold them."""
     if cache.remote is not None:
         return plan
     absent = {s for s in plan.recorded if s.backend in KIND_OF.values() and artifact(s, cache).lookup(cache) is None}
@@ -188,36 +148,28 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
                    needed_by={s: b for s, b in plan.needed_by.items() if s not in absent})
 
 
-def warm_then_hand_over(args: argparse.Namespace, plan: WarmPlan, cache: Any, code: int) -> int:
-    """``warm --manifest``: once every build is done (``code`` 0), hand the recorded kernels over as prestart does."""
-    if code == EXIT_OK and plan.recorded:
-        hand_over(plan, cache, quiet=getattr(args, "json", False))
-    return code
-
-
 def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Build every missing spec of the plan in parallel and write the plan's completion record."""
-    from jitwarm.precompile.warming import warm
-
+    """Build every missing spec of the plan in parallel; with every one there, hand the recorded ones over."""
     check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
     cache = open_cache(args, writes=True)
-    plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
+    plan = without_absent_units(plan, cache, quiet=args.json)
     report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
                   timeout_s=args.timeout)
     print_warm(args, report)
-    return warm_then_hand_over(args, plan, cache, warm_exit(report))  # load_jit modules, cache units: in place
+    code = warm_exit(report)
+    if code == EXIT_OK and plan.recorded:
+        hand_over(plan, cache, quiet=args.json)
+    return code
 
 
 def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,
                     offline: bool = False, sha256: str | None = None) -> dict[str, Any]:
-    """Import a bundle and say how many of the plan's entries it supplied.
-
-    One that supplies none (exported for another target, backend or toolchain?) is a warning when the warm
-    will build them, and ``NotReady`` (exit 5) under ``offline``, which builds nothing.
-    """
+    """Import a bundle and say how many of the plan's entries it supplied (none: ``NotReady`` under ``offline``)."""
     report = import_bundle(cache, path, sha256=sha256)
     supplied = sorted(set(keys.values()) & set(report.keys))
-    targets = sorted({str(_target_of(description)) for description in report.descriptions.values()})
+    # a kernel's target, or a captured unit's fingerprinted arch
+    targets = sorted({str(d.get("target") or (d.get("fingerprint") or {}).get("arch") or "unknown")
+                      for d in report.descriptions.values()})
     print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
           f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
           file=sys.stderr)
@@ -230,11 +182,6 @@ def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec
         print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
     return {"path": path, "entries": len(report.keys), "imported": len(report.imported), "supplied": len(supplied),
             "targets": targets}
-
-
-def _target_of(description: dict[str, Any]) -> str:
-    """The target an entry was built for: a kernel's ``target``, a captured unit's fingerprinted arch."""
-    return str(description.get("target") or (description.get("fingerprint") or {}).get("arch") or "unknown")
 
 
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
@@ -256,10 +203,7 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 
 def check_export_target(path: str) -> None:
-    """UsageError, before any lookup, for a path that cannot be a bundle file or a bad ``s3://`` URL.
-
-    A directory, a device or FIFO (the bundle's rename would replace it), a file in no directory.
-    """
+    """UsageError, before any lookup, for a path that cannot be a bundle file (a directory, a FIFO) or bad URL."""
     target = Path(path)
     if is_bundle_url(path):
         split_url(path)
@@ -273,18 +217,14 @@ def check_export_target(path: str) -> None:
 
 def export_keys(cache: Any, keys: list[str], path: str) -> str:
     """Write the entries ``keys`` to the bundle ``path`` (a file, or an object streamed up); return its sha256."""
-    if is_bundle_url(path):  # streamed up as it is written: its digest is computed on the way
+    if is_bundle_url(path):
         return cache.export_bundle_to_store(keys, path)
     with open(cache.export_bundle(keys, path), "rb") as f:  # what --sha256 pins
         return file_sha256(f)
 
 
 def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
-    """Import a bundle (a file or ``s3://BUCKET/KEY``): UsageError when there is none, Refused when it is bad.
-
-    The cache's own failures (a full disk, an untrusted root, a lock timeout, an object store fault) keep their
-    types and exit codes: only what is wrong with the bundle itself is exit 4.
-    """
+    """Import a bundle (a file or ``s3://``): UsageError when there is none, Refused when it is bad (not the cache)."""
     if is_bundle_url(path):
         split_url(path)
     elif not Path(path).is_file():
@@ -294,7 +234,7 @@ def import_bundle(cache: Any, path: str, sha256: str | None = None) -> Any:
     try:
         return cache.import_bundle(path, sha256=sha256)
     except CacheError as exc:
-        if type(exc) is not CacheError:  # a subclass: a write, a lock, a trust problem, not the bundle's content
+        if type(exc) is not CacheError:  # a subclass: not the bundle's content
             raise
         raise Refused(exc.reason, exc.hint) from exc
 

@@ -56,20 +56,8 @@ class WarmReport:
         return data
 
 
-def _cache_args(cache: KernelCache, remote: bool = True) -> dict[str, Any]:
-    """The constructor arguments that rebuild ``cache`` in a worker process (``remote=False``: local only)."""
-    return {"root": str(cache.root), "layers": [str(p) for p in cache.layers],
-            "lock_dir": str(cache.lock_dir), "read_only": cache.read_only, "allow_shared": cache.allow_shared,
-            "remote": (cache.remote or "") if remote else "", "remote_prefix": cache.remote_prefix,
-            "remote_required": cache.remote_required}
-
-
 class Progress:
-    """Progress on a stream: a redrawn bar on a terminal, one plain line per build otherwise.
-
-    Each update says the time elapsed and left: the mean so far per spec times the specs left (builds of one plan
-    take alike, and a 6-minute ``warm --target sm_90`` should say so early).
-    """
+    """Progress on a stream: a redrawn bar on a terminal, one line per build otherwise, with elapsed time and eta."""
 
     def __init__(self, total: int, stream: TextIO | None = None, bar: bool | None = None) -> None:
         self.total, self.done = total, 0
@@ -87,7 +75,7 @@ class Progress:
         self.stream.flush()
 
     def timing(self) -> str:
-        """``elapsed 1m05s, eta 2m10s`` (no eta before the first spec is done, nor after the last)."""
+        """``elapsed 1m05s, eta 2m10s`` (the eta is the mean per spec so far times the specs left)."""
         elapsed = time.perf_counter() - self.start_time
         left = max(0, self.total - self.done)
         eta = f", eta {_clock(elapsed / self.done * left)}" if self.done and left else ""
@@ -125,15 +113,7 @@ def _clock(seconds: float) -> str:
 def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = None,
          progress: bool | None = None, timeout_s: float = 900.0,
          on_result: Callable[[SpecResult], None] | None = None) -> WarmReport:
-    """Build every spec of ``plan`` that the cache lacks, in parallel, each exactly once per host.
-
-    Each build runs in a fresh worker process through the cache's ``get_or_build``, so concurrent warms (other
-    ranks, a prestart container) build each spec once in total and a crashing compiler fails only its spec.
-    ``jobs`` defaults to ``JITWARM_JOBS``, else the core count; ``progress`` (unless False) goes to stderr;
-    ``timeout_s`` bounds each wait on another process's lock. A failed build is in the report (``report.ok``),
-    never raised; ``KeyboardInterrupt`` stops every worker first. With every spec present the plan's completion
-    record is written (best effort).
-    """
+    """Build every spec the cache lacks, each once per host (failures in the report); record the plan when complete."""
     cache = cache or KernelCache()
     report = warm_specs(plan.specs, plan.plan_id, cache, jobs, progress, timeout_s, on_result)
     if report.ok and len(report.entries()) == len(report.results) and not cache.read_only:
@@ -147,12 +127,7 @@ def warm(plan: WarmPlan, cache: KernelCache | None = None, jobs: int | None = No
 def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jobs: int | None = None,
                progress: bool | None = None, timeout_s: float = 900.0,
                on_result: Callable[[SpecResult], None] | None = None, *, missed: bool = False) -> WarmReport:
-    """Get or build ``specs`` (see :func:`warm`); results come back in the order of ``specs``.
-
-    Each spec is looked up once, here (not at all with ``missed``: the capture hook has just found none); a worker
-    gets only misses and looks again only under the key's lock. A remote tier is asked once before any worker
-    starts: down, the workers run local-only (``RemoteUnavailable`` if required).
-    """
+    """Get or build ``specs`` (see :func:`warm`) in their order; each is looked up once here (not with ``missed``)."""
     jobs = max(1, jobs or settings.jobs())
     start = time.perf_counter()
     report = WarmReport(plan_id, remote=cache.remote_display)
@@ -183,7 +158,11 @@ def warm_specs(specs: Sequence[KernelSpec], plan_id: str, cache: KernelCache, jo
         for result in report.results:
             if result.outcome == "failed":
                 show.update(result)
-    pool = BuildPool(min(jobs, len(missing)), _cache_args(cache, remote=report.remote_error is None), timeout_s)
+    remote = (cache.remote or "") if report.remote_error is None else ""  # down: the workers run local-only
+    cache_args = {"root": str(cache.root), "layers": [str(p) for p in cache.layers], "lock_dir": str(cache.lock_dir),
+                  "read_only": cache.read_only, "allow_shared": cache.allow_shared, "remote": remote,
+                  "remote_prefix": cache.remote_prefix, "remote_required": cache.remote_required}
+    pool = BuildPool(min(jobs, len(missing)), cache_args, timeout_s)
     for result in pool.run(missing) if missing else ():  # each with the entry its worker verified: no lookup
         report.remote_error = report.remote_error or result.remote_error
         record(result)
