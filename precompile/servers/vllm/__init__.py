@@ -1,20 +1,14 @@
 """The vLLM room: everything jitwarm knows about the vLLM server, for the release :data:`VERSION`.
 
-Its modules: :mod:`.argv` (the server's command line: ``vllm serve MODEL ...``), :mod:`.fields` (what
-ServingConfig's fields and ``server_options`` mean to vLLM), :mod:`.rules` (the capture sizes, modes and graphs,
-mirrored in plain Python), :mod:`.native` (the same by the installed vLLM's own functions, for a release the
-rules do not mirror), :mod:`.plugin` (the ``vllm.general_plugins`` entry point) and :mod:`.caches` (where vLLM
-keeps its caches and the JIT libraries', and what this node's vLLM will not load). This package is the room's
-adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
+This package is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on
+first use.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
-from typing import Any
 
-from jitwarm.precompile.servers import ModelFamilies
+from jitwarm.precompile.servers import ModelFamilies, lazy_functions
 
 #: The vLLM release this room mirrors: its flags, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -50,10 +44,10 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
                                 "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
                                 "DeepSeekV4MTPModel"})
 
-# The adapter's functions, by the module (and name, where it differs) that defines each.
-_FUNCTIONS = {"recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native",
-              "cache_dirs": "caches", "unloadable": "caches"}
+__getattr__ = lazy_functions(__name__, {
+    "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
+    "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
+    "unloadable": "caches"})
 
 
 def model_families(families: tuple[str, ...], model_path: str | None,
@@ -67,11 +61,9 @@ def model_families(families: tuple[str, ...], model_path: str | None,
 def seal(refuse: Callable[[str], None]) -> None:
     """Nothing of vLLM's own to seal inside capture: None.
 
-    vLLM 0.33.0 compiles through Triton, torch.compile (Inductor) and FlashInfer / DeepGEMM (tvm-ffi); the seal
-    watches those libraries for every server (:class:`jitwarm.precompile.guard.ThirdPartySeal`). vLLM's own JIT
-    monitor only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
+    vLLM compiles through Triton, Inductor and tvm-ffi, which the seal watches for every server; its own JIT monitor
+    only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
     """
-    del refuse
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:
@@ -80,10 +72,3 @@ def start_warnings(environ: Mapping[str, str]) -> list[str]:
 
     why = aot_unloadable(environ)
     return [why] if why else []
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FUNCTIONS:
-        module, _, attribute = _FUNCTIONS[name].partition(":")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
