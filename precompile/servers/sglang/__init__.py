@@ -6,9 +6,10 @@ first use. :mod:`.loader` taps sglang's JIT loader once (recorded, counted for t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
-from jitwarm.precompile.servers import ModelFamilies, lazy_functions
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The sglang release this room mirrors: its flag table, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -25,18 +26,11 @@ OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a Serving
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
 __getattr__ = lazy_functions(__name__, {
     "recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields", "ladder_inputs": "fields",
     "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native", "seal": "loader", "cache_dirs": "caches",
     "unloadable": "caches"})
-
-
-def model_families(families: tuple[str, ...], model_path: str | None,
-                   architecture: str | None = None) -> ModelFamilies:
-    """Which of ``families`` an sglang server of this model runs (:func:`..model.model_families`)."""
-    from jitwarm.precompile.servers.model import model_families as decide
-
-    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:

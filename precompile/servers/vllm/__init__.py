@@ -6,9 +6,10 @@ first use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
-from jitwarm.precompile.servers import ModelFamilies, lazy_functions
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The vLLM release this room mirrors: its flags, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -44,18 +45,11 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
                                 "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
                                 "DeepSeekV4MTPModel"})
 
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
 __getattr__ = lazy_functions(__name__, {
     "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
     "unloadable": "caches"})
-
-
-def model_families(families: tuple[str, ...], model_path: str | None,
-                   architecture: str | None = None) -> ModelFamilies:
-    """Which of ``families`` a vLLM server of this model runs (:func:`..model.model_families`)."""
-    from jitwarm.precompile.servers.model import model_families as decide
-
-    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
 
 
 def seal(refuse: Callable[[str], None]) -> None:
