@@ -89,10 +89,7 @@ class ServerAdapter(Protocol):
         """Why a start of the server in ``environ`` could not be restored to compile nothing (``capture`` says it)."""
 
     def seal(self, refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
-        """Hand each compile or load of the server's own JIT to ``refuse(what)`` (which may raise).
-
-        Returns the seal's name and its undo, or None where the server has no JIT of its own in this process.
-        """
+        """Hand each compile or load of the server's own JIT to ``refuse(what)``: (name, undo), or None if none."""
 
     def cache_dirs(self, environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
         """Where a server process started with ``environ`` keeps each JIT library's cache it moves or owns.
@@ -132,10 +129,7 @@ def running() -> str:
 
 
 def cache_dirs(server: str, environ: Mapping[str, str] | None = None) -> Mapping[str, Path | None]:
-    """The JIT libraries' cache directories ``server``'s room gives (:meth:`ServerAdapter.cache_dirs`).
-
-    ``""`` (no server in this process yet): every room's own caches. ``environ`` defaults to this process's.
-    """
+    """``server``'s room's :meth:`ServerAdapter.cache_dirs`; for ``""`` (no server here yet) every room's own."""
     env = os.environ if environ is None else environ
     if server:
         return adapter(server).cache_dirs(env)
@@ -143,10 +137,7 @@ def cache_dirs(server: str, environ: Mapping[str, str] | None = None) -> Mapping
 
 
 def adapter_for(argv: Sequence[str]) -> ServerAdapter:
-    """Return the room whose launcher starts ``argv``; :data:`DEFAULT` for bare flags (the line starts with ``-``).
-
-    Raises a UsageError listing the known launchers when ``argv`` starts with a program no room recognises.
-    """
+    """Return the room whose launcher starts ``argv``; :data:`DEFAULT` for bare flags; UsageError for others."""
     rooms = [adapter(name) for name in ROOMS]
     for room in rooms:
         if room.recognises(argv):
@@ -165,10 +156,7 @@ def recognised(argv: Sequence[str]) -> bool:
 
 def refusals(resolve: Callable[[dict[str, Any]], Any], inputs: dict[str, Any],
              reads_memory: Callable[[dict[str, Any]], bool]) -> list[str]:
-    """What a room's rules refuse in ``inputs``, as one message; [] when nothing.
-
-    An unknown device memory that the rules read is taken as 80 GiB (the plan resolves for the real one).
-    """
+    """What a room's rules refuse in ``inputs``, as one message, an unknown memory taken as 80 GiB; [] when nothing."""
     if inputs["gpu_memory_mb"] is None and reads_memory(inputs):
         inputs = {**inputs, "gpu_memory_mb": 80 * 1024}
     try:

@@ -30,10 +30,9 @@ def split_env(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def strip_launcher(args: Sequence[str], modules: Sequence[str], program: str) -> tuple[list[str], bool] | None:
-    """The words after the launcher, and True when it was ``PROGRAM serve``; None for any other program.
+    """The words after ``python [-u -X dev ...] -m MODULE`` or ``PROGRAM serve`` (True), or None for another program.
 
-    The launchers: ``python [-u -X dev ...] -m MODULE`` for one of ``modules``, and ``PROGRAM serve``; a line that
-    starts with a flag has none.
+    A line that starts with a flag has no launcher.
     """
     if not args or args[0].startswith("-"):
         return list(args), False
@@ -74,9 +73,9 @@ def values_after(args: Sequence[str], i: int, *, many: bool) -> tuple[list[str],
 
 
 def converted(option: str, kind: str | Callable[[str], Any], given: Sequence[str]) -> Any:
-    """The strings given to ``option`` as its value of ``kind``; :class:`ServerArgvError` when they do not convert.
+    """``given`` as ``option``'s value of ``kind`` (``int``, ``int_list``, ``json``, ``str`` or a function of the last).
 
-    ``kind``: ``int``, ``int_list``, ``json`` (an object), ``str``, or a function of the last string given.
+    :class:`ServerArgvError` when they do not convert.
     """
     try:
         if kind == "int_list":

@@ -99,8 +99,7 @@ class OwnFunctions:
     def main(self) -> int:
         """The child's entry point: ``{"inputs": {...}}`` on stdin, the resolution as one JSON object on stdout.
 
-        Returns 0; 2 with one line ``<module>: ...`` on stderr for a bad request or refused settings; 1 (one line)
-        when the server cannot be imported.
+        Returns 0; 2 (one line on stderr) for a bad request or refused settings; 1 when the server cannot be imported.
         """
         try:
             request = json.loads(sys.stdin.read())

@@ -49,8 +49,7 @@ def setting(log: logging.Logger, accessor: Callable[[], Any], fallback: Any) -> 
 def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
     """``JITWARM_RECORD``: start recording (unless ``recorder`` runs); route Triton through jitwarm's cache.
 
-    ``TRITON_CACHE_MANAGER`` is set unless the user chose one (or ``JITWARM_TRITON_CACHE=0``); the server's
-    children inherit it. Returns the recorder, or None.
+    ``TRITON_CACHE_MANAGER`` is set unless the user chose one (or ``JITWARM_TRITON_CACHE=0``). Returns the recorder.
     """
     path = setting(log, record_file, None)
     if path and recorder is None:
@@ -65,31 +64,27 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
 
 def begin_ledger(log: logging.Logger, watchers: Callable[[], dict[str, Any]] = dict) -> None:
     """Take the start-up ledger's snapshot now (before the model loads), with the room's ``watchers()``."""
-    try:
-        from jitwarm.precompile import ledger
-
-        ledger.begin(watchers())
-    except Exception as exc:  # the ledger only reports: it never takes the drain away
-        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
+    _ledger(log, "off", lambda ledger: ledger.begin(watchers()))
 
 
 def report_ledger(log: logging.Logger) -> None:
     """Report the start-up ledger after a runner's last capture."""
+    _ledger(log, "failed", lambda ledger: ledger.report_after_capture())
+
+
+def _ledger(log: logging.Logger, failure: str, step: Callable[[Any], None]) -> None:
+    """Run ``step(ledger)``; a failure is logged, never raised (the ledger only reports)."""
     try:
         from jitwarm.precompile import ledger
 
-        ledger.report_after_capture()
-    except Exception as exc:  # the server has its graphs: a ledger that fails is said, never fatal
-        log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
-
-
-#: What the seals watch inside each capture, where the library is in the process (:func:`sealed`).
-SEALS = "Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit"
+        step(ledger)
+    except Exception as exc:
+        log.warning("jitwarm: start-up ledger %s: %s: %s", failure, type(exc).__name__, exc)
 
 
 def seal_line() -> str:
-    """The plugin line's part about the seals."""
-    return f"seals inside each capture: {SEALS}, " + (
+    """The plugin line's part about the seals (:func:`sealed`)."""
+    return "seals inside each capture: Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit, " + (
         "refused (JITWARM_STRICT=1)" if settings.is_strict() else "logged (JITWARM_STRICT=1 refuses them)")
 
 
@@ -125,9 +120,8 @@ _said = {"seals": False}
 class PlanMode:
     """Plan mode of one server process: the file's fields, then the plan, its background warm and its capture hook.
 
-    It is the hook's device too (:attr:`target`). A room's subclass sets :attr:`log`, :attr:`server_keys` (file
-    keys the server's own settings decide: ignored) and :attr:`decides`, and implements ``synchronize`` and
-    ``barrier``.
+    It is the hook's device too (:attr:`target`). A room's subclass sets :attr:`log`, :attr:`server_keys` (file keys
+    the server decides: ignored) and :attr:`decides`, and implements ``synchronize`` and ``barrier``.
     """
 
     log: logging.Logger

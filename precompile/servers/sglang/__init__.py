@@ -28,9 +28,9 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMN
 
 model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
 __getattr__ = lazy_functions(__name__, {
-    "recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields", "ladder_inputs": "fields",
-    "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native", "seal": "loader", "cache_dirs": "caches",
-    "unloadable": "caches"})
+    "recognises": "argv", "parse_argv": "argv:parse_server_argv", "defaults": "fields", "check": "fields",
+    "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
+    "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"})
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:

@@ -19,10 +19,7 @@ _LIBRARIES = ("inductor", "triton", "ptx", "tilelang", "flashinfer", "deep_gemm"
 
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
-    """Each library's cache directory in an sglang process started with ``environ`` (None: turned off).
-
-    ``own_only``: only sglang's own, the CuTe DSL objects.
-    """
+    """Each library's cache directory in an sglang process with ``environ`` (None: off); ``own_only``: its own."""
     from jitwarm.kernels.libraries.jit_caches.census import library
     from jitwarm.kernels.libraries.jit_caches.units import expand
 

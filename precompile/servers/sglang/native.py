@@ -1,12 +1,7 @@
 """sglang's decode CUDA-graph ladder by the installed sglang's own functions: a plan source and the rules' oracle.
 
-:func:`resolve` answers as :func:`.rules.resolve` does, by the installed sglang's hooks, runner cut, widths, keys
-and compact layouts. Stand-ins: the device memory is ``get_device_memory_capacity`` patched; the model runner and
-KV configurator are namespaces of the few attributes the ladder code reads; the few steps that cannot be called
-in isolation are reproduced by hand, citing their lines. Patches are process-wide while a call runs. Outside a
-server it runs in a child process (sglang imports torch)::
-
-    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.sglang.native
+Stand-ins replace what needs a GPU or a model (each cites its lines); patches are process-wide during a call.
+Outside a server it runs in a child process: ``{"inputs": {...}}`` on stdin (:meth:`.OwnFunctions.main`).
 """
 
 from __future__ import annotations

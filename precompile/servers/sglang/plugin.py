@@ -1,11 +1,8 @@
 """The sglang plugin: drain the device and meet the TP ranks between the last capture warmup and the graph.
 
-sglang's CUDA-graph backends (``full_cuda_graph_backend.py:159-182``, ``breakable_cuda_graph_backend.py:121-127``,
-``tc_piecewise_cuda_graph_backend.py:241-245``) run per shape warmups that end with ``post_warmup_hook()``, then
-create the graph; nothing drains or meets the ranks after the last warmup, so a compile or module load still in
-flight lands inside capture (sglang #33356; the fix, #33795 / #34286, is not in the room's ``VERSION``).
-:func:`register` wraps every backend's ``post_warmup_hook`` with the drain, or in plan mode the capture hook.
-See ``docs/sglang.md``.
+sglang's CUDA-graph backends end each warmup with ``post_warmup_hook()`` and then capture, with nothing draining
+or meeting the ranks in between, so a compile still in flight lands inside capture (sglang #33356; the fix,
+#33795 / #34286, is not in the room's ``VERSION``). :func:`register` wraps that hook. See ``docs/sglang.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,8 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "JITWARM_SGLANG_PLUGIN"
 ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the sglang plugin inert (default on)", default=True)
 
-#: Every CUDA-graph backend of sglang whose ``capture_one`` is wrapped (runner_backend/, lines above).
+#: Every CUDA-graph backend of sglang whose ``capture_one`` is wrapped (``full_cuda_graph_backend.py:159-182``,
+#: ``breakable_cuda_graph_backend.py:121-127``, ``tc_piecewise_cuda_graph_backend.py:241-245``).
 CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cls}" for module, cls in (
     ("full_cuda_graph_backend", "FullCudaGraphBackend"),
     ("breakable_cuda_graph_backend", "BreakableCudaGraphBackend"),

@@ -123,10 +123,7 @@ def _builtin(inputs: str) -> dict[str, Any]:
 
 
 def decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The decode phase of ``cuda_graph_config`` (``why`` names what disabled it, if anything).
-
-    srt/arg_groups/cuda_graph_hook.py:32-101: explicit JSON > convenience flags > legacy flags > defaults.
-    """
+    """The decode phase of ``cuda_graph_config``, ``why`` naming what disabled it (cuda_graph_hook.py:32-101)."""
     decode: dict[str, Any] = {}
     if cfg["disable_cuda_graph"]:
         decode.update(backend="disabled", why="--disable-cuda-graph")
@@ -147,10 +144,7 @@ def decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
-    """Return sglang's default decode max batch for this device memory (MiB) and TP size.
-
-    srt/arg_groups/memory_hook.py:86-180: an H200 (143,771 MiB) gives 256 below tp 4, 512 from tp 4; unknown 160.
-    """
+    """Return sglang's default decode max batch for this device memory (MiB) and TP size (memory_hook.py:86-180)."""
     if gpu_memory_mb is None:
         return _UNKNOWN_MEMORY_MAX_BS
     for below, small_tp, large_tp in _MEMORY_TIERS:
@@ -160,10 +154,7 @@ def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
 
 
 def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> list[int]:
-    """Return sglang's decode capture ladder for ``max_bs`` (``max_bs`` appended when off the tiers).
-
-    srt/arg_groups/cuda_graph_hook.py:500-532; the speculative tiers when a ``--speculative-algorithm`` is set.
-    """
+    """Return sglang's decode capture ladder for ``max_bs``, appended if off the tiers (cuda_graph_hook.py:500-532)."""
     if no_padding:
         sizes = list(range(1, max_bs + 1))
     elif not speculative:
@@ -200,10 +191,7 @@ def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
 
 
 def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -> int | None:
-    """The request pool of one attention-DP rank; None when nothing bounds it at plan time.
-
-    srt/mem_cache/kv_cache_configurator.py:3119: ``min(max_running_requests // attn_dp_size, kv_capacity // 2)``.
-    """
+    """The request pool of one attention-DP rank (kv_cache_configurator.py:3119); None when nothing bounds it."""
     if max_running is not None:
         pool = max(1, max_running // attn_dp)  # kv_cache_configurator.py:3128
         return pool if kv_capacity is None else min(pool, kv_capacity // 2)
@@ -234,10 +222,7 @@ def runner_batch_sizes(bs_list: list[int], width: int, *, pool_size: int | None,
 
 
 def capture_verify_lens(num_tokens: int, num_slots: int) -> list[int]:
-    """Spread ``num_tokens`` over ``num_slots`` rows, longest first (ragged_verify.py:198-216).
-
-    The rows of :func:`graph_shapes` always hold the tokens (``num_slots <= num_tokens <= num_slots * width``).
-    """
+    """Spread ``num_tokens`` over ``num_slots`` rows that hold them, longest first (ragged_verify.py:198-216)."""
     base = num_tokens // num_slots
     rem = num_tokens - base * num_slots
     return [base + 1] * rem + [base] * (num_slots - rem)

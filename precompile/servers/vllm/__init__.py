@@ -24,17 +24,12 @@ PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
-    "max_cudagraph_capture_size": "--max-cudagraph-capture-size",
-    "cudagraph_mode": "-cc.cudagraph_mode",
-    "optimization_level": "-O",
-    "enforce_eager": "--enforce-eager",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
+    "max_cudagraph_capture_size": "--max-cudagraph-capture-size", "cudagraph_mode": "-cc.cudagraph_mode",
+    "optimization_level": "-O", "enforce_eager": "--enforce-eager",
     "num_speculative_tokens": "--speculative-config num_speculative_tokens",
-    "performance_mode": "--performance-mode",
-    "max_model_len": "--max-model-len",
-    "enable_chunked_prefill": "--enable-chunked-prefill",
-    "model_runner": "VLLM_USE_V2_MODEL_RUNNER",
+    "performance_mode": "--performance-mode", "max_model_len": "--max-model-len",
+    "enable_chunked_prefill": "--enable-chunked-prefill", "model_runner": "VLLM_USE_V2_MODEL_RUNNER",
     "attention_cudagraph_support": "server_options.attention_cudagraph_support",
     "device_capability": "server_options.device_capability",
     "platform": "VLLM_TARGET_DEVICE=cpu (or --target cpu, or an installed CPU build)",

@@ -128,10 +128,7 @@ def _normalised(token: str) -> str:
 
 
 def human_int(text: str) -> int:
-    """``--max-model-len`` as vLLM's ``human_readable_int`` reads it: ``32768``, ``32k`` (x1000), ``32K`` (x1024).
-
-    ``-1`` (the model's own maximum) is refused: jitwarm cannot read it from the model.
-    """
+    """``--max-model-len`` as vLLM reads it: ``32768``, ``32k`` (x1000), ``32K`` (x1024); not -1 (the model's)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text.strip())
     if not match:
         raise ValueError("expected a token count such as 32768, 32k or 32K")

@@ -29,10 +29,7 @@ def compile_tree(environ: Mapping[str, str]) -> Path | None:
 
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
-    """Each library's cache directory in a vLLM process started with ``environ`` (None: turned off).
-
-    ``own_only``: only vLLM's own (its compile tree and model inspection cache), written in any process.
-    """
+    """Each library's cache directory in a vLLM process started with ``environ`` (None: off); ``own_only``: vLLM's."""
     from jitwarm.kernels.libraries.jit_caches import vllm_modelinfo
     from jitwarm.kernels.libraries.jit_caches.census import library
 

@@ -1,11 +1,7 @@
 """vLLM's CUDA graphs by the installed vLLM's own functions: a plan source and the rules' oracle.
 
-:func:`resolve` answers as :func:`.rules.resolve` does, by vLLM's own code on a real ``CompilationConfig``. The
-device is a stand-in ``Platform`` (capability, memory, name); ``self`` of the config methods is a namespace of
-the few attributes they read; each graph's dummy batch comes from the rules' own helper (the oracle checks keys,
-modes and order, not that layout). Outside a server it runs in a child process::
-
-    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.vllm.native
+The device is a stand-in ``Platform``; each graph's dummy batch comes from the rules' helper (the oracle checks
+keys, modes and order). Outside a server it runs in a child process (:meth:`.OwnFunctions.main`).
 """
 
 from __future__ import annotations

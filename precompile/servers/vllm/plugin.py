@@ -1,12 +1,8 @@
 """The vLLM plugin: drain the device and meet the TP ranks between each graph's last warmup and its capture.
 
-The V2 model runner (the default, ``config/vllm.py:731-766``) runs ``CudaGraphManager.capture``
-(``v1/worker/gpu/cudagraph_utils.py:424-515``): per graph a warmup forward, then the capture, with neither a
-synchronize nor a TP barrier between them; the V1 runner's ``_warmup_and_capture``
-(``v1/worker/gpu_model_runner.py:6523-6575``) synchronizes but meets no barrier. A compile or module load still
-in flight on one rank (vLLM #40742, #42241) lands inside that rank's capture. :func:`register` wraps both, once
-their modules are imported, with the drain (or in plan mode the capture hook), and reports the start-up ledger
-after ``capture_model`` and at the worker's ready point (``v1/engine/core.py:379``). See ``docs/vllm.md``.
+Neither runner meets the TP ranks between a graph's warmup and its capture (the V2 one does not synchronize
+either), so a compile still in flight lands inside capture (vLLM #40742, #42241). :func:`register` wraps both once
+their modules are imported, and reports the ledger at the worker's ready point. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -27,6 +23,8 @@ log = logging.getLogger(__name__)
 
 ENABLE_ENV = "JITWARM_VLLM_PLUGIN"
 ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the vLLM plugin inert (default on)", default=True)
+#: The V2 runner's graphs (``cudagraph_utils.py:424-515``: warmup, then capture) and the V1 runner
+#: (``_warmup_and_capture``, ``gpu_model_runner.py:6523-6575``: warmup, synchronize, capture, no barrier).
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")

@@ -18,24 +18,16 @@ from jitwarm.precompile.servers.vllm import VERSION
 
 SOURCE = f"built-in rules of vLLM {VERSION}"
 
-#: Raw settings the resolution reads, with their defaults (vLLM's own names where it has one).
+#: Raw settings the resolution reads, with their defaults (vLLM's own names; the flag of each: ``vllm.OPTIONS``).
+#: Stand-ins for what vLLM reads at start: the attention backend's ``AttentionCGSupport``, the device's memory
+#: (None: vLLM's query failed) and compute capability (major*10+minor: 90, 100, 121), the platform (cuda, cpu).
+#: ``max_model_len`` None never binds; ``enable_chunked_prefill`` None is the model's default, on.
 INPUT_KEYS: Mapping[str, Any] = {
-    "max_num_seqs": None,                 # --max-num-seqs
-    "max_num_batched_tokens": None,       # --max-num-batched-tokens
-    "cudagraph_capture_sizes": None,      # --cudagraph-capture-sizes / -cc.cudagraph_capture_sizes
-    "max_cudagraph_capture_size": None,   # --max-cudagraph-capture-size / -cc.max_cudagraph_capture_size
-    "cudagraph_mode": None,               # -cc.cudagraph_mode (None: from the optimization level)
-    "optimization_level": 2,              # -O (config/vllm.py:441-ish default O2)
-    "enforce_eager": False,               # --enforce-eager
-    "num_speculative_tokens": 0,          # --speculative-config num_speculative_tokens / --spec-tokens
-    "performance_mode": "balanced",       # --performance-mode
-    "max_model_len": None,                # --max-model-len (None: long enough never to bind)
-    "enable_chunked_prefill": None,       # --[no-]enable-chunked-prefill (None: the model's default, on)
-    "model_runner": "v2",                 # VLLM_USE_V2_MODEL_RUNNER (v2 unless set to 0)
-    "attention_cudagraph_support": "ALWAYS",  # the attention backend's AttentionCGSupport (stand-in)
-    "gpu_memory_mb": None,                # the device's memory (stand-in; None: vLLM's query failed)
-    "device_capability": None,            # the device's compute capability as major*10+minor (90, 100, 121)
-    "platform": "cuda",                   # vLLM's platform: cuda, or cpu (fields.platform says how it is known)
+    "max_num_seqs": None, "max_num_batched_tokens": None, "cudagraph_capture_sizes": None,
+    "max_cudagraph_capture_size": None, "cudagraph_mode": None, "optimization_level": 2, "enforce_eager": False,
+    "num_speculative_tokens": 0, "performance_mode": "balanced", "max_model_len": None,
+    "enable_chunked_prefill": None, "model_runner": "v2", "attention_cudagraph_support": "ALWAYS",
+    "gpu_memory_mb": None, "device_capability": None, "platform": "cuda",
 }
 
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -159,10 +151,7 @@ def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def capture_sizes(cfg: Mapping[str, Any], max_num_seqs: int, max_num_tokens: int, q: int) -> tuple[list[int], int]:
-    """``VllmConfig._set_cudagraph_sizes`` (config/vllm.py:2398-2656): the sizes, ascending, and their max.
-
-    ResolutionError for an explicit max that differs from the max of explicit sizes (:2610-2625), or no size.
-    """
+    """``VllmConfig._set_cudagraph_sizes`` (config/vllm.py:2398-2656): the sizes, ascending, and their max."""
     explicit_max = cfg["max_cudagraph_capture_size"]
     max_size = explicit_max
     decode_sizes: list[int] = []
@@ -231,10 +220,7 @@ def resolved_mode(mode: str, cfg: Mapping[str, Any], q: int) -> str:
 
 
 def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int], int]:
-    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510).
-
-    Sizes rounded up to multiples of ``q``, those past the max dropped; ``[q]`` when none survives but ``q`` fits.
-    """
+    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510)."""
     if not sizes or q <= 1:
         return sizes, top
     rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top})
@@ -247,11 +233,7 @@ def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int]
 
 
 def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) -> list[dict[str, Any]]:
-    """The V2 runner's graphs: ``CudaGraphManager._init_candidates`` (v1/worker/gpu/cudagraph_utils.py:256-375).
-
-    Without LoRA, microbatching or dynamic speculation: a decode graph per size rounded up to ``q`` tokens per
-    request (within the limits), a mixed one per size (FULL ones pinned to ``min(tokens, max_num_seqs)`` requests).
-    """
+    """The V2 runner's graphs: ``CudaGraphManager._init_candidates`` (v1/worker/gpu/cudagraph_utils.py:256-375)."""
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     by_mode: dict[str, list[dict[str, Any]]] = {"PIECEWISE": [], "FULL": []}
@@ -269,11 +251,7 @@ def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) 
 
 
 def v1_graphs(mode: str, sizes: list[int], max_num_seqs: int, q: int) -> list[dict[str, Any]]:
-    """The V1 runner's graphs: ``CudagraphDispatcher.initialize_cudagraph_keys`` (v1/cudagraph_dispatcher.py:159-226).
-
-    Without LoRA: a mixed key per size; with a separate FULL decode routine, a uniform key per size from ``q`` to
-    ``max_num_seqs * q`` tokens (:200-226, :130-150).
-    """
+    """The V1 runner's graphs: ``CudagraphDispatcher.initialize_cudagraph_keys`` (cudagraph_dispatcher.py:159-226)."""
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     by_mode: dict[str, list[dict[str, Any]]] = {"PIECEWISE": [], "FULL": []}
