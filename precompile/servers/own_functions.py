@@ -49,10 +49,8 @@ class OwnFunctions:
                      builtin: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Return the resolution of ``inputs`` from ``source``: ``builtin()`` (the rules), or the server's own.
 
-        ``<server>``: the installed server's functions, every time. ``auto``: the rules when no server is
-        installed or it is the room's ``VERSION``; for another release its own functions, memoised by release and
-        inputs (completed by ``defaults``). Raises the room's ResolutionError when the server rejects the settings
-        or its functions could not run.
+        ``auto``: the rules when no server or the room's ``VERSION`` is installed, else its own functions memoised
+        by release and inputs (completed by ``defaults``). The room's ResolutionError when they refuse or fail.
         """
         if source not in self.sources:
             raise self.error(f"unknown --ladder-source {source!r}; choose from {', '.join(self.sources)}")

@@ -50,12 +50,9 @@ _GIB_MB = 1024
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the CUDA graphs vLLM ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`, defaulted).
 
-    The answer: ``source``, ``max_num_seqs``, ``max_num_batched_tokens`` (after vLLM's defaults),
-    ``cudagraph_mode`` (after the backend's downgrades), ``capture_sizes`` and ``max_capture_size``, ``width``
-    (``1 + num_speculative_tokens``) and ``shapes`` in capture order, ``{"mode", "num_tokens", "num_reqs",
+    The fields of :func:`answer`, final, and ``shapes`` in capture order, ``{"mode", "num_tokens", "num_reqs",
     "uniform", "bs", "graph_key", "verify_lens", "key"}`` (``key``: the dispatch key in words; ``bs``,
-    ``verify_lens``: its dummy batch). Graphs off: ``disabled`` says why. :class:`ResolutionError` for settings
-    vLLM rejects.
+    ``verify_lens``: its dummy batch); ``disabled`` says why graphs are off. ResolutionError for refused settings.
     """
     cfg = _checked({**INPUT_KEYS, **inputs})
     q = 1 + cfg["num_speculative_tokens"]  # uniform_decode_query_len (config/vllm.py:695-713)
@@ -119,10 +116,8 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
 def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` after vLLM's defaults for ``vllm serve``.
 
-    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034): by device memory, not on an A100 nor a
-    GB10 (capability 80, 121); an unknown memory gets the smallest (:2964-2968). Throughput mode doubles a default
-    (:3184-3189); the model length bounds the budget (:3191-3220); a default sequence limit is cut at the budget
-    (:3230-3234); ``SchedulerConfig`` refuses a budget below the sequence limit (config/scheduler.py:331-336).
+    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034, unknown memory :2964-2968), throughput mode
+    (:3184-3189), the model length (:3191-3220), the budget cut (:3230-3234), ``config/scheduler.py:331-336``.
     """
     memory, capability = cfg["gpu_memory_mb"], cfg["device_capability"]
     if memory is not None and memory >= 160 * _GIB_MB:
