@@ -22,13 +22,14 @@ class OwnFunctions:
     """One server's own ladder functions, as its room's ``native`` module runs them.
 
     ``server`` is the room, distribution and top-level module; ``title`` names it in messages; ``error`` is the
-    room's ResolutionError (keyword ``hint``); ``resolve`` the room's ``native.resolve``; ``timeout_s`` what the
-    child may take (importing the server costs 21 to 67 s in its image).
+    room's ResolutionError (keyword ``hint``); ``resolve`` the room's ``native.resolve``.
     """
 
-    def __init__(self, server: str, title: str, error: type[Exception], resolve: Resolve,
-                 timeout_s: float = 300.0) -> None:
-        self.server, self.title, self.error, self.resolve, self.timeout_s = server, title, error, resolve, timeout_s
+    #: What the child may take: importing the server costs 21 to 67 s in its image.
+    timeout_s = 300.0
+
+    def __init__(self, server: str, title: str, error: type[Exception], resolve: Resolve) -> None:
+        self.server, self.title, self.error, self.resolve = server, title, error, resolve
         room = sys.modules[f"jitwarm.precompile.servers.{server}"]
         self.version, self.sources = room.VERSION, room.LADDER_SOURCES
         self.module = f"jitwarm.precompile.servers.{server}.native"

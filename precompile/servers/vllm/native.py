@@ -153,10 +153,9 @@ def _v2_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | Non
                             varlen_decode=False, lora_capture_cases=[0], ubatch_runner=None, _candidates={},
                             _capture_descs={})
     manager._init_candidates()
-    order = [m for m in ("PIECEWISE", "FULL") if any(k.name == m for k in manager._capture_descs)]
+    descs = {mode.name: found for mode, found in manager._capture_descs.items()}
     return [(name, d.num_tokens, d.num_reqs, d.uniform_token_count is not None)
-            for name in order for d in manager._capture_descs[next(k for k in manager._capture_descs
-                                                                   if k.name == name)]]
+            for name in ("PIECEWISE", "FULL") for d in descs.get(name, ())]
 
 
 def _v1_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | None, bool]]:

@@ -216,7 +216,7 @@ def resolved_mode(mode: str, cfg: Mapping[str, Any], q: int) -> str:
 
 def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int], int]:
     """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510)."""
-    if not sizes or q <= 1:
+    if not sizes:
         return sizes, top
     rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top})
     if not rounded and q <= top:
