@@ -79,9 +79,8 @@ def ladder_inputs(config: Any) -> dict[str, Any]:
     options = json.loads(config.server_options) if config.server_options else {}
     if not isinstance(options, dict):  # the config reports a server_options that is not an object
         options = {}
-    inputs = {**dict(rules.INPUT_KEYS), **{k: v for k, v in options.items() if k in rules.INPUT_KEYS}}
-    inputs["max_num_seqs"] = config.max_running_requests
-    inputs["gpu_memory_mb"] = config.gpu_memory_mb
+    inputs = {**rules.INPUT_KEYS, **{k: v for k, v in options.items() if k in rules.INPUT_KEYS},
+              "max_num_seqs": config.max_running_requests, "gpu_memory_mb": config.gpu_memory_mb}
     if inputs["device_capability"] is None:
         inputs["device_capability"] = target_capability(config.targets or ())
     return inputs
