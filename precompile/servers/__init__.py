@@ -1,18 +1,9 @@
 """The servers jitwarm plans for, one room each, and the registry that picks a room from a server command line.
 
-A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server: its command
-line, the rules that turn its settings into the CUDA graphs it captures, which of jitwarm's kernel families its
-models run, its plugin, its capture seals, and the one constant naming the release all of that mirrors. The core
-reaches a room only through the package names :class:`ServerAdapter` lists: a new server is a new folder plus
-one name in :data:`ROOMS`. What the rooms do alike lives beside them here (:mod:`.command_line`,
-:mod:`.own_functions`, :mod:`.model`, :mod:`.plugins`).
-
-A :class:`~jitwarm.precompile.config.ServingConfig` names its room (``server``); its capture fields carry
-sglang's names, which a room gives its server's meaning (vLLM's ``--max-num-seqs`` is ``max_running_requests``);
-settings no field holds go in ``server_options``. The room turns a command line into fields (``parse_argv``),
-judges them (``check``), turns a config into raw ladder inputs (``ladder_inputs``) and those into capture shapes
-(``resolve_ladder``: ``{"source", "shapes": [{"bs", "graph_key", "verify_lens"}, ...] largest first,
-"capture_bs", "width", "compact", "max_running_requests", "disabled"}``).
+A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server, for the one
+release its ``VERSION`` names; the core reaches it only through the names :class:`ServerAdapter` lists, so a new
+server is a new folder plus one name in :data:`ROOMS`. A ServingConfig's capture fields carry sglang's names,
+which each room gives its server's meaning; settings no field holds go in ``server_options``.
 """
 
 from __future__ import annotations
@@ -69,10 +60,7 @@ class ServerAdapter(Protocol):
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""
 
     def parse_argv(self, argv: Sequence[str]) -> dict[str, Any]:
-        """The ServingConfig fields a command line (launcher optional) sets; ``server_options`` for the rest.
-
-        Raises a :class:`~jitwarm.cache.errors.UsageError` for a line the server would refuse.
-        """
+        """The ServingConfig fields a command line (launcher optional) sets; UsageError for one the server refuses."""
 
     def defaults(self, config: Any) -> dict[str, Any]:
         """Values for the fields ``config`` left unset that the server takes from elsewhere (its environment)."""
@@ -87,7 +75,11 @@ class ServerAdapter(Protocol):
         """True when the captured graphs differ between device-memory sizes (so the memory must be known)."""
 
     def resolve_ladder(self, inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
-        """The graphs the server captures for ``inputs``, from ``source``; UsageError for refused settings."""
+        """The graphs the server captures for ``inputs``, from ``source``; UsageError for refused settings.
+
+        ``{"source", "shapes": [{"bs", "graph_key", "verify_lens"}, ...] largest first, "capture_bs", "width",
+        "compact", "max_running_requests", "disabled"}``.
+        """
 
     def model_families(self, families: tuple[str, ...], model_path: str | None,
                        architecture: str | None) -> ModelFamilies:
@@ -97,18 +89,13 @@ class ServerAdapter(Protocol):
         """Why a start of the server in ``environ`` could not be restored to compile nothing (``capture`` says it)."""
 
     def seal(self, refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
-        """Hand each compile or load of the server's own JIT to ``refuse(what)`` (which may raise).
-
-        Returns the seal's name and its undo, or None where the server has no JIT of its own in this process.
-        """
+        """Hand each compile or load of the server's own JIT to ``refuse(what)``: (name, undo), or None if none."""
 
     def cache_dirs(self, environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
         """Where a server process started with ``environ`` keeps each JIT library's cache it moves or owns.
 
         Library name -> directory (None: turned off there); a library left out is where its own variables put
-        it. ``own_only``: only the caches the server itself writes, where they are in any process that runs its
-        code (a script that records, then imports vLLM for offline inference). Never raises. The kernels layer
-        names no server: this is how a library learns its server's redirect.
+        it. ``own_only``: only the caches the server's code writes in any process that runs it. Never raises.
         """
 
     def unloadable(self, units: Mapping[str, list[str]]) -> list[str]:
@@ -126,17 +113,23 @@ def adapter(name: str) -> ServerAdapter:
     return cast(ServerAdapter, importlib.import_module(f"{__name__}.{name}"))
 
 
+def lazy_functions(package: str, functions: Mapping[str, str]) -> Callable[[str], Any]:
+    """A room package's ``__getattr__``: each adapter function imported on first use from ``module[:name]``."""
+    def __getattr__(name: str) -> Any:
+        if name in functions:
+            module, _, attribute = functions[name].partition(":")
+            return getattr(importlib.import_module(f"{package}.{module}"), attribute or name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return __getattr__
+
+
 def running() -> str:
     """The room whose server this process runs, by what it has imported; ``""`` for neither."""
     return next((name for name in ROOMS if name in sys.modules), "")
 
 
 def cache_dirs(server: str, environ: Mapping[str, str] | None = None) -> Mapping[str, Path | None]:
-    """The JIT libraries' cache directories ``server``'s room gives (:meth:`ServerAdapter.cache_dirs`).
-
-    ``""`` (a process that runs no server, or has not imported it yet): every room's own caches, and the other
-    libraries where their own variables put them. ``environ``: the process's environment, default this one's.
-    """
+    """``server``'s room's :meth:`ServerAdapter.cache_dirs`; for ``""`` (no server here yet) every room's own."""
     env = os.environ if environ is None else environ
     if server:
         return adapter(server).cache_dirs(env)
@@ -144,14 +137,7 @@ def cache_dirs(server: str, environ: Mapping[str, str] | None = None) -> Mapping
 
 
 def adapter_for(argv: Sequence[str]) -> ServerAdapter:
-    """Return the room whose launcher starts ``argv``; :data:`DEFAULT` for bare flags (the line starts with ``-``).
-
-    Raises
-    ------
-    UsageError
-        ``argv`` starts with a program no room recognises; the message lists the launchers known.
-
-    """
+    """Return the room whose launcher starts ``argv``; :data:`DEFAULT` for bare flags; UsageError for others."""
     rooms = [adapter(name) for name in ROOMS]
     for room in rooms:
         if room.recognises(argv):
@@ -160,7 +146,7 @@ def adapter_for(argv: Sequence[str]) -> ServerAdapter:
     if not words or words[0].startswith("-"):
         return adapter(DEFAULT)
     raise UsageError(f"not a server command line jitwarm knows: {' '.join(words[:4])} ... (expected "
-                        f"{'; or '.join(room.LAUNCHERS for room in rooms)})")
+                     f"{'; or '.join(room.LAUNCHERS for room in rooms)})")
 
 
 def recognised(argv: Sequence[str]) -> bool:
@@ -170,11 +156,7 @@ def recognised(argv: Sequence[str]) -> bool:
 
 def refusals(resolve: Callable[[dict[str, Any]], Any], inputs: dict[str, Any],
              reads_memory: Callable[[dict[str, Any]], bool]) -> list[str]:
-    """What a room's rules refuse in ``inputs``, as one message (a ``check``'s last problem); [] when nothing.
-
-    Where the rules read an unknown device memory they run on an 80 GiB device:
-    :func:`jitwarm.precompile.shapes.resolve_ladder` resolves for the real one.
-    """
+    """What a room's rules refuse in ``inputs``, as one message, an unknown memory taken as 80 GiB; [] when nothing."""
     if inputs["gpu_memory_mb"] is None and reads_memory(inputs):
         inputs = {**inputs, "gpu_memory_mb": 80 * 1024}
     try:

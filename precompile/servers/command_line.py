@@ -1,9 +1,4 @@
-"""The words of a server command line that read alike for every room: environment, launcher, flags, values.
-
-Each room's ``argv`` module reads its server's own flags; what comes before them (``NAME=value`` words, then
-``python [-u ...] -m MODULE`` or ``PROGRAM serve``), argparse's test of whether a word is a flag, how a flag takes
-its values and how they convert are the same for every server.
-"""
+"""The words of a server command line that read alike for every room: environment, launcher, flags, values."""
 
 from __future__ import annotations
 
@@ -35,10 +30,9 @@ def split_env(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def strip_launcher(args: Sequence[str], modules: Sequence[str], program: str) -> tuple[list[str], bool] | None:
-    """The words after the launcher, and True when it was ``PROGRAM serve``; None for any other program.
+    """The words after ``python [-u -X dev ...] -m MODULE`` or ``PROGRAM serve`` (True), or None for another program.
 
-    The launchers: ``python [-u ...] -m MODULE`` for one of ``modules`` (the interpreter's own options, ``-u``,
-    ``-X dev``, skipped) and ``PROGRAM serve``; a line that starts with a flag has none.
+    A line that starts with a flag has no launcher.
     """
     if not args or args[0].startswith("-"):
         return list(args), False
@@ -79,10 +73,9 @@ def values_after(args: Sequence[str], i: int, *, many: bool) -> tuple[list[str],
 
 
 def converted(option: str, kind: str | Callable[[str], Any], given: Sequence[str]) -> Any:
-    """The strings given to ``option`` as its value of ``kind``; :class:`ServerArgvError` when they do not convert.
+    """``given`` as ``option``'s value of ``kind`` (``int``, ``int_list``, ``json``, ``str`` or a function of the last).
 
-    ``kind``: ``int``, ``int_list``, ``json`` (an object, :func:`json_object`), ``str``, or a function of the last
-    string given.
+    :class:`ServerArgvError` when they do not convert.
     """
     try:
         if kind == "int_list":
@@ -102,7 +95,7 @@ def converted(option: str, kind: str | Callable[[str], Any], given: Sequence[str
 def json_object(text: str) -> dict[str, Any]:
     """Parse a JSON-object flag value (``--cuda-graph-config``), bounded in size and nesting; ValueError else.
 
-    30,000 nested ``[`` made ``json.loads`` raise ``RecursionError``: a traceback instead of one line.
+    Bounded because 30,000 nested ``[`` made ``json.loads`` raise ``RecursionError``: a traceback, not one line.
     """
     if len(text) > MAX_JSON_BYTES:
         raise ValueError(f"longer than {MAX_JSON_BYTES} characters")

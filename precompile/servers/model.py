@@ -1,12 +1,7 @@
 """Which of jitwarm's kernel families the served model runs, from its architecture as the server's classes name it.
 
-jitwarm's families (the compress plan, the compressor and the fused norm_rope) are DeepSeek-V4's: a Llama, Qwen
-or DeepSeek-V3 server never runs them, so planning them for one only costs compiles. A server picks its model
-class by the ``architectures`` of the checkpoint's ``config.json``; each room names its DeepSeek-V4 classes
-(``DSV4_ARCHITECTURES``). ``--model-architecture`` (or the server's own model config) wins; else a local
-checkpoint's ``config.json`` decides (read bounded, never a FIFO); a hub id whose name says DeepSeek-V4 is taken
-as one; any other model is unknown and gets every family, since a family skipped that the model does run would
-compile inside capture (the failure jitwarm exists to prevent).
+The families are DeepSeek-V4's; each room names its DeepSeek-V4 classes (``DSV4_ARCHITECTURES``). An unknown
+model gets every family: a family skipped that the model does run would compile inside capture.
 """
 
 from __future__ import annotations
@@ -31,12 +26,9 @@ def model_families(families: tuple[str, ...], model_path: str | None, architectu
                    dsv4: Set[str]) -> ModelFamilies:
     """Decide which of ``families`` a server of this model runs: every one for DeepSeek-V4 (``dsv4``), none else.
 
-    Raises
-    ------
-    UsageError
-        ``model_path`` is a local directory whose config.json is unreadable, too large, not a JSON object, or
-        whose ``architectures`` is not a list of names.
-
+    ``architecture`` wins; else a local checkpoint's config.json decides, then a hub id whose name says DeepSeek-V4.
+    Raises a UsageError for a local config.json that is unreadable, too large, not a JSON object, or whose
+    ``architectures`` is not a list of names.
     """
     if architecture is not None:
         return _decided(families, architecture, dsv4, f"architecture {architecture} (--model-architecture, or "

@@ -1,10 +1,4 @@
-"""A server's own functions as a ladder source: choosing them, running them in a child process, its entry point.
-
-Each room's ``native`` module resolves capture with the installed server's own code; :class:`OwnFunctions` is
-what that is alike for every room: the ``--ladder-source`` choice (``auto`` keeps the answer in
-:mod:`.resolution_memo`), running them here inside a server or else in a child process (importing the server
-imports torch), the error each failure raises, and the child's ``{"inputs": ...}`` stdin protocol.
-"""
+"""A server's own functions as a ladder source: choosing them, running them in a child process, its entry point."""
 
 from __future__ import annotations
 
@@ -27,15 +21,15 @@ Resolve = Callable[[Mapping[str, Any]], dict[str, Any]]
 class OwnFunctions:
     """One server's own ladder functions, as its room's ``native`` module runs them.
 
-    ``server`` is the room, distribution and top-level module (``sglang``, ``vllm``) and the memo key's server;
-    ``title`` names it in messages; ``error`` is the room's ResolutionError (one argument ``reason``, keyword
-    ``hint``); ``resolve`` the room's ``native.resolve``; ``timeout_s`` what the child may take (its imports are
-    the cost: 21 to 67 s in a server's image).
+    ``server`` is the room, distribution and top-level module; ``title`` names it in messages; ``error`` is the
+    room's ResolutionError (keyword ``hint``); ``resolve`` the room's ``native.resolve``.
     """
 
-    def __init__(self, server: str, title: str, error: type[Exception], resolve: Resolve,
-                 timeout_s: float = 300.0) -> None:
-        self.server, self.title, self.error, self.resolve, self.timeout_s = server, title, error, resolve, timeout_s
+    #: What the child may take: importing the server costs 21 to 67 s in its image.
+    timeout_s = 300.0
+
+    def __init__(self, server: str, title: str, error: type[Exception], resolve: Resolve) -> None:
+        self.server, self.title, self.error, self.resolve = server, title, error, resolve
         room = sys.modules[f"jitwarm.precompile.servers.{server}"]
         self.version, self.sources = room.VERSION, room.LADDER_SOURCES
         self.module = f"jitwarm.precompile.servers.{server}.native"
@@ -56,11 +50,8 @@ class OwnFunctions:
                      builtin: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Return the resolution of ``inputs`` from ``source``: ``builtin()`` (the rules), or the server's own.
 
-        ``<server>``: the installed server's functions, every time. ``auto``: the rules when no server is
-        installed or it is the room's ``VERSION`` (from its metadata, not imported); for another release its own
-        functions, the answer memoised by release and inputs (completed by ``defaults``), so only the first plan
-        of a line pays for importing the server. Raises the room's ResolutionError when the server rejects the
-        settings or its functions could not run.
+        ``auto``: the rules when no server or the room's ``VERSION`` is installed, else its own functions memoised
+        by release and inputs (completed by ``defaults``). The room's ResolutionError when they refuse or fail.
         """
         if source not in self.sources:
             raise self.error(f"unknown --ladder-source {source!r}; choose from {', '.join(self.sources)}")
@@ -107,8 +98,7 @@ class OwnFunctions:
     def main(self) -> int:
         """The child's entry point: ``{"inputs": {...}}`` on stdin, the resolution as one JSON object on stdout.
 
-        Returns 0; 2 with one line ``<module>: ...`` on stderr for a bad request or refused settings; 1 (also one
-        line) when the server cannot be imported.
+        Returns 0; 2 (one line on stderr) for a bad request or refused settings; 1 when the server cannot be imported.
         """
         try:
             request = json.loads(sys.stdin.read())

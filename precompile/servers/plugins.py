@@ -1,13 +1,7 @@
 """What every room's plugin does alike around its capture hooks: settings, recording, the ledger, plan mode.
 
-A plugin reads its variables through :mod:`jitwarm.cache.settings`; one that does not parse is logged and the
-plugin's default taken (raised under ``JITWARM_STRICT=1``): a typo in one variable must not take the drain away.
-Plan mode (:class:`PlanMode`): ``JITWARM_CONFIG=FILE.toml`` names the model dims, kernel backends and build
-targets, the capture settings come from the server's own arguments, and ``JITWARM_MANIFEST`` adds the server's
-recorded kernels (alone, it is the whole plan). At model-runner start each rank builds the plan and starts its
-warm, so compiles overlap weight loading; at the first capture the :class:`~jitwarm.precompile.hook.CaptureHook`
-joins the warm, loads every kernel, synchronizes, meets the TP ranks and arms the guard; later captures only
-synchronize and meet. A failure is logged and the plain drain runs instead.
+A setting that does not parse is logged and the plugin's default taken (raised under ``JITWARM_STRICT=1``): a
+typo in one variable must not take the drain away. Plan mode: docs/sglang.md and docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ from jitwarm.cache import settings
 
 TRITON_MANAGER = "jitwarm.kernels.libraries.triton.cache:CacheManager"
 
-# The plugins' own settings (each plugin declares its on/off switch, ``ENABLED``); the cache's are in
-# jitwarm.cache.settings, read with the same parsers.
+# The plugins' own settings (each plugin declares its on/off switch, ``ENABLED``).
 CONFIG_ENV, MANIFEST_ENV, RECORD_ENV, TRITON_CACHE_ENV = (
     "JITWARM_CONFIG", "JITWARM_MANIFEST", "JITWARM_RECORD", "JITWARM_TRITON_CACHE")
 config_file = settings.path_setting(CONFIG_ENV, "the TOML file of model dims and targets: a plugin plans from it")
@@ -35,12 +28,9 @@ serve_triton = settings.flag_setting(TRITON_CACHE_ENV, "0 leaves Triton's own ca
                                      default=True)
 
 
-strict = settings.is_strict
-
-
 def failed(log: logging.Logger, what: str, exc: Exception, fatal_later: bool = False) -> Exception:
     """Log a failure of the plugin's own setup; re-raise it under JITWARM_STRICT=1 unless that comes later."""
-    if strict() and not fatal_later:
+    if settings.is_strict() and not fatal_later:
         raise exc
     log.error("jitwarm: %s failed: %s: %s; the capture drain stays installed (JITWARM_STRICT=1 makes this fatal)",
               what, type(exc).__name__, exc)
@@ -59,8 +49,7 @@ def setting(log: logging.Logger, accessor: Callable[[], Any], fallback: Any) -> 
 def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
     """``JITWARM_RECORD``: start recording (unless ``recorder`` runs); route Triton through jitwarm's cache.
 
-    ``TRITON_CACHE_MANAGER`` is set unless the user chose a manager (``JITWARM_TRITON_CACHE=0`` keeps Triton's
-    own); Triton reads it at each compile, the server's children inherit it. Returns the recorder, or None.
+    ``TRITON_CACHE_MANAGER`` is set unless the user chose one (or ``JITWARM_TRITON_CACHE=0``). Returns the recorder.
     """
     path = setting(log, record_file, None)
     if path and recorder is None:
@@ -75,47 +64,41 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
 
 def begin_ledger(log: logging.Logger, watchers: Callable[[], dict[str, Any]] = dict) -> None:
     """Take the start-up ledger's snapshot now (before the model loads), with the room's ``watchers()``."""
-    try:
-        from jitwarm.precompile import ledger
-
-        ledger.begin(watchers())
-    except Exception as exc:  # the ledger only reports: it never takes the drain away
-        log.warning("jitwarm: start-up ledger off: %s: %s", type(exc).__name__, exc)
+    _ledger(log, "off", lambda ledger: ledger.begin(watchers()))
 
 
 def report_ledger(log: logging.Logger) -> None:
     """Report the start-up ledger after a runner's last capture."""
+    _ledger(log, "failed", lambda ledger: ledger.report_after_capture())
+
+
+def _ledger(log: logging.Logger, failure: str, step: Callable[[Any], None]) -> None:
+    """Run ``step(ledger)``; a failure is logged, never raised (the ledger only reports)."""
     try:
         from jitwarm.precompile import ledger
 
-        ledger.report_after_capture()
-    except Exception as exc:  # the server has its graphs: a ledger that fails is said, never fatal
-        log.warning("jitwarm: start-up ledger failed: %s: %s", type(exc).__name__, exc)
-
-
-#: What the seals watch inside each capture, where the library is in the process (:func:`sealed`).
-SEALS = "Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit"
+        step(ledger)
+    except Exception as exc:
+        log.warning("jitwarm: start-up ledger %s: %s: %s", failure, type(exc).__name__, exc)
 
 
 def seal_line() -> str:
-    """The plugin line's part about the seals."""
-    return f"seals inside each capture: {SEALS}, " + (
-        "refused (JITWARM_STRICT=1)" if strict() else "logged (JITWARM_STRICT=1 refuses them)")
+    """The plugin line's part about the seals (:func:`sealed`)."""
+    return "seals inside each capture: Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit, " + (
+        "refused (JITWARM_STRICT=1)" if settings.is_strict() else "logged (JITWARM_STRICT=1 refuses them)")
 
 
 @contextlib.contextmanager
 def sealed(log: logging.Logger) -> Iterator[None]:
     """Around one capture: a JIT compile or module load while the stream captures is logged, refused under strict.
 
-    Without it the guard watched only jitwarm's own dispatcher: a Triton compile or a ``load_jit`` build inside a
-    real server's capture passed unseen (issue #31). The seal watches the stream, not the guard: in plan mode the
-    guard is armed from the first capture on, and a later graph's warmup may still compile, outside any capture.
-    The first capture says which seals this process has (those of the libraries it imported).
+    It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); without
+    it a Triton compile inside a real server's capture passed unseen (issue #31).
     """
     from jitwarm.kernels.capture import stream_is_capturing
     from jitwarm.precompile.guard import ThirdPartySeal
 
-    seal = ThirdPartySeal(mode="error" if strict() else "warn", when=stream_is_capturing, log=log)
+    seal = ThirdPartySeal(mode="error" if settings.is_strict() else "warn", when=stream_is_capturing, log=log)
     try:
         armed = seal.install()
     except Exception as exc:  # the seals only watch: a failure to arm them never takes the capture away
@@ -137,9 +120,8 @@ _said = {"seals": False}
 class PlanMode:
     """Plan mode of one server process: the file's fields, then the plan, its background warm and its capture hook.
 
-    It is the hook's device too (:attr:`target`). A room's subclass sets :attr:`log`, :attr:`server_keys` (file
-    keys the server's own settings decide: ignored) and :attr:`decides`, and implements ``synchronize`` and
-    ``barrier`` as its server drains the device and meets the TP ranks.
+    It is the hook's device too (:attr:`target`). A room's subclass sets :attr:`log`, :attr:`server_keys` (file keys
+    the server decides: ignored) and :attr:`decides`, and implements ``synchronize`` and ``barrier``.
     """
 
     log: logging.Logger
@@ -168,9 +150,7 @@ class PlanMode:
     @classmethod
     def from_settings(cls) -> PlanMode:
         """Plan mode as ``JITWARM_CONFIG`` and ``JITWARM_MANIFEST``, read now, configure it."""
-        config = str(setting(cls.log, config_file, None) or "") or None
-        manifest = str(setting(cls.log, manifest_file, None) or "") or None
-        return cls(config, manifest)
+        return cls(*(str(setting(cls.log, read, None) or "") or None for read in (config_file, manifest_file)))
 
     @property
     def active(self) -> bool:
@@ -199,10 +179,10 @@ class PlanMode:
     def start(self, server_fields: Callable[[], dict[str, Any]], ranks: int) -> None:
         """Build the plan of ``server_fields()`` plus the file's and start its warm (once per process).
 
-        Each of the node's ``ranks`` starts the same warm (the cache builds a spec once per host) with ``cores //
-        ranks`` builders, or JITWARM_JOBS. Raises the file's error under JITWARM_STRICT=1: the server stops.
+        Each of the node's ``ranks`` warms with ``cores // ranks`` builders, or JITWARM_JOBS. Raises the file's
+        error under JITWARM_STRICT=1: the server stops.
         """
-        if self.error is not None and strict():
+        if self.error is not None and settings.is_strict():
             raise self.error
         if self.plan is not None or self.error is not None or not self.active:
             return

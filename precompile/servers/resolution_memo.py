@@ -1,10 +1,8 @@
 """The ladder a server's own functions resolved, kept on disk so that the next plan of the same line skips them.
 
-Resolving with an installed server's own code imports that server (and torch): 21 to 67 s in a server's image,
-paid by every ``plan``, ``status`` and ``prestart``. The answer depends only on the server's release and the raw
-inputs, so it is kept under ``<cache root>/ladders/<key>.json`` (the jitwarm cache root, ``JITWARM_CACHE_DIR``),
-keyed by both. A memo is a hint, never a requirement: one that cannot be written is skipped, and one that cannot
-be read, is damaged, is not a regular file or is not this user's is ignored and resolved again.
+Importing the server costs 21 to 67 s; the answer depends only on its release and the raw inputs, so it is kept
+under ``<cache root>/ladders/<key>.json``. A memo is a hint: one that cannot be written is skipped, and one that
+is unreadable, damaged, not a regular file or not this user's is ignored and resolved again.
 """
 
 from __future__ import annotations
@@ -83,4 +81,5 @@ def _is_resolution(result: Any) -> bool:
 
 
 def _is_count(value: Any) -> bool:
+    """A positive int (not a bool)."""
     return type(value) is int and value >= 1

@@ -1,21 +1,15 @@
 """The sglang room: everything jitwarm knows about the sglang server, for the release :data:`VERSION`.
 
-Its modules: :mod:`.argv` (the server's command line, from ``flags.json``: every option of the release's parser),
-:mod:`.fields` (what ServingConfig's fields mean to sglang), :mod:`.rules` (the decode CUDA-graph resolution,
-mirrored in plain Python), :mod:`.native` (the same by the installed sglang's own functions, for a release the
-rules do not mirror), :mod:`.plugin` (the ``sglang.srt.plugins`` entry point) and :mod:`.loader` (sglang's JIT
-loader tapped once: ``load_jit`` recorded, counted for the start-up ledger, refused inside capture) and
-:mod:`.caches` (where sglang puts the JIT libraries' caches). This package
-is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
+This package is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on
+first use. :mod:`.loader` taps sglang's JIT loader once (recorded, counted for the ledger, sealed in capture).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 from collections.abc import Mapping
-from typing import Any
 
-from jitwarm.precompile.servers import ModelFamilies
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The sglang release this room mirrors: its flag table, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -32,28 +26,13 @@ OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a Serving
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 
-# The adapter's functions, by the module (and name, where it differs) that defines each.
-_FUNCTIONS = {"recognises": "argv", "parse_argv": "argv", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
-              "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"}
-
-
-def model_families(families: tuple[str, ...], model_path: str | None,
-                   architecture: str | None = None) -> ModelFamilies:
-    """Which of ``families`` an sglang server of this model runs (:func:`..model.model_families`)."""
-    from jitwarm.precompile.servers.model import model_families as decide
-
-    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
+__getattr__ = lazy_functions(__name__, {
+    "recognises": "argv", "parse_argv": "argv:parse_server_argv", "defaults": "fields", "check": "fields",
+    "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
+    "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"})
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:
     """Why a start of this server in ``environ`` could not be restored to compile nothing: none known."""
-    del environ
     return []
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FUNCTIONS:
-        module, _, attribute = _FUNCTIONS[name].partition(":")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,11 +1,9 @@
-"""The server's own command line: read the settings that shape CUDA-graph capture, ignore the rest.
+"""sglang's command line: read the settings that shape CUDA-graph capture, ignore the rest.
 
-``jitwarm plan -- python -m sglang.launch_server --model-path X --tp 4 ...`` (or ``sglang serve X ...``)
-hands the server's argv to :func:`parse_server_argv`. It parses exactly as the argparse parser of the sglang
-release this room mirrors does, from a table of every option that parser knows (``flags.json``, generated from
-the wheel by ``bench/gen_sglang_flags.py`` and checked against it in ``tests/test_sglang_oracle.py``): option
-values are consumed by their arity, ``--flag=value`` works, unique prefixes are accepted and ambiguous ones
-refused, as argparse does. Only the settings in :data:`CAPTURE_DESTS` (and the model path) are kept. Pure Python.
+It parses exactly as the release's argparse parser does, from a table of every option that parser knows
+(``flags.json``, generated from the wheel by ``bench/gen_sglang_flags.py``, checked in
+``tests/test_sglang_oracle.py``): values by arity, ``--flag=value``, unique prefixes. Only the settings in
+:data:`CAPTURE_DESTS` are kept.
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ def recognises(argv: Sequence[str]) -> bool:
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     """Return the capture settings of a server command line (launcher optional) as raw :mod:`.rules` inputs.
 
-    The keys of :data:`.rules.INPUT_KEYS` the line sets (the verify mode when it starts with
-    ``SGLANG_RAGGED_VERIFY_MODE=...``), and ``model_path``; DSpark's ``--speculative-dspark-block-size G`` becomes
-    ``speculative_num_draft_tokens = G + 1`` (speculative_hook.py:807-835). :class:`ServerArgvError` for a flag
-    sglang does not know, an ambiguous prefix, a missing or malformed value, a positional argument, or a server
-    ``--config`` file (its contents are not read).
+    The :data:`.rules.INPUT_KEYS` the line sets (``SGLANG_RAGGED_VERIFY_MODE=...`` first too) and ``model_path``.
+    :class:`ServerArgvError` for a flag sglang does not know, an ambiguous prefix, a missing or malformed value, a
+    positional argument, or a server ``--config`` file (its contents are not read).
     """
     table = flag_table()
     options: dict[str, dict[str, Any]] = table["options"]
@@ -131,7 +127,7 @@ def _match_option(name: str, options: dict[str, Any], *, allow_abbrev: bool) -> 
 
 
 def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
-    """Map parsed capture flags to rule inputs."""
+    """Map parsed capture flags to rule inputs (``--speculative-dspark-block-size G``: ``G + 1`` draft tokens)."""
     if "config" in values:
         raise ServerArgvError(f"the server command line reads --config {values['config']}: jitwarm does not "
                               "read server config files; put the capture flags on the command line")
@@ -144,6 +140,3 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
                                   f"--speculative-dspark-block-size + 1 = {block + 1} (sglang rejects it)")
         values["speculative_num_draft_tokens"] = block + 1
     return {k: v for k, v in values.items() if k in INPUT_KEYS or k == "model_path"}
-
-
-parse_argv = parse_server_argv  # the adapter's name (ServerAdapter.parse_argv)

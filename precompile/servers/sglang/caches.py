@@ -1,18 +1,9 @@
 """Where sglang keeps the JIT libraries' caches (sglang 0.5.23, the room's ``VERSION``; file:line of its wheel).
 
-Importing sglang (``sglang/__init__.py:14``) runs ``redirect_third_party_caches`` (``srt/environ.py:2308-2320``),
-which sets each library's variable, unless it is set already, under sglang's own cache directory
-``SGLANG_CACHE_DIR`` (default ``~/.cache/sglang``, :1383): ``TRITON_CACHE_DIR`` to ``triton/``,
-``TORCHINDUCTOR_CACHE_DIR`` to ``inductor/``, ``CUDA_CACHE_PATH`` to ``nv/``, ``TILELANG_CACHE_DIR`` to ``tilelang/``
-(the redirect whose comment says the burst is otherwise "invisible to anyone warming, mounting or baking
-SGLANG_CACHE_DIR", :2313-2316) and ``FLASHINFER_WORKSPACE_BASE`` to the directory itself. Its DeepGEMM wrapper
-overwrites ``DG_JIT_CACHE_DIR`` with ``SGLANG_DG_CACHE_DIR``, default ``<SGLANG_CACHE_DIR>/deep_gemm`` (:1373;
-``srt/layers/deep_gemm_wrapper/compile_utils.py:51``). The CuTe DSL objects are sglang's own cache:
-``SGLANG_CUTE_AOT_CACHE_DIR``, default ``<SGLANG_CACHE_DIR>/cute_aot``, empty turns it off (:1387;
-``kernels/jit/cute_aot_cache.py``, ``get_jit_cache``).
-
-So the room gives each library the environment sglang's process has, and the library resolves its own variable
-in it (``jitwarm.kernels.libraries.jit_caches``, which names no server).
+Importing sglang runs ``redirect_third_party_caches`` (``srt/environ.py:2308-2320``), which sets each library's
+unset variable under ``SGLANG_CACHE_DIR`` (:1383); its DeepGEMM wrapper overwrites ``DG_JIT_CACHE_DIR``
+(:1373); the CuTe DSL objects are sglang's own (``SGLANG_CUTE_AOT_CACHE_DIR``, empty turns it off, :1387). The
+room gives each library the environment sglang's process has, and the library resolves its own variable in it.
 """
 
 from __future__ import annotations
@@ -28,10 +19,7 @@ _LIBRARIES = ("inductor", "triton", "ptx", "tilelang", "flashinfer", "deep_gemm"
 
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
-    """Each library's cache directory in an sglang process started with ``environ`` (None: turned off).
-
-    ``own_only``: only sglang's own, the CuTe DSL objects, which its code writes there in any process.
-    """
+    """Each library's cache directory in an sglang process with ``environ`` (None: off); ``own_only``: its own."""
     from jitwarm.kernels.libraries.jit_caches.census import library
     from jitwarm.kernels.libraries.jit_caches.units import expand
 
@@ -47,5 +35,4 @@ def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[st
 
 def unloadable(units: Mapping[str, list[str]]) -> list[str]:
     """Why this node's sglang will not load restored units although they are there: nothing known."""
-    del units
     return []

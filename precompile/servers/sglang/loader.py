@@ -1,16 +1,11 @@
 """sglang's JIT loader as jitwarm sees it: tapped once, for the recorder, the ledger's count and the seal.
 
-The subscribers are :func:`recording` (each call a manifest record), :class:`LoaderCalls` (the start-up ledger's
-count) and :func:`seal` (refused or logged inside capture).
-
 ``load_jit`` builds a ``BuildSpec`` (compile/loader.py:115), looks the build up with ``_find_prebuilt`` and loads
 what it finds (a hit); finding nothing, it takes ``_build_lock``, looks again (another rank may have built it),
 and compiles only if that finds nothing (:135-160). All three are module globals looked up on each call, so
-patching them there sees every ``load_jit``, whoever imported it by name (the kernel modules bind ``load_jit`` at
-import: 219 call sites in 0.5.23, most imported before ``load_plugins()`` runs). A subscriber's methods:
+patching them there sees every ``load_jit``, whoever imported it by name. A subscriber's methods:
 
-- ``call(args, given)``: a ``load_jit(*args, **given)`` call (``given``: its keyword arguments not at their
-  defaults), read from ``load_jit``'s frame when it constructs the ``BuildSpec`` (hit or miss);
+- ``call(args, given)``: a ``load_jit(*args, **given)`` call (``given``: keyword arguments not at their defaults);
 - ``looked_up(spec, scope, found)``: a ``_find_prebuilt``, ``found`` the build's library or None;
 - ``building(scope)``: ``_build_lock`` taken: the next look-up that finds nothing means a compile.
 
@@ -47,6 +42,7 @@ def loader() -> Any:
 
 
 def _patch(tap: Tap) -> Callable[[], bool] | None:
+    """Patch the loader's three globals to emit to ``tap``; their undo, or None without a usable loader."""
     module = loader()
     names = ("BuildSpec", "_find_prebuilt", "_build_lock", "load_jit")
     if module is None or any(getattr(module, name, None) is None for name in names):
@@ -84,11 +80,7 @@ TAP = Tap(_patch)
 
 
 def recording(add: Callable[[dict[str, Any]], None]) -> Any:
-    """The recorder's subscriber: ``add(record)`` for each ``load_jit`` call, hit or miss.
-
-    Under ``SGLANG_JIT_LOG_RESOURCE_USAGE``, HIP or SAIL, for that mode: the call is read where ``load_jit`` has
-    rewritten its flags or sources.
-    """
+    """The recorder's subscriber: ``add(record)`` for each ``load_jit`` call, hit or miss."""
     return types.SimpleNamespace(call=lambda args, given: add(record(args, given)))
 
 
@@ -115,25 +107,15 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-# -- the capture seal: a compile or a module load inside capture is refused, naming the module ---------------------
-
-
-class _Seal:
-    """The loader tap's subscriber: each look-up is a load (found) or the compile that follows (not found)."""
-
-    def __init__(self, refuse: Callable[[str], None]) -> None:
-        self.refuse = refuse
-
-    def looked_up(self, spec: Any, scope: Any, found: Any) -> None:
+def seal(refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
+    """Hand each ``load_jit`` load or compile to ``refuse``; (its name, its undo), or None without sglang here."""
+    def looked_up(spec: Any, scope: Any, found: Any) -> None:
         # At the look-up, not at the load or the build: sglang catches any exception of the dlopen itself and
         # rebuilds (loader.py:136-145), and a miss under SGLANG_CRASH_ON_JIT_COMPILE never takes the build lock.
         what = f"load of {found}" if found is not None else f"compile of {scope}"
-        self.refuse(f"sglang load_jit module {module_name(spec, found or scope)} ({what})")
+        refuse(f"sglang load_jit module {module_name(spec, found or scope)} ({what})")
 
-
-def seal(refuse: Callable[[str], None]) -> tuple[str, Callable[[], None]] | None:
-    """Hand each ``load_jit`` load or compile to ``refuse``; (its name, its undo), or None without sglang here."""
-    undo = TAP.attach(_Seal(refuse))
+    undo = TAP.attach(types.SimpleNamespace(looked_up=looked_up))
     return None if undo is None else ("sglang load_jit", undo)
 
 
@@ -146,16 +128,11 @@ def module_name(spec: Any, path: Any) -> str:
     return next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_") and not p.endswith(".so")), "?")
 
 
-# -- the ledger's count: each load_jit served from sglang's cache, or compiled now ---------------------------------
-#
-# ``load_jit`` looks its build up with ``_find_prebuilt``; found, it loads it (a hit); not found, it takes
-# ``_build_lock``, looks again (another rank may have built it) and compiles only if that finds nothing
-# (compile/loader.py:135-160). Each build directory (``<cache>/<tag>/<module>/build-<key>``,
-# compile/cache.py:322-325) is one state, named by module and key.
-
-
 class LoaderCalls:
-    """What each ``load_jit`` of this process did since :meth:`install`: ``served`` or ``compiled``, per build."""
+    """What each ``load_jit`` of this process did since :meth:`install`: ``served`` or ``compiled``, per build.
+
+    Each build directory (``<cache>/<tag>/<module>/build-<key>``, compile/cache.py:322-325) is one state.
+    """
 
     def __init__(self) -> None:
         self.scopes: dict[str, str] = {}
@@ -172,7 +149,7 @@ class LoaderCalls:
         cache = getattr(loader(), "cache", None)  # compile/cache.py, as the loader imports it
         if cache is not None and hasattr(cache, "cache_root"):
             self.root = Path(cache.cache_root())
-            self.present = len(builds(self.root))
+            self.present = len([p for p in self.root.glob("*/*/build-*/deps-*") if p.is_dir()])  # published builds
         self.watched = True
         return self
 
@@ -185,7 +162,7 @@ class LoaderCalls:
         with self._lock:
             if found is not None:  # first look or behind the lock (another rank built it): served
                 self.scopes[str(scope)] = "served"
-            elif self.scopes.get(str(scope)) == "building":  # not found behind the lock: load_jit compiles
+            elif self.scopes.get(str(scope)) == "building":
                 self.scopes[str(scope)] = "compiled"
 
     def building(self, scope: Any) -> None:
@@ -197,19 +174,8 @@ class LoaderCalls:
         """The ``load_jit`` family's count: builds served, builds compiled (named ``<module> build-<key>``)."""
         with self._lock:
             scopes = dict(self.scopes)
-        compiled = sorted(module_key(s) for s, state in scopes.items() if state == "compiled")
+        compiled = sorted(f"{module_name(None, s)} {Path(s).name or '?'}" for s, state in scopes.items()
+                          if state == "compiled")
         signal = "sglang's loader" if self.watched else "sglang's loader: sglang not running here"
         return FamilyCount("load_jit", signal, sum(s == "served" for s in scopes.values()), len(compiled),
                            tuple(compiled), self.present, str(self.root) if self.root else None)
-
-
-def builds(root: Path) -> list[Path]:
-    """The published builds under sglang's JIT cache: ``<tag>/<module>/build-<key>/deps-<key>/`` (compile/cache.py)."""
-    return [p for p in root.glob("*/*/build-*/deps-*") if p.is_dir()]
-
-
-def module_key(scope: str) -> str:
-    """``<module> build-<key>`` of a build directory ``<cache>/<tag>/<module>/build-<key>``."""
-    parts = Path(scope).parts
-    module = next((p for p in reversed(parts) if p.startswith("sgl_kernel_jit_")), "?")
-    return f"{module} {parts[-1] if parts else '?'}"

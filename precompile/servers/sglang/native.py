@@ -1,17 +1,7 @@
-"""sglang's decode CUDA-graph ladder by the installed sglang's own functions, and the choice of ladder source.
+"""sglang's decode CUDA-graph ladder by the installed sglang's own functions: a plan source and the rules' oracle.
 
-The plan source for a release the built-in rules do not mirror, and the oracle the tests check them against.
-:func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by the installed sglang
-(lines cited: the room's ``VERSION``): the hooks that build ``cuda_graph_config``, the decode runner's
-batch-size cut, capture width, graph keys and compact verify layouts.
-
-What stands in for what: the device memory is ``get_device_memory_capacity`` patched to the given MiB (there is
-no GPU); the topology a runtime context sglang builds from the config; the model runner and KV configurator
-namespaces holding the few attributes the ladder code reads (the real ones load a model). The few steps that
-cannot be called in isolation are reproduced by hand, each citing its lines. Patches and environment variables
-are process-wide while a call runs. Outside a server it runs in a child process (sglang imports torch)::
-
-    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.sglang.native
+Stand-ins replace what needs a GPU or a model (each cites its lines); patches are process-wide during a call.
+Outside a server it runs in a child process: ``{"inputs": {...}}`` on stdin (:meth:`.OwnFunctions.main`).
 """
 
 from __future__ import annotations
@@ -33,8 +23,7 @@ from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, NOT_FIELDS, VERI
 # A test knob of sglang's (srt/environ.py:1573) that makes compact capture uniform
 # (decode_cuda_graph_runner.py:791-794); the inputs describe a real server, so it is held unset.
 _FORCE_UNIFORM_ENV = "SGLANG_TEST_RAGGED_VERIFY_FORCE_UNIFORM_CAPTURE"
-# The speculative handlers (:data:`.rules.HANDLERS`), and those that declare max_running_requests=48 when it is
-# not given, with the line of the declaration (read there: the handlers need checkpoints to run).
+# The speculative handlers, and those that declare max_running_requests=48 with the line (:data:`.rules.HANDLERS`).
 _SPEC_HANDLERS = tuple(dict.fromkeys(handler for handler, _ in rules.HANDLERS.values()))
 _DEFAULTS_48_RUNNING = {handler: line for handler, line in rules.HANDLERS.values() if line is not None}
 
@@ -47,11 +36,7 @@ def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return what :func:`.rules.resolve` returns for every key of :data:`INPUT_KEYS`, by the installed sglang.
 
-    Raises
-    ------
-    ValueError
-        Malformed inputs, or settings sglang itself rejects (its own exception's message, with its type).
-
+    ValueError for malformed inputs, or settings sglang itself rejects (its own exception's message and type).
     """
     cfg = checked_inputs(inputs, INPUT_KEYS)
     try:
@@ -80,17 +65,15 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     record = _server_args(cfg)
-    # srt/arg_groups/pipeline.py:20-109: with no model the pipeline runs its model-independent head (the
-    # --enable-dp-attention mapping among it, :42-45) and stops; the steps below are the ones that follow
-    # it in pipeline order, called one by one: :191, :218, :306.
+    # srt/arg_groups/pipeline.py:20-109: with no model the pipeline runs its model-independent head and stops;
+    # the steps that follow it are called one by one, in pipeline order (:191, :218, :306).
     record.resolve_once()
     handle_cuda_graph_config(record)
     with mock.patch.object(memory_hook, "get_device_memory_capacity", lambda device=None: cfg["gpu_memory_mb"]):
         memory_hook.handle_gpu_memory_settings(record)  # the GPU, faked: its memory size in MiB
     _speculative_defaults(record)
 
-    # sglang's own scoped context (runtime_context.py:1518-1540) carries this config to the runner code's
-    # get_exec() / get_parallel() / get_spec() reads; the process's own context is put back on exit.
+    # sglang's scoped context (runtime_context.py:1518-1540) carries this config to the runner code's reads.
     with use_context(create_context(record, role="scheduler")):
         decode = get_exec().graph.cuda_graph_config.decode
         if decode.backend == Backend.DISABLED:
@@ -110,12 +93,11 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         # decode_cuda_graph_runner.py:305-313,388-392: the alignment follows the runner's gather needs.
         mlp_gather, attn_gather = DecodeCudaGraphRunner.decode_graph_gather_requirements(runner)
         capture_bs, _ = get_batch_sizes_to_capture(runner, width, gathered_buffer_required=mlp_gather or attn_gather)
-        # By hand, as the runner's __init__ (which needs a model) combines them (decode_cuda_graph_runner.py:
-        # 362-367, 397-401): compact graphs need the algorithm and env, TARGET_VERIFY and a target worker.
+        # By hand, as the runner's __init__ (it needs a model) does (decode_cuda_graph_runner.py:362-367, 397-401).
         compact = (ragged_verify_compact_graphs_enabled(algorithm) and algorithm.is_speculative()
                    and not runner.is_draft_worker)
         if compact and get_exec().graph.disable_cuda_graph_padding:
-            # decode_cuda_graph_runner.py:411-422, raised in the runner's __init__ (which needs a model).
+            # decode_cuda_graph_runner.py:411-422, raised in the runner's __init__.
             raise ValueError("Compact ragged verify does not support two-batch-overlap, LoRA, or "
                              "disable-cuda-graph-padding (bs pads to the captured tier); disable "
                              "SGLANG_RAGGED_VERIFY_MODE or the conflicting feature.")
@@ -123,8 +105,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
                                  ragged_verify_mode=compact)
         shapes = []
         for size in reversed(capture_bs):  # capture order, largest first (decode_cuda_graph_runner.py:1324-1332)
-            # capture_one_shape (:1376-1377, key at :1481-1482): a compact graph of `num_tokens` tokens
-            # captures `slots` requests with the lengths _capture_ragged_verify_layout gives (:796-813).
+            # capture_one_shape (:1376-1377, key at :1481-1482; compact layout :796-813).
             num_tokens = size * width
             bs = DecodeCudaGraphRunner._ragged_capture_slots(graphs, num_tokens) if compact else size
             key = DecodeCudaGraphRunner._capture_graph_size(graphs, bs=bs, num_tokens=num_tokens)
@@ -161,9 +142,8 @@ def _server_args(cfg: Mapping[str, Any]) -> Any:
 def _speculative_defaults(record: Any) -> None:
     """Declare what handle_speculative_decoding decides about the algorithm name and max_running_requests.
 
-    The handler needs the checkpoints (speculative_hook.py:121-284); the pieces that need none run for real: the
-    upper-casing (:135-140), the alias (:81-118), the per-algorithm dispatch (spec_info.py:235-271) with the
-    handlers swapped for a recorder. Which handler defaults max_running_requests to 48: ``_DEFAULTS_48_RUNNING``.
+    The handler needs the checkpoints (speculative_hook.py:121-284); the alias (:81-118) and the per-algorithm
+    dispatch (spec_info.py:235-271) run for real, the handlers swapped for a recorder.
     """
     from unittest import mock
 
@@ -185,9 +165,7 @@ def _speculative_defaults(record: Any) -> None:
     if cfg.max_running_requests is None and any(h in _DEFAULTS_48_RUNNING for h in called):
         declare_resolution(record, called[0], max_running_requests=48)
     if "_handle_eagle_family" in called:
-        # By hand, as _handle_eagle_family needs the model: without --speculative-num-steps it asks the model
-        # for steps, top-k and draft tokens (speculative_hook.py:1159-1174); with top-k 1 the draft tokens
-        # become steps + 1 (:1255-1266).
+        # By hand, as _handle_eagle_family needs the model (speculative_hook.py:1159-1174, :1255-1266).
         if cfg.speculative_num_steps is None:
             raise ValueError("_handle_eagle_family picks --speculative-num-steps from the model "
                              "(_auto_choose_speculative_params): give it")
@@ -202,9 +180,7 @@ def _pool_size(configurator: type, max_running: int | None, attn_dp: int, kv_cap
                decode_bs: list[int]) -> int:
     """The request pool of one attention-DP rank: KVCacheConfigurator.resolve_max_num_reqs (:3119-3171).
 
-    ``token_capacity`` is ``kv_capacity`` (unknown: never binding). With neither it nor --max-running-requests
-    the server sizes the pool from the model and its profiled KV memory: the plan takes the largest ladder size,
-    which cuts nothing. With the capacity but no running limit, a context length of 1 puts it at its 4096 ceiling.
+    An unknown ``kv_capacity`` never binds; with no running limit either, the largest ladder size (cuts nothing).
     """
     if max_running is None and kv_capacity is None:
         return max(decode_bs)

@@ -1,15 +1,8 @@
 """The sglang plugin: drain the device and meet the TP ranks between the last capture warmup and the graph.
 
-The CUDA-graph backends of sglang (the room's ``VERSION``; the lines cited are its) run, per shape, two
-iterations of {synchronize, TP barrier, forward, ``post_warmup_hook()``} and then create the graph
-(``full_cuda_graph_backend.py:159-182``, ``breakable_cuda_graph_backend.py:121-127``; in
-``tc_piecewise_cuda_graph_backend.py:241-245`` the second forward is the capture). Nothing drains the device
-or meets the other ranks after the last warmup, so a compile or module load still in flight lands inside
-capture (sglang #33356; the fix, #33795 / #34286, is not in that release). Loaded through the
-``sglang.srt.plugins`` entry point ``jitwarm`` (``SGLANG_PLUGINS=jitwarm``), :func:`register` wraps every
-backend's ``post_warmup_hook``: the server's own hook, then the drain, or in plan mode (:mod:`..plugins`) the
-capture hook, warmed from model-runner start. After each model runner's ``init_cuda_graphs`` the start-up
-ledger (:mod:`jitwarm.precompile.ledger`) is reported. See ``docs/sglang.md``.
+sglang's CUDA-graph backends end each warmup with ``post_warmup_hook()`` and then capture, with nothing draining
+or meeting the ranks in between, so a compile still in flight lands inside capture (sglang #33356; the fix,
+#33795 / #34286, is not in the room's ``VERSION``). :func:`register` wraps that hook. See ``docs/sglang.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +20,8 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "JITWARM_SGLANG_PLUGIN"
 ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the sglang plugin inert (default on)", default=True)
 
-#: Every CUDA-graph backend of sglang whose ``capture_one`` is wrapped (runner_backend/, lines above).
+#: Every CUDA-graph backend of sglang whose ``capture_one`` is wrapped (``full_cuda_graph_backend.py:159-182``,
+#: ``breakable_cuda_graph_backend.py:121-127``, ``tc_piecewise_cuda_graph_backend.py:241-245``).
 CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cls}" for module, cls in (
     ("full_cuda_graph_backend", "FullCudaGraphBackend"),
     ("breakable_cuda_graph_backend", "BreakableCudaGraphBackend"),
@@ -61,9 +55,8 @@ _recorder: Any = None
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: install the capture drain, and plan mode with ``JITWARM_CONFIG``.
 
-    sglang's ``load_plugins()`` calls it in every process that loads plugins; only a scheduler captures. Logs one
-    line: what it installed, or that it is inert. Raises only under ``JITWARM_STRICT=1`` (sglang logs it and runs
-    on); an unusable ``JITWARM_CONFIG`` is then raised at model-runner start, which stops the server.
+    Logs one line: what it installed, or that it is inert. Raises only under ``JITWARM_STRICT=1`` (sglang logs it
+    and runs on); an unusable ``JITWARM_CONFIG`` is then raised at model-runner start, which stops the server.
     """
     global _plan
     if not plugins.setting(log, ENABLED, True):
@@ -108,8 +101,7 @@ def _record_and_serve() -> None:
 def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``ModelRunner.init_cuda_graphs`` (model_runner.py:1170): its last graph captured, the ledger.
 
-    Called for the target runner, then the draft's (scheduler.py:1122-1126): each reports everything since the
-    start, so the last report (and ``JITWARM_LEDGER``) covers every graph.
+    The target runner's, then the draft's (scheduler.py:1122-1126): the last report covers every graph.
     """
     graphs = original(runner, *args, **kwargs)
     plugins.report_ledger(log)
@@ -117,10 +109,7 @@ def _around_init_cuda_graphs(original: Any, runner: Any, *args: Any, **kwargs: A
 
 
 def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``capture_one``: the server's ``post_warmup_hook`` (given or not) followed by the drain.
-
-    The whole call runs sealed (:func:`..plugins.sealed`): a JIT compile or load while its graph captures is named.
-    """
+    """AROUND hook of ``capture_one``, sealed: the server's ``post_warmup_hook`` (given or not), then the drain."""
     bound = inspect.signature(original).bind(backend, *args, **kwargs)  # positional, keyword or absent alike
     server_hook = bound.arguments.get("post_warmup_hook")
     if _plan.plan is not None and _plan.hook is None:
@@ -131,9 +120,7 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
         # decode_cuda_graph_runner.py:1487-1504): it resets state the warmup mutated, so it runs, first.
         if server_hook is not None:
             server_hook()
-        # Drain after EVERY warmup, not only the last: then the last warmup's work is drained and all ranks have
-        # met before capture starts, however many warmups a backend runs (two in VERSION). In tc-piecewise the
-        # second forward is the capture: the drain (the hook, in plan mode) after the first is the one before it.
+        # After EVERY warmup, however many a backend runs; in tc-piecewise the second forward is the capture.
         _drain(backend)
 
     bound.arguments["post_warmup_hook"] = post_warmup_hook
@@ -154,10 +141,7 @@ def _drain(backend: Any) -> None:
 
 
 def _around_model_runner_init(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of ``ModelRunner.__init__``: start the plan's warm, then construct the runner.
-
-    The architecture the runner's ``model_config`` read from the checkpoint decides the plan's kernel families.
-    """
+    """AROUND hook of ``ModelRunner.__init__``: start the plan's warm (families from its ``model_config``)."""
     try:
         arguments = inspect.signature(original).bind_partial(runner, *args, **kwargs).arguments
         names = getattr(getattr(arguments.get("model_config"), "hf_config", None), "architectures", None)

@@ -1,9 +1,7 @@
 """sglang's decode CUDA-graph resolution, mirrored in plain Python: which graphs a server captures.
 
 Every rule cites the file and line of the sglang wheel it mirrors (the room's ``VERSION``);
-``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`). No torch, no
-sglang import. In: :data:`INPUT_KEYS` (the command line, the device memory, the verify-mode variable); out: the
-decode graphs the target worker captures, largest first.
+``tests/test_sglang_oracle.py`` checks the mirror against sglang's own functions (:mod:`.native`).
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ VERIFY_MODES = ("static", "cap-accept", "compact")
 
 #: The built-in algorithms (srt/speculative/spec_info.py:39-47; :109-110: NEXTN is EAGLE) -> the handler each
 #: dispatches to (:235-271) and the line of srt/arg_groups/speculative_hook.py where it defaults
-#: max_running_requests to 48 when it is not given (None: _handle_uno sets none; tests/test_sglang_oracle.py reads
-#: the lines from the wheel). The handlers run after handle_gpu_memory_settings (pipeline.py:218, :306), so the 48
-#: cuts the runner's pool, not the default max batch.
+#: max_running_requests to 48 (None: it sets none). They run after handle_gpu_memory_settings (pipeline.py:218,
+#: :306), so the 48 cuts the runner's pool, not the default max batch.
 HANDLERS = {"DFLASH": ("_handle_dflash", 442), "UNO": ("_handle_uno", None), "DSPARK": ("_handle_dspark", 856),
             "EAGLE": ("_handle_eagle_family", 1090), "EAGLE3": ("_handle_eagle_family", 1090),
             "FROZEN_KV_MTP": ("_handle_frozen_kv_mtp", 996), "STANDALONE": ("_handle_eagle_family", 1090),
@@ -69,11 +66,11 @@ def normalize_algorithm(name: str | None) -> str | None:
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the decode graphs sglang ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`).
 
-    The answer: ``source``, ``max_running_requests`` (after the speculative default), ``decode_max_bs`` and
-    ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width``
-    (tokens per request in a captured batch), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}``
-    per graph, largest first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``.
-    :class:`ResolutionError` for a combination sglang rejects.
+    The answer: ``source``, ``max_running_requests``, ``decode_max_bs`` and ``decode_bs`` (the resolved
+    ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width`` (tokens per request),
+    ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per graph, largest first); with decode
+    graphs disabled ``{"source", "disabled": <why>, "shapes": []}``. :class:`ResolutionError` for a combination
+    sglang rejects.
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
@@ -126,10 +123,7 @@ def _builtin(inputs: str) -> dict[str, Any]:
 
 
 def decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The decode phase of ``cuda_graph_config`` (``why`` names what disabled it, if anything).
-
-    srt/arg_groups/cuda_graph_hook.py:32-101: explicit JSON > convenience flags > legacy flags > defaults.
-    """
+    """The decode phase of ``cuda_graph_config``, ``why`` naming what disabled it (cuda_graph_hook.py:32-101)."""
     decode: dict[str, Any] = {}
     if cfg["disable_cuda_graph"]:
         decode.update(backend="disabled", why="--disable-cuda-graph")
@@ -150,10 +144,7 @@ def decode_graph_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
-    """Return sglang's default decode max batch for this device memory (MiB) and TP size.
-
-    srt/arg_groups/memory_hook.py:86-180: an H200 (143,771 MiB) gives 256 below tp 4, 512 from tp 4; unknown 160.
-    """
+    """Return sglang's default decode max batch for this device memory (MiB) and TP size (memory_hook.py:86-180)."""
     if gpu_memory_mb is None:
         return _UNKNOWN_MEMORY_MAX_BS
     for below, small_tp, large_tp in _MEMORY_TIERS:
@@ -163,11 +154,7 @@ def default_max_bs(gpu_memory_mb: int | None, tp_size: int) -> int:
 
 
 def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> list[int]:
-    """Return sglang's decode capture ladder for ``max_bs`` (``max_bs`` appended when off the tiers).
-
-    srt/arg_groups/cuda_graph_hook.py:500-532: every size with padding off; else the plain tiers, or the
-    speculative ones when a ``--speculative-algorithm`` is set (draft tokens alone do not switch it).
-    """
+    """Return sglang's decode capture ladder for ``max_bs``, appended if off the tiers (cuda_graph_hook.py:500-532)."""
     if no_padding:
         sizes = list(range(1, max_bs + 1))
     elif not speculative:
@@ -184,9 +171,8 @@ def decode_batch_sizes(max_bs: int, *, speculative: bool, no_padding: bool) -> l
 def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
     """The attention-DP size, after sglang's two start-up checks of the layout.
 
-    ``--attn-dp-size``, or its deprecated form ``--dp-size N --enable-dp-attention`` (srt/arg_groups/fields/
-    parallel.py:192-194). srt/arg_groups/parallel_hook.py:285-292: replicas (``--dp-size``) with attention DP are
-    refused; :326: ``tp_size % attn_dp_size == 0`` is asserted (``tp_size // attn_dp_size`` is the alignment).
+    ``--attn-dp-size``, or ``--dp-size N --enable-dp-attention`` (srt/arg_groups/fields/parallel.py:192-194);
+    srt/arg_groups/parallel_hook.py:285-292 refuses replicas with it, :326 asserts ``tp_size % attn_dp_size == 0``.
     """
     if cfg["attn_dp_size"] and cfg["attn_dp_size"] > 1:
         attn_dp = int(cfg["attn_dp_size"])
@@ -205,27 +191,22 @@ def _checked_attention_dp(cfg: Mapping[str, Any]) -> int:
 
 
 def _pool_size(max_running: int | None, attn_dp: int, kv_capacity: int | None) -> int | None:
-    """The request pool of one attention-DP rank; None when nothing bounds it at plan time.
-
-    srt/mem_cache/kv_cache_configurator.py:3119: ``min(max_running_requests // attn_dp_size, kv_capacity // 2)``.
-    Without a running limit sglang sizes the pool from the KV memory it profiles: a plan assumes it cuts nothing.
-    """
+    """The request pool of one attention-DP rank (kv_cache_configurator.py:3119); None when nothing bounds it."""
     if max_running is not None:
         pool = max(1, max_running // attn_dp)  # kv_cache_configurator.py:3128
         return pool if kv_capacity is None else min(pool, kv_capacity // 2)
     if kv_capacity is None:
         return None
-    # The server's own estimate is 2048 to 4096 requests, from the model's context length (:3122-3123); with
-    # the KV capacity known and no running limit, its ceiling is taken.
+    # The server's estimate is 2048 to 4096 requests, from the model's context length (:3122-3123): the ceiling.
     return min(4096, kv_capacity // 2)
 
 
 def runner_batch_sizes(bs_list: list[int], width: int, *, pool_size: int | None, alignment: int) -> list[int]:
     """Return the sizes the decode runner captures: ``cuda_graph_config.decode.bs`` cut at the pool size.
 
-    srt/model_executor/runner/base_cuda_graph_runner.py:65-110: the pool size (padded to the alignment) is
-    appended when the ladder goes past it and larger sizes dropped; so are sizes whose ``bs * width`` tokens do
-    not divide by the alignment, the attention-TP size under attention DP (srt/utils/common.py:4168-4181).
+    srt/model_executor/runner/base_cuda_graph_runner.py:65-110: the pool size (padded to the alignment) replaces
+    larger sizes; sizes whose ``bs * width`` tokens do not divide by the alignment are dropped
+    (srt/utils/common.py:4168-4181).
     """
     sizes = list(bs_list)
     if pool_size is not None:
@@ -240,14 +221,8 @@ def runner_batch_sizes(bs_list: list[int], width: int, *, pool_size: int | None,
     return sorted(set(sizes))
 
 
-def capture_verify_lens(num_tokens: int, num_slots: int, num_draft_tokens: int) -> list[int]:
-    """Spread ``num_tokens`` over ``num_slots`` rows of at most ``num_draft_tokens``, longest first.
-
-    srt/speculative/ragged_verify.py:198-216 (``build_capture_verify_lens``).
-    """
-    if num_slots < 1 or num_tokens < num_slots or num_tokens > num_slots * num_draft_tokens:
-        raise ResolutionError(f"cannot lay out {num_tokens} tokens in {num_slots} rows of at most "
-                              f"{num_draft_tokens}")
+def capture_verify_lens(num_tokens: int, num_slots: int) -> list[int]:
+    """Spread ``num_tokens`` over ``num_slots`` rows that hold them, longest first (ragged_verify.py:198-216)."""
     base = num_tokens // num_slots
     rem = num_tokens - base * num_slots
     return [base + 1] * rem + [base] * (num_slots - rem)
@@ -256,13 +231,13 @@ def capture_verify_lens(num_tokens: int, num_slots: int, num_draft_tokens: int) 
 def graph_shapes(capture_bs: list[int], width: int, compact: bool) -> list[dict[str, Any]]:
     """One entry per captured graph, largest first: its bs, the key sglang stores it under, its verify_lens.
 
-    Compact graphs are keyed by ``bs * width`` tokens laid over ``min(tokens, max(capture_bs))`` rows
+    Compact graphs are keyed by ``bs * width`` tokens over ``min(tokens, max(capture_bs))`` rows
     (srt/model_executor/runner/decode_cuda_graph_runner.py:699-702, 737-738, 791-794); others by bs.
     """
     top, shapes = max(capture_bs), []
     for bs in sorted(capture_bs, reverse=True):
         tokens = bs * width
-        lens = capture_verify_lens(tokens, min(tokens, top), width) if compact else [width] * bs
+        lens = capture_verify_lens(tokens, min(tokens, top)) if compact else [width] * bs
         shapes.append({"bs": bs, "graph_key": tokens if compact else bs, "verify_lens": lens})
     return shapes
 

