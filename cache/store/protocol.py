@@ -80,8 +80,13 @@ class LocalCache(CacheReader):
 
     _fleet: Fleet | None = None  # the remote tier (KernelCache), whose lease a build here holds
 
-    key = staticmethod(key_of)
-    key_preimage = staticmethod(key_preimage)
+    def key(self, description: Mapping[str, Any]) -> str:
+        """The key of ``description`` (sha256 of its canonical JSON preimage); TypeError if not plain JSON."""
+        return key_of(description)
+
+    def key_preimage(self, description: Mapping[str, Any]) -> dict[str, Any]:
+        """Return the exact object hashed into the key (kept in ``entry.json`` to explain misses); TypeError."""
+        return key_preimage(description)
 
     def get_or_build(self, description: Mapping[str, Any], build: BuildFn, timeout_s: float = 600.0,
                      on_wait: OnWait | None = None, *, key: str | None = None) -> Entry:
