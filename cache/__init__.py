@@ -11,9 +11,9 @@ from jitwarm.cache.entry import Entry, FileRecord
 from jitwarm.cache.errors import BuildError, CacheError, CacheWriteError, LockTimeout, RemoteUnavailable
 from jitwarm.cache.keys import FORMAT_VERSION, key_of
 from jitwarm.cache.locks import LockHolder
-from jitwarm.cache.maintenance import PruneReport, VerifyReport
+from jitwarm.cache.maintenance import PruneReport
 from jitwarm.cache.remote import RemoteReport, reset_remote_health
-from jitwarm.cache.store import CacheResult, CacheStats, KernelCache, Outcome, Reservation
+from jitwarm.cache.store import CacheResult, CacheStats, KernelCache, Outcome, Reservation, VerifyReport
 
 __all__ = ["FORMAT_VERSION", "BuildError", "CacheError", "CacheResult", "CacheStats", "CacheWriteError", "Entry",
            "FileRecord", "ImportReport", "KernelCache", "LockHolder", "LockTimeout", "Outcome", "PruneReport",

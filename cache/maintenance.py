@@ -1,27 +1,18 @@
-"""Upkeep of a root: prune, the sweep of dead builders' staging dirs, quarantine, and verify."""
+"""Upkeep of a root: prune (LRU, age, grace period) and the sweep of dead builders' staging dirs."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import stat
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from jitwarm.cache.entry import verify_entry
-from jitwarm.cache.errors import CacheError, CorruptEntry
-from jitwarm.cache.files import directory_size, remove_tree, write_atomic
-from jitwarm.cache.layout import RootLayout
+from jitwarm.cache.files import directory_size, remove_tree
+from jitwarm.cache.layout import RootLayout, prune_stamps
 from jitwarm.cache.locks import KeyLock, pid_alive, ready_lock_dir, this_host
-from jitwarm.cache.stamps import prune_stamps
-
-if TYPE_CHECKING:
-    from jitwarm.cache.store import CacheReader
 
 log = logging.getLogger("jitwarm.cache")
 
@@ -129,138 +120,3 @@ def _prune_quarantine(layout: RootLayout, cutoff: float) -> list[str]:
                 Path(item.path).unlink()
             removed.append(item.name)
     return removed
-
-
-def move_aside(layout: RootLayout, name: str, path: Path, reason: str) -> bool:
-    """Rename ``path`` (we hold its lock) into quarantine with a ``.reason`` note; False (logged) if it cannot."""
-    dest = layout.quarantine_dir(name)
-    try:
-        layout.ensure(layout.quarantine)
-        try:
-            path.rename(dest)
-        except PermissionError:
-            # Moving a directory rewrites its "..": our own unreadable (0000) one needs its write bit back.
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                raise
-            path.chmod(0o700)
-            path.rename(dest)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:  # another user's entry, a read-only volume: left, never used
-        log.warning("%s could not be quarantined (%s): %s", path, exc.strerror or exc, reason)
-        return False
-    with contextlib.suppress(OSError):
-        write_atomic(dest.with_name(dest.name + ".reason"), reason.encode(), durable=False)
-    log.warning("quarantined %s to %s: %s", path, dest, reason)
-    return True
-
-
-def quarantine(layout: RootLayout, lock_dir: Path, name: str, path: Path, reason: str, *, read_only: bool,
-               repair: bool, shared: bool, locked: bool = False) -> None:
-    """Move a writable root's corrupt copy ``path`` (of key ``name``, or ``shard-<kk>``) aside, else log it.
-
-    Unless ``locked``, its lock is only tried and the copy checked once more under it. Never raises, but for
-    an untrusted entry.
-    """
-    if read_only or not repair:
-        log.warning("corrupt cache copy %s%s: %s", path, f" in read-only {layout.root}" if read_only
-                    else " (reported, not moved)", reason)
-        return
-    lock = KeyLock(lock_dir, name, shared=shared)
-    try:
-        if not locked and not lock.try_acquire():
-            log.warning("%s (not quarantined: its lock is held): %s", path, reason)
-            return
-    except CacheError as exc:  # no lock dir (a read-only volume)
-        log.warning("%s (not quarantined: %s): %s", path, exc.reason, reason)
-        return
-    with lock:
-        if locked or _still_bad(path, name, shared):
-            move_aside(layout, name, path, reason)
-
-
-def _still_bad(path: Path, name: str, shared: bool) -> bool:
-    """Whether the copy at ``path`` (a shard, or the entry of key ``name``) is still corrupt."""
-    if name.startswith("shard-"):
-        return shard_problem(path) is not None
-    try:
-        verify_entry(path, name, allow_shared=shared)
-    except (CorruptEntry, OSError):
-        return True
-    return False
-
-
-def shard_problem(shard: Path) -> str | None:
-    """Why ``entries/<kk>`` cannot hold entries, or None (also when missing, or a directory above is the problem)."""
-    try:
-        st = os.lstat(shard)
-    except OSError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return f"{shard} is a symlink, not a shard directory"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{shard} is not a directory"
-    try:
-        os.scandir(shard).close()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"{shard} cannot be read: {exc.strerror or exc}"
-    if not os.access(shard, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-        return f"{shard} cannot be read: Permission denied"
-    return None
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Result of :meth:`KernelCache.verify`: ``corrupt`` maps a key (or a bad shard's path) to why."""
-
-    ok: tuple[str, ...] = ()
-    corrupt: dict[str, str] = field(default_factory=dict)
-    missing: tuple[str, ...] = ()
-    quarantined: tuple[str, ...] = ()
-
-    @property
-    def clean(self) -> bool:
-        """True when nothing was corrupt or missing."""
-        return not self.corrupt and not self.missing
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the report as a JSON-able dict."""
-        return {"ok": list(self.ok), "corrupt": dict(self.corrupt), "missing": list(self.missing),
-                "quarantined": list(self.quarantined)}
-
-
-def verify_copies(local: CacheReader, keys: Sequence[str] | None, *, repair: bool,
-                  stamped: bool = False) -> VerifyReport:
-    """Hash every copy of ``keys`` in the root and each layer (every entry and shard when None)."""
-    ok, corrupt, quarantined = set(), {}, set()
-    for layout, read_only in local.search_order:
-        found = list(layout.iter_entry_names()) if keys is None else [(k, layout.entry_dir(k)) for k in keys]
-        for key, path in found:
-            if key is None:
-                _entry, why = local.bad_shard(layout, path, read_only=read_only, repair=repair)
-            else:
-                entry, why = local.check_copy(layout, key, read_only=read_only, locked=False, repair=repair,
-                                              stamped=stamped)
-                if entry is not None:
-                    ok.add(key)
-            if why is not None:
-                name = key or str(path)
-                corrupt[name] = "; ".join(filter(None, (corrupt.get(name), why)))
-                if repair and not read_only and not _lexists(path):
-                    quarantined.add(name)
-    missing = tuple(k for k in keys or () if k not in ok and k not in corrupt)
-    return VerifyReport(ok=tuple(sorted(ok)), corrupt=corrupt, missing=missing, quarantined=tuple(sorted(quarantined)))
-
-
-def _lexists(path: Path) -> bool:
-    """Whether something is at ``path``; True also when a shard in the way is not a directory."""
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        return exc.errno != errno.ENOTDIR or os.path.lexists(path.parent)
-    return True

@@ -25,15 +25,14 @@ def open_store(url: str, prefix: str, *, required: bool, max_bytes: int, shared:
 
     Raises ``SettingError`` (exit 2) for a bad key setting, or ``s3://`` without boto3 (the ``s3`` extra).
     """
-    key = trust_key()
-    if not url.startswith("s3://"):
-        return RemoteStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
-                           trust_key=key, min_rate=min_rate)
-    try:  # found without importing it: ``jitwarm plan`` stays light
-        missing = importlib.util.find_spec("boto3") is None
-    except (ImportError, ValueError):  # ValueError: set to None in sys.modules (how a test hides it)
-        missing = True
-    if missing:
-        raise SettingError(f"remote {redact(url)} needs boto3, which is not installed: pip install 'jitwarm[s3]'")
-    return ObjectStore(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count,
-                       trust_key=key, min_rate=min_rate)
+    key, store = trust_key(), RemoteStore
+    if url.startswith("s3://"):
+        try:  # found without importing it: ``jitwarm plan`` stays light
+            missing = importlib.util.find_spec("boto3") is None
+        except (ImportError, ValueError):  # ValueError: set to None in sys.modules (how a test hides it)
+            missing = True
+        if missing:
+            raise SettingError(f"remote {redact(url)} needs boto3, which is not installed: pip install 'jitwarm[s3]'")
+        store = ObjectStore
+    return store(url, prefix, required=required, max_bytes=max_bytes, shared=shared, count=count, trust_key=key,
+                 min_rate=min_rate)

@@ -15,7 +15,7 @@ from jitwarm.cache.errors import CacheError
 from jitwarm.cache.files import directory_size
 from jitwarm.cache.keys import check_key
 from jitwarm.cache.layout import BUNDLE_TAG, RootLayout, read_fact, read_plan_record, write_fact, write_plan_record
-from jitwarm.cache.maintenance import PruneReport, VerifyReport, prune_root, verify_copies
+from jitwarm.cache.maintenance import PruneReport, prune_root
 from jitwarm.cache.remote import Fleet, RemoteReport, open_store, redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, open_bundle
 from jitwarm.cache.store.protocol import LocalCache
@@ -63,15 +63,6 @@ class KernelCache(LocalCache):
         mode = ", read_only=True" if self.read_only else ""
         mode += f", remote={self.remote_display!r}" if self.remote else ""
         return f"KernelCache(root={str(self.root)!r}, layers={[str(p) for p in self.layers]}{mode})"
-
-    def verify(self, keys: Iterable[str] | None = None, *, repair: bool = False,
-               stamped: bool = False) -> VerifyReport:
-        """Re-hash every copy of ``keys`` (default: every entry and shard); ``repair``: quarantine corrupt ones.
-
-        ``stamped``: a copy whose stamp still matches is not hashed again. ``CacheError`` for an untrusted directory.
-        """
-        return verify_copies(self, None if keys is None else sorted({check_key(k) for k in keys}),
-                             repair=repair, stamped=stamped)
 
     def prune(self, max_bytes: int | None = None, older_than_s: float | None = None, *,
               grace_s: float | None = None) -> PruneReport:
