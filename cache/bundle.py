@@ -36,6 +36,7 @@ from jitwarm.cache.signing import MAX_SIGNATURE_BYTES, SIGNATURES_DIR, check_loc
 
 #: Optional first member: ``{"format": 1, "keys": [...]}``.
 BUNDLE_MANIFEST = "bundle.json"
+#: A bundle with more members than this is refused (each costs memory while the headers are checked).
 MAX_MEMBERS = 1_000_000
 _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
 _CHUNK = 1 << 20
@@ -166,6 +167,7 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: l
     for key, entry_dir in sorted(staged.items()):
         _write(entry_dir, seal_dirs, entry_dir, shared)
         try:
+            # The unpacked files are ours, written with safe modes; this is their one hash.
             entries[key] = verify_entry(entry_dir, key, allow_shared=True)
         except CorruptEntry as exc:
             raise CacheError(f"bundle {where}: entry {key} does not verify: {exc}") from None

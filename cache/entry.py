@@ -17,6 +17,7 @@ from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.files import check_trusted, fsync_tree, loads, make_dirs, open_regular, read_file_stat, write_atomic
 from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
 
+#: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"
 MAX_MANIFEST_BYTES = 16 << 20
 _CHUNK = 1 << 20
@@ -201,7 +202,7 @@ def parse_manifest(data: bytes, key: str, where: str) -> tuple[dict[str, Any], l
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptEntry(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
-        doc = loads(data)
+        doc = loads(data)  # bounded depth: 100,000 nested "[" must be a corrupt entry, not a RecursionError
         if not isinstance(doc, dict) or not isinstance(doc["preimage"], dict):
             raise TypeError("not an object")
         if not isinstance(doc["preimage"].get("description"), dict):
@@ -246,7 +247,7 @@ def unpack_entry(staging: Path, key: str, manifest: bytes, files: Mapping[str, b
     dir_mode = 0o777 if shared else 0o755
     sig, dest = {}, staging
     try:
-        staging.mkdir(mode=dir_mode, exist_ok=True)
+        staging.mkdir(mode=dir_mode, exist_ok=True)  # the cache's staging dirs are made empty beforehand
         for rel in sorted(files):
             dest = staging / rel
             make_dirs(dest.parent, dir_mode)
@@ -272,6 +273,7 @@ def is_safe_relpath(rel: object) -> bool:
             rel.encode("utf-8")  # a lone surrogate from JSON cannot become a file name
         except UnicodeEncodeError:
             return False
+    # No empty, "." or ".." part is what "normalized" means (PurePosixPath says so at ten times the cost).
     return all(p not in ("", ".", "..") for p in rel.split("/"))
 
 
@@ -302,7 +304,7 @@ def _walk_files(root: Path, *, error: type[Exception],
 def _hash_file(path: Path, rel: str) -> tuple[str, _SigItem]:
     """Hash a file without following a symlink; return the digest and its signature item."""
     h = hashlib.sha256()
-    fd, _st = open_regular(path)
+    fd, _st = open_regular(path)  # never blocks: a FIFO swapped in after the listing is an OSError, not a hang
     with os.fdopen(fd, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)

@@ -33,6 +33,7 @@ T = TypeVar("T")
 WAIT_LOG_AFTER_S = 3.0
 #: While blocked on a key's lock, try it every 20 ms (filelock's default) and ask ``give_up`` every 50 ms.
 _POLL_S, LOOK_EVERY_S = 0.02, 0.05
+#: A holder record is a few dozen bytes; anything larger was not written by a holder.
 _MAX_HOLDER_BYTES = 4096
 
 
@@ -148,7 +149,9 @@ def wait_until(poll: Callable[[], T | None], timeout_s: float, *, key: str,
 class KeyLock:
     """The build lock of one key: ``<lock_dir>/<key>.lock`` (flock, one descriptor per instance) and ``.holder``.
 
-    Lock files are never deleted: unlinking one while others wait on it splits them across inodes.
+    One descriptor per instance, so two threads exclude each other as two processes do; the kernel drops a
+    flock when its holder dies. Lock files are never deleted: unlinking one while others wait on it splits
+    them across inodes (two builders at once).
     """
 
     def __init__(self, lock_dir: Path, key: str, *, shared: bool = False) -> None:

@@ -119,6 +119,7 @@ def remote_prefix() -> str:
     return check_remote_prefix(text, "JITWARM_REMOTE_PREFIX") if text else DEFAULT_REMOTE_PREFIX
 
 
+#: The largest fleet key file read (a key is a few dozen bytes; /dev/zero is not one).
 MAX_KEY_BYTES = 4096
 
 
@@ -250,7 +251,8 @@ def directory(path: Path, what: str) -> Path:
     try:
         path.stat()
     except OSError as exc:
-        # A name too long or a link loop was exit 1 from the first open; missing stays for later.
+        # A name too long or a link loop was exit 1 "File name too long" from the first open (attack round 2);
+        # missing stays for later.
         if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
             raise SettingError(f"{what}: {path}: {exc.strerror}") from None
     if os.path.lexists(path) and not path.is_dir():

@@ -77,7 +77,10 @@ def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[]
 
 
 def interrupt(stream: Any) -> None:
-    """Shut the socket under an HTTP body so a read blocked on it returns (closing does not wake a ``recv``)."""
+    """Shut the socket under an HTTP body so a read blocked on it returns (closing does not wake a ``recv``).
+
+    urllib3 2.3 and later have ``HTTPResponse.shutdown``; before, the connection's socket is shut directly.
+    """
     raw = getattr(stream, "_raw_stream", stream)
     shutdown = getattr(raw, "shutdown", None)
     if shutdown is not None:

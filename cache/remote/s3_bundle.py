@@ -72,7 +72,7 @@ def open_bundle(url: str) -> Iterator[Any]:
         raise BundleStoreError(f"cannot read bundle {url}: {describe(exc)}") from exc
     size = int(reply.get("ContentLength") or 0)
     body = _Body(reply["Body"], size, url)
-    try:
+    try:  # the whole read has its deadline (JITWARM_REMOTE_MIN_RATE), not only each socket read
         with deadline(f"cannot read bundle {url}", size, s3.READ_TIMEOUT_S, remote_min_rate(),
                       lambda: interrupt(reply["Body"])):
             yield body

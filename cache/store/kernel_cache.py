@@ -132,7 +132,7 @@ class KernelCache(LocalCache):
         self._prepare_root()
         staging = self.new_staging(BUNDLE_TAG)
         try:
-            if is_bundle_url(path):
+            if is_bundle_url(path):  # read as a stream, hashed as read: nothing published before the pin is met
                 with open_bundle(str(path)) as body:
                     staged = bundle.unpack_stream(body, str(path), staging, **caps)
             else:
