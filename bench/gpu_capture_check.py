@@ -23,7 +23,7 @@ import torch
 
 from jitwarm.cache import KernelCache
 from jitwarm.kernels import VerifyLayout, dispatch, ops, reference
-from jitwarm.kernels.token_map import max_out_rows
+from jitwarm.kernels.spec import max_out_rows
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan, capture_ladder, warm
 
 HOOK_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "hook_worker.py"
@@ -174,7 +174,7 @@ from jitwarm.kernels import VerifyLayout, dispatch, ops
 mode = sys.argv[1]
 dispatch.set_cache(KernelCache(root=sys.argv[2]))
 if mode == "no_guard":  # behave like a JIT that never checks for capture: the status quo
-    import jitwarm.kernels.capture as capture
+    import jitwarm.kernels.dispatch as capture
     capture.stream_is_capturing = lambda: False
 if mode == "guard":
     from jitwarm.precompile import guard

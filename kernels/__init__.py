@@ -25,7 +25,7 @@ from jitwarm.kernels.spec import DTYPES, KernelSpec, ModelDims, VerifyLayout
 from jitwarm.kernels.target import Target, TargetError
 
 _LAZY = {"Artifact": "artifacts", "KernelLoadError": "artifacts", "artifact": "artifacts",
-         "dispatch": None, "ops": None, "reference": None, "capture": None}
+         "dispatch": None, "ops": None, "reference": None}
 
 __all__ = ["BACKEND_NAMES", "BUILDABLE", "DTYPES", "FAMILIES", "Backend", "CompileError", "Family", "KernelSpec",
            "LoadError", "LoadedKernel", "ModelDims", "SpecError", "Target", "TargetError", "ToolchainError",

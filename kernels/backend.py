@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from jitwarm.cache.errors import JitwarmError
-from jitwarm.kernels.libraries import LIBRARY_KINDS
+from jitwarm.kernels.libraries import jit_caches, sglang_jit, triton
 from jitwarm.kernels.spec import KernelSpec
 
+#: The library rooms (:mod:`jitwarm.kernels.libraries`), in the order their kinds are listed.
+ROOMS = (triton, sglang_jit, jit_caches)
 #: Backend name -> (its module, imported on first use; ``build``, ``replay`` a record, ``capture`` from a run).
 _KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "tvm_ffi": ("jitwarm.kernels.tvm_backend", frozenset({"build"})),
     "triton": ("jitwarm.kernels.triton_backend", frozenset({"build"})),
-    **{kind: (module, frozenset(can)) for kind, (module, can) in LIBRARY_KINDS.items()},
+    **{kind: (module, frozenset(can)) for room in ROOMS for kind, (module, can) in room.KINDS.items()},
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(_KINDS)
 #: The backends a plan's ``--backend`` may name: those that build a spec from nothing but its params.

@@ -13,8 +13,7 @@ import torch
 from jitwarm.kernels import dispatch
 from jitwarm.kernels.backend import BACKEND_NAMES
 from jitwarm.kernels.families import FAMILIES
-from jitwarm.kernels.spec import KernelSpec, ModelDims, VerifyLayout
-from jitwarm.kernels.token_map import TokenMap, max_out_rows
+from jitwarm.kernels.spec import KernelSpec, ModelDims, TokenMap, VerifyLayout, max_out_rows
 
 __all__ = ["TokenMap", "compress", "max_out_rows", "norm_rope", "plan", "spec_for"]
 

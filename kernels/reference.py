@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from jitwarm.kernels.spec import VerifyLayout
-from jitwarm.kernels.token_map import TokenMap
+from jitwarm.kernels.spec import TokenMap, VerifyLayout
 
 __all__ = ["TokenMap", "compress", "norm_rope", "plan", "rope_inv_freq"]
 

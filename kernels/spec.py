@@ -1,4 +1,4 @@
-"""KernelSpec, ModelDims and VerifyLayout: what one compiled kernel specialization is, and what chooses it."""
+"""KernelSpec, ModelDims, VerifyLayout and TokenMap: what one compiled kernel specialization is, what chooses it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 DTYPES = ("float32", "bfloat16")
 
@@ -68,6 +68,24 @@ class VerifyLayout:
     def run_length(self) -> str:
         """Render ``verify_lens`` run-length encoded, e.g. ``[3]*104+[2]*24``."""
         return "+".join(f"[{n}]*{len(list(run))}" for n, run in itertools.groupby(self.verify_lens))
+
+
+class TokenMap(NamedTuple):
+    """One batch's ragged layout and compression plan, int32 tensors: the plan kernel's output (docs/kernels.md)."""
+
+    cu_lens: Any
+    token_req: Any
+    token_pos: Any
+    token_out_row: Any
+    num_out: Any
+    uniform: Any
+
+
+def max_out_rows(layout: VerifyLayout, ratio: int) -> int:
+    """Return the most rows a batch with ``layout`` can write, whatever its prefixes: ``sum(ceil(L / r))``."""
+    if ratio < 1:
+        raise ValueError(f"ratio must be at least 1, got {ratio}")
+    return sum(-(-n // ratio) for n in layout.verify_lens)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jitwarm.kernels import KernelSpec, dispatch
-from jitwarm.kernels.capture import CompileDuringCaptureError, describe_miss, stream_is_capturing
+from jitwarm.kernels.dispatch import CompileDuringCaptureError, describe_miss, stream_is_capturing
 from jitwarm.precompile import servers
 
 _log = logging.getLogger(__name__)

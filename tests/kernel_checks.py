@@ -21,7 +21,7 @@ import torch
 
 from jitwarm.kernels import KernelSpec, VerifyLayout, dispatch, ops, reference
 from jitwarm.kernels.artifacts import artifact
-from jitwarm.kernels.token_map import TokenMap, max_out_rows
+from jitwarm.kernels.spec import TokenMap, max_out_rows
 from jitwarm.precompile import ServingConfig, WarmPlan
 
 # -- constants ------------------------------------------------------------------------------------------

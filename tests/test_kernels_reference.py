@@ -11,7 +11,7 @@ import torch
 from kernel_checks import INCIDENT, lens_of, random_prefix
 
 from jitwarm.kernels import VerifyLayout, reference
-from jitwarm.kernels.token_map import max_out_rows
+from jitwarm.kernels.spec import max_out_rows
 
 LAYOUTS = [INCIDENT, VerifyLayout((1,)), VerifyLayout((6,) * 5), VerifyLayout((1, 5, 2, 7, 3))]
 
@@ -123,7 +123,7 @@ def test_rope_inv_freq_is_float64_pow_rounded_once():
 
 
 def test_reference_modules_import_no_torch_at_package_import():
-    code = ("import sys, jitwarm.kernels, jitwarm.kernels.token_map, jitwarm.kernels.dispatch\n"
+    code = ("import sys, jitwarm.kernels, jitwarm.kernels.spec, jitwarm.kernels.dispatch\n"
             "bad = [m for m in ('torch', 'tvm_ffi', 'triton') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -95,7 +95,7 @@ def sealed(log: logging.Logger) -> Iterator[None]:
     It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); without
     it a Triton compile inside a real server's capture passed unseen (issue #31).
     """
-    from jitwarm.kernels.capture import stream_is_capturing
+    from jitwarm.kernels.dispatch import stream_is_capturing
     from jitwarm.precompile.guard import ThirdPartySeal
 
     seal = ThirdPartySeal(mode="error" if settings.is_strict() else "warn", when=stream_is_capturing, log=log)
