@@ -1,7 +1,6 @@
-"""The sglang room: everything jitwarm knows about the sglang server, for the release :data:`VERSION`.
+"""The sglang room, for the release :data:`VERSION`: its adapter (:class:`~jitwarm.precompile.servers.ServerAdapter`).
 
-This package is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on
-first use. :mod:`.loader` taps sglang's JIT loader once (recorded, counted for the ledger, sealed in capture).
+:mod:`.loader` taps sglang's JIT loader once (recorded, counted for the ledger, sealed in capture).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The vLLM room: everything jitwarm knows about the vLLM server, for the release :data:`VERSION`.
-
-This package is the room's adapter (:class:`jitwarm.precompile.servers.ServerAdapter`); it imports a module on
-first use.
-"""
+"""The vLLM room, for the release :data:`VERSION`: its adapter (:class:`~jitwarm.precompile.servers.ServerAdapter`)."""
 
 from __future__ import annotations
 
