@@ -6,8 +6,7 @@ import importlib
 from typing import Any
 
 from jitwarm.precompile.config import ConfigError, ServingConfig
-from jitwarm.precompile.plan import WarmPlan
-from jitwarm.precompile.shapes import CaptureShape, capture_batch_sizes, capture_shapes, verify_lens_for
+from jitwarm.precompile.plan import CaptureShape, WarmPlan, capture_batch_sizes, capture_shapes, verify_lens_for
 
 _LAZY = {
     "warm": "warming", "warm_specs": "warming", "start_warm": "warming", "WarmReport": "warming",
@@ -15,7 +14,7 @@ _LAZY = {
     "CaptureHook": "hook", "HookReport": "hook", "capture_ladder": "hook", "KernelsNotReady": "hook",
     "WarmTimeout": "hook", "KernelLoadFailed": "hook", "TorchDevice": "hook",
     "capture_guard": "guard", "CompileDuringCaptureError": "guard", "ThirdPartySeal": "guard",
-    "record": "recording", "Recorder": "recording",
+    "record": "manifest", "Recorder": "manifest",
 }
 
 __all__ = ["CaptureShape", "ConfigError", "ServingConfig", "WarmPlan", "capture_batch_sizes", "capture_shapes",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
@@ -25,7 +26,6 @@ from jitwarm.cache import BuildError, CacheError, Entry, FileRecord, KernelCache
 from jitwarm.kernels import CompileError, KernelSpec, LoadError, SpecError, TargetError, ToolchainError, channel
 from jitwarm.kernels.artifacts import Artifact
 from jitwarm.kernels.backend import set_build_only
-from jitwarm.precompile.log_lines import log_lines
 
 #: Seconds the workers get to stop on their own (SIGTERM) before they are killed.
 STOP_GRACE_S = 3.0
@@ -230,6 +230,28 @@ def _signal_session(proc: subprocess.Popen, sig: int) -> None:
 
 
 # -- the worker side --------------------------------------------------------------------------------------------
+
+
+class LogLines(logging.Formatter):
+    """``jitwarm: <message>``, the prefix once (many messages carry it already, for a server's own log)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """``jitwarm: <message>`` (no traceback: one line)."""
+        return "jitwarm: " + record.getMessage().removeprefix("jitwarm: ")
+
+
+@contextlib.contextmanager
+def log_lines() -> Iterator[None]:
+    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines` lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(LogLines())
+    logger = logging.getLogger("jitwarm")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -92,7 +92,7 @@ def main() -> None:
     print(f"stand-in: {mode} server starting, pid {os.getpid()}", flush=True)
     if os.environ.get("JITWARM_RECORD"):
         from jitwarm.precompile import ledger
-        from jitwarm.precompile.recording import record
+        from jitwarm.precompile.manifest import record
 
         recorder = record(os.environ["JITWARM_RECORD"])
         ledger.begin()
