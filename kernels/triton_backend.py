@@ -75,7 +75,8 @@ def build(spec: KernelSpec, staging_dir: Path, described: dict[str, Any] | None 
 
     # The private cache is removed before the entry is sealed: Triton's group files hold absolute paths.
     with tempfile.TemporaryDirectory(prefix=".triton-", dir=staging_dir) as tmp, driver.private_cache(tmp):
-        # No line info: it embeds this checkout's absolute path in the cubin (profilers show no source lines).
+        # No line info: it embeds this checkout's absolute path in the cubin, so identical builds on two
+        # boxes would differ byte for byte (the cost: profilers show no source lines).
         knobs.compilation.disable_line_info = True
         src = _ast_source(spec)
         try:

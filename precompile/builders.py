@@ -242,7 +242,10 @@ class LogLines(logging.Formatter):
 
 @contextlib.contextmanager
 def log_lines() -> Iterator[None]:
-    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines` lines."""
+    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines` lines.
+
+    Without it Python's last-resort handler printed them bare (a quarantine during ``warm`` had no prefix).
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(LogLines())

@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +69,12 @@ class ServerProcess:
         return self.proc.poll()
 
     def tail(self, lines: int = _TAIL_LINES) -> list[str]:
-        """The last ``lines`` lines of its output."""
-        return _lines(self.log)[-lines:]
+        """The last ``lines`` lines of its output (a bounded read: a server's log can be gigabytes)."""
+        try:
+            with open(self.log, "rb") as f:
+                return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
+        except OSError:
+            return []
 
     def first_error(self) -> list[str]:
         """The lines from its first error on (a worker's, logged before the front's traceback), if before the tail."""
@@ -245,7 +249,11 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
                     print(f"  | {line}", file=log)
             raise
         server.stop()
-        warnings = sorted({line[line.index("jitwarm:"):] for line in _lines(server_log)
+        try:  # as text: a progress bar's \r ends a line, and a warning keeps its bytes
+            said = server_log.read_text(errors="replace").splitlines()
+        except OSError:
+            said = []
+        warnings = sorted({line[line.index("jitwarm:"):] for line in said
                            if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
         try:
             report = json.loads(ledger.read_text())

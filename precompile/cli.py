@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name not in PLANLESS:
             add_serving_flags(p)
             p.add_argument("--manifest", action="append", type=path_flag, metavar="PATH",
-                           help="also plan the server kernels recorded here (JITWARM_RECORD); alone, only those")
+                           help="also plan the server kernels recorded in this manifest (jitwarm.precompile.record; "
+                                "JITWARM_RECORD); alone, plan only those")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             continue
@@ -152,24 +153,30 @@ def build_parser() -> argparse.ArgumentParser:
                            help="deadline for waiting on another process's build")
         r = p.add_argument_group("remote tier (one compile per spec across a fleet)")
         r.add_argument("--remote", nargs="?", const=REMOTE_FROM_ENV, metavar="URL",
-                       help="the fleet's Redis, redis[s]://[:PASSWORD@]HOST:PORT/DB, or bucket, s3://BUCKET/PREFIX "
-                            "(env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
+                       help="the fleet's shared Redis, redis://[:PASSWORD@]HOST:PORT/DB or rediss://..., or "
+                            "bucket, s3://BUCKET/PREFIX (the s3 extra; env JITWARM_REMOTE; alone: use JITWARM_REMOTE)")
         r.add_argument("--remote-prefix", metavar="PREFIX",
                        help="key namespace on that server (env JITWARM_REMOTE_PREFIX; default jitwarm)")
         r.add_argument("--remote-required", action="store_true",
-                       help="fail (exit 1) when the remote is down (env JITWARM_REMOTE_REQUIRED=1)")
+                       help="fail (exit 1) instead of continuing locally when the remote is down "
+                            "(env JITWARM_REMOTE_REQUIRED=1)")
         if name in ("warm", "prestart"):
             c.add_argument("--allow-fingerprint-mismatch", action="store_true",
-                           help="restore captured units keyed on another package, compiler, driver or arch (warned)")
+                           help="restore a captured JIT cache unit even when a package, compiler, driver or arch "
+                                "its library keyed it on differs here (a warning each; default: exit 4)")
         if name == "prestart":
             c.add_argument("--bundle", type=path_flag, metavar="FILE",
                            help="import this bundle first (a file, or an object s3://BUCKET/KEY.tar, streamed)")
             c.add_argument("--sha256", type=_sha256, metavar="DIGEST",
-                           help="refuse a --bundle whose sha256 (as export reports it) is not DIGEST (exit 4)")
+                           help="refuse a --bundle whose sha256 (as sha256sum prints it, and export reports it) is "
+                                "not DIGEST, before importing anything (exit 4)")
             c.add_argument("--offline", action="store_true",
-                           help="build nothing: a spec the bundle and the cache lack is exit 5")
+                           help="build nothing: a spec the bundle and the cache lack is exit 5, and so is a "
+                                "bundle that holds none of the plan's specs")
         elif name == "verify":
-            c.add_argument("--all", action="store_true", help="verify every entry of the cache (no plan needed)")
+            c.add_argument("--all", action="store_true",
+                           help="verify every entry of the cache (no plan needed; with one, its missing specs "
+                                "are reported too)")
             c.add_argument("--repair", action="store_true",
                            help="move corrupt entries to quarantine (they are rebuilt)")
         elif name == "prune":

@@ -35,7 +35,9 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
     if from_env and cache.remote is None:
         raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
     for path, what in ((cache.root, "cache root"), (cache.lock_dir, "lock directory")):
-        if path.is_dir():  # refused once, here: each build worker refused it, and warm said exit 1 per spec
+        if path.is_dir():
+            # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
+            # with a failure per spec and status "missing" (attack round 2: a root or lock dir another user owns).
             check_trusted_dir(path, what, allow_shared=cache.allow_shared)
     if writes:
         cache.prepare_root()

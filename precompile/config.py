@@ -264,6 +264,8 @@ ALIASES = {"cuda_graph_max_bs": "cuda_graph_max_bs_decode", "cuda_graph_bs": "cu
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Return the fields a TOML file (its top level, or its ``[jitwarm]`` table) sets; ConfigError if it cannot."""
     try:
+        # Follow a link the operator gave (a ConfigMap is one); then no blocking (a FIFO planted where the file
+        # should be), a regular file of bounded size (/dev/zero is not a config).
         raw, _ = read_file_stat(os.path.realpath(path), MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError([f"cannot read --config {path}: {exc.strerror or exc}"]) from None

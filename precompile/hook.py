@@ -26,7 +26,10 @@ POLICIES = ("build", "wait", "strict")
 
 
 class KernelsNotReady(NotReady, RuntimeError):
-    """The hook could not make every kernel ready (a build failed, strict found a miss): exit 5, and a RuntimeError."""
+    """The hook could not make every kernel ready (a build failed, strict found a miss): exit 5.
+
+    A RuntimeError too: a server that does not know jitwarm's errors fails its start on it all the same.
+    """
 
 
 class WarmTimeout(TimedOut, KernelsNotReady):

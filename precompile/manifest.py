@@ -310,12 +310,13 @@ class Recorder:
             for name, units in added(self._before, after).items():
                 snap = after[name]
                 for unit, files in units.items():
-                    self._cache = self._cache or KernelCache()  # opened on first use
                     try:
+                        if self._cache is None:  # opened on first use; a bad setting is this unit's failure
+                            self._cache = KernelCache()
                         spec = store(snap.library, snap.root, unit, files, self._cache, under=under)
                     except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
                         _record_log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
-                                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                         if isinstance(exc, UntrustedPath) and settings.is_strict():
                             raise  # a file another user planted, under JITWARM_STRICT=1: the start stops
                         failed.add((name, unit))

@@ -152,7 +152,7 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Build every missing spec of the plan in parallel; with every one there, hand the recorded ones over."""
     check_fingerprints(args, plan)  # a captured unit keyed on another toolchain: exit 4 before any build
     cache = open_cache(args, writes=True)
-    plan = without_absent_units(plan, cache, quiet=args.json)
+    plan = without_absent_units(plan, cache, quiet=args.json)  # captured units are never built: absent, left out
     report = warm(plan, cache=cache, jobs=args.jobs, progress=False if args.json else None,
                   timeout_s=args.timeout)
     print_warm(args, report)

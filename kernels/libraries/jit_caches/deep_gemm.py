@@ -22,7 +22,11 @@ _SKIP = ("tmp", "locks")
 
 
 def resolve(environ: Mapping[str, str]) -> Path:
-    """The directory DeepGEMM's JIT writes in ``environ``."""
+    """The directory DeepGEMM's JIT writes in ``environ`` (``DiskCache::from_env``).
+
+    ``DG_JIT_CACHE_DIR``, else ``DJ_JIT_CACHE_DIR``: a ``:``-separated list whose first path is the one written
+    (the others are read-only lookup roots); else ``$HOME/.dj``.
+    """
     for var in ("DG_JIT_CACHE_DIR", "DJ_JIT_CACHE_DIR"):  # Env::get: the library's prefix, then deep_jit's own
         if environ.get(var):
             return Path(environ[var].split(":")[0])

@@ -165,7 +165,11 @@ def _capture_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A worker's ``compile_or_warm_up_model`` (its last step before serving): then units stored, ledger reported."""
+    """A worker's ``compile_or_warm_up_model`` (its last step before serving): then units stored, ledger reported.
+
+    Every worker reaches it whether it captures graphs or not: vLLM's CPU worker compiles in its memory profiling
+    and captures none (``v1/worker/cpu_worker.py:204-275``), and neither does ``--enforce-eager``.
+    """
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         from jitwarm.precompile.servers.vllm import start_warnings
 

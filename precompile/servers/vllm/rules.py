@@ -215,7 +215,10 @@ def resolved_mode(mode: str, cfg: Mapping[str, Any], q: int) -> str:
 
 
 def round_for_spec_decode(sizes: list[int], top: int, q: int) -> tuple[list[int], int]:
-    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510)."""
+    """``adjust_cudagraph_sizes_for_spec_decode`` (config/compilation.py:1537-1565), V1 runner only (:1504-1510).
+
+    For ``q > 1`` only, as vLLM calls it: with one token per request the sizes stay as given.
+    """
     if not sizes:
         return sizes, top
     rounded = sorted({-(-s // q) * q for s in sizes if -(-s // q) * q <= top})
