@@ -93,6 +93,22 @@ def test_under_strict_a_planted_unit_is_an_error(tmp_path, inductor, other_user,
         recorder.stop()
 
 
+def test_a_cache_setting_that_does_not_parse_fails_the_unit_not_the_server(tmp_path, inductor, monkeypatch, caplog):
+    """The recorder opens its cache on the first unit; a bad setting then is that unit's warning, never a raise
+    into the server's capture (``capture()`` never raises), and the run records on."""
+    monkeypatch.setenv("JITWARM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JITWARM_REMOTE", "ftp://not-a-store")
+    recorder = record(tmp_path / "m.jsonl")
+    try:
+        write_unit(inductor, GOOD)
+        with caplog.at_level(logging.WARNING, logger="jitwarm"):
+            assert recorder.capture() == 0
+        said = [r.getMessage() for r in caplog.records if "cannot capture inductor unit ha/cgood" in r.getMessage()]
+        assert len(said) == 1 and "JITWARM_REMOTE" in said[0], [r.getMessage() for r in caplog.records]
+    finally:
+        recorder.stop()
+
+
 def test_a_shared_cache_the_operator_allows_is_recorded(tmp_path, inductor, other_user, monkeypatch):
     monkeypatch.setenv("JITWARM_ALLOW_SHARED", "1")
     units = run(tmp_path, inductor, planted_by(other_user))
