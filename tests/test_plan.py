@@ -335,7 +335,7 @@ def test_auto_takes_the_built_in_rules_for_the_release_they_mirror_without_impor
 def test_auto_keeps_another_release_s_answer_and_reads_it_back(tmp_path):
     """Another release: sglang's own functions, once; the answer is kept, keyed by the release and the inputs."""
     from jitwarm.cache import settings
-    from jitwarm.precompile.servers import own_functions as resolution_memo
+    from jitwarm.precompile.servers import resolution_memo
     from jitwarm.precompile.servers.sglang import rules
 
     failed = plan_with_sglang_release(tmp_path, "9.9.9")  # no memo: its functions run, and cannot import sglang

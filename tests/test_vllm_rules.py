@@ -223,7 +223,7 @@ def test_another_installed_release_plans_with_its_own_functions_memoised(tmp_pat
     from precompile_fixtures import jitwarm
 
     from jitwarm.cache import settings
-    from jitwarm.precompile.servers import own_functions as resolution_memo
+    from jitwarm.precompile.servers import resolution_memo
 
     env = installed(tmp_path, "0.32.0+cpu")
     line = ["plan", "--json", "--target", "sm_90", "--gpu-memory-mb", "143771", "--", "vllm", "serve", "m",
