@@ -30,6 +30,7 @@ from jitwarm.precompile import servers
 from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
 from jitwarm.precompile.plan import WarmPlan
+from jitwarm.precompile.servers.command_line import split_env
 from jitwarm.precompile.shipping import check_export_target, export_keys
 
 #: Seconds the plugin's ledger may lag the health endpoint.
@@ -58,7 +59,7 @@ class ServerProcess:
     @classmethod
     def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path) -> ServerProcess:
         """Start ``argv`` (leading ``NAME=value`` words join ``env``), output into ``log``; OSError if it cannot."""
-        words_env, words = servers.split_env(argv)
+        words_env, words = split_env(argv)
         with open(log, "ab") as out:
             proc = subprocess.Popen(words, env={**env, **words_env}, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -124,7 +125,7 @@ class ServerProcess:
 def health_url(room: Any, argv: Sequence[str]) -> str:
     """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
     given = {}
-    words = servers.split_env(argv)[1]
+    words = split_env(argv)[1]
     for i, word in enumerate(words):
         flag, eq, value = word.partition("=")
         if flag in ("--host", "--port") and (eq or i + 1 < len(words)):
@@ -217,7 +218,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str |
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
                          f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
-    words_env, words = servers.split_env(argv)
+    words_env, words = split_env(argv)
     with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
         # capture's settings go on top of the line's own NAME=value words (`VLLM_PLUGINS=other vllm serve`)
         env = server_env(room, {**os.environ, **words_env}, manifest, Path(scratch) / "ledger.json", cache_dir)

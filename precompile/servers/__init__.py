@@ -1,4 +1,4 @@
-"""The servers jitwarm plans for, one room each: the adapter contract, the registry, and what every room shares.
+"""The servers jitwarm plans for, one room each, and the registry that picks a room from a server command line.
 
 A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server, for the one
 release its ``VERSION`` names; the core reaches it only through the names :class:`ServerAdapter` lists, so a new
@@ -8,36 +8,24 @@ which each room gives its server's meaning; settings no field holds go in ``serv
 
 from __future__ import annotations
 
-import errno
 import importlib
 import os
-import re
 import sys
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, Protocol, cast
 
-from jitwarm.cache import files
 from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers.command_line import json_object, split_env
 
-__all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ResolutionError", "ServerAdapter", "ServerArgvError", "adapter",
-           "adapter_for", "cache_dirs", "differs_by_memory", "json_object", "model_families", "recognised",
-           "refusals", "running"]
+__all__ = ["DEFAULT", "ROOMS", "ModelFamilies", "ResolutionError", "ServerAdapter", "adapter", "adapter_for",
+           "cache_dirs", "differs_by_memory", "json_object", "recognised", "refusals", "running"]
 
 #: Every server room, by the name of its subpackage.
 ROOMS = ("sglang", "vllm")
 #: The room that reads a server command line given without its launcher (bare flags such as ``--tp 4``).
 DEFAULT = "sglang"
-#: Largest config.json read (a real one is a few KiB; one with a quantization table some hundred KiB).
-MAX_CONFIG_BYTES = 4 << 20
-#: A hub id or path whose name says DeepSeek-V4 (deepseek-ai/DeepSeek-V4-Flash, org/deepseek_v4-base, /models/dsv4).
-_DSV4_NAME = re.compile(r"deepseek[-_ .]?v4|(?<![a-z0-9])dsv4", re.IGNORECASE)
-_UNKNOWN = "architecture unknown, every family planned (--model-architecture NAME decides)"
-#: A shell's leading ``NAME=value`` word: the environment of the command.
-ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
-#: The longest JSON-object flag value read (a real one is a few dozen bytes), and how deep it may nest.
-MAX_JSON_BYTES, MAX_JSON_DEPTH = 1 << 16, 8
 
 
 @dataclass(frozen=True)
@@ -53,66 +41,6 @@ class ModelFamilies:
         """As ``jitwarm plan --json`` reports it."""
         return {"architecture": self.architecture, "planned": list(self.planned), "skipped": list(self.skipped),
                 "why": self.why}
-
-
-def model_families(families: tuple[str, ...], model_path: str | None, architecture: str | None,
-                   dsv4: Set[str]) -> ModelFamilies:
-    """Decide which of ``families`` a server of this model runs: every one for DeepSeek-V4 (``dsv4``), none else.
-
-    ``architecture`` wins; else a local checkpoint's config.json decides, then a hub id whose name says DeepSeek-V4.
-    Raises a UsageError for a local config.json that is unreadable, too large, not a JSON object, or whose
-    ``architectures`` is not a list of names.
-    """
-    if architecture is not None:
-        return _decided(families, architecture, dsv4, f"architecture {architecture} (--model-architecture, or "
-                                                      "the server's own model config)")
-    if model_path is None:
-        return ModelFamilies(families, (), None, "no model given: every family planned")
-    local = Path(model_path)
-    if local.is_dir():
-        names = _local_architectures(local / "config.json")
-        if not names:
-            what = "has no config.json" if names is None else "has a config.json that names no architectures"
-            return ModelFamilies(families, (), None, f"{model_path} {what}: {_UNKNOWN}")
-        found = next((n for n in names if n in dsv4), names[0])
-        return _decided(families, found, dsv4, f"architectures {names} in {model_path}/config.json")
-    if local.exists():
-        return ModelFamilies(families, (), None, f"{model_path} is a file, not a checkpoint directory: {_UNKNOWN}")
-    if _DSV4_NAME.search(model_path):
-        return ModelFamilies(families, (), "DeepseekV4ForCausalLM",
-                             f"{model_path} is not a local path; its name says DeepSeek-V4: every family planned "
-                             "(--model-architecture NAME says otherwise)")
-    return ModelFamilies(families, (), None, f"{model_path} is not a local path and its name does not say "
-                                             f"DeepSeek-V4: {_UNKNOWN}")
-
-
-def _decided(families: tuple[str, ...], architecture: str, dsv4: Set[str], where: str) -> ModelFamilies:
-    """Every family for a DeepSeek-V4 architecture, none for any other."""
-    if architecture in dsv4:
-        return ModelFamilies(families, (), architecture, f"{where}: DeepSeek-V4, every family planned")
-    return ModelFamilies((), families, architecture,
-                         f"{where}: not DeepSeek-V4, which alone runs {', '.join(families)}: skipped")
-
-
-def _local_architectures(path: Path) -> list[str] | None:
-    """The ``architectures`` of a local config.json ([] when it names none); None when there is no such file."""
-    try:
-        doc = files.read_json(path, MAX_CONFIG_BYTES)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        why = "it is not a regular file" if exc.errno in (errno.EINVAL, errno.ELOOP) else exc.strerror or str(exc)
-        raise UsageError(f"cannot read the model's {path}: {why}") from None
-    except ValueError as exc:
-        raise UsageError(f"the model's {path} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
-    if not isinstance(doc, dict):
-        raise UsageError(f"the model's {path} is not a JSON object")
-    names = doc.get("architectures", [])
-    if names is None:
-        return []
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        raise UsageError(f"the model's {path}: \"architectures\" must be a list of names, got {names!r:.200}")
-    return names
 
 
 class ServerAdapter(Protocol):
@@ -176,10 +104,6 @@ class ServerAdapter(Protocol):
 
 class ResolutionError(UsageError, ValueError):
     """Settings the server itself rejects, or that its room's rules do not mirror; the message says which (exit 2)."""
-
-
-class ServerArgvError(UsageError, ValueError):
-    """A server command line that does not parse as the server would read it: exit 2."""
 
 
 def adapter(name: str) -> ServerAdapter:
@@ -255,90 +179,3 @@ def differs_by_memory(resolve: Callable[[dict[str, Any]], dict[str, Any]], input
         except UsageError:
             return False
     return len(found) > 1
-
-
-# -- the words of a server command line, read alike by every room ---------------------------------------
-
-def split_env(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """The leading ``NAME=value`` words of a command line (its environment), and the words after them."""
-    args, env = list(argv), {}
-    while args and ENV_ASSIGNMENT.fullmatch(args[0]):
-        name, _, value = args.pop(0).partition("=")
-        env[name] = value
-    return env, args
-
-
-def strip_launcher(args: Sequence[str], modules: Sequence[str], program: str) -> tuple[list[str], bool] | None:
-    """The words after ``python [-u -X dev ...] -m MODULE`` or ``PROGRAM serve`` (True), or None for another program.
-
-    A line that starts with a flag has no launcher.
-    """
-    if not args or args[0].startswith("-"):
-        return list(args), False
-    name, rest = PurePath(args[0]).name, list(args[1:])
-    if name.startswith("python"):
-        while rest and rest[0].startswith("-") and rest[0] != "-m":
-            rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]
-        if len(rest) >= 2 and rest[0] == "-m" and rest[1] in modules:
-            return rest[2:], False
-    elif name == program and rest[:1] == ["serve"]:
-        return rest[1:], True
-    return None
-
-
-def launched_by(argv: Sequence[str], modules: Sequence[str], program: str) -> bool:
-    """True when ``argv`` starts (after any ``NAME=value`` words) with one of the :func:`strip_launcher` launchers."""
-    args = split_env(argv)[1]
-    return bool(args) and not args[0].startswith("-") and strip_launcher(args, modules, program) is not None
-
-
-def is_flag(token: str) -> bool:
-    """Argparse's test: a token starting with '-' is an option unless it reads as a negative number."""
-    if not token.startswith("-") or token == "-":
-        return False
-    try:
-        float(token)
-    except ValueError:
-        return True
-    return False
-
-
-def values_after(args: Sequence[str], i: int, *, many: bool) -> tuple[list[str], int]:
-    """The values a flag takes from ``args[i:]`` (one, or with ``many`` all up to the next flag), and the next i."""
-    start = i
-    while i < len(args) and not is_flag(args[i]) and (many or i == start):
-        i += 1
-    return list(args[start:i]), i
-
-
-def converted(option: str, kind: str | Callable[[str], Any], given: Sequence[str]) -> Any:
-    """``given`` as ``option``'s value of ``kind`` (``int``, ``int_list``, ``json``, ``str`` or a function of the last).
-
-    :class:`ServerArgvError` when they do not convert.
-    """
-    try:
-        if kind == "int_list":
-            return [int(v) for v in given]
-        last = given[-1]
-        if callable(kind):
-            return kind(last)
-        if kind == "int":
-            return int(last)
-        return json_object(last) if kind == "json" else last
-    except (ValueError, IndexError) as exc:
-        shown = " ".join(given)
-        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
-        raise ServerArgvError(f"argument {option}: invalid value {shown!r} ({exc})") from None
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """Parse a JSON-object flag value (``--cuda-graph-config``), bounded in size and nesting; ValueError else.
-
-    Bounded because 30,000 nested ``[`` made ``json.loads`` raise ``RecursionError``: a traceback, not one line.
-    """
-    if len(text) > MAX_JSON_BYTES:
-        raise ValueError(f"longer than {MAX_JSON_BYTES} characters")
-    value = files.loads(text, max_depth=MAX_JSON_DEPTH)
-    if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
-    return value

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from jitwarm.precompile import servers
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The sglang release this room mirrors: its flag table, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -25,8 +25,8 @@ OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a Serving
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})
 
-model_families = functools.partial(servers.model_families, dsv4=DSV4_ARCHITECTURES)
-__getattr__ = servers.lazy_functions(__name__, {
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
+__getattr__ = lazy_functions(__name__, {
     "recognises": "argv", "parse_argv": "argv:parse_server_argv", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
     "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"})

@@ -14,8 +14,8 @@ from importlib import resources
 from typing import Any
 
 from jitwarm.cache import files
-from jitwarm.precompile import servers
-from jitwarm.precompile.servers import ServerArgvError, converted, values_after
+from jitwarm.precompile.servers import command_line
+from jitwarm.precompile.servers.command_line import ServerArgvError, converted, values_after
 from jitwarm.precompile.servers.sglang import LAUNCHERS, VERSION
 from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, VERIFY_MODE_ENV
 
@@ -42,7 +42,7 @@ def flag_table() -> dict[str, Any]:
 
 def recognises(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with an sglang launcher."""
-    return servers.launched_by(argv, *_LAUNCHER)
+    return command_line.recognises(argv, *_LAUNCHER)
 
 
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     table = flag_table()
     options: dict[str, dict[str, Any]] = table["options"]
     values: dict[str, Any] = {}
-    env, args = servers.split_env(argv)
+    env, args = command_line.split_env(argv)
     if VERIFY_MODE_ENV in env:  # `SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ...`
         values["ragged_verify_mode"] = env[VERIFY_MODE_ENV]
     args = _strip_launcher(args)
@@ -95,7 +95,7 @@ def _strip_launcher(args: list[str]) -> list[str]:
 
     ``--model-type`` is the serve command's own (sglang/cli/serve.py:30-60, 184-187): dropped.
     """
-    stripped = servers.strip_launcher(args, *_LAUNCHER)
+    stripped = command_line.strip_launcher(args, *_LAUNCHER)
     if stripped is None:
         raise ServerArgvError(f"not an sglang server command line: {' '.join(args[:4])} ... (expected {LAUNCHERS})")
     rest, serve = stripped

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 
-from jitwarm.precompile import servers
+from jitwarm.precompile.servers import lazy_functions, model
 
 #: The vLLM release this room mirrors: its flags, its resolution rules, the line numbers cited here.
 #: Defined before anything else: the room's modules import it from here.
@@ -36,8 +36,8 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
                                 "DeepseekV41ForCausalLM", "DSparkDraftModel", "DSparkDeepseekV4ForCausalLM",
                                 "DeepSeekV4MTPModel"})
 
-model_families = functools.partial(servers.model_families, dsv4=DSV4_ARCHITECTURES)
-__getattr__ = servers.lazy_functions(__name__, {
+model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
+__getattr__ = lazy_functions(__name__, {
     "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
     "unloadable": "caches"})

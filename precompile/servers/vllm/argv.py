@@ -12,8 +12,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from jitwarm.precompile import servers
-from jitwarm.precompile.servers import ServerArgvError, converted, is_flag, json_object, values_after
+from jitwarm.precompile.servers import command_line
+from jitwarm.precompile.servers.command_line import ServerArgvError, converted, is_flag, json_object, values_after
 from jitwarm.precompile.servers.vllm import LAUNCHERS, VERSION
 
 # `python -m vllm.entrypoints.openai.api_server ...`; `vllm serve ...` (vllm/entrypoints/cli/serve.py).
@@ -56,7 +56,7 @@ TARGET_DEVICE_ENV = "VLLM_TARGET_DEVICE"
 
 def is_server_command(argv: Sequence[str]) -> bool:
     """True when ``argv`` starts (after any ``NAME=value`` words) with a vLLM launcher."""
-    return servers.launched_by(argv, *_LAUNCHER)
+    return command_line.recognises(argv, *_LAUNCHER)
 
 
 def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
@@ -68,12 +68,12 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
     """
     values: dict[str, Any] = {}
-    env, args = servers.split_env(argv)
+    env, args = command_line.split_env(argv)
     if _MODEL_RUNNER_ENV in env:
         values["model_runner"] = "v1" if env[_MODEL_RUNNER_ENV].strip().lower() in ("0", "false") else "v2"
     if env.get(TARGET_DEVICE_ENV, "").lower() == "cpu":  # any other value leaves vLLM to its next test
         values["platform"] = "cpu"
-    stripped = servers.strip_launcher(args, *_LAUNCHER)
+    stripped = command_line.strip_launcher(args, *_LAUNCHER)
     if stripped is None:
         raise ServerArgvError(f"not a vLLM server command line: {' '.join(args[:4])} ... (expected {LAUNCHERS})")
     args, serve = stripped
