@@ -174,8 +174,7 @@ from jitwarm.kernels import VerifyLayout, dispatch, ops
 mode = sys.argv[1]
 dispatch.set_cache(KernelCache(root=sys.argv[2]))
 if mode == "no_guard":  # behave like a JIT that never checks for capture: the status quo
-    import jitwarm.kernels.dispatch as capture
-    capture.stream_is_capturing = lambda: False
+    dispatch.stream_is_capturing = lambda: False
 if mode == "guard":
     from jitwarm.precompile import guard
     guard.install()
