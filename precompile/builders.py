@@ -242,7 +242,7 @@ class LogLines(logging.Formatter):
 
 @contextlib.contextmanager
 def log_lines() -> Iterator[None]:
-    """While the block runs, the jitwarm loggers' warnings and errors go to stderr as :class:`LogLines` lines.
+    """While the block runs (a build worker, or the CLI), jitwarm's warnings and errors go to stderr as one line each.
 
     Without it Python's last-resort handler printed them bare (a quarantine during ``warm`` had no prefix).
     """
