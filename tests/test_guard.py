@@ -155,6 +155,10 @@ def test_inductor_seal_logs_each_graph_once_even_where_a_freed_graphs_address_is
     monkeypatch.setitem(sys.modules, "torch._inductor.compile_fx", compile_fx)
 
     class Graph:  # what the seal reads of an FX GraphModule
+        # Over pymalloc's 512 bytes, so malloc hands a freed graph's block straight back: within pymalloc the
+        # block could wait behind other pools past the loop's bound on a busy heap (a flake under xdist).
+        __slots__ = ("graph", "__weakref__", *(f"_pad{i}" for i in range(72)))
+
         def __init__(self) -> None:
             self.graph = types.SimpleNamespace(nodes=[1, 2, 3])
 
