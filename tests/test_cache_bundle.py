@@ -224,7 +224,7 @@ def test_a_6_gib_member_header_is_refused_at_once(tmp_path, exported):
     start = time.monotonic()
     with pytest.raises(CacheError, match=r"is 6442450944 bytes, over the cap of 2147483648"):
         cache_for(tmp_path / "dest").import_bundle(bomb)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 20  # reading 6 GiB would take minutes
 
 
 def test_members_are_streamed_not_read_whole(tmp_path):
@@ -290,4 +290,4 @@ def test_importing_a_bundle_again_while_its_entries_are_claimed_does_not_wait(tm
         started = time.monotonic()
         report = dest.import_bundle(bundle, timeout_s=30)
         assert report.present == tuple(sorted([entries[0].key, entries[2].key])) and report.imported == ()
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 20  # not the 30 s lock timeout

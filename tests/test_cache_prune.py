@@ -166,7 +166,7 @@ def test_a_lookup_under_the_keys_own_lock_touches_without_waiting_for_itself(tmp
         assert lock.try_acquire()
         start = time.monotonic()
         assert cache.lookup(entry.key, locked=True) == entry
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 20
     assert time.time() - entry.path.stat().st_mtime < 60  # touched all the same
 
 

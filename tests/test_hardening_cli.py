@@ -85,7 +85,7 @@ def run_main(capsys, argv, env=None, monkeypatch=None):
 def assert_one_line_usage_error(code, out, err, seconds):
     assert code == 2, (code, err)
     assert err.startswith("jitwarm: error: ") and err.count("\n") == 1 and "Traceback" not in err
-    assert seconds < 5.0
+    assert seconds < 30.0
 
 
 @pytest.mark.parametrize("argv", FLAG_CASES, ids=lambda a: " ".join(a)[:60])

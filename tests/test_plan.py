@@ -201,7 +201,7 @@ def test_plan_cli_imports_no_heavy_modules_and_is_fast(tmp_path):
     assert out[0] == "0" and out[2].strip() == "[]"
     # Not a latency claim (bench/plan_latency.py measures that, docs/performance.md): a guard against an import
     # that takes seconds, such as sglang's (21-67 s), with room for a loaded 2-core CI box.
-    assert float(out[1]) < 5
+    assert float(out[1]) < 15
     assert set(tmp_path.iterdir()) == before
 
 
