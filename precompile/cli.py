@@ -225,6 +225,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return COMMANDS[args.command][1](args, plan)
     except JitwarmError as exc:
         return _fail(args, _cli_message(exc), exc.exit_code)
+    except capture.Interrupted as exc:  # capture stopped its server first; the shell's code for the signal
+        return _fail(args, f"interrupted ({exc}): the server's process group is stopped", 128 + exc.signum)
     except KeyboardInterrupt:
         # A second Ctrl-C during finalization (which restores SIG_DFL, but keeps SIG_IGN) killed us by signal
         # instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).
