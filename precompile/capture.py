@@ -15,13 +15,10 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +31,15 @@ from jitwarm.precompile.capture_node import census, private_env, unrecorded
 from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
 from jitwarm.precompile.plan import WarmPlan
-from jitwarm.precompile.server_process import ServerProcess, Watchdog, log_lines, owns_port
+from jitwarm.precompile.server_process import (
+    ServerProcess,
+    Watchdog,
+    answers,
+    check_port_free,
+    health_url,
+    log_lines,
+    owns_port,
+)
 from jitwarm.precompile.servers.command_line import split_env
 from jitwarm.precompile.shipping import check_export_target, export_keys
 
@@ -44,7 +49,6 @@ __all__ = ["LEDGER_GRACE_S", "PROGRESS_S", "Captured", "Interrupted", "ServerFai
 #: Seconds the plugin's ledger may lag the health endpoint; the most seconds between two progress lines.
 LEDGER_GRACE_S, PROGRESS_S = 30.0, 10.0
 _POLL_S = 0.5
-_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 #: What jitwarm's plugin logs when a record or a unit could not be written (manifest.Recorder).
 _NOT_RECORDED = ("jitwarm: cannot record ", "jitwarm: cannot capture ")
 
@@ -78,46 +82,6 @@ def stopping_signals() -> Iterator[None]:
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-
-
-def health_url(room: Any, argv: Sequence[str]) -> str:
-    """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
-    given = {}
-    words = split_env(argv)[1]
-    for i, word in enumerate(words):
-        flag, eq, value = word.partition("=")
-        if flag in ("--host", "--port") and (eq or i + 1 < len(words)):
-            given[flag] = value if eq else words[i + 1]
-    host, port = given.get("--host"), given.get("--port", str(room.DEFAULT_PORT))
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"the server's --port {port!r} is not a port number")
-    host = "127.0.0.1" if host in _ANY_HOST or host is None else host
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}{room.HEALTH}"
-
-
-#: The server's own URL is asked directly: an ``http_proxy`` the environment names would never reach loopback.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def answers(url: str) -> bool:
-    """Whether ``url`` answers 200 now."""
-    try:
-        with _DIRECT.open(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def check_port_free(url: str) -> None:
-    """UsageError when a process listens on ``url``'s port already: the server could not bind it."""
-    where = urllib.parse.urlsplit(url)
-    try:
-        with socket.create_connection((where.hostname, where.port), timeout=2):
-            pass
-    except OSError:
-        return
-    raise UsageError(f"another process listens on {where.hostname}:{where.port} (the server line's port): stop it, "
-                     "or give the server line another --port")
 
 
 def server_env(room: Any, base: Mapping[str, str], record: Path, ledger: Path, cache_root: Path) -> dict[str, str]:
@@ -280,8 +244,8 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
         server.stop()
         warnings, failures = _plugin_lines(server_log)
         if failures:
-            raise ServerFailed(f"jitwarm's plugin could not record the start: {failures[0]} ({len(failures)} such "
-                               f"lines in {server_log})")
+            raise ServerFailed(f"jitwarm's plugin could not record the start: {failures[0].removeprefix('jitwarm: ')}"
+                               f" ({len(failures)} such lines in {server_log})")
         try:
             report = json.loads(ledger.read_text())
         except (OSError, ValueError):

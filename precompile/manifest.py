@@ -288,8 +288,8 @@ class Recorder:
         try:
             added = append_records(self.path, [record])
         except (OSError, ValueError) as exc:  # ManifestError is a ValueError: an untrusted or bad manifest
-            _record_log.warning("jitwarm: cannot record %s into %s: %s", record.get("kernel") or record.get("module"),
-                        self.path, exc)
+            what = record.get("kernel") or record.get("module") or f"{record.get('library')} unit {record.get('unit')}"
+            _record_log.warning("jitwarm: cannot record %s into %s: %s", what, self.path, exc)
             return
         with self._lock:
             self._seen.add(rid)

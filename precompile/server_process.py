@@ -12,13 +12,19 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers.command_line import split_env
 
 #: Seconds the server's process group has after SIGINT, then after SIGTERM, before the next signal.
@@ -29,6 +35,7 @@ _TAIL_BYTES, _LINE_BYTES = 256 << 10, 4096
 #: The first level word of a log line (vLLM's ``ERROR 12-05 ...``, logging's ``ERROR:name:``), and a traceback.
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\b")
 _TRACEBACK = re.compile(r"\bTraceback \(most recent call last\):")
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 
 #: The watchdog (stdlib only, run with -S -I): argv is the pipe's read end, then files to remove after the group.
 #: It reads the server's group id, then waits; EOF without ``done`` is capture gone: SIGKILL the group, wait until
@@ -98,6 +105,46 @@ class Watchdog:
             os.close(self._write)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
+
+
+def health_url(room: Any, argv: Sequence[str]) -> str:
+    """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
+    given = {}
+    words = split_env(argv)[1]
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in ("--host", "--port") and (eq or i + 1 < len(words)):
+            given[flag] = value if eq else words[i + 1]
+    host, port = given.get("--host"), given.get("--port", str(room.DEFAULT_PORT))
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"the server's --port {port!r} is not a port number")
+    host = "127.0.0.1" if host in _ANY_HOST or host is None else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{room.HEALTH}"
+
+
+#: The server's own URL is asked directly: an ``http_proxy`` the environment names would never reach loopback.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        with _DIRECT.open(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def check_port_free(url: str) -> None:
+    """UsageError when a process listens on ``url``'s port already: the server could not bind it."""
+    where = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((where.hostname, where.port), timeout=2):
+            pass
+    except OSError:
+        return
+    raise UsageError(f"another process listens on {where.hostname}:{where.port} (the server line's port): stop it, "
+                     "or give the server line another --port")
 
 
 def group_members(pgid: int) -> list[int]:

@@ -43,7 +43,7 @@ def free_port() -> int:
 
 
 def gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended: none left, or a zombie (an orphan's, which this box's PID 1 may never reap)."""
+    """Whether process ``pid`` has ended: none left, or a zombie (an orphan's: this box's PID 1 may never reap it)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
