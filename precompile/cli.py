@@ -187,7 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("export", "import"):
             p.add_argument("path", metavar="BUNDLE", type=path_flag,
                            help="bundle file (.tar or .tar.gz), or an object s3://BUCKET/KEY.tar (streamed; boto3)")
+    for name, p in sub.choices.items():
+        p.usage = _usage(p, name)
     return parser
+
+
+def _usage(p: argparse.ArgumentParser, name: str) -> str:
+    """The command's usage: its own flags, the server flags as one word, and ``-- SERVER LINE`` where it takes one."""
+    grouped = [a for g in p._action_groups if g.title and not g.title.startswith(("options", "cache", "remote"))
+               and name not in PLANLESS for a in g._group_actions if a.dest != "manifest"]
+    formatter = p._get_formatter()
+    formatter.add_usage(None, [a for a in p._actions if a not in grouped], [], prefix="usage: ")
+    own = formatter.format_help().strip().removeprefix("usage: ")  # argparse puts it back: the lines stay aligned
+    if name == "capture":
+        return f"{own} -- SERVER LINE"
+    return own if name in PLANLESS else f"{own} [SERVER FLAGS] [-- SERVER LINE]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
