@@ -175,6 +175,8 @@ class Captured:
     ledger: dict[str, Any] | None
     log: Path
     environment: dict[str, str]
+    #: ``library unit`` of each unit the start wrote that the plugin did not record (said as a warning).
+    unrecorded: list[str]
     digest: str | None = None
 
 
@@ -314,7 +316,7 @@ def _check_stored(room: Any, env: Mapping[str, str], record: Path, cache: Any, r
         warnings = [*warnings, said]
     units = Counter(spec_of(r).backend.removesuffix("_cache") for r in records)
     return Captured(units, sorted(keys.values()), ready_s, warnings, report, server_log,
-                    {room.PLUGINS_ENV: env[room.PLUGINS_ENV]})
+                    {room.PLUGINS_ENV: env[room.PLUGINS_ENV]}, missed)
 
 
 def _remove_tree(path: Path) -> None:
@@ -353,7 +355,8 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
         print(json.dumps({"ready_s": round(done.ready_s, 1), "manifest": str(manifest), "units": dict(done.units),
                           "entries": len(done.keys), "compiled": compiled, "export": args.export,
                           "sha256": done.digest, "warnings": done.warnings, "log": str(done.log),
-                          "environment": done.environment, "next": nxt[-1].strip()}))
+                          "environment": done.environment, "unrecorded": done.unrecorded,
+                          "next": nxt[-1].strip()}))
         return EXIT_OK
     what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
     print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "

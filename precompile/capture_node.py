@@ -7,9 +7,10 @@ caller's home) pointed under one private folder. Units are recorded relative to 
 ``under`` names the server), so the private folder never reaches a record, and ``prestart`` restores each unit where
 the pod's server looks.
 
-``HOME`` and ``XDG_CACHE_HOME`` stay the caller's: vLLM hashes ``VLLM_CONFIG_ROOT`` and ``VLLM_XLA_CACHE_PATH``,
-whose defaults are read from them, into its compile key (``envs.py`` ``compile_factors``; a changed key is a unit
-the pod refuses), and the model's hub cache and the user's site-packages live there.
+``HOME`` and ``XDG_CACHE_HOME`` stay the caller's: the model a line names by its hub id is cached under them
+(``HF_HOME``'s default), and so are the user's site-packages and credentials; every cache jitwarm captures has a
+variable of its own that moves it instead. vLLM leaves the paths it derives from them out of its compile key
+(``envs.py`` ``compile_factors``: "location-only derived paths"), and ``VLLM_CACHE_ROOT`` too.
 """
 
 from __future__ import annotations

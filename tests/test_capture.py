@@ -56,7 +56,7 @@ def test_capture_stores_the_starts_unit_stops_the_group_and_bundles_it(stand_in,
     assert units(stand_in.manifest) == [("jit_cache", "inductor", DEFAULT_UNIT)]
     # The plugin variable as capture set it (as the documented pod sets it), for prestart to compare.
     assert capture_of(read_manifest(stand_in.manifest))["environment"] == {"VLLM_PLUGINS": "jitwarm"}
-    assert out["environment"] == {"VLLM_PLUGINS": "jitwarm"}
+    assert out["environment"] == {"VLLM_PLUGINS": "jitwarm"} and out["unrecorded"] == []
     assert out["next"] == (f"jitwarm prestart --manifest {stand_in.manifest} --bundle {bundle} --sha256 "
                            f"{out['sha256']} --offline")
     # Stored and verified where the capture said, and whole in the bundle: a fresh cache imports it.

@@ -51,7 +51,7 @@ def test_a_unit_already_in_the_callers_cache_is_captured_and_a_rerun_captures_it
     # The caller set TORCHINDUCTOR_CACHE_DIR (so does the pod): it is set, to a private folder, removed afterwards.
     assert Path(noted["TORCHINDUCTOR_CACHE_DIR"]).parent == private != stand_in.inductor.parent
     assert not private.exists() and mine.is_file()
-    # HOME and XDG_CACHE_HOME are the caller's: vLLM hashes paths read from them into its compile key.
+    # HOME and XDG_CACHE_HOME are the caller's: a model named by its hub id is cached under them.
     assert (noted["HOME"], noted["XDG_CACHE_HOME"]) == (os.environ.get("HOME"), os.environ.get("XDG_CACHE_HOME"))
     # The private folder reaches no record: a unit is named relative to its library's root.
     assert str(private) not in stand_in.manifest.read_text()
