@@ -288,12 +288,12 @@ def _plugin_lines(server_log: Path) -> tuple[list[str], list[str]]:
     """
     warnings, failures = set(), []
     for _, line in log_lines(server_log):
-        for piece in line.split("\r"):
-            if "jitwarm:" in piece and ("WARNING" in piece or "ERROR" in piece or piece.startswith(_NOT_RECORDED)):
-                said = piece[piece.index("jitwarm:"):]
+        for piece in (p for p in line.split("\r") if "jitwarm:" in p):
+            said = piece[piece.index("jitwarm:"):]  # after the server's own prefix, whatever its format
+            if said.startswith(_NOT_RECORDED):
+                failures.append(said)
+            if said.startswith(_NOT_RECORDED) or "WARNING" in piece or "ERROR" in piece:
                 warnings.add(said)
-                if said.startswith(_NOT_RECORDED):
-                    failures.append(said)
     return sorted(warnings), failures
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from workers.capture_harness import StandIn, another_server, error_lines, wait_for
 from workers.capture_stand_in import DEFAULT_UNIT, FIRST_ERROR, WARNED
 
-from jitwarm.precompile import capture_node, servers
+from jitwarm.precompile import capture_node, server_process, servers
 from jitwarm.precompile.manifest import read_manifest
+from jitwarm.precompile.server_process import ServerProcess
 
 
 @pytest.fixture
@@ -184,3 +186,36 @@ def test_the_first_error_is_an_error_line_never_a_warning(stand_in):
     first = lines.index("jitwarm: capture: the server's first error:")
     assert lines[first + 1] == f"  | {FIRST_ERROR}"
     assert f"  | {WARNED}" not in lines[first:]
+
+
+def test_the_log_is_read_in_bounded_pieces(tmp_path):
+    # A 64 MiB log: a progress bar's one long line, then a warning, the first error, and the rest.
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        f.write(b"Loading: " + b"#\r" * (24 << 20) + b"\n")
+        f.write(f"{WARNED}\n{FIRST_ERROR}\n".encode())
+        f.write(b"".join(b"INFO filler line %d\n" % i for i in range(2_000_000)))
+    server = ServerProcess(proc=None, log=log)  # the log alone: no process is asked
+    tracemalloc.start()
+    try:
+        first, last = server.first_error(), server.tail()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+    assert first[0] == FIRST_ERROR and len(first) == 30
+    assert last[-1] == "INFO filler line 1999999" and len(last) == 30
+    assert peak < 4 << 20, peak  # the file is 64 MiB: never held whole
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    (FIRST_ERROR, True),
+    ("(EngineCore pid=7) ERROR 12-05 02:00:00 [core.py:1] boom", True),
+    ("ERROR:root:boom", True),
+    ("Traceback (most recent call last):", True),
+    (WARNED, False),  # holds "OSError:", and is a warning
+    ("INFO 12-05 02:00:00 [x.py:1] retrying after ERROR 503", False),
+    ("RuntimeError: boom", False),  # a traceback's last line: its first line was the error
+])
+def test_an_error_line_is_one_whose_level_is_error(line, error):
+    assert server_process.is_error(line) is error
