@@ -39,8 +39,9 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
     "import": ("import a bundle into the cache, verifying every file", shipping.cmd_import),
-    "capture": ("run the server once with jitwarm recording until its start is over, stop it, store and verify "
-                "every JIT cache unit it compiled (--export: bundle them)", capture.cmd_capture),
+    "capture": ("run the server once on private, empty JIT caches with jitwarm recording until its start is over, "
+                "stop it, store and verify every JIT cache unit it compiled (--export: bundle them), then write the "
+                "manifest", capture.cmd_capture),
 }
 #: Commands that take no serving flags and build no plan.
 PLANLESS = ("prune", "import", "capture")
@@ -143,9 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         if name == "capture":
             p.add_argument("--manifest", type=path_flag, metavar="PATH", default="server.jsonl",
-                           help="the manifest the run records into (appended to)")
+                           help="the manifest to write: this start's records, replacing the file whole once the "
+                                "capture is complete (the server's log is kept beside it, NAME.log)")
             p.add_argument("--export", metavar="BUNDLE",
-                           help="then write the captured entries to this bundle (a file, or s3://BUCKET/KEY.tar)")
+                           help="then write the captured entries to this bundle (a file, or s3://BUCKET/KEY.tar), "
+                                "before the manifest")
             c.add_argument("--timeout", type=_timeout, default=1800.0, metavar="S",
                            help="deadline for the server's start (its health endpoint and jitwarm's ledger)")
         else:
