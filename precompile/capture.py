@@ -1,8 +1,11 @@
-"""``jitwarm capture -- <server line>``: one real start of the server, recorded, stopped, checked.
+"""``jitwarm capture -- <server line>``: one real start of the server on a clean node, recorded, stopped, checked.
 
-The server runs in its own process group with jitwarm's plugin recording (``JITWARM_RECORD``); its start is over
-when its health endpoint answers and the plugin wrote the start-up ledger (``JITWARM_LEDGER``). Then the group is
-stopped and every recorded unit is checked stored and verified in the cache.
+The server runs with jitwarm's plugin named as the documented pod names it (``VLLM_PLUGINS=jitwarm``), recording
+(``JITWARM_RECORD``) into a file beside the manifest, with private, empty cache directories for every JIT library
+its room knows: every unit of the start is this start's, whatever the caller's disk holds. The start is over when
+the server's own process answers its health endpoint and the plugin wrote the start-up ledger (``JITWARM_LEDGER``).
+Then the group is stopped, every recorded unit is checked stored and verified in the cache, and only then are the
+bundle and the manifest written (the manifest by one rename): a capture cut short leaves neither.
 """
 
 from __future__ import annotations
@@ -11,176 +14,137 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections import Counter, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import urllib.parse
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
+from jitwarm.precompile.capture_node import census, private_env, unrecorded
 from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
-from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
+from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
 from jitwarm.precompile.plan import WarmPlan
+from jitwarm.precompile.server_process import (
+    ServerProcess,
+    Watchdog,
+    answers,
+    check_port_free,
+    health_url,
+    log_lines,
+    owns_port,
+)
 from jitwarm.precompile.servers.command_line import split_env
 from jitwarm.precompile.shipping import check_export_target, export_keys
 
-#: Seconds the plugin's ledger may lag the health endpoint.
-LEDGER_GRACE_S = 30.0
-#: Seconds the server's process group has after SIGINT, then after SIGTERM, before the next signal.
-STOP_GRACE_S, TERM_GRACE_S = 60.0, 10.0
+__all__ = ["LEDGER_GRACE_S", "PROGRESS_S", "Captured", "Interrupted", "ServerFailed", "ServerProcess", "answers",
+           "capture", "cmd_capture", "health_url"]
+
+#: Seconds the plugin's ledger may lag the health endpoint; the most seconds between two progress lines.
+LEDGER_GRACE_S, PROGRESS_S = 30.0, 10.0
 _POLL_S = 0.5
-_TAIL_LINES = 30
-#: A line that starts an error's report in a server's log (vLLM's and sglang's ``ERROR`` level, a traceback).
-_ERROR = re.compile(r"\bERROR\b|^Traceback |Error: ")
-_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+#: What jitwarm's plugin logs when a record or a unit could not be written (manifest.Recorder).
+_NOT_RECORDED = ("jitwarm: cannot record ", "jitwarm: cannot capture ")
 
 
 class ServerFailed(JitwarmError):
-    """The server exited, was not ready in time, or started without jitwarm's plugin reporting (exit 1)."""
+    """The server exited, was not ready in time, or started without jitwarm's plugin recording (exit 1)."""
 
 
-@dataclass
-class ServerProcess:
-    """A server started in a process group of its own, its output going to ``log``; stopped as a whole group."""
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP reached capture: the server's group is stopped, and the exit is 128 + signal."""
 
-    proc: subprocess.Popen[bytes]
-    log: Path
-    started: float = field(default_factory=time.monotonic)
-
-    @classmethod
-    def start(cls, argv: Sequence[str], env: Mapping[str, str], log: Path) -> ServerProcess:
-        """Start ``argv`` (leading ``NAME=value`` words join ``env``), output into ``log``; OSError if it cannot."""
-        words_env, words = split_env(argv)
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(words, env={**env, **words_env}, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        return cls(proc, log)
-
-    def exited(self) -> int | None:
-        """The server's exit status once its main process has exited, else None."""
-        return self.proc.poll()
-
-    def tail(self, lines: int = _TAIL_LINES) -> list[str]:
-        """The last ``lines`` lines of its output (a bounded read: a server's log can be gigabytes)."""
-        try:
-            with open(self.log, "rb") as f:
-                return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
-        except OSError:
-            return []
-
-    def first_error(self) -> list[str]:
-        """The lines from its first error on (a worker's, logged before the front's traceback), if before the tail."""
-        text = _lines(self.log)
-        first = next((i for i, line in enumerate(text) if _ERROR.search(line)), None)
-        return [] if first is None or first >= len(text) - _TAIL_LINES else text[first:first + _TAIL_LINES]
-
-    def group_alive(self) -> bool:
-        """Whether any process of its group is left, reaping those that are our children (orphans, as a subreaper)."""
-        self.proc.poll()
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-self.proc.pid, os.WNOHANG)[0]:
-                pass
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # a member changed its uid: still there
-            pass
-        return True
-
-    def stop(self) -> int | None:
-        """SIGINT the group (a server's Ctrl-C), then SIGTERM, then SIGKILL; the main exit status, None if unreaped.
-
-        A Ctrl-C while waiting kills the group at once and is raised again (no terminal's Ctrl-C reaches it).
-        """
-        try:  # the graces are read now (a test sets them)
-            for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, 5.0)):
-                if not self.group_alive():
-                    break
-                os.killpg(self.proc.pid, sig)
-                deadline = time.monotonic() + wait_s
-                while self.group_alive() and time.monotonic() < deadline:
-                    time.sleep(0.1)
-        except ProcessLookupError:
-            pass
-        except KeyboardInterrupt:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        try:
-            return self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return None
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def health_url(room: Any, argv: Sequence[str]) -> str:
-    """The server's readiness URL from its ``--host`` and ``--port`` (the room's defaults; any-host is loopback)."""
-    given = {}
-    words = split_env(argv)[1]
-    for i, word in enumerate(words):
-        flag, eq, value = word.partition("=")
-        if flag in ("--host", "--port") and (eq or i + 1 < len(words)):
-            given[flag] = value if eq else words[i + 1]
-    host, port = given.get("--host"), given.get("--port", str(room.DEFAULT_PORT))
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"the server's --port {port!r} is not a port number")
-    host = "127.0.0.1" if host in _ANY_HOST or host is None else host
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}{room.HEALTH}"
+@contextlib.contextmanager
+def stopping_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` inside the block, SIGINT even where it was ignored.
 
+    A background job of a non-interactive shell inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt: a Ctrl-C sent to such a capture left the server running.
+    """
+    def interrupted(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
 
-#: The server's own URL is asked directly: an ``http_proxy`` the environment names would never reach loopback.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def answers(url: str) -> bool:
-    """Whether ``url`` answers 200 now."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {sig: signal.signal(sig, interrupted) for sig in sigs}
     try:
-        with _DIRECT.open(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
-def server_env(room: Any, base: Mapping[str, str], manifest: Path, ledger: Path, cache_dir: str | None
-               ) -> dict[str, str]:
-    """``base`` with jitwarm's plugin named, recording into ``manifest``, writing ``ledger``."""
+def server_env(room: Any, base: Mapping[str, str], record: Path, ledger: Path, cache_root: Path) -> dict[str, str]:
+    """``base`` with jitwarm's plugin named (as the pod names it), recording into ``record``, writing ``ledger``."""
     env = dict(base)
-    plugins = env.get(room.PLUGINS_ENV)
-    if plugins is not None and "jitwarm" not in [p.strip() for p in plugins.split(",")]:
-        env[room.PLUGINS_ENV] = ",".join(p for p in (plugins, "jitwarm") if p.strip())
-    env["JITWARM_RECORD"] = str(manifest)
+    names = [p.strip() for p in env.get(room.PLUGINS_ENV, "").split(",") if p.strip()]
+    if "jitwarm" not in names:  # unset is "jitwarm", as the documented pod sets it (vLLM hashes it: envs.py)
+        env[room.PLUGINS_ENV] = ",".join([*names, "jitwarm"])
+    env["JITWARM_RECORD"] = str(record)
     env.setdefault("JITWARM_LEDGER", str(ledger))
-    if cache_dir:
-        env["JITWARM_CACHE_DIR"] = str(cache_dir)
+    env["JITWARM_CACHE_DIR"] = str(cache_root)  # the store capture checks, whatever the environment's default
     return env
 
 
+class Progress:
+    """While capture waits, a line every :data:`PROGRESS_S` seconds: time, the server's phase, units so far.
+
+    The phase is the server's last log line; the units are those its libraries' private caches hold.
+    """
+
+    def __init__(self, server: ServerProcess, room: Any, env: Mapping[str, str], log: IO[str]) -> None:
+        self.server, self.room, self.env, self.log = server, room, env, log
+        self.last = time.monotonic()
+
+    def tick(self, waiting_for: str) -> None:
+        """Print the line when it is due."""
+        if time.monotonic() - self.last < PROGRESS_S:
+            return
+        self.last = time.monotonic()
+        phase = next((line.strip() for line in reversed(self.server.tail(5)) if line.strip()), "(no output yet)")
+        units = sum(census(self.room, self.env).values())
+        print(f"jitwarm: capture: {self.last - self.server.started:.0f}s, waiting for {waiting_for}; "
+              f"{units} JIT cache units so far; the server: {phase[:160]}", file=self.log, flush=True)
+
+
 def wait_ready(server: ServerProcess, url: str, ledger: Path, timeout_s: float, room: Any,
-               stale: tuple[int, int] | None = None) -> float:
-    """Wait until ``url`` answers and the plugin wrote a new ``ledger``; the seconds to ready; else ServerFailed."""
+               stale: tuple[int, int] | None = None, progress: Progress | None = None) -> float:
+    """Wait until the server answers ``url`` and the plugin wrote a new ``ledger``; the seconds to ready.
+
+    ServerFailed when the server exits, is not ready in ``timeout_s``, or another process answers ``url``.
+    """
     deadline = server.started + timeout_s
+    port = urllib.parse.urlsplit(url).port or 80
     while not answers(url):
         _check_running(server, "before it was ready")
         if time.monotonic() > deadline:
             raise ServerFailed(f"the server was not ready within {timeout_s:g} s ({url} did not answer)")
+        if progress is not None:
+            progress.tick(url)
         time.sleep(_POLL_S)
     ready = time.monotonic() - server.started
+    if not owns_port(server.proc.pid, port):
+        raise ServerFailed(f"{url} answers, but no process of the server's group listens on port {port}: another "
+                           "process took the port")
     grace = min(time.monotonic() + LEDGER_GRACE_S, max(deadline, time.monotonic() + _POLL_S))
     while _identity(ledger) in (None, stale):
         _check_running(server, "after it answered, before jitwarm's plugin reported")
         if time.monotonic() > grace:
             raise ServerFailed(f"the server is ready but jitwarm's plugin never reported at its ready point (no "
                                f"ledger at {ledger}): is jitwarm installed where the server runs, and does "
-                               f"{room.PLUGINS_ENV}, if set, name it?")
+                               f"{room.PLUGINS_ENV} name it?")
+        if progress is not None:
+            progress.tick("jitwarm's ledger")
         time.sleep(_POLL_S)
     return ready
 
@@ -202,108 +166,203 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 @dataclass
 class Captured:
-    """What one capture stored: this start's ``units`` per library, the ``keys`` of all the manifest names."""
+    """What one capture stored: its ``units`` per library, the ``keys`` of all the manifest names, its files."""
 
     units: Counter[str]
     keys: list[str]
     ready_s: float
     warnings: list[str]
     ledger: dict[str, Any] | None
+    log: Path
+    environment: dict[str, str]
+    #: ``library unit`` of each unit the start wrote that the plugin did not record (said as a warning).
+    unrecorded: list[str]
+    digest: str | None = None
 
 
-def capture(argv: Sequence[str], manifest: Path, *, cache: Any, cache_dir: str | None, timeout_s: float,
+def server_log_path(manifest: Path) -> Path:
+    """Where the server's log is kept: beside the manifest, ``server.jsonl`` -> ``server.log``."""
+    name = manifest.stem if manifest.suffix != ".log" else manifest.name
+    return manifest.with_name(f"{name}.log")
+
+
+def _claim_record_file(manifest: Path) -> Path:
+    """A new, empty file beside ``manifest`` for the plugin to record into; ServerFailed where none can be made."""
+    if manifest.is_dir():
+        raise UsageError(f"--manifest {manifest} is a directory; give the manifest's file name (server.jsonl)")
+    record = manifest.with_name(f".{manifest.name}.capture-{os.getpid()}")
+    try:
+        os.close(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+    except OSError as exc:
+        raise ServerFailed(f"cannot write the manifest {manifest}: {exc.strerror or exc} (making {record.name} "
+                           "beside it)") from None
+    return record
+
+
+def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float, export: str | None = None,
             log: IO[str] = sys.stderr) -> Captured:
-    """Run the server line ``argv`` once, recording into ``manifest``; stop it; check every unit stored."""
+    """Run the server line ``argv`` once on a clean node, recording; stop it; check; write ``export``, ``manifest``.
+
+    Every recorded unit must be stored and verified before the bundle ``export`` (if any) and then ``manifest`` are
+    written. Raises ServerFailed, UsageError, or Interrupted (the server's group stopped first).
+    """
     room = servers.adapter_for(argv)
     if not room.recognises(argv):
         raise UsageError(f"capture runs a server: the line after -- must start with its launcher "
                          f"({'; or '.join(servers.adapter(n).LAUNCHERS for n in servers.ROOMS)})")
     words_env, words = split_env(argv)
-    with tempfile.TemporaryDirectory(prefix="jitwarm-capture-") as scratch:
-        # capture's settings go on top of the line's own NAME=value words (`VLLM_PLUGINS=other vllm serve`)
-        env = server_env(room, {**os.environ, **words_env}, manifest, Path(scratch) / "ledger.json", cache_dir)
+    url = health_url(room, argv)
+    check_port_free(url)
+    record = _claim_record_file(manifest)
+    scratch = Path(tempfile.mkdtemp(prefix="jitwarm-capture-"))
+    server: ServerProcess | None = None
+    watchdog = None
+    try:
+        watchdog = Watchdog([scratch, record])
+        base, outside = private_env(room, {**os.environ, **words_env}, scratch)
+        env = server_env(room, base, record, scratch / "ledger.json", Path(cache.root))
         ledger = Path(env["JITWARM_LEDGER"])
         stale = _identity(ledger)
-        before = {record_id(r) for r in read_manifest(manifest)} if manifest.exists() else set()
         for why in room.start_warnings(env):  # the room's known reasons a restored start compiles again
             print(f"jitwarm: warning: {why}", file=log)
-        server_log = Path(scratch) / "server.log"
-        url = health_url(room, argv)
+        for name, root in outside.items():
+            print(f"jitwarm: warning: {name}'s cache stays at {root} (no variable of its moves it): units already "
+                  "there are not captured", file=log)
+        server_log = server_log_path(manifest)
+        server_log.unlink(missing_ok=True)
         try:
-            server = ServerProcess.start(words, env, server_log)
+            server = ServerProcess.start(words, env, server_log, watchdog=watchdog)
         except OSError as exc:
             raise ServerFailed(f"cannot start the server: {exc.strerror or exc}: {words[0]}") from None
-        print(f"jitwarm: capture: {room.NAME} started (pid {server.proc.pid}), recording into {manifest}; waiting for "
-              f"{url} and the plugin's ledger", file=log)
+        print(f"jitwarm: capture: {room.NAME} started (pid {server.proc.pid}) with {room.PLUGINS_ENV}="
+              f"{env[room.PLUGINS_ENV]} and empty JIT caches under {scratch}; its log: {server_log}; waiting for "
+              f"{url} and the plugin's ledger", file=log, flush=True)
         try:
-            ready_s = wait_ready(server, url, ledger, timeout_s, room, stale)
-        except (ServerFailed, KeyboardInterrupt) as exc:
+            ready_s = wait_ready(server, url, ledger, timeout_s, room, stale, Progress(server, room, env, log))
+        except ServerFailed:
             server.stop()
-            if isinstance(exc, ServerFailed):
-                first = server.first_error()
-                if first:
-                    print("jitwarm: capture: the server's first error:", file=log)
-                    for line in first:
-                        print(f"  | {line}", file=log)
-                print(f"jitwarm: capture: the server's last lines ({server_log.name}):", file=log)
-                for line in server.tail():
-                    print(f"  | {line}", file=log)
+            _say_failure(server, log)
             raise
         server.stop()
-        try:  # as text: a progress bar's \r ends a line, and a warning keeps its bytes
-            said = server_log.read_text(errors="replace").splitlines()
-        except OSError:
-            said = []
-        warnings = sorted({line[line.index("jitwarm:"):] for line in said
-                           if "jitwarm:" in line and ("WARNING" in line or "ERROR" in line)})
+        warnings, failures = _plugin_lines(server_log)
+        if failures:
+            raise ServerFailed(f"jitwarm's plugin could not record the start: {failures[0].removeprefix('jitwarm: ')}"
+                               f" ({len(failures)} such lines in {server_log})")
         try:
             report = json.loads(ledger.read_text())
         except (OSError, ValueError):
             report = None
-    # every unit the manifest names must be stored and verify; ``units`` counts this start's
-    plan = WarmPlan.empty().with_manifests([manifest]) if manifest.is_file() else WarmPlan.empty()
+        done = _check_stored(room, env, record, cache, ready_s, warnings, report, server_log)
+        append_records(record, [capture_record(room.NAME, done.environment)])
+        if export:
+            done.digest = export_keys(cache, done.keys, export)
+        record.replace(manifest)  # the manifest appears whole, or not at all
+        return done
+    except BaseException:
+        if server is not None and server.group_alive():
+            server.stop()  # a signal while waiting: the group goes down before capture exits
+        raise
+    finally:
+        record.unlink(missing_ok=True)
+        _remove_tree(scratch)
+        if watchdog is not None:
+            watchdog.done()
+
+
+def _say_failure(server: ServerProcess, log: IO[str]) -> None:
+    """The server's first error (before capture stopped it) and its last lines, each line as ``  | text``."""
+    first = server.first_error()
+    if first:
+        print("jitwarm: capture: the server's first error:", file=log)
+        for line in first:
+            print(f"  | {line}", file=log)
+    print(f"jitwarm: capture: the server's last lines ({server.log}):", file=log)
+    for line in server.tail():
+        print(f"  | {line}", file=log)
+
+
+def _plugin_lines(server_log: Path) -> tuple[list[str], list[str]]:
+    r"""The plugin's warnings and errors in the server's log, and those saying a record or unit was not written.
+
+    Each from ``jitwarm:`` on; the log streamed, a progress bar's ``\r`` ending a line.
+    """
+    warnings, failures = set(), []
+    for _, line in log_lines(server_log):
+        for piece in (p for p in line.split("\r") if "jitwarm:" in p):
+            said = piece[piece.index("jitwarm:"):]  # after the server's own prefix, whatever its format
+            if said.startswith(_NOT_RECORDED):
+                failures.append(said)
+            if said.startswith(_NOT_RECORDED) or "WARNING" in piece or "ERROR" in piece:
+                warnings.add(said)
+    return sorted(warnings), failures
+
+
+def _check_stored(room: Any, env: Mapping[str, str], record: Path, cache: Any, ready_s: float, warnings: list[str],
+                  report: dict[str, Any] | None, server_log: Path) -> Captured:
+    """Every unit the record file names stored and verified, every unit the census saw recorded; ServerFailed."""
+    records = read_manifest(record) if record.stat().st_size else []
+    plan = WarmPlan.empty().with_manifests([record]) if records else WarmPlan.empty()
     keys = keys_of(plan, cache)
     coverage = plan_coverage(plan, cache, keys=keys)
     if coverage["missing"] or coverage["corrupt"]:
         raise ServerFailed(f"{len(coverage['missing'])} recorded units are not in {cache.root} and "
                            f"{len(coverage['corrupt'])} do not verify: {', '.join(coverage['missing'][:3])}")
-    new = [spec_of(r) for r in (read_manifest(manifest) if manifest.is_file() else []) if record_id(r) not in before]
-    units = Counter(spec.backend.removesuffix("_cache") for spec in new)
-    return Captured(units, sorted(keys.values()), ready_s, warnings, report)
+    missed = unrecorded(room, env, records)
+    said = (f"the start wrote {len(missed)} JIT cache units that jitwarm's plugin did not record "
+            f"({', '.join(missed[:3])}{', ...' if len(missed) > 3 else ''}); the server's log: {server_log}")
+    if missed and not any(r["kind"] == "jit_cache" for r in records):
+        raise ServerFailed(said)  # never "the start compiled nothing"
+    if missed:
+        warnings = [*warnings, said]
+    units = Counter(spec_of(r).backend.removesuffix("_cache") for r in records)
+    return Captured(units, sorted(keys.values()), ready_s, warnings, report, server_log,
+                    {room.PLUGINS_ENV: env[room.PLUGINS_ENV]}, missed)
 
 
-def _lines(path: Path) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            return [line.decode(errors="replace").rstrip() for line in f]
-    except OSError:
-        return []
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def next_step(manifest: Path, export: str | None, digest: str | None, environment: Mapping[str, str]) -> list[str]:
+    """The lines that end a capture's output: what to ship, and the ``prestart`` line each node runs."""
+    env = " ".join(f"{k}={v}" for k, v in environment.items())
+    bundle = export or "kernels.tar"
+    lines = [] if export else [f"  jitwarm export --manifest {manifest} {bundle}    # the bundle (not written: no "
+                                "--export)"]
+    pin = f" --sha256 {digest}" if digest else ""
+    return [f"jitwarm: next: ship {manifest} and {bundle} with the server's image; on each node, in the server's "
+            f"environment ({env}, as the server runs), before the server starts:", *lines,
+            f"  jitwarm prestart --manifest {manifest} --bundle {bundle}{pin} --offline"]
 
 
 def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
-    """Run ``capture``; print what it stored (``--json``: one object); ``--export`` the bundle."""
+    """Run ``capture``; print what it stored and the next step (``--json``: one object); ``--export`` the bundle."""
     if not server_argv:
         raise UsageError("capture needs the server's command line after -- (jitwarm capture -- vllm serve MODEL ...)")
     manifest = Path(args.manifest or "server.jsonl").absolute()
     if args.export:
         check_export_target(args.export)
     cache = open_cache(args, writes=True)  # an unwritable root is said now, not after the server's start
-    done = capture(server_argv, manifest, cache=cache, cache_dir=args.cache_dir, timeout_s=args.timeout)
+    with stopping_signals():
+        done = capture(server_argv, manifest, cache=cache, timeout_s=args.timeout, export=args.export)
     for line in done.warnings:
         print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)
-    digest = None
-    if args.export and done.keys:
-        digest = export_keys(cache, done.keys, args.export)
     compiled = None if done.ledger is None else done.ledger.get("compiled")
+    nxt = next_step(manifest, args.export, done.digest, done.environment)
     if args.json:
         print(json.dumps({"ready_s": round(done.ready_s, 1), "manifest": str(manifest), "units": dict(done.units),
                           "entries": len(done.keys), "compiled": compiled, "export": args.export,
-                          "sha256": digest, "warnings": done.warnings}))
-    else:
-        what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
-        print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "
-              f"{done.ready_s:.1f}s; the {len(done.keys)} units {manifest} names are stored and verified in "
-              f"{cache.root}")
-        if args.export and digest:
-            print(f"jitwarm: exported {len(done.keys)} entries to {args.export} (sha256 {digest})")
+                          "sha256": done.digest, "warnings": done.warnings, "log": str(done.log),
+                          "environment": done.environment, "unrecorded": done.unrecorded,
+                          "next": nxt[-1].strip()}))
+        return EXIT_OK
+    what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
+    print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "
+          f"{done.ready_s:.1f}s; the {len(done.keys)} units {manifest} names are stored and verified in {cache.root}")
+    print(f"jitwarm: the server's log: {done.log}")
+    if args.export:
+        print(f"jitwarm: exported {len(done.keys)} entries to {args.export} (sha256 {done.digest})")
+    print("\n".join(nxt))
     return EXIT_OK

@@ -39,8 +39,9 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
     "import": ("import a bundle into the cache, verifying every file", shipping.cmd_import),
-    "capture": ("run the server once with jitwarm recording until its start is over, stop it, store and verify "
-                "every JIT cache unit it compiled (--export: bundle them)", capture.cmd_capture),
+    "capture": ("run the server once on private, empty JIT caches with jitwarm recording until its start is over, "
+                "stop it, store and verify every JIT cache unit it compiled (--export: bundle them), then write the "
+                "manifest", capture.cmd_capture),
 }
 #: Commands that take no serving flags and build no plan.
 PLANLESS = ("prune", "import", "capture")
@@ -143,9 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--jobs", type=_jobs, metavar="N", help="parallel builds (env JITWARM_JOBS; default: cores)")
         if name == "capture":
             p.add_argument("--manifest", type=path_flag, metavar="PATH", default="server.jsonl",
-                           help="the manifest the run records into (appended to)")
+                           help="the manifest to write: this start's records, replacing the file whole once the "
+                                "capture is complete (the server's log is kept beside it, NAME.log)")
             p.add_argument("--export", metavar="BUNDLE",
-                           help="then write the captured entries to this bundle (a file, or s3://BUCKET/KEY.tar)")
+                           help="then write the captured entries to this bundle (a file, or s3://BUCKET/KEY.tar), "
+                                "before the manifest")
             c.add_argument("--timeout", type=_timeout, default=1800.0, metavar="S",
                            help="deadline for the server's start (its health endpoint and jitwarm's ledger)")
         else:
@@ -187,7 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
         elif name in ("export", "import"):
             p.add_argument("path", metavar="BUNDLE", type=path_flag,
                            help="bundle file (.tar or .tar.gz), or an object s3://BUCKET/KEY.tar (streamed; boto3)")
+    for name, p in sub.choices.items():
+        p.usage = _usage(p, name)
     return parser
+
+
+def _usage(p: argparse.ArgumentParser, name: str) -> str:
+    """The command's usage: its own flags, the server flags as one word, and ``-- SERVER LINE`` where it takes one."""
+    grouped = [a for g in p._action_groups if g.title and not g.title.startswith(("options", "cache", "remote"))
+               and name not in PLANLESS for a in g._group_actions if a.dest != "manifest"]
+    formatter = p._get_formatter()
+    formatter.add_usage(None, [a for a in p._actions if a not in grouped], [], prefix="usage: ")
+    own = formatter.format_help().strip().removeprefix("usage: ")  # argparse puts it back: the lines stay aligned
+    if name == "capture":
+        return f"{own} -- SERVER LINE"
+    return own if name in PLANLESS else f"{own} [SERVER FLAGS] [-- SERVER LINE]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,6 +242,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return COMMANDS[args.command][1](args, plan)
     except JitwarmError as exc:
         return _fail(args, _cli_message(exc), exc.exit_code)
+    except capture.Interrupted as exc:  # capture stopped its server first; the shell's code for the signal
+        return _fail(args, f"interrupted ({exc}): the server's process group is stopped", 128 + exc.signum)
     except KeyboardInterrupt:
         # A second Ctrl-C during finalization (which restores SIG_DFL, but keeps SIG_IGN) killed us by signal
         # instead of exit 130 (test_one_ctrl_c_stops_warm_and_its_compilers_quickly, under load).

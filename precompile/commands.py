@@ -86,12 +86,28 @@ def nothing_to_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
         why, what = plan.families.why, "the model runs none of jitwarm's kernel families"
     if args.command == "export":
         raise UsageError(f"the plan is empty ({why}): {what}, nothing to export")
-    print(f"jitwarm: nothing to warm: the plan is empty ({why}): {what}", file=sys.stderr)
+    still = ""
+    if args.command == "plan":  # the graphs' kernels are not all a start compiles
+        still = ("; its start still fills its own JIT caches (Inductor, Triton, ...): `jitwarm capture -- SERVER "
+                 "LINE` records them" + (f" ({installed(plan.config.server)})" if plan.config else ""))
+    print(f"jitwarm: nothing to warm: the plan is empty ({why}): {what}{still}", file=sys.stderr)
     if args.json:
         doc = plan.to_json() if args.command == "plan" else {"plan_id": plan.plan_id, "ok": True, "ready": True,
                                                              "specs": 0, "empty": why}
         print(json.dumps(doc))
     return EXIT_OK
+
+
+def installed(server: str) -> str:
+    """Which release of ``server`` is installed here (what the plan's rules were checked against)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (server, f"{server}-cpu"):
+        try:
+            return f"installed here: {name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return f"{server} is not installed here"
 
 
 def spec_labels(specs: Any) -> dict[KernelSpec, str]:
@@ -131,7 +147,7 @@ def render_plan(plan: WarmPlan) -> str:
         fams = ", ".join(f"{name} {n}" for name, n in plan.by_family().items())
         targets = ", ".join(f"{b}:{t}" for b in plan.config.backends for t in plan.config.targets)
         lines += ["", f"{len(plan.specs) - len(plan.recorded)} specs for {len(plan.shapes)} shapes ({fams}) on "
-                  f"{targets}", f"ladder: {plan.ladder.source}"]
+                  f"{targets}", f"ladder: {plan.ladder.source}; {installed(plan.config.server)}"]
         if plan.families is not None:
             lines.append(f"model: {plan.families.why}")
     if plan.manifest is not None:

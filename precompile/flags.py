@@ -75,10 +75,19 @@ def path_flag(text: str) -> str:
     return text
 
 
+#: The title of the group :func:`add_serving_flags` adds (the usage line names it instead of listing its flags).
+SERVING_GROUP = "sglang settings as flags"
+
+
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the serving, model and build-target flags to ``parser`` (all default to None: unset)."""
+    """Add the server line's description, the serving, model and build-target flags to ``parser`` (unset: None)."""
     version = f"{servers.DEFAULT} {servers.adapter(servers.DEFAULT).VERSION}"
-    g = parser.add_argument_group(f"serving ({version}'s flag names; or the server's command line after --)")
+    launchers = "; ".join(f"{name} {servers.adapter(name).VERSION}: {servers.adapter(name).LAUNCHERS}"
+                          for name in servers.ROOMS)
+    parser.add_argument_group("-- SERVER LINE", f"the server's own command line, last, as the server runs it: "
+                                                f"{launchers}")
+    g = parser.add_argument_group(
+        f"{SERVING_GROUP} ({version}'s names; without a server line, or --config; vLLM's come from its line only)")
     g.add_argument("--config", type=path_flag, metavar="FILE.toml", help="read these settings from a TOML file first")
     g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
                    type=_finite_int, metavar="N",

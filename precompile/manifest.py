@@ -1,7 +1,8 @@
 """Manifests: the server's own JIT kernels as a run compiled them, one JSON record per line, and their recorder.
 
 Kinds: ``triton`` (``kernel``, ``specialization``), ``sglang_jit`` (``module``, ``call``) and ``jit_cache``
-(a JIT library's cache unit: ``library``, ``unit``, ``files``, ``fingerprint``, ``under``), each with ``target``.
+(a JIT library's cache unit: ``library``, ``unit``, ``files``, ``fingerprint``, ``under``), each with ``target``;
+and one ``capture`` record (``server``, ``environment``: the plugin variable as ``jitwarm capture`` set it), no kernel.
 Ranks append under the file's own flock, each record once. A manifest is code (replay imports it): trusted only
 from this user or root. A torn last line is ignored, said once, and cut off by the next append. A
 :class:`Recorder` appends what a run compiles (Triton, load_jit) and stores the JIT cache units it adds.
@@ -41,13 +42,14 @@ log = logging.getLogger("jitwarm.manifest")
 _record_log = logging.getLogger("jitwarm.record")
 
 VERSION = 1
-KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit", "jit_cache": "<library>_cache"}  # -> kernel backend
+KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit", "jit_cache": "<library>_cache",  # -> kernel backend
+         "capture": ""}  # how capture ran the server: no kernel
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
 #: How long an append waits for another one holding the manifest's lock (an append takes milliseconds).
 LOCK_TIMEOUT_S = 60.0
 _NEEDS = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call"),
-          "jit_cache": ("library", "unit", "target", "files", "fingerprint")}
+          "jit_cache": ("library", "unit", "target", "files", "fingerprint"), "capture": ("server", "environment")}
 
 
 class ManifestError(UsageError, ValueError):
@@ -67,11 +69,18 @@ def check_record(record: Any, where: str = "record") -> dict[str, Any]:
     # type() is int, not ==: True == 1 and 1.0 == 1, and a bool is not a version.
     if not isinstance(record, dict) or type(record.get("v")) is not int or record["v"] != VERSION \
             or not isinstance(record.get("kind"), str) or record["kind"] not in KINDS:  # a list is unhashable
-        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton, sglang_jit or "
-                            "jit_cache)")
+        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton, sglang_jit, "
+                            "jit_cache or capture)")
     for field in _NEEDS[record["kind"]]:
         if field not in record:
             raise ManifestError(f"{where}: a {record['kind']} record needs {field!r}")
+    if record["kind"] == "capture":
+        environment = record["environment"]
+        if record["server"] not in servers.ROOMS or not (isinstance(environment, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in environment.items())):
+            raise ManifestError(f"{where}: a capture record names its server ({', '.join(servers.ROOMS)}) and "
+                                "its environment as an object of strings")
+        return record
     if not isinstance(record["target"], str):
         raise ManifestError(f"{where}: target must be a string such as 'sm_90'")
     if record["kind"] == "triton" and not (isinstance(record["kernel"], str) and ":" in record["kernel"]
@@ -212,6 +221,16 @@ def _write_all(fd: int, data: bytes, end: int) -> None:
         raise
 
 
+def capture_record(server: str, environment: Mapping[str, str]) -> dict[str, Any]:
+    """The record ``jitwarm capture`` adds last: the server it ran and the plugin variable as it set it."""
+    return check_record({"v": VERSION, "kind": "capture", "server": server, "environment": dict(environment)})
+
+
+def capture_of(records: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The ``capture`` record of a manifest's records (how its start ran), or None for a recording made otherwise."""
+    return next((r for r in records if r["kind"] == "capture"), None)
+
+
 def spec_of(record: Mapping[str, Any]) -> KernelSpec:
     """The KernelSpec that builds a record's kernel (its backend reads everything it needs from the params)."""
     if record["kind"] == "triton":
@@ -231,7 +250,7 @@ def spec_of(record: Mapping[str, Any]) -> KernelSpec:
 def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None = None
              ) -> tuple[tuple[KernelSpec, ...], int]:
     """The specs of manifest records, each once, and how many records ``targets`` left out (it never retargets)."""
-    records, wanted = list(records), None if targets is None else set(targets)
+    records, wanted = [r for r in records if r["kind"] != "capture"], None if targets is None else set(targets)
     kept = [r for r in records if wanted is None or r["target"] in wanted]
     return tuple(dict.fromkeys(spec_of(r) for r in kept)), len(records) - len(kept)
 
@@ -269,8 +288,8 @@ class Recorder:
         try:
             added = append_records(self.path, [record])
         except (OSError, ValueError) as exc:  # ManifestError is a ValueError: an untrusted or bad manifest
-            _record_log.warning("jitwarm: cannot record %s into %s: %s", record.get("kernel") or record.get("module"),
-                        self.path, exc)
+            what = record.get("kernel") or record.get("module") or f"{record.get('library')} unit {record.get('unit')}"
+            _record_log.warning("jitwarm: cannot record %s into %s: %s", what, self.path, exc)
             return
         with self._lock:
             self._seen.add(rid)

@@ -78,7 +78,8 @@ class VllmCpu:
                 "VLLM_CACHE_ROOT": str(node / "vllm"),
                 "JITWARM_CACHE_DIR": str(node / "jitwarm"), "HF_HOME": str(node / "hf"), "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "VLLM_USE_AOT_COMPILE": "0", **extra}
+                "DO_NOT_TRACK": "1", "VLLM_USE_AOT_COMPILE": "0",
+                "VLLM_PLUGINS": "jitwarm", **extra}  # as the documented pod, and capture, set it (a compile factor)
 
     def serve(self, port: int) -> list[str]:
         """``vllm serve`` of the tiny model on loopback ``port``."""

@@ -20,8 +20,13 @@ SIGTERM. A forked "worker" sleeps in the same process group, as a server's sched
   (ignored); SIGTERM does.
 - ``orphan_worker``: as ``ok``, but on a signal it exits at once, and its worker half a second later: an
   orphan, as a server's engine process outlives its API process.
+- ``unrecordable``: as ``ok``, but the file ``JITWARM_RECORD`` names is replaced by a link first, so the plugin's
+  recorder cannot append (it logs ``jitwarm: cannot record``, as on a read-only volume).
+- ``error_after_warning``: logs a WARNING line holding ``OSError:``, then :data:`FIRST_ERROR`, then 40 lines, and
+  exits 3.
 
-``STAND_IN_DELAY`` (seconds, default 0) delays /health, as a model load would.
+``STAND_IN_DELAY`` (seconds, default 0) delays /health, as a model load would. ``STAND_IN_NOISY_STOP=1``: on a
+signal it logs a traceback and 40 lines before it stops, as a server's Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ DYING = "stand-in: out of memory loading the model, exiting 3"
 DEFAULT_UNIT = "fxgraph/ab/fabc123/entry"
 #: The worker: asleep until a signal of its group ends it (SIGINT's KeyboardInterrupt, or SIGTERM), then it
 #: takes ``argv[1]`` seconds to exit.
+#: The ``error_after_warning`` mode's error line, as vLLM logs one (its level first).
+FIRST_ERROR = "ERROR 12-05 02:00:00 [core.py:42] EngineCore failed to start: out of memory"
+WARNED = "WARNING 12-05 02:00:00 [utils.py:7] could not read /sys/x: OSError: [Errno 2] No such file or directory"
 WORKER = "import sys, time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:\n    time.sleep(float(sys.argv[1]))\n"
 
 
@@ -71,6 +79,9 @@ def main() -> None:
     if mode == "die":
         print(DYING, flush=True)
         sys.exit(3)
+    if mode == "error_after_warning":
+        print(WARNED, FIRST_ERROR, *(f"stand-in: after the error, line {i}" for i in range(40)), sep="\n", flush=True)
+        sys.exit(3)
     if mode == "ignore_sigint":
         # Before the worker starts: an ignored signal stays ignored across fork and exec (Python keeps it).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -80,6 +91,9 @@ def main() -> None:
     def on_signal(signum: int, frame: object) -> None:
         with open(out / "signals", "a") as f:
             f.write(f"{signal.Signals(signum).name}\n")
+        if os.environ.get("STAND_IN_NOISY_STOP") == "1":
+            print("Traceback (most recent call last):\nKeyboardInterrupt", *(f"stand-in: stopping, line {i}"
+                                                                              for i in range(40)), sep="\n", flush=True)
         if not (mode == "ignore_sigint" and signum == signal.SIGINT):
             stopping.set()
 
@@ -88,12 +102,18 @@ def main() -> None:
     (out / "pids.json").write_text(json.dumps({"server": os.getpid(), "worker": worker.pid}))
     (out / "env.json").write_text(json.dumps({name: os.environ.get(name) for name in
                                               ("VLLM_PLUGINS", "SGLANG_PLUGINS", "JITWARM_RECORD", "JITWARM_LEDGER",
-                                               "JITWARM_CACHE_DIR")}))
+                                               "JITWARM_CACHE_DIR", "TMPDIR", "HOME", "XDG_CACHE_HOME",
+                                               "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT",
+                                               "SGLANG_CACHE_DIR", "CUDA_CACHE_PATH")}))
     print(f"stand-in: {mode} server starting, pid {os.getpid()}", flush=True)
     if os.environ.get("JITWARM_RECORD"):
         from jitwarm.precompile import ledger
         from jitwarm.precompile.manifest import record
 
+        if mode == "unrecordable":
+            target = Path(os.environ["JITWARM_RECORD"])
+            target.unlink()
+            target.symlink_to(out / "elsewhere.jsonl")
         recorder = record(os.environ["JITWARM_RECORD"])
         ledger.begin()
         unit = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / os.environ.get("STAND_IN_UNIT", DEFAULT_UNIT)
