@@ -68,7 +68,7 @@ def remedy(item: str, recorded: str, here: str) -> str:
         library, name = item.split(ENV_MARK, 1)[0], item.split(ENV_MARK, 1)[1]
         setting = _env_setting(name, recorded)
         return (f"{library} hashes the environment variable {name} into its key: {setting} as at capture in this "
-                f"node's environment, or capture again with this node's value ({name} read as {here})")
+                "node's environment, or capture again with this node's value")
     if item in PACKAGES:
         return (f"install {item} {recorded} here as at capture (the server's image), or capture again in this "
                 "node's image")
