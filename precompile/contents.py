@@ -48,7 +48,7 @@ def about(cache: Any, keys: Iterable[str], manifests: Iterable[str | os.PathLike
                 records.setdefault(record_id(record), record)
     own = [s.to_json() for s in dict.fromkeys(specs) if _key(s, cache) in wanted]
     under = sorted({str(r.get("under", "")) for r in records.values()} - {""})
-    release = {room: _release(room) for room in under}
+    release = ", ".join(_release(room) for room in under) or None
     return {"v": VERSION, "manifest": list(records.values()), "specs": own,
             "made": {"server": ", ".join(under) or None, "release": release,
                      "environment": {name: env[name] for name in PLACING if name in env},

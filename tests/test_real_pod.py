@@ -160,3 +160,32 @@ def test_a_bundle_alone_restores_everything_it_holds_and_the_start_compiles_noth
     assert pod["alone_ledger"]["compiled"] == 0, pod["alone_ledger"]
     assert compiled(pod["alone_before"], pod["alone_after"]) == []
     assert pod["alone_answer"]["usage"]["completion_tokens"] == 5
+
+
+#: The variables that place a library's cache, as the rooms and the libraries read them.
+CACHE_VARIABLES = ("VLLM_CACHE_ROOT", "SGLANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                   "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR", "DG_JIT_CACHE_DIR",
+                   "JITWARM_CACHE_DIR", "HOME", "TMPDIR", "XDG_CACHE_HOME")
+
+
+@pytest.mark.parametrize("page, section", [("deployment.md", "## Kubernetes"), ("deployment.md", "## In the server: "
+                                           "the vLLM plugin"), ("vllm.md", "## Deployment")])
+def test_every_documented_pod_gives_both_containers_the_same_cache_roots_on_the_volume(page, section):
+    """No server run: each documented pod's init and server containers set the same cache variables, each inside a
+    volume both mount; a vLLM pod sets Inductor's own directory (vLLM's CPU build leaves it at $TMPDIR)."""
+    text = (DOCS / page).read_text()
+    part = text[text.index(section):]
+    block = re.search(r"```yaml\n(.*?)```", part, re.S).group(1)
+    pod = next(d for d in yaml.safe_load_all(block) if d and d["kind"] == "Pod")["spec"]
+    init, srv = pod["initContainers"][0], pod["containers"][0]
+
+    def roots(container: dict) -> dict[str, str]:
+        env = {e["name"]: str(e["value"]) for e in container.get("env", [])}
+        return {k: v for k, v in env.items() if k in CACHE_VARIABLES}
+
+    assert roots(init) == roots(srv) and roots(init), (roots(init), roots(srv))
+    shared = {m["mountPath"] for m in init["volumeMounts"]} & {m["mountPath"] for m in srv["volumeMounts"]}
+    for var, value in roots(init).items():
+        assert any(Path(value).is_relative_to(mount) for mount in shared), (var, value, shared)
+    if "vllm" in srv["name"]:
+        assert "TORCHINDUCTOR_CACHE_DIR" in roots(init) and "VLLM_CACHE_ROOT" in roots(init)
