@@ -15,6 +15,7 @@ from typing import Any
 
 from jitwarm.cache.errors import EXIT_OK, NotReady
 from jitwarm.cache.remote.base import redact
+from jitwarm.kernels.libraries.jit_caches import receipt
 from jitwarm.precompile import contents
 from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
 from jitwarm.precompile.plan import WarmPlan
@@ -34,10 +35,9 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     supplied = None
     if args.bundle:
         report = import_bundle(cache, args.bundle, sha256=args.sha256)
-        asked = len(plan.specs)
         plan = contents.with_bundle(plan, report.about, args.bundle, args.targets or None)
         if not plan.specs:
-            raise NotReady(*nothing_expected(args.bundle, report, asked))
+            raise NotReady(*nothing_expected(args.bundle, report))
         check_fingerprints(args, plan)
     keys = keys_of(plan, cache)
     if args.bundle:
@@ -70,7 +70,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
         print(json.dumps(outcome(True, handed_over=len(plan.recorded),
                                  restored={name: fam.as_json() | {"files": len(fam.files)}
                                            for name, fam in restored.items()},
-                                 receipt=str(cache.root / "restore-receipt.json") if restored else None)))
+                                 receipt=str(receipt.receipt_path(cache.root)) if restored else None)))
     else:
         how = ("offline: nothing built" if args.offline
                else f"{built.built} built, {built.hits} hit, {built.waited} waited")
@@ -79,14 +79,14 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     return EXIT_OK
 
 
-def nothing_expected(path: str, report: Any, asked: int) -> tuple[str, str]:
+def nothing_expected(path: str, report: Any) -> tuple[str, str]:
     """Why a prestart of the bundle at ``path`` would restore nothing that was expected, and what to give."""
-    if report.about is None:
+    records = len(report.about.get("manifest", [])) + len(report.about.get("specs", [])) if report.about else 0
+    if not records:
         return (f"bundle {path} carries no manifest of what it holds (an older jitwarm's, or exported without "
-                f"one), and {'the plan is empty' if not asked else 'nothing else was asked for'}: nothing it holds "
-                "would be restored", "give --manifest or the server's command line after --, or export the bundle "
-                "again (jitwarm export --manifest, jitwarm capture --export)")
-    records = len(report.about.get("manifest", [])) + len(report.about.get("specs", []))
+                "one), and the plan is empty: nothing it holds would be restored",
+                "give --manifest or the server's command line after --, or export the bundle again (jitwarm export "
+                "--manifest, jitwarm capture --export)")
     return (f"bundle {path} would restore nothing: its manifest names {records} specs, none of them for the "
             "targets asked for", "give --target as the bundle was made (jitwarm inspect lists each entry's target)")
 

@@ -92,10 +92,9 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> dict[str, F
                          for outcome, c in sorted(outcomes.items()))
         print(f"jitwarm: JIT cache units: {said}", file=sys.stderr)
     if families:
-        for name, fam in sorted(families.items()):
-            if not quiet:
-                print(f"jitwarm: {name}: {fam.placed + fam.present} unit(s) in {fam.root} (placed {fam.placed}, "
-                      f"present {fam.present}, kept {fam.kept})", file=sys.stderr)
+        for name, fam in sorted(families.items()):  # on stderr with --json too: where each family went
+            print(f"jitwarm: {name}: {fam.placed + fam.present} unit(s) in {fam.root} (placed {fam.placed}, "
+                  f"present {fam.present}, kept {fam.kept})", file=sys.stderr)
         try:
             where = receipt.write(cache.root, families, plan.plan_id)
         except OSError as exc:  # the restore stands; only the server's check of it is lost
