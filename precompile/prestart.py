@@ -1,7 +1,8 @@
 """``prestart``, the init container's step: import the bundle, add what it says it holds, warm, verify, restore.
 
 The bundle describes itself (:mod:`~jitwarm.precompile.contents`): ``prestart --bundle B --offline`` alone
-restores everything it holds; a server line or ``--manifest`` adds their specs. A prestart that would restore
+restores everything it holds, and a server line adds its plan's specs; ``--manifest`` names the recorded kernels
+itself (the bundle's own manifest is then left out). A prestart that would restore
 nothing that was expected is exit 5, never "ready".
 """
 
@@ -35,7 +36,8 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     supplied = None
     if args.bundle:
         report = import_bundle(cache, args.bundle, sha256=args.sha256)
-        plan = contents.with_bundle(plan, report.about, args.bundle, args.targets or None)
+        if not args.manifest:  # a --manifest of the operator's own says which recorded kernels to restore
+            plan = contents.with_bundle(plan, report.about, args.bundle, args.targets or None)
         if not plan.specs:
             raise NotReady(*nothing_expected(args.bundle, report))
         check_fingerprints(args, plan)

@@ -175,3 +175,16 @@ def test_a_fingerprint_refusal_names_the_variable_both_values_and_the_fix(tmp_pa
     assert fix("torch", "2.13.0", "2.14.1") == ("install torch 2.13.0 here as at capture (the server's image), or "
                                                 "capture again in this node's image")
     assert "--target sm_90" in fix("arch", "sm_90", "cpu")
+
+
+def test_a_manifest_of_the_operators_own_names_what_is_restored_from_a_bundle(staged, tmp_path):
+    manifest, cache_dir, _ = staged
+    bundle = tmp_path / "kernels.tar"
+    assert jitwarm("export", "--manifest", str(manifest), "--cache-dir", str(cache_dir), str(bundle)).returncode == 0
+    one = tmp_path / "one.jsonl"
+    one.write_text(manifest.read_text().splitlines(keepends=True)[0])
+    proc = jitwarm("prestart", "--bundle", str(bundle), "--manifest", str(one), "--offline", "--json",
+                   env=node(tmp_path, "node"))
+    assert proc.returncode == 0, proc.stderr
+    done = json_out(proc)
+    assert done["handed_over"] == 1 and done["restored"]["inductor"]["placed"] == 1
