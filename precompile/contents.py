@@ -86,7 +86,9 @@ def with_bundle(plan: WarmPlan, made: Mapping[str, Any] | None, where: str,
                 targets: Iterable[str] | None) -> WarmPlan:
     """``plan`` plus what the bundle's ``about`` says it holds (``targets``: the records made there; None: all).
 
-    ManifestError (exit 2) for an ``about`` whose records are not records; nothing added without one.
+    jitwarm's own specs join only a plan without a config: a server line's plan says which of them the server
+    needs (a bundle exported for another plan supplies none of them, and prestart says so). ManifestError (exit 2)
+    for an ``about`` whose records are not records; nothing added without one.
     """
     from jitwarm.precompile.manifest import ManifestError, check_record, specs_of
 
@@ -102,7 +104,7 @@ def with_bundle(plan: WarmPlan, made: Mapping[str, Any] | None, where: str,
     except (KeyError, TypeError, ValueError, AttributeError):
         raise ManifestError(f"bundle {where}: a spec of its bundle.json is not a kernel spec") from None
     wanted = set(targets) if targets is not None else None
-    planned = [s for s in planned if wanted is None or s.target in wanted]
+    planned = [s for s in planned if (wanted is None or s.target in wanted) and plan.config is None]
     new = tuple(s for s in dict.fromkeys([*planned, *recorded]) if s not in plan.needed_by)
     before = plan.manifest or {"path": "", "records": 0, "other_targets": 0}
     manifest = {"path": ", ".join(p for p in (before["path"], f"bundle {where}") if p),
