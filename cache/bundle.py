@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from jitwarm.cache.entry import (
     MANIFEST,
@@ -34,7 +34,8 @@ from jitwarm.cache.keys import FORMAT_VERSION, is_key
 from jitwarm.cache.layout import VERSION_DIR
 from jitwarm.cache.signing import MAX_SIGNATURE_BYTES, SIGNATURES_DIR, check_local, signature_file, signature_path
 
-#: Optional first member: ``{"format": 1, "keys": [...]}``.
+#: Optional first member: ``{"format": 1, "keys": [...], "about": {...}}``. ``about`` (optional too) is the
+#: exporter's own JSON object, what the bundle is for; the cache carries it unread and the import hands it back.
 BUNDLE_MANIFEST = "bundle.json"
 #: A bundle with more members than this is refused (each costs memory while the headers are checked).
 MAX_MEMBERS = 1_000_000
@@ -42,13 +43,31 @@ _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
 _CHUNK = 1 << 20
 
 
+class BundleHead(NamedTuple):
+    """What ``bundle.json`` says: the bundle's ``keys`` and the exporter's ``about`` (None: a bundle without one)."""
+
+    keys: list[str]
+    about: dict[str, Any] | None = None
+
+
+class Unpacked(NamedTuple):
+    """An unpacked bundle: its verified ``entries`` by key, and ``bundle.json``'s ``about`` (None: none)."""
+
+    entries: dict[str, Entry]
+    about: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class ImportReport:
-    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, those ``present``, and their descriptions."""
+    """Result of :meth:`KernelCache.import_bundle`: keys ``imported``, those ``present``, their descriptions.
+
+    ``about``: the exporter's object from ``bundle.json`` (None for a bundle that carries none).
+    """
 
     imported: tuple[str, ...] = ()
     present: tuple[str, ...] = ()
     descriptions: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    about: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -60,8 +79,12 @@ class ImportReport:
         return {"imported": list(self.imported), "present": list(self.present)}
 
 
-def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None) -> Path:
-    """Write ``entries`` (signed with ``trust_key``) to a tar at ``path`` atomically; CacheWriteError, CacheError."""
+def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = None,
+                 about: Mapping[str, Any] | None = None) -> Path:
+    """Write ``entries`` (signed with ``trust_key``; ``about`` in ``bundle.json``) to a tar at ``path`` atomically.
+
+    Raises CacheWriteError, CacheError; TypeError or ValueError for an ``about`` that is not a JSON object.
+    """
     if path.exists() and not path.is_file():
         # The rename below replaces what is there: as root, `export ... /dev/null` replaced the device node.
         why = "it is a directory" if path.is_dir() else "it is not a regular file (a device, FIFO or socket)"
@@ -69,7 +92,7 @@ def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         with tarfile.open(tmp, "w:gz" if is_gzip_name(path.name) else "w", format=tarfile.PAX_FORMAT) as tar:
-            write_members(tar, entries, trust_key)
+            write_members(tar, entries, trust_key, about)
         tmp.replace(path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
@@ -85,9 +108,17 @@ def is_gzip_name(name: str) -> bool:
     return name.endswith((".gz", ".tgz"))
 
 
-def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes | None) -> None:
-    """Add ``bundle.json``, then each entry's files, its ``entry.json`` last, then its signature (with a key)."""
-    head = json.dumps({"format": FORMAT_VERSION, "keys": [e.key for e in entries]}).encode()
+def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes | None,
+                  about: Mapping[str, Any] | None = None) -> None:
+    """Add ``bundle.json`` (with ``about``), then each entry's files, its ``entry.json`` last, then its signature."""
+    doc: dict[str, Any] = {"format": FORMAT_VERSION, "keys": [e.key for e in entries]}
+    if about is not None:
+        if not isinstance(about, Mapping):
+            raise TypeError(f"a bundle's about is a JSON object, not {type(about).__name__}")
+        doc["about"] = dict(about)
+    head = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+    if len(head) > MAX_MANIFEST_BYTES:  # the import refuses a larger one: never write a bundle that cannot be read
+        raise CacheError(f"{BUNDLE_MANIFEST} would be {len(head)} bytes, over the {MAX_MANIFEST_BYTES} an import reads")
     _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
     for entry in entries:
         where, mtime = f"{VERSION_DIR}/entries/{entry.key[:2]}/{entry.key}", int(entry.created)
@@ -108,7 +139,7 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
 
 
 def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_bytes: int,
-                  max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
+                  max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> Unpacked:
     """Check every member header of the bundle at ``path``, then unpack it under ``staging``; return its entries.
 
     ``CacheError`` for a bad archive or entry, ``CacheWriteError``; ``sha256``: the pin; ``trust_key``: an
@@ -139,7 +170,7 @@ def _read_problem(exc: BaseException) -> str:
 
 
 def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, max_file_bytes: int,
-                  max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> dict[str, Entry]:
+                  max_bytes: int, sha256: str | None = None, trust_key: bytes | None = None) -> Unpacked:
     """:func:`unpack_bundle` for a stream read once (``raw.read``); the caller drops ``staging`` on an error."""
     hashing = _Hashing(raw)
     try:
@@ -154,11 +185,12 @@ def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, 
     return staged_entries(where, staging, staged, listed, shared=shared, trust_key=trust_key)
 
 
-def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: list[str] | None, *, shared: bool,
-                   trust_key: bytes | None) -> dict[str, Entry]:
-    """Verify each entry dir unpacked under ``staging`` (and its signature); return them by key."""
+def staged_entries(where: Any, staging: Path, staged: dict[str, Path], head: BundleHead | None, *, shared: bool,
+                   trust_key: bytes | None) -> Unpacked:
+    """Verify each entry dir unpacked under ``staging`` (and its signature); return them by key, with ``about``."""
     if not staged:
         raise CacheError(f"bundle {where} holds no entries")
+    listed = None if head is None else head.keys
     if listed is not None and sorted(listed) != sorted(staged):
         # A tar cut at a member boundary reads as a shorter, valid archive: the key list catches it.
         raise CacheError(f"bundle {where}: {BUNDLE_MANIFEST} lists {len(listed)} entries but the archive "
@@ -173,7 +205,7 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], listed: l
             raise CacheError(f"bundle {where}: entry {key} does not verify: {exc}") from None
         if trust_key is not None:  # before anything is published: UntrustedEntry (exit 4)
             check_local(trust_key, entries[key], signature_path(staging, key), f"entry {key} of bundle {where}")
-    return entries
+    return Unpacked(entries, None if head is None else head.about)
 
 
 def _checked_members(where: Any, tar: tarfile.TarFile, max_file_bytes: int,
@@ -230,8 +262,8 @@ def _staged_name(name: str) -> str | None:
 
 
 def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.TarInfo, str]], staging: Path,
-            shared: bool) -> tuple[dict[str, Path], list[str] | None]:
-    """Stream each checked member into ``staging``; return the entry dirs and the listed keys."""
+            shared: bool) -> tuple[dict[str, Path], BundleHead | None]:
+    """Stream each checked member into ``staging``; return the entry dirs and what ``bundle.json`` says."""
     dir_mode = 0o777 if shared else 0o755
     _write(staging, make_dirs, staging, dir_mode)
     staged, listed = {}, None
@@ -250,20 +282,27 @@ def _unpack(where: Any, tar: tarfile.TarFile, members: Iterable[tuple[tarfile.Ta
     return staged, listed
 
 
-def _listed_keys(where: Any, member: tarfile.TarInfo, src: Any) -> list[str]:
-    """Return the keys ``bundle.json`` lists; reject a large or malformed one, or another cache format."""
+def _listed_keys(where: Any, member: tarfile.TarInfo, src: Any) -> BundleHead:
+    """Return what ``bundle.json`` says; reject a large or malformed one, or another cache format."""
     if member.size > MAX_MANIFEST_BYTES:
         raise CacheError(f"bundle member {BUNDLE_MANIFEST} is larger than {MAX_MANIFEST_BYTES} bytes")
+    return read_head(where, src.read(member.size))
+
+
+def read_head(where: Any, data: bytes) -> BundleHead:
+    """Parse ``bundle.json``'s bytes; CacheError for a malformed one or another cache format."""
     try:
-        doc = loads(src.read(member.size))
-        fmt, keys = doc["format"], doc["keys"]
+        doc = loads(data)
+        fmt, keys, about = doc["format"], doc["keys"], doc.get("about")
         if not isinstance(keys, list) or not all(is_key(k) for k in keys):
             raise TypeError("keys")
-    except (ValueError, KeyError, TypeError):
+        if about is not None and not isinstance(about, dict):
+            raise TypeError("about")
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise CacheError(f"bundle {where}: {BUNDLE_MANIFEST} is malformed") from None
     if fmt != FORMAT_VERSION:
         raise CacheError(f"bundle {where} has cache format {fmt!r}; this jitwarm reads {FORMAT_VERSION}")
-    return keys
+    return BundleHead(keys, about)
 
 
 def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int, shared: bool) -> None:

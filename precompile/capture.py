@@ -255,7 +255,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
         done = _check_stored(room, env, record, cache, ready_s, warnings, report, server_log)
         append_records(record, [capture_record(room.NAME, done.environment)])
         if export:
-            done.digest = export_keys(cache, done.keys, export)
+            done.digest = export_keys(cache, done.keys, export, manifest=record)  # the bundle carries it
         record.replace(manifest)  # the manifest appears whole, or not at all
         return done
     except BaseException:

@@ -22,7 +22,7 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import capture, commands, shipping
+from jitwarm.precompile import capture, commands, contents, prestart, shipping
 from jitwarm.precompile.builders import log_lines
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
@@ -35,16 +35,18 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "status": ("show the plan's coverage in the cache (exit 0 only when every spec is there)", commands.cmd_status),
     "verify": ("hash every file of the plan's entries (--all: of every entry); exit 4 on a corrupt one, 5 on a "
                "missing one", commands.cmd_verify),
-    "prestart": ("import a bundle, warm, verify: the init-container step", shipping.cmd_prestart),
+    "prestart": ("import a bundle, warm, verify: the init-container step", prestart.cmd_prestart),
     "prune": ("remove least recently used entries by size or age", commands.cmd_prune),
     "export": ("write the plan's entries to one relocatable bundle", shipping.cmd_export),
     "import": ("import a bundle into the cache, verifying every file", shipping.cmd_import),
+    "inspect": ("list a bundle's entries: family, size, fingerprint, and where each would be restored here",
+                contents.cmd_inspect),
     "capture": ("run the server once on private, empty JIT caches with jitwarm recording until its start is over, "
                 "stop it, store and verify every JIT cache unit it compiled (--export: bundle them), then write the "
                 "manifest", capture.cmd_capture),
 }
 #: Commands that take no serving flags and build no plan.
-PLANLESS = ("prune", "import", "capture")
+PLANLESS = ("prune", "import", "capture", "inspect")
 
 _MAX_BYTES = 1 << 60  # an exabyte: more is a typo
 _MAX_SECONDS = 10 * 365 * 86400.0
@@ -187,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--older-than", type=_duration, metavar="AGE", help="remove entries unused this long (7d)")
             c.add_argument("--grace", type=_duration, metavar="SECONDS",
                            help="keep entries used this recently (env JITWARM_PRUNE_GRACE_S; default 600; 0: off)")
-        elif name in ("export", "import"):
+        elif name in ("export", "import", "inspect"):
             p.add_argument("path", metavar="BUNDLE", type=path_flag,
                            help="bundle file (.tar or .tar.gz), or an object s3://BUCKET/KEY.tar (streamed; boto3)")
     for name, p in sub.choices.items():
@@ -233,11 +235,12 @@ def _run(argv: Sequence[str] | None) -> int:
                 raise UsageError(f"{args.command} takes no server command line")
             return COMMANDS[args.command][1](args, None)
         plan = build_plan(args, server_argv)
-        if not plan.specs and plan.manifest is not None and plan.config is None:
+        bundled = args.command == "prestart" and args.bundle  # the bundle's own manifest joins the plan
+        if not plan.specs and plan.manifest is not None and plan.config is None and not bundled:
             raise UsageError(f"the plan is empty: {plan.manifest['path']} has no records for the targets asked for "
                              f"({plan.manifest['records']} records, {plan.manifest['other_targets']} for other "
                              "targets): nothing to warm")
-        if not plan.specs and not (args.command == "verify" and args.all):  # --all: every entry, even so
+        if not plan.specs and not (args.command == "verify" and args.all) and not bundled:  # --all: every entry
             return commands.nothing_to_warm(args, plan)
         return COMMANDS[args.command][1](args, plan)
     except JitwarmError as exc:

@@ -63,9 +63,9 @@ def asks_for_families(args: argparse.Namespace, server_argv: list[str] | None) -
 
 
 def build_plan(args: argparse.Namespace, server_argv: list[str] | None) -> WarmPlan:
-    """The config's plan plus each ``--manifest``'s kernels on its targets (a manifest alone: only those)."""
+    """The config's plan plus each ``--manifest``'s kernels on its targets (a manifest or bundle alone: only those)."""
     manifests = getattr(args, "manifest", None) or []
-    if not manifests or asks_for_families(args, server_argv):
+    if not (manifests or getattr(args, "bundle", None)) or asks_for_families(args, server_argv):
         plan = WarmPlan.build(from_namespace(args, server_argv))
     else:
         plan = WarmPlan.empty()

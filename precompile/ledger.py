@@ -36,6 +36,9 @@ class LedgerReport:
     """Every family's count, in :data:`FAMILIES` order."""
 
     families: tuple[FamilyCount, ...]
+    #: Families the restore placed where this server does not find them (``receipt.Elsewhere``), and their lines.
+    elsewhere: tuple[Any, ...] = ()
+    elsewhere_lines: tuple[str, ...] = ()
 
     @property
     def compiled(self) -> int:
@@ -52,14 +55,15 @@ class LedgerReport:
 
     def warnings(self) -> list[str]:
         """One line per family that compiled although units of it were present at start."""
-        return [w for f in self.families if (w := f.after_restore())]
+        return [w for f in self.families if (w := f.after_restore())] + list(self.elsewhere_lines)
 
     def as_json(self) -> dict[str, Any]:
         """``{"v", "pid", "compiled", "families": {name: ...}, "compiled_after_restore": [...]}``."""
         return {"v": VERSION, "pid": os.getpid(), "compiled": self.compiled,
                 "families": {f.family: f.as_json() for f in self.families},
                 "compiled_after_restore": [{"family": f.family, "keys": list(f.keys), "present_at_start": f.present}
-                                           for f in self.families if f.after_restore()]}
+                                           for f in self.families if f.after_restore()],
+                "restored_elsewhere": [gone.as_json() for gone in self.elsewhere]}
 
     def write(self, path: str | Path) -> None:
         """Write :meth:`as_json` whole; OSError if it cannot, or if what is there is no regular file (issue #31, N6)."""
@@ -83,6 +87,11 @@ class Ledger:
         self._before = snapshot(dirs=self._dirs)
         self._signals = {name: taken.library.signal() for name, taken in self._before.items() if taken.library.signal}
         self.watchers: dict[str, Any] = dict(watchers or {})
+        self.elsewhere: tuple[tuple[Any, ...], tuple[str, ...]] = ((), ())
+
+    def note_elsewhere(self, found: Any, lines: Any) -> None:
+        """Report the restore receipt's check (``receipt.Elsewhere`` and their lines) with the counts."""
+        self.elsewhere = (tuple(found), tuple(lines))
 
     def watch(self, watchers: Mapping[str, Any]) -> None:
         """Count the families of ``watchers`` by them (a server's room hands over the signal it installed)."""
@@ -104,7 +113,7 @@ class Ledger:
                 present = (len(self._before[name].units), str(root)) if root else (None, None)
                 count = FamilyCount(name, NO_SIGNAL, None, len(units), tuple(sorted(units)), *present)
             counts.append(count or FamilyCount(name, "no signal: not watched in this process", None, 0))
-        return LedgerReport(tuple(counts))
+        return LedgerReport(tuple(counts), *self.elsewhere)
 
     def close(self) -> None:
         """Remove what the watchers installed."""

@@ -1,4 +1,4 @@
-"""Kernels between boxes: ``warm``, ``prestart`` (the init container's step), ``export`` and ``import`` of bundles."""
+"""Kernels between boxes: ``warm``, the hand-over to the server's caches, ``export`` and ``import`` of bundles."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import functools
 import json
 import os
 import sys
-import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -15,63 +14,19 @@ from typing import Any
 
 from jitwarm.cache.bundle import file_sha256
 from jitwarm.cache.errors import EXIT_OK, CacheError, JitwarmError, NotReady, Refused, UsageError
-from jitwarm.cache.remote.base import redact
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
 from jitwarm.kernels import KernelSpec, LoadError
 from jitwarm.kernels.artifacts import artifact
-from jitwarm.kernels.libraries.jit_caches import KIND_OF
-from jitwarm.kernels.libraries.jit_caches.backend import mismatch
+from jitwarm.kernels.libraries.jit_caches import KIND_OF, receipt
+from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+from jitwarm.kernels.libraries.jit_caches.backend import mismatch, unit_of
 from jitwarm.kernels.libraries.jit_caches.census import library
+from jitwarm.kernels.libraries.jit_caches.receipt import FamilyRestore
 from jitwarm.kernels.libraries.jit_caches.units import placed_by
 from jitwarm.precompile import servers
-from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
+from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, warm_exit
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.warming import warm
-
-
-def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
-    """Import ``--bundle``, warm (``--offline``: build nothing), verify, hand over; ``--json``: one document always."""
-    start = time.perf_counter()
-    check_fingerprints(args, plan)
-    cache = open_cache(args, writes=True)
-    if args.offline and cache.remote is not None:  # said, not silently skipped (issue #31)
-        print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
-              f"{cache.root} count", file=sys.stderr)
-    keys = keys_of(plan, cache)
-    supplied = import_for_plan(cache, args.bundle, plan, keys, offline=args.offline,
-                               sha256=args.sha256) if args.bundle else None
-    summary: dict[str, Any] = {"plan_id": plan.plan_id, "offline": args.offline, "bundle": supplied}
-
-    def outcome(ready: bool, **more: Any) -> dict[str, Any]:
-        """The probe's document: the summary so far, ``ready``, the seconds and ``more``."""
-        return {**summary, "ready": ready, "seconds": round(time.perf_counter() - start, 3), **more}
-
-    if not args.offline:  # a captured unit cannot be built: one the bundle lacks stays missing, exit 5 below
-        report = warm(without_absent_units(plan, cache), cache=cache, jobs=args.jobs,
-                      progress=False if args.json else None, timeout_s=args.timeout)
-        summary.update(report.to_json())
-        if not report.ok:
-            print_warm(args, report, outcome(False))
-            return warm_exit(report)
-    # Hashed at import, build or download by this host and stamped: unchanged since, not hashed again.
-    coverage = plan_coverage(plan, cache, repair=True, keys=keys, stamped=True)
-    missing, corrupt = coverage["missing"], coverage["corrupt"]
-    if missing or corrupt:
-        why = "--offline builds nothing" if args.offline else "after warm"
-        print(f"jitwarm: error: {why}: {len(missing)} of the plan's {len(plan.specs)} specs missing, "
-              f"{len(corrupt)} corrupt: {', '.join((missing + corrupt)[:5])}", file=sys.stderr)
-        if args.json:
-            print(json.dumps(outcome(False, missing=missing, corrupt=corrupt)))
-        return readiness(coverage)
-    handed = hand_over(plan, cache, quiet=args.json)
-    if args.json:
-        print(json.dumps(outcome(True, handed_over=handed)))
-    else:
-        how = ("offline: nothing built" if args.offline
-               else f"{report.built} built, {report.hits} hit, {report.waited} waited")
-        print(f"jitwarm: ready: plan {plan.plan_id}: {len(plan.specs)}/{len(plan.specs)} specs present and "
-              f"verified in {time.perf_counter() - start:.1f}s ({how})")
-    return EXIT_OK
 
 
 def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
@@ -84,7 +39,7 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
         item, recorded, here = found
         why = f"{lib.name} unit {spec.family}: recorded with {item} {recorded!r}, this node has {here!r}"
         if not args.allow_fingerprint_mismatch:
-            raise Refused(f"{why}: its library would not use it (build in the server's image)",
+            raise Refused(f"{why}: its library would not use it: {fp.remedy(item, recorded, here)}",
                           "--allow-fingerprint-mismatch restores it anyway")
         print(f"jitwarm: warning: {why}: restoring it anyway (--allow-fingerprint-mismatch)", file=sys.stderr)
     say_unloadable(plan)
@@ -108,9 +63,14 @@ def _jit_cache_library(kind: str) -> Any:
     return library(kind) if kind in KIND_OF.values() else None
 
 
-def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
-    """Load each recorded kernel where its server will look (units: its library's cache); how many; failures: exit 1."""
+def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> dict[str, FamilyRestore]:
+    """Load each recorded kernel where its server will look (units: its library's cache); failures: exit 1.
+
+    Returns each family's restore (its destination root, counts, one file a unit), also written as the receipt in
+    the cache root (:mod:`~jitwarm.kernels.libraries.jit_caches.receipt`) and said, a line a family.
+    """
     outcomes: dict[str, Counter[str]] = {}
+    families: dict[str, FamilyRestore] = {}
     with placed_by(functools.cache(servers.cache_dirs)):  # each room reads this environment once
         for spec in plan.recorded:
             try:
@@ -122,6 +82,7 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
             placed = getattr(loaded, "placed", None)
             if placed is not None:
                 outcomes.setdefault(placed.outcome, Counter())[spec.backend] += 1
+                _note_restore(families, spec, placed)
                 if placed.outcome == "kept":
                     print(f"jitwarm: warning: {spec.backend} unit {spec.family}: {placed.dest} holds the library's own "
                           f"{placed.differing}, different from the recorded one: kept, the unit not restored",
@@ -130,7 +91,31 @@ def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> int:
         said = "; ".join(f"{outcome} {c.total()} (" + ", ".join(f"{k} {n}" for k, n in sorted(c.items())) + ")"
                          for outcome, c in sorted(outcomes.items()))
         print(f"jitwarm: JIT cache units: {said}", file=sys.stderr)
-    return len(plan.recorded)
+    if families:
+        for name, fam in sorted(families.items()):  # on stderr with --json too: where each family went
+            print(f"jitwarm: {name}: {fam.placed + fam.present} unit(s) in {fam.root} (placed {fam.placed}, "
+                  f"present {fam.present}, kept {fam.kept})", file=sys.stderr)
+        try:
+            where = receipt.write(cache.root, families, plan.plan_id)
+        except OSError as exc:  # the restore stands; only the server's check of it is lost
+            print(f"jitwarm: warning: restore receipt not written in {cache.root}: {exc.strerror or exc}",
+                  file=sys.stderr)
+        else:
+            if not quiet:
+                print(f"jitwarm: restore receipt: {where}", file=sys.stderr)
+    return families
+
+
+def _note_restore(families: dict[str, FamilyRestore], spec: KernelSpec, placed: Any) -> None:
+    """Count one restored unit into its family's :class:`FamilyRestore` (a disabled cache has no root)."""
+    if placed.outcome == "disabled":
+        return
+    lib = library(spec.backend)
+    files, _, under = unit_of(lib, spec)
+    depth = 0 if spec.family == "." else len(Path(spec.family).parts)
+    root = placed.dest if depth == 0 else placed.dest.parents[depth - 1]
+    fam = families.setdefault(lib.name, FamilyRestore(str(root), under))
+    fam.note(placed.outcome, lib.part(spec.family).commit_last(files)[-1])
 
 
 def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> WarmPlan:
@@ -162,28 +147,6 @@ def cmd_warm(args: argparse.Namespace, plan: WarmPlan) -> int:
     return code
 
 
-def import_for_plan(cache: Any, path: str, plan: WarmPlan, keys: dict[KernelSpec, str], *,
-                    offline: bool = False, sha256: str | None = None) -> dict[str, Any]:
-    """Import a bundle and say how many of the plan's entries it supplied (none: ``NotReady`` under ``offline``)."""
-    report = import_bundle(cache, path, sha256=sha256)
-    supplied = sorted(set(keys.values()) & set(report.keys))
-    # a kernel's target, or a captured unit's fingerprinted arch
-    targets = sorted({str(d.get("target") or (d.get("fingerprint") or {}).get("arch") or "unknown")
-                      for d in report.descriptions.values()})
-    print(f"jitwarm: bundle {path}: {len(report.keys)} entries ({len(report.imported)} new) for "
-          f"{', '.join(targets) or 'no target'}; {len(supplied)} of the plan's {len(plan.specs)} specs",
-          file=sys.stderr)
-    if not supplied:
-        plan_targets = ", ".join(plan.config.targets) if plan.config else "?"
-        why = (f"bundle {path} supplies none of the plan's specs (the plan is for {plan_targets}; was it exported "
-               "for another target, backend or toolchain?)")
-        if offline:
-            raise NotReady(why, "--offline builds nothing")
-        print(f"jitwarm: warning: {why}: building them all", file=sys.stderr)
-    return {"path": path, "entries": len(report.keys), "imported": len(report.imported), "supplied": len(supplied),
-            "targets": targets}
-
-
 def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     """Write the plan's entries to one relocatable bundle, a file or ``s3://BUCKET/KEY`` (only when all are there)."""
     cache = open_cache(args)
@@ -194,7 +157,8 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     if coverage["missing"] or coverage["corrupt"]:  # not ready, as status says it (exit 5: issue #31)
         raise NotReady(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                        f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
-    digest = export_keys(cache, list(keys.values()), args.path)
+    digest = export_keys(cache, list(keys.values()), args.path, manifest=getattr(args, "manifest", None) or (),
+                         specs=[s for s in plan.specs if s not in plan.recorded])
     if args.json:
         print(json.dumps({"plan_id": plan.plan_id, "entries": len(keys), "path": args.path, "sha256": digest}))
     else:
@@ -215,11 +179,20 @@ def check_export_target(path: str) -> None:
         raise UsageError(f"export: the directory of {path} does not exist")
 
 
-def export_keys(cache: Any, keys: list[str], path: str) -> str:
-    """Write the entries ``keys`` to the bundle ``path`` (a file, or an object streamed up); return its sha256."""
+def export_keys(cache: Any, keys: list[str], path: str, *, manifest: Any = (), specs: Any = ()) -> str:
+    """Write the entries ``keys`` to the bundle ``path`` (a file, or an object streamed up); return its sha256.
+
+    The bundle describes itself (``bundle.json``'s ``about``, :func:`~jitwarm.precompile.contents.about`): the
+    records of ``manifest`` (a path or paths) and the ``specs`` among ``keys``, and this process's server,
+    release and cache variables. ``jitwarm capture --export`` calls it with its manifest.
+    """
+    from jitwarm.precompile import contents
+
+    paths = [manifest] if isinstance(manifest, (str, os.PathLike)) else list(manifest)
+    described = contents.about(cache, keys, paths, specs)
     if is_bundle_url(path):
-        return cache.export_bundle_to_store(keys, path)
-    with open(cache.export_bundle(keys, path), "rb") as f:  # what --sha256 pins
+        return cache.export_bundle_to_store(keys, path, about=described)
+    with open(cache.export_bundle(keys, path, about=described), "rb") as f:  # what --sha256 pins
         return file_sha256(f)
 
 

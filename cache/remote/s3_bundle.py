@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,12 +46,16 @@ def split_url(url: str) -> tuple[str, str]:
     return parts.netloc, key
 
 
-def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = None) -> str:
-    """Stream ``entries`` as one tar to the object ``url``; return its sha256. ``BundleStoreError``, ``CacheError``."""
+def upload_bundle(url: str, entries: list[Entry], *, trust_key: bytes | None = None,
+                  about: Mapping[str, Any] | None = None) -> str:
+    """Stream ``entries`` (``about`` in ``bundle.json``) as one tar to the object ``url``; return its sha256.
+
+    ``BundleStoreError``, ``CacheError``.
+    """
     out = _MultipartWriter(url)
     try:
         with tarfile.open(fileobj=out, mode="w|gz" if is_gzip_name(url) else "w|", format=tarfile.PAX_FORMAT) as tar:
-            write_members(tar, entries, trust_key)
+            write_members(tar, entries, trust_key, about)
         out.complete()
     except BaseException:
         out.abort()

@@ -96,18 +96,23 @@ class KernelCache(LocalCache):
         """Which of ``keys`` the remote holds, nothing downloaded (None without a remote)."""
         return None if self._remote is None else self._remote.report(sorted({check_key(k) for k in keys}))
 
-    def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str]) -> Path:
-        """Write the entries of ``keys`` to one relocatable tar; ``CacheError`` (a missing key), ``CacheWriteError``."""
-        return bundle.write_bundle(self._entries(keys, path), settings.absolute_path(path), trust_key=self.trust_key())
+    def export_bundle(self, keys: Iterable[str], path: str | os.PathLike[str], *,
+                      about: Mapping[str, Any] | None = None) -> Path:
+        """Write the entries of ``keys`` to one relocatable tar; ``CacheError`` (a missing key), ``CacheWriteError``.
 
-    def export_bundle_to_store(self, keys: Iterable[str], url: str) -> str:
+        ``about``: a JSON object the bundle carries unread in ``bundle.json`` (the import's ``ImportReport.about``).
+        """
+        return bundle.write_bundle(self._entries(keys, path), settings.absolute_path(path), trust_key=self.trust_key(),
+                                   about=about)
+
+    def export_bundle_to_store(self, keys: Iterable[str], url: str, *, about: Mapping[str, Any] | None = None) -> str:
         """Stream the entries of ``keys`` to the object ``s3://BUCKET/KEY.tar``; return its sha256.
 
         ``CacheError`` for a missing key, ``BundleStoreError`` (a store fault: no object is left).
         """
         from jitwarm.cache.remote.s3_bundle import upload_bundle
 
-        return upload_bundle(url, self._entries(keys, url), trust_key=self.trust_key())
+        return upload_bundle(url, self._entries(keys, url), trust_key=self.trust_key(), about=about)
 
     def _entries(self, keys: Iterable[str], dest: object) -> list[Entry]:
         """The entries of ``keys`` in key order; CacheError naming missing ones."""
@@ -137,10 +142,11 @@ class KernelCache(LocalCache):
                     staged = bundle.unpack_stream(body, str(path), staging, **caps)
             else:
                 staged = bundle.unpack_bundle(settings.absolute_path(path), staging, **caps)
-            done = {key: self.publish_new(entry, timeout_s) for key, entry in sorted(staged.items())}
+            done = {key: self.publish_new(entry, timeout_s) for key, entry in sorted(staged.entries.items())}
             return ImportReport(imported=tuple(k for k, new in done.items() if new),
                                 present=tuple(k for k, new in done.items() if not new),
-                                descriptions={k: entry.description for k, entry in staged.items()})
+                                descriptions={k: entry.description for k, entry in staged.entries.items()},
+                                about=staged.about)
         finally:
             self.layout.drop_staging(staging)
 

@@ -63,8 +63,39 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
 
 
 def begin_ledger(log: logging.Logger, watchers: Callable[[], dict[str, Any]] = dict) -> None:
-    """Take the start-up ledger's snapshot now (before the model loads), with the room's ``watchers()``."""
+    """Take the start-up ledger's snapshot now (before the model loads), with the room's ``watchers()``.
+
+    Then check the restore's receipt (:func:`check_restore`): raises under ``JITWARM_STRICT=1``.
+    """
     _ledger(log, "off", lambda ledger: ledger.begin(watchers()))
+    check_restore(log)
+
+
+def check_restore(log: logging.Logger) -> None:
+    """Name both paths of each family the restore placed where this server's library does not look.
+
+    The receipt is read from the jitwarm cache root; each such family is a warning here and in the ledger, and
+    ``RestoredElsewhere`` (exit 5) under ``JITWARM_STRICT=1``: the start would compile what was restored.
+    """
+    from jitwarm.kernels.libraries.jit_caches import receipt
+    from jitwarm.precompile import servers
+
+    try:
+        root = settings.cache_dir()
+        found = receipt.read(root)
+        server = servers.running()
+        elsewhere = [] if found is None else receipt.elsewhere(found, servers.cache_dirs(server), server)
+    except Exception as exc:  # the check only reports
+        log.warning("jitwarm: restore receipt not checked: %s: %s", type(exc).__name__, exc)
+        return
+    lines = [gone.line(receipt.receipt_path(root)) for gone in elsewhere]
+    for line in lines if not _said["receipt"] else ():
+        log.warning("%s", line)
+    _said["receipt"] = True
+    _ledger(log, "off", lambda ledger: ledger.begin().note_elsewhere(elsewhere, lines))
+    if lines and settings.is_strict():
+        raise receipt.RestoredElsewhere(lines[0].removeprefix("jitwarm: "), "JITWARM_STRICT=1 refuses a start that "
+                                        "would compile what was restored")
 
 
 def report_ledger(log: logging.Logger) -> None:
@@ -114,7 +145,7 @@ def sealed(log: logging.Logger) -> Iterator[None]:
         seal.remove()
 
 
-_said = {"seals": False}
+_said = {"seals": False, "receipt": False}
 
 
 class PlanMode:

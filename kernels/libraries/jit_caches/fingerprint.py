@@ -54,6 +54,51 @@ def differing(recorded: Mapping[str, str], here: Mapping[str, str]) -> tuple[str
     return None
 
 
+#: An item ``<library>:env:<NAME>`` is the environment variable NAME as that library read it (JSON).
+ENV_MARK = ":env:"
+
+
+def remedy(item: str, recorded: str, here: str) -> str:
+    """How to make this node match the unit's ``recorded`` value of ``item`` (it has ``here``), in one clause.
+
+    An environment variable is named with its value: the fix is in the pod's environment, not in its image
+    (vLLM hashes ``VLLM_PLUGINS`` into its compile key, ``envs.py`` ``compile_factors``).
+    """
+    if ENV_MARK in item:
+        library, name = item.split(ENV_MARK, 1)[0], item.split(ENV_MARK, 1)[1]
+        setting = _env_setting(name, recorded)
+        return (f"{library} hashes the environment variable {name} into its key: {setting} as at capture in this "
+                "node's environment, or capture again with this node's value")
+    if item in PACKAGES:
+        return (f"install {item} {recorded} here as at capture (the server's image), or capture again in this "
+                "node's image")
+    if item in ("nvcc", "cxx", "cutlass-dsl"):
+        return f"give this node the capture's {item} ({recorded}), or capture again in this node's image"
+    if item == "arch":
+        return (f"restore it on a {recorded} node (where no GPU can be asked, --target {recorded}), or capture "
+                "again on this node's GPU")
+    if item == "driver":
+        return f"run it on driver {recorded} as at capture, or capture again on this node's driver"
+    return f"capture again where {item} is {here!r}, as on this node"
+
+
+def _env_setting(name: str, recorded: str) -> str:
+    """``set NAME=value`` for a recorded JSON value that is the variable's text, else how to set it."""
+    import json
+
+    try:
+        value = json.loads(recorded)
+    except ValueError:
+        value = recorded
+    if value is None:
+        return f"unset {name}"
+    if isinstance(value, str):
+        return f"set {name}={value}"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return f"set {name}={','.join(value)}"
+    return f"set {name} so that it reads {recorded}"
+
+
 @functools.cache
 def package_version(names: tuple[str, ...]) -> str:
     """The version of the first installed distribution of ``names``, or ``absent``."""

@@ -1,0 +1,193 @@
+"""The documented pod runs as written against a real vLLM server (vLLM's CPU build, tests/vllm_cpu.py).
+
+The vLLM pod of docs/deployment.md ("In the server: the vLLM plugin") is read from the docs' YAML: its init
+container's command and env, and its server container's env, are taken as written. Each container gets a HOME,
+TMPDIR and XDG_CACHE_HOME of its own (what two containers of one image have); only the volume is shared. What is
+substituted, and only that: the volume's ``mountPath`` (``/cache``) by a folder both see; the image's bundle
+(``/opt/jitwarm/kernels.tar``) by the one made in staging (``jitwarm capture``, then ``jitwarm export
+--manifest``); the server's line (the pod's ``args``, a GPU model at ``-tp 8``) by the tiny model's CPU line on a
+loopback port; the GPU arch of ``--target`` (``sm_90``) by this box's (``cpu``).
+
+One module fixture: one capture (a cold start, the control), the pod (prestart, then a start), and a bundle alone
+(``prestart --bundle B --offline``, no manifest and no server line) on a fresh node, then a start there. Each
+restored start must compile nothing: the ledger's total is 0, it names no restore elsewhere, and no compiled
+artifact appears in any cache root of the server's container during it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import vllm_cpu as server
+import yaml
+
+from jitwarm.precompile.capture import ServerProcess, answers
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+VOLUME, BUNDLE_IN_IMAGE, GPU_ARCH = "/cache", "/opt/jitwarm/kernels.tar", "sm_90"
+#: Compiled artifacts (Inductor's modules, C++, precompiled headers, FX and AOTAutograd entries, vLLM's files).
+COMPILED_SUFFIXES = (".so", ".cpp", ".py", ".gch", ".h", ".json")
+
+
+def documented_pod() -> dict:
+    """The vLLM pod with a bundle in docs/deployment.md, as the YAML parser reads it."""
+    text = (DOCS / "deployment.md").read_text()
+    section = text[text.index("## In the server: the vLLM plugin"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    return next(d for d in yaml.safe_load_all(block) if d and d["kind"] == "Pod")
+
+
+def container_env(container: dict, own: Path, shared: Path, vllm_cpu) -> dict[str, str]:
+    """The container's environment: the image's (HOME, TMPDIR, XDG_CACHE_HOME its own), then the YAML's env."""
+    env = vllm_cpu.env(own)
+    for var in ("VLLM_CACHE_ROOT", "JITWARM_CACHE_DIR"):  # the image sets neither: their defaults are under HOME
+        env.pop(var)
+    for item in container.get("env", []):
+        env[item["name"]] = str(item["value"]).replace(VOLUME, str(shared), 1) if str(item["value"]).startswith(
+            VOLUME) else str(item["value"])
+    return env
+
+
+def cache_files(roots: list[Path]) -> dict[str, int]:
+    found = {}
+    for root in roots:
+        for path in root.rglob("*") if root.is_dir() else ():
+            if path.is_file():
+                found[str(path)] = path.stat().st_size
+    return found
+
+
+def compiled(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return sorted(f for f, size in after.items() if before.get(f) != size and "/locks/" not in f
+                  and (f.endswith(COMPILED_SUFFIXES) or "/fxgraph/" in f or "/aotautograd/" in f)
+                  and not f.endswith(("ledger.json", "restore-receipt.json")) and "/jitwarm/v1/" not in f)
+
+
+def start(vllm_cpu, env: dict[str, str], folder: Path, timeout: float = 900) -> dict:
+    """A real ``vllm serve`` of the tiny model with ``env`` until ready, one completion, stopped."""
+    port = server.free_port()
+    log = folder / "server.log"
+    proc = ServerProcess.start(vllm_cpu.serve(port), env, log)
+    try:
+        while not answers(f"http://127.0.0.1:{port}/health"):
+            if proc.exited() is not None or time.monotonic() - proc.started > timeout:
+                raise AssertionError("vllm serve did not get ready:\n" + "\n".join(proc.tail(40)))
+            time.sleep(0.25)
+        answer = server.complete(port, vllm_cpu.model)
+    finally:
+        proc.stop()
+    return {"answer": answer, "log": log.read_text(errors="replace")}
+
+
+@pytest.fixture(scope="module")
+def pod(vllm_cpu, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real_pod")
+    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    staging = vllm_cpu.env(tmp / "staging")
+    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--timeout", "900", "--json", "--",
+                                *vllm_cpu.serve(server.free_port()), env=staging)
+    assert captured.returncode == 0, captured.stderr[-4000:]
+    exported = vllm_cpu.jitwarm("export", "--manifest", str(manifest), str(bundle), env=staging)
+    assert exported.returncode == 0, exported.stderr
+
+    spec = documented_pod()["spec"]
+    init, serving = spec["initContainers"][0], spec["containers"][0]
+    shared = tmp / "volume"
+    shared.mkdir()
+    argv = [*init["command"], *init.get("args", [])]
+    own = argv[1:argv.index("--")]
+    own = [str(bundle) if a == BUNDLE_IN_IMAGE else "cpu" if a == GPU_ARCH else a for a in own]
+    line = vllm_cpu.serve(server.free_port())
+    init_env = container_env(init, tmp / "init-container", shared, vllm_cpu)
+    prestart = vllm_cpu.jitwarm(*own, "--json", "--", *line, env=init_env)
+    assert prestart.returncode == 0, prestart.stderr
+
+    server_env = container_env(serving, tmp / "server-container", shared, vllm_cpu)
+    roots = [shared, tmp / "server-container"]
+    before = cache_files(roots)
+    run = start(vllm_cpu, server_env, tmp)
+    ledger_path = Path(server_env["JITWARM_LEDGER"])
+
+    alone = tmp / "alone-node"  # the bundle alone: no manifest, no server line
+    bare = vllm_cpu.jitwarm("prestart", "--bundle", str(bundle), "--offline", "--json", env=vllm_cpu.env(alone))
+    assert bare.returncode == 0, bare.stderr
+    alone_before = cache_files([alone])
+    alone_ledger = alone / "ledger.json"
+    alone_run = start(vllm_cpu, vllm_cpu.env(alone, JITWARM_LEDGER=str(alone_ledger)), alone)
+    return {"captured": json.loads(captured.stdout), "prestart": json.loads(prestart.stdout),
+            "prestart_err": prestart.stderr, "shared": shared, "init_env": init_env, "server_env": server_env,
+            "before": before, "after": cache_files(roots), "ledger": json.loads(ledger_path.read_text()), **run,
+            "bare": json.loads(bare.stdout), "bare_err": bare.stderr, "alone_before": alone_before,
+            "alone_after": cache_files([alone]), "alone_ledger": json.loads(alone_ledger.read_text()),
+            "alone_answer": alone_run["answer"]}
+
+
+def test_the_containers_have_their_own_home_and_share_only_the_volume(pod):
+    """Each container's own HOME stays its own; the pod's env moves TMPDIR (Inductor's cache) into the volume."""
+    init, srv = pod["init_env"], pod["server_env"]
+    assert init["HOME"] != srv["HOME"] and init["XDG_CACHE_HOME"] != srv["XDG_CACHE_HOME"]
+    assert init["TMPDIR"] == srv["TMPDIR"] and Path(srv["TMPDIR"]).is_relative_to(pod["shared"])
+
+
+def test_prestart_names_each_familys_destination_on_the_shared_volume(pod):
+    restored = pod["prestart"]["restored"]
+    assert pod["prestart"]["ready"] is True and restored["inductor"]["placed"] >= 10, pod["prestart"]
+    assert all(Path(fam["root"]).is_relative_to(pod["shared"]) for fam in restored.values()), restored
+    assert f"inductor: {restored['inductor']['placed']} unit(s) in {pod['shared']}/tmp/torchinductor_" \
+        in pod["prestart_err"]
+    receipt = json.loads(Path(pod["prestart"]["receipt"]).read_text())
+    assert receipt["families"]["inductor"]["root"] == restored["inductor"]["root"]
+
+
+def test_the_documented_pods_server_compiles_nothing(pod):
+    ledger = pod["ledger"]
+    assert ledger["compiled"] == 0, ledger
+    assert ledger["restored_elsewhere"] == []
+    assert ledger["families"]["inductor"]["served"] >= 1
+    assert compiled(pod["before"], pod["after"]) == []
+    assert "jitwarm: restore: " not in pod["log"]
+    assert pod["answer"]["usage"]["completion_tokens"] == 5
+
+
+def test_a_bundle_alone_restores_everything_it_holds_and_the_start_compiles_nothing(pod):
+    bare = pod["bare"]
+    assert bare["ready"] is True and bare["bundle"]["manifest"] is True, bare
+    assert bare["bundle"]["supplied"] == pod["captured"]["entries"] == bare["bundle"]["entries"]
+    assert sum(f["placed"] for f in bare["restored"].values()) == pod["captured"]["entries"]
+    assert pod["alone_ledger"]["compiled"] == 0, pod["alone_ledger"]
+    assert compiled(pod["alone_before"], pod["alone_after"]) == []
+    assert pod["alone_answer"]["usage"]["completion_tokens"] == 5
+
+
+#: The variables that place a library's cache, as the rooms and the libraries read them.
+CACHE_VARIABLES = ("VLLM_CACHE_ROOT", "SGLANG_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                   "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH", "TILELANG_CACHE_DIR", "DG_JIT_CACHE_DIR",
+                   "JITWARM_CACHE_DIR", "HOME", "TMPDIR", "XDG_CACHE_HOME")
+
+
+@pytest.mark.parametrize("page, section", [("deployment.md", "## Kubernetes"), ("deployment.md", "## In the server: "
+                                           "the vLLM plugin"), ("vllm.md", "## Deployment")])
+def test_every_documented_pod_gives_both_containers_the_same_cache_roots_on_the_volume(page, section):
+    """No server run: each documented pod's init and server containers set the same cache variables, each inside a
+    volume both mount; a vLLM pod moves TMPDIR, Inductor's own cache (vLLM's CPU build leaves Inductor there)."""
+    text = (DOCS / page).read_text()
+    part = text[text.index(section):]
+    block = re.search(r"```yaml\n(.*?)```", part, re.S).group(1)
+    pod = next(d for d in yaml.safe_load_all(block) if d and d["kind"] == "Pod")["spec"]
+    init, srv = pod["initContainers"][0], pod["containers"][0]
+
+    def roots(container: dict) -> dict[str, str]:
+        env = {e["name"]: str(e["value"]) for e in container.get("env", [])}
+        return {k: v for k, v in env.items() if k in CACHE_VARIABLES}
+
+    assert roots(init) == roots(srv) and roots(init), (roots(init), roots(srv))
+    shared = {m["mountPath"] for m in init["volumeMounts"]} & {m["mountPath"] for m in srv["volumeMounts"]}
+    for var, value in roots(init).items():
+        assert any(Path(value).is_relative_to(mount) for mount in shared), (var, value, shared)
+    if "vllm" in srv["name"]:
+        # Inductor's precompiled headers follow TMPDIR whatever TORCHINDUCTOR_CACHE_DIR says (codecache.py:3542)
+        assert "TMPDIR" in roots(init) and "VLLM_CACHE_ROOT" in roots(init)
