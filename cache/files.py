@@ -233,6 +233,8 @@ def check_walk(path: Path, what: str, *, allow_shared: bool) -> None:
             st = os.lstat(step)
         except FileNotFoundError:
             return
+        except OSError as exc:  # a folder this user may not search: nothing can be restored through it
+            raise UntrustedPath(f"refusing {what} {path}: cannot look at {step}: {exc.strerror}") from None
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (uid, 0):
                 raise UntrustedPath(f"refusing {what} {path}: {step} is a symlink owned by uid {st.st_uid}, not by "
