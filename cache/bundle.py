@@ -12,6 +12,7 @@ import io
 import json
 import os
 import secrets
+import stat
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from jitwarm.cache.bundle_headers import BoundedTar, HeaderRefused, Layout, members, name_problem
 from jitwarm.cache.entry import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     Entry,
+    is_private,
     is_safe_relpath,
     seal_dirs,
     stored_mode,
@@ -32,13 +35,12 @@ from jitwarm.cache.errors import CacheError, CacheWriteError, CorruptEntry
 from jitwarm.cache.files import loads, make_dirs, open_regular, read_file_stat
 from jitwarm.cache.keys import FORMAT_VERSION, is_key
 from jitwarm.cache.layout import VERSION_DIR
+from jitwarm.cache.locks import left_by_dead_process, this_host
 from jitwarm.cache.signing import MAX_SIGNATURE_BYTES, SIGNATURES_DIR, check_local, signature_file, signature_path
 
 #: Optional first member: ``{"format": 1, "keys": [...], "about": {...}}``. ``about`` (optional too) is the
 #: exporter's own JSON object, what the bundle is for; the cache carries it unread and the import hands it back.
 BUNDLE_MANIFEST = "bundle.json"
-#: A bundle with more members than this is refused (each costs memory while the headers are checked).
-MAX_MEMBERS = 1_000_000
 _READ_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error)
 _CHUNK = 1 << 20
 
@@ -89,7 +91,8 @@ def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = 
         # The rename below replaces what is there: as root, `export ... /dev/null` replaced the device node.
         why = "it is a directory" if path.is_dir() else "it is not a regular file (a device, FIFO or socket)"
         raise CacheWriteError("write the bundle", str(path), why)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    sweep_export_temps(path)
+    tmp = path.with_name(f".{path.name}.{this_host()}~{os.getpid()}~{secrets.token_hex(4)}.tmp")
     try:
         with tarfile.open(tmp, "w:gz" if is_gzip_name(path.name) else "w", format=tarfile.PAX_FORMAT) as tar:
             write_members(tar, entries, trust_key, about)
@@ -101,6 +104,28 @@ def write_bundle(entries: list[Entry], path: Path, *, trust_key: bytes | None = 
             raise CacheWriteError.of("write the bundle", exc, path) from exc
         raise
     return path
+
+
+def sweep_export_temps(path: Path) -> list[str]:
+    """Remove the temporaries a killed export of ``path`` on this host left beside it; return their names.
+
+    Only a dead process's, this user's regular files: a live export's, or another host's, are left (a SIGKILLed
+    export left a 463 MB temporary that nothing removed).
+    """
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(path.parent) as found:
+        for item in found:
+            middle = item.name.removeprefix(f".{path.name}.").removesuffix(".tmp")
+            parts = middle.rsplit("~", 2)
+            if (middle == item.name or not item.name.endswith(".tmp") or len(parts) != 3
+                    or not left_by_dead_process(parts[0], parts[1])):
+                continue
+            with contextlib.suppress(OSError):
+                st = item.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(item.path)  # noqa: PTH108 - a scandir entry's path
+                    removed.append(item.name)
+    return removed
 
 
 def is_gzip_name(name: str) -> bool:
@@ -122,11 +147,13 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
     _add(tar, BUNDLE_MANIFEST, head, 0o444, 0)
     for entry in entries:
         where, mtime = f"{VERSION_DIR}/entries/{entry.key[:2]}/{entry.key}", int(entry.created)
-        executable = []
+        executable, private = [], []
         for rel in entry.files:
             with contextlib.closing(_Source(entry.path / rel)) as src:
                 if src.mode & 0o111:
                     executable.append(rel)
+                if is_private(src.mode):
+                    private.append(rel)
                 _add(tar, f"{where}/{rel}", src, stored_mode(src.mode, shared=False), mtime)
         try:
             manifest, _st = read_file_stat(entry.path / MANIFEST, MAX_MANIFEST_BYTES)
@@ -134,7 +161,7 @@ def write_members(tar: tarfile.TarFile, entries: list[Entry], trust_key: bytes |
             raise _export_error(entry.path / MANIFEST, exc) from None
         _add(tar, f"{where}/{MANIFEST}", manifest, 0o444, mtime)
         if trust_key is not None:
-            sig = signature_file(trust_key, entry.key, manifest, executable)
+            sig = signature_file(trust_key, entry.key, manifest, executable, private)
             _add(tar, signature_path(Path(VERSION_DIR), entry.key).as_posix(), sig, 0o444, mtime)
 
 
@@ -153,9 +180,11 @@ def unpack_bundle(path: Path, staging: Path, *, shared: bool = False, max_file_b
         if sha256 is not None:
             _check_pin(path, file_sha256(raw), sha256)
         try:
-            with tarfile.open(fileobj=raw, mode="r:*") as tar:
-                members = list(_checked_members(path, tar, max_file_bytes, max_bytes))
-                staged, listed = _unpack(path, tar, members, staging, shared)
+            with BoundedTar.open(fileobj=raw, mode="r:*") as tar:
+                checked = list(_checked_members(path, tar, max_file_bytes, max_bytes))
+                staged, listed = _unpack(path, tar, checked, staging, shared)
+        except HeaderRefused as exc:
+            raise CacheError(f"refusing bundle {path}: {exc}; nothing was imported") from None
         except _READ_ERRORS as exc:
             raise CacheError(f"cannot read bundle {path}: {_read_problem(exc)}") from exc
     return staged_entries(path, staging, staged, listed, shared=shared, trust_key=trust_key)
@@ -174,10 +203,12 @@ def unpack_stream(raw: Any, where: str, staging: Path, *, shared: bool = False, 
     """:func:`unpack_bundle` for a stream read once (``raw.read``); the caller drops ``staging`` on an error."""
     hashing = _Hashing(raw)
     try:
-        with tarfile.open(fileobj=hashing, mode="r|*") as tar:
+        with BoundedTar.open(fileobj=hashing, mode="r|*") as tar:
             staged, listed = _unpack(where, tar, _checked_members(where, tar, max_file_bytes, max_bytes), staging,
                                      shared)
         hashing.drain()
+    except HeaderRefused as exc:
+        raise CacheError(f"refusing bundle {where}: {exc}; nothing was imported") from None
     except _READ_ERRORS as exc:
         raise CacheError(f"cannot read bundle {where}: {_read_problem(exc)}") from exc
     if sha256 is not None:
@@ -197,6 +228,7 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], head: Bun
                          f"holds {len(staged)}; it is incomplete or was altered")
     entries = {}
     for key, entry_dir in sorted(staged.items()):
+        private = _write(entry_dir, _private_files, entry_dir, shared)
         _write(entry_dir, seal_dirs, entry_dir, shared)
         try:
             # The unpacked files are ours, written with safe modes; this is their one hash.
@@ -204,21 +236,40 @@ def staged_entries(where: Any, staging: Path, staged: dict[str, Path], head: Bun
         except CorruptEntry as exc:
             raise CacheError(f"bundle {where}: entry {key} does not verify: {exc}") from None
         if trust_key is not None:  # before anything is published: UntrustedEntry (exit 4)
-            check_local(trust_key, entries[key], signature_path(staging, key), f"entry {key} of bundle {where}")
+            check_local(trust_key, entries[key], signature_path(staging, key), f"entry {key} of bundle {where}",
+                        private)
     return Unpacked(entries, None if head is None else head.about)
+
+
+def _private_files(entry_dir: Path, shared: bool) -> list[str]:
+    """The files the tar kept private (they are signed so); in a shared root, then readable by the group too."""
+    private = []
+    for dirpath, _dirs, names in os.walk(entry_dir):
+        for name in names:
+            path = Path(dirpath, name)
+            mode = path.lstat().st_mode
+            if is_private(mode):
+                private.append(path.relative_to(entry_dir).as_posix())
+                if shared:
+                    path.chmod(stored_mode(mode, shared=True))
+    return private
 
 
 def _checked_members(where: Any, tar: tarfile.TarFile, max_file_bytes: int,
                      max_bytes: int) -> Iterator[tuple[tarfile.TarInfo, str]]:
-    """Yield (member, name in staging) of each regular file; CacheError for an unsafe one."""
-    seen: set[str] = set()
+    """Yield (member, name in staging) of each regular file; CacheError for an unsafe one.
+
+    Every refusal is the bundle's (exit 4), found here rather than as a write error while it is unpacked: a
+    100,000-character name or a file where another member's folder goes failed as a write (exit 1).
+    """
+    seen, layout = set(), Layout()
     total = 0
-    for count, m in enumerate(tar, 1):
+    for m in members(tar):
         name = m.name
         rel = _staged_name(name) if m.isreg() else None
-        why = None
-        if count > MAX_MEMBERS:
-            why = f"is beyond {MAX_MEMBERS} members"
+        why = name_problem(name)
+        if why is not None:
+            pass
         elif name.startswith("/") or (len(name) > 1 and name[1] == ":"):
             why = "is an absolute path"
         elif any(p == ".." for p in name.replace("\\", "/").split("/")):
@@ -240,6 +291,8 @@ def _checked_members(where: Any, tar: tarfile.TarFile, max_file_bytes: int,
             why = f"takes the bundle over its cap of {max_bytes} bytes (JITWARM_BUNDLE_MAX_BYTES)"
         elif m.isreg() and name.startswith(f"{VERSION_DIR}/{SIGNATURES_DIR}/") and m.size > MAX_SIGNATURE_BYTES:
             why = f"is {m.size} bytes, over the {MAX_SIGNATURE_BYTES} of a signature"
+        elif rel is not None:
+            why = layout.clash(rel)
         if why is not None:
             raise CacheError(f"refusing bundle {where}: member {name[:200]!r} {why}; nothing was imported")
         if rel is not None:
@@ -314,7 +367,7 @@ def _stream_member(src: Any, member: tarfile.TarInfo, dest: Path, dir_mode: int,
             view = memoryview(chunk)
             while view:
                 view = view[_write(dest, os.write, fd, view):]
-        _write(dest, os.fchmod, fd, stored_mode(member.mode, shared=shared))
+        _write(dest, os.fchmod, fd, stored_mode(member.mode, shared=False))  # _private_files reads, then widens it
     finally:
         os.close(fd)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from jitwarm.cache import settings
 from jitwarm.cache.bundle import _READ_ERRORS, BUNDLE_MANIFEST, BundleHead, _checked_members, _read_problem, read_head
+from jitwarm.cache.bundle_headers import BoundedTar, HeaderRefused
 from jitwarm.cache.entry import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest
 from jitwarm.cache.errors import CacheError, CorruptEntry
 from jitwarm.cache.files import open_regular
@@ -44,7 +45,7 @@ def read_index(path: str | os.PathLike[str]) -> BundleIndex:
     head, descriptions, sizes = None, {}, {}
     with os.fdopen(fd, "rb") as raw:
         try:
-            with tarfile.open(fileobj=raw, mode="r|*") as tar:
+            with BoundedTar.open(fileobj=raw, mode="r|*") as tar:  # headers bounded as an import bounds them
                 members = _checked_members(path, tar, settings.bundle_max_file_bytes(), settings.bundle_max_bytes())
                 for member, rel in members:
                     parts = rel.split("/")
@@ -55,6 +56,8 @@ def read_index(path: str | os.PathLike[str]) -> BundleIndex:
                         sizes[key] = sizes.get(key, 0) + member.size
                         if parts[3:] == [MANIFEST]:
                             descriptions[key] = _description(path, key, _read(tar, member))
+        except HeaderRefused as exc:
+            raise CacheError(f"refusing bundle {path}: {exc}") from None
         except _READ_ERRORS as exc:
             raise CacheError(f"cannot read bundle {path}: {_read_problem(exc)}") from exc
     if not sizes:

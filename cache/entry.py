@@ -20,6 +20,9 @@ from jitwarm.cache.keys import FORMAT_VERSION, is_key, stored_preimage_key
 #: The manifest of an entry; written last, so an entry without it was never published.
 MANIFEST = "entry.json"
 MAX_MANIFEST_BYTES = 16 << 20
+#: A file of an entry (or of a unit) lies at most this many folders deep, its path at most this long: a
+#: downloaded entry holding a file 1,200 folders deep failed every ``warm`` (``RecursionError``), now it is corrupt.
+MAX_PATH_DEPTH, MAX_PATH_CHARS = 64, 4096
 _CHUNK = 1 << 20
 
 _SigItem = tuple[str, int, int, int, int]
@@ -65,7 +68,12 @@ class Entry:
 def seal(staging: Path, key: str, preimage: dict[str, Any], *, shared: bool = False) -> Entry:
     """Hash a finished build directory and write its ``entry.json``; ``CacheError`` for no files or a link."""
     records, sig = [], {}
-    for rel, st in _walk_files(staging, error=CacheError):
+    found = _walk_files(staging, error=CacheError)
+    for rel, st in found:  # all before any chmod: sealing a hard link made its other name, outside, 0444
+        if st.st_nlink > 1:
+            raise CacheError(f"the build left {staging / rel} with {st.st_nlink - 1} other hard link(s); a cache "
+                             "entry holds files of its own")
+    for rel, st in found:
         if rel == MANIFEST:
             raise CacheError(f"the build wrote {MANIFEST!r}, a name the cache reserves")
         (staging / rel).chmod(stored_mode(st.st_mode, shared=shared))
@@ -274,7 +282,8 @@ def is_safe_relpath(rel: object) -> bool:
         except UnicodeEncodeError:
             return False
     # No empty, "." or ".." part is what "normalized" means (PurePosixPath says so at ten times the cost).
-    return all(p not in ("", ".", "..") for p in rel.split("/"))
+    parts = rel.split("/")
+    return len(parts) <= MAX_PATH_DEPTH and len(rel) <= MAX_PATH_CHARS and all(p not in ("", ".", "..") for p in parts)
 
 
 def _walk_files(root: Path, *, error: type[Exception],

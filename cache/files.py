@@ -132,12 +132,17 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = True, mode: int = 0
 
 
 def make_dirs(path: Path, mode: int = 0o755) -> None:
-    """Create ``path`` and missing parents, each with ``mode`` less the umask (``os.makedirs``: parents 0777)."""
-    if not path.is_dir():
-        if path.parent != path:
-            make_dirs(path.parent, mode)
+    """Create ``path`` and missing parents, each with ``mode`` less the umask (``os.makedirs``: parents 0777).
+
+    Iterative: a file 1,200 folders deep in a downloaded entry made the recursive form raise ``RecursionError``.
+    """
+    missing = []
+    while not path.is_dir() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=mode)
+            folder.mkdir(mode=mode)
 
 
 def remove_tree(path: Path) -> bool:
@@ -194,3 +199,80 @@ def check_trusted_dir(path: Path, what: str, *, allow_shared: bool) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise CacheError(f"refusing {what} {shown}: it is not a directory")
     check_trusted(shown, what, allow_shared=allow_shared, st=st)
+
+
+#: Symbolic links followed while a path is walked from ``/`` (Linux's own limit, ``MAXSYMLINKS``).
+MAX_LINKS = 40
+
+
+def check_walk(path: Path, what: str, *, allow_shared: bool) -> None:
+    """UntrustedPath unless every component of ``path`` that exists, from ``/`` down, is this user's or root's.
+
+    Each folder must pass :func:`untrusted_reason` (``allow_shared`` lifts that) and each symbolic link on the
+    way be this user's or root's (always: ``/var/run -> /run`` is root's); a link's target is walked the same
+    way from ``/``. A sticky folder such as ``/tmp`` is a passage: only the owner of a name in it can replace the
+    name, so what lies in it must itself be this user's or root's. The walk stops at the first missing
+    component (the caller creates the rest, see :func:`make_trusted_dirs`). Restoring as root wrote 21 files
+    through another user's link to a root-only folder that the library's variable named a parent of.
+
+    Raises ``UntrustedPath`` (exit 2) naming the component and its owner or mode, or a component that is no
+    folder, or a loop of links.
+    """
+    uid = os.geteuid()
+    pending = list(reversed(Path(os.path.abspath(path)).parts[1:]))  # noqa: PTH100 - no link resolved here
+    current, links = "/", 0
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)  # noqa: PTH120 - current is resolved: its parent is real
+            continue
+        step = os.path.join(current, name)  # noqa: PTH118
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # a folder this user may not search: nothing can be restored through it
+            raise UntrustedPath(f"refusing {what} {path}: cannot look at {step}: {exc.strerror}") from None
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (uid, 0):
+                raise UntrustedPath(f"refusing {what} {path}: {step} is a symlink owned by uid {st.st_uid}, not by "
+                                    f"this user (uid {uid}) or root")
+            links += 1
+            if links > MAX_LINKS:
+                raise UntrustedPath(f"refusing {what} {path}: more than {MAX_LINKS} symlinks on the way (a loop)")
+            target = os.readlink(step)  # noqa: PTH115 - a str, walked part by part
+            if target.startswith("/"):
+                current = "/"
+            pending.extend(reversed(Path(target).parts[1:] if target.startswith("/") else Path(target).parts))
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise UntrustedPath(f"refusing {what} {path}: {step} is not a directory")
+        reason = None if allow_shared else untrusted_reason(st)
+        if reason is not None:
+            raise UntrustedPath(f"refusing {what} {path}: {step} (mode {stat.S_IMODE(st.st_mode):04o}) {reason[3:]}",
+                                HOW_TO_ALLOW)
+        current = step
+
+
+def make_trusted_dirs(path: Path, *, allow_shared: bool) -> None:
+    """Create the missing folders of ``path`` (whose existing part passed :func:`check_walk`) one by one.
+
+    A folder that appears meanwhile (another user made it in a sticky parent) must be a folder this user or root
+    owns, not a link: UntrustedPath otherwise; OSError for a failed ``mkdir``.
+    """
+    missing = []
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            st = os.lstat(folder)
+            reason = ("it is not a folder" if not stat.S_ISDIR(st.st_mode)
+                      else None if allow_shared else untrusted_reason(st))
+            if reason is not None:
+                raise UntrustedPath(f"refusing {folder}: {reason} (made by another process meanwhile)",
+                                    HOW_TO_ALLOW if stat.S_ISDIR(st.st_mode) else None) from None

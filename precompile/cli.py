@@ -293,7 +293,8 @@ def _cli_message(exc: JitwarmError) -> str:
     if isinstance(exc, RemoteUnavailable):
         return (f"the remote cache {exc.url} is unavailable ({exc.reason}) and it is required "
                 "(--remote-required or JITWARM_REMOTE_REQUIRED=1)")
-    hint = next((ours for kind, ours in _CLI_HINTS if isinstance(exc, kind)), None)
+    # No hint of its own: no setting changes the outcome (JITWARM_ALLOW_SHARED never accepts a planted link).
+    hint = next((ours for kind, ours in _CLI_HINTS if isinstance(exc, kind)), None) if exc.hint else None
     return f"{exc.reason}; {hint}" if hint else str(exc)
 
 

@@ -259,7 +259,7 @@ class StoreBase:
             return False
         signed: dict[str, Any] = {"executable": executable}
         if self.trust_key is not None:
-            signed["signature"] = sign(self.trust_key, entry.key, manifest, executable)
+            signed["signature"] = sign(self.trust_key, entry.key, manifest, executable, private)
         self._put_entry(entry.key, manifest, files, signed,
                         {"host": this_host(), "pid": os.getpid(), "uploaded": time.time(), "private": private})
         self._rejected.pop(entry.key, None)

@@ -147,12 +147,11 @@ class RemoteStore(StoreBase):
             return None
         meta = _loads(raw.get(b"meta"))
         files = {k[5:].decode("utf-8", "replace"): v for k, v in raw.items() if k.startswith(b"file:")}
-        executable = strings(meta.get("executable"))
+        executable, private = strings(meta.get("executable")), strings(meta.get("private"))
         if self.trust_key is not None:  # before anything is written: UntrustedEntry (exit 4)
-            check(self.trust_key, key, manifest, executable, meta.get("signature"), self.display)
+            check(self.trust_key, key, manifest, executable, private, meta.get("signature"), self.display)
         try:
-            return unpack_entry(dest, key, manifest, files, executable, strings(meta.get("private")),
-                                shared=self.shared)
+            return unpack_entry(dest, key, manifest, files, executable, private, shared=self.shared)
         except CorruptEntry as exc:
             self._reject(key, str(exc), hashlib.sha1(manifest, usedforsecurity=False).hexdigest(), meta)
             return None

@@ -216,15 +216,15 @@ class ObjectStore(StoreBase):
         try:
             manifest, executable, uploader, signature = _parse_record(got.body, key)
             _doc, records = parse_manifest(manifest, key, f"remote entry {key} {MANIFEST}")
+            private = strings(uploader.get("private"))
             if self.trust_key is not None:  # before any blob is read: UntrustedEntry (exit 4)
-                check(self.trust_key, key, manifest, executable, signature, self.display)
+                check(self.trust_key, key, manifest, executable, private, signature, self.display)
             total = sum(rec.size for rec in records)
             if total > self.max_bytes:
                 self._too_large(key, total)
                 return None
             files = {rec.path: self._blob(key, rec.path, rec.size, rec.sha256) for rec in records}
-            return unpack_entry(dest, key, manifest, files, executable, strings(uploader.get("private")),
-                                shared=self.shared)
+            return unpack_entry(dest, key, manifest, files, executable, private, shared=self.shared)
         except CorruptEntry as exc:
             self._reject(key, str(exc), got.etag, uploader)
             if self.required:

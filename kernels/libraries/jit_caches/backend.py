@@ -162,7 +162,7 @@ def check_source(root: Path, files: tuple[str, ...]) -> None:
 
     from jitwarm.cache import settings
     from jitwarm.cache.errors import UntrustedPath
-    from jitwarm.cache.files import untrusted_reason
+    from jitwarm.cache.files import HOW_TO_ALLOW, untrusted_reason
 
     if settings.allow_shared():
         return
@@ -174,7 +174,7 @@ def check_source(root: Path, files: tuple[str, ...]) -> None:
                       f"it has {st.st_nlink - 1} other hard link(s), through which it can change" if st.st_nlink > 1
                       else None)
         if reason is not None:
-            raise UntrustedPath(f"{path}: {reason}: not the server's own")
+            raise UntrustedPath(f"{path}: {reason}: not the server's own", HOW_TO_ALLOW)
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 A unit that is a directory of its own and absent there is staged beside it and renamed into place; otherwise each
 file is hard-linked into place (never replacing one) with the commit record last, and a failure removes what
-this call placed. A file already there with other bytes is the library's own compile and is kept. Every byte is
-hashed against the entry's manifest on the way.
+this call placed. A file already there with other bytes, written by this user or root, is the library's own
+compile and is kept; one another user wrote (or every user may write) is replaced atomically, never kept. Every
+byte is hashed against the entry's manifest on the way. The destination is walked from ``/`` first
+(:func:`check_destination`).
 
 Temporaries are ``.jitwarm-<name>~<host>~<pid>~<random>[.tmp]``: the next restore into that directory removes
 those of its host whose process is gone (issue #31, N9); another host's are never touched.
@@ -16,13 +18,15 @@ import errno
 import hashlib
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from jitwarm.cache import settings
 from jitwarm.cache.entry import is_private
-from jitwarm.cache.errors import JitwarmError
-from jitwarm.cache.files import fsync_dir
+from jitwarm.cache.errors import JitwarmError, UntrustedPath
+from jitwarm.cache.files import check_walk, fsync_dir, make_trusted_dirs, untrusted_reason
 from jitwarm.cache.locks import left_by_dead_process, this_host
 from jitwarm.kernels.backend import LoadError
 from jitwarm.kernels.libraries.jit_caches.units import Files, Library, unit_folders
@@ -68,39 +72,34 @@ def place(library: Library, unit: str, files: Files, source: Path, root: Path) -
 
 
 def check_destination(root: Path, files: Files) -> None:
-    """UntrustedPath unless restoring ``files`` under ``root`` writes only into this user's own folders.
+    """UntrustedPath unless restoring ``files`` under ``root`` writes only through this user's or root's folders.
 
-    The root is checked as the cache checks its own; below it no link, no folder of another user or writable by
-    others (``JITWARM_ALLOW_SHARED=1`` accepts those), and nothing but a regular file where a file goes (a FIFO
-    hung the restore: issue #31, N1, N5).
+    Every component from ``/`` to ``root`` is walked (:func:`~jitwarm.cache.files.check_walk`: another user's
+    link or folder, or a folder anyone can write, above the library's cache let root's files be written into a
+    root-only folder). Below ``root``: no link, no folder of another user or writable by others
+    (``JITWARM_ALLOW_SHARED=1`` accepts those folders, never a link), and nothing but a regular file where a file
+    goes (a FIFO hung the restore: issue #31, N1, N5). A regular file another user wrote is no reason to refuse:
+    it is replaced (:func:`_link_files`).
     """
-    import stat
-
-    from jitwarm.cache import settings
-    from jitwarm.cache.errors import UntrustedPath
-    from jitwarm.cache.files import check_trusted_dir, untrusted_reason
-
     shared = settings.allow_shared()
-    try:
-        check_trusted_dir(root, "the library's cache", allow_shared=shared)
-    except FileNotFoundError:
-        pass  # made by the restore, as this user
+    check_walk(root, "to restore into", allow_shared=shared)
     for path, is_file in [(root / f, False) for f in unit_folders(files)] + [(root / rel, True) for rel in files]:
         try:
             st = path.lstat()
         except FileNotFoundError:
             continue
+        hint = None  # only a setting that changes the outcome: JITWARM_ALLOW_SHARED accepts a folder, nothing else
         if stat.S_ISLNK(st.st_mode):
             reason = "it is a link jitwarm did not place"
         elif is_file:
             reason = None if stat.S_ISREG(st.st_mode) else "it is not a regular file"
+        elif not stat.S_ISDIR(st.st_mode):
+            reason = "it is not a folder"
         else:
-            reason = "it is not a folder" if not stat.S_ISDIR(st.st_mode) else (
-                None if shared else untrusted_reason(st))
+            reason = None if shared else untrusted_reason(st)
+            hint = "set JITWARM_ALLOW_SHARED=1 for a cache folder others may write"
         if reason is not None:
-            raise UntrustedPath(f"refusing to restore into {path}: {reason}",
-                                "set JITWARM_ALLOW_SHARED=1 for a cache folder others may write" if not is_file
-                                else None)
+            raise UntrustedPath(f"refusing to restore into {path}: {reason}", hint)
 
 
 def _empty_or_absent(path: Path) -> bool:
@@ -116,7 +115,7 @@ def _empty_or_absent(path: Path) -> bool:
 def _rename_dir(library: Library, unit: str, files: Files, source: Path, root: Path, unit_dir: Path
                 ) -> Placed | None:
     """Stage the whole directory beside ``unit_dir`` and rename it there; None when the library made it meanwhile."""
-    unit_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_trusted_dirs(unit_dir.parent, allow_shared=settings.allow_shared())
     sweep(unit_dir.parent)
     stage = unit_dir.parent / _temporary(unit_dir.name)
     stage.mkdir()
@@ -145,11 +144,14 @@ def _link_files(library: Library, files: Files, source: Path, root: Path, unit_d
             dest = root / rel
             if not os.path.lexists(dest) and _link_new(library, rel, files[rel], source, root, dest):
                 placed.append(dest)
+            elif _planted(dest):
+                _replace(library, rel, files[rel], source, root, dest)
+                placed.append(dest)
             elif _stored_digest(library, root, rel) != files[rel]:
                 _undo(placed)
                 return Placed("kept", unit_dir, rel)
         fsync_dir(unit_dir if unit_dir.is_dir() else root)
-    except (LoadError, OSError):
+    except (LoadError, OSError, UntrustedPath):
         _undo(placed)
         raise
     return Placed("placed" if placed else "present", unit_dir)
@@ -157,7 +159,7 @@ def _link_files(library: Library, files: Files, source: Path, root: Path, unit_d
 
 def _link_new(library: Library, rel: str, digest: str, source: Path, root: Path, dest: Path) -> bool:
     """Write ``rel`` beside ``dest`` and hard-link it there; False when a file appeared there meanwhile."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_trusted_dirs(dest.parent, allow_shared=settings.allow_shared())
     sweep(dest.parent)
     tmp = dest.parent / (_temporary(dest.name) + ".tmp")
     try:
@@ -166,6 +168,33 @@ def _link_new(library: Library, rel: str, digest: str, source: Path, root: Path,
         return True
     except FileExistsError:
         return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _planted(dest: Path) -> bool:
+    """Whether the file at ``dest`` is another user's, or one every user may write: never the library's own."""
+    try:
+        return untrusted_reason(dest.lstat()) is not None
+    except FileNotFoundError:
+        return False
+
+
+def _replace(library: Library, rel: str, digest: str, source: Path, root: Path, dest: Path) -> None:
+    """Write ``rel`` beside ``dest`` and rename it over the planted file there; UntrustedPath if this user cannot.
+
+    In a sticky folder only the name's owner (or root) may replace it: a user who is neither refuses the restore.
+    """
+    tmp = dest.parent / (_temporary(dest.name) + ".tmp")
+    try:
+        _write(library, rel, digest, source, root, tmp)
+        try:
+            tmp.replace(dest)  # atomic: a reader sees the planted file or ours, never a mix
+        except PermissionError as exc:
+            owner = dest.lstat().st_uid
+            raise UntrustedPath(f"refusing to restore into {dest}: a file of uid {owner} is there, which this user "
+                                f"cannot replace ({exc.strerror})") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
