@@ -228,15 +228,17 @@ def aot_load_needed(vllm_config: Any) -> str | None:
     (``torch/_dynamo/aot_compile.py:396-415``), whose attribute forwarding ends at a plain function: the load
     raises and vLLM compiles again. Read from the classes, not from versions.
     """
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode, backend = getattr(compilation, "mode", None), getattr(compilation, "backend", None)
+    if getattr(mode, "name", None) != "DYNAMO_TRACE_ONCE" or backend == "eager":
+        return None  # vLLM's own backend (it has the method), or no AOT artifact (decorators.py:683-686)
     import vllm.envs as envs
     from torch._dynamo import aot_compile_types
     from vllm.compilation import caching
 
-    compilation = vllm_config.compilation_config
     wrapper = getattr(aot_compile_types, TORCH_AOT_WRAPPER, None)
-    if (getattr(compilation.mode, "name", None) != "DYNAMO_TRACE_ONCE" or compilation.backend == "eager"
-            or not envs.VLLM_USE_AOT_COMPILE or envs.VLLM_DISABLE_COMPILE_CACHE or wrapper is None):
-        return None  # vLLM's own backend, no AOT artifact, or no torch wrapper: nothing of this applies
+    if not envs.VLLM_USE_AOT_COMPILE or envs.VLLM_DISABLE_COMPILE_CACHE or wrapper is None:
+        return None  # no artifact saved or loaded, or no such wrapper in this torch
     if not hasattr(getattr(caching, "VllmSerializableFunction", None), FINALIZE):
         return None  # this vLLM's loader does not call it
     if getattr(wrapper, FINALIZE, _nothing_to_finalize) is not _nothing_to_finalize:
