@@ -2,7 +2,9 @@
 
 Neither runner meets the TP ranks between a graph's warmup and its capture (the V2 one does not synchronize
 either), so a compile still in flight lands inside capture (vLLM #40742, #42241). :func:`register` wraps both once
-their modules are imported, and reports the ledger at the worker's ready point. See ``docs/vllm.md``.
+their modules are imported, and reports the ledger at the worker's ready point. Where vLLM compiles with a torch
+backend (its CPU build), its own AOT artifact fails to load: :func:`load_aot_artifacts` makes it load. See
+``docs/vllm.md``.
 """
 
 from __future__ import annotations
