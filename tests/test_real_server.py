@@ -8,7 +8,8 @@ One module fixture runs the operator's flow, each step a real process, with noth
 2. ``jitwarm prestart --offline`` restores the bundle on a fresh node, run with the server's environment; and on
    two more nodes: one whose env factor differs (refused), one given vLLM's units alone (what prestart leaves);
 3. a real start on the fresh node with ``JITWARM_LEDGER`` loads vLLM's AOT artifact (jitwarm's plugin makes this
-   build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing: its log, its ledger, the files;
+   build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing up to its first answer: its log,
+   its ledger, the files;
 4. a cold start on an empty node answers the same requests as the restored one: greedy text and top logprobs equal.
 
 Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA graphs.
@@ -105,15 +106,19 @@ def flow(vllm_cpu, tmp_path_factory):
     before = cache_files(node)
     ledger = node / "ledger.json"
     with server.serving(defaults, node, JITWARM_LEDGER=str(ledger)) as (port, ready_s):
+        answer = server.complete(port, defaults.model)
+        after = cache_files(node)
+        # Asked for logprobs, vLLM compiles its batched_count_greater_than at first use (v1/sample/ops/logprobs.py:10,
+        # torch.compile outside the model): after the start and its first plain request, so after the census above.
         answers = greedy(port, defaults.model)
     log = (node / "server.log").read_text(errors="replace")
-    after = cache_files(node)
     with server.serving(defaults, tmp / "cold-node") as (port, cold_s):
         cold = greedy(port, defaults.model)
     return {"tmp": tmp, "first": first, "node": node, "manifest": manifest, "bundle": bundle,
             "captured": json.loads(captured.stdout), "capture_err": captured.stderr,
             "prestart": json.loads(restored.stdout), "prestart_err": restored.stderr, "other": other, "made": made,
-            "before": before, "after": after, "ledger": json.loads(ledger.read_text()), "answers": answers,
+            "before": before, "after": after, "ledger": json.loads(ledger.read_text()), "answer": answer,
+            "answers": answers,
             "cold": cold, "ready_s": ready_s, "cold_s": cold_s, "log": log,
             "cold_log": (tmp / "cold-node" / "server.log").read_text(errors="replace")}
 
@@ -173,6 +178,7 @@ def test_the_restored_start_loads_vllms_aot_artifact_and_compiles_nothing(flow):
     assert ledger["families"]["vllm_modelinfo"]["present_at_start"] == 1
     new = compiled({f: s for f, s in flow["after"].items() if flow["before"].get(f) != s})
     assert new == [], f"the restored start compiled: {new}"
+    assert flow["answer"]["choices"][0]["text"] and flow["answer"]["usage"]["completion_tokens"] == 5
 
 
 def test_the_restored_starts_outputs_are_a_cold_starts(flow):
