@@ -258,7 +258,7 @@ class FamilyCount:
             how = self.signal + (f"; cache {self.root}" if self.root else "")
         if self.present is not None:
             how += f", {self.present} unit(s) there at start"
-        if self.written:
+        if self.written and self.signal != NO_SIGNAL:  # a family without a signal is counted by them already
             how += f"; {self.written} unit(s) written"
         if self.runs or self.probes:
             how += f"; {self.runs} compiler run(s)" + (f" ({self.probes} probe(s) not counted)" if self.probes else "")
