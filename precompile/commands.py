@@ -320,7 +320,7 @@ def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
         why, moved = coverage["why"], set(coverage["quarantined"])
     if args.json:
         print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair),
-                          "not_where_looked": off}))
+                          **({} if args.all else {"not_where_looked": off})}))
     else:
         for item in corrupt:
             state = "quarantined" if item in moved else "left as it is; --repair moves it aside" if not args.repair \

@@ -103,9 +103,12 @@ def starts(request, tmp_path_factory) -> dict:
     return runs
 
 
-WITNESS = """#!/bin/sh
+#: A g++ first on PATH that logs each call, then runs the real one as it was called: argv[0] "g++" and PATH
+#: without this folder, so the compiler finds itself where it is and ``g++ -v`` (which Inductor keys its ISA
+#: probes and precompiled headers on: cpp_builder.py ``get_compiler_version_info``) says what it says without it.
+WITNESS = """#!/bin/bash
 printf '%s\\n' "$*" >> "$JITWARM_TEST_WITNESS"
-exec {real} "$@"
+PATH="${PATH#"${0%/*}:"}" exec -a g++ g++ "$@"
 """
 
 
@@ -125,7 +128,7 @@ def witnessed_start(tmp: Path, name: str, cache: Path, tmpdir: Path, caches: dic
         so.unlink()
     (home / "bin").mkdir()
     wrapper = home / "bin" / "g++"
-    wrapper.write_text(WITNESS.format(real=shutil.which("g++")))
+    wrapper.write_text(WITNESS)
     wrapper.chmod(0o755)
     env = {**caches, **INDUCTOR_ENV, "TORCHINDUCTOR_CACHE_DIR": str(node["cache"]), "TMPDIR": str(node["tmpdir"]),
            "PATH": f"{home / 'bin'}{os.pathsep}{os.environ['PATH']}", "JITWARM_LEDGER": str(node["ledger"]),

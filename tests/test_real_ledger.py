@@ -14,14 +14,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import vllm_cpu as server
 
-WITNESS = """#!/bin/sh
+#: A g++ first on PATH that logs each call, then runs the real one as it was called: argv[0] "g++" and PATH
+#: without this folder, so the compiler finds itself where it is and ``g++ -v`` (which Inductor keys its ISA
+#: probes and precompiled headers on: cpp_builder.py ``get_compiler_version_info``) says what it says without it.
+WITNESS = """#!/bin/bash
 printf '%s\\n' "$*" >> "$JITWARM_TEST_WITNESS"
-exec {real} "$@"
+PATH="${PATH#"${0%/*}:"}" exec -a g++ g++ "$@"
 """
 
 
@@ -58,7 +60,7 @@ def lost(vllm_cpu, tmp_path_factory):
     verify = vllm_cpu.jitwarm("verify", "--manifest", str(manifest), "--json", env=env)
     witness, bin_dir = tmp / "witness.log", tmp / "bin"
     bin_dir.mkdir()
-    (bin_dir / "g++").write_text(WITNESS.format(real=shutil.which("g++")))
+    (bin_dir / "g++").write_text(WITNESS)
     (bin_dir / "g++").chmod(0o755)
     ledger = node / "ledger.json"
     with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
