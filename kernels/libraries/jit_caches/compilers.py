@@ -22,7 +22,6 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 #: Program names of compilers and build drivers (a version or target prefix is allowed: ``x86_64-linux-gnu-g++-12``).
@@ -55,7 +54,7 @@ def classify(argv: list[str]) -> tuple[str, bool, str | None] | None:
     """``(program, is a compile, its -o output)`` when ``argv`` starts a compiler, else None."""
     if not argv:
         return None
-    program = Path(os.fsdecode(argv[0])).name
+    program = os.fsdecode(argv[0]).rpartition("/")[2]
     if not _COMPILER.match(program):
         return None
     args = [str(a) for a in argv[1:]]
