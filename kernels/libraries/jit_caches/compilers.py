@@ -8,8 +8,9 @@ compiler started, by the family whose frames started it (the innermost one on th
 A compiler run is a *compile* unless it only answers a question or preprocesses: Inductor runs ``g++ --version``,
 ``g++ -v`` and ``g++ -E`` on its precompiled header's include at every start, warm or not (torch/_inductor
 cpp_builder.py ``get_compiler_version_info``, codecache.py ``_precompile_header``): those are *probes*, counted
-apart and never a compile. The tap never raises into the process that spawns, and a spawn of anything that is not
-a compiler costs one ``basename``.
+apart and never a compile. The tap counts after the spawn succeeded, never raises into the process that spawns,
+and a spawn of anything that is not a compiler costs one name match (under a microsecond, against a spawn's
+milliseconds). Compilers that a library's own worker processes start are not seen here: their files are.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 #: Program names of compilers and build drivers (a version or target prefix is allowed: ``x86_64-linux-gnu-g++-12``).
 _COMPILER = re.compile(r"^(?:[\w.]+-)*(g\+\+|gcc|c\+\+|cc|clang\+\+|clang|nvcc|ptxas|ninja|ld|ld\.\w+)(?:-[\d.]+)?$")
@@ -37,17 +38,10 @@ SPAWNERS = (("inductor", ("torch._inductor.",)), ("triton", ("triton.",)),
             ("vllm_compile", ("vllm.compilation.",)))
 #: A family with no frame of its own on the stack.
 UNATTRIBUTED = ""
-#: How many compile command lines (their outputs) are kept per family.
+#: How many compile outputs (``-o``) are kept per family.
 KEPT = 16
-
-
-class Run(NamedTuple):
-    """One compiler process: its family (``""``: unattributed), program, kind (compile/probe) and output."""
-
-    family: str
-    program: str
-    compile: bool
-    output: str | None
+#: Set while ``Popen`` spawns in this thread.
+_within = threading.local()
 
 
 def classify(argv: list[str]) -> tuple[str, bool, str | None] | None:
@@ -85,9 +79,10 @@ class CompilerTap:
         self.outputs: dict[str, list[str]] = {}
         self._undo: list[Callable[[], None]] = []
 
-    def note(self, argv: Any, frame: Any) -> None:
-        """Count ``argv`` if it starts a compiler (never raises)."""
+    def note(self, command: Callable[[], Any], frame: Any) -> None:
+        """Count ``command()`` (a command line) if it starts a compiler; never raises."""
         try:
+            argv = command()
             if isinstance(argv, (str, bytes)):
                 argv = shlex.split(os.fsdecode(argv))
             found = classify(list(argv))
@@ -117,9 +112,13 @@ class CompilerTap:
         original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
         def _execute_child(self: Any, args: Any, executable: Any, *rest: Any, **kwargs: Any) -> Any:
-            out = original(self, args, executable, *rest, **kwargs)
-            shell = rest[7] if len(rest) > 7 else kwargs.get("shell", False)  # after preexec_fn ... creationflags
-            tap.note(_argv(args, executable, shell), sys._getframe(1))
+            _within.popen = True  # subprocess may spawn through os.posix_spawn: counted here, once
+            try:
+                out = original(self, args, executable, *rest, **kwargs)
+            finally:
+                _within.popen = False
+            tap.note(lambda: _argv(args, executable, rest[7] if len(rest) > 7 else kwargs.get("shell", False)),
+                     sys._getframe(1))  # rest[7]: ``shell``, after preexec_fn ... creationflags
             return out
 
         _execute_child.__wrapped__ = original  # type: ignore[attr-defined]
@@ -132,7 +131,8 @@ class CompilerTap:
 
             def wrapped(path: Any, argv: Any, *args: Any, _spawn: Any = spawn, **kwargs: Any) -> Any:
                 pid = _spawn(path, argv, *args, **kwargs)
-                tap.note([path, *list(argv)[1:]], sys._getframe(1))
+                if not getattr(_within, "popen", False):
+                    tap.note(lambda: [path, *list(argv)[1:]], sys._getframe(1))
                 return pid
 
             wrapped.__wrapped__ = spawn  # type: ignore[attr-defined]
