@@ -53,7 +53,7 @@ def start(*args: str, env: dict[str, str]) -> subprocess.Popen:
 
 
 def answer(proc: subprocess.Popen) -> tuple[dict, str]:
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=1800)  # a cold torch.compile takes about a minute on a quiet box
     assert proc.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1]), err
 
