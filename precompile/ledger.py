@@ -130,6 +130,10 @@ class Ledger:
         after = self._census()
         new = added(self._before, after)
         compiles, probes, outputs = self._since()
+        written: dict[str, list[str]] = {}  # by the library whose rules a unit follows: vLLM's tree holds Inductor's
+        for name, units in new.items():
+            for unit in units:
+                written.setdefault(after[name].library.part(unit).name, []).append(unit)
         counts = []
         for name in FAMILIES:
             signal = self._signals.get(name)
@@ -141,8 +145,8 @@ class Ledger:
                 present = (len(self._before[name].units), str(root)) if root else (None, None)
                 count = FamilyCount(name, NO_SIGNAL, None, len(units), tuple(sorted(units)), *present)
             count = count or FamilyCount(name, "no signal: not watched in this process", None, 0)
-            written = new.get(name, {}) if name in after and after[name].root is not None else None
-            counts.append(count.witnessed(written, compiles[name], probes[name], outputs.get(name, ())))
+            mine = written.get(name, []) if name in after and after[name].root is not None else None
+            counts.append(count.witnessed(mine, compiles[name], probes[name], outputs.get(name, ())))
         stray = compilers.UNATTRIBUTED
         return LedgerReport(tuple(counts), (compiles[stray], probes[stray], tuple(outputs.get(stray, ()))))
 
