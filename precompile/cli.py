@@ -22,7 +22,7 @@ from jitwarm.cache.errors import (
     UsageError,
 )
 from jitwarm.cache.settings import MAX_JOBS
-from jitwarm.precompile import capture, commands, contents, prestart, shipping
+from jitwarm.precompile import capture, commands, contents, ledger, prestart, shipping
 from jitwarm.precompile.builders import log_lines
 from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
@@ -44,9 +44,11 @@ COMMANDS: dict[str, tuple[str, Command]] = {
     "capture": ("run the server once on private, empty JIT caches with jitwarm recording until its start is over, "
                 "stop it, store and verify every JIT cache unit it compiled (--export: bundle them), then write the "
                 "manifest", capture.cmd_capture),
+    "ledger": ("print the ledger a start wrote (JITWARM_LEDGER), one line per family; --require-zero: exit 1 when "
+               "it compiled anything", ledger.cmd_ledger),
 }
 #: Commands that take no serving flags and build no plan.
-PLANLESS = ("prune", "import", "capture", "inspect")
+PLANLESS = ("prune", "import", "capture", "inspect", "ledger")
 
 _MAX_BYTES = 1 << 60  # an exabyte: more is a typo
 _MAX_SECONDS = 10 * 365 * 86400.0
@@ -138,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also plan the server kernels recorded in this manifest (jitwarm.precompile.record; "
                                 "JITWARM_RECORD); alone, plan only those")
         p.add_argument("--json", action="store_true", help="print one JSON object")
-        if name == "plan":
+        if name == "ledger":
+            p.add_argument("path", metavar="FILE", type=path_flag, help="the ledger file (JITWARM_LEDGER)")
+            p.add_argument("--require-zero", action="store_true", help="exit 1 when anything compiled (a CI gate)")
+        if name in ("plan", "ledger"):
             continue
         c = p.add_argument_group("cache")
         c.add_argument("--cache-dir", type=path_flag, metavar="DIR", help="writable cache root (env JITWARM_CACHE_DIR)")

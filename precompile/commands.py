@@ -242,6 +242,33 @@ def plan_coverage(plan: WarmPlan, cache: Any, *, repair: bool = False,
     return coverage
 
 
+def where_looked(plan: WarmPlan, coverage: dict[str, Any]) -> dict[str, list[str]]:
+    """Move each present captured unit that is missing or changed where its library looks to ``missing``.
+
+    The store holding a unit is not the server finding it: the library reads its own directory, resolved as
+    prestart's hand-over resolves it (the unit's server room, this environment). Returns spec id -> why.
+    """
+    import functools
+
+    from jitwarm.kernels.libraries.jit_caches import KIND_OF
+    from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.kernels.libraries.jit_caches.placement import problems
+    from jitwarm.kernels.libraries.jit_caches.units import placed_by
+    from jitwarm.precompile import servers
+
+    present, off = set(coverage["present"]), {}
+    with placed_by(functools.cache(servers.cache_dirs)):
+        for spec in plan.recorded:
+            if spec.id in present and spec.backend in KIND_OF.values():
+                why = problems(library(spec.backend), spec)
+                if why:
+                    off[spec.id] = why
+    coverage["present"] = [s for s in coverage["present"] if s not in off]
+    coverage["missing"] = [*coverage["missing"], *off]
+    coverage["not_where_looked"] = off
+    return off
+
+
 def readiness(coverage: dict[str, list[str]]) -> int:
     """Exit 4 when an entry of the plan is corrupt, 5 when one is missing, 0 only when every one is there."""
     if coverage["corrupt"]:
@@ -254,6 +281,7 @@ def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
     cache = open_cache(args)
     keys = keys_of(plan, cache, look_only=True)  # once: a spec that cannot be keyed is said once
     coverage = plan_coverage(plan, cache, keys=keys)
+    off = where_looked(plan, coverage)
     record = cache.read_plan_record(plan.plan_id)
     data = {"plan_id": plan.plan_id, "root": str(cache.root), "size_bytes": cache.size_bytes(),
             "complete": bool(record and record.get("complete")) and not coverage["missing"],
@@ -267,7 +295,8 @@ def cmd_status(args: argparse.Namespace, plan: WarmPlan) -> int:
           f"{data['corrupt']} corrupt; cache {cache.root} holds {data['size_bytes'] / 2**20:.1f} MiB")
     for state in ("missing", "corrupt"):
         for spec_id in coverage[state]:
-            print(f"  {state}: {spec_id}")
+            print(f"  {state}: {spec_id}" + (f": in jitwarm's cache, but {'; '.join(off[spec_id])}"
+                                             if spec_id in off else ""))
     if cache.remote:
         remote = data["remote"]
         if not remote["available"]:
@@ -299,18 +328,22 @@ def cmd_verify(args: argparse.Namespace, plan: WarmPlan | None) -> int:
         ok, corrupt, why, moved = list(report.ok), list(report.corrupt), report.corrupt, set(report.quarantined)
         have = set(ok) | set(corrupt)
         missing = [spec.id for spec in plan.specs if keys.get(spec) not in have] if plan is not None else []
+        off: dict[str, list[str]] = {}  # --all verifies the store's entries, not where the libraries look
     else:
         coverage = plan_coverage(plan, cache, repair=args.repair)
+        off = where_looked(plan, coverage)
         ok, corrupt, missing = coverage["present"], coverage["corrupt"], coverage["missing"]
         why, moved = coverage["why"], set(coverage["quarantined"])
     if args.json:
-        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair)}))
+        print(json.dumps({"ok": len(ok), "corrupt": corrupt, "missing": missing, "repaired": bool(args.repair),
+                          **({} if args.all else {"not_where_looked": off})}))
     else:
         for item in corrupt:
             state = "quarantined" if item in moved else "left as it is; --repair moves it aside" if not args.repair \
                 else "not moved"
             print(f"jitwarm: corrupt ({state}): {item}: {why.get(item, '?')}", file=sys.stderr)
         for item in missing:
-            print(f"jitwarm: missing: {item}", file=sys.stderr)
+            where = f": in jitwarm's cache, but {'; '.join(off[item])}" if item in off else ""
+            print(f"jitwarm: missing: {item}{where}", file=sys.stderr)
         print(f"jitwarm: verified {len(ok)} entries, {len(corrupt)} corrupt, {len(missing)} missing")
     return readiness({"corrupt": corrupt, "missing": missing})

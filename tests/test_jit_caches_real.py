@@ -54,8 +54,14 @@ def test_a_torch_compile_inside_record_captures_its_inductor_units(inductor):
     import torch
 
     assert all(r["fingerprint"]["torch"] == torch.__version__ and r["target"] == "cpu" for r in records)
-    status = jitwarm("status", "--manifest", str(inductor["manifest"]), "--cache-dir", str(inductor["cache"]))
-    assert status.returncode == 0, status.stderr
+    # status checks each unit where Inductor looks too: in the environment of the process that compiled it
+    status = jitwarm("status", "--manifest", str(inductor["manifest"]), "--cache-dir", str(inductor["cache"]),
+                     env={"TORCHINDUCTOR_CACHE_DIR": str(inductor["tmp"] / "own")})
+    assert status.returncode == 0, status.stdout + status.stderr
+    gone = inductor["tmp"] / "elsewhere"
+    status = jitwarm("status", "--manifest", str(inductor["manifest"]), "--cache-dir", str(inductor["cache"]),
+                     env={"TORCHINDUCTOR_CACHE_DIR": str(gone)})  # a node where nothing was restored
+    assert status.returncode == 5 and f"missing at {gone}/fxgraph/" in status.stdout, status.stdout
 
 
 def test_a_node_restored_from_the_bundle_hits_inductors_fx_graph_cache(inductor):

@@ -132,7 +132,9 @@ def test_the_ledger_counts_them_and_names_the_factor_a_later_start_missed_by(run
     named = [k for k in vllm["keys"] if "/rank_0_0/backbone" in k]
     assert len(named) == 1 and named[0].endswith(
         f"/rank_0_0/backbone (vllm:config_hash '{_tag_hash('config-a')}' (now '{_tag_hash('config-b')}'))")
-    assert [e["family"] for e in second["compiled_after_restore"]] == ["vllm_compile"]
+    # the new config's FX graph, written into vLLM's tree, is Inductor's unit: a compile of Inductor's too
+    assert [e["family"] for e in second["compiled_after_restore"]] == ["inductor", "vllm_compile"]
+    assert f"fxgraph fq3{_tag_hash('config-b')}" in second["compiled_after_restore"][0]["keys"]
 
 
 def _tag_hash(tag: str) -> str:

@@ -1,10 +1,11 @@
 """A start whose ledger is read back: Inductor, Triton through jitwarm's manager, or the sglang plugin's.
 
-Usage: ``ledger_worker.py inductor record MANIFEST CACHE_DIR | inductor serve | triton | sglang``.
+Usage: ``ledger_worker.py inductor record MANIFEST CACHE_DIR | inductor serve | inductor hit | triton | sglang``.
 Each prints one JSON line: ``{"ledger": <LedgerReport.as_json()>, "lines": [...], ...}``.
 
 - ``inductor``: ``torch.compile`` on the CPU (``TORCHINDUCTOR_CACHE_DIR`` set by the caller) of ``f``
-  (``record``: inside jitwarm's recorder), and in ``serve`` also of ``g``, a different function.
+  (``record``: inside jitwarm's recorder), and in ``serve`` also of ``g``, a different function; ``hit``: ``f``
+  alone, as a restored start runs it.
 - ``triton``: Triton's real JIT for sm_90 on a driver that only reports that target (the mock,
   ``gpu_stub.py``), through jitwarm's cache manager: ``server_kernels.warm_up()`` (``"cold"``: the ledger then),
   and again with the module reloaded, whose new kernels Triton compiles again: the manager finds each.
@@ -52,7 +53,8 @@ def inductor(mode: str) -> None:
             torch.compile(f)(torch.randn(8))
     else:
         torch.compile(f)(torch.randn(8))
-        torch.compile(g)(torch.randn(8))
+        if mode == "serve":
+            torch.compile(g)(torch.randn(8))
     report({})
 
 

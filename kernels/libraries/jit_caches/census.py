@@ -65,6 +65,39 @@ def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | No
     return taken
 
 
+def beside(names: Iterable[str] | None = None, environ: Mapping[str, str] | None = None,
+           dirs: Dirs | None = None) -> dict[str, Snapshot]:
+    """Each library's units outside its root (:attr:`Library.beside`), where that directory is not inside the root.
+
+    Inductor writes its precompiled headers under ``$TMPDIR/torchinductor_<user>`` whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says: a start that built one again wrote nothing the root's census saw.
+    """
+    env = os.environ if environ is None else environ
+    wanted = set(MODULES if names is None else names)
+    taken = {}
+    for lib in (library(name) for name in MODULES if name in wanted):
+        found = lib.beside(env) if lib.beside is not None else None
+        root = lib.root(env, dirs)
+        if found is None or (root is not None and _inside(found[0], root)):
+            continue
+        folder, units_of = found
+        units = _listed(units_of, folder)
+        taken[lib.name] = Snapshot(lib, folder, units,
+                                   {unit: tuple(_size(folder / rel) for rel in files) for unit, files in units.items()})
+    return taken
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return os.path.abspath(path).startswith(os.path.join(os.path.abspath(root), ""))  # noqa: PTH100, PTH118
+
+
+def _listed(units_of: Any, folder: Path) -> dict[str, tuple[str, ...]]:
+    try:
+        return units_of(folder) if folder.is_dir() else {}
+    except OSError:
+        return {}
+
+
 def _size(path: Path) -> int:
     try:
         return path.lstat().st_size

@@ -59,20 +59,41 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
             for rel in tree_files(top):
                 found[f"{top.name}/{rel}"] = (f"{top.name}/{rel}",)
             continue
-        groups: dict[str, list[str]] = {}
-        names = list(regular_files(top))
-        building = {p.name for p in subdirs(top) if p.name.endswith(_BUILD_DIR)}
-        locks = top / "locks" if top.name == _HEADERS else root / "locks"
-        for name in names:
-            groups.setdefault(name.split(".", 1)[0], []).append(name)
-        for stem, members in groups.items():
-            for source, built in ((".cpp", ".so"), (".h", ".h.gch")):
-                if any(m.endswith(source) for m in members) and not any(m.endswith(built) for m in members):
-                    break  # what is built from its source is not (yet)
-            else:
-                if not (any(b.startswith(stem) for b in building) or lock_held(locks / f"{stem}.lock")):
-                    found[f"{top.name}/{stem}"] = tuple(sorted(f"{top.name}/{m}" for m in members))
+        found.update(_code_units(root, top))
     return found
+
+
+def _code_units(root: Path, top: Path) -> dict[str, tuple[str, ...]]:
+    """The complete units of one code directory (or ``precompiled_headers/``) of ``root``."""
+    found: dict[str, tuple[str, ...]] = {}
+    groups: dict[str, list[str]] = {}
+    names = list(regular_files(top))
+    building = {p.name for p in subdirs(top) if p.name.endswith(_BUILD_DIR)}
+    locks = top / "locks" if top.name == _HEADERS else root / "locks"
+    for name in names:
+        groups.setdefault(name.split(".", 1)[0], []).append(name)
+    for stem, members in groups.items():
+        for source, built in ((".cpp", ".so"), (".h", ".h.gch")):
+            if any(m.endswith(source) for m in members) and not any(m.endswith(built) for m in members):
+                break  # what is built from its source is not (yet)
+        else:
+            if not (any(b.startswith(stem) for b in building) or lock_held(locks / f"{stem}.lock")):
+                found[f"{top.name}/{stem}"] = tuple(sorted(f"{top.name}/{m}" for m in members))
+    return found
+
+
+def headers(environ: Mapping[str, str]) -> tuple[Path, Any]:
+    """Where Inductor keeps its precompiled headers whatever ``TORCHINDUCTOR_CACHE_DIR`` says, and their units.
+
+    codecache.py ``_HEADER_DIR`` is ``default_cache_dir()/precompiled_headers``: ``$TMPDIR/torchinductor_<user>``.
+    """
+    default = resolve({k: v for k, v in environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"})
+
+    def header_units(folder: Path) -> dict[str, tuple[str, ...]]:
+        top = folder / _HEADERS
+        return _code_units(folder, top) if top.is_dir() else {}
+
+    return default, header_units
 
 
 def graph_keys(units: Iterable[str]) -> list[str]:
@@ -101,13 +122,18 @@ class Counters:
 
     def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
               new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount:
-        """Hits served, misses compiled (named by the graph keys of the new units, vLLM's tree's among them)."""
+        """Hits served, misses compiled, named by the new units' graph keys (vLLM's tree's among them) and code units.
+
+        The code units and precompiled headers written are named too: a hit whose ``.so`` or header is gone builds
+        it again, which the counters do not count.
+        """
         now = _counters()
         hits, misses = (now.get(k, 0) - self.start.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
         root = after["inductor"].root
         written = {**new.get("inductor", {}), **new.get("vllm_compile", {})}  # Inductor writes into vLLM's tree too
+        code = sorted(u for u in new.get("inductor", {}) if u.split("/", 1)[0] not in _WHOLE_FILES)
         return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
-                           tuple(f"fxgraph {k}" for k in graph_keys(written)), len(before["inductor"].units),
+                           (*(f"fxgraph {k}" for k in graph_keys(written)), *code), len(before["inductor"].units),
                            str(root) if root else None)
 
 
@@ -140,5 +166,6 @@ def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
 
 # The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.
 LIBRARY = Library("inductor", "inductor_cache", resolve, units, ("torch", "triton", "cxx", "arch"),
-                  unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")), signal=Counters)
+                  unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")), signal=Counters,
+                  beside=headers)
 name, description, build, check, load = bind(LIBRARY)

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,8 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 #: Where a server keeps the libraries' caches (library -> directory, None: off); one left out is where the
 #: library's own variables put it. The kernels layer names no server: a redirect reaches it only as this.
 Dirs = Mapping[str, Path | None]
+#: A directory's complete units: unit -> its files, relative to the directory.
+Units = dict[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,14 @@ class Library:
     (Triton's group files' paths). ``arch_of`` reads the arch from the unit; ``settle`` runs after a restore
     (FlashInfer's ninja times); ``factors_of``/``node_factors`` give the library's own key factors (vLLM's);
     ``parts(unit)`` the library whose rules a unit follows (vLLM's tree holds Inductor's); ``signal()`` its own
-    hit signal for the ledger (None: new units count); ``bypassed()``: its compiles go elsewhere here.
+    hit signal for the ledger (None: new units count); ``bypassed()``: its compiles go elsewhere here;
+    ``beside(environ)``: ``(directory, its units)`` the library fills outside ``root`` whatever its variables say,
+    named as under ``root``, which the ledger counts (Inductor's precompiled headers: codecache.py ``_HEADER_DIR``).
 
-    Failure semantics: ``resolve``, ``is_commit``, ``arch_of``, ``factors_of``, ``node_factors``, ``signal`` and
-    ``bypassed`` never raise; ``units`` and ``settle`` may raise ``OSError``; ``normalize`` and ``localize`` may
-    raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file not in the library's
-    format (a restore turns that into ``LoadError``, which quarantines the entry). None runs under a jitwarm
+    Failure semantics: ``resolve``, ``is_commit``, ``arch_of``, ``factors_of``, ``node_factors``, ``signal``,
+    ``bypassed`` and ``beside`` never raise; ``units`` and ``settle`` may raise ``OSError``; ``normalize`` and
+    ``localize`` may raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file not in the
+    library's format (a restore turns that into ``LoadError``, which quarantines the entry). None runs under a jitwarm
     lock; a restore calls ``localize`` and ``settle`` under the entry's claim.
     """
 
@@ -67,6 +71,7 @@ class Library:
     parts: Callable[[str], Library] | None = None
     signal: Callable[[], Signal] | None = None
     bypassed: Callable[[], bool] = lambda: False
+    beside: Callable[[Mapping[str, str]], tuple[Path, Callable[[Path], Units]] | None] | None = None
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""
@@ -210,7 +215,12 @@ NO_SIGNAL = "new units in its cache directory"
 
 @dataclass(frozen=True)
 class FamilyCount:
-    """One family's ledger line: ``served`` (None: no hit signal), ``compiled``, keys, units ``present`` at start."""
+    """One family's ledger line: ``served`` (None: no hit signal), ``compiled``, keys, units ``present`` at start.
+
+    The witnesses beside the library's own signal (:meth:`witnessed`): ``written``, the units the start wrote
+    into the library's caches (None: not listed here); ``runs``, the compiler processes it started that compiled;
+    ``probes``, those that only answered a question or preprocessed; ``outputs``, what the runs wrote (``-o``).
+    """
 
     family: str
     signal: str
@@ -219,6 +229,23 @@ class FamilyCount:
     keys: tuple[str, ...] = ()
     present: int | None = None
     root: str | None = None
+    written: int | None = None
+    runs: int = 0
+    probes: int = 0
+    outputs: tuple[str, ...] = ()
+
+    def witnessed(self, written: Iterable[str] | None, runs: int, probes: int, outputs: Iterable[str]) -> FamilyCount:
+        """The count with the files' and the processes' witnesses: ``compiled`` is at least each of them.
+
+        Each witness is a lower bound of what compiled: a miss the library counted, a unit it wrote, a compiler it
+        ran. A restored Inductor start hit its FX graph cache and ran g++ for a missing ``.so``: no miss, one unit,
+        one run (the reason this exists).
+        """
+        units = None if written is None else sorted(written)
+        keys = self.keys or tuple(units or ())
+        compiled = max(self.compiled, len(units or ()), runs)
+        return replace(self, compiled=compiled, keys=keys, written=None if units is None else len(units), runs=runs,
+                       probes=probes, outputs=tuple(outputs))
 
     def line(self) -> str:
         """``jitwarm: ledger: <family>: served from cache N, compiled now M (<how it was counted>)[: <keys>]``."""
@@ -231,21 +258,29 @@ class FamilyCount:
             how = self.signal + (f"; cache {self.root}" if self.root else "")
         if self.present is not None:
             how += f", {self.present} unit(s) there at start"
+        if self.written and self.signal != NO_SIGNAL:  # a family without a signal is counted by them already
+            how += f"; {self.written} unit(s) written"
+        if self.runs or self.probes:
+            how += f"; {self.runs} compiler run(s)" + (f" ({self.probes} probe(s) not counted)" if self.probes else "")
         return f"jitwarm: ledger: {self.family}: {counts} ({how})" + (f": {shown(self.keys)}" if self.keys else "")
 
     def after_restore(self) -> str | None:
         """The warning for a compile although units of the family were present at start, else None."""
         if not self.compiled or not self.present:
             return None
-        keys = shown(self.keys) if self.keys else "(keys not known: no new unit was written)"
+        keys = shown(self.keys) if self.keys else (
+            f"(compiler output(s) {shown(self.outputs)})" if self.outputs
+            else "(keys not known: no new unit was written)")
         return (f"jitwarm: ledger: {self.family} compiled {self.compiled} although {self.present} unit(s) of "
                 f"{self.family} were present at start in {self.root}: {keys}; none of them has that key (a flag, "
-                "a version or a shape differs: record in the server's image, docs/deployment.md)")
+                "a version or a shape differs: record in the server's image, docs/deployment.md), or one of them "
+                "is gone from there")
 
     def as_json(self) -> dict[str, Any]:
         """The family's JSON object."""
         return {"signal": self.signal, "served": self.served, "compiled": self.compiled, "keys": list(self.keys),
-                "present_at_start": self.present, "root": self.root}
+                "present_at_start": self.present, "root": self.root, "written": self.written,
+                "compiler_runs": self.runs, "compiler_probes": self.probes, "compiler_outputs": list(self.outputs)}
 
 
 class Signal(Protocol):

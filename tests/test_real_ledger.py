@@ -1,0 +1,104 @@
+"""The ledger is proof: a real vLLM server (vLLM's CPU build, tests/vllm_cpu.py) whose restore lost two files.
+
+One module fixture runs the operator's flow, each step a real process: ``jitwarm capture --export`` runs
+``vllm serve`` once on an empty node; ``jitwarm prestart --offline`` restores the bundle on a fresh node; then
+Inductor's precompiled header (``$TMPDIR/torchinductor_<user>/precompiled_headers``) and one restored ``.so`` are
+deleted there, as a node whose ``/tmp`` was cleaned, and the server starts with ``JITWARM_LEDGER`` and a ``g++``
+first on its ``PATH`` that logs each call and runs the real compiler (the witness, which asks no library).
+
+Inductor's own counters say "hit, no miss" for that start: the ledger must say what the witness saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import vllm_cpu as server
+
+#: A g++ first on PATH that logs each call, then runs the real one as it was called: argv[0] "g++" and PATH
+#: without this folder, so the compiler finds itself where it is and ``g++ -v`` (which Inductor keys its ISA
+#: probes and precompiled headers on: cpp_builder.py ``get_compiler_version_info``) says what it says without it.
+WITNESS = """#!/bin/bash
+printf '%s\\n' "$*" >> "$JITWARM_TEST_WITNESS"
+PATH="${PATH#"${0%/*}:"}" exec -a g++ g++ "$@"
+"""
+
+
+def compiles(witness: list[str]) -> list[str]:
+    """The witness's lines that compiled: an output named (``-o``), not a preprocessing (``-E``) or a question."""
+    return [line for line in witness if " -o " in f" {line} " and " -E " not in f" {line} "]
+
+
+def outputs(lines: list[str]) -> set[str]:
+    return {line.split(" -o ", 1)[1].split()[0] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def lost(vllm_cpu, tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here: Inductor's CPU build needs it")
+    tmp = tmp_path_factory.mktemp("real_ledger")
+    first, node = tmp / "capture-node", tmp / "fresh-node"
+    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
+                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=vllm_cpu.env(first))
+    assert captured.returncode == 0, captured.stderr[-4000:]
+    env = vllm_cpu.env(node)
+    prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
+                                env=env)
+    assert prestart.returncode == 0, prestart.stderr
+    status_before = vllm_cpu.jitwarm("status", "--manifest", str(manifest), env=env)
+    [gch] = (node / "tmp").glob("torchinductor_*/precompiled_headers/*.h.gch")
+    libraries = sorted((node / "tmp").glob("torchinductor_*/*/*.so"), key=lambda p: (".main." not in p.name, p.name))
+    so = libraries[0]  # a graph's kernel where there is one (the ISA probes' .so are beside them)
+    gch.unlink()
+    so.unlink()
+    status = vllm_cpu.jitwarm("status", "--manifest", str(manifest), env=env)
+    verify = vllm_cpu.jitwarm("verify", "--manifest", str(manifest), "--json", env=env)
+    witness, bin_dir = tmp / "witness.log", tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "g++").write_text(WITNESS)
+    (bin_dir / "g++").chmod(0o755)
+    ledger = node / "ledger.json"
+    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
+                        PATH=os.pathsep.join([str(bin_dir), env["PATH"]])) as (port, _):
+        answer = server.complete(port, vllm_cpu.model)
+        at_ready = json.loads(ledger.read_text())
+    gate = vllm_cpu.jitwarm("ledger", str(ledger), "--require-zero", env=env)
+    return {"node": node, "gch": gch, "so": so, "ledger": at_ready, "answer": answer, "gate": gate,
+            "witness": witness.read_text().splitlines() if witness.is_file() else [], "status": status,
+            "status_before": status_before, "verify": verify, "log": (node / "server.log").read_text(errors="replace")}
+
+
+def test_a_restored_start_that_rebuilt_a_header_and_a_kernel_says_so_with_the_witness_evidence(lost):
+    inductor = lost["ledger"]["families"]["inductor"]
+    ran = compiles(lost["witness"])
+    assert {str(lost["gch"]), str(lost["so"])} <= outputs(ran), lost["witness"]
+    assert lost["gch"].is_file() and lost["so"].is_file()  # the start wrote both again
+    assert inductor["compiled"] > 0 and lost["ledger"]["compiled"] >= inductor["compiled"], inductor
+    assert inductor["compiler_runs"] == len(ran), (inductor, lost["witness"])
+    assert set(inductor["compiler_outputs"]) == outputs(ran)
+    header = f"precompiled_headers/{lost['gch'].name.split('.')[0]}"
+    assert header in inductor["keys"] and inductor["written"] >= 2
+    assert lost["answer"]["usage"]["completion_tokens"] == 5
+
+
+def test_the_gate_fails_that_start(lost):
+    gate = lost["gate"]
+    assert gate.returncode == 1, gate.stdout + gate.stderr
+    assert any(line.startswith("jitwarm: ledger: inductor: ") for line in gate.stdout.splitlines())
+
+
+def test_status_and_verify_see_the_deleted_unit_where_inductor_looks(lost):
+    assert lost["status_before"].returncode == 0, lost["status_before"].stdout + lost["status_before"].stderr
+    status = lost["status"]
+    assert status.returncode == 5, status.stdout + status.stderr
+    assert f"missing at {lost['so']}" in status.stdout
+    verify = lost["verify"]
+    assert verify.returncode == 5, verify.stderr
+    named = [why for whys in json.loads(verify.stdout)["not_where_looked"].values() for why in whys]
+    assert f"missing at {lost['so']}" in named and f"missing at {lost['gch']}" in named
+
