@@ -241,3 +241,15 @@ def remote(redis_url):
 
     reset_remote_health()
     return remote_fixtures.Remote(redis_url)
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    """A stand-in server for ``jitwarm capture`` (tests/workers/capture_harness.py), killed after the test."""
+    from workers.capture_harness import StandIn
+
+    server = StandIn(tmp_path)
+    try:
+        yield server
+    finally:
+        server.kill()

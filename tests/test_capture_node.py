@@ -13,21 +13,12 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from workers.capture_harness import StandIn, another_server, error_lines, wait_for
+from workers.capture_harness import another_server, error_lines, wait_for
 from workers.capture_stand_in import DEFAULT_UNIT, FIRST_ERROR, WARNED
 
 from jitwarm.precompile import capture_node, server_process, servers
 from jitwarm.precompile.manifest import read_manifest
 from jitwarm.precompile.server_process import ServerProcess
-
-
-@pytest.fixture
-def stand_in(tmp_path):
-    server = StandIn(tmp_path)
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def recorded_units(manifest: Path) -> list[str]:

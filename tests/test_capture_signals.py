@@ -16,15 +16,6 @@ import pytest
 from workers.capture_harness import RUN_TIMEOUT_S, StandIn, gone, stop_capture, wait_for
 
 
-@pytest.fixture
-def stand_in(tmp_path):
-    server = StandIn(tmp_path)
-    try:
-        yield server
-    finally:
-        server.kill()
-
-
 def private_root(stand_in: StandIn) -> Path:
     """The private folder the capture gave the server (its TMPDIR's parent)."""
     return Path(stand_in.noted("env")["TMPDIR"]).parent
