@@ -48,7 +48,7 @@ def about(cache: Any, keys: Iterable[str], manifests: Iterable[str | os.PathLike
             if record["kind"] == "capture" or _key(spec_of(record), cache) in wanted:
                 records.setdefault(record_id(record), record)
     own = [s.to_json() for s in dict.fromkeys(specs) if _key(s, cache) in wanted]
-    under = sorted({str(r.get("under", "")) for r in records.values()} - {""})
+    under = sorted({str(r.get("under") or r.get("server") or "") for r in records.values()} - {""})
     release = ", ".join(_release(room) for room in under) or None
     return {"v": VERSION, "manifest": list(records.values()), "specs": own,
             "made": {"server": ", ".join(under) or None, "release": release,
@@ -138,12 +138,11 @@ def cmd_inspect(args: argparse.Namespace, plan: None) -> int:
         return EXIT_OK
     print(f"bundle {args.path}: {len(index.sizes)} entries, {sum(index.sizes.values()) / 2**20:.1f} MiB; "
           + ("no manifest (an older jitwarm's bundle, or exported without one)" if index.about is None else
-             f"its manifest names {len(index.about.get('manifest', []))} records, {len(index.about.get('specs', []))}"
+             f"its manifest names {_kernel_records(index.about)} records, {len(index.about.get('specs', []))}"
              " of jitwarm's specs"))
     if made:
         env = " ".join(f"{k}={v}" for k, v in sorted(made.get("environment", {}).items()))
-        print(f"  made under {made.get('server') or 'no server'} {made.get('release') or ''}; environment: "
-              f"{env or '(none of the cache variables set)'}")
+        print(f"  made under {_made_under(made)}; environment: {env or '(none of the cache variables set)'}")
     for unit in units:
         fp = ", ".join(f"{k}={v}" for k, v in sorted(unit["fingerprint"].items())[:6])
         more = len(unit["fingerprint"]) - 6
@@ -189,6 +188,16 @@ def say_bundle(report: Any, where: str, file: Any = sys.stderr) -> None:
     """One line on what an imported bundle carries about itself (nothing for an older bundle)."""
     made = (report.about or {}).get("made") if report.about else None
     if made:
-        print(f"jitwarm: bundle {where} was made under {made.get('server') or 'no server'} "
-              f"{made.get('release') or ''}, holding {len(report.about.get('manifest', []))} recorded records and "
-              f"{len(report.about.get('specs', []))} of jitwarm's specs", file=file)
+        print(f"jitwarm: bundle {where} was made under {_made_under(made)}, holding {_kernel_records(report.about)} "
+              f"recorded kernels and cache units and {len(report.about.get('specs', []))} of jitwarm's specs",
+              file=file)
+
+
+def _made_under(made: Mapping[str, Any]) -> str:
+    """``vllm 0.32.0+cpu``: the server and release a bundle was made under, or ``no server``."""
+    return " ".join(str(w) for w in (made.get("server"), made.get("release")) if w) or "no server"
+
+
+def _kernel_records(about: Mapping[str, Any]) -> int:
+    """How many of a bundle's manifest records name a kernel or a cache unit (not how capture ran the server)."""
+    return sum(1 for r in about.get("manifest", []) if isinstance(r, dict) and r.get("kind") != "capture")

@@ -83,7 +83,8 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
 
 def nothing_expected(path: str, report: Any) -> tuple[str, str]:
     """Why a prestart of the bundle at ``path`` would restore nothing that was expected, and what to give."""
-    records = len(report.about.get("manifest", [])) + len(report.about.get("specs", [])) if report.about else 0
+    records = sum(1 for r in report.about.get("manifest", []) if isinstance(r, dict) and r.get("kind") != "capture") \
+        + len(report.about.get("specs", [])) if report.about else 0  # how capture ran the server is no spec
     if not records:
         return (f"bundle {path} carries no manifest of what it holds (an older jitwarm's, or exported without "
                 "one), and the plan is empty: nothing it holds would be restored",
