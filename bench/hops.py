@@ -62,7 +62,7 @@ def main() -> int:
     paths = [
         ("warm: a miss to a build worker", "builders", "_spawn",
          lambda: cli(["warm", *FLAGS, "--cache-dir", root, "--json"])),
-        ("export: the entries written", "bundle", "write_members",
+        ("export: the entries written", "bundle_export", "write_members",
          lambda: cli(["export", bundle, *FLAGS, "--cache-dir", root, "--json"])),
         ("prestart --bundle: an entry published", "protocol", "_publish",
          lambda: cli(["prestart", *FLAGS, "--bundle", bundle, "--cache-dir", str(scratch / "b"), "--offline"])),

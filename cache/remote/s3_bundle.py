@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from jitwarm.cache.bundle import is_gzip_name, write_members
+from jitwarm.cache.bundle_export import is_gzip_name, write_members
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError, UsageError
 from jitwarm.cache.remote import s3

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jitwarm.cache import bundle, settings
+from jitwarm.cache import bundle, bundle_export, settings
 from jitwarm.cache.bundle import ImportReport
 from jitwarm.cache.entry import Entry
 from jitwarm.cache.errors import CacheError
@@ -102,8 +102,8 @@ class KernelCache(LocalCache):
 
         ``about``: a JSON object the bundle carries unread in ``bundle.json`` (the import's ``ImportReport.about``).
         """
-        return bundle.write_bundle(self._entries(keys, path), settings.absolute_path(path), trust_key=self.trust_key(),
-                                   about=about)
+        return bundle_export.write_bundle(self._entries(keys, path), settings.absolute_path(path),
+                                          trust_key=self.trust_key(), about=about)
 
     def export_bundle_to_store(self, keys: Iterable[str], url: str, *, about: Mapping[str, Any] | None = None) -> str:
         """Stream the entries of ``keys`` to the object ``s3://BUCKET/KEY.tar``; return its sha256.
