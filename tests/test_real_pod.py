@@ -6,7 +6,8 @@ TMPDIR and XDG_CACHE_HOME of its own (what two containers of one image have); on
 substituted, and only that: the volume's ``mountPath`` (``/cache``) by a folder both see; the image's bundle
 (``/opt/jitwarm/kernels.tar``) by the one made in staging (``jitwarm capture``, then ``jitwarm export
 --manifest``); the server's line (the pod's ``args``, a GPU model at ``-tp 8``) by the tiny model's CPU line on a
-loopback port; the GPU arch of ``--target`` (``sm_90``) by this box's (``cpu``).
+loopback port; the GPU arch of ``--target`` (``sm_90``) by this box's (``cpu``). vLLM runs on its defaults
+(AOT compile on), as the pod does: the restored starts load vLLM's own AOT artifact.
 
 One module fixture: one capture (a cold start, the control), the pod (prestart, then a start), and a bundle alone
 (``prestart --bundle B --offline``, no manifest and no server line) on a fresh node, then a start there. Each
@@ -41,9 +42,21 @@ def documented_pod() -> dict:
     return next(d for d in yaml.safe_load_all(block) if d and d["kind"] == "Pod")
 
 
+#: vLLM's own log line when it loads its AOT artifact (``compilation/decorators.py:320``).
+LOADED = "Directly load AOT compilation from path "
+
+
+def image_env(vllm_cpu, own: Path, **extra: str) -> dict[str, str]:
+    """The image's environment on a node whose own caches are ``own``: vLLM's defaults (AOT compile on), as the
+    documented pod runs it."""
+    env = vllm_cpu.env(own, **extra)
+    env.pop("VLLM_USE_AOT_COMPILE", None)
+    return env
+
+
 def container_env(container: dict, own: Path, shared: Path, vllm_cpu) -> dict[str, str]:
     """The container's environment: the image's (HOME, TMPDIR, XDG_CACHE_HOME its own), then the YAML's env."""
-    env = vllm_cpu.env(own)
+    env = image_env(vllm_cpu, own)
     for var in ("VLLM_CACHE_ROOT", "JITWARM_CACHE_DIR"):  # the image sets neither: their defaults are under HOME
         env.pop(var)
     for item in container.get("env", []):
@@ -87,7 +100,7 @@ def start(vllm_cpu, env: dict[str, str], folder: Path, timeout: float = 900) -> 
 def pod(vllm_cpu, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_pod")
     manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
-    staging = vllm_cpu.env(tmp / "staging")
+    staging = image_env(vllm_cpu, tmp / "staging")
     captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--timeout", "900", "--json", "--",
                                 *vllm_cpu.serve(server.free_port()), env=staging)
     assert captured.returncode == 0, captured.stderr[-4000:]
@@ -113,17 +126,17 @@ def pod(vllm_cpu, tmp_path_factory):
     ledger_path = Path(server_env["JITWARM_LEDGER"])
 
     alone = tmp / "alone-node"  # the bundle alone: no manifest, no server line
-    bare = vllm_cpu.jitwarm("prestart", "--bundle", str(bundle), "--offline", "--json", env=vllm_cpu.env(alone))
+    bare = vllm_cpu.jitwarm("prestart", "--bundle", str(bundle), "--offline", "--json", env=image_env(vllm_cpu, alone))
     assert bare.returncode == 0, bare.stderr
     alone_before = cache_files([alone])
     alone_ledger = alone / "ledger.json"
-    alone_run = start(vllm_cpu, vllm_cpu.env(alone, JITWARM_LEDGER=str(alone_ledger)), alone)
+    alone_run = start(vllm_cpu, image_env(vllm_cpu, alone, JITWARM_LEDGER=str(alone_ledger)), alone)
     return {"captured": json.loads(captured.stdout), "prestart": json.loads(prestart.stdout),
             "prestart_err": prestart.stderr, "shared": shared, "init_env": init_env, "server_env": server_env,
             "before": before, "after": cache_files(roots), "ledger": json.loads(ledger_path.read_text()), **run,
             "bare": json.loads(bare.stdout), "bare_err": bare.stderr, "alone_before": alone_before,
             "alone_after": cache_files([alone]), "alone_ledger": json.loads(alone_ledger.read_text()),
-            "alone_answer": alone_run["answer"]}
+            "alone_answer": alone_run["answer"], "alone_log": alone_run["log"]}
 
 
 def test_the_containers_have_their_own_home_and_share_only_the_volume(pod):
@@ -135,7 +148,9 @@ def test_the_containers_have_their_own_home_and_share_only_the_volume(pod):
 
 def test_prestart_names_each_familys_destination_on_the_shared_volume(pod):
     restored = pod["prestart"]["restored"]
-    assert pod["prestart"]["ready"] is True and restored["inductor"]["placed"] >= 10, pod["prestart"]
+    # vLLM's AOT tree (its rank directory, Inductor's units it redirected) and Inductor's precompiled header
+    assert pod["prestart"]["ready"] is True and restored["vllm_compile"]["placed"] >= 10, pod["prestart"]
+    assert restored["inductor"]["placed"] >= 1, pod["prestart"]
     assert all(Path(fam["root"]).is_relative_to(pod["shared"]) for fam in restored.values()), restored
     assert f"inductor: {restored['inductor']['placed']} unit(s) in {pod['shared']}/tmp/torchinductor_" \
         in pod["prestart_err"]
@@ -147,7 +162,8 @@ def test_the_documented_pods_server_compiles_nothing(pod):
     ledger = pod["ledger"]
     assert ledger["compiled"] == 0, ledger
     assert ledger["restored_elsewhere"] == []
-    assert ledger["families"]["inductor"]["served"] >= 1
+    assert ledger["families"]["vllm_compile"]["served"] >= 1  # vLLM loaded its AOT artifact
+    assert LOADED in pod["log"] and "Compiling model again" not in pod["log"]
     assert compiled(pod["before"], pod["after"]) == []
     assert "jitwarm: restore: " not in pod["log"]
     assert pod["answer"]["usage"]["completion_tokens"] == 5
@@ -159,6 +175,7 @@ def test_a_bundle_alone_restores_everything_it_holds_and_the_start_compiles_noth
     assert bare["bundle"]["supplied"] == pod["captured"]["entries"] == bare["bundle"]["entries"]
     assert sum(f["placed"] for f in bare["restored"].values()) == pod["captured"]["entries"]
     assert pod["alone_ledger"]["compiled"] == 0, pod["alone_ledger"]
+    assert LOADED in pod["alone_log"] and "Compiling model again" not in pod["alone_log"]
     assert compiled(pod["alone_before"], pod["alone_after"]) == []
     assert pod["alone_answer"]["usage"]["completion_tokens"] == 5
 
