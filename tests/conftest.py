@@ -208,6 +208,29 @@ def vllm_cpu(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
+    """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on), once per run: the node it
+    ran on (``first``), its ``manifest`` and ``bundle``, and the capture's ``stdout``, ``stderr`` and ``returncode``.
+
+    tests/test_real_server.py and tests/test_real_pod.py restore the same capture: a cold start each saved.
+    """
+    import vllm_cpu as server
+
+    def capture(path: Path) -> dict:
+        env = vllm_cpu.env(path / "capture-node")
+        env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
+        manifest, bundle = path / "server.jsonl", path / "kernels.tar"
+        proc = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
+                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=env)
+        return {"first": str(path / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
+                "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+
+    _, record = built_once(tmp_path_factory, "vllm-captured", capture)
+    assert record["returncode"] == 0, record["stderr"][-4000:]
+    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle")}}
+
+
+@pytest.fixture(scope="session")
 def other_user() -> int:
     """The uid of another real user of this machine (workers/cache_harness.py makes it with ``useradd``): what a
     hostile neighbour owns. Skips where this process cannot have one (not root, no useradd)."""

