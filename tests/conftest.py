@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +31,42 @@ import remote_fixtures  # noqa: E402
 
 # Read before any test runs: _isolated_env drops every JITWARM_* variable from each test's environment.
 TEST_REDIS_URL = os.environ.get("JITWARM_TEST_REDIS_URL", "").strip() or None
+
+
+def pytest_configure(config):
+    """On a whole-suite run, make the once-per-machine sets in the background as the tests begin (tests/prebuild.py).
+
+    Only the run's first process does (pytest-xdist's controller, or pytest alone), and only when no test paths were
+    given: a run of a few files makes only the sets its tests ask for. ``JITWARM_TEST_PREBUILD=0`` turns it off.
+    """
+    if hasattr(config, "workerinput") or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    if os.environ.get("JITWARM_TEST_PREBUILD", "1") == "0":
+        return
+    import wheels
+
+    root = wheels.set_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "prebuild.log", "ab") as log:
+        config.stash[_PREBUILD] = subprocess.Popen([sys.executable, str(TESTS / "prebuild.py")],
+                                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    """Stop a prebuild still running (a run cut short): it removes its half-made set, as a failed install does."""
+    proc = config.stash.get(_PREBUILD, None)
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+_PREBUILD = pytest.StashKey[subprocess.Popen]()
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:

@@ -28,10 +28,14 @@ class WheelUnavailable(RuntimeError):
     """pip could not install the set; the message says why (the tests skip with it)."""
 
 
+def set_root() -> Path:
+    """Where the sets live: ``$JITWARM_TEST_WHEELS``, or ``~/.cache/jitwarm-test-wheels``."""
+    return Path(os.environ.get("JITWARM_TEST_WHEELS") or Path.home() / ".cache" / "jitwarm-test-wheels")
+
+
 def set_dir(name: str, packages: Sequence[str]) -> Path:
     """Where set ``name`` lives: ``$JITWARM_TEST_WHEELS/<name>-<hash of its packages>``."""
-    root = Path(os.environ.get("JITWARM_TEST_WHEELS") or Path.home() / ".cache" / "jitwarm-test-wheels")
-    return root / f"{name}-{hashlib.sha256(chr(10).join(packages).encode()).hexdigest()[:12]}"
+    return set_root() / f"{name}-{hashlib.sha256(chr(10).join(packages).encode()).hexdigest()[:12]}"
 
 
 def install_once(name: str, packages: Sequence[str], marker: str,
