@@ -112,7 +112,7 @@ class _Recording:
         if made is None or made["module"] != getattr(spec, "module_name", None):
             return  # not the call this thread recorded (a look-up of jitwarm's own, say)
         if found is not None:
-            self._built(made, spec, scope, Path(found).parent)
+            self._store(made, spec, scope, found)
         else:
             with self._lock:
                 self._behind_lock[str(scope)] = (made, spec)
@@ -121,18 +121,24 @@ class _Recording:
         with self._lock:
             pending = self._behind_lock.pop(str(scope), None)
         if pending is not None:
-            made, spec = pending
-            found = loader().cache.find_prebuilt(scope=scope, module_name=spec.module_name)  # as load_jit finds it
-            if found is not None:
-                self._built(made, spec, scope, Path(found).parent)
+            self._store(*pending, scope, None)
 
-    def _built(self, made: dict[str, Any], spec: Any, scope: Any, leaf: Path) -> None:
+    def _store(self, made: dict[str, Any], spec: Any, scope: Any, found: Any) -> None:
+        """Hand the recorder the build's store; it runs at once, inside the call, and what it raises is said.
+
+        Inside the call: sglang's key reads the arch it builds for, which a caller may have set for this call
+        only (``override_jit_cuda_arch``, utils/arch.py:162-185).
+        """
         from jitwarm.kernels.libraries.sglang_jit import backend, child
 
-        # The recorder stores at once, inside the call: sglang's key reads the arch it builds for, which a
-        # caller may have set for this call only (override_jit_cuda_arch, utils/arch.py:162-185).
-        self._add(made, store=lambda cache, kernel: backend.store(kernel, leaf, child.sglang_key(spec, Path(scope)),
-                                                                  cache))
+        def store(cache: Any, kernel: Any) -> None:
+            library = found if found is not None else loader().cache.find_prebuilt(
+                scope=scope, module_name=spec.module_name)  # as the next load_jit finds it (cache.py:369-418)
+            if library is None:
+                raise FileNotFoundError(f"sglang's load_jit published no usable build under {scope}")
+            backend.store(kernel, Path(library).parent, child.sglang_key(spec, Path(scope)), cache)
+
+        self._add(made, store=store)
 
 
 def record(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
