@@ -124,7 +124,7 @@ def main() -> None:
     print(f"stand-in: {mode} server starting, pid {os.getpid()}", flush=True)
     if os.environ.get("JITWARM_RECORD"):
         from jitwarm.precompile import ledger
-        from jitwarm.precompile.manifest import record
+        from jitwarm.precompile.recorder import record
 
         if mode == "unrecordable":
             target = Path(os.environ["JITWARM_RECORD"])
