@@ -48,9 +48,10 @@ class Tap:
         return (lambda: self.unsubscribe(subscriber)) if self.subscribe(subscriber) else None
 
     def attach_when_imported(self, subscriber: Any, module: str) -> Callable[[], None]:
-        """:meth:`attach` now, or as soon as ``module`` (the one :attr:`_patch` patches) is imported; the undo.
+        """:meth:`attach` now, or as soon as ``module`` (the library module the patch needs) is imported; the undo.
 
-        The undo removes the import hook if it has not fired, else unsubscribes.
+        The undo removes the import hook if it has not fired, else unsubscribes. A recording started before the
+        library is imported would otherwise see none of its calls.
         """
         undo = self.attach(subscriber)
         if undo is not None:

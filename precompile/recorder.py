@@ -18,7 +18,7 @@ from jitwarm.cache import KernelCache, settings
 from jitwarm.cache.errors import UntrustedPath
 from jitwarm.kernels import KernelSpec
 from jitwarm.kernels.libraries.jit_caches import MODULES
-from jitwarm.kernels.libraries.jit_caches.backend import store
+from jitwarm.kernels.libraries.jit_caches.backend import store as store_unit
 from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 from jitwarm.precompile import servers
 from jitwarm.precompile.manifest import VERSION, append_records, record_id, spec_of, unit_record
@@ -55,9 +55,10 @@ class Recorder:
 
     def add(self, record: Mapping[str, Any], *, kernel: bool = True,
             store: Callable[[Any, KernelSpec], None] | None = None) -> None:
-        """Append ``record`` unless recorded already (one refused is tried again); never raises.
+        """Append ``record`` unless recorded already (one refused is tried again); never raises (but see below).
 
-        ``store(cache, spec)``: the library's build of the record is there to store now (once per record).
+        ``store(cache, spec)``: the library's build of the record is there to store now (once per record); a
+        failure is said, and raised only for a file another user planted, under ``JITWARM_STRICT=1``.
         """
         rid = record_id(record)
         with self._lock:
@@ -151,7 +152,7 @@ class Recorder:
                 try:
                     if self._cache is None:  # opened on first use; a bad setting is this unit's failure
                         self._cache = KernelCache()
-                    spec = store(snap.library, snap.root, unit, files, self._cache, under=under)
+                    spec = store_unit(snap.library, snap.root, unit, files, self._cache, under=under)
                 except Exception as exc:  # noqa: BLE001 - a recording is a side job: the run goes on
                     _record_log.warning("jitwarm: cannot capture %s unit %s from %s: %s", name, unit, snap.root,
                                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
