@@ -14,7 +14,7 @@ _LAZY = {
     "CaptureHook": "hook", "HookReport": "hook", "capture_ladder": "hook", "KernelsNotReady": "hook",
     "WarmTimeout": "hook", "KernelLoadFailed": "hook", "TorchDevice": "hook",
     "capture_guard": "guard", "CompileDuringCaptureError": "guard", "ThirdPartySeal": "guard",
-    "record": "manifest", "Recorder": "manifest",
+    "record": "recorder", "Recorder": "recorder",
 }
 
 __all__ = ["CaptureShape", "ConfigError", "ServingConfig", "WarmPlan", "capture_batch_sizes", "capture_shapes",

@@ -49,7 +49,7 @@ __all__ = ["LEDGER_GRACE_S", "PROGRESS_S", "Captured", "Interrupted", "ServerFai
 #: Seconds the plugin's ledger may lag the health endpoint; the most seconds between two progress lines.
 LEDGER_GRACE_S, PROGRESS_S = 30.0, 10.0
 _POLL_S = 0.5
-#: What jitwarm's plugin logs when a record or a unit could not be written (manifest.Recorder).
+#: What jitwarm's plugin logs when a record or a unit could not be written (recorder.Recorder).
 _NOT_RECORDED = ("jitwarm: cannot record ", "jitwarm: cannot capture ")
 
 

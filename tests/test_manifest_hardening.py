@@ -19,7 +19,8 @@ import threading
 import pytest
 from precompile_fixtures import jitwarm
 
-from jitwarm.precompile.manifest import ManifestError, Recorder, append_records, read_manifest
+from jitwarm.precompile.manifest import ManifestError, append_records, read_manifest
+from jitwarm.precompile.recorder import Recorder
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid and mounting a tmpfs need root")
 OTHER_UID = 12345  # no account needed: ownership is a number

@@ -53,7 +53,7 @@ def record_and_serve(log: logging.Logger, recorder: Any, what: str) -> Any:
     """
     path = setting(log, record_file, None)
     if path and recorder is None:
-        from jitwarm.precompile.manifest import record
+        from jitwarm.precompile.recorder import record
 
         recorder = record(path)
         log.info("jitwarm: recording every %s this process compiles into %s", what, path)

@@ -25,6 +25,11 @@ SIGTERM. A forked "worker" sleeps in the same process group, as a server's sched
 - ``error_after_warning``: logs a WARNING line holding ``OSError:``, then :data:`FIRST_ERROR`, then 40 lines, and
   exits 3.
 
+``STAND_IN_LOAD_JIT=MAJOR.MINOR``: once recording, the stand-in imports the real sglang wheel's kernels (a plain
+process until then, as a script that starts ``record()`` first is) and calls ``load_jit`` for that arch: sglang's
+``clamp_position`` module for int32, built with nvcc or found in ``SGLANG_JIT_CACHE_DIR``; its Inductor unit is
+then written where sglang's import put ``TORCHINDUCTOR_CACHE_DIR``.
+
 ``STAND_IN_DELAY`` (seconds, default 0) delays /health, as a model load would. ``STAND_IN_NOISY_STOP=1``: on a
 signal it logs a traceback and 40 lines before it stops, as a server's Ctrl-C does.
 """
@@ -73,6 +78,17 @@ def port_of(argv: list[str]) -> int:
     raise SystemExit("stand-in: no --port on the command line")
 
 
+def load_jit(major: int, minor: int) -> None:
+    """sglang's ``load_jit`` of ``clamp_position`` for int32 (kernels/ops/attention/clamp_position.py:15-25)."""
+    import torch
+    from sglang.kernels.jit.utils import override_jit_cuda_arch
+    from sglang.kernels.ops.attention import clamp_position
+
+    with override_jit_cuda_arch(major, minor):
+        clamp_position._jit_clamp_position_module(torch.int32)
+    print("stand-in: load_jit done", flush=True)
+
+
 def main() -> None:
     """Run the stand-in server as ``STAND_IN_MODE`` says (see the module docstring)."""
     mode, out = os.environ.get("STAND_IN_MODE", "ok"), Path(os.environ["STAND_IN_DIR"])
@@ -108,7 +124,7 @@ def main() -> None:
     print(f"stand-in: {mode} server starting, pid {os.getpid()}", flush=True)
     if os.environ.get("JITWARM_RECORD"):
         from jitwarm.precompile import ledger
-        from jitwarm.precompile.manifest import record
+        from jitwarm.precompile.recorder import record
 
         if mode == "unrecordable":
             target = Path(os.environ["JITWARM_RECORD"])
@@ -116,6 +132,8 @@ def main() -> None:
             target.symlink_to(out / "elsewhere.jsonl")
         recorder = record(os.environ["JITWARM_RECORD"])
         ledger.begin()
+        if os.environ.get("STAND_IN_LOAD_JIT"):
+            load_jit(*map(int, os.environ["STAND_IN_LOAD_JIT"].split(".")))
         unit = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / os.environ.get("STAND_IN_UNIT", DEFAULT_UNIT)
         unit.parent.mkdir(parents=True, exist_ok=True)
         unit.write_bytes(b"a pickled FX graph, as Inductor writes it")

@@ -96,13 +96,18 @@ def description(spec: KernelSpec, facts: Facts | None = None) -> dict[str, Any]:
     signature = child.env_signature()
     found = _descriptions.get((spec, signature))
     if found is None:
-        key = child.describe(arch, call, signature)
-        if key.get("module") != spec.family:
-            raise SpecError(f"{spec.family}: sglang names this call's module {key.get('module')!r}")
-        found = {"format": FORMAT, "module": spec.family, "target": spec.target, "arch": key.pop("arch"),
-                 "sglang": sglang, "call": call, "sglang_key": key}
+        found = _described(spec, call, sglang, child.describe(arch, call, signature))
         _descriptions[spec, signature] = found
     return json.loads(json.dumps(found))  # a copy: callers may not change the memo
+
+
+def _described(spec: KernelSpec, call: dict[str, Any], sglang: str, key: dict[str, Any]) -> dict[str, Any]:
+    """The description of ``spec`` from the parts of sglang's build key (:func:`.child.sglang_key`)."""
+    key = dict(key)
+    if key.get("module") != spec.family:
+        raise SpecError(f"{spec.family}: sglang names this call's module {key.get('module')!r}")
+    return {"format": FORMAT, "module": spec.family, "target": spec.target, "arch": key.pop("arch"),
+            "sglang": sglang, "call": call, "sglang_key": key}
 
 
 _descriptions: dict[tuple[KernelSpec, tuple[Any, ...]], dict[str, Any]] = {}
@@ -123,6 +128,51 @@ def build(spec: KernelSpec, staging: Path, described: dict[str, Any] | None = No
            "target_tag": result["key"]["target_tag"], "build_key": result["key"]["build_key"],
            "driver": result["driver"], "build_seconds": round(time.perf_counter() - start, 3)}
     (staging / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def store(spec: KernelSpec, leaf: Path, key: dict[str, Any], cache: Any) -> None:
+    """Store the leaf a server's ``load_jit`` published as ``spec``'s entry, as :func:`build` would have made it.
+
+    ``leaf`` is ``<cache root>/<tag>/<module>/build-<key>/deps-<key>`` (cache.py:322-325,451) and ``key`` the
+    parts of sglang's build key of the call, as sglang computed them in that process (:func:`.child.sglang_key`):
+    a leaf whose key is not the recorded call's is refused, and one a replay would key otherwise is stored under
+    a key no replay looks up (capture's check then says it is missing).
+
+    Raises
+    ------
+    SpecError
+        The spec is not this leaf's, or the installed sglang did not record it.
+    jitwarm.cache.UntrustedPath
+        A file or folder of the leaf is another user's or writable by others (unless ``JITWARM_ALLOW_SHARED=1``).
+    jitwarm.cache.BuildError, jitwarm.cache.CacheError, OSError
+        The copy failed, or the check refused it.
+
+    """
+    from jitwarm.cache import key_of
+    from jitwarm.kernels.artifacts import Artifact
+    from jitwarm.kernels.libraries.jit_caches.backend import check_source
+
+    call, _, sglang = _parse(spec)
+    described = _described(spec, call, sglang, key)
+    rel = "/".join(Path(leaf).parts[-4:])
+    if rel.split("/")[:3] != [key["target_tag"], spec.family, f"build-{key['build_key']}"]:
+        raise SpecError(f"{spec.family}: the leaf {leaf} is not under the build sglang keyed for the call")
+    root = Path(leaf).parents[3]
+    files = tuple(sorted(p.relative_to(root).as_posix() for p in Path(leaf).rglob("*") if p.is_file()))
+    check_source(root, files)  # a leaf another user planted is not shipped to every node
+
+    def capture(staging: Path) -> None:
+        for name in files:
+            dest = staging / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / name, dest)
+            dest.chmod((root / name).stat().st_mode & 0o555 | 0o600)
+        doc = {"format": FORMAT, "spec": spec.to_json(), "leaf": rel, "library": f"{spec.family}.so",
+               "target_tag": key["target_tag"], "build_key": key["build_key"], "driver": "captured",
+               "build_seconds": None}
+        (staging / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+    Artifact(spec, described, key_of(described)).get_or_build(cache, capture=capture)
 
 
 def check(spec: KernelSpec, staging: Path) -> dict[str, Any]:

@@ -7,14 +7,17 @@ patching them there sees every ``load_jit``, whoever imported it by name. A subs
 
 - ``call(args, given)``: a ``load_jit(*args, **given)`` call (``given``: keyword arguments not at their defaults);
 - ``looked_up(spec, scope, found)``: a ``_find_prebuilt``, ``found`` the build's library or None;
-- ``building(scope)``: ``_build_lock`` taken: the next look-up that finds nothing means a compile.
+- ``building(scope)``: ``_build_lock`` taken: the next look-up that finds nothing means a compile;
+- ``built(scope)``: ``_build_lock`` left without an error: the build is published (or another rank's was found).
 
 The tap is live only in a process that imported sglang already: importing it redirects the process's JIT caches
-under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), which a recording outside sglang must not do (issue #31).
+under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), which a recording outside sglang must not do. A recording
+started before sglang is imported subscribes when the loader module is (``Tap.attach_when_imported``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
@@ -66,9 +69,12 @@ def _patch(tap: Tap) -> Callable[[], bool] | None:
         tap.emit("looked_up", spec, scope, found)
         return found
 
+    @contextlib.contextmanager
     def build_lock(scope: Any, *args: Any, **kwargs: Any) -> Any:
         tap.emit("building", scope)
-        return lock(scope, *args, **kwargs)
+        with lock(scope, *args, **kwargs):
+            yield
+        tap.emit("built", scope)  # load_jit returned from inside: its build is published (loader.py:158-201)
 
     for ours, original in ((find_prebuilt, find), (build_lock, lock)):
         ours.__wrapped__ = original  # type: ignore[attr-defined]
@@ -79,9 +85,60 @@ def _patch(tap: Tap) -> Callable[[], bool] | None:
 TAP = Tap(_patch)
 
 
-def recording(add: Callable[[dict[str, Any]], None]) -> Any:
-    """The recorder's subscriber: ``add(record)`` for each ``load_jit`` call, hit or miss."""
-    return types.SimpleNamespace(call=lambda args, given: add(record(args, given)))
+def recording(add: Callable[..., None]) -> Any:
+    """The recorder's subscriber: ``add(record)`` for each ``load_jit`` call, hit or miss, then its build.
+
+    Once the call's build is in sglang's cache, ``add(record, store=store)``: ``store(cache, spec)`` stores it as the
+    record's entry (:func:`jitwarm.kernels.libraries.sglang_jit.backend.store`), so the entry is the server's own.
+    """
+    return _Recording(add)
+
+
+class _Recording:
+    """Each ``load_jit`` call's record, then its build: found by the look-up, or published behind the lock."""
+
+    def __init__(self, add: Callable[..., None]) -> None:
+        self._add = add
+        self._calling = threading.local()  # this thread's load_jit call in progress: its record
+        self._behind_lock: dict[str, tuple[dict[str, Any], Any]] = {}  # scope -> (record, BuildSpec)
+        self._lock = threading.Lock()
+
+    def call(self, args: tuple[Any, ...], given: Mapping[str, Any]) -> None:
+        self._calling.record = made = record(args, given)
+        self._add(made)
+
+    def looked_up(self, spec: Any, scope: Any, found: Any) -> None:
+        made = getattr(self._calling, "record", None)
+        if made is None or made["module"] != getattr(spec, "module_name", None):
+            return  # not the call this thread recorded (a look-up of jitwarm's own, say)
+        if found is not None:
+            self._store(made, spec, scope, found)
+        else:
+            with self._lock:
+                self._behind_lock[str(scope)] = (made, spec)
+
+    def built(self, scope: Any) -> None:
+        with self._lock:
+            pending = self._behind_lock.pop(str(scope), None)
+        if pending is not None:
+            self._store(*pending, scope, None)
+
+    def _store(self, made: dict[str, Any], spec: Any, scope: Any, found: Any) -> None:
+        """Hand the recorder the build's store; it runs at once, inside the call, and what it raises is said.
+
+        Inside the call: sglang's key reads the arch it builds for, which a caller may have set for this call
+        only (``override_jit_cuda_arch``, utils/arch.py:162-185).
+        """
+        from jitwarm.kernels.libraries.sglang_jit import backend, child
+
+        def store(cache: Any, kernel: Any) -> None:
+            library = found if found is not None else loader().cache.find_prebuilt(
+                scope=scope, module_name=spec.module_name)  # as the next load_jit finds it (cache.py:369-418)
+            if library is None:
+                raise FileNotFoundError(f"sglang's load_jit published no usable build under {scope}")
+            backend.store(kernel, Path(library).parent, child.sglang_key(spec, Path(scope)), cache)
+
+        self._add(made, store=store)
 
 
 def record(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
