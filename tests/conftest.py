@@ -8,9 +8,7 @@ No torch import here (the config and plan tests do not pay for one): the kernel 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from filelock import FileLock
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # helper modules beside the tests (kernel_checks, precompile_fixtures, ...)
 
+import once  # noqa: E402
 import precompile_fixtures  # noqa: E402
 import remote_fixtures  # noqa: E402
 
@@ -33,13 +31,18 @@ import remote_fixtures  # noqa: E402
 TEST_REDIS_URL = os.environ.get("JITWARM_TEST_REDIS_URL", "").strip() or None
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's: the run's base temp is known
 def pytest_configure(config):
-    """On a whole-suite run, make the once-per-machine sets in the background as the tests begin (tests/prebuild.py).
+    """On a whole-suite run, make the once-per-machine sets and the servers' captures in the background as the tests
+    begin (tests/prebuild.py).
 
-    Only the run's first process does (pytest-xdist's controller, or pytest alone), and only when no test paths were
-    given: a run of a few files makes only the sets its tests ask for. ``JITWARM_TEST_PREBUILD=0`` turns it off.
+    Only the run's first process does (pytest-xdist's controller, or pytest alone), and only when neither test paths
+    nor a selection (``-m``, ``-k``) were given: a run of a few tests makes only the sets they ask for.
+    ``JITWARM_TEST_PREBUILD=0`` turns it off.
     """
     if hasattr(config, "workerinput") or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    if config.option.markexpr or config.option.keyword:  # a selection (CI's floor pass: -m floor)
         return
     if os.environ.get("JITWARM_TEST_PREBUILD", "1") == "0":
         return
@@ -48,7 +51,8 @@ def pytest_configure(config):
     root = wheels.set_root()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "prebuild.log", "ab") as log:
-        config.stash[_PREBUILD] = subprocess.Popen([sys.executable, str(TESTS / "prebuild.py")],
+        base = config._tmp_path_factory.getbasetemp()  # the workers' base temps lie in it (built_once)
+        config.stash[_PREBUILD] = subprocess.Popen([sys.executable, str(TESTS / "prebuild.py"), str(base)],
                                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                                    start_new_session=True)
 
@@ -73,20 +77,14 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tu
     """``build(directory)`` once per pytest run; return the directory and the JSON record ``build`` returned.
 
     Without pytest-xdist the directory is in the session's base temp. With it, every worker's base temp lies in
-    the run's (``popen-gwN``): the first worker to ask builds there under a file lock while the others wait,
-    then each reads the record, so a session's compiles and pip install are paid once, not once per worker.
-    A build that raises records nothing: the next worker to ask builds again from an empty directory.
+    the run's (``popen-gwN``): the first process to ask (a worker, or tests/prebuild.py) builds there under a file
+    lock while the others wait (tests/once.py), so a session's compiles and pip install are paid once, not once
+    per worker.
     """
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
-    path, record = base / name, base / f"{name}.json"
-    with FileLock(str(base / f"{name}.lock")):
-        if not record.exists():
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir()
-            record.write_text(json.dumps(build(path)), encoding="utf-8")
-    return path, json.loads(record.read_text(encoding="utf-8"))
+    return once.once(base, name, build)
 
 
 @pytest.fixture(scope="session")
@@ -253,16 +251,7 @@ def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
     """
     import vllm_cpu as server
 
-    def capture(path: Path) -> dict:
-        env = vllm_cpu.env(path / "capture-node")
-        env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
-        manifest, bundle = path / "server.jsonl", path / "kernels.tar"
-        proc = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=env)
-        return {"first": str(path / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-                "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
-
-    _, record = built_once(tmp_path_factory, "vllm-captured", capture)
+    _, record = built_once(tmp_path_factory, "vllm-captured", lambda path: server.capture_defaults(vllm_cpu, path))
     assert record["returncode"] == 0, record["stderr"][-4000:]
     return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle")}}
 

@@ -8,7 +8,8 @@ lock the tests take (tests/wheels.py, tests/vllm_cpu.py), at a lower priority, w
 need no set: a test that asks finds the set made, or waits on the lock for the rest of one install, never for a
 second one. A set that cannot be installed is left for its tests to skip, saying why, as they do without this.
 
-Run as ``python tests/prebuild.py``; stopped (SIGTERM) when the run ends, or when the run that started it is gone,
+It then makes the real servers' captures in the run's base temp (``python tests/prebuild.py BASETEMP``), the records
+conftest's session fixtures read. Stopped (SIGTERM) when the run ends, or when the run that started it is gone,
 it removes a half-made set as a failed install does.
 """
 
@@ -28,6 +29,7 @@ import jit_cache_wheels  # noqa: E402
 import sglang_wheel  # noqa: E402
 import vllm_cpu  # noqa: E402
 import vllm_wheel  # noqa: E402
+from once import once  # noqa: E402
 from wheels import WheelUnavailable  # noqa: E402
 
 #: In the order the suite first needs them: the oracle sets the most test files import, then the server venv the
@@ -49,13 +51,34 @@ def _orphaned(parent: int) -> None:
     # A run killed outright (SIGKILL, a CI timeout) cannot stop this process: it stops itself, as if stopped.
     while os.getppid() == parent:
         time.sleep(1)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.killpg(os.getpgrp(), signal.SIGTERM)  # its group: pip, and a capture, which stops its server's group
 
 
-def main() -> int:
+def _server_captures(base: Path) -> None:
+    """The real servers' captures the run's tests restore (conftest's session fixtures), made in the run's base temp.
+
+    A capture is a cold server start, the slowest setup of the run: made here, it runs while the workers run other
+    tests, and the tests that restore it find it made instead of starting it on one worker while the other waits.
+    """
+    _, prepared = once(base, "vllm-cpu", _or_skip(vllm_cpu.prepare))
+    if "skip" not in prepared:
+        server = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
+        once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(server, path))
+
+
+def _or_skip(prepare: Callable[[Path], dict]) -> Callable[[Path], dict]:
+    # As conftest records it: a set that cannot be installed is a skip every asker reads, not a build to retry.
+    def build(path: Path) -> dict:
+        try:
+            return prepare(path)
+        except WheelUnavailable as exc:
+            return {"skip": str(exc)}
+    return build
+
+
+def main(base: Path | None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
-    os.nice(10)  # the tests come first; the installs take the time the workers leave (pip waits on disk often)
     for what, install in SETS:
         started = time.monotonic()
         try:
@@ -64,8 +87,12 @@ def main() -> int:
             print(f"prebuild: {what}: {exc}", flush=True)
             continue
         print(f"prebuild: {what}: ready after {time.monotonic() - started:.0f} s", flush=True)
+    if base is not None:
+        started = time.monotonic()
+        _server_captures(base)
+        print(f"prebuild: the servers' captures: ready after {time.monotonic() - started:.0f} s", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -170,6 +170,19 @@ def prepare(folder: Path) -> dict[str, str]:
             "model": str(make_model(venv, folder / "model"))}
 
 
+def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
+    """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on) on a node in ``folder``:
+    the node (``first``), the ``manifest``, the ``bundle``, and the capture's ``stdout``, ``stderr`` and
+    ``returncode`` (the record of conftest's ``vllm_captured``, which tests/prebuild.py may make first)."""
+    env = server.env(folder / "capture-node")
+    env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
+    manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
+                          "--json", "--", *server.serve(free_port()), env=env)
+    return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
+            "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+
+
 def free_port() -> int:
     """A loopback port nothing listens on now."""
     with socket.socket() as s:
