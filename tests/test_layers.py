@@ -141,6 +141,34 @@ def test_the_exit_codes_are_one_table():
                      "KernelsNotReady": 5, "WarmTimeout": 3, "KernelLoadFailed": 1}
 
 
+def test_every_public_error_has_the_one_root():
+    """An exception class a caller can catch derives from ``JitwarmError``; the only others are control flow kept
+    inside their room (the remote tier's ``RemoteFailure`` and its kinds, the bundle reader's ``HeaderRefused``),
+    private, or an interrupt (capture's ``Interrupted`` is a ``KeyboardInterrupt``: exit 130)."""
+    from jitwarm.cache.errors import JitwarmError
+    from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+    assert issubclass(CompileDuringCaptureError, JitwarmError) and issubclass(CompileDuringCaptureError, RuntimeError)
+    assert CompileDuringCaptureError("kernel k").exit_code == 1
+    from jitwarm.cache.remote.base import RemoteFailure
+
+    internal = (RemoteFailure, KeyboardInterrupt, JitwarmError)
+    outside = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            module = __import__(name, fromlist=["_"])
+            cls = getattr(module, node.name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, internal) \
+                    and cls.__name__ != "HeaderRefused":
+                outside.append(f"{name}.{node.name}")
+    assert outside == [], outside
+    from jitwarm.cache import remote
+
+    assert "RemoteFailure" not in remote.__all__
+
+
 def test_kernels_names_no_variable_a_server_room_reads_for_its_caches():
     """A server room tells a library room where its caches are: every variable a room's ``cache_dirs`` reads
     (sglang's ``SGLANG_CACHE_DIR``, vLLM's ``VLLM_CACHE_ROOT``, ...) is absent from ``kernels/``, code and prose."""

@@ -29,7 +29,11 @@ RETRY_AFTER_S = 60.0
 
 
 class RemoteFailure(Exception):
-    """A call to the remote failed (internal: for :meth:`StoreBase.failed`)."""
+    """A call to the remote failed: control flow inside the remote tier, never raised past it.
+
+    :meth:`StoreBase.failed` turns it into a local build or :class:`~jitwarm.cache.errors.RemoteUnavailable`;
+    not exported from :mod:`jitwarm.cache.remote`.
+    """
 
 
 class TooSlow(RemoteFailure):
