@@ -24,7 +24,8 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import capture, commands, contents, ledger, prestart, shipping
 from jitwarm.precompile.builders import log_lines
-from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
+from jitwarm.precompile.commands import asks_for_families, build_plan
+from jitwarm.precompile.coverage import REMOTE_FROM_ENV
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
 

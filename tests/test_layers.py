@@ -119,6 +119,19 @@ def test_the_graph_is_read_from_every_module():
         > floor("jitwarm.cache.entry")
 
 
+def test_a_command_calls_no_other_command():
+    """``warm``, ``status``, ``verify`` and ``prestart`` share their helpers through :mod:`coverage` (the plan in the
+    cache) and :mod:`handover` (what a node receives), which import no command module: a walk of a command's
+    arguments goes down into a helper and back, never into another command's module and back out."""
+    edges = graph()
+    commands = {f"jitwarm.precompile.{m}" for m in ("commands", "shipping", "prestart")}
+    for name in commands:
+        assert edges[name] & commands == set(), name
+    for helper in ("coverage", "handover"):
+        assert edges[f"jitwarm.precompile.{helper}"] & (commands | {"jitwarm.precompile.capture"}) == set(), helper
+    assert {"jitwarm.precompile.coverage", "jitwarm.precompile.handover"} <= edges["jitwarm.precompile.prestart"]
+
+
 def test_the_exit_codes_are_one_table():
     """Only cache/errors.py gives an error class its exit code; every other error takes one by deriving from a
     class of that table, and the CLI exits with it (docs/deployment.md, "Exit codes")."""
