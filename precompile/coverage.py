@@ -124,8 +124,7 @@ def where_looked(plan: WarmPlan, coverage: dict[str, Any]) -> dict[str, list[str
     """
     import functools
 
-    from jitwarm.kernels.libraries.jit_caches import KIND_OF
-    from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.kernels import kinds
     from jitwarm.kernels.libraries.jit_caches.placement import problems
     from jitwarm.kernels.libraries.jit_caches.units import placed_by
     from jitwarm.precompile import servers
@@ -133,8 +132,9 @@ def where_looked(plan: WarmPlan, coverage: dict[str, Any]) -> dict[str, list[str
     present, off = set(coverage["present"]), {}
     with placed_by(functools.cache(servers.cache_dirs)):
         for spec in plan.recorded:
-            if spec.id in present and spec.backend in KIND_OF.values():
-                why = problems(library(spec.backend), spec)
+            library = kinds.kind(spec.backend).library() if spec.backend in kinds.names() else None
+            if spec.id in present and library is not None:
+                why = problems(library, spec)
                 if why:
                     off[spec.id] = why
     coverage["present"] = [s for s in coverage["present"] if s not in off]

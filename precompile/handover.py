@@ -18,10 +18,10 @@ from typing import Any
 
 from jitwarm.cache.errors import CacheError, JitwarmError, Refused, UsageError
 from jitwarm.cache.remote.s3_bundle import is_bundle_url, split_url
-from jitwarm.kernels import KernelSpec, LoadError
+from jitwarm.kernels import KernelSpec, LoadError, kinds
 from jitwarm.kernels.artifacts import artifact
-from jitwarm.kernels.libraries.jit_caches import KIND_OF, receipt
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
+from jitwarm.kernels.libraries.jit_caches import receipt
 from jitwarm.kernels.libraries.jit_caches.backend import mismatch, unit_of
 from jitwarm.kernels.libraries.jit_caches.census import library
 from jitwarm.kernels.libraries.jit_caches.receipt import FamilyRestore
@@ -61,7 +61,7 @@ def say_unloadable(plan: WarmPlan) -> None:
 
 def _jit_cache_library(kind: str) -> Any:
     """The JIT cache library (``Library``) of a captured unit's kind, None for a kernel's kind."""
-    return library(kind) if kind in KIND_OF.values() else None
+    return kinds.kind(kind).library() if kind in kinds.names() else None
 
 
 def hand_over(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> dict[str, FamilyRestore]:
@@ -123,7 +123,8 @@ def without_absent_units(plan: WarmPlan, cache: Any, *, quiet: bool = False) -> 
     """The plan without the captured units ``cache`` lacks (said once), unless a remote tier may hold them."""
     if cache.remote is not None:
         return plan
-    absent = {s for s in plan.recorded if s.backend in KIND_OF.values() and artifact(s, cache).lookup(cache) is None}
+    absent = {s for s in plan.recorded
+              if _jit_cache_library(s.backend) is not None and artifact(s, cache).lookup(cache) is None}
     if not absent:
         return plan
     if not quiet:

@@ -55,6 +55,9 @@ class ServerAdapter(Protocol):
     HEALTH: str  #: the path that answers 200 once the server serves
     LADDER_SOURCES: tuple[str, ...]  #: ``--ladder-source`` values: ``auto``, ``builtin`` and the server's own
     OPTIONS: Mapping[str, str]  #: room-only settings (``server_options`` keys) -> their flag, for messages
+    #: the server's own cache root variable first, then those beside it it reads for the caches it moves or owns
+    CACHE_VARIABLES: tuple[str, ...]
+    SEALED: str | None  #: what :meth:`seal` seals, as the plugin's line names it (None: nothing of its own)
 
     def recognises(self, argv: Sequence[str]) -> bool:
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""

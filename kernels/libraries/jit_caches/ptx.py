@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, expand, tree_files
 
@@ -75,6 +76,6 @@ class _DriverCache(Library):
 
 
 # normalize: the identity, so that a capture copies the settled bytes (jit_caches.backend.store), not the file.
-LIBRARY = _DriverCache("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), is_commit=lambda rel: rel == INDEX,
+LIBRARY = _DriverCache(*named("ptx"), resolve, units, ("driver", "arch"), is_commit=lambda rel: rel == INDEX,
                        normalize=lambda rel, data: data)
 name, description, build, check, load = bind(LIBRARY)

@@ -18,6 +18,7 @@ PLUGIN = "jitwarm.precompile.servers.vllm.plugin:register"
 #: endpoint.
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
+SEALED = None  # vLLM has no JIT of its own to seal (:func:`seal`)
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
     "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
@@ -40,7 +41,7 @@ model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES
 __getattr__ = lazy_functions(__name__, {
     "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
-    "unloadable": "caches"})
+    "CACHE_VARIABLES": "caches", "unloadable": "caches"})
 
 
 def seal(refuse: Callable[[str], None]) -> None:
