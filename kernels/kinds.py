@@ -132,13 +132,14 @@ def _module(name: str) -> ModuleType:
     return module
 
 
-def cache(family: str, *, kind: str = "", module: str = "", variable: str | None = None,
+def cache(family: str, *, kind: str = "", module: str = "", where: str = "", variable: str | None = None,
           spawners: tuple[str, ...] = (), seals: bool = False, sealed: str | None = None) -> Kind:
     """A JIT library's cache kind: captured from a run, restored where the library looks, counted in the ledger.
 
-    ``kind`` defaults to ``<family>_cache``, ``module`` to ``jit_caches/<family>.py`` (a dotted name: anywhere).
+    ``kind`` defaults to ``<family>_cache``; its module is ``jit_caches/<module or family>.py``, or ``where`` (a
+    module's full name) for a library room kept elsewhere.
     """
-    where = module if "." in module else f"{_LIBRARIES}.jit_caches.{module or family}"
+    where = where or f"{_LIBRARIES}.jit_caches.{module or family}"
     return Kind(kind or f"{family}_cache", where, frozenset({"capture"}), family, "jit_cache",
                 f"{_LIBRARIES}.jit_caches.backend", variable, spawners, where if seals else None, sealed,
                 is_cache=True, counted=True)
@@ -169,7 +170,10 @@ KINDS: tuple[Kind, ...] = (
 
 
 def kind(name: str) -> Kind:
-    """The kind called ``name`` (a spec's backend), or the JIT cache kind of the family ``name``; KeyError."""
+    """The kind called ``name`` (a spec's backend), else the JIT cache kind of the family ``name``; KeyError.
+
+    A name is looked up first: ``triton`` is jitwarm's Triton backend, its cache family's kind is ``triton_cache``.
+    """
     for k in KINDS:
         if k.name == name:
             return k
@@ -181,7 +185,9 @@ def kind(name: str) -> Kind:
 
 def named(family: str) -> tuple[str, str]:
     """``(family, kind name)`` of the JIT cache family ``family``: how its ``Library`` is named."""
-    found = kind(family)
+    found = next((k for k in KINDS if k.is_cache and k.family == family), None)
+    if found is None:
+        raise KeyError(f"no JIT cache family {family!r}")
     return found.family, found.name
 
 
