@@ -15,8 +15,8 @@ import pytest
 from jitwarm.precompile import servers
 
 #: A real command line of each room's server (its launcher first), as an operator writes it.
-ARGV = {"sglang": ["python", "-m", "sglang.launch_server", "--model-path", "org/model", "--cuda-graph-max-bs-decode", "16",
-                   "--tp-size", "2"],
+ARGV = {"sglang": ["python", "-m", "sglang.launch_server", "--model-path", "org/model",
+                   "--cuda-graph-max-bs-decode", "16", "--tp-size", "2"],
         "vllm": ["vllm", "serve", "org/model", "--max-num-seqs", "16", "--tensor-parallel-size", "2"]}
 
 
