@@ -278,7 +278,7 @@ def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespac
 
 
 def _check_combinations(args: argparse.Namespace, server_argv: list[str] | None) -> None:
-    """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2 (issue #31)."""
+    """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2."""
     if server_argv == []:  # `jitwarm prestart -- $SERVER` with SERVER unset
         raise UsageError("no server command line after -- (is the variable that holds it empty?)")
     if getattr(args, "sha256", None) and not getattr(args, "bundle", None):

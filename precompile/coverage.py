@@ -36,8 +36,8 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
         raise UsageError("--remote without a URL needs JITWARM_REMOTE (e.g. redis://cache-host:6379/0)")
     for path, what in ((cache.root, "cache root"), (cache.lock_dir, "lock directory")):
         if path.is_dir():
-            # Refused once, here, as one line and exit 2: each build worker refused it, so warm said exit 1
-            # with a failure per spec and status "missing" (attack round 2: a root or lock dir another user owns).
+            # Refused once, here, as one line and exit 2 (a root or lock dir another user owns): else each build
+            # worker refuses it, and warm says exit 1 with a failure per spec and status "missing".
             check_trusted_dir(path, what, allow_shared=cache.allow_shared)
     if writes:
         cache.prepare_root()
@@ -45,7 +45,7 @@ def open_cache(args: argparse.Namespace, *, writes: bool = False) -> Any:
 
 
 def keys_of(plan: WarmPlan, cache: Any, *, look_only: bool = False) -> dict[KernelSpec, str]:
-    """Each spec's key (``look_only``: toolchain facts never written, issue #13); one unkeyable is said and left out."""
+    """Each spec's key (``look_only``: toolchain facts never written); one unkeyable is said and left out."""
     facts = SimpleNamespace(read_fact=cache.read_fact, write_fact=lambda name, value: None) if look_only else cache
     keys = {}
     for spec in plan.specs:

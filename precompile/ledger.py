@@ -85,7 +85,7 @@ class LedgerReport:
     def write(self, path: str | Path, **extra: Any) -> None:
         """Write :meth:`as_json` (and ``extra``) whole.
 
-        OSError if it cannot, or if what is there is no regular file (issue #31, N6).
+        OSError if it cannot, or if what is there is no regular file (a link is never written through).
         """
         target = Path(path)
         try:

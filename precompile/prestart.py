@@ -30,7 +30,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     if not args.bundle:
         check_fingerprints(args, plan)  # before anything is written
     cache = open_cache(args, writes=True)
-    if args.offline and cache.remote is not None:  # said, not silently skipped (issue #31)
+    if args.offline and cache.remote is not None:  # said, not silently skipped
         print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
               f"{cache.root} count", file=sys.stderr)
     supplied = None

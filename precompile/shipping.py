@@ -38,7 +38,7 @@ def cmd_export(args: argparse.Namespace, plan: WarmPlan) -> int:
     plan = without_absent_units(plan, cache)
     keys = keys_of(plan, cache, look_only=True)
     coverage = plan_coverage(plan, cache, keys=keys)
-    if coverage["missing"] or coverage["corrupt"]:  # not ready, as status says it (exit 5: issue #31)
+    if coverage["missing"] or coverage["corrupt"]:  # not ready, as status says it (exit 5)
         raise NotReady(f"plan {plan.plan_id} is not complete in {cache.root} ({len(coverage['missing'])} missing, "
                        f"{len(coverage['corrupt'])} corrupt): run `jitwarm warm` with the same flags first")
     digest = export_keys(cache, list(keys.values()), args.path, manifest=getattr(args, "manifest", None) or (),

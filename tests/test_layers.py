@@ -1,4 +1,4 @@
-"""The floors of the code (issue #32): every import runs down, and no import cycle exists.
+"""The floors of the code: every import runs down, and no import cycle exists.
 
 Read from the source, every ``import`` counted, a function's own included (only ``if TYPE_CHECKING:`` blocks are
 left out: they never run). Three folders, one way: ``precompile`` (what and when) over ``kernels`` (how a kernel

@@ -127,8 +127,8 @@ def seal_line(server: str) -> str:
 def sealed(log: logging.Logger) -> Iterator[None]:
     """Around one capture: a JIT compile or module load while the stream captures is logged, refused under strict.
 
-    It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); without
-    it a Triton compile inside a real server's capture passed unseen (issue #31).
+    It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); the guard
+    alone lets a Triton compile inside a real server's capture pass unseen.
     """
     from jitwarm.kernels.dispatch import stream_is_capturing
     from jitwarm.precompile.guard import ThirdPartySeal

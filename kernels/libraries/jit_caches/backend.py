@@ -183,7 +183,7 @@ def check_source(root: Path, files: tuple[str, ...]) -> None:
     """UntrustedPath unless every file of a unit, and every folder from ``root`` down, is the server's own.
 
     Owned by this user or root, not writable by others, a file regular with no other hard link; unless
-    ``JITWARM_ALLOW_SHARED=1`` (a planted unit was restored on every node: issue #31, N7).
+    ``JITWARM_ALLOW_SHARED=1`` (a unit another user planted would be restored on every node).
     """
     import stat
 

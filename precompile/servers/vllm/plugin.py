@@ -90,7 +90,7 @@ def register() -> None:
 def _log_with_vllm() -> None:
     """Send jitwarm's lines where vLLM's go, unless the user configured a ``jitwarm`` logger.
 
-    vLLM configures only its own ``vllm`` logger: the plugin's lines never reached the server's log (issue #30).
+    vLLM configures only its own ``vllm`` logger: without a handler the plugin's lines never reach the server's log.
     """
     ours, vllms = logging.getLogger("jitwarm"), logging.getLogger("vllm")
     if ours.handlers or not vllms.handlers:
