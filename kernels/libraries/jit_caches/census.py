@@ -45,7 +45,7 @@ def _families() -> list[str]:
 
 
 class Snapshot(NamedTuple):
-    """One library's cache directory (None: off) and complete units at one moment (a NamedTuple: cheaper than a dataclass)."""
+    """One library's cache directory (None: off) and its complete units at one moment (a NamedTuple: cheap)."""
 
     library: Library
     root: Path | None
