@@ -34,7 +34,8 @@ class Kind:
     from a run), ``module`` (the backend: ``description``, ``build``, ``check``, ``load``, and a JIT cache's
     ``LIBRARY``), ``record`` (the manifest record kind that names it, ``records`` the module that converts one),
     ``variable`` (the library's own variable for its cache's place), ``spawners`` (the packages whose frames
-    start its compilers), ``seals`` (the module whose ``seal(refuse)`` seals it, and ``sealed``, what it says).
+    start its compilers), ``seals`` (the module whose ``seal(refuse)`` seals it, and ``sealed``, what it says),
+    ``tap`` (its records module taps the library to record a run's compiles).
 
     Failure semantics: :meth:`description` raises ``SpecError`` or ``ToolchainError``; :meth:`build` raises
     ``CompileError``; :meth:`check` and :meth:`load` raise ``LoadError`` (``load`` never returns None). Every
@@ -56,6 +57,8 @@ class Kind:
     is_cache: bool = False
     #: Counted in the ledger (a JIT cache's new units, or a server room's watcher of the family).
     counted: bool = False
+    #: Its :attr:`records` module holds the ``TAP`` and ``recording(add)`` that record the kind's compiles in a run.
+    tap: bool = False
 
     # -- the backend: describe, key, build, check, load -------------------------------------------------------
 
@@ -151,7 +154,7 @@ KINDS: tuple[Kind, ...] = (
          seals="jitwarm.kernels.tvm_backend", sealed="tvm-ffi build and load"),
     Kind("triton", "jitwarm.kernels.triton_backend", frozenset({"build"}), "triton"),
     Kind("triton_jit", f"{_LIBRARIES}.triton.backend", frozenset({"replay", "capture"}), "triton_jit", "triton",
-         f"{_LIBRARIES}.triton.tap", seals=f"{_LIBRARIES}.triton.tap", sealed="Triton compile"),
+         f"{_LIBRARIES}.triton.tap", seals=f"{_LIBRARIES}.triton.tap", sealed="Triton compile", tap=True),
     cache("inductor", variable="TORCHINDUCTOR_CACHE_DIR", spawners=("torch._inductor.",), seals=True,
           sealed="Inductor compile"),
     cache("triton", module="triton_dir", variable="TRITON_CACHE_DIR", spawners=("triton.",)),

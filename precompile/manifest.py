@@ -236,8 +236,13 @@ def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None
 
 # -- the recorder ---------------------------------------------------------------------------------------
 
-#: The taps a recording subscribes to, each room's ``TAP`` and ``recording(add)``: Triton's, sglang's loader.
-RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader")
+def recorded_taps() -> tuple[str, ...]:
+    """The modules whose ``TAP`` and ``recording(add)`` a recording subscribes to: each kind's, each server's own.
+
+    Triton's (the ``triton_jit`` kind's records module) and sglang's loader (its room's ``TAP``).
+    """
+    rooms = (servers.adapter(name).TAP for name in servers.ROOMS)
+    return tuple(k.records for k in kinds.KINDS if k.tap) + tuple(tap for tap in rooms if tap)
 
 
 class Recorder:
@@ -276,10 +281,10 @@ class Recorder:
                 self.recorded += added
 
     def start(self) -> Recorder:
-        """Subscribe to the taps of :data:`RECORDED`, list the JIT caches (the server is taken first)."""
+        """Subscribe to the taps of :func:`recorded_taps`, list the JIT caches (the server is taken first)."""
         self.under = servers.running()
         self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
-        for name in RECORDED:  # each tap's room turns what it sees into records
+        for name in recorded_taps():  # each tap's room turns what it sees into records
             room = importlib.import_module(name)
             undo = room.TAP.attach(room.recording(lambda body: self.add({"v": VERSION, **body})))
             if undo is not None:

@@ -58,6 +58,7 @@ class ServerAdapter(Protocol):
     #: the server's own cache root variable first, then those beside it it reads for the caches it moves or owns
     CACHE_VARIABLES: tuple[str, ...]
     SEALED: str | None  #: what :meth:`seal` seals, as the plugin's line names it (None: nothing of its own)
+    TAP: str | None  #: the module whose ``TAP`` and ``recording(add)`` record the server's own JIT (None: none)
 
     def recognises(self, argv: Sequence[str]) -> bool:
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""

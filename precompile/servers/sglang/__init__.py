@@ -22,6 +22,8 @@ PLUGINS_ENV, DEFAULT_PORT, HEALTH = "SGLANG_PLUGINS", 30000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "sglang")
 #: What :func:`seal` seals (the plugin's line names it): sglang's own JIT loader.
 SEALED = "sglang load_jit"
+#: The module whose ``TAP`` and ``recording(add)`` record sglang's ``load_jit`` calls (the recorder subscribes).
+TAP = "jitwarm.precompile.servers.sglang.loader"
 OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a ServingConfig field
 #: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).

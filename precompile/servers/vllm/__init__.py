@@ -19,6 +19,7 @@ PLUGIN = "jitwarm.precompile.servers.vllm.plugin:register"
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
 SEALED = None  # vLLM has no JIT of its own to seal (:func:`seal`)
+TAP = None  # nor to record: its compiles go through Triton and Inductor
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
     "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
