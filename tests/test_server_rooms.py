@@ -7,7 +7,10 @@ restore, the seal). A new room that misses a name, or answers with the wrong sha
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,113 @@ def test_each_adapter_function_answers_on_a_real_command_line(name, tmp_path):
     if sealed is not None:  # the server's JIT is importable here: sealed, then undone
         assert sealed[0] == room.SEALED
         sealed[1]()
+
+
+FAKE_SERVER = '''
+"""A fake server, ``fakeserve --max-batch N --tp N``: a room of its own, one module."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from jitwarm.cache.errors import UsageError
+from jitwarm.precompile.servers import model
+
+NAME, VERSION, LAUNCHERS = "fakeserve", "1.0", "`fakeserve ...`"
+PLUGIN = "jitwarm.precompile.servers.fakeserve.plugin:register"
+PLUGINS_ENV, DEFAULT_PORT, HEALTH = "FAKESERVE_PLUGINS", 9000, "/ready"
+LADDER_SOURCES = ("auto", "builtin")
+OPTIONS = {}
+CACHE_VARIABLES = ("FAKESERVE_CACHE",)
+SEALED = TAP = None
+model_families = functools.partial(model.model_families, dsv4=frozenset({"DeepseekV4ForCausalLM"}))
+
+
+def recognises(argv):
+    return bool(argv) and argv[0] == "fakeserve"
+
+
+def parse_argv(argv):
+    words, fields = list(argv[1:] if recognises(argv) else argv), {}
+    flags = {"--max-batch": "cuda_graph_max_bs_decode", "--tp": "tp_size"}
+    while words:
+        flag = words.pop(0)
+        if flag not in flags or not words:
+            raise UsageError(f"fakeserve refuses {flag}")
+        fields[flags[flag]] = int(words.pop(0))
+    return fields
+
+
+def defaults(config):
+    return {}
+
+
+def check(config, *, resolve):
+    return []
+
+
+def ladder_inputs(config):
+    return {"max_bs": config.cuda_graph_max_bs_decode or 4, "gpu_memory_mb": config.gpu_memory_mb}
+
+
+def needs_memory(inputs):
+    return False
+
+
+def resolve_ladder(inputs, source):
+    sizes = [bs for bs in (1, 2, 4, 8, 16, 32) if bs <= inputs["max_bs"]][::-1]
+    return {"source": "fakeserve's rules", "shapes": [{"bs": bs, "graph_key": bs, "verify_lens": [1] * bs}
+                                                      for bs in sizes], "capture_bs": sizes[::-1], "width": 1}
+
+
+def start_warnings(environ):
+    return []
+
+
+def seal(refuse):
+    return None
+
+
+def cache_dirs(environ, *, own_only=False):
+    return {} if own_only else {"inductor": Path(environ.get("FAKESERVE_CACHE", "/nonexistent")) / "inductor"}
+
+
+def unloadable(units):
+    return []
+'''
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """The fake server's room (one module) and its one line in ``servers.ROOMS``."""
+    path = tmp_path / "fakeserve.py"
+    path.write_text(FAKE_SERVER)
+    name = "jitwarm.precompile.servers.fakeserve"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    monkeypatch.setitem(sys.modules, name, module)
+    module.__spec__.loader.exec_module(module)
+    monkeypatch.setattr(servers, "ROOMS", (*servers.ROOMS, "fakeserve"))  # the one registry line
+    ARGV["fakeserve"] = ["fakeserve", "--max-batch", "16", "--tp", "2"]
+    yield module
+    del ARGV["fakeserve"]
+
+
+def test_a_fake_server_is_one_room_and_one_line(fake_server, tmp_path, capsys):
+    """The fake room passes the conformance walk, plans from its own command line, and a capture of it gets its
+    own cache variable private."""
+    from jitwarm.precompile import capture_node
+    from jitwarm.precompile.cli import main
+
+    test_every_room_is_tested_and_the_contract_is_read()
+    test_a_room_provides_every_adapter_name("fakeserve")
+    test_each_adapter_function_answers_on_a_real_command_line("fakeserve", tmp_path)
+    assert main(["plan", "--json", "--", "fakeserve", "--max-batch", "8"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ladder"]["capture_bs"] == [1, 2, 4, 8], plan["ladder"]
+    assert main(["plan", "--", "fakeserve", "--bad", "1"]) == 2
+    assert "fakeserve refuses --bad" in capsys.readouterr().err
+    root = tmp_path / "private"
+    root.mkdir()
+    env, _ = capture_node.private_env(fake_server, {"FAKESERVE_CACHE": str(tmp_path / "callers")}, root)
+    assert env["FAKESERVE_CACHE"] == str(root / "fakeserve_cache")
