@@ -143,24 +143,25 @@ def cache(family: str, *, kind: str = "", module: str = "", where: str = "", var
     module's full name) for a library room kept elsewhere.
     """
     where = where or f"{_LIBRARIES}.jit_caches.{module or family}"
-    return Kind(kind or f"{family}_cache", where, frozenset({"capture"}), family, "jit_cache",
-                f"{_LIBRARIES}.jit_caches.backend", variable, spawners, where if seals else None, sealed,
-                is_cache=True, counted=True)
+    return Kind(kind or f"{family}_cache", where, frozenset({"capture"}), family=family, record="jit_cache",
+                records=f"{_LIBRARIES}.jit_caches.backend", variable=variable, spawners=spawners,
+                seals=where if seals else None, sealed=sealed, is_cache=True, counted=True)
 
 
 #: Every kind, registered once; the order is the order of ``--backend`` choices, captures and ledger lines.
 KINDS: tuple[Kind, ...] = (
-    Kind("tvm_ffi", "jitwarm.kernels.tvm_backend", frozenset({"build"}), "tvm_ffi",
+    Kind("tvm_ffi", "jitwarm.kernels.tvm_backend", frozenset({"build"}), family="tvm_ffi",
          seals="jitwarm.kernels.tvm_backend", sealed="tvm-ffi build and load"),
-    Kind("triton", "jitwarm.kernels.triton_backend", frozenset({"build"}), "triton"),
-    Kind("triton_jit", f"{_LIBRARIES}.triton.backend", frozenset({"replay", "capture"}), "triton_jit", "triton",
-         f"{_LIBRARIES}.triton.tap", seals=f"{_LIBRARIES}.triton.tap", sealed="Triton compile", tap=True),
+    Kind("triton", "jitwarm.kernels.triton_backend", frozenset({"build"}), family="triton"),
+    Kind("triton_jit", f"{_LIBRARIES}.triton.backend", frozenset({"replay", "capture"}), family="triton_jit",
+         record="triton", records=f"{_LIBRARIES}.triton.tap", tap=True, seals=f"{_LIBRARIES}.triton.tap",
+         sealed="Triton compile"),
     cache("inductor", variable="TORCHINDUCTOR_CACHE_DIR", spawners=("torch._inductor.",), seals=True,
           sealed="Inductor compile"),
     cache("triton", module="triton_dir", variable="TRITON_CACHE_DIR", spawners=("triton.",)),
-    Kind("sglang_jit", f"{_LIBRARIES}.sglang_jit.backend", frozenset({"replay"}), "load_jit", "sglang_jit",
-         f"{_LIBRARIES}.sglang_jit.records", spawners=("sglang.kernels.jit.", "tvm_ffi.", "sglang.jit_kernel."),
-         counted=True),
+    Kind("sglang_jit", f"{_LIBRARIES}.sglang_jit.backend", frozenset({"replay"}), family="load_jit",
+         record="sglang_jit", records=f"{_LIBRARIES}.sglang_jit.records", counted=True,
+         spawners=("sglang.kernels.jit.", "tvm_ffi.", "sglang.jit_kernel.")),
     cache("vllm_compile", spawners=("vllm.compilation.",)),
     cache("vllm_modelinfo"),
     cache("tilelang", variable="TILELANG_CACHE_DIR", spawners=("tilelang.",)),
@@ -169,7 +170,6 @@ KINDS: tuple[Kind, ...] = (
     cache("flashinfer", variable="FLASHINFER_WORKSPACE_BASE", spawners=("flashinfer.",)),
     cache("ptx", kind="cuda_ptx_cache", variable="CUDA_CACHE_PATH"),
 )
-
 
 
 def kind(name: str) -> Kind:
