@@ -3,8 +3,8 @@
 A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server, for the one
 release its ``VERSION`` names; the core reaches it only through the names :class:`ServerAdapter` lists, so a new
 server is a new folder plus one name in :data:`ROOMS` (and its plugin's entry point in ``setup.py``);
-``tests/test_server_rooms.py`` walks every room against the contract. A ServingConfig's capture fields carry sglang's names,
-which each room gives its server's meaning; settings no field holds go in ``server_options``.
+``tests/test_server_rooms.py`` walks every room against the contract. A ServingConfig's capture fields carry
+sglang's names, which each room gives its server's meaning; settings no field holds go in ``server_options``.
 """
 
 from __future__ import annotations
