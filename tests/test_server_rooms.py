@@ -52,6 +52,10 @@ def test_a_room_provides_every_adapter_name(name):
     assert module.startswith(f"jitwarm.precompile.servers.{name}.") and function
     assert room.CACHE_VARIABLES and all(v.isupper() for v in room.CACHE_VARIABLES)
     assert room.SEALED is None or isinstance(room.SEALED, str)
+    if name in ("sglang", "vllm"):  # installed: setup.py read the room's entry point
+        from importlib.metadata import entry_points
+
+        assert [e.value for e in entry_points(group=room.PLUGIN_GROUP) if e.name == "jitwarm"] == [room.PLUGIN]
 
 
 @pytest.mark.parametrize("name", servers.ROOMS)
@@ -100,7 +104,7 @@ from jitwarm.cache.errors import UsageError
 from jitwarm.precompile.servers import model
 
 NAME, VERSION, LAUNCHERS = "fakeserve", "1.0", "`fakeserve ...`"
-PLUGIN = "jitwarm.precompile.servers.fakeserve.plugin:register"
+PLUGIN, PLUGIN_GROUP = "jitwarm.precompile.servers.fakeserve.plugin:register", "fakeserve.plugins"
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "FAKESERVE_PLUGINS", 9000, "/ready"
 LADDER_SOURCES = ("auto", "builtin")
 OPTIONS = {}

@@ -2,7 +2,7 @@
 
 A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server, for the one
 release its ``VERSION`` names; the core reaches it only through the names :class:`ServerAdapter` lists, so a new
-server is a new folder plus one name in :data:`ROOMS` (and its plugin's entry point in ``setup.py``);
+server is a new folder plus one name in :data:`ROOMS` (``setup.py`` reads its plugin's entry point);
 ``tests/test_server_rooms.py`` walks every room against the contract. A ServingConfig's capture fields carry
 sglang's names, which each room gives its server's meaning; settings no field holds go in ``server_options``.
 """
@@ -51,6 +51,7 @@ class ServerAdapter(Protocol):
     VERSION: str  #: the server release the room mirrors; every other mention of it reads this constant
     LAUNCHERS: str  #: how the server's command line starts, for messages
     PLUGIN: str  #: the ``module:function`` the server loads as jitwarm's plugin (setup.py's entry point)
+    PLUGIN_GROUP: str  #: the entry-point group the server loads plugins from (``setup.py`` reads it)
     PLUGINS_ENV: str  #: the variable that names the plugins the server loads (every installed one when unset)
     DEFAULT_PORT: int  #: the port the server listens on without ``--port``
     HEALTH: str  #: the path that answers 200 once the server serves

