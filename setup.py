@@ -1,4 +1,5 @@
 """Packaging for jitwarm: three top-level folders installed under the ``jitwarm`` namespace."""
+import ast
 from pathlib import Path
 
 from setuptools import setup
@@ -16,6 +17,22 @@ for name, folder in ROOTS.items():
     for init in sorted(Path(folder).glob("*/**/__init__.py")):
         sub = init.parent.relative_to(folder)
         PACKAGES[".".join((name, *sub.parts))] = str(init.parent)
+
+
+def server_plugins() -> dict[str, list[str]]:
+    """Each server room's plugin entry point, read from its ``__init__.py`` (``PLUGIN_GROUP``, ``PLUGIN``).
+
+    Read, not imported: a new room (a folder under precompile/servers) needs no edit here.
+    """
+    found: dict[str, list[str]] = {}
+    for init in sorted(Path("precompile/servers").glob("*/__init__.py")):
+        constants = {target.id: node.value.value for node in ast.parse(init.read_text(encoding="utf-8")).body
+                     if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                     for target in node.targets if isinstance(target, ast.Name)}
+        if "PLUGIN_GROUP" in constants:
+            found.setdefault(constants["PLUGIN_GROUP"], []).append(f"jitwarm = {constants['PLUGIN']}")
+    return found
+
 
 setup(
     name="jitwarm",
@@ -46,7 +63,5 @@ setup(
     # pyyaml: tests/test_docs_yaml.py parses the docs' Kubernetes manifests.
     extras_require={"s3": ["boto3>=1.36"],
                     "test": ["pytest>=8", "pytest-xdist>=3.5", "boto3>=1.36", "moto[server]>=5.0", "pyyaml>=6.0"]},
-    entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"],
-                  "sglang.srt.plugins": ["jitwarm = jitwarm.precompile.servers.sglang.plugin:register"],
-                  "vllm.general_plugins": ["jitwarm = jitwarm.precompile.servers.vllm.plugin:register"]},
+    entry_points={"console_scripts": ["jitwarm = jitwarm.precompile.cli:main"], **server_plugins()},
 )

@@ -1,6 +1,6 @@
 """Source lines of the three folders at git revisions: raw, code, docstring, comment and blank, and the floor.
 
-Issue #32 counts ``wc -l`` lines of ``cache/``, ``kernels/`` and ``precompile/`` (Python only). "code" leaves out
+Counts ``wc -l`` lines of ``cache/``, ``kernels/`` and ``precompile/`` (Python only). "code" leaves out
 docstrings, comments and blank lines; "statements" counts logical lines of code. The floor is what the same
 statements would take with every docstring on one line and only the blank lines PEP 8 asks for (two before a
 top-level definition, one before a method): a line count under it means removing statements.

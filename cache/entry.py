@@ -94,7 +94,7 @@ def is_private(mode: int) -> bool:
 
 
 def stored_mode(mode: int, *, shared: bool) -> int:
-    """0444, or 0555 when executable; a private file stays so (0400, 0500) unless ``shared`` (issue #31)."""
+    """0444, or 0555 when executable; a private file stays so (0400, 0500) unless ``shared``."""
     stored = 0o555 if mode & 0o111 else 0o444
     return stored & 0o500 if is_private(mode) and not shared else stored
 

@@ -126,7 +126,7 @@ MAX_KEY_BYTES = 4096
 def trust_key() -> bytes | None:
     """``JITWARM_TRUST_KEY`` or ``JITWARM_TRUST_KEY_FILE``: the fleet key (at least 16 bytes), or None.
 
-    The file is held as ssh holds a private key (issue #31): regular (a link is followed), this user's or
+    The file is held as ssh holds a private key: regular (a link is followed), this user's or
     root's, private. Both set, or a file that is none of that, is a SettingError.
     """
     text, path = _text("JITWARM_TRUST_KEY"), _text("JITWARM_TRUST_KEY_FILE")
@@ -251,7 +251,7 @@ def directory(path: Path, what: str) -> Path:
     try:
         path.stat()
     except OSError as exc:
-        # A name too long or a link loop was exit 1 "File name too long" from the first open (attack round 2);
+        # A name too long or a link loop is a usage error here, not exit 1 "File name too long" at the first open;
         # missing stays for later.
         if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):
             raise SettingError(f"{what}: {path}: {exc.strerror}") from None

@@ -93,9 +93,9 @@ class Artifact:
              build: bool = True) -> LoadedKernel:
         """Load the spec's kernel from ``entry`` (or from the cache, building it if needed), under its claim.
 
-        Unclaimed, a ``prune`` beside a starting hook failed that load in 20 of 20 trials. An entry that vanished
+        Unclaimed, a ``prune`` beside a starting hook removes the entry under the load. An entry that vanished
         is got again; one that fails to load is discarded and built again, once. ``build=False`` (strict) builds
-        nothing (issue #31, N8).
+        nothing.
 
         Raises
         ------

@@ -1,7 +1,8 @@
 """The backend contract: how one spec is described, built, checked and loaded; and the registry of kinds.
 
 A backend is a module implementing :class:`Backend` (``tvm_backend``, ``triton_backend``, and the server's kinds
-in :mod:`jitwarm.kernels.libraries`), declaring what it can do (:func:`abilities`). The failure rules:
+in :mod:`jitwarm.kernels.libraries`); each is one :class:`~jitwarm.kernels.kinds.Kind` of the registry
+:data:`jitwarm.kernels.kinds.KINDS`, which says what it can do (:func:`abilities`). The failure rules:
 
 - ``description(spec, facts)``: cheap, JSON-able, no paths, hosts, times or device presence. Raises
   :class:`SpecError` for a spec it cannot build, :class:`ToolchainError` when its compiler is missing.
@@ -15,27 +16,18 @@ in :mod:`jitwarm.kernels.libraries`), declaring what it can do (:func:`abilities
 
 from __future__ import annotations
 
-import importlib
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
 from jitwarm.cache.errors import JitwarmError
-from jitwarm.kernels.libraries import jit_caches, sglang_jit, triton
+from jitwarm.kernels import kinds
 from jitwarm.kernels.spec import KernelSpec
 
-#: The library rooms (:mod:`jitwarm.kernels.libraries`), in the order their kinds are listed.
-ROOMS = (triton, sglang_jit, jit_caches)
-#: Backend name -> (its module, imported on first use; ``build``, ``replay`` a record, ``capture`` from a run).
-_KINDS: dict[str, tuple[str, frozenset[str]]] = {
-    "tvm_ffi": ("jitwarm.kernels.tvm_backend", frozenset({"build"})),
-    "triton": ("jitwarm.kernels.triton_backend", frozenset({"build"})),
-    **{kind: (module, frozenset(can)) for room in ROOMS for kind, (module, can) in room.KINDS.items()},
-}
-BACKEND_NAMES: tuple[str, ...] = tuple(_KINDS)
+#: Every backend name, from the registry (:data:`jitwarm.kernels.kinds.KINDS`) as this process started.
+BACKEND_NAMES: tuple[str, ...] = kinds.names()
 #: The backends a plan's ``--backend`` may name: those that build a spec from nothing but its params.
-BUILDABLE: tuple[str, ...] = tuple(n for n, (_, can) in _KINDS.items() if "build" in can)
+BUILDABLE: tuple[str, ...] = tuple(k.name for k in kinds.KINDS if "build" in k.abilities)
 
 _process = {"build_only": False}
 
@@ -52,7 +44,10 @@ def build_only() -> bool:
 
 def abilities(name: str) -> frozenset[str]:
     """What the backend ``name`` can do (``build``, ``replay``, ``capture``); empty for an unknown name."""
-    return _KINDS.get(name, ("", frozenset()))[1]
+    try:
+        return kinds.kind(name).abilities
+    except KeyError:
+        return frozenset()
 
 
 def refusal(name: str, ability: str, flag: str = "kernel backend") -> str | None:
@@ -64,8 +59,8 @@ def refusal(name: str, ability: str, flag: str = "kernel backend") -> str | None
     "--backend 'sglang_jit' cannot build"
 
     """
-    able = ", ".join(n for n in _KINDS if ability in abilities(n))
-    if name not in _KINDS:
+    able = ", ".join(n for n in kinds.names() if ability in abilities(n))
+    if name not in kinds.names():
         return f"unknown {flag} {name!r}; choose from {able}"
     if ability in abilities(name):
         return None
@@ -149,13 +144,8 @@ class Backend(Protocol):
 
 
 def backend(name: str) -> Backend:
-    """Return the backend called ``name``; SpecError when it is not one of :data:`BACKEND_NAMES`."""
-    if name not in _KINDS:
-        raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
-    module_name = _KINDS[name][0]
-    # sys.modules first (import_module costs microseconds per spec on the hook's path), but not a module another
-    # thread is still importing: a build pool's threads got one without its functions.
-    module = sys.modules.get(module_name)
-    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
-        module = importlib.import_module(module_name)
-    return module  # type: ignore[return-value]
+    """Return the backend called ``name``; SpecError when it is no kind of :data:`jitwarm.kernels.kinds.KINDS`."""
+    for k in kinds.KINDS:
+        if k.name == name:
+            return k.backend()
+    raise SpecError(f"unknown kernel backend {name!r}; known: {', '.join(kinds.names())}")

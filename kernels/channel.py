@@ -11,8 +11,8 @@ from typing import Any, BinaryIO
 def scratch_env(scratch: str | os.PathLike[str]) -> dict[str, str]:
     """The variables of a child that imports torch, so it makes nothing outside ``scratch``.
 
-    Importing ``torch._dynamo`` makes Inductor's cache directory, which a jitwarm command left on the node
-    (issue #31); no child of jitwarm compiles through Inductor, so nothing is lost with ``scratch``.
+    Importing ``torch._dynamo`` makes Inductor's cache directory, which a jitwarm command would leave on the
+    node; no child of jitwarm compiles through Inductor, so nothing is lost with ``scratch``.
     """
     return {"TMPDIR": os.fspath(scratch), "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor")}  # noqa: PTH118
 

@@ -11,13 +11,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jitwarm.cache.errors import JitwarmError
 from jitwarm.kernels.artifacts import artifact
 from jitwarm.kernels.spec import KernelSpec
 from jitwarm.kernels.target import Target
 
 
-class CompileDuringCaptureError(RuntimeError):
-    """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing."""
+class CompileDuringCaptureError(JitwarmError, RuntimeError):
+    """A kernel was about to be compiled or loaded while the guard was armed or a stream was capturing (exit 1).
+
+    A ``RuntimeError`` too: a server's capture loop that catches ``RuntimeError`` around a graph stops on it.
+    """
 
     PLAN_HINT = ("Add it to the warm plan (capture flags that produce this shape, or --cuda-graph-bs with this "
                  "batch size), run `jitwarm warm` with those flags, and call CaptureHook(plan)() before capture.")
@@ -27,7 +31,7 @@ class CompileDuringCaptureError(RuntimeError):
                         "load happen outside the graph.")
 
     def __init__(self, what: str, detail: str = "", hint: str = PLAN_HINT) -> None:
-        super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}. {hint}")
+        super().__init__(f"{what} would be compiled or loaded during CUDA-graph capture{detail}", hint)
 
 
 def stream_is_capturing() -> bool:

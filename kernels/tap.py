@@ -1,6 +1,6 @@
 """One tap per library hook point: patched once, shared by every subscriber (the recorder, the ledger, the seal).
 
-When each patched for itself, the order of their undos decided which patch survived (issue #32). A :class:`Tap`
+Were each to patch for itself, the order of their undos would decide which patch survives. A :class:`Tap`
 patches for its first subscriber and unpatches after the last, unless someone patched over it meanwhile. A
 subscriber's method named after the event is called; what it raises reaches the library's caller. A library
 not imported yet is tapped when it is (:meth:`Tap.attach_when_imported`, through :func:`when_imported`).

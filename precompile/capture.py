@@ -28,7 +28,7 @@ from typing import IO, Any
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
 from jitwarm.precompile.capture_node import census, private_env, unrecorded
-from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
+from jitwarm.precompile.coverage import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.server_process import (

@@ -20,23 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.cache import settings
-from jitwarm.kernels.libraries.jit_caches import MODULES
-from jitwarm.kernels.libraries.jit_caches.census import library, snapshot
-
-#: Each library's own variable for its cache's place (``kernels/libraries/jit_caches/<module>.py`` ``resolve``).
-LIBRARY_VARIABLES = {"inductor": "TORCHINDUCTOR_CACHE_DIR", "triton": "TRITON_CACHE_DIR",
-                     "tilelang": "TILELANG_CACHE_DIR", "deep_gemm": "DG_JIT_CACHE_DIR",
-                     "flashinfer": "FLASHINFER_WORKSPACE_BASE", "ptx": "CUDA_CACHE_PATH"}
-#: Each server's own cache root, always private (vLLM leaves ``VLLM_CACHE_ROOT`` out of its compile key,
-#: ``envs.py`` ``compile_factors``), then the variables beside it that it reads (sglang's ``caches.py``).
-SERVER_VARIABLES = {"vllm": ("VLLM_CACHE_ROOT",),
-                    "sglang": ("SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "SGLANG_CUTE_AOT_CACHE_DIR")}
+from jitwarm.kernels import kinds
+from jitwarm.kernels.libraries.jit_caches.census import snapshot
 
 
 def roots(room: Any, env: Mapping[str, str]) -> dict[str, Path | None]:
     """Where each library's cache is in a server of ``room`` started with ``env`` (None: off)."""
     dirs = room.cache_dirs(env)
-    return {name: library(name).root(env, dirs) for name in MODULES}
+    return {k.family: k.resolve(env, dirs) for k in kinds.caches()}
 
 
 def private_env(room: Any, base: Mapping[str, str], root: Path) -> tuple[dict[str, str], dict[str, Path]]:
@@ -48,16 +39,18 @@ def private_env(room: Any, base: Mapping[str, str], root: Path) -> tuple[dict[st
     env, tmp = dict(base), root / "tmp"
     tmp.mkdir(mode=0o700)
     env["TMPDIR"] = str(tmp)  # Inductor's default, $TMPDIR/torchinductor_$USER, and what else writes to /tmp
-    own, *beside = SERVER_VARIABLES[room.NAME]
+    # the server's own cache root first, always private; then the variables beside it and each library's own
+    library_variables = kinds.cache_variables()
+    own, *beside = room.CACHE_VARIABLES
     if base.get(own) != "":
         env[own] = str(root / own.lower())
-    for var in (*beside, *LIBRARY_VARIABLES.values()):
+    for var in (*beside, *library_variables.values()):
         if base.get(var):  # set by the caller (the pod sets it too): its cache moves, set as before
             env[var] = str(root / var.lower())
     outside = {}
     for name, where in roots(room, env).items():
         if where is not None and not where.is_relative_to(root):
-            var = LIBRARY_VARIABLES.get(name)
+            var = library_variables.get(name)
             if var is None:
                 outside[name] = where
                 continue
@@ -74,7 +67,8 @@ def _families(env: Mapping[str, str]) -> list[str]:
             asked = settings.record_caches()
         except settings.SettingError:
             asked = None
-    return list(MODULES) if asked is None else [name for name in MODULES if name in asked]
+    every = [k.family for k in kinds.caches()]
+    return every if asked is None else [name for name in every if name in asked]
 
 
 def census(room: Any, env: Mapping[str, str]) -> dict[str, int]:

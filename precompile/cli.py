@@ -24,7 +24,8 @@ from jitwarm.cache.errors import (
 from jitwarm.cache.settings import MAX_JOBS
 from jitwarm.precompile import capture, commands, contents, ledger, prestart, shipping
 from jitwarm.precompile.builders import log_lines
-from jitwarm.precompile.commands import REMOTE_FROM_ENV, asks_for_families, build_plan
+from jitwarm.precompile.commands import asks_for_families, build_plan
+from jitwarm.precompile.coverage import REMOTE_FROM_ENV
 from jitwarm.precompile.flags import FlagParser, add_serving_flags, path_flag, split_server_argv
 from jitwarm.precompile.plan import WarmPlan
 
@@ -277,7 +278,7 @@ def _parse(parser: argparse.ArgumentParser, own: list[str]) -> argparse.Namespac
 
 
 def _check_combinations(args: argparse.Namespace, server_argv: list[str] | None) -> None:
-    """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2 (issue #31)."""
+    """Flags that mean nothing together, and a ``--`` with nothing after it: one line each, exit 2."""
     if server_argv == []:  # `jitwarm prestart -- $SERVER` with SERVER unset
         raise UsageError("no server command line after -- (is the variable that holds it empty?)")
     if getattr(args, "sha256", None) and not getattr(args, "bundle", None):

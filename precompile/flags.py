@@ -66,7 +66,7 @@ MAX_PATH, MAX_NAME = 4096, 255
 
 
 def path_flag(text: str) -> str:
-    """A path flag's value; an empty one (an unset variable) and one no filesystem takes are refused (issue #31)."""
+    """A path flag's value; an empty one (an unset variable) and one no filesystem takes are refused."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
     if len(text.encode()) > MAX_PATH or any(len(part.encode()) > MAX_NAME for part in text.split("/")):

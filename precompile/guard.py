@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jitwarm.kernels import KernelSpec, dispatch
+from jitwarm.kernels import KernelSpec, dispatch, kinds
 from jitwarm.kernels.dispatch import CompileDuringCaptureError, describe_miss, stream_is_capturing
 from jitwarm.precompile import servers
 
 _log = logging.getLogger(__name__)
-
-#: The library rooms that seal their library inside capture (``seal(refuse)``): Triton, Inductor, tvm-ffi.
-SEALS = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.kernels.libraries.jit_caches.inductor",
-         "jitwarm.kernels.tvm_backend")
 
 _lock = threading.Lock()
 _armed = 0
@@ -96,8 +91,8 @@ class ThirdPartySeal:
 
     def install(self) -> list[str]:
         """Seal every library of this process that can be sealed; return their names (also :attr:`armed`)."""
-        rooms = [importlib.import_module(name) for name in SEALS]
-        for seal in [room.seal for room in rooms] + [servers.adapter(name).seal for name in servers.ROOMS]:
+        # every kind that seals its library (kinds.seals(): Triton, Inductor, tvm-ffi), then each server's own JIT
+        for seal in [k.seal for k in kinds.seals()] + [servers.adapter(name).seal for name in servers.ROOMS]:
             if (sealed := seal(self.refuse)) is not None:
                 self.armed.append(sealed[0])
                 self._undo.append(sealed[1])

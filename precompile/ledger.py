@@ -27,6 +27,7 @@ from typing import Any
 from jitwarm.cache import settings
 from jitwarm.cache.errors import EXIT_BUILD_FAILED, EXIT_OK, EXIT_USAGE
 from jitwarm.cache.files import write_atomic
+from jitwarm.kernels import kinds
 from jitwarm.kernels.libraries.jit_caches import compilers
 from jitwarm.kernels.libraries.jit_caches.census import added, beside, snapshot
 from jitwarm.kernels.libraries.jit_caches.units import NO_SIGNAL, FamilyCount, shown
@@ -35,14 +36,11 @@ from jitwarm.precompile import servers
 log = logging.getLogger("jitwarm.ledger")
 
 VERSION = 1
-#: The families a ledger reports, in order (the JIT cache families with ``load_jit`` after Triton).
-FAMILIES = ("inductor", "triton", "load_jit", "vllm_compile", "vllm_modelinfo", "tilelang", "deep_gemm", "cute_dsl",
-            "flashinfer", "ptx")
 
 
 @dataclass(frozen=True)
 class LedgerReport:
-    """Every family's count, in :data:`FAMILIES` order."""
+    """Every family's count, in the registry's order (:func:`jitwarm.kernels.kinds.ledger_families`)."""
 
     families: tuple[FamilyCount, ...]
     #: Families the restore placed where this server does not find them (``receipt.Elsewhere``), and their lines.
@@ -57,7 +55,7 @@ class LedgerReport:
         return sum(f.compiled for f in self.families) + self.unattributed[0]
 
     def family(self, name: str) -> FamilyCount:
-        """The count of family ``name`` (KeyError when it is not one of :data:`FAMILIES`)."""
+        """The count of family ``name`` (KeyError when the report has no line of it)."""
         return {f.family: f for f in self.families}[name]
 
     def lines(self) -> list[str]:
@@ -87,7 +85,7 @@ class LedgerReport:
     def write(self, path: str | Path, **extra: Any) -> None:
         """Write :meth:`as_json` (and ``extra``) whole.
 
-        OSError if it cannot, or if what is there is no regular file (issue #31, N6).
+        OSError if it cannot, or if what is there is no regular file (a link is never written through).
         """
         target = Path(path)
         try:
@@ -144,7 +142,7 @@ class Ledger:
             for unit in units:
                 written.setdefault(after[name].library.part(unit).name, []).append(unit)
         counts = []
-        for name in FAMILIES:
+        for name in kinds.ledger_families():
             signal = self._signals.get(name)
             count = signal.count(self._before, after, new) if signal is not None else None
             if count is None and name in self.watchers:

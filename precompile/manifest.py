@@ -24,24 +24,19 @@ from filelock import FileLock
 from jitwarm.cache import settings
 from jitwarm.cache.errors import UsageError
 from jitwarm.cache.files import read_file_stat, untrusted_reason
-from jitwarm.kernels import KernelSpec
-from jitwarm.kernels.libraries.jit_caches import MODULES
-from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
-from jitwarm.kernels.libraries.jit_caches.census import library
-from jitwarm.kernels.libraries.jit_caches.units import files_problem
+from jitwarm.kernels import KernelSpec, kinds
 from jitwarm.precompile import servers
 
 log = logging.getLogger("jitwarm.manifest")
 
 VERSION = 1
-KINDS = {"triton": "triton_jit", "sglang_jit": "sglang_jit", "jit_cache": "<library>_cache",  # -> kernel backend
-         "capture": ""}  # how capture ran the server: no kernel
+#: The record kind naming how ``jitwarm capture`` ran the server: no kernel. Every other record kind is a kind's
+#: (:func:`jitwarm.kernels.kinds.record_kinds`: ``triton``, ``sglang_jit``, ``jit_cache``).
+CAPTURE = "capture"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_LINE_BYTES = 4 << 20
 #: How long an append waits for another one holding the manifest's lock (an append takes milliseconds).
 LOCK_TIMEOUT_S = 60.0
-_NEEDS = {"triton": ("kernel", "target", "specialization"), "sglang_jit": ("module", "target", "call"),
-          "jit_cache": ("library", "unit", "target", "files", "fingerprint"), "capture": ("server", "environment")}
 
 
 class ManifestError(UsageError, ValueError):
@@ -58,55 +53,48 @@ def record_id(record: Mapping[str, Any]) -> str:
 
 def check_record(record: Any, where: str = "record") -> dict[str, Any]:
     """Return ``record`` if it is a well-formed record of a known kind, else raise ManifestError naming ``where``."""
+    known = (*kinds.record_kinds(), CAPTURE)
     # type() is int, not ==: True == 1 and 1.0 == 1, and a bool is not a version.
     if not isinstance(record, dict) or type(record.get("v")) is not int or record["v"] != VERSION \
-            or not isinstance(record.get("kind"), str) or record["kind"] not in KINDS:  # a list is unhashable
-        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind triton, sglang_jit, "
-                            "jit_cache or capture)")
-    for field in _NEEDS[record["kind"]]:
-        if field not in record:
-            raise ManifestError(f"{where}: a {record['kind']} record needs {field!r}")
-    if record["kind"] == "capture":
+            or not isinstance(record.get("kind"), str) or record["kind"] not in known:  # a list is unhashable
+        raise ManifestError(f"{where}: not a jitwarm manifest record (v {VERSION}, kind {', '.join(known)})")
+    if record["kind"] == CAPTURE:
+        for field in ("server", "environment"):
+            if field not in record:
+                raise ManifestError(f"{where}: a capture record needs {field!r}")
         environment = record["environment"]
         if record["server"] not in servers.ROOMS or not (isinstance(environment, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in environment.items())):
             raise ManifestError(f"{where}: a capture record names its server ({', '.join(servers.ROOMS)}) and "
                                 "its environment as an object of strings")
         return record
-    if not isinstance(record["target"], str):
+    if "target" in record and not isinstance(record["target"], str):
         raise ManifestError(f"{where}: target must be a string such as 'sm_90'")
-    if record["kind"] == "triton" and not (isinstance(record["kernel"], str) and ":" in record["kernel"]
-                                           and isinstance(record["specialization"], str)):
-        raise ManifestError(f"{where}: a triton record names its kernel as 'module:qualname' and carries Triton's "
-                            "specialization data as a string")
-    if record["kind"] == "sglang_jit" and not (isinstance(record["module"], str) and isinstance(record["call"], dict)):
-        raise ManifestError(f"{where}: an sglang_jit record names its module and carries the load_jit call")
-    if record["kind"] == "jit_cache":
-        _check_unit_record(record, where)
+    kind = kind_of(record, where)
+    problem = kind.record_problem(record)
+    if problem is None and record.get("under", "") not in ("", *servers.ROOMS):
+        problem = (f"{record['kind']} record of {record.get('library')} {record.get('unit')!r}: its 'under' is none "
+                   f"of '', {', '.join(repr(room) for room in servers.ROOMS)}")
+    if problem is not None:
+        raise ManifestError(f"{where}: {problem}")
     return record
 
 
-def _check_unit_record(record: dict[str, Any], where: str) -> None:
-    """Raise ManifestError unless the ``jit_cache`` record names a known library's well-formed unit."""
-    if not isinstance(record["library"], str) or record["library"] not in MODULES:
-        raise ManifestError(f"{where}: a jit_cache record names its library, one of {', '.join(MODULES)}")
-    problem = files_problem(library(record["library"]), record["unit"], record["files"])
-    fingerprint = record["fingerprint"]
-    if problem is None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                                      for k, v in fingerprint.items())):
-        problem = "its fingerprint is not an object of strings"
-    if problem is None and record.get("under", "") not in ("", *servers.ROOMS):
-        problem = f"its 'under' is none of '', {', '.join(repr(room) for room in servers.ROOMS)}"
-    if problem is not None:
-        raise ManifestError(f"{where}: jit_cache record of {record['library']} {record['unit']!r}: {problem}")
+def kind_of(record: Mapping[str, Any], where: str = "record") -> kinds.Kind:
+    """The kind a record names: the one of its record kind, or (``jit_cache``) its ``library``'s; ManifestError."""
+    named = kinds.recorded_as(record["kind"])
+    if len(named) == 1:
+        return named[0]
+    found = next((k for k in named if k.family == record.get("library")), None)
+    if found is None:
+        raise ManifestError(f"{where}: a {record['kind']} record names its library, one of "
+                            f"{', '.join(k.family for k in named)}")
+    return found
 
 
 def unit_record(spec: KernelSpec) -> dict[str, Any]:
-    """The manifest record of a captured unit's spec (:func:`jitwarm.kernels.libraries.jit_caches.backend.store`)."""
-    params = spec.params_dict
-    return {"v": VERSION, "kind": "jit_cache", "library": library(spec.backend).name, "unit": spec.family,
-            "target": spec.target, "files": json.loads(str(params["files"])),
-            "fingerprint": json.loads(str(params["fingerprint"])), "under": str(params.get("under", ""))}
+    """The manifest record of a recorded spec (a captured unit's: :func:`jit_caches.backend.store`)."""
+    return {"v": VERSION, **kinds.kind(spec.backend).record_of(spec)}
 
 
 def read_manifest(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -215,33 +203,22 @@ def _write_all(fd: int, data: bytes, end: int) -> None:
 
 def capture_record(server: str, environment: Mapping[str, str]) -> dict[str, Any]:
     """The record ``jitwarm capture`` adds last: the server it ran and the plugin variable as it set it."""
-    return check_record({"v": VERSION, "kind": "capture", "server": server, "environment": dict(environment)})
+    return check_record({"v": VERSION, "kind": CAPTURE, "server": server, "environment": dict(environment)})
 
 
 def capture_of(records: Iterable[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """The ``capture`` record of a manifest's records (how its start ran), or None for a recording made otherwise."""
-    return next((r for r in records if r["kind"] == "capture"), None)
+    return next((r for r in records if r["kind"] == CAPTURE), None)
 
 
 def spec_of(record: Mapping[str, Any]) -> KernelSpec:
     """The KernelSpec that builds a record's kernel (its backend reads everything it needs from the params)."""
-    if record["kind"] == "triton":
-        return KernelSpec(record["kernel"], "triton_jit", record["target"],
-                          {"specialization": record["specialization"]})
-    if record["kind"] == "jit_cache":
-        return unit_spec(library(record["library"]), record["unit"], record["files"], record["fingerprint"],
-                         record["target"], str(record.get("under", "")))
-    call = json.dumps(record["call"], sort_keys=True, separators=(",", ":"))
-    params = {"call": call, "sglang": str(record.get("sglang", ""))}
-    arch = record.get("arch")
-    if isinstance(arch, dict):  # sglang's full target with its suffix, "9.0a" (ArchInfo.target_name, utils/arch.py:33)
-        params["arch"] = f"{arch.get('major')}.{arch.get('minor')}{arch.get('suffix') or ''}"
-    return KernelSpec(record["module"], "sglang_jit", record["target"], params)
+    return kind_of(record).spec_of(record)
 
 
 def specs_of(records: Iterable[Mapping[str, Any]], targets: Iterable[str] | None = None
              ) -> tuple[tuple[KernelSpec, ...], int]:
     """The specs of manifest records, each once, and how many records ``targets`` left out (it never retargets)."""
-    records, wanted = [r for r in records if r["kind"] != "capture"], None if targets is None else set(targets)
+    records, wanted = [r for r in records if r["kind"] != CAPTURE], None if targets is None else set(targets)
     kept = [r for r in records if wanted is None or r["target"] in wanted]
     return tuple(dict.fromkeys(spec_of(r) for r in kept)), len(records) - len(kept)

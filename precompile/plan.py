@@ -138,7 +138,7 @@ class WarmPlan:
         families = config.room.model_families(tuple(FAMILIES), config.model_path, config.model_architecture)
         needed: dict[KernelSpec, list[int]] = {}
         # Per graph, not per batch size: vLLM captures a PIECEWISE and a FULL graph of one size, and the second
-        # overwrote the first's new specs (issue #31: the table listed none, or one spec on many rows).
+        # would overwrite the first's new specs (the table would list none, or one spec on many rows).
         introduced: dict[CaptureShape, tuple[KernelSpec, ...]] = {}
         for shape in ladder.shapes:
             specs = [spec for backend in config.backends for target in config.targets for name in families.planned

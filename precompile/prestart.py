@@ -18,9 +18,9 @@ from jitwarm.cache.errors import EXIT_OK, NotReady
 from jitwarm.cache.remote.base import redact
 from jitwarm.kernels.libraries.jit_caches import receipt
 from jitwarm.precompile import contents
-from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
+from jitwarm.precompile.coverage import keys_of, open_cache, plan_coverage, print_warm, readiness, warm_exit
+from jitwarm.precompile.handover import check_fingerprints, hand_over, import_bundle, without_absent_units
 from jitwarm.precompile.plan import WarmPlan
-from jitwarm.precompile.shipping import check_fingerprints, hand_over, import_bundle, without_absent_units
 from jitwarm.precompile.warming import warm
 
 
@@ -30,7 +30,7 @@ def cmd_prestart(args: argparse.Namespace, plan: WarmPlan) -> int:
     if not args.bundle:
         check_fingerprints(args, plan)  # before anything is written
     cache = open_cache(args, writes=True)
-    if args.offline and cache.remote is not None:  # said, not silently skipped (issue #31)
+    if args.offline and cache.remote is not None:  # said, not silently skipped
         print(f"jitwarm: --offline: the remote tier {redact(cache.remote)} is not consulted; only the bundle and "
               f"{cache.root} count", file=sys.stderr)
     supplied = None

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jitwarm.cache import KernelCache, settings
 from jitwarm.cache.errors import UntrustedPath
-from jitwarm.kernels import KernelSpec
-from jitwarm.kernels.libraries.jit_caches import MODULES
+from jitwarm.kernels import KernelSpec, kinds
 from jitwarm.kernels.libraries.jit_caches.backend import store as store_unit
 from jitwarm.kernels.libraries.jit_caches.census import added, snapshot
 from jitwarm.precompile import servers
@@ -28,9 +27,15 @@ if TYPE_CHECKING:
 
 _record_log = logging.getLogger("jitwarm.record")
 
-#: The taps a recording subscribes to, each room's ``TAP`` and ``recording(add)``: Triton's, sglang's loader; a
-#: room's ``LOADER``, where it has one, is the module whose import makes its tap live (subscribed then).
-RECORDED = ("jitwarm.kernels.libraries.triton.tap", "jitwarm.precompile.servers.sglang.loader")
+
+def recorded_taps() -> tuple[str, ...]:
+    """The modules whose ``TAP`` and ``recording(add)`` a recording subscribes to: each kind's, each server's own.
+
+    Triton's (the ``triton_jit`` kind's records module) and sglang's loader (its room's ``TAP``). A tap module's
+    ``LOADER``, where it has one, is the module whose import makes its tap live (subscribed then).
+    """
+    rooms = (servers.adapter(name).TAP for name in servers.ROOMS)
+    return tuple(k.records for k in kinds.KINDS if k.tap) + tuple(tap for tap in rooms if tap)
 
 
 class Recorder:
@@ -92,14 +97,14 @@ class Recorder:
             self._stored.add(rid)
 
     def start(self) -> Recorder:
-        """Subscribe to the taps of :data:`RECORDED` (a library not imported yet: when it is); list the JIT caches.
+        """Subscribe to the taps of :func:`recorded_taps` (a library not imported yet: when it is); list the JIT caches.
 
         The server this runs in is taken now and again at each :meth:`capture`: one imported after the start
         (sglang redirects the caches under ``SGLANG_CACHE_DIR``, srt/environ.py:2308-2336) is found there.
         """
         self.under = servers.running()
         self._dirs = servers.cache_dirs(self.under)  # where this server keeps each library's cache
-        for name in RECORDED:  # each tap's room turns what it sees into records
+        for name in recorded_taps():  # each tap's room turns what it sees into records
             room = importlib.import_module(name)
             subscriber = room.recording(lambda body, **more: self.add({"v": VERSION, **body}, **more))
             module = getattr(room, "LOADER", None)
@@ -176,15 +181,16 @@ class Recorder:
 
 def _families() -> list[str]:
     """The cache families ``JITWARM_RECORD_CACHES`` asks for (all by default); an unknown name is said, skipped."""
+    every = [k.family for k in kinds.caches()]
     try:
         asked = settings.record_caches()
     except settings.SettingError as exc:
         _record_log.warning("jitwarm: %s: capturing every JIT cache family", exc)
-        return list(MODULES)
-    for name in (n for n in asked or () if n not in MODULES):
+        return every
+    for name in (n for n in asked or () if n not in every):
         _record_log.warning("jitwarm: JITWARM_RECORD_CACHES names %r, not a JIT cache family (%s): skipped", name,
-                    ", ".join(MODULES))
-    return list(MODULES) if asked is None else [name for name in MODULES if name in asked]
+                            ", ".join(every))
+    return every if asked is None else [name for name in every if name in asked]
 
 
 def _named(record: Mapping[str, Any]) -> str:

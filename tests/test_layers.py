@@ -1,4 +1,4 @@
-"""The floors of the code (issue #32): every import runs down, and no import cycle exists.
+"""The floors of the code: every import runs down, and no import cycle exists.
 
 Read from the source, every ``import`` counted, a function's own included (only ``if TYPE_CHECKING:`` blocks are
 left out: they never run). Three folders, one way: ``precompile`` (what and when) over ``kernels`` (how a kernel
@@ -119,6 +119,19 @@ def test_the_graph_is_read_from_every_module():
         > floor("jitwarm.cache.entry")
 
 
+def test_a_command_calls_no_other_command():
+    """``warm``, ``status``, ``verify`` and ``prestart`` share their helpers through :mod:`coverage` (the plan in the
+    cache) and :mod:`handover` (what a node receives), which import no command module: a walk of a command's
+    arguments goes down into a helper and back, never into another command's module and back out."""
+    edges = graph()
+    commands = {f"jitwarm.precompile.{m}" for m in ("commands", "shipping", "prestart")}
+    for name in commands:
+        assert edges[name] & commands == set(), name
+    for helper in ("coverage", "handover"):
+        assert edges[f"jitwarm.precompile.{helper}"] & (commands | {"jitwarm.precompile.capture"}) == set(), helper
+    assert {"jitwarm.precompile.coverage", "jitwarm.precompile.handover"} <= edges["jitwarm.precompile.prestart"]
+
+
 def test_the_exit_codes_are_one_table():
     """Only cache/errors.py gives an error class its exit code; every other error takes one by deriving from a
     class of that table, and the CLI exits with it (docs/deployment.md, "Exit codes")."""
@@ -139,6 +152,34 @@ def test_the_exit_codes_are_one_table():
                                                      UntrustedEntry, KernelsNotReady, WarmTimeout, KernelLoadFailed)}
     assert codes == {"LockTimeout": 3, "UntrustedPath": 2, "RootNotWritable": 2, "UntrustedEntry": 4,
                      "KernelsNotReady": 5, "WarmTimeout": 3, "KernelLoadFailed": 1}
+
+
+def test_every_public_error_has_the_one_root():
+    """An exception class a caller can catch derives from ``JitwarmError``; the only others are control flow kept
+    inside their room (the remote tier's ``RemoteFailure`` and its kinds, the bundle reader's ``HeaderRefused``),
+    private, or an interrupt (capture's ``Interrupted`` is a ``KeyboardInterrupt``: exit 130)."""
+    from jitwarm.cache.errors import JitwarmError
+    from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+    assert issubclass(CompileDuringCaptureError, JitwarmError) and issubclass(CompileDuringCaptureError, RuntimeError)
+    assert CompileDuringCaptureError("kernel k").exit_code == 1
+    from jitwarm.cache.remote.base import RemoteFailure
+
+    internal = (RemoteFailure, KeyboardInterrupt, JitwarmError)
+    outside = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):
+                continue
+            module = __import__(name, fromlist=["_"])
+            cls = getattr(module, node.name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException) and not issubclass(cls, internal) \
+                    and cls.__name__ != "HeaderRefused":
+                outside.append(f"{name}.{node.name}")
+    assert outside == [], outside
+    from jitwarm.cache import remote
+
+    assert "RemoteFailure" not in remote.__all__
 
 
 def test_kernels_names_no_variable_a_server_room_reads_for_its_caches():

@@ -24,6 +24,7 @@ import jit_cache_trees
 import pytest
 from precompile_fixtures import jitwarm
 
+from jitwarm.kernels import kinds
 from jitwarm.precompile import ledger
 
 WORKER = Path(__file__).with_name("workers") / "ledger_worker.py"
@@ -288,7 +289,7 @@ def test_the_sglang_plugin_writes_the_ledger_after_the_last_capture(starts):
     assert [name for name, _ in result["captured"]] == ["full", "breakable", "tc_piecewise"]
     written = json.loads((starts["tmp"] / "ledger.json").read_text())
     families = written["families"]
-    assert list(families) == sorted(ledger.FAMILIES)
+    assert list(families) == sorted(kinds.ledger_families())
     assert (families["load_jit"]["served"], families["load_jit"]["compiled"]) == (1, 1)
     assert families["load_jit"]["keys"] == ["sgl_kernel_jit_new build-4567"]
     assert families["load_jit"]["present_at_start"] == 1  # the build published before the start
@@ -298,7 +299,7 @@ def test_the_sglang_plugin_writes_the_ledger_after_the_last_capture(starts):
     assert families["triton"]["signal"] == "jitwarm's Triton cache manager"  # the plugin set the manager
     assert written["compiled"] == 2
     logged = [x.split(" ", 3)[3] for x in err.splitlines() if x.startswith("LOG jitwarm.ledger ")]
-    assert len(logged) == len(ledger.FAMILIES) + 2, logged  # one line per family, a warning per family that
+    assert len(logged) == len(kinds.ledger_families()) + 2, logged  # one line per family, a warning per family that
     load_jit, tilelang = logged[-2:]                         # compiled although units of it were there
     assert load_jit.startswith("jitwarm: ledger: load_jit compiled 1 although 1 unit(s) of load_jit were present "
                                "at start") and "sgl_kernel_jit_new build-4567" in load_jit

@@ -131,10 +131,10 @@ def test_inside_each_real_capture_the_plugin_names_every_jit_compile_and_lets_it
     for where, outcome in seen.items():
         assert outcome == {"triton": "ran", "inductor": "ran",
                            "load_jit": "sglang's own refusal (SGLANG_CRASH_ON_JIT_COMPILE)"}, (where, outcome)
-    assert any("seals inside each capture: Triton compile, Inductor compile, tvm-ffi build and load, sglang "
+    assert any("seals inside each capture: tvm-ffi build and load, Triton compile, Inductor compile, sglang "
                "load_jit, logged (JITWARM_STRICT=1 refuses them)" in line for line in lines), lines
     armed = [line for line in lines if "capture seals armed:" in line]
-    assert len(armed) == 1 and "Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit (logged;" \
+    assert len(armed) == 1 and "tvm-ffi build and load, Triton compile, Inductor compile, sglang load_jit (logged;" \
         in armed[0], armed
     warned = [line.split("jitwarm: ", 1)[1].split(" is compiled or loaded during CUDA-graph capture")[0]
               for line in lines if "is compiled or loaded during CUDA-graph capture" in line]

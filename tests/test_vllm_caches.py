@@ -257,9 +257,9 @@ def test_prestart_warns_where_this_nodes_vllm_will_not_load_its_restored_aot_art
 
     from jitwarm.kernels.libraries.jit_caches.backend import unit_spec
     from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.precompile.handover import say_unloadable
     from jitwarm.precompile.manifest import append_records, unit_record
     from jitwarm.precompile.plan import WarmPlan
-    from jitwarm.precompile.shipping import say_unloadable
 
     unit = "torch_aot_compile/3f2a/rank_0_0"
     spec = unit_spec(library("vllm_compile"), unit, {f"{unit}/model": hashlib.sha256(b"m").hexdigest()},

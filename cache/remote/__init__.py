@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
-from jitwarm.cache.remote.base import RemoteFailure, RemoteReport, redact, reset_remote_health
+from jitwarm.cache.remote.base import RemoteReport, redact, reset_remote_health
 from jitwarm.cache.remote.fleet import Fleet, LocalSteps
 from jitwarm.cache.remote.redis import FleetLease, RemoteStore
 from jitwarm.cache.remote.s3 import ObjectStore
 from jitwarm.cache.settings import SettingError, trust_key
 
-__all__ = ["Fleet", "FleetLease", "LocalSteps", "ObjectStore", "RemoteFailure", "RemoteReport", "RemoteStore",
+__all__ = ["Fleet", "FleetLease", "LocalSteps", "ObjectStore", "RemoteReport", "RemoteStore",
            "open_store", "redact", "reset_remote_health"]
 
 

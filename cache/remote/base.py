@@ -29,7 +29,11 @@ RETRY_AFTER_S = 60.0
 
 
 class RemoteFailure(Exception):
-    """A call to the remote failed (internal: for :meth:`StoreBase.failed`)."""
+    """A call to the remote failed: control flow inside the remote tier, never raised past it.
+
+    :meth:`StoreBase.failed` turns it into a local build or :class:`~jitwarm.cache.errors.RemoteUnavailable`;
+    not exported from :mod:`jitwarm.cache.remote`.
+    """
 
 
 class TooSlow(RemoteFailure):
@@ -40,7 +44,7 @@ class TooSlow(RemoteFailure):
 def deadline(what: str, size: int, grace_s: float, rate: int, abort: Callable[[], object]) -> Iterator[None]:
     """Bound one transfer of ``size`` bytes to ``grace_s`` plus ``size`` at ``rate`` bytes/s (0: no bound).
 
-    A per-read timeout alone let a trickling store hold a download and the key's lock (issue #31: over 300 s).
+    A per-read timeout alone lets a trickling store hold a download and the key's lock without end.
     Past the deadline a timer thread calls ``abort()`` to wake the read, and the block raises :class:`TooSlow`.
     """
     if rate <= 0:

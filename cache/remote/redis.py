@@ -30,7 +30,7 @@ CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
 
 # Sizes the entry hash on the server before anything is sent (HGETALL of a planted 1 GiB blob downloaded it all).
-# With ARGV[6] "": {4, bytes, sha1 of the manifest}, to size the download's deadline (issue #31); with ARGV[6]
+# With ARGV[6] "": {4, bytes, sha1 of the manifest}, to size the download's deadline; with ARGV[6]
 # that sha1: {5, HGETALL} if it is still that entry, else {0}. Other replies: {0} (no entry), {1, what, n, sha1}
 # (malformed), {2} (rejected before), {3, n} (over the cap). ARGV: caps (file, manifest, meta, fields), the
 # sha1 of a rejected manifest or "", the sha1 sized.

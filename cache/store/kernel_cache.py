@@ -158,7 +158,7 @@ class KernelCache(LocalCache):
         return write_plan_record(self.layout, plan_id, record)
 
     def prepare_root(self) -> None:
-        """Create and trust-check the root's top folders now: RootNotWritable (exit 2) if it cannot be (issue #31)."""
+        """Create and trust-check the root's top folders now: RootNotWritable (exit 2) if it cannot be."""
         self._require_writable("write entries")
         self._prepare_root()
 

@@ -2,8 +2,9 @@
 
 A room (``servers/sglang/``, ``servers/vllm/``) holds everything jitwarm knows about one server, for the one
 release its ``VERSION`` names; the core reaches it only through the names :class:`ServerAdapter` lists, so a new
-server is a new folder plus one name in :data:`ROOMS`. A ServingConfig's capture fields carry sglang's names,
-which each room gives its server's meaning; settings no field holds go in ``server_options``.
+server is a new folder plus one name in :data:`ROOMS` (``setup.py`` reads its plugin's entry point);
+``tests/test_server_rooms.py`` walks every room against the contract. A ServingConfig's capture fields carry
+sglang's names, which each room gives its server's meaning; settings no field holds go in ``server_options``.
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ class ServerAdapter(Protocol):
     VERSION: str  #: the server release the room mirrors; every other mention of it reads this constant
     LAUNCHERS: str  #: how the server's command line starts, for messages
     PLUGIN: str  #: the ``module:function`` the server loads as jitwarm's plugin (setup.py's entry point)
+    PLUGIN_GROUP: str  #: the entry-point group the server loads plugins from (``setup.py`` reads it)
     PLUGINS_ENV: str  #: the variable that names the plugins the server loads (every installed one when unset)
     DEFAULT_PORT: int  #: the port the server listens on without ``--port``
     HEALTH: str  #: the path that answers 200 once the server serves
     LADDER_SOURCES: tuple[str, ...]  #: ``--ladder-source`` values: ``auto``, ``builtin`` and the server's own
     OPTIONS: Mapping[str, str]  #: room-only settings (``server_options`` keys) -> their flag, for messages
+    #: the server's own cache root variable first, then those beside it it reads for the caches it moves or owns
+    CACHE_VARIABLES: tuple[str, ...]
+    SEALED: str | None  #: what :meth:`seal` seals, as the plugin's line names it (None: nothing of its own)
+    TAP: str | None  #: the module whose ``TAP`` and ``recording(add)`` record the server's own JIT (None: none)
 
     def recognises(self, argv: Sequence[str]) -> bool:
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""

@@ -113,9 +113,13 @@ def _ledger(log: logging.Logger, failure: str, step: Callable[[Any], None]) -> N
         log.warning("jitwarm: start-up ledger %s: %s: %s", failure, type(exc).__name__, exc)
 
 
-def seal_line() -> str:
-    """The plugin line's part about the seals (:func:`sealed`)."""
-    return "seals inside each capture: Triton compile, Inductor compile, tvm-ffi build and load, sglang load_jit, " + (
+def seal_line(server: str) -> str:
+    """The plugin line's part about the seals (:func:`sealed`): every kind's that seals, then ``server``'s own."""
+    from jitwarm.kernels import kinds
+    from jitwarm.precompile import servers
+
+    names = [k.sealed for k in kinds.seals()] + [name for name in (servers.adapter(server).SEALED,) if name]
+    return f"seals inside each capture: {', '.join(names)}, " + (
         "refused (JITWARM_STRICT=1)" if settings.is_strict() else "logged (JITWARM_STRICT=1 refuses them)")
 
 
@@ -123,8 +127,8 @@ def seal_line() -> str:
 def sealed(log: logging.Logger) -> Iterator[None]:
     """Around one capture: a JIT compile or module load while the stream captures is logged, refused under strict.
 
-    It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); without
-    it a Triton compile inside a real server's capture passed unseen (issue #31).
+    It watches the stream, not the guard (a later graph's warmup may still compile, outside any capture); the guard
+    alone lets a Triton compile inside a real server's capture pass unseen.
     """
     from jitwarm.kernels.dispatch import stream_is_capturing
     from jitwarm.precompile.guard import ThirdPartySeal

@@ -61,6 +61,33 @@ def unit_of(library: Library, spec: KernelSpec) -> tuple[Files, dict[str, str], 
     return files, fingerprint, under
 
 
+def record_problem(kind: Any, record: Mapping[str, Any]) -> str | None:
+    """Why ``record`` is not a well-formed ``jit_cache`` record of ``kind``'s library, or None."""
+    missing = next((f for f in ("library", "unit", "target", "files", "fingerprint") if f not in record), None)
+    if missing is not None:
+        return f"a jit_cache record needs {missing!r}"
+    problem = files_problem(kind.library(), record["unit"], record["files"])
+    fingerprint = record["fingerprint"]
+    if problem is None and not (isinstance(fingerprint, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                      for k, v in fingerprint.items())):
+        problem = "its fingerprint is not an object of strings"
+    return None if problem is None else f"jit_cache record of {record['library']} {record['unit']!r}: {problem}"
+
+
+def spec_of(kind: Any, record: Mapping[str, Any]) -> KernelSpec:
+    """The spec of a captured unit's record."""
+    return unit_spec(kind.library(), record["unit"], record["files"], record["fingerprint"], record["target"],
+                     str(record.get("under", "")))
+
+
+def record_of(kind: Any, spec: KernelSpec) -> dict[str, Any]:
+    """The ``jit_cache`` record body of a captured unit's spec."""
+    params = spec.params_dict
+    return {"kind": "jit_cache", "library": kind.family, "unit": spec.family, "target": spec.target,
+            "files": json.loads(str(params["files"])), "fingerprint": json.loads(str(params["fingerprint"])),
+            "under": str(params.get("under", ""))}
+
+
 def description(library: Library, spec: KernelSpec) -> dict[str, Any]:
     """The cache description of a unit (see the module docstring)."""
     files, fingerprint, _ = unit_of(library, spec)
@@ -156,7 +183,7 @@ def check_source(root: Path, files: tuple[str, ...]) -> None:
     """UntrustedPath unless every file of a unit, and every folder from ``root`` down, is the server's own.
 
     Owned by this user or root, not writable by others, a file regular with no other hard link; unless
-    ``JITWARM_ALLOW_SHARED=1`` (a planted unit was restored on every node: issue #31, N7).
+    ``JITWARM_ALLOW_SHARED=1`` (a unit another user planted would be restored on every node).
     """
     import stat
 

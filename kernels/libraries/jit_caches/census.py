@@ -6,20 +6,19 @@ place). Sizes, not times: DeepGEMM touches ``.committed`` at every hit (deep_jit
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from jitwarm.kernels.libraries.jit_caches import KIND_OF, MODULES
+from jitwarm.kernels import kinds
 from jitwarm.kernels.libraries.jit_caches.units import Dirs, Library
 
 
 def bind(library: Library) -> tuple[Any, ...]:
     """The backend module attributes of ``library``'s kind: ``name, description, build, check, load``.
 
-    Each imports :mod:`.backend` on its first call: the ledger lists units inside the hook, where it cost 1.2 ms.
+    Each imports :mod:`.backend` on its first call: the ledger lists units inside the hook, where an import costs.
     """
     def unit_backend() -> Any:
         from jitwarm.kernels.libraries.jit_caches import backend
@@ -34,15 +33,19 @@ def bind(library: Library) -> tuple[Any, ...]:
 
 
 def library(name: str) -> Library:
-    """The :class:`Library` of ``name`` (a key of :data:`MODULES`) or of its kind (``inductor_cache``)."""
-    lib = next((lib for lib, kind in KIND_OF.items() if name in (lib, kind)), None)
-    if lib is None:
-        raise KeyError(f"no JIT cache family {name!r}; known: {', '.join(MODULES)}")
-    return importlib.import_module(f"jitwarm.kernels.libraries.jit_caches.{MODULES[lib]}").LIBRARY
+    """The :class:`Library` of the JIT cache family ``name`` or of its kind (``inductor_cache``); KeyError."""
+    found = next((k for k in kinds.caches() if name in (k.family, k.name)), None)
+    if found is None:
+        raise KeyError(f"no JIT cache family {name!r}; known: {', '.join(k.family for k in kinds.caches())}")
+    return found.library()
+
+
+def _families() -> list[str]:
+    return [k.family for k in kinds.caches()]
 
 
 class Snapshot(NamedTuple):
-    """One library's cache directory (None: off) and complete units at one moment (a NamedTuple: 0.5 ms cheaper)."""
+    """One library's cache directory (None: off) and its complete units at one moment (a NamedTuple: cheap)."""
 
     library: Library
     root: Path | None
@@ -55,9 +58,10 @@ def snapshot(names: Iterable[str] | None = None, environ: Mapping[str, str] | No
              dirs: Dirs | None = None) -> dict[str, Snapshot]:
     """Each library's (default: all) directory, from ``dirs`` or ``environ``, and its complete units now."""
     env = os.environ if environ is None else environ
-    wanted = set(MODULES if names is None else names)
+    every = _families()
+    wanted = set(every if names is None else names)
     taken = {}
-    for lib in (library(name) for name in MODULES if name in wanted):
+    for lib in (library(name) for name in every if name in wanted):
         root = lib.root(env, dirs)
         units = lib.present(root)
         sizes = {unit: tuple(_size(root / rel) for rel in files) for unit, files in units.items()} if root else {}
@@ -73,9 +77,10 @@ def beside(names: Iterable[str] | None = None, environ: Mapping[str, str] | None
     ``TORCHINDUCTOR_CACHE_DIR`` says: a start that built one again wrote nothing the root's census saw.
     """
     env = os.environ if environ is None else environ
-    wanted = set(MODULES if names is None else names)
+    every = _families()
+    wanted = set(every if names is None else names)
     taken = {}
-    for lib in (library(name) for name in MODULES if name in wanted):
+    for lib in (library(name) for name in every if name in wanted):
         found = lib.beside(env) if lib.beside is not None else None
         root = lib.root(env, dirs)
         if found is None or (root is not None and _inside(found[0], root)):

@@ -25,17 +25,14 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from jitwarm.kernels import kinds
+
 #: Program names of compilers and build drivers (a version or target prefix is allowed: ``x86_64-linux-gnu-g++-12``).
 _COMPILER = re.compile(r"^(?:[\w.]+-)*(g\+\+|gcc|c\+\+|cc|clang\+\+|clang|nvcc|ptxas|ninja|ld|ld\.\w+)(?:-[\d.]+)?$")
 #: Arguments that make a run a question, not a compile.
 _QUESTIONS = frozenset({"--version", "-dumpversion", "-dumpfullversion", "-dumpmachine", "-###", "--help"})
 #: Arguments that make a run a preprocessing only (no object written).
 _PREPROCESS = frozenset({"-E", "-M", "-MM"})
-#: The Python packages whose frames start each family's compilers (the innermost match names the family).
-SPAWNERS = (("inductor", ("torch._inductor.",)), ("triton", ("triton.",)),
-            ("load_jit", ("sglang.kernels.jit.", "tvm_ffi.", "sglang.jit_kernel.")), ("tilelang", ("tilelang.",)),
-            ("deep_gemm", ("deep_gemm.",)), ("cute_dsl", ("cutlass.",)), ("flashinfer", ("flashinfer.",)),
-            ("vllm_compile", ("vllm.compilation.",)))
 #: A family with no frame of its own on the stack.
 UNATTRIBUTED = ""
 #: How many compile outputs (``-o``) are kept per family.
@@ -59,10 +56,14 @@ def classify(argv: list[str]) -> tuple[str, bool, str | None] | None:
 
 
 def family_of(frame: Any) -> str:
-    """The family whose package's frame is innermost on the stack from ``frame`` (``""``: none)."""
+    """The family whose package's frame is innermost on the stack from ``frame`` (``""``: none).
+
+    The packages are each kind's ``spawners`` (:func:`jitwarm.kernels.kinds.spawners`).
+    """
+    spawners = kinds.spawners()
     while frame is not None:
         module = frame.f_globals.get("__name__", "") + "."
-        for family, packages in SPAWNERS:
+        for family, packages in spawners:
             if module.startswith(packages):
                 return family
         frame = frame.f_back

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, server_own, tree_files
 
@@ -13,5 +14,5 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return {rel: (rel,) for rel in tree_files(root) if rel.endswith(".o")}
 
 
-LIBRARY = Library("cute_dsl", "cute_dsl_cache", server_own, units, ("cutlass-dsl", "sglang", "arch"), unit_is_dir=False)
+LIBRARY = Library(*named("cute_dsl"), server_own, units, ("cutlass-dsl", "sglang", "arch"), unit_is_dir=False)
 name, description, build, check, load = bind(LIBRARY)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, expand, regular_files, subdirs
 
@@ -54,6 +55,6 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return found
 
 
-LIBRARY = Library("deep_gemm", "deep_gemm_cache", resolve, units, ("deep_gemm", "nvcc", "arch"),
+LIBRARY = Library(*named("deep_gemm"), resolve, units, ("deep_gemm", "nvcc", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{COMMITTED}"))
 name, description, build, check, load = bind(LIBRARY)

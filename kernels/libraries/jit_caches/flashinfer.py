@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, expand, lock_held, subdirs, tree_files
 
@@ -98,6 +99,6 @@ def settle(root: Path, unit: str, files: tuple[str, ...]) -> None:
                 os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
 
 
-LIBRARY = Library("flashinfer", "flashinfer_cache", resolve, units, ("flashinfer", "nvcc", "arch"),
+LIBRARY = Library(*named("flashinfer"), resolve, units, ("flashinfer", "nvcc", "arch"),
                   unit_is_dir=False, is_commit=lambda rel: rel.endswith(".so"), settle=settle)
 name, description, build, check, load = bind(LIBRARY)

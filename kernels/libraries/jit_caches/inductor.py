@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import (
     FamilyCount,
@@ -165,7 +166,7 @@ def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
 
 
 # The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.
-LIBRARY = Library("inductor", "inductor_cache", resolve, units, ("torch", "triton", "cxx", "arch"),
+LIBRARY = Library(*named("inductor"), resolve, units, ("torch", "triton", "cxx", "arch"),
                   unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")), signal=Counters,
                   beside=headers)
 name, description, build, check, load = bind(LIBRARY)

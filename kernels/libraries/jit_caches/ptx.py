@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, expand, tree_files
 
@@ -64,17 +65,17 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 class _DriverCache(Library):
-    """The PTX cache's library: its files are read settled (not a dataclass again: that cost 1 ms an import)."""
+    """The PTX cache's library: its files are read settled (a subclass, not a dataclass: cheaper to import)."""
 
     def stored_bytes(self, root: Path, rel: str) -> bytes:
         """The settled bytes of ``root/rel`` (:func:`settled_bytes`); an empty index is the driver mid-rewrite."""
         # The driver truncates the index before it writes it, and ext4 shows a truncate's size before its mtime:
-        # for that instant the file is empty yet looks quiet. Looking again 10 ms later was not enough on a loaded
-        # box (an empty index stored, tests/test_jit_caches_ptx.py); a write's data never shows before its mtime.
+        # for that instant the file is empty yet looks quiet, and a second look shortly after is not enough on a
+        # loaded box (tests/test_jit_caches_ptx.py); a write's data never shows before its mtime.
         return settled_bytes(root / rel, empty_ok=rel != INDEX)
 
 
 # normalize: the identity, so that a capture copies the settled bytes (jit_caches.backend.store), not the file.
-LIBRARY = _DriverCache("ptx", "cuda_ptx_cache", resolve, units, ("driver", "arch"), is_commit=lambda rel: rel == INDEX,
+LIBRARY = _DriverCache(*named("ptx"), resolve, units, ("driver", "arch"), is_commit=lambda rel: rel == INDEX,
                        normalize=lambda rel, data: data)
 name, description, build, check, load = bind(LIBRARY)

@@ -8,7 +8,7 @@ byte is hashed against the entry's manifest on the way. The destination is walke
 (:func:`check_destination`).
 
 Temporaries are ``.jitwarm-<name>~<host>~<pid>~<random>[.tmp]``: the next restore into that directory removes
-those of its host whose process is gone (issue #31, N9); another host's are never touched.
+those of its host whose process is gone; another host's are never touched.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def check_destination(root: Path, files: Files) -> None:
     link or folder, or a folder anyone can write, above the library's cache let root's files be written into a
     root-only folder). Below ``root``: no link, no folder of another user or writable by others
     (``JITWARM_ALLOW_SHARED=1`` accepts those folders, never a link), and nothing but a regular file where a file
-    goes (a FIFO hung the restore: issue #31, N1, N5). A regular file another user wrote is no reason to refuse:
+    goes (a FIFO would hang the restore). A regular file another user wrote is no reason to refuse:
     it is replaced (:func:`_link_files`).
     """
     shared = settings.allow_shared()
@@ -260,7 +260,7 @@ def _write(library: Library, rel: str, digest: str, source: Path, root: Path, de
         os.fsync(out.fileno())
     if h.hexdigest() != digest:
         raise LoadError(f"{library.name}: the cache entry's {rel} does not match its recorded sha256")
-    # The library's modes: 0644 (0755 to run), owner-only for a file the entry keeps private (issue #31).
+    # The library's modes: 0644 (0755 to run), owner-only for a file the entry keeps private.
     mode = src.stat().st_mode
     dest.chmod((0o755 if mode & 0o111 else 0o644) & (0o700 if is_private(mode) else 0o777))
 

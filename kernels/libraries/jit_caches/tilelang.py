@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, expand, regular_files, subdirs
 
@@ -56,6 +57,6 @@ def _complete(key_dir: Path, names: set[str]) -> bool:
     return isinstance(listed, dict) and bool(listed) and set(listed) <= names
 
 
-LIBRARY = Library("tilelang", "tilelang_cache", resolve, units, ("tilelang", "torch", "nvcc", "arch"),
+LIBRARY = Library(*named("tilelang"), resolve, units, ("tilelang", "torch", "nvcc", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{MANIFEST}"))
 name, description, build, check, load = bind(LIBRARY)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import FamilyCount, Library, expand, regular_files, subdirs
 
@@ -123,7 +124,7 @@ class ManagerSignal:
                            len(compiled), tuple(compiled))
 
 
-LIBRARY = Library("triton", "triton_cache", resolve, units, ("triton", "arch"), is_commit=_is_group,
+LIBRARY = Library(*named("triton"), resolve, units, ("triton", "arch"), is_commit=_is_group,
                   normalize=normalize, localize=localize, arch_of=arch_of, signal=ManagerSignal,
                   bypassed=served_by_jitwarm)
 name, description, build, check, load = bind(LIBRARY)

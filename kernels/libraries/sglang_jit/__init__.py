@@ -2,4 +2,3 @@
 
 from __future__ import annotations
 
-KINDS = {"sglang_jit": ("jitwarm.kernels.libraries.sglang_jit.backend", ("replay",))}

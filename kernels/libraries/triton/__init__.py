@@ -5,4 +5,3 @@ from __future__ import annotations
 #: The kind of the room's specs, and the target of a spec captured from the server's Triton (its real target is
 #: in Triton's key).
 NAME, SERVED = "triton_jit", "served"
-KINDS = {NAME: ("jitwarm.kernels.libraries.triton.backend", ("replay", "capture"))}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jitwarm.kernels.tap import Tap, replace
@@ -49,6 +49,33 @@ def record(module: str, qualname: str, repr_: str, specialization: str) -> dict[
     return {"kind": "triton", "kernel": f"{module}:{qualname}", "name": repr_,
             "target": f"sm_{target.get('arch')}" if target.get("backend") == "cuda" else str(target),
             "triton": version("triton"), "specialization": specialization}
+
+
+def record_problem(kind: Any, record: Mapping[str, Any]) -> str | None:
+    """Why ``record`` is not a ``triton`` record (a kernel as ``module:qualname``, Triton's data as a string)."""
+    del kind
+    missing = next((f for f in ("kernel", "target", "specialization") if f not in record), None)
+    if missing is not None:
+        return f"a triton record needs {missing!r}"
+    kernel, data = record["kernel"], record["specialization"]
+    if not (isinstance(kernel, str) and ":" in kernel and isinstance(data, str)):
+        return ("a triton record names its kernel as 'module:qualname' and carries Triton's specialization data as a "
+                "string")
+    return None
+
+
+def spec_of(kind: Any, record: Mapping[str, Any]) -> Any:
+    """The spec that replays a ``triton`` record."""
+    from jitwarm.kernels.spec import KernelSpec
+
+    return KernelSpec(record["kernel"], kind.name, record["target"], {"specialization": record["specialization"]})
+
+
+def record_of(kind: Any, spec: Any) -> dict[str, Any]:
+    """The ``triton`` record body of a replayed spec."""
+    del kind
+    return {"kind": "triton", "kernel": spec.family, "target": spec.target,
+            "specialization": spec.params_dict["specialization"]}
 
 
 def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], None]] | None:

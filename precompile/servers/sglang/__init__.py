@@ -16,10 +16,16 @@ VERSION = "0.5.23"
 NAME = "sglang"
 LAUNCHERS = "`python -m sglang.launch_server ...` or `sglang serve ...`"
 PLUGIN = "jitwarm.precompile.servers.sglang.plugin:register"
+#: The entry-point group sglang loads plugins from (setup.py reads it).
+PLUGIN_GROUP = "sglang.srt.plugins"
 #: The variable naming the plugins sglang loads (all when unset: docs/sglang.md), the port it listens on without
 #: ``--port`` (``srt/server_args.py``: 30000) and its readiness endpoint.
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "SGLANG_PLUGINS", 30000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "sglang")
+#: What :func:`seal` seals (the plugin's line names it): sglang's own JIT loader.
+SEALED = "sglang load_jit"
+#: The module whose ``TAP`` and ``recording(add)`` record sglang's ``load_jit`` calls (the recorder subscribes).
+TAP = "jitwarm.precompile.servers.sglang.loader"
 OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a ServingConfig field
 #: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
@@ -29,7 +35,7 @@ model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES
 __getattr__ = lazy_functions(__name__, {
     "recognises": "argv", "parse_argv": "argv:parse_server_argv", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
-    "seal": "loader", "cache_dirs": "caches", "unloadable": "caches"})
+    "seal": "loader", "cache_dirs": "caches", "CACHE_VARIABLES": "caches", "unloadable": "caches"})
 
 
 def start_warnings(environ: Mapping[str, str]) -> list[str]:

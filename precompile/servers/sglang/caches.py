@@ -14,13 +14,13 @@ from pathlib import Path
 #: The variables ``redirect_third_party_caches`` sets when unset -> their directory under ``SGLANG_CACHE_DIR``.
 REDIRECTED = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor", "CUDA_CACHE_PATH": "nv",
               "TILELANG_CACHE_DIR": "tilelang", "FLASHINFER_WORKSPACE_BASE": ""}
-#: The libraries whose variable sglang sets: where each is follows from the environment it gives them.
-_LIBRARIES = ("inductor", "triton", "ptx", "tilelang", "flashinfer", "deep_gemm")
+#: The variables beside ``SGLANG_CACHE_DIR`` that sglang reads for the caches it moves or owns.
+CACHE_VARIABLES = ("SGLANG_CACHE_DIR", "SGLANG_DG_CACHE_DIR", "SGLANG_CUTE_AOT_CACHE_DIR")
 
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
     """Each library's cache directory in an sglang process with ``environ`` (None: off); ``own_only``: its own."""
-    from jitwarm.kernels.libraries.jit_caches.census import library
+    from jitwarm.kernels import kinds
     from jitwarm.kernels.libraries.jit_caches.units import expand
 
     base = expand(environ.get("SGLANG_CACHE_DIR") or "~/.cache/sglang")  # os.path.expanduser, as sglang's own
@@ -30,7 +30,8 @@ def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[st
         return own
     seen = {**{var: str(base / sub) for var, sub in REDIRECTED.items()}, **environ}
     seen["DG_JIT_CACHE_DIR"] = environ.get("SGLANG_DG_CACHE_DIR") or str(base / "deep_gemm")
-    return {**{name: library(name).root(seen) for name in _LIBRARIES}, **own}
+    # every library with a variable of its own resolves it in the environment sglang gives it
+    return {**{k.family: k.resolve(seen) for k in kinds.caches() if k.variable}, **own}
 
 
 def unloadable(units: Mapping[str, list[str]]) -> list[str]:

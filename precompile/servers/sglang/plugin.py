@@ -13,6 +13,7 @@ from typing import Any
 
 from jitwarm.cache import settings
 from jitwarm.precompile.servers import plugins
+from jitwarm.precompile.servers.sglang import NAME
 from jitwarm.precompile.servers.sglang.fields import SERVER_ARGS_FIELDS
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def register() -> None:
             HookRegistry.register(f"{MODEL_RUNNER}.__init__", _around_model_runner_init, HookType.AROUND)
         what = "capture hook" if _plan.active and _plan.error is None else "drain (device synchronize + TP barrier)"
         log.info("jitwarm: sglang plugin installed: %s after every capture warmup of %s; %s; %s", what,
-                 ", ".join(path.rsplit(".", 1)[1] for path in hooked), _plan.describe(), plugins.seal_line())
+                 ", ".join(path.rsplit(".", 1)[1] for path in hooked), _plan.describe(), plugins.seal_line(NAME))
     except Exception as exc:
         plugins.failed(log, "installing the sglang plugin", exc)
 

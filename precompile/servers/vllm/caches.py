@@ -12,6 +12,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+#: vLLM's own cache root: always private to a capture (vLLM leaves it out of its compile key, ``envs.py``
+#: ``compile_factors``).
+CACHE_VARIABLES = ("VLLM_CACHE_ROOT",)
+
 
 def cache_root(environ: Mapping[str, str]) -> Path:
     """``VLLM_CACHE_ROOT`` as vLLM reads it."""
@@ -30,8 +34,8 @@ def compile_tree(environ: Mapping[str, str]) -> Path | None:
 
 def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[str, Path | None]:
     """Each library's cache directory in a vLLM process started with ``environ`` (None: off); ``own_only``: vLLM's."""
+    from jitwarm.kernels import kinds
     from jitwarm.kernels.libraries.jit_caches import vllm_modelinfo
-    from jitwarm.kernels.libraries.jit_caches.census import library
 
     root, tree = cache_root(environ), compile_tree(environ)
     own = {"vllm_compile": tree, "vllm_modelinfo": root / vllm_modelinfo.DIR}
@@ -42,7 +46,7 @@ def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[st
         if tree is not None and var in seen and Path(os.path.abspath(seen[var])).is_relative_to(  # noqa: PTH100
                 os.path.abspath(tree)):  # noqa: PTH100
             del seen[var]
-    return {**{name: library(name).root(seen) for name in ("inductor", "triton", "deep_gemm")}, **own}
+    return {**{k.family: k.resolve(seen) for k in kinds.caches() if k.variable}, **own}
 
 
 def cpu_platform(environ: Mapping[str, str] | None = None) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from jitwarm.cache import settings
 from jitwarm.precompile.servers import plugins
+from jitwarm.precompile.servers.vllm import NAME
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def register() -> None:
             after_import(module, lambda m, c=cls, a=attribute, w=wrap: _wrap(getattr(m, c, None), a, w))
         what = "capture hook" if _plan.active and _plan.error is None else "device synchronize + TP barrier"
         log.info("jitwarm: vllm plugin installed: %s before every CUDA-graph capture (%s.%s.capture, %s.%s._dummy_run);"
-                 " %s; %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe(), plugins.seal_line())
+                 " %s; %s", what, *V2_GRAPHS, *V1_RUNNER, _plan.describe(), plugins.seal_line(NAME))
     except Exception as exc:
         plugins.failed(log, "installing the vllm plugin", exc)
 
@@ -89,7 +90,7 @@ def register() -> None:
 def _log_with_vllm() -> None:
     """Send jitwarm's lines where vLLM's go, unless the user configured a ``jitwarm`` logger.
 
-    vLLM configures only its own ``vllm`` logger: the plugin's lines never reached the server's log (issue #30).
+    vLLM configures only its own ``vllm`` logger: without a handler the plugin's lines never reach the server's log.
     """
     ours, vllms = logging.getLogger("jitwarm"), logging.getLogger("vllm")
     if ours.handlers or not vllms.handlers:
