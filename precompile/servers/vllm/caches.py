@@ -99,4 +99,31 @@ def unloadable(units: Mapping[str, list[str]]) -> list[str]:
     aot = [unit for unit in units.get(tree.name, ()) if unit.startswith(f"{vllm_compile.AOT}/")
            and tree.part(unit) is tree]  # a rank directory of the tree, not one of Inductor's units beside it
     why = aot_unloadable() if aot else None
-    return [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
+    said = [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
+    return said + headers_differ(units)
+
+
+def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why this node's Inductor runs a compiler although the restored C++ kernels are there.
+
+    The capture ran with precompiled headers off (no header among the units) and this node's are on, or the
+    other way round.
+
+    ``jitwarm capture`` turns them off (``CAPTURE_ENV``) and records it; the server must run with the same.
+    """
+    from jitwarm.precompile.servers.vllm import PCH_ENV
+
+    env = os.environ if environ is None else environ
+    kernels = [u for lib in ("inductor", "vllm_compile") for u in units.get(lib, ())
+               if "/inductor_cache/" in f"/{u}" and not {"fxgraph", "aotautograd"} & set(u.split("/"))
+               or lib == "inductor" and u.split("/", 1)[0] not in ("fxgraph", "aotautograd", "precompiled_headers")]
+    shipped = any(u.startswith("precompiled_headers/") for u in units.get("inductor", ()))
+    on = env.get(PCH_ENV, "1") == "1"  # torch's default (torch/_inductor/config.py)
+    if kernels and not shipped and on:
+        return [f"the restored C++ kernels were built with Inductor's precompiled headers off and this node's are "
+                f"on ({PCH_ENV} {'unset' if PCH_ENV not in env else repr(env[PCH_ENV])}): each start runs g++ on "
+                f"the header (and builds it, 156 MB); run the server with {PCH_ENV}=0, as capture did"]
+    if shipped and not on:
+        return [f"the restored Inductor precompiled headers are not used: this node's {PCH_ENV}=0 and the capture "
+                "ran with them on: capture again with the server's setting"]
+    return []
