@@ -136,8 +136,13 @@ def start(server: vllm_cpu.VllmCpu, node: Path, env: dict[str, str],
     return ready, phases(log, began, began + ready["ready_wall_s"])
 
 
-def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[dict], list[dict], dict]:
-    """The four variants, interleaved; rows of medians (and ratios), rows of median phases, prestart's times."""
+def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int,
+           samples: Path | None = None) -> tuple[list[dict], list[dict], dict]:
+    """The four variants, interleaved; rows of medians (and ratios), rows of median phases, prestart's times.
+
+    ``samples``: each start's measures appended there as one JSON line as soon as it is over (a long run that is
+    cut short keeps its rounds).
+    """
     golden = scratch / "capture"
     t0 = time.perf_counter()
     done = server.jitwarm("capture", "--manifest", str(scratch / "m.jsonl"), "--export", str(scratch / "b.tar"),
@@ -165,6 +170,10 @@ def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[d
         measured, phase = start(server, node, env, ("-O0",) if name == "eager floor" else ())
         seen[name].append(measured)
         split[name].append(phase)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), file=sys.stderr, flush=True)
+        if samples is not None:
+            with open(samples, "a") as f:
+                f.write(json.dumps({"round": r, "start": name, **measured, "phases": phase}) + "\n")
         if name != "vllm warm restart":
             shutil.rmtree(node, ignore_errors=True)
         return measured["ready_cpu_s"]
@@ -251,7 +260,9 @@ def main() -> int:
         assert server.venv == venv
         sections, extra = {}, {}
         if not args.skip_starts:
-            rows, phase_rows, extra = starts(server, scratch, args.rounds)
+            out = Path(args.out or ROOT / "bench" / "results")
+            out.mkdir(parents=True, exist_ok=True)
+            rows, phase_rows, extra = starts(server, scratch, args.rounds, out / "real_server.samples.jsonl")
             sections["medians: wall and CPU seconds to /health 200 and to the first answer"] = rows
             sections["phases, medians (s; whole seconds from the server's log)"] = phase_rows
         if not args.skip_restore:

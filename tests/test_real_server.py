@@ -150,10 +150,9 @@ def records(flow) -> list[dict]:
 
 
 def test_capture_runs_the_server_once_stores_every_unit_and_bundles_them(flow):
-    """The AOT tree (its rank directory, Inductor's units vLLM put in it), the model inspection, the header."""
+    """The AOT tree (its rank directory, Inductor's units vLLM put in it), the model inspection; no header."""
     done = flow["captured"]
     assert done["units"]["vllm_compile"] >= 10 and done["units"]["vllm_modelinfo"] == 1, done
-    assert done["units"]["inductor"] >= 1, done  # the precompiled header, in Inductor's own directory
     listed = records(flow)
     assert len(listed) == done["entries"] == sum(done["units"].values())
     assert all(r["kind"] == "jit_cache" and r["under"] == "vllm" for r in listed)

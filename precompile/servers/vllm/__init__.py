@@ -22,8 +22,7 @@ LADDER_SOURCES = ("auto", "builtin", "vllm")
 #: ``jitwarm capture`` unless given and recorded: with them on, every start that loads a C++ kernel runs ``g++ -E``
 #: on the header's include to key it (codecache.py ``_precompile_header``; 5 s of a restored start on the CPU box)
 #: and ships a 156 MB ``.gch``; off at both ends, a restored start runs no compiler process (docs/performance.md).
-PCH_ENV = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
-CAPTURE_ENV = {PCH_ENV: "0"}
+CAPTURE_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
 #: The plugin stores the first requests' units and writes the ledger at stop when capture asks
 #: (``ledger.answer_stop_request``): vLLM kills its worker at once on stop.
 ANSWERS_STOP_REQUEST = True

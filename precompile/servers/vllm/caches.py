@@ -12,6 +12,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+#: Inductor's precompiled headers (torch/_inductor/config.py ``cpp_cache_precompile_headers``); see ``CAPTURE_ENV``.
+PCH_ENV = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
+
 
 def cache_root(environ: Mapping[str, str]) -> Path:
     """``VLLM_CACHE_ROOT`` as vLLM reads it."""
@@ -111,8 +114,6 @@ def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | 
 
     ``jitwarm capture`` turns them off (``CAPTURE_ENV``) and records it; the server must run with the same.
     """
-    from jitwarm.precompile.servers.vllm import PCH_ENV
-
     env = os.environ if environ is None else environ
     kernels = [u for lib in ("inductor", "vllm_compile") for u in units.get(lib, ())
                if "/inductor_cache/" in f"/{u}" and not {"fxgraph", "aotautograd"} & set(u.split("/"))
