@@ -6,7 +6,9 @@ Inductor's precompiled header (``$TMPDIR/torchinductor_<user>/precompiled_header
 deleted there, as a node whose ``/tmp`` was cleaned, and the server starts with ``JITWARM_LEDGER`` and a ``g++``
 first on its ``PATH`` that logs each call and runs the real compiler (the witness, which asks no library).
 
-Inductor's own counters say "hit, no miss" for that start: the ledger must say what the witness saw.
+Inductor's own counters say "hit, no miss" for that start: the ledger must say what the witness saw. The server
+runs with Inductor's precompiled headers on (torch's default; capture turns them off unless given): the lost header
+is the case.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ def lost(vllm_cpu, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_ledger")
     first, node = tmp / "capture-node", tmp / "fresh-node"
     manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    headers = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
     captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=vllm_cpu.env(first))
+                                "--json", "--", *vllm_cpu.serve(server.free_port()),
+                                env=vllm_cpu.env(first, **headers))
     assert captured.returncode == 0, captured.stderr[-4000:]
-    env = vllm_cpu.env(node)
+    env = vllm_cpu.env(node, **headers)
     prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
                                 env=env)
     assert prestart.returncode == 0, prestart.stderr
@@ -63,7 +67,7 @@ def lost(vllm_cpu, tmp_path_factory):
     (bin_dir / "g++").write_text(WITNESS)
     (bin_dir / "g++").chmod(0o755)
     ledger = node / "ledger.json"
-    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
+    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness), **headers,
                         PATH=os.pathsep.join([str(bin_dir), env["PATH"]])) as (port, _):
         answer = server.complete(port, vllm_cpu.model)
         at_ready = json.loads(ledger.read_text())
