@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -103,14 +104,23 @@ def env_of(server: vllm_cpu.VllmCpu, variant: str, node: Path) -> dict[str, str]
     return env
 
 
-def first_request(port: int, model: Path) -> None:
-    """A completion with logprobs (what compiles vLLM's logprobs op at first use)."""
-    body = json.dumps({"model": str(model), "prompt": "Hello", "max_tokens": 8, "temperature": 0,
-                       "logprobs": 5}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:  # noqa: S310 - loopback
-        json.loads(response.read())
+def first_request(port: int, model: Path) -> str:
+    """A completion with logprobs (what compiles vLLM's logprobs op at first use); which one was answered.
+
+    The eager floor (``-O0``) answered it with HTTP 500 once: then a plain completion is the first answer.
+    """
+    for extra, what in (({"logprobs": 5}, "logprobs"), ({}, "plain")):
+        body = json.dumps({"model": str(model), "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+                           **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:  # noqa: S310 - loopback
+                json.loads(response.read())
+                return what
+        except urllib.error.HTTPError as exc:
+            print(f"  the first request ({what}) answered HTTP {exc.code}", file=sys.stderr, flush=True)
+    raise RuntimeError("no first request was answered")
 
 
 def start(server: vllm_cpu.VllmCpu, node: Path, env: dict[str, str],
@@ -127,9 +137,9 @@ def start(server: vllm_cpu.VllmCpu, node: Path, env: dict[str, str],
                 raise RuntimeError("vllm serve did not get ready:\n" + "\n".join(proc.tail(40)))
             time.sleep(0.1)
         ready = {"ready_wall_s": time.monotonic() - proc.started, "ready_cpu_s": cpu_seconds(proc.proc.pid)}
-        first_request(port, server.model)
+        answered = first_request(port, server.model)
         ready.update(first_answer_wall_s=time.monotonic() - proc.started,
-                     first_answer_cpu_s=cpu_seconds(proc.proc.pid))
+                     first_answer_cpu_s=cpu_seconds(proc.proc.pid), first_request_logprobs=answered == "logprobs")
     finally:
         proc.stop()
     log = (node / "server.log").read_text(errors="replace")
