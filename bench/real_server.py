@@ -1,13 +1,22 @@
-"""A real vLLM start (vLLM's CPU build, tests/vllm_cpu.py): time to ready and its phases, four ways; restore speed.
+"""A real vLLM start (vLLM's CPU build, tests/vllm_cpu.py): wall and CPU seconds to ready and to the first
+answered request, four ways; its phases; restore speed.
 
-Starts, alternating their order each round, each on a node of its own and ready when ``/health`` answers 200:
+Starts, in interleaved rounds (the order rotates each round), each on a node of its own:
 
-- ``cold``: empty caches (what every new node and pod pays today);
-- ``vllm warm root``: the node's own caches from an earlier start of the same server (a restarted pod that kept
-  its disk);
-- ``jitwarm restored``: a fresh node after ``jitwarm prestart --offline`` of the bundle ``jitwarm capture`` made
-  (prestart's own time is shown apart);
-- ``eager floor``: ``-O0``: nothing compiled at all (CompilationMode.NONE), the floor a restored start can reach.
+- ``cold``: empty caches, vLLM's defaults (AOT compile on, Inductor's precompiled headers on), jitwarm's plugin
+  inert: what every new node and pod pays today;
+- ``vllm warm restart``: the same, on the node's own caches from an earlier start of the same server (a restarted pod
+  that kept its disk): vLLM's own warm start;
+- ``jitwarm restored``: a fresh node after ``jitwarm prestart --offline`` of the bundle ``jitwarm capture`` made, the
+  server run as capture says (jitwarm's plugin, ``TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0``); prestart's own
+  time is shown apart;
+- ``eager floor``: the same restored node started with ``-O0`` (CompilationMode.NONE): nothing compiled at all, the
+  model inspection restored: the floor a restored start can reach.
+
+Each start is timed to ``/health`` 200 ("ready") and to the answer of its first request (a completion with
+logprobs: vLLM compiles its logprobs op at first use, ``v1/sample/ops/logprobs.py:10``), in wall seconds and in CPU
+seconds of the server's process group (its processes and the compilers they reaped, from /proc). The machine may be
+shared: CPU seconds are the steadier figure, wall seconds follow the other jobs' load.
 
 Phases, from the server's own log lines (whole seconds): imports (start to vLLM's first line), config and model
 inspection (to the API server's last line before the engine process's first), engine and worker spawn (to the
@@ -17,13 +26,14 @@ worker's "Starting to load model"), compile (its warm-up, "Warming up model" to 
 Restore: ``jitwarm prestart`` of a 1 GiB tree of Inductor units (64 modules of 16 MiB) from the cache into a fresh
 node, against ``cp -r`` plus ``sha256sum`` of the same tree (what a hand-made copy that checks its bytes costs).
 
-usage: python bench/real_server.py [--rounds 2] [--skip-starts] [--skip-restore] [--out DIR]
+usage: python bench/real_server.py [--rounds 5] [--skip-starts] [--skip-restore] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import re
 import shutil
@@ -32,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from harness import ROOT, alternate, report
@@ -39,13 +51,20 @@ from harness import ROOT, alternate, report
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_cpu  # noqa: E402  (the tests' server set: one install, one way to start and stop a server)
 
-VARIANTS = ("cold", "vllm warm root", "jitwarm restored", "eager floor")
+from jitwarm.precompile.capture import ServerProcess, answers  # noqa: E402
+from jitwarm.precompile.server_process import cpu_seconds  # noqa: E402
+
+VARIANTS = ("cold", "vllm warm restart", "jitwarm restored", "eager floor")
+#: The variants that run as users run vLLM today: its defaults, jitwarm's plugin inert.
+TODAY = ("cold", "vllm warm restart")
 PHASES = ("imports", "config + model inspection", "engine + worker spawn", "compile", "capture",
           "load + KV cache + API")
+MEASURES = ("ready_wall_s", "ready_cpu_s", "first_answer_wall_s", "first_answer_cpu_s")
 _STAMP = re.compile(r"^\((\w+) pid=\d+\) \w+ (\d\d-\d\d \d\d:\d\d:\d\d) ")
 #: The server's own lines that mark a phase (vllm-cpu 0.32.0: cpu_model_runner.py:68, :87, :91).
 _MARKS = {"loading": "Starting to load model", "warmup": "Warming up model for the compilation",
           "warmed": "Warming up done"}
+_TIMEOUT_S = 1200.0
 
 
 def phases(log: str, started: float, ready: float) -> dict[str, float]:
@@ -75,54 +94,117 @@ def phases(log: str, started: float, ready: float) -> dict[str, float]:
     return {name: max(0.0, value) for name, value in split.items()}
 
 
-def start(server: vllm_cpu.VllmCpu, node: Path, args: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
-    """One start on ``node`` (the tests' ``serving``): seconds to ready, then its phases from its log."""
+def env_of(server: vllm_cpu.VllmCpu, variant: str, node: Path) -> dict[str, str]:
+    """The server's environment for ``variant`` on ``node``: vLLM's defaults today, capture's settings restored."""
+    env = server.env(node)
+    env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
+    if variant in TODAY:
+        env.pop("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS")  # torch's default: on
+        env["JITWARM_VLLM_PLUGIN"] = "0"  # inert: vLLM as users run it (the variable stays: a compile factor)
+    return env
+
+
+def first_request(port: int, model: Path) -> str | None:
+    """A completion with logprobs (what compiles vLLM's logprobs op at first use); which one was answered.
+
+    vllm-cpu 0.32.0 with ``-O0`` answered both with HTTP 500 here: then there is no first answer (None).
+    """
+    for extra, what in (({"logprobs": 5}, "logprobs"), ({}, "plain")):
+        body = json.dumps({"model": str(model), "prompt": "Hello", "max_tokens": 8, "temperature": 0,
+                           **extra}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as response:  # noqa: S310 - loopback
+                json.loads(response.read())
+                return what
+        except urllib.error.HTTPError as exc:
+            print(f"  the first request ({what}) answered HTTP {exc.code}", file=sys.stderr, flush=True)
+    return None
+
+
+def start(server: vllm_cpu.VllmCpu, node: Path, env: dict[str, str],
+          args: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, float]]:
+    """One start on ``node``: its :data:`MEASURES` (wall and CPU to ready, to the first answer) and its phases."""
     node.mkdir(parents=True, exist_ok=True)
+    port = vllm_cpu.free_port()
+    (node / "server.log").unlink(missing_ok=True)
     began = time.time()
-    with vllm_cpu.serving(server, node, args=args) as (port, ready_s):
-        vllm_cpu.complete(port, server.model)
-    return ready_s, phases((node / "server.log").read_text(errors="replace"), began, began + ready_s)
+    proc = ServerProcess.start([*server.serve(port), *args], env, node / "server.log")
+    try:
+        while not answers(f"http://127.0.0.1:{port}/health"):
+            if proc.exited() is not None or time.monotonic() - proc.started > _TIMEOUT_S:
+                raise RuntimeError("vllm serve did not get ready:\n" + "\n".join(proc.tail(40)))
+            time.sleep(0.1)
+        ready = {"ready_wall_s": time.monotonic() - proc.started, "ready_cpu_s": cpu_seconds(proc.proc.pid)}
+        answered = first_request(port, server.model)
+        ready.update(first_answer_wall_s=time.monotonic() - proc.started if answered else float("nan"),
+                     first_answer_cpu_s=cpu_seconds(proc.proc.pid) if answered else float("nan"),
+                     first_request_logprobs=answered == "logprobs")
+    finally:
+        proc.stop()
+    log = (node / "server.log").read_text(errors="replace")
+    return ready, phases(log, began, began + ready["ready_wall_s"])
 
 
-def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> tuple[list[dict], list[dict], dict]:
-    """The four variants, alternating; rows of medians and of median phases, and prestart's own times."""
+def starts(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int, samples: Path | None = None,
+           variants: tuple[str, ...] = VARIANTS) -> tuple[list[dict], list[dict], dict]:
+    """The four variants, interleaved; rows of medians (and ratios), rows of median phases, prestart's times.
+
+    ``samples``: each start's measures appended there as one JSON line as soon as it is over (a long run that is
+    cut short keeps its rounds).
+    """
     golden = scratch / "capture"
     t0 = time.perf_counter()
     done = server.jitwarm("capture", "--manifest", str(scratch / "m.jsonl"), "--export", str(scratch / "b.tar"),
-                          "--", *server.serve(vllm_cpu.free_port()), env=server.env(golden))
+                          "--", *server.serve(vllm_cpu.free_port()), env=env_of(server, "jitwarm restored", golden))
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     capture_s = time.perf_counter() - t0
     warm_root = scratch / "warm-root"
-    start(server, warm_root)  # vLLM's own root, filled once by a start of the same server
+    if "vllm warm restart" in variants:
+        start(server, warm_root, env_of(server, "vllm warm restart", warm_root))  # vLLM's own root, filled once
     seen: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    split: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     prestart_s: list[float] = []
 
     def run(name: str, r: int) -> float:
-        node = scratch / f"{name.replace(' ', '-')}-{r}"
-        argv: tuple[str, ...] = ()
-        if name == "vllm warm root":
-            node = warm_root
-        elif name == "jitwarm restored":
+        node = warm_root if name == "vllm warm restart" else scratch / f"{name.replace(' ', '-')}-{r}"
+        env = env_of(server, name, node)
+        if name in ("jitwarm restored", "eager floor"):
             t = time.perf_counter()
             pre = server.jitwarm("prestart", "--manifest", str(scratch / "m.jsonl"), "--bundle",
-                                 str(scratch / "b.tar"), "--offline", env=server.env(node))
-            prestart_s.append(time.perf_counter() - t)
+                                 str(scratch / "b.tar"), "--offline", env=env)
+            if name == "jitwarm restored":
+                prestart_s.append(time.perf_counter() - t)
             if pre.returncode != 0:
                 raise RuntimeError(pre.stderr)
-        elif name == "eager floor":
-            argv = ("-O0",)
-        seconds, split = start(server, node, argv)
-        seen[name].append(split)
-        return seconds
+        measured, phase = start(server, node, env, ("-O0",) if name == "eager floor" else ())
+        seen[name].append(measured)
+        split[name].append(phase)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items()), file=sys.stderr, flush=True)
+        if samples is not None:
+            with open(samples, "a") as f:
+                f.write(json.dumps({"round": r, "start": name, **measured, "phases": phase}) + "\n")
+        if name != "vllm warm restart":
+            shutil.rmtree(node, ignore_errors=True)
+        return measured["ready_cpu_s"]
 
-    walls = alternate({name: (lambda r, n=name: run(n, r)) for name in VARIANTS}, rounds)
-    cold = statistics.median(walls["cold"])
-    rows = [{"start": name, "ready_median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs),
-             "n": len(xs), "x_faster_than_cold": cold / statistics.median(xs)} for name, xs in walls.items()]
-    phase_rows = [{"start": name, **{p: statistics.median(s[p] for s in seen[name]) for p in PHASES}}
-                  for name in VARIANTS]
-    extra = {"capture_s": capture_s, "prestart_median_s": statistics.median(prestart_s) if prestart_s else None}
+    alternate({name: (lambda r, n=name: run(n, r)) for name in variants}, rounds)
+    med = {name: {m: statistics.median(s[m] for s in seen[name]) for m in MEASURES} for name in variants}
+
+    def ratio(name: str, of: str) -> float | None:
+        return med[name]["ready_cpu_s"] / med[of]["ready_cpu_s"] if of in med else None
+
+    rows = [{"start": name, **med[name], "n": len(seen[name]),
+             "ready_cpu_min_s": min(s["ready_cpu_s"] for s in seen[name]),
+             "ready_cpu_max_s": max(s["ready_cpu_s"] for s in seen[name]),
+             "cpu_x_of_warm_restart": ratio(name, "vllm warm restart"), "cpu_x_of_floor": ratio(name, "eager floor")}
+            for name in variants]
+    phase_rows = [{"start": name, **{p: statistics.median(s[p] for s in split[name]) for p in PHASES}}
+                  for name in variants]
+    extra = {"capture_s": capture_s, "prestart_median_s": statistics.median(prestart_s) if prestart_s else None,
+             "samples": seen}
     return rows, phase_rows, extra
 
 
@@ -182,9 +264,10 @@ def restore(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-starts", action="store_true")
     ap.add_argument("--skip-restore", action="store_true")
+    ap.add_argument("--only", action="append", choices=VARIANTS, help="run only these starts (repeatable)")
     ap.add_argument("--out")
     args = ap.parse_args()
     venv = vllm_cpu.install()
@@ -194,8 +277,11 @@ def main() -> int:
         assert server.venv == venv
         sections, extra = {}, {}
         if not args.skip_starts:
-            rows, phase_rows, extra = starts(server, scratch, args.rounds)
-            sections["time to /health 200 (s)"] = rows
+            out = Path(args.out or ROOT / "bench" / "results")
+            out.mkdir(parents=True, exist_ok=True)
+            rows, phase_rows, extra = starts(server, scratch, args.rounds, out / "real_server.samples.jsonl",
+                                             tuple(args.only or VARIANTS))
+            sections["medians: wall and CPU seconds to /health 200 and to the first answer"] = rows
             sections["phases, medians (s; whole seconds from the server's log)"] = phase_rows
         if not args.skip_restore:
             sections["restore of a 1 GiB unit tree"] = restore(server, scratch, max(3, args.rounds))

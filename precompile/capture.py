@@ -4,8 +4,10 @@ The server runs with jitwarm's plugin named as the documented pod names it (``VL
 (``JITWARM_RECORD``) into a file beside the manifest, with private, empty cache directories for every JIT library
 its room knows: every unit of the start is this start's, whatever the caller's disk holds. The start is over when
 the server's own process answers its health endpoint and the plugin wrote the start-up ledger (``JITWARM_LEDGER``).
-Then the group is stopped, every recorded unit is checked stored and verified in the cache, and only then are the
-bundle and the manifest written (the manifest by one rename): a capture cut short leaves neither.
+Then capture sends the first requests (:mod:`~jitwarm.precompile.warm_requests`: what the server compiles on first
+use), stops the group (the plugin stores what they compiled and writes the ledger again, ``ledger.stop.json``),
+checks every recorded unit stored and verified in the cache, and only then writes the bundle and the manifest (the
+manifest by one rename): a capture cut short leaves neither.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
-from jitwarm.precompile import servers
+from jitwarm.precompile import servers, warm_requests
 from jitwarm.precompile.capture_node import census, private_env, unrecorded
 from jitwarm.precompile.coverage import keys_of, open_cache, plan_coverage
+from jitwarm.precompile.ledger import stop_path, stop_request_path
 from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
 from jitwarm.precompile.plan import WarmPlan
 from jitwarm.precompile.server_process import (
@@ -93,7 +96,17 @@ def server_env(room: Any, base: Mapping[str, str], record: Path, ledger: Path, c
     env["JITWARM_RECORD"] = str(record)
     env.setdefault("JITWARM_LEDGER", str(ledger))
     env["JITWARM_CACHE_DIR"] = str(cache_root)  # the store capture checks, whatever the environment's default
+    for name, value in getattr(room, "CAPTURE_ENV", {}).items():  # the room's settings for a restorable start,
+        env.setdefault(name, value)  # recorded (:func:`recorded_env`); a value the caller set is kept
     return env
+
+
+def recorded_env(room: Any, env: Mapping[str, str]) -> dict[str, str]:
+    """What the capture record keeps of the server's environment: the plugin variable and the room's settings.
+
+    The restored server must run with the same (``next_step`` says so; the room's ``unloadable`` warns).
+    """
+    return {name: env[name] for name in (room.PLUGINS_ENV, *getattr(room, "CAPTURE_ENV", {})) if name in env}
 
 
 class Progress:
@@ -178,6 +191,10 @@ class Captured:
     #: ``library unit`` of each unit the start wrote that the plugin did not record (said as a warning).
     unrecorded: list[str]
     digest: str | None = None
+    #: The ledger the plugin wrote when the server stopped (``after_ready``: what the first requests compiled).
+    stop_ledger: dict[str, Any] | None = None
+    #: How many first requests were sent (:mod:`~jitwarm.precompile.warm_requests`).
+    warm_requests: int = 0
 
 
 def server_log_path(manifest: Path) -> Path:
@@ -200,8 +217,9 @@ def _claim_record_file(manifest: Path) -> Path:
 
 
 def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float, export: str | None = None,
-            log: IO[str] = sys.stderr) -> Captured:
-    """Run the server line ``argv`` once on a clean node, recording; stop it; check; write ``export``, ``manifest``.
+            log: IO[str] = sys.stderr,
+            requests: Sequence[warm_requests.WarmRequest] = warm_requests.DEFAULT) -> Captured:
+    """Run ``argv`` once on a clean node, recording; send ``requests``; stop it; check; write the bundle, manifest.
 
     Every recorded unit must be stored and verified before the bundle ``export`` (if any) and then ``manifest`` are
     written. Raises ServerFailed, UsageError, or Interrupted (the server's group stopped first).
@@ -243,16 +261,17 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
             server.stop()
             _say_failure(server, log)
             raise
+        request_warnings = _send_first_requests(server, url, requests, log)
+        request_warnings += _ask_for_stop_ledger(server, room, ledger)
         server.stop()
+        stop_request_path(ledger).unlink(missing_ok=True)
         warnings, failures = _plugin_lines(server_log)
         if failures:
             raise ServerFailed(f"jitwarm's plugin could not record the start: {failures[0].removeprefix('jitwarm: ')}"
                                f" ({len(failures)} such lines in {server_log})")
-        try:
-            report = json.loads(ledger.read_text())
-        except (OSError, ValueError):
-            report = None
-        done = _check_stored(room, env, record, cache, ready_s, warnings, report, server_log)
+        report = _read_json(ledger)
+        done = _check_stored(room, env, record, cache, ready_s, [*request_warnings, *warnings], report, server_log)
+        done.stop_ledger, done.warm_requests = _read_json(stop_path(ledger)), len(requests)
         append_records(record, [capture_record(room.NAME, done.environment)])
         if export:
             done.digest = export_keys(cache, done.keys, export, manifest=record)  # the bundle carries it
@@ -267,6 +286,54 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
         _remove_tree(scratch)
         if watchdog is not None:
             watchdog.done()
+
+
+def _send_first_requests(server: ServerProcess, url: str, requests: Sequence[warm_requests.WarmRequest],
+                         log: IO[str]) -> list[str]:
+    """Send the first requests to the ready server; the lines of those it did not answer 2xx (warnings).
+
+    ServerFailed (the group stopped, its last lines said) when it stops answering or exits.
+    """
+    if not requests:
+        return []
+    print(f"jitwarm: capture: ready; sending {len(requests)} first requests (what the server compiles on first "
+          "use)", file=log, flush=True)
+    try:
+        failed = warm_requests.send(url, requests)
+    except OSError as exc:
+        server.stop()
+        _say_failure(server, log)
+        raise ServerFailed(f"the server stopped answering the first requests: {exc}") from None
+    _check_running(server, "while it answered the first requests")
+    return failed
+
+
+def _ask_for_stop_ledger(server: ServerProcess, room: Any, ledger: Path) -> list[str]:
+    """Ask the plugin for what the first requests compiled and the ledger at stop; wait for it (a warning if none).
+
+    Only where the room's plugin answers (``ANSWERS_STOP_REQUEST``); elsewhere the plugin writes it at exit.
+    """
+    if not getattr(room, "ANSWERS_STOP_REQUEST", False):
+        return []
+    done, stale = stop_path(ledger), _identity(stop_path(ledger))
+    stop_request_path(ledger).touch()
+    deadline = time.monotonic() + LEDGER_GRACE_S
+    while _identity(done) in (None, stale):
+        _check_running(server, "before jitwarm's plugin wrote the ledger at stop")
+        if time.monotonic() > deadline:
+            return [f"jitwarm's plugin did not write the ledger at stop ({done}) within {LEDGER_GRACE_S:g} s: what "
+                    "the first requests compiled may be missing from the capture"]
+        time.sleep(_POLL_S / 5)
+    return []
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, None when there is none."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _say_failure(server: ServerProcess, log: IO[str]) -> None:
@@ -315,8 +382,8 @@ def _check_stored(room: Any, env: Mapping[str, str], record: Path, cache: Any, r
     if missed:
         warnings = [*warnings, said]
     units = Counter(spec_of(r).backend.removesuffix("_cache") for r in records)
-    return Captured(units, sorted(keys.values()), ready_s, warnings, report, server_log,
-                    {room.PLUGINS_ENV: env[room.PLUGINS_ENV]}, missed)
+    return Captured(units, sorted(keys.values()), ready_s, warnings, report, server_log, recorded_env(room, env),
+                    missed)
 
 
 def _remove_tree(path: Path) -> None:
@@ -344,23 +411,31 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
     manifest = Path(args.manifest or "server.jsonl").absolute()
     if args.export:
         check_export_target(args.export)
+    requests = warm_requests.read(args.warm_requests) if args.warm_requests else warm_requests.DEFAULT
     cache = open_cache(args, writes=True)  # an unwritable root is said now, not after the server's start
     with stopping_signals():
-        done = capture(server_argv, manifest, cache=cache, timeout_s=args.timeout, export=args.export)
+        done = capture(server_argv, manifest, cache=cache, timeout_s=args.timeout, export=args.export,
+                       requests=requests)
     for line in done.warnings:
         print(f"jitwarm: warning: the server said: {line}", file=sys.stderr)
     compiled = None if done.ledger is None else done.ledger.get("compiled")
+    after = None if done.stop_ledger is None else done.stop_ledger.get("after_ready")
     nxt = next_step(manifest, args.export, done.digest, done.environment)
     if args.json:
         print(json.dumps({"ready_s": round(done.ready_s, 1), "manifest": str(manifest), "units": dict(done.units),
                           "entries": len(done.keys), "compiled": compiled, "export": args.export,
                           "sha256": done.digest, "warnings": done.warnings, "log": str(done.log),
                           "environment": done.environment, "unrecorded": done.unrecorded,
+                          "warm_requests": done.warm_requests, "compiled_after_ready": after,
                           "next": nxt[-1].strip()}))
         return EXIT_OK
     what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"
     print(f"jitwarm: captured {sum(done.units.values())} JIT cache units ({what}) from a start ready in "
           f"{done.ready_s:.1f}s; the {len(done.keys)} units {manifest} names are stored and verified in {cache.root}")
+    if isinstance(after, dict):
+        firsts = ", ".join(f"{name} {n}" for name, n in sorted((after.get("families") or {}).items()) if n)
+        print(f"jitwarm: the {done.warm_requests} first requests compiled {after.get('compiled')} more"
+              + (f" ({firsts}), captured too" if firsts else ""))
     print(f"jitwarm: the server's log: {done.log}")
     if args.export:
         print(f"jitwarm: exported {len(done.keys)} entries to {args.export} (sha256 {done.digest})")

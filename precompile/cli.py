@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "before the manifest")
             c.add_argument("--timeout", type=_timeout, default=1800.0, metavar="S",
                            help="deadline for the server's start (its health endpoint and jitwarm's ledger)")
+            p.add_argument("--warm-requests", type=path_flag, metavar="FILE",
+                           help="after ready, send these requests (JSON lines: {\"path\": ..., \"body\": ...}) "
+                                "instead of the built-in first requests, so what they compile is captured too")
         else:
             c.add_argument("--timeout", type=_timeout, default=900.0, metavar="S",
                            help="deadline for waiting on another process's build")

@@ -18,8 +18,9 @@ import os
 import stat
 import sys
 import threading
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,7 @@ def _write(report: LedgerReport, path: str | Path | None, phase: str, **extra: A
 
 
 _exit_hook: list[Any] = []
+_stop_writer: list[Any] = []
 
 
 def _at_exit(ledger: Ledger, ready: LedgerReport) -> None:
@@ -265,6 +267,46 @@ def _at_exit(ledger: Ledger, ready: LedgerReport) -> None:
 
     multiprocessing.util.Finalize(None, write_at_exit, exitpriority=100)
     atexit.register(write_at_exit)
+    _stop_writer.append(write_at_exit)
+
+
+def stop_request_path(path: str | Path) -> Path:
+    """The file ``jitwarm capture`` makes to ask for the ledger at stop: ``ledger.json`` -> ``ledger.stop-request``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.stop-request")
+
+
+def answer_stop_request(store: Callable[[], Any], poll_s: float = 0.5) -> None:
+    """When :func:`stop_request_path` appears beside ``JITWARM_LEDGER``: ``store()``, then :func:`write_stop`.
+
+    ``jitwarm capture`` asks after its first requests and waits for the ledger at stop before it stops the server;
+    an operator may ask the same of a running server (``touch ledger.stop-request``). A daemon thread polls for
+    the file; nothing else happens unless it appears.
+    """
+    path = settings_path()
+    if path is None:
+        return
+    request = stop_request_path(path)
+
+    def wait() -> None:
+        while not request.exists():
+            time.sleep(poll_s)
+        try:
+            store()
+        except Exception as exc:  # noqa: BLE001 - a side job: the ledger is still written
+            log.warning("jitwarm: units at stop not stored: %s: %s", type(exc).__name__, exc)
+        write_stop()
+
+    threading.Thread(target=wait, name="jitwarm-stop-request", daemon=True).start()
+
+
+def write_stop() -> None:
+    """Write the ledger at stop now, once (nothing before the ready point).
+
+    Asked for before a stop, where the process may never exit in order (vLLM's worker is killed at once).
+    """
+    for write in _stop_writer:
+        write()
 
 
 def cmd_ledger(args: argparse.Namespace, plan: object = None) -> int:
@@ -307,7 +349,9 @@ def cmd_ledger(args: argparse.Namespace, plan: object = None) -> int:
             print(line)
         after = data.get("after_ready")
         if isinstance(after, dict):
-            print(f"jitwarm: ledger: compiled after ready: {after.get('compiled')}")
+            firsts = ", ".join(f"{name} {n}" for name, n in (after.get("families") or {}).items() if n)
+            print(f"jitwarm: ledger: compiled after ready: {after.get('compiled')}"
+                  + (f" ({firsts})" if firsts else ""))
         print(f"jitwarm: ledger: {args.path}: compiled {compiled} in all"
               + (f" ({data['phase']})" if data.get("phase") else ""))
     return EXIT_BUILD_FAILED if args.require_zero and compiled else EXIT_OK

@@ -4,9 +4,12 @@ One module fixture runs the operator's flow, each step a real process: ``jitwarm
 ``vllm serve`` once on an empty node; ``jitwarm prestart --offline`` restores the bundle on a fresh node; then
 Inductor's precompiled header (``$TMPDIR/torchinductor_<user>/precompiled_headers``) and one restored ``.so`` are
 deleted there, as a node whose ``/tmp`` was cleaned, and the server starts with ``JITWARM_LEDGER`` and a ``g++``
-first on its ``PATH`` that logs each call and runs the real compiler (the witness, which asks no library).
+first on its ``PATH`` that logs each call and runs the real compiler (the witness, which asks no library); it
+answers capture's first requests, then writes the ledger at stop when asked (its counts since the start).
 
-Inductor's own counters say "hit, no miss" for that start: the ledger must say what the witness saw.
+Inductor's own counters say "hit, no miss" for that start: the ledger must say what the witness saw. The server
+runs with Inductor's precompiled headers on (torch's default; capture turns them off unless given): the lost header
+is the case.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ import shutil
 
 import pytest
 import vllm_cpu as server
+from workers.capture_harness import wait_for
+
+from jitwarm.precompile import warm_requests
+from jitwarm.precompile.ledger import stop_path, stop_request_path
 
 #: A g++ first on PATH that logs each call, then runs the real one as it was called: argv[0] "g++" and PATH
 #: without this folder, so the compiler finds itself where it is and ``g++ -v`` (which Inductor keys its ISA
@@ -43,10 +50,12 @@ def lost(vllm_cpu, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_ledger")
     first, node = tmp / "capture-node", tmp / "fresh-node"
     manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
+    headers = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
     captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                                "--json", "--", *vllm_cpu.serve(server.free_port()), env=vllm_cpu.env(first))
+                                "--json", "--", *vllm_cpu.serve(server.free_port()),
+                                env=vllm_cpu.env(first, **headers))
     assert captured.returncode == 0, captured.stderr[-4000:]
-    env = vllm_cpu.env(node)
+    env = vllm_cpu.env(node, **headers)
     prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
                                 env=env)
     assert prestart.returncode == 0, prestart.stderr
@@ -63,12 +72,16 @@ def lost(vllm_cpu, tmp_path_factory):
     (bin_dir / "g++").write_text(WITNESS)
     (bin_dir / "g++").chmod(0o755)
     ledger = node / "ledger.json"
-    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
+    with server.serving(vllm_cpu, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness), **headers,
                         PATH=os.pathsep.join([str(bin_dir), env["PATH"]])) as (port, _):
         answer = server.complete(port, vllm_cpu.model)
-        at_ready = json.loads(ledger.read_text())
+        # capture's first requests too: the deleted .so may be a module only they load (the logprobs op's)
+        warm_requests.send(f"http://127.0.0.1:{port}/health", warm_requests.DEFAULT)
+        stop_request_path(ledger).touch()
+        wait_for("the ledger at stop", stop_path(ledger).is_file, 300)
+        since_start = json.loads(stop_path(ledger).read_text())
     gate = vllm_cpu.jitwarm("ledger", str(ledger), "--require-zero", env=env)
-    return {"node": node, "gch": gch, "so": so, "ledger": at_ready, "answer": answer, "gate": gate,
+    return {"node": node, "gch": gch, "so": so, "ledger": since_start, "answer": answer, "gate": gate,
             "witness": witness.read_text().splitlines() if witness.is_file() else [], "status": status,
             "status_before": status_before, "verify": verify, "log": (node / "server.log").read_text(errors="replace")}
 

@@ -142,14 +142,15 @@ def test_the_containers_have_their_own_home_and_share_only_the_volume(pod):
 
 def test_prestart_names_each_familys_destination_on_the_shared_volume(pod):
     restored = pod["prestart"]["restored"]
-    # vLLM's AOT tree (its rank directory, Inductor's units it redirected) and Inductor's precompiled header
+    # vLLM's AOT tree (its rank directory, Inductor's units it redirected); no precompiled header: capture ran
+    # with Inductor's precompiled headers off (TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS=0), as the pod runs
     assert pod["prestart"]["ready"] is True and restored["vllm_compile"]["placed"] >= 10, pod["prestart"]
-    assert restored["inductor"]["placed"] >= 1, pod["prestart"]
-    assert all(Path(fam["root"]).is_relative_to(pod["shared"]) for fam in restored.values()), restored
-    assert f"inductor: {restored['inductor']['placed']} unit(s) in {pod['shared']}/tmp/torchinductor_" \
-        in pod["prestart_err"]
+    assert restored.get("inductor", {}).get("placed", 0) == 0, pod["prestart"]
+    assert all(Path(fam["root"]).is_relative_to(pod["shared"]) for fam in restored.values() if fam.get("placed")), \
+        restored
+    assert f"vllm_compile: {restored['vllm_compile']['placed']} unit(s) in {pod['shared']}/vllm" in pod["prestart_err"]
     receipt = json.loads(Path(pod["prestart"]["receipt"]).read_text())
-    assert receipt["families"]["inductor"]["root"] == restored["inductor"]["root"]
+    assert receipt["families"]["vllm_compile"]["root"] == restored["vllm_compile"]["root"]
 
 
 def test_the_documented_pods_server_compiles_nothing(pod):

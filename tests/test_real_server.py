@@ -8,8 +8,9 @@ One module fixture runs the operator's flow, each step a real process, with noth
 2. ``jitwarm prestart --offline`` restores the bundle on a fresh node, run with the server's environment; and on
    two more nodes: one whose env factor differs (refused), one given vLLM's units alone (what prestart leaves);
 3. a real start on the fresh node with ``JITWARM_LEDGER`` loads vLLM's AOT artifact (jitwarm's plugin makes this
-   build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing up to its first answer: its log,
-   its ledger, the files;
+   build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing, neither up to ready nor at the
+   first requests capture sent (``precompile/warm_requests.py``: logprobs, chat, top-p/top-k, a batch): its log,
+   its ledgers at ready and at stop, the files, and a ``g++`` first on its ``PATH`` that logs every call (none);
 4. a cold start on an empty node answers the same requests as the restored one: greedy text and top logprobs equal.
 
 Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA graphs.
@@ -18,12 +19,18 @@ Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA gra
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import vllm_cpu as server
+from test_real_ledger import WITNESS
+from workers.capture_harness import wait_for
+
+from jitwarm.precompile import warm_requests
+from jitwarm.precompile.ledger import stop_path, stop_request_path
 
 #: What a library's cache may gain in a start that compiles nothing: Inductor's lock files (one per module
 #: loaded, codecache.py; they hold no code).
@@ -101,23 +108,40 @@ def flow(vllm_cpu, vllm_captured, tmp_path_factory):
     assert bare.returncode == 0, bare.stderr
     made = sorted(str(p.relative_to(tmp / "bare-node")) for p in (tmp / "bare-node").rglob("*"))
     before = cache_files(node)
-    ledger = node / "ledger.json"
-    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger)) as (port, ready_s):
+    ledger, witness, bin_dir = node / "ledger.json", tmp / "witness.log", tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "g++").write_text(WITNESS)
+    (bin_dir / "g++").chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), defaults.env(node)["PATH"]])
+    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
+                        PATH=path) as (port, ready_s):
+        at_ready = cache_files(node)
         answer = server.complete(port, defaults.model)
-        after = cache_files(node)
-        # Asked for logprobs, vLLM compiles its batched_count_greater_than at first use (v1/sample/ops/logprobs.py:10,
-        # torch.compile outside the model): after the start and its first plain request, so after the census above.
+        # what capture sent: vLLM compiles its logprobs op at first use (v1/sample/ops/logprobs.py:10)
+        unanswered = warm_requests.send(f"http://127.0.0.1:{port}/health", warm_requests.DEFAULT)
         answers = greedy(port, defaults.model)
+        after = cache_files(node)
+        stop_ledger = asked_stop_ledger(ledger)
     log = (node / "server.log").read_text(errors="replace")
     with server.serving(defaults, tmp / "cold-node") as (port, cold_s):
         cold = greedy(port, defaults.model)
     return {"tmp": tmp, "first": first, "node": node, "manifest": manifest, "bundle": bundle,
             "captured": json.loads(vllm_captured["stdout"]), "capture_err": vllm_captured["stderr"],
             "prestart": json.loads(restored.stdout), "prestart_err": restored.stderr, "other": other, "made": made,
-            "before": before, "after": after, "ledger": json.loads(ledger.read_text()), "answer": answer,
-            "answers": answers,
+            "before": before, "at_ready": at_ready, "after": after, "ledger": json.loads(ledger.read_text()),
+            "stop_ledger": stop_ledger, "answer": answer,
+            "answers": answers, "unanswered": unanswered,
+            "witness": witness.read_text().splitlines() if witness.is_file() else [],
             "cold": cold, "ready_s": ready_s, "cold_s": cold_s, "log": log,
             "cold_log": (tmp / "cold-node" / "server.log").read_text(errors="replace")}
+
+
+def asked_stop_ledger(ledger: Path) -> dict[str, Any]:
+    """The ledger at stop of the running server, asked for as capture asks (``ledger.stop-request``)."""
+    stop_request_path(ledger).touch()
+    done = stop_path(ledger)
+    wait_for("the ledger at stop", done.is_file, 300)
+    return json.loads(done.read_text())
 
 
 def records(flow) -> list[dict]:
@@ -126,10 +150,9 @@ def records(flow) -> list[dict]:
 
 
 def test_capture_runs_the_server_once_stores_every_unit_and_bundles_them(flow):
-    """The AOT tree (its rank directory, Inductor's units vLLM put in it), the model inspection, the header."""
+    """The AOT tree (its rank directory, Inductor's units vLLM put in it), the model inspection; no header."""
     done = flow["captured"]
     assert done["units"]["vllm_compile"] >= 10 and done["units"]["vllm_modelinfo"] == 1, done
-    assert done["units"]["inductor"] >= 1, done  # the precompiled header, in Inductor's own directory
     listed = records(flow)
     assert len(listed) == done["entries"] == sum(done["units"].values())
     assert all(r["kind"] == "jit_cache" and r["under"] == "vllm" for r in listed)
@@ -141,6 +164,19 @@ def test_capture_runs_the_server_once_stores_every_unit_and_bundles_them(flow):
     assert done["compiled"] > 0  # the control: the same server without a restore compiles (its own ledger)
     assert "waiting for http://127.0.0.1:" in flow["capture_err"]
     assert "cannot load its own AOT artifact" not in flow["capture_err"]  # the plugin makes it load
+    # Inductor's precompiled headers off (recorded): no 156 MB header to ship, no g++ -E at a restored start
+    assert done["environment"]["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+    assert not any(r["unit"].startswith("precompiled_headers/") for r in listed)
+
+
+def test_capture_sent_the_first_requests_and_captured_what_they_compiled(flow):
+    """The logprobs op compiled at the first request that asked for it, after ready: its units are in the
+    manifest, and the ledger the plugin wrote at stop says so, per family."""
+    done = flow["captured"]
+    assert done["warm_requests"] == len(warm_requests.DEFAULT), done
+    after = done["compiled_after_ready"]  # the plugin's ledger at stop, asked for by capture
+    assert {"inductor", "vllm_compile"} <= after["families"].keys(), after
+    assert not [w for w in done["warnings"] if "warm request" in w], done["warnings"]
 
 
 def test_every_unit_the_start_wrote_in_the_library_caches_is_a_captured_unit(flow):
@@ -173,9 +209,22 @@ def test_the_restored_start_loads_vllms_aot_artifact_and_compiles_nothing(flow):
     assert ledger["compiled"] == 0, ledger
     assert ledger["families"]["vllm_compile"]["served"] >= 1  # vLLM's own counter: its AOT artifact loaded
     assert ledger["families"]["vllm_modelinfo"]["present_at_start"] == 1
-    new = compiled({f: s for f, s in flow["after"].items() if flow["before"].get(f) != s})
+    new = compiled({f: s for f, s in flow["at_ready"].items() if flow["before"].get(f) != s})
     assert new == [], f"the restored start compiled: {new}"
     assert flow["answer"]["choices"][0]["text"] and flow["answer"]["usage"]["completion_tokens"] == 5
+
+
+def test_the_first_requests_on_the_restored_node_run_no_compiler_and_write_no_compiled_file(flow):
+    """The requests capture sent, sent again: no compiled file, no compiler process (``g++ -E`` included: the
+    precompiled headers are off at both ends), and the ledger at stop says nothing compiled after ready."""
+    assert flow["unanswered"] == []
+    new = compiled({f: s for f, s in flow["after"].items() if flow["before"].get(f) != s})
+    assert new == [], f"the first requests compiled: {new}"
+    # Only Inductor's questions to the compiler (cpp_builder.py: --version, -v): no compile, no preprocess
+    assert set(flow["witness"]) <= {"--version", "-v"}, flow["witness"]
+    stop = flow["stop_ledger"]
+    assert stop["phase"] == "stop" and stop["after_ready"]["compiled"] == 0, stop["after_ready"]
+    assert stop["compiled"] == 0 and stop["families"]["inductor"]["compiler_runs"] == 0, stop
 
 
 def test_the_restored_starts_outputs_are_a_cold_starts(flow):

@@ -79,7 +79,8 @@ class VllmCpu:
                 "JITWARM_CACHE_DIR": str(node / "jitwarm"), "HF_HOME": str(node / "hf"), "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "VLLM_USE_AOT_COMPILE": "0",
-                "VLLM_PLUGINS": "jitwarm", **extra}  # as the documented pod, and capture, set it (a compile factor)
+                # as the documented pod, and capture, set them (a compile factor; Inductor's headers off)
+                "VLLM_PLUGINS": "jitwarm", "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0", **extra}
 
     def serve(self, port: int) -> list[str]:
         """``vllm serve`` of the tiny model on loopback ``port``."""

@@ -7,10 +7,15 @@ set it starts the recorder and the ledger's snapshot, "compiles" by writing one 
 (``STAND_IN_UNIT`` under ``TORCHINDUCTOR_CACHE_DIR``), stores it (the recorder's ``capture()``) and writes the
 ledger (``JITWARM_LEDGER``); then ``/health`` answers 200 on 127.0.0.1 at the line's ``--port`` until SIGINT or
 SIGTERM. A forked "worker" sleeps in the same process group, as a server's scheduler or engine core does.
+``/v1/models`` lists ``stand-in/model``; each POST under ``/v1/`` is answered ``{}`` and noted; with
+``STAND_IN_FIRST_USE=1`` the first that asks for ``logprobs`` "compiles" a second unit (:data:`FIRST_USE_UNIT`), as
+vLLM's logprobs op does at first use; at the
+stopping signal the plugin's part runs again: the units stored, the ledger at stop written.
 
 ``STAND_IN_DIR`` (required) receives what the test reads back: ``pids.json`` (the server's and its worker's),
 ``env.json`` (the plugin variables it was started with), ``signals`` (one line per signal received, in order),
-``serving`` (written once /health answers). ``STAND_IN_MODE`` picks the behaviour:
+``serving`` (written once /health answers), ``requests.jsonl`` (each POST: its path and body).
+``STAND_IN_MODE`` picks the behaviour:
 
 - ``ok``: as above.
 - ``die``: prints :data:`DYING` and exits 3 before doing anything else.
@@ -50,6 +55,7 @@ from pathlib import Path
 DYING = "stand-in: out of memory loading the model, exiting 3"
 #: The unit written by default: one FX graph entry, a complete Inductor unit (tests/jit_cache_trees.py).
 DEFAULT_UNIT = "fxgraph/ab/fabc123/entry"
+FIRST_USE_UNIT = "fxgraph/cd/fcde456/entry"
 #: The worker: asleep until a signal of its group ends it (SIGINT's KeyboardInterrupt, or SIGTERM), then it
 #: takes ``argv[1]`` seconds to exit.
 #: The ``error_after_warning`` mode's error line, as vLLM logs one (its level first).
@@ -60,9 +66,29 @@ WORKER = "import sys, time\ntry:\n    time.sleep(600)\nexcept KeyboardInterrupt:
 
 class _Health(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # http.server's name for it
+        if self.path == "/v1/models":
+            self._answer(200, {"data": [{"id": "stand-in/model"}]})
+            return
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+    def do_POST(self) -> None:  # http.server's name for it
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        with open(Path(os.environ["STAND_IN_DIR"]) / "requests.jsonl", "a") as f:
+            f.write(json.dumps({"path": self.path, "body": body}) + "\n")
+        if "logprobs" in body and os.environ.get("STAND_IN_FIRST_USE") == "1":
+            unit = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / FIRST_USE_UNIT
+            unit.parent.mkdir(parents=True, exist_ok=True)
+            unit.write_bytes(b"the logprobs op's FX graph")
+        self._answer(200 if self.path.startswith("/v1/") else 404, {})
+
+    def _answer(self, status: int, data: object) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
     def log_message(self, format: str, *args: object) -> None:  # http.server's signature
         """Quiet: capture polls twice a second, and the log's last lines are for the server's own words."""
@@ -103,10 +129,13 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = subprocess.Popen([sys.executable, "-c", WORKER, "0.5" if mode == "orphan_worker" else "0"])
     stopping = threading.Event()
+    at_stop: list = []
 
     def on_signal(signum: int, frame: object) -> None:
         with open(out / "signals", "a") as f:
             f.write(f"{signal.Signals(signum).name}\n")
+        while at_stop:  # the plugin's part at the stopping signal (precompile/servers/vllm/plugin.py)
+            at_stop.pop()()
         if os.environ.get("STAND_IN_NOISY_STOP") == "1":
             print("Traceback (most recent call last):\nKeyboardInterrupt", *(f"stand-in: stopping, line {i}"
                                                                               for i in range(40)), sep="\n", flush=True)
@@ -140,6 +169,8 @@ def main() -> None:
         print(f"stand-in: stored {recorder.capture()} unit(s)", flush=True)
         if mode != "no_ledger":
             ledger.report_after_capture()
+            at_stop.extend([ledger.write_stop, recorder.capture])  # popped: the units first
+            ledger.answer_stop_request(recorder.capture)  # what the vLLM plugin does under capture
     time.sleep(float(os.environ.get("STAND_IN_DELAY", "0")))
     if mode != "never_ready":
         server = ThreadingHTTPServer(("127.0.0.1", port_of(sys.argv)), _Health)

@@ -199,18 +199,21 @@ def why_missed(root: Path, unit: str, present: Iterable[str]) -> str | None:
     return None
 
 
-def _loads() -> int | None:
-    """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: its counter not imported)."""
+def _loads(names: tuple[str, ...] = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")) -> int | None:
+    """The AOT artifacts and compiled graphs vLLM loaded from its cache so far (None: its counter not imported).
+
+    With ``("num_aot_compiles",)``: the models it AOT-compiled (``compilation/decorators.py:697``), a failed load
+    of a restored artifact among them although the tree gains no unit (the artifact file is there already).
+    """
     counter = getattr(sys.modules.get("vllm.compilation.counter"), "compilation_counter", None)
-    loads = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
-    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in loads)
+    return None if counter is None else sum(int(getattr(counter, name, 0)) for name in names)
 
 
 class Loads:
     """vLLM's own signal: its ``compilation_counter``'s artifacts loaded, noted at the ledger's start."""
 
     def __init__(self) -> None:
-        self.start = _loads()
+        self.start, self.compiles = _loads(), _loads(("num_aot_compiles",))
 
     def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
               new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount:
@@ -223,12 +226,15 @@ class Loads:
         for unit in sorted(fresh):
             why = why_missed(root, unit, present) if root is not None and present else None
             keys.append(f"{unit} ({why})" if why else unit)
-        loads = _loads()
+        loads, compiles = _loads(), _loads(("num_aot_compiles",))
         served = None if loads is None else loads - (self.start or 0)
+        recompiled = 0 if compiles is None else compiles - (self.compiles or 0)
+        if recompiled > len(fresh):
+            keys.append(f"{recompiled} AOT compile(s) (vLLM's compilation_counter.num_aot_compiles)")
         signal = ("vLLM's compilation_counter (artifacts loaded); compiled: new units in its tree" if loads is not None
                   else NO_SIGNAL)
-        return FamilyCount("vllm_compile", signal, served, len(fresh), tuple(keys), len(present) if root else None,
-                           str(root) if root else None)
+        return FamilyCount("vllm_compile", signal, served, max(len(fresh), recompiled), tuple(keys),
+                           len(present) if root else None, str(root) if root else None)
 
 
 LIBRARY = Library(*named("vllm_compile"), server_own, units, ("vllm", "torch", "triton", "arch"),

@@ -22,6 +22,14 @@ PLUGINS_ENV, DEFAULT_PORT, HEALTH = "VLLM_PLUGINS", 8000, "/health"
 LADDER_SOURCES = ("auto", "builtin", "vllm")
 SEALED = None  # vLLM has no JIT of its own to seal (:func:`seal`)
 TAP = None  # nor to record: its compiles go through Triton and Inductor
+#: Inductor's precompiled headers off (torch/_inductor/config.py ``cpp_cache_precompile_headers``), set by
+#: ``jitwarm capture`` unless given and recorded: with them on, every start that loads a C++ kernel runs ``g++ -E``
+#: on the header's include to key it (codecache.py ``_precompile_header``; 5 s of a restored start on the CPU box)
+#: and ships a 156 MB ``.gch``; off at both ends, a restored start runs no compiler process (docs/performance.md).
+CAPTURE_ENV = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+#: The plugin stores the first requests' units and writes the ledger at stop when capture asks
+#: (``ledger.answer_stop_request``): vLLM kills its worker at once on stop.
+ANSWERS_STOP_REQUEST = True
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given.
 OPTIONS: dict[str, str] = {
     "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_sizes": "--cudagraph-capture-sizes",

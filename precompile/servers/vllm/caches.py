@@ -15,6 +15,8 @@ from pathlib import Path
 #: vLLM's own cache root: always private to a capture (vLLM leaves it out of its compile key, ``envs.py``
 #: ``compile_factors``).
 CACHE_VARIABLES = ("VLLM_CACHE_ROOT",)
+#: Inductor's precompiled headers (torch/_inductor/config.py ``cpp_cache_precompile_headers``); see ``CAPTURE_ENV``.
+PCH_ENV = "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"
 
 
 def cache_root(environ: Mapping[str, str]) -> Path:
@@ -103,4 +105,29 @@ def unloadable(units: Mapping[str, list[str]]) -> list[str]:
     aot = [unit for unit in units.get(tree.name, ()) if unit.startswith(f"{vllm_compile.AOT}/")
            and tree.part(unit) is tree]  # a rank directory of the tree, not one of Inductor's units beside it
     why = aot_unloadable() if aot else None
-    return [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
+    said = [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
+    return said + headers_differ(units)
+
+
+def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why this node's Inductor runs a compiler although the restored C++ kernels are there.
+
+    The capture ran with precompiled headers off (no header among the units) and this node's are on, or the
+    other way round.
+
+    ``jitwarm capture`` turns them off (``CAPTURE_ENV``) and records it; the server must run with the same.
+    """
+    env = os.environ if environ is None else environ
+    kernels = [u for lib in ("inductor", "vllm_compile") for u in units.get(lib, ())
+               if "/inductor_cache/" in f"/{u}" and not {"fxgraph", "aotautograd"} & set(u.split("/"))
+               or lib == "inductor" and u.split("/", 1)[0] not in ("fxgraph", "aotautograd", "precompiled_headers")]
+    shipped = any(u.startswith("precompiled_headers/") for u in units.get("inductor", ()))
+    on = env.get(PCH_ENV, "1") == "1"  # torch's default (torch/_inductor/config.py)
+    if kernels and not shipped and on:
+        return [f"the restored C++ kernels were built with Inductor's precompiled headers off and this node's are "
+                f"on ({PCH_ENV} {'unset' if PCH_ENV not in env else repr(env[PCH_ENV])}): each start runs g++ on "
+                f"the header (and builds it, 156 MB); run the server with {PCH_ENV}=0, as capture did"]
+    if shipped and not on:
+        return [f"the restored Inductor precompiled headers are not used: this node's {PCH_ENV}=0 and the capture "
+                "ran with them on: capture again with the server's setting"]
+    return []

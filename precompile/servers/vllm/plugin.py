@@ -183,8 +183,24 @@ def _ready(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, *args, **kwargs)
         _store_units()
         plugins.report_ledger(log)
+        _answer_stop_request()
         return out
     return compile_or_warm_up_model
+
+
+def _answer_stop_request() -> None:
+    """Store the units and write the ledger at stop when asked (``ledger.answer_stop_request``), before a stop.
+
+    ``jitwarm capture`` asks after its first requests: vLLM's executor kills its worker at once on stop
+    (``mode=abort timeout=0s``, ``v1/executor/multiproc_executor.py``), and neither a signal handler nor atexit
+    got to write what those requests compiled.
+    """
+    try:
+        from jitwarm.precompile import ledger
+
+        ledger.answer_stop_request(_store_units)
+    except Exception as exc:
+        log.warning("jitwarm: capture's stop request not answered: %s: %s", type(exc).__name__, exc)
 
 
 def _runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
