@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers
-from jitwarm.precompile.capture_node import census, private_env, unrecorded
+from jitwarm.precompile.capture_node import census, private_env, store_beside, unrecorded
 from jitwarm.precompile.commands import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
 from jitwarm.precompile.plan import WarmPlan
@@ -252,6 +252,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
             report = json.loads(ledger.read_text())
         except (OSError, ValueError):
             report = None
+        append_records(record, store_beside(room, env, cache))  # Inductor's header outside an sglang's root
         done = _check_stored(room, env, record, cache, ready_s, warnings, report, server_log)
         append_records(record, [capture_record(room.NAME, done.environment)])
         if export:

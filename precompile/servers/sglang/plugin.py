@@ -7,8 +7,10 @@ or meeting the ranks in between, so a compile still in flight lands inside captu
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from jitwarm.cache import settings
@@ -29,6 +31,9 @@ CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cl
 #: Where the warm starts: the first thing a scheduler's model runner does, with ``server_args`` in hand and
 #: before ``initialize()`` loads the weights (model_runner.py:344, :499), so compiles overlap weight loading.
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+#: sglang's CPU graph runner (``--device cpu --enable-torch-compile``): one ``torch.compile`` per decode batch
+#: size, compiled at capture (cpu_graph_runner.py:95-133, :817): the CPU form of the ladder.
+CPU_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
 
 
 class _Plan(plugins.PlanMode):
@@ -72,6 +77,8 @@ def register() -> None:
             return
         for path in hooked:
             HookRegistry.register(f"{path}.capture_one", _around_capture_one, HookType.AROUND)
+        if _has(CPU_RUNNER, "capture_one_batch_size"):
+            HookRegistry.register(f"{CPU_RUNNER}.capture_one_batch_size", _around_cpu_capture, HookType.AROUND)
         _record_and_serve()
         plugins.begin_ledger(log, _loader_calls)
         HookRegistry.register(f"{MODEL_RUNNER}.init_cuda_graphs", _around_init_cuda_graphs, HookType.AROUND)
@@ -131,6 +138,65 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
     return graph
 
 
+def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``CPUGraphRunner.capture_one_batch_size``: the guard armed; on a restored node, compiles named.
+
+    Compiling is what a CPU graph's capture does (``torch.compile``), so only a node the restore filled (its
+    receipt in the jitwarm cache root) should compile nothing: there each Inductor compile is a warning, refused
+    under ``JITWARM_STRICT=1`` (the start stops, naming it).
+    """
+    from jitwarm.precompile import guard
+
+    with guard.capture_guard(), _restored_seal():
+        graph = original(runner, *args, **kwargs)
+    if _recorder is not None:  # as after a CUDA graph: a stopped server runs no atexit
+        _recorder.capture()
+    return graph
+
+
+class _CpuSeal:
+    """A compile during a CPU graph's capture on a restored node: logged (each once), refused under strict."""
+
+    def __init__(self) -> None:
+        from jitwarm.precompile.guard import ThirdPartySeal
+
+        strict = settings.is_strict()
+        self.seal = ThirdPartySeal(mode="error" if strict else "warn", when=lambda: True, log=log)
+        self.seal.refuse = self.refuse  # type: ignore[method-assign]
+        self.said: set[Any] = set()
+        self.strict = strict
+
+    def refuse(self, what: str, key: Any = None) -> None:
+        from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+        why = "the restore did not cover this graph: the node compiles it now"
+        if self.strict:
+            raise CompileDuringCaptureError(f"{what} during sglang's CPU graph capture on a restored node ({why})")
+        if (what, key) not in self.said:
+            self.said.add((what, key))
+            log.warning("jitwarm: %s during sglang's CPU graph capture on a restored node: %s; JITWARM_STRICT=1 "
+                        "refuses it", what, why)
+
+
+@contextlib.contextmanager
+def _restored_seal() -> Iterator[None]:
+    """:class:`_CpuSeal` for the block where this node was restored; nothing on a node that compiles its own."""
+    from jitwarm.kernels.libraries.jit_caches import receipt
+
+    if receipt.read(settings.cache_dir()) is None:
+        yield
+        return
+    cpu = _CpuSeal()
+    try:
+        cpu.seal.install()
+    except Exception as exc:  # the seal only watches: a failure to arm it never takes the capture away
+        plugins.failed(log, "arming the CPU capture seal", exc)
+    try:
+        yield
+    finally:
+        cpu.seal.remove()
+
+
 def _drain(backend: Any) -> None:
     """The capture hook or the plain drain, through ``backend``.
 
@@ -151,6 +217,17 @@ def _around_model_runner_init(original: Any, runner: Any, *args: Any, **kwargs: 
     except Exception as exc:
         plugins.failed(log, "starting the warm at model-runner start", exc)
     return original(runner, *args, **kwargs)
+
+
+def _has(path: str, method: str) -> bool:
+    """True when the class at ``path`` imports here and has ``method``."""
+    import pkgutil
+
+    try:
+        return callable(getattr(pkgutil.resolve_name(path), method, None))
+    except Exception as exc:  # noqa: BLE001 - absent or broken: not hooked
+        log.debug("jitwarm: %s not hooked (%s: %s)", path, type(exc).__name__, exc)
+        return False
 
 
 def _hookable(path: str) -> bool:
