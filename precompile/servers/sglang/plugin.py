@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,7 +144,7 @@ def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -
     """AROUND hook of ``CPUGraphRunner.capture_one_batch_size``: the guard armed; on a restored node, compiles named.
 
     Compiling is what a CPU graph's capture does (``torch.compile``), so only a node the restore filled (its
-    receipt in the jitwarm cache root) should compile nothing: there each Inductor compile is a warning, refused
+    receipt in the jitwarm cache root) should compile nothing: there each new C++ kernel is a warning, refused
     under ``JITWARM_STRICT=1`` (the start stops, naming it).
     """
     from jitwarm.precompile import guard
@@ -154,47 +156,65 @@ def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -
     return graph
 
 
-class _CpuSeal:
-    """A compile during a CPU graph's capture on a restored node: logged (each once), refused under strict."""
+def _restored() -> bool:
+    """True where a restore filled this node: its receipt is in the jitwarm cache root."""
+    from jitwarm.kernels.libraries.jit_caches import receipt
 
-    def __init__(self) -> None:
-        from jitwarm.precompile.guard import ThirdPartySeal
-
-        strict = settings.is_strict()
-        self.seal = ThirdPartySeal(mode="error" if strict else "warn", when=lambda: True, log=log)
-        self.seal.refuse = self.refuse  # type: ignore[method-assign]
-        self.said: set[Any] = set()
-        self.strict = strict
-
-    def refuse(self, what: str, key: Any = None) -> None:
-        from jitwarm.kernels.dispatch import CompileDuringCaptureError
-
-        why = "the restore did not cover this graph: the node compiles it now"
-        if self.strict:
-            raise CompileDuringCaptureError(f"{what} during sglang's CPU graph capture on a restored node ({why})")
-        if (what, key) not in self.said:
-            self.said.add((what, key))
-            log.warning("jitwarm: %s during sglang's CPU graph capture on a restored node: %s; JITWARM_STRICT=1 "
-                        "refuses it", what, why)
+    return receipt.read(settings.cache_dir()) is not None
 
 
 @contextlib.contextmanager
 def _restored_seal() -> Iterator[None]:
-    """:class:`_CpuSeal` for the block where this node was restored; nothing on a node that compiles its own."""
-    from jitwarm.kernels.libraries.jit_caches import receipt
+    """On a restored node, each new Inductor C++ kernel written during the block is named (refused under strict).
 
-    if receipt.read(settings.cache_dir()) is None:
+    Not each Inductor lowering: sglang's CPU runner freezes the weights into its graphs (``freezing=True``,
+    cpu_graph_runner.py:125), and Inductor lowers such a graph again at every start, warm or restored, writing a
+    new Python wrapper (it names the weights' addresses); its C++ kernels are found in the cache, nothing is
+    compiled. A kernel source the cache lacks (``codecache.write`` of a ``.cpp`` not there) is a compile.
+    """
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None or not callable(getattr(codecache, "write", None)) or not _restored():
         yield
         return
-    cpu = _CpuSeal()
+    from jitwarm.kernels.tap import replace
+
+    original, strict, said = codecache.write, settings.is_strict(), set()
+
+    def write(content: Any, extension: str, extra: str = "", hash_type: str = "code", specified_dir: str = "",
+              key: str | None = None) -> Any:
+        if extension.endswith("cpp"):
+            digest = key or codecache.get_hash(content.strip(), extra, hash_type)
+            path = codecache.get_path(digest, extension, specified_dir)[2]
+            if not os.path.exists(path):  # noqa: PTH110 - Inductor's own test (codecache.write)
+                _compiled_in_capture(f"Inductor C++ kernel {os.path.basename(path)}", strict, said)  # noqa: PTH119
+        return original(content, extension, extra, hash_type, specified_dir, key)
+
+    write.__wrapped__ = original  # type: ignore[attr-defined]
     try:
-        cpu.seal.install()
+        undo = replace(codecache, "write", write)
     except Exception as exc:  # the seal only watches: a failure to arm it never takes the capture away
         plugins.failed(log, "arming the CPU capture seal", exc)
+        undo = None
     try:
         yield
     finally:
-        cpu.seal.remove()
+        if undo is not None:
+            undo()
+
+
+def _compiled_in_capture(what: str, strict: bool, said: set[str]) -> None:
+    """A compile during a restored node's CPU graph capture: an error under strict, else a warning (once each)."""
+    from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+    why = "the restore did not cover this graph: the node compiles it now"
+    if strict:
+        raise CompileDuringCaptureError(what, f" (sglang's CPU graph capture on a restored node: {why})",
+                                        hint="Capture the server's line with this ladder (the same "
+                                             "--torch-compile-max-bs) and restore that bundle.")
+    if what not in said:
+        said.add(what)
+        log.warning("jitwarm: %s compiled during sglang's CPU graph capture on a restored node: %s; "
+                    "JITWARM_STRICT=1 refuses it", what, why)
 
 
 def _drain(backend: Any) -> None:
