@@ -8,6 +8,7 @@ or meeting the ranks in between, so a compile still in flight lands inside captu
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import logging
 import os
@@ -172,8 +173,17 @@ def _restored_seal() -> Iterator[None]:
     new Python wrapper (it names the weights' addresses); its C++ kernels are found in the cache, nothing is
     compiled. A kernel source the cache lacks (``codecache.write`` of a ``.cpp`` not there) is a compile.
     """
-    codecache = sys.modules.get("torch._inductor.codecache")
-    if codecache is None or not callable(getattr(codecache, "write", None)) or not _restored():
+    if "torch" not in sys.modules or not _restored():
+        yield
+        return
+    # torch.compile imports Inductor at the first compile, inside the first (largest) graph's capture: the
+    # module the compile will import, imported now, so that graph is watched too.
+    try:
+        codecache = importlib.import_module("torch._inductor.codecache")
+    except Exception as exc:  # the seal only watches: a failure to arm it never takes the capture away
+        plugins.failed(log, "arming the CPU capture seal", exc)
+        codecache = None
+    if not callable(getattr(codecache, "write", None)):
         yield
         return
     from jitwarm.kernels.tap import replace
