@@ -37,6 +37,7 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 #: sglang's CPU graph runner (``--device cpu --enable-torch-compile``): one ``torch.compile`` per decode batch
 #: size, compiled at capture (cpu_graph_runner.py:95-133, :817): the CPU form of the ladder.
 CPU_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
+_WHY = "the restore did not cover this graph: the node compiles it now"
 
 
 class _Plan(plugins.PlanMode):
@@ -150,8 +151,18 @@ def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -
     """
     from jitwarm.precompile import guard
 
-    with guard.capture_guard(), _restored_seal():
+    named: list[str] = []
+    with guard.capture_guard(), _restored_seal(named):
         graph = original(runner, *args, **kwargs)
+    if named and settings.is_strict():
+        # Raised here, not inside the compile: sglang sets torch._dynamo.config.suppress_errors with
+        # --enable-torch-compile (srt/layers/attention/flashinfer_backend.py:71-73), which turns an error inside
+        # the compile into a silent eager fallback.
+        from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+        raise CompileDuringCaptureError(named[0], f" (sglang's CPU graph capture on a restored node: {_WHY}; "
+                                        f"{len(named)} such)", hint="Capture the server's line with this ladder "
+                                        "(the same --torch-compile-max-bs) and restore that bundle.")
     if _recorder is not None:  # as after a CUDA graph: a stopped server runs no atexit
         _recorder.capture()
     return graph
@@ -165,8 +176,8 @@ def _restored() -> bool:
 
 
 @contextlib.contextmanager
-def _restored_seal() -> Iterator[None]:
-    """On a restored node, each new Inductor C++ kernel written during the block is named (refused under strict).
+def _restored_seal(named: list[str]) -> Iterator[None]:
+    """On a restored node, each new Inductor C++ kernel written during the block is warned and added to ``named``.
 
     Not each Inductor lowering: sglang's CPU runner freezes the weights into its graphs (``freezing=True``,
     cpu_graph_runner.py:125), and Inductor lowers such a graph again at every start, warm or restored, writing a
@@ -188,7 +199,7 @@ def _restored_seal() -> Iterator[None]:
         return
     from jitwarm.kernels.tap import replace
 
-    original, strict, said = codecache.write, settings.is_strict(), set()
+    original = codecache.write
 
     def write(content: Any, extension: str, extra: str = "", hash_type: str = "code", specified_dir: str = "",
               key: str | None = None) -> Any:
@@ -196,7 +207,10 @@ def _restored_seal() -> Iterator[None]:
             digest = key or codecache.get_hash(content.strip(), extra, hash_type)
             path = codecache.get_path(digest, extension, specified_dir)[2]
             if not os.path.exists(path):  # noqa: PTH110 - Inductor's own test (codecache.write)
-                _compiled_in_capture(f"Inductor C++ kernel {os.path.basename(path)}", strict, said)  # noqa: PTH119
+                what = f"Inductor C++ kernel {os.path.basename(path)}"  # noqa: PTH119
+                named.append(what)
+                log.warning("jitwarm: %s compiled during sglang's CPU graph capture on a restored node: %s; "
+                            "JITWARM_STRICT=1 refuses it", what, _WHY)
         return original(content, extension, extra, hash_type, specified_dir, key)
 
     write.__wrapped__ = original  # type: ignore[attr-defined]
@@ -210,21 +224,6 @@ def _restored_seal() -> Iterator[None]:
     finally:
         if undo is not None:
             undo()
-
-
-def _compiled_in_capture(what: str, strict: bool, said: set[str]) -> None:
-    """A compile during a restored node's CPU graph capture: an error under strict, else a warning (once each)."""
-    from jitwarm.kernels.dispatch import CompileDuringCaptureError
-
-    why = "the restore did not cover this graph: the node compiles it now"
-    if strict:
-        raise CompileDuringCaptureError(what, f" (sglang's CPU graph capture on a restored node: {why})",
-                                        hint="Capture the server's line with this ladder (the same "
-                                             "--torch-compile-max-bs) and restore that bundle.")
-    if what not in said:
-        said.add(what)
-        log.warning("jitwarm: %s compiled during sglang's CPU graph capture on a restored node: %s; "
-                    "JITWARM_STRICT=1 refuses it", what, why)
 
 
 def _drain(backend: Any) -> None:
