@@ -263,6 +263,10 @@ def restore(server: vllm_cpu.VllmCpu, scratch: Path, rounds: int) -> list[dict]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["sglang"]:  # the sglang server: bench/real_server_sglang.py
+        import real_server_sglang
+
+        return real_server_sglang.main(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-starts", action="store_true")

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from jitwarm.cache.errors import EXIT_OK, JitwarmError, UsageError
 from jitwarm.precompile import servers, warm_requests
-from jitwarm.precompile.capture_node import census, private_env, unrecorded
+from jitwarm.precompile.capture_node import census, private_env, store_beside, unrecorded
 from jitwarm.precompile.coverage import keys_of, open_cache, plan_coverage
 from jitwarm.precompile.ledger import stop_path, stop_request_path
 from jitwarm.precompile.manifest import append_records, capture_record, read_manifest, spec_of
@@ -270,6 +270,7 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
             raise ServerFailed(f"jitwarm's plugin could not record the start: {failures[0].removeprefix('jitwarm: ')}"
                                f" ({len(failures)} such lines in {server_log})")
         report = _read_json(ledger)
+        append_records(record, store_beside(room, env, cache))  # Inductor's header outside an sglang's root
         done = _check_stored(room, env, record, cache, ready_s, [*request_warnings, *warnings], report, server_log)
         done.stop_ledger, done.warm_requests = _read_json(stop_path(ledger)), len(requests)
         append_records(record, [capture_record(room.NAME, done.environment)])

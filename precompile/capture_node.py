@@ -88,3 +88,21 @@ def unrecorded(room: Any, env: Mapping[str, str], records: Iterable[Mapping[str,
     names = [name for name in _families(env) if name != "triton"]
     return [f"{name} {unit}" for name, taken in snapshot(names, environ=env, dirs=dirs).items()
             for unit in taken.units if (name, unit) not in recorded]
+
+
+def store_beside(room: Any, env: Mapping[str, str], cache: Any) -> list[dict[str, Any]]:
+    """Store the units each library wrote outside its root, and return their records (units of no server).
+
+    Inductor writes its precompiled headers under ``$TMPDIR/torchinductor_<user>`` whatever
+    ``TORCHINDUCTOR_CACHE_DIR`` says (codecache.py ``_HEADER_DIR``): an sglang start, whose Inductor root is
+    ``$SGLANG_CACHE_DIR/inductor`` (srt/environ.py:2308-2336), puts its header there. Recorded under no server,
+    the restore puts each where the library's own default is on the node, which is where the library looks.
+    Where that folder is inside the root (vLLM's Inductor), the root's census has the units already: none here.
+    """
+    from jitwarm.kernels.libraries.jit_caches.backend import store
+    from jitwarm.kernels.libraries.jit_caches.census import beside
+    from jitwarm.precompile.manifest import unit_record
+
+    taken = beside(_families(env), environ=env, dirs=room.cache_dirs(env))
+    return [unit_record(store(snap.library, snap.root, unit, files, cache))
+            for snap in taken.values() for unit, files in snap.units.items()]

@@ -24,7 +24,7 @@ from jitwarm.kernels.libraries.jit_caches import fingerprint as fp
 from jitwarm.kernels.libraries.jit_caches import receipt
 from jitwarm.kernels.libraries.jit_caches.backend import mismatch, unit_of
 from jitwarm.kernels.libraries.jit_caches.census import library
-from jitwarm.kernels.libraries.jit_caches.receipt import FamilyRestore
+from jitwarm.kernels.libraries.jit_caches.receipt import FamilyRestore, same_path
 from jitwarm.kernels.libraries.jit_caches.units import placed_by
 from jitwarm.precompile import servers
 from jitwarm.precompile.plan import WarmPlan
@@ -115,7 +115,14 @@ def _note_restore(families: dict[str, FamilyRestore], spec: KernelSpec, placed: 
     files, _, under = unit_of(lib, spec)
     depth = 0 if spec.family == "." else len(Path(spec.family).parts)
     root = placed.dest if depth == 0 else placed.dest.parents[depth - 1]
-    fam = families.setdefault(lib.name, FamilyRestore(str(root), under))
+    fam = families.get(lib.name)
+    if fam is None or (under and not fam.under and not same_path(fam.root, str(root))):
+        # A family restored both under its server and beside it (Inductor's precompiled header in its own default
+        # $TMPDIR/torchinductor_<user>, its units in $SGLANG_CACHE_DIR/inductor): the receipt names the root the
+        # server's own check reads, the server's.
+        fam = families[lib.name] = FamilyRestore(str(root), under)
+    elif not same_path(fam.root, str(root)):
+        return  # beside the root the receipt names (above)
     fam.note(placed.outcome, lib.part(spec.family).commit_last(files)[-1])
 
 

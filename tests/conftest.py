@@ -302,3 +302,45 @@ def stand_in(tmp_path):
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def sglang_cpu(tmp_path_factory):
+    """A real sglang server's set (tests/sglang_cpu.py): the sglang wheel set, its serving set, the stand-ins, a
+    tiny model; ``install_seconds``: what the first ask spent installing."""
+    import sglang_cpu
+    import wheels
+
+    def prepare(path: Path) -> dict:
+        try:
+            return sglang_cpu.prepare(path)
+        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
+            return {"skip": str(exc)}
+
+    _, record = built_once(tmp_path_factory, "sglang-cpu", prepare)
+    if "skip" in record:
+        pytest.skip(f"sglang's CPU server cannot be installed here: {record['skip']}")
+    seconds = record.pop("install_seconds")
+    return sglang_cpu.SglangCpu(**{name: Path(value) for name, value in record.items()}, install_seconds=seconds)
+
+
+@pytest.fixture(scope="session")
+def sglang_captured(sglang_cpu, tmp_path_factory) -> dict:
+    """One ``jitwarm capture --export`` of the real sglang (CPU graphs of sizes 1..sglang_cpu.MAX_BS), once per run:
+    the node it ran on (``first``), its ``manifest``, ``bundle`` and server ``log``, and the capture's ``stdout``,
+    ``stderr`` and ``returncode``."""
+    import sglang_cpu as server
+    import vllm_cpu
+
+    def capture(path: Path) -> dict:
+        manifest, bundle = path / "server.jsonl", path / "kernels.tar"
+        proc = sglang_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout",
+                                  "1200", "--json", "--", *sglang_cpu.serve(vllm_cpu.free_port()),
+                                  env=sglang_cpu.env(path / "capture-node"))
+        return {"first": str(path / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
+                "log": str(path / "server.log"), "stdout": proc.stdout, "stderr": proc.stderr,
+                "returncode": proc.returncode, "max_bs": server.MAX_BS}
+
+    _, record = built_once(tmp_path_factory, "sglang-captured", capture)
+    assert record["returncode"] == 0, record["stderr"][-4000:]
+    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "log")}}

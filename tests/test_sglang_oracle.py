@@ -34,6 +34,9 @@ RAW_DEFAULTS: dict[str, Any] = {
     "tp_size": 1, "dp_size": 1, "attn_dp_size": 1, "enable_dp_attention": False, "gpu_memory_mb": None,
     "ragged_verify_mode": "static", "kv_capacity": None,
 }
+#: The ladder's inputs: the command line's, and the CPU graph runner's settings (the room's server_options).
+LADDER_DEFAULTS = {**RAW_DEFAULTS, "device": None, "enable_torch_compile": False, "torch_compile_max_bs": None}
+CPU = {"device": "cpu", "enable_torch_compile": True}
 SPEC_LADDER_128 = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 129, 8)]
 PLAIN_LADDER_128 = [1, 2, 4, 8, 12, *range(16, 129, 8)]
 DSPARK6 = {"speculative_algorithm": "DSPARK", "speculative_num_draft_tokens": 6, "ragged_verify_mode": "compact",
@@ -41,7 +44,7 @@ DSPARK6 = {"speculative_algorithm": "DSPARK", "speculative_num_draft_tokens": 6,
 
 
 def cfg(**settings: Any) -> dict[str, Any]:
-    return {**RAW_DEFAULTS, **settings}
+    return {**LADDER_DEFAULTS, **settings}
 
 
 # Named configs: the facts below are asserted on them, and they open the oracle grid.
@@ -84,6 +87,15 @@ NAMED: dict[str, dict[str, Any]] = {
                                ragged_verify_mode="Compact"),
     "bad_mode_without_algorithm": cfg(ragged_verify_mode="Compact"),
     "empty_after_alignment": cfg(cuda_graph_bs_decode=[1, 3], tp_size=4, attn_dp_size=2),
+    # sglang's CPU graph runner (--device cpu --enable-torch-compile): one torch.compile graph per size
+    "cpu_default": cfg(**CPU),
+    "cpu_max_bs_100": cfg(**CPU, torch_compile_max_bs=100),
+    "cpu_max_bs_2": cfg(**CPU, torch_compile_max_bs=2),
+    "cpu_no_padding": cfg(**CPU, torch_compile_max_bs=5, disable_cuda_graph_padding=True),
+    "cpu_list": cfg(**CPU, cuda_graph_bs_decode=[5, 1, 3]),
+    "cpu_pool_cut": cfg(**CPU, torch_compile_max_bs=8, max_running_requests=4),
+    "cpu_ignores_disable_cuda_graph": cfg(**CPU, torch_compile_max_bs=3, disable_cuda_graph=True),
+    "cpu_without_torch_compile": cfg(device="cpu"),
 }
 
 
@@ -243,6 +255,21 @@ def test_eagle_width_follows_steps_and_topk(native):
     assert "--speculative-num-steps" in named_error(native, "eagle_without_steps")
 
 
+def test_cpu_graph_runner_ladder_is_capped_by_torch_compile_max_bs(native):
+    """cuda_graph_hook.py:535-553 through memory_hook.py:208-231 and cpu_graph_runner.py:135-150, by sglang."""
+    def capture_bs(name: str) -> list[int]:
+        return native["grid"][list(NAMED).index(name)]["ok"]["capture_bs"]
+
+    assert capture_bs("cpu_default") == [*range(1, 17), *range(18, 31, 2), 32]
+    assert capture_bs("cpu_max_bs_100") == [*range(1, 17), *range(18, 31, 2), *range(32, 81, 4), 84, 92, 100]
+    assert capture_bs("cpu_max_bs_2") == [1, 2]
+    assert capture_bs("cpu_no_padding") == [1, 2, 3, 4, 5]
+    assert capture_bs("cpu_list") == [1, 3, 5]
+    assert capture_bs("cpu_pool_cut") == [1, 2, 3, 4]
+    assert capture_bs("cpu_ignores_disable_cuda_graph") == [1, 2, 3]
+    assert native["grid"][list(NAMED).index("cpu_without_torch_compile")]["ok"]["shapes"] == []
+
+
 def test_draft_tokens_without_an_algorithm_give_the_plain_ladder(native):
     out = named(native, "draft_tokens_without_algorithm")
     assert out["decode_bs"] == PLAIN_LADDER_128 and out["width"] == 1 and not out["compact"]
@@ -320,7 +347,7 @@ def _mirror(inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _diff(inputs, native_result, mirror_result) -> str:
     a, b = _comparable(native_result), _comparable(mirror_result)
-    settings = {k: v for k, v in inputs.items() if v != RAW_DEFAULTS[k]}
+    settings = {k: v for k, v in inputs.items() if v != LADDER_DEFAULTS[k]}
     if not isinstance(a, dict) or not isinstance(b, dict):
         return f"{settings}: sglang {native_result}, mirror {mirror_result}"[:600]
     fields = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}

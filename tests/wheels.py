@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from filelock import FileLock
@@ -74,10 +74,11 @@ def pip_install(packages: Sequence[str], target: Path) -> None:
               "--no-input", "--quiet", "--target", str(target), *packages], f"pip install {packages[0]} (--no-deps)")
 
 
-def run_step(command: Sequence[str], what: str) -> None:
+def run_step(command: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> None:
     """Run one install step, or :class:`WheelUnavailable` saying ``what`` failed, with the tool's last error line."""
     try:
-        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=PIP_TIMEOUT)
+        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=PIP_TIMEOUT,
+                              env=None if env is None else dict(env))
     except subprocess.TimeoutExpired:
         raise WheelUnavailable(f"{what} did not finish within {PIP_TIMEOUT} s") from None
     if proc.returncode != 0:

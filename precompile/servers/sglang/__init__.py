@@ -26,7 +26,10 @@ LADDER_SOURCES = ("auto", "builtin", "sglang")
 SEALED = "sglang load_jit"
 #: The module whose ``TAP`` and ``recording(add)`` record sglang's ``load_jit`` calls (the recorder subscribes).
 TAP = "jitwarm.precompile.servers.sglang.loader"
-OPTIONS: dict[str, str] = {}  # every sglang setting jitwarm reads has a ServingConfig field
+#: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given: the
+#: CPU graph runner's (rules.OPTION_KEYS).
+OPTIONS: dict[str, str] = {"device": "--device after --", "enable_torch_compile": "--enable-torch-compile after --",
+                           "torch_compile_max_bs": "--torch-compile-max-bs after --"}
 #: sglang's model classes that run jitwarm's families: the DSV4 target (srt/models/deepseek_v4.py:4633), its
 #: MTP draft (deepseek_v4_nextn.py:243) and its DSpark draft (deepseek_v4_dspark.py:685).
 DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMNextN", "DeepseekV4ForCausalLMDSpark"})

@@ -17,7 +17,7 @@ from jitwarm.cache import files
 from jitwarm.precompile.servers import command_line
 from jitwarm.precompile.servers.command_line import ServerArgvError, converted, values_after
 from jitwarm.precompile.servers.sglang import LAUNCHERS, VERSION
-from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, VERIFY_MODE_ENV
+from jitwarm.precompile.servers.sglang.rules import INPUT_KEYS, OPTION_KEYS, VERIFY_MODE_ENV
 
 #: dest -> how its value is converted; every other option is parsed (so its values are skipped) and dropped.
 CAPTURE_DESTS = {
@@ -27,6 +27,7 @@ CAPTURE_DESTS = {
     "speculative_eagle_topk": "int", "speculative_dspark_block_size": "int", "max_running_requests": "int",
     "tp_size": "int", "dp_size": "int", "attn_dp_size": "int", "enable_dp_attention": "flag",
     "config": "str", "model_path": "str",
+    "device": "str", "enable_torch_compile": "flag", "torch_compile_max_bs": "int",
 }
 
 # `python -m sglang.launch_server ...`, `sglang serve ...`: the program and module or subcommand come first.
@@ -139,4 +140,6 @@ def _to_inputs(values: dict[str, Any]) -> dict[str, Any]:
             raise ServerArgvError(f"--speculative-num-draft-tokens {draft} must equal "
                                   f"--speculative-dspark-block-size + 1 = {block + 1} (sglang rejects it)")
         values["speculative_num_draft_tokens"] = block + 1
-    return {k: v for k, v in values.items() if k in INPUT_KEYS or k == "model_path"}
+    options = {k: values.pop(k) for k in OPTION_KEYS if k in values}  # the room's own settings
+    inputs = {k: v for k, v in values.items() if k in INPUT_KEYS or k == "model_path"}
+    return {**inputs, "server_options": options} if options else inputs

@@ -40,7 +40,10 @@ def check(config: Any, *, resolve: bool) -> list[str]:
 
 def ladder_inputs(config: Any) -> dict[str, Any]:
     """The raw settings :func:`.rules.resolve` takes (the KV capacity unknown: a plan assumes it cuts nothing)."""
-    inputs = {name: getattr(config, name) for name in rules.INPUT_KEYS if name != "kv_capacity"}
+    inputs = {name: getattr(config, name) for name in rules.INPUT_KEYS
+              if name != "kv_capacity" and name not in rules.OPTION_KEYS}
+    options = json.loads(config.server_options) if config.server_options else {}
+    inputs.update({k: v for k, v in options.items() if k in rules.OPTION_KEYS} if isinstance(options, dict) else {})
     inputs.update(kv_capacity=None, cuda_graph_bs_decode=list(config.cuda_graph_bs_decode or ()) or None,
                   cuda_graph_config=json.loads(config.cuda_graph_config) if config.cuda_graph_config else None)
     if inputs["ragged_verify_mode"] not in rules.VERIFY_MODES:

@@ -75,6 +75,8 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
 
     # sglang's scoped context (runtime_context.py:1518-1540) carries this config to the runner code's reads.
     with use_context(create_context(record, role="scheduler")):
+        if cfg["device"] == "cpu":
+            return _resolve_cpu(cfg)
         decode = get_exec().graph.cuda_graph_config.decode
         if decode.backend == Backend.DISABLED:
             return {"source": OWN.source(), "shapes": [], "disabled": rules.decode_graph_config(cfg).get("why")}
@@ -122,6 +124,27 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
                 "shapes": shapes}
 
 
+def _resolve_cpu(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The CPU graph runner's ladder (``--device cpu``), inside the caller's sglang context.
+
+    cuda_graph_setup.py:731-736 makes the runner only with ``--enable-torch-compile``; its sizes are
+    cpu_graph_runner.py:135-150 ``get_batch_sizes_to_capture`` over the request pool.
+    """
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.cpu_graph_runner import get_batch_sizes_to_capture
+    from sglang.srt.runtime_context import get_exec, get_flags, get_parallel, get_schedule
+
+    if not get_flags().capture.enable_torch_compile:
+        return {"source": OWN.source(), "shapes": [], "disabled": rules.resolve(cfg).get("disabled")}
+    decode = get_exec().graph.cuda_graph_config.decode
+    max_running = get_schedule().max_running_requests
+    pool = _pool_size(KVCacheConfigurator, max_running, get_parallel().attn_dp_size, cfg["kv_capacity"], decode.bs)
+    capture_bs = get_batch_sizes_to_capture(SimpleNamespace(req_to_token_pool=SimpleNamespace(size=pool)))
+    return {"source": OWN.source(), "max_running_requests": max_running, "decode_max_bs": max(decode.bs),
+            "decode_bs": list(decode.bs), "capture_bs": capture_bs, "width": 1, "compact": False,
+            "shapes": [{"bs": bs, "graph_key": bs, "verify_lens": [1] * bs} for bs in reversed(capture_bs)]}
+
+
 def _server_args(cfg: Mapping[str, Any]) -> Any:
     """A ServerArgs record of these flags, with no model and no prefill graphs (they do not shape decode)."""
     from sglang.srt.model_executor.cuda_graph_config import parse_cuda_graph_config_arg
@@ -135,8 +158,9 @@ def _server_args(cfg: Mapping[str, Any]) -> Any:
         fields["cuda_graph_config"] = {phase: v for phase, v in parsed.items() if phase != "prefill"} or None
     # "dummy" is sglang's no-model path (pipeline.py:105-109). An explicit mem_fraction_static and prefill
     # max_bs keep handle_gpu_memory_settings from sizing memory by the model (memory_hook.py:233-343).
-    return ServerArgs(model_path="dummy", device="cuda", mem_fraction_static=0.9, disable_prefill_cuda_graph=True,
-                      cuda_graph_max_bs_prefill=4096, **fields)
+    cpu = {key: cfg[key] for key in ("enable_torch_compile", "torch_compile_max_bs") if cfg[key] is not None}
+    return ServerArgs(model_path="dummy", device=cfg["device"] or "cuda", mem_fraction_static=0.9,
+                      disable_prefill_cuda_graph=True, cuda_graph_max_bs_prefill=4096, **cpu, **fields)
 
 
 def _speculative_defaults(record: Any) -> None:

@@ -7,8 +7,13 @@ or meeting the ranks in between, so a compile still in flight lands inside captu
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import inspect
 import logging
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from jitwarm.cache import settings
@@ -30,6 +35,10 @@ CAPTURE_BACKENDS = tuple(f"sglang.srt.model_executor.runner_backend.{module}.{cl
 #: Where the warm starts: the first thing a scheduler's model runner does, with ``server_args`` in hand and
 #: before ``initialize()`` loads the weights (model_runner.py:344, :499), so compiles overlap weight loading.
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+#: sglang's CPU graph runner (``--device cpu --enable-torch-compile``): one ``torch.compile`` per decode batch
+#: size, compiled at capture (cpu_graph_runner.py:95-133, :817): the CPU form of the ladder.
+CPU_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
+_WHY = "the restore did not cover this graph: the node compiles it now"
 
 
 class _Plan(plugins.PlanMode):
@@ -73,6 +82,8 @@ def register() -> None:
             return
         for path in hooked:
             HookRegistry.register(f"{path}.capture_one", _around_capture_one, HookType.AROUND)
+        if _has(CPU_RUNNER, "capture_one_batch_size"):
+            HookRegistry.register(f"{CPU_RUNNER}.capture_one_batch_size", _around_cpu_capture, HookType.AROUND)
         _record_and_serve()
         plugins.begin_ledger(log, _loader_calls)
         HookRegistry.register(f"{MODEL_RUNNER}.init_cuda_graphs", _around_init_cuda_graphs, HookType.AROUND)
@@ -132,6 +143,90 @@ def _around_capture_one(original: Any, backend: Any, *args: Any, **kwargs: Any) 
     return graph
 
 
+def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``CPUGraphRunner.capture_one_batch_size``: the guard armed; on a restored node, compiles named.
+
+    Compiling is what a CPU graph's capture does (``torch.compile``), so only a node the restore filled (its
+    receipt in the jitwarm cache root) should compile nothing: there each new C++ kernel is a warning, refused
+    under ``JITWARM_STRICT=1`` (the start stops, naming it).
+    """
+    from jitwarm.precompile import guard
+
+    named: list[str] = []
+    with guard.capture_guard(), _restored_seal(named):
+        graph = original(runner, *args, **kwargs)
+    if named and settings.is_strict():
+        # Raised here, not inside the compile: sglang sets torch._dynamo.config.suppress_errors with
+        # --enable-torch-compile (srt/layers/attention/flashinfer_backend.py:71-73), which turns an error inside
+        # the compile into a silent eager fallback.
+        from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+        raise CompileDuringCaptureError(named[0], f" (sglang's CPU graph capture on a restored node: {_WHY}; "
+                                        f"{len(named)} such)", hint="Capture the server's line with this ladder "
+                                        "(the same --torch-compile-max-bs) and restore that bundle.")
+    if _recorder is not None:  # as after a CUDA graph: a stopped server runs no atexit
+        _recorder.capture()
+    return graph
+
+
+def _restored() -> bool:
+    """True where a restore filled this node: its receipt is in the jitwarm cache root."""
+    from jitwarm.kernels.libraries.jit_caches import receipt
+
+    return receipt.read(settings.cache_dir()) is not None
+
+
+@contextlib.contextmanager
+def _restored_seal(named: list[str]) -> Iterator[None]:
+    """On a restored node, each new Inductor C++ kernel written during the block is warned and added to ``named``.
+
+    Not each Inductor lowering: sglang's CPU runner freezes the weights into its graphs (``freezing=True``,
+    cpu_graph_runner.py:125), and Inductor lowers such a graph again at every start, warm or restored, writing a
+    new Python wrapper (it names the weights' addresses); its C++ kernels are found in the cache, nothing is
+    compiled. A kernel source the cache lacks (``codecache.write`` of a ``.cpp`` not there) is a compile.
+    """
+    if "torch" not in sys.modules or not _restored():
+        yield
+        return
+    # torch.compile imports Inductor at the first compile, inside the first (largest) graph's capture: the
+    # module the compile will import, imported now, so that graph is watched too.
+    try:
+        codecache = importlib.import_module("torch._inductor.codecache")
+    except Exception as exc:  # the seal only watches: a failure to arm it never takes the capture away
+        plugins.failed(log, "arming the CPU capture seal", exc)
+        codecache = None
+    if not callable(getattr(codecache, "write", None)):
+        yield
+        return
+    from jitwarm.kernels.tap import replace
+
+    original = codecache.write
+
+    def write(content: Any, extension: str, extra: str = "", hash_type: str = "code", specified_dir: str = "",
+              key: str | None = None) -> Any:
+        if extension.endswith("cpp"):
+            digest = key or codecache.get_hash(content.strip(), extra, hash_type)
+            path = codecache.get_path(digest, extension, specified_dir)[2]
+            if not os.path.exists(path):  # noqa: PTH110 - Inductor's own test (codecache.write)
+                what = f"Inductor C++ kernel {os.path.basename(path)}"  # noqa: PTH119
+                named.append(what)
+                log.warning("jitwarm: %s compiled during sglang's CPU graph capture on a restored node: %s; "
+                            "JITWARM_STRICT=1 refuses it", what, _WHY)
+        return original(content, extension, extra, hash_type, specified_dir, key)
+
+    write.__wrapped__ = original  # type: ignore[attr-defined]
+    try:
+        undo = replace(codecache, "write", write)
+    except Exception as exc:  # the seal only watches: a failure to arm it never takes the capture away
+        plugins.failed(log, "arming the CPU capture seal", exc)
+        undo = None
+    try:
+        yield
+    finally:
+        if undo is not None:
+            undo()
+
+
 def _drain(backend: Any) -> None:
     """The capture hook or the plain drain, through ``backend``.
 
@@ -152,6 +247,17 @@ def _around_model_runner_init(original: Any, runner: Any, *args: Any, **kwargs: 
     except Exception as exc:
         plugins.failed(log, "starting the warm at model-runner start", exc)
     return original(runner, *args, **kwargs)
+
+
+def _has(path: str, method: str) -> bool:
+    """True when the class at ``path`` imports here and has ``method``."""
+    import pkgutil
+
+    try:
+        return callable(getattr(pkgutil.resolve_name(path), method, None))
+    except Exception as exc:  # noqa: BLE001 - absent or broken: not hooked
+        log.debug("jitwarm: %s not hooked (%s: %s)", path, type(exc).__name__, exc)
+        return False
 
 
 def _hookable(path: str) -> bool:

@@ -24,10 +24,17 @@ INPUT_KEYS: Mapping[str, Any] = {
     "speculative_eagle_topk": None, "max_running_requests": None,
     "tp_size": 1, "dp_size": 1, "attn_dp_size": 1, "enable_dp_attention": False,
     "gpu_memory_mb": None, "ragged_verify_mode": "static", "kv_capacity": None,
+    "device": None, "enable_torch_compile": False, "torch_compile_max_bs": None,
 }
+#: ServerArgs fields no ServingConfig field holds: the room's own settings (``server_options``, :data:`.OPTIONS`).
+#: ``--device cpu --enable-torch-compile`` is sglang's CPU graph runner (cpu_graph_runner.py), whose ladder
+#: ``--torch-compile-max-bs`` caps (default 32: srt/arg_groups/fields/exec_.py:698-701).
+OPTION_KEYS = ("device", "enable_torch_compile", "torch_compile_max_bs")
+TORCH_COMPILE_MAX_BS = 32
 
-#: Inputs that are not ServerArgs fields: the device, the environment, the KV pool a server profiles at start-up.
-NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity")
+#: Inputs that are not ServingConfig fields: the device memory, the environment, the KV pool a server profiles at
+#: start-up, the room's own settings.
+NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity", *OPTION_KEYS)
 #: The variable sglang reads the verify mode from, and its values (srt/speculative/ragged_verify.py:19-27).
 VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 VERIFY_MODES = ("static", "cap-accept", "compact")
@@ -75,6 +82,8 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
     attn_dp = _checked_attention_dp(cfg)
+    if cfg["device"] == "cpu":
+        return _resolve_cpu(cfg, algorithm, attn_dp)
     decode = decode_graph_config(cfg)
     if decode.get("backend") == "disabled":
         return {"source": SOURCE, "disabled": decode["why"], "shapes": []}
@@ -109,6 +118,50 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max_bs,
             "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": compact,
             "shapes": graph_shapes(capture_bs, width, compact)}
+
+
+def _resolve_cpu(cfg: Mapping[str, Any], algorithm: str | None, attn_dp: int) -> dict[str, Any]:
+    """:func:`resolve` for ``--device cpu``: the CPU graph runner's ladder, one ``torch.compile`` graph per size.
+
+    The runner exists only with ``--enable-torch-compile``; ``--disable-cuda-graph`` does not stop it
+    (srt/model_executor/model_runner_components/cuda_graph_setup.py:731-736). A given decode list is the ladder
+    and sets ``torch_compile_max_bs`` to its max; else :func:`cpu_graph_batch_sizes` up to
+    ``--torch-compile-max-bs`` (srt/arg_groups/memory_hook.py:208-231). The runner drops sizes above the request
+    pool, appending nothing (cpu_graph_runner.py:135-150). The device memory is never read.
+    """
+    if not cfg["enable_torch_compile"]:
+        return {"source": SOURCE, "disabled": "--device cpu without --enable-torch-compile (sglang's CPU graph "
+                                              "runner is its torch.compile)", "shapes": []}
+    given = decode_graph_config({**cfg, "disable_cuda_graph": False, "disable_decode_cuda_graph": False})
+    max_running = cfg["max_running_requests"]
+    if algorithm is not None and HANDLERS[algorithm][1] is not None and max_running is None:
+        max_running = SPECULATIVE_MAX_RUNNING_REQUESTS
+    if given.get("bs") is not None:
+        bs_list = list(given["bs"])  # as given; the runner sorts its own copy (cpu_graph_runner.py:146)
+    else:
+        bs_list = cpu_graph_batch_sizes(cfg["torch_compile_max_bs"] or TORCH_COMPILE_MAX_BS,
+                                        no_padding=cfg["disable_cuda_graph_padding"])
+    pool = _pool_size(max_running, attn_dp, cfg["kv_capacity"])
+    capture_bs = sorted({bs for bs in bs_list if pool is None or bs <= pool})
+    if not capture_bs:
+        raise ResolutionError(f"no CPU graph batch size is within the request pool of {pool} (sglang asserts on "
+                              "an empty ladder: cpu_graph_runner.py:148)")
+    width = _draft_tokens(cfg, algorithm) if algorithm is not None else 1
+    return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max(bs_list),
+            "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": False,
+            "shapes": graph_shapes(capture_bs, width, False)}
+
+
+def cpu_graph_batch_sizes(max_bs: int, *, no_padding: bool) -> list[int]:
+    """The CPU graph ladder up to ``max_bs`` (cuda_graph_hook.py:535-553 ``generate_cpu_graph_batch_sizes``).
+
+    Every size to 16, then steps of 2 to 30, of 4 from 32 to 80, of 8 from 84, and the max; with
+    ``--disable-cuda-graph-padding`` every size to the max.
+    """
+    if no_padding:
+        return list(range(1, max_bs + 1))
+    sizes = {*range(1, 17), *range(18, 31, 2), *range(32, 81, 4), *range(84, max_bs + 1, 8), max_bs}
+    return sorted(bs for bs in sizes if bs <= max_bs)
 
 
 def builtin(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,7 +328,10 @@ def _verify_mode(cfg: Mapping[str, Any]) -> str:
 
 def reads_memory(inputs: Mapping[str, Any]) -> bool:
     """True when the device memory enters the resolution: no decode max or list is given (memory_hook.py:86-188)."""
-    decode = decode_graph_config({**INPUT_KEYS, **inputs})
+    cfg = {**INPUT_KEYS, **inputs}
+    if cfg["device"] == "cpu":
+        return False  # the CPU ladder is capped by --torch-compile-max-bs (memory_hook.py:208-231)
+    decode = decode_graph_config(cfg)
     return decode.get("backend") != "disabled" and decode.get("max_bs") is None and decode.get("bs") is None
 
 
