@@ -10,8 +10,8 @@ One module fixture runs the operator's flow, each step a real process, on the on
    and compiles nothing: its files, the witness, its ledger; it answers one request (the size-1 graph) and a batch
    of two (the size-2 graph);
 3. the same node started with one size more (``--torch-compile-max-bs 3``): exactly size 3 compiles, and
-   jitwarm's plugin names it during the capture, an error under ``JITWARM_STRICT=1`` (the start stops) and a
-   warning by default (the start serves);
+   jitwarm's plugin names it during the capture, a warning by default (the start serves); and a second restored
+   node started so under ``JITWARM_STRICT=1``: an error (the start stops);
 4. a start without the graphs (eager) answers the same requests: the restored graphs compute the model's tokens.
 """
 
@@ -101,11 +101,16 @@ def flow(sglang_cpu, sglang_captured, tmp_path_factory):
         got = answers(port)
         after = cache_files(node)
     log = (node / "server.log").read_text(errors="replace")
-    strict_code, strict_log = strict_start(sglang_cpu, node)
     with vllm_cpu.serving(sglang_cpu, node, timeout=1200,
                           args=("--torch-compile-max-bs", str(server_set.MAX_BS + 1))) as (port, _):
         warned = answers(port)
     warn_log = (node / "server.log").read_text(errors="replace")
+    # a node of its own: the warned start wrote size 3's kernels into this one
+    strict_node = tmp / "strict-node"
+    again = sglang_cpu.jitwarm("prestart", "--manifest", str(sglang_captured["manifest"]), "--bundle",
+                               str(sglang_captured["bundle"]), "--offline", env=sglang_cpu.env(strict_node))
+    assert again.returncode == 0, again.stderr
+    strict_code, strict_log = strict_start(sglang_cpu, strict_node)
     eager_node = tmp / "eager-node"
     with vllm_cpu.serving(dataclasses.replace(sglang_cpu, graphs=False), eager_node, timeout=1200) as (port, _):
         eager_answers = answers(port)
