@@ -96,7 +96,7 @@ def server_env(room: Any, base: Mapping[str, str], record: Path, ledger: Path, c
     env["JITWARM_RECORD"] = str(record)
     env.setdefault("JITWARM_LEDGER", str(ledger))
     env["JITWARM_CACHE_DIR"] = str(cache_root)  # the store capture checks, whatever the environment's default
-    for name, value in getattr(room, "CAPTURE_ENV", {}).items():  # the room's settings for a restorable start,
+    for name, value in room.CAPTURE_ENV.items():  # the room's settings for a restorable start,
         env.setdefault(name, value)  # recorded (:func:`recorded_env`); a value the caller set is kept
     return env
 
@@ -106,7 +106,7 @@ def recorded_env(room: Any, env: Mapping[str, str]) -> dict[str, str]:
 
     The restored server must run with the same (``next_step`` says so; the room's ``unloadable`` warns).
     """
-    return {name: env[name] for name in (room.PLUGINS_ENV, *getattr(room, "CAPTURE_ENV", {})) if name in env}
+    return {name: env[name] for name in (room.PLUGINS_ENV, *room.CAPTURE_ENV) if name in env}
 
 
 class Progress:
@@ -314,7 +314,7 @@ def _ask_for_stop_ledger(server: ServerProcess, room: Any, ledger: Path) -> list
 
     Only where the room's plugin answers (``ANSWERS_STOP_REQUEST``); elsewhere the plugin writes it at exit.
     """
-    if not getattr(room, "ANSWERS_STOP_REQUEST", False):
+    if not room.ANSWERS_STOP_REQUEST:
         return []
     done, stale = stop_path(ledger), _identity(stop_path(ledger))
     stop_request_path(ledger).touch()

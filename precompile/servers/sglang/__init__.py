@@ -26,6 +26,10 @@ LADDER_SOURCES = ("auto", "builtin", "sglang")
 SEALED = "sglang load_jit"
 #: The module whose ``TAP`` and ``recording(add)`` record sglang's ``load_jit`` calls (the recorder subscribes).
 TAP = "jitwarm.precompile.servers.sglang.loader"
+#: Nothing set for capture: Inductor's precompiled header is captured and restored beside sglang's root
+#: (``capture_node.store_beside``); the stop ledger is written by the plugin at exit, as capture reads it.
+CAPTURE_ENV: dict[str, str] = {}
+ANSWERS_STOP_REQUEST = False
 #: The room's own settings (``server_options`` keys) that no ServingConfig field holds -> how they are given: the
 #: CPU graph runner's (rules.OPTION_KEYS).
 OPTIONS: dict[str, str] = {"device": "--device after --", "enable_torch_compile": "--enable-torch-compile after --",
