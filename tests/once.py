@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
+from wheels import WheelUnavailable
 
 
 def once(base: Path, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
@@ -25,3 +26,14 @@ def once(base: Path, name: str, build: Callable[[Path], dict]) -> tuple[Path, di
             path.mkdir()
             record.write_text(json.dumps(build(path)), encoding="utf-8")
     return path, json.loads(record.read_text(encoding="utf-8"))
+
+
+def or_skip(prepare: Callable[[Path], dict]) -> Callable[[Path], dict]:
+    """``prepare`` as a build whose set cannot be installed records ``{"skip": why}``: every asker reads the skip
+    rather than trying the same install again."""
+    def build(path: Path) -> dict:
+        try:
+            return prepare(path)
+        except WheelUnavailable as exc:
+            return {"skip": str(exc)}
+    return build

@@ -30,7 +30,7 @@ import sglang_cpu  # noqa: E402
 import sglang_wheel  # noqa: E402
 import vllm_cpu  # noqa: E402
 import vllm_wheel  # noqa: E402
-from once import once  # noqa: E402
+from once import once, or_skip  # noqa: E402
 from wheels import WheelUnavailable  # noqa: E402
 
 #: In the order the suite first needs them: the oracle sets the most test files import, then the server venv the
@@ -62,24 +62,14 @@ def _server_captures(base: Path) -> None:
     A capture is a cold server start, the slowest setup of the run: made here, it runs while the workers run other
     tests, and the tests that restore it find it made instead of starting it on one worker while the other waits.
     """
-    _, prepared = once(base, "vllm-cpu", _or_skip(vllm_cpu.prepare))
+    _, prepared = once(base, "vllm-cpu", or_skip(vllm_cpu.prepare))
     if "skip" not in prepared:
         vllm = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
         once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(vllm, path))
-    _, prepared = once(base, "sglang-cpu", _or_skip(sglang_cpu.prepare))
+    _, prepared = once(base, "sglang-cpu", or_skip(sglang_cpu.prepare))
     if "skip" not in prepared:
         sglang = sglang_cpu.from_record(prepared)
         once(base, "sglang-captured", lambda path: sglang_cpu.capture_defaults(sglang, path))
-
-
-def _or_skip(prepare: Callable[[Path], dict]) -> Callable[[Path], dict]:
-    # As conftest records it: a set that cannot be installed is a skip every asker reads, not a build to retry.
-    def build(path: Path) -> dict:
-        try:
-            return prepare(path)
-        except WheelUnavailable as exc:
-            return {"skip": str(exc)}
-    return build
 
 
 def main(base: Path | None) -> int:

@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 import vllm_cpu as server
 import yaml
+from compiled_files import COMPILED_SUFFIXES
 
 from jitwarm.precompile.capture import ServerProcess, answers
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 VOLUME, BUNDLE_IN_IMAGE, GPU_ARCH = "/cache", "/opt/jitwarm/kernels.tar", "sm_90"
-#: Compiled artifacts (Inductor's modules, C++, precompiled headers, FX and AOTAutograd entries, vLLM's files).
-COMPILED_SUFFIXES = (".so", ".cpp", ".py", ".gch", ".h", ".json")
 
 
 def documented_pod() -> dict:

@@ -26,18 +26,13 @@ from typing import Any
 
 import pytest
 import vllm_cpu as server
+from compiled_files import compiled, files_under
 from test_real_ledger import WITNESS
 from workers.capture_harness import wait_for
 
 from jitwarm.precompile import warm_requests
 from jitwarm.precompile.ledger import stop_path, stop_request_path
 
-#: What a library's cache may gain in a start that compiles nothing: Inductor's lock files (one per module
-#: loaded, codecache.py; they hold no code).
-NOT_COMPILED = ("/locks/",)
-#: What is a compiled artifact: Inductor's modules and their C++ (.py/.cpp/.so), its precompiled headers and FX
-#: and AOTAutograd entries, vLLM's compile tree and model inspection.
-COMPILED_SUFFIXES = (".so", ".cpp", ".py", ".gch", ".h", ".json")
 #: The requests both starts answer, one at a time (a batch of one each: the same kernels, the same order).
 PROMPTS = ("Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there", "def main():")
 #: vLLM's own log lines: the artifact loaded (``compilation/decorators.py:320``), or its load failed (``:334``).
@@ -57,19 +52,7 @@ class Defaults(server.VllmCpu):
 
 def cache_files(node: Path) -> dict[str, int]:
     """Every file under the node's library caches (``VLLM_CACHE_ROOT``, Inductor's own, Triton's), with its size."""
-    roots = [node / "vllm", *(node / "tmp").glob("torchinductor_*"), node / "home" / ".triton"]
-    found = {}
-    for root in roots:
-        for path in root.rglob("*") if root.is_dir() else ():
-            if path.is_file():
-                found[str(path.relative_to(node))] = path.stat().st_size
-    return found
-
-
-def compiled(files: dict[str, int]) -> list[str]:
-    """The compiled artifacts among ``files`` (see :data:`COMPILED_SUFFIXES`)."""
-    return sorted(f for f in files if not any(part in f for part in NOT_COMPILED)
-                  and (f.endswith(COMPILED_SUFFIXES) or "/fxgraph/" in f or "/aotautograd/" in f))
+    return files_under(node, [node / "vllm", *(node / "tmp").glob("torchinductor_*"), node / "home" / ".triton"])
 
 
 def greedy(port: int, model: Path) -> list[dict[str, Any]]:

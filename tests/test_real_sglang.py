@@ -27,13 +27,11 @@ from pathlib import Path
 import pytest
 import sglang_cpu as server_set
 import vllm_cpu
+from compiled_files import compiled, files_under
 from test_real_ledger import WITNESS, compiles
 
 from jitwarm.precompile.capture import ServerProcess
 
-#: What a library's cache may gain in a start that compiles nothing: Inductor's lock files (they hold no code).
-NOT_COMPILED = ("/locks/",)
-COMPILED_SUFFIXES = (".so", ".cpp", ".py", ".gch", ".h", ".json")
 #: One request alone (the size-1 graph), then both in one batch (the size-2 graph).
 PROMPTS = ["Hello, my name is", "Once upon a time a server"]
 #: What the plugin says of a compile in a restored node's CPU graph capture (precompile/servers/sglang/plugin.py).
@@ -42,18 +40,7 @@ NAMED = "CPU graph capture on a restored node"
 
 def cache_files(node: Path) -> dict[str, int]:
     """Every file under the node's library caches (``SGLANG_CACHE_DIR``, ``$TMPDIR/torchinductor_*``), its size."""
-    found = {}
-    for root in [node / "sglang", *(node / "tmp").glob("torchinductor_*")]:
-        for path in root.rglob("*") if root.is_dir() else ():
-            if path.is_file():
-                found[str(path.relative_to(node))] = path.stat().st_size
-    return found
-
-
-def compiled(files: dict[str, int]) -> list[str]:
-    """The compiled artifacts among ``files``: Inductor's modules, their C++, headers, FX and AOTAutograd entries."""
-    return sorted(f for f in files if not any(part in f for part in NOT_COMPILED)
-                  and (f.endswith(COMPILED_SUFFIXES) or "/fxgraph/" in f or "/aotautograd/" in f))
+    return files_under(node, [node / "sglang", *(node / "tmp").glob("torchinductor_*")])
 
 
 def answers(port: int) -> dict[str, list[list[int]]]:
