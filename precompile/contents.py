@@ -95,6 +95,7 @@ def with_bundle(plan: WarmPlan, made: Mapping[str, Any] | None, where: str,
     for an ``about`` whose records are not records; nothing added without one.
     """
     from jitwarm.precompile.manifest import ManifestError, check_record, specs_of
+    from jitwarm.precompile.plan import captured_env
 
     if made is None:
         return plan
@@ -112,7 +113,8 @@ def with_bundle(plan: WarmPlan, made: Mapping[str, Any] | None, where: str,
     new = tuple(s for s in dict.fromkeys([*planned, *recorded]) if s not in plan.needed_by)
     before = plan.manifest or {"path": "", "records": 0, "other_targets": 0}
     manifest = {"path": ", ".join(p for p in (before["path"], f"bundle {where}") if p),
-                "records": before["records"] + len(records), "other_targets": before["other_targets"] + other}
+                "records": before["records"] + len(records), "other_targets": before["other_targets"] + other,
+                "captured_env": before.get("captured_env") or captured_env(records)}
     return replace(plan, specs=plan.specs + new, needed_by={**plan.needed_by, **{s: () for s in new}},
                    manifest=manifest)
 

@@ -49,13 +49,14 @@ def check_fingerprints(args: argparse.Namespace, plan: WarmPlan) -> None:
 def say_unloadable(plan: WarmPlan) -> None:
     """Warn where the node's server will not load units the plan restores (its room says when)."""
     units: dict[str, dict[str, list[str]]] = {}  # server -> library -> units recorded under it
+    captured = (plan.manifest or {}).get("captured_env")  # how capture ran the server, where a record says
     for spec in plan.recorded:
         lib = _jit_cache_library(spec.backend)
         if lib is not None:
             units.setdefault(str(spec.params_dict.get("under", "")), {}).setdefault(lib.name, []).append(spec.family)
     for server, by_library in sorted(units.items()):
         for room in (server,) if server else servers.ROOMS:  # "": a script that ran the server's code itself
-            for why in servers.adapter(room).unloadable(by_library):
+            for why in servers.adapter(room).unloadable(by_library, captured):
                 print(f"jitwarm: warning: {why}", file=sys.stderr)
 
 

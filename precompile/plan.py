@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +105,8 @@ class WarmPlan:
     needed_by: dict[KernelSpec, tuple[int, ...]]
     introduced: dict[CaptureShape, tuple[KernelSpec, ...]]
     ladder: Ladder | None = None
-    manifest: dict[str, Any] | None = None  # the recorded kernels' source: {"path", "records", "other_targets"}
+    #: the recorded kernels' source: {"path", "records", "other_targets", "captured_env"}
+    manifest: dict[str, Any] | None = None
     families: ModelFamilies | None = None
 
     @classmethod
@@ -123,7 +124,8 @@ class WarmPlan:
         specs, other = specs_of(records, targets)
         new = tuple(s for s in specs if s not in self.needed_by)
         return replace(self, specs=self.specs + new, needed_by={**self.needed_by, **{s: () for s in new}},
-                       manifest={"path": ", ".join(paths), "records": len(records), "other_targets": other})
+                       manifest={"path": ", ".join(paths), "records": len(records), "other_targets": other,
+                                 "captured_env": captured_env(records)})
 
     @property
     def recorded(self) -> tuple[KernelSpec, ...]:
@@ -175,3 +177,7 @@ class WarmPlan:
                        "recorded": len(self.recorded)},
         }
 
+
+def captured_env(records: Iterable[Mapping[str, Any]]) -> dict[str, str] | None:
+    """The environment ``jitwarm capture`` ran the server with (its capture record's), None without one."""
+    return next((dict(r["environment"]) for r in records if r.get("kind") == "capture"), None)

@@ -205,6 +205,20 @@ def test_one_ctrl_c_stops_warm_and_its_compilers_quickly(tmp_path):
     assert not list(scratch.glob("jitwarm-*")), list(scratch.iterdir())  # and nothing of the builds in $TMPDIR
 
 
+def _wait_exited(pid: int, timeout: float = 60.0) -> None:
+    """Until process ``pid`` has exited (gone, or a zombie nobody reaped yet: its files, locks included, closed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout} s after SIGKILL")
+
+
 def test_a_warm_killed_mid_build_leaves_its_builds_only_inside_its_cache(tmp_path):
     """SIGKILL to warm and to each build worker's process group (its own session) while both compilers run, as the
     OOM killer or an evicted pod does: what the builds wrote stays in the cache's staging directory, which prune
@@ -218,6 +232,9 @@ def test_a_warm_killed_mid_build_leaves_its_builds_only_inside_its_cache(tmp_pat
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
     proc.wait(timeout=30)
+    # SIGKILL is sent, not waited for: a build holds its staging lock until it has exited, and prune leaves it then.
+    for pid in map(int, pids.read_text().split()):
+        _wait_exited(pid)
     assert not list(scratch.glob("jitwarm-*")), list(scratch.iterdir())
     assert len(list(root.glob("v1/staging/*/.tvm-*"))) == 2  # each killed build's source, in its staging dir
     pruned = jitwarm("prune", "--cache-dir", str(root), "--max-bytes", "0", "--grace", "0")

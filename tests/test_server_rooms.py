@@ -164,7 +164,7 @@ def cache_dirs(environ, *, own_only=False):
     return {} if own_only else {"inductor": Path(environ.get("FAKESERVE_CACHE", "/nonexistent")) / "inductor"}
 
 
-def unloadable(units):
+def unloadable(units, captured=None):
     return []
 '''
 

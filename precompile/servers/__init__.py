@@ -109,8 +109,11 @@ class ServerAdapter(Protocol):
         it. ``own_only``: only the caches the server's code writes in any process that runs it. Never raises.
         """
 
-    def unloadable(self, units: Mapping[str, list[str]]) -> list[str]:
-        """Why this node's server will not load restored units (library name -> units) although they are there."""
+    def unloadable(self, units: Mapping[str, list[str]], captured: Mapping[str, str] | None = None) -> list[str]:
+        """Why this node's server will not load restored units (library name -> units) although they are there.
+
+        ``captured``: the environment ``jitwarm capture`` ran the server with (None: no capture record says).
+        """
 
 
 class ResolutionError(UsageError, ValueError):

@@ -34,6 +34,6 @@ def cache_dirs(environ: Mapping[str, str], *, own_only: bool = False) -> dict[st
     return {**{k.family: k.resolve(seen) for k in kinds.caches() if k.variable}, **own}
 
 
-def unloadable(units: Mapping[str, list[str]]) -> list[str]:
+def unloadable(units: Mapping[str, list[str]], captured: Mapping[str, str] | None = None) -> list[str]:
     """Why this node's sglang will not load restored units although they are there: nothing known."""
     return []

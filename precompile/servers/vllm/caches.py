@@ -97,8 +97,11 @@ def aot_unloadable(environ: Mapping[str, str] | None = None) -> str | None:
             "VLLM_USE_AOT_COMPILE=0)")
 
 
-def unloadable(units: Mapping[str, list[str]]) -> list[str]:
-    """Why this node's vLLM will not load restored units (library -> units) although they are there."""
+def unloadable(units: Mapping[str, list[str]], captured: Mapping[str, str] | None = None) -> list[str]:
+    """Why this node's vLLM will not load restored units (library -> units) although they are there.
+
+    ``captured``: the environment ``jitwarm capture`` ran the server with (None: no capture record says).
+    """
     from jitwarm.kernels.libraries.jit_caches import vllm_compile
 
     tree = vllm_compile.LIBRARY
@@ -106,14 +109,16 @@ def unloadable(units: Mapping[str, list[str]]) -> list[str]:
            and tree.part(unit) is tree]  # a rank directory of the tree, not one of Inductor's units beside it
     why = aot_unloadable() if aot else None
     said = [f"{len(aot)} AOT artifact(s) of vllm_compile restored, but {why}"] if why else []
-    return said + headers_differ(units)
+    return said + headers_differ(units, captured=captured)
 
 
-def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | None = None) -> list[str]:
+def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | None = None,
+                   captured: Mapping[str, str] | None = None) -> list[str]:
     """Why this node's Inductor runs a compiler although the restored C++ kernels are there.
 
-    The capture ran with precompiled headers off (no header among the units) and this node's are on, or the
-    other way round.
+    The capture ran with precompiled headers off (its record says so: ``captured``, and no header is among the
+    units) and this node's are on, or a header was shipped and this node's are off. Units with no capture record
+    (an older manifest, a hand-made tree) say nothing of how their kernels were built: no warning.
 
     ``jitwarm capture`` turns them off (``CAPTURE_ENV``) and records it; the server must run with the same.
     """
@@ -123,7 +128,7 @@ def headers_differ(units: Mapping[str, list[str]], environ: Mapping[str, str] | 
                or lib == "inductor" and u.split("/", 1)[0] not in ("fxgraph", "aotautograd", "precompiled_headers")]
     shipped = any(u.startswith("precompiled_headers/") for u in units.get("inductor", ()))
     on = env.get(PCH_ENV, "1") == "1"  # torch's default (torch/_inductor/config.py)
-    if kernels and not shipped and on:
+    if kernels and not shipped and on and (captured or {}).get(PCH_ENV) == "0":
         return [f"the restored C++ kernels were built with Inductor's precompiled headers off and this node's are "
                 f"on ({PCH_ENV} {'unset' if PCH_ENV not in env else repr(env[PCH_ENV])}): each start runs g++ on "
                 f"the header (and builds it, 156 MB); run the server with {PCH_ENV}=0, as capture did"]
