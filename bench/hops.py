@@ -45,13 +45,18 @@ def chain(module: str, function: str, run: Callable[[], Any]) -> list[str]:
             frame = frame.f_back
         seen.append(names[::-1])
 
+    _profiled(profile, run)
+    return seen[0] if seen else []
+
+
+def _profiled(profile: Callable[[Any, str, Any], None], run: Callable[[], Any]) -> None:
+    """``run()`` under ``profile`` (``sys.setprofile``), its output swallowed."""
     sys.setprofile(profile)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             run()
     finally:
         sys.setprofile(None)
-    return seen[0] if seen else []
 
 
 def rooms(frames: list[str]) -> list[str]:
@@ -84,12 +89,7 @@ def callees(module: str, function: str, run: Callable[[], Any]) -> list[str]:
                 and not frame.f_code.co_name.startswith("<"):
             seen.append(f"{path.stem}.{frame.f_code.co_name}")
 
-    sys.setprofile(profile)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            run()
-    finally:
-        sys.setprofile(None)
+    _profiled(profile, run)
     return seen
 
 
