@@ -38,6 +38,7 @@ def about(cache: Any, keys: Iterable[str], manifests: Iterable[str | os.PathLike
           specs: Iterable[KernelSpec] = (), environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``about`` object of a bundle of ``keys``: the records of ``manifests`` and the ``specs`` it holds."""
     from jitwarm.precompile.manifest import read_manifest, record_id, spec_of
+    from jitwarm.precompile.plan import captured_env
 
     env = os.environ if environ is None else environ
     wanted = set(keys)
@@ -54,8 +55,7 @@ def about(cache: Any, keys: Iterable[str], manifests: Iterable[str | os.PathLike
             "made": {"server": ", ".join(under) or None, "release": release,
                      # the cache variables here, and the plugin variable as capture set it in the server's
                      "environment": {**{name: env[name] for name in PLACING if name in env},
-                                     **next((r["environment"] for r in records.values() if r["kind"] == "capture"),
-                                            {})},
+                                     **(captured_env(records.values()) or {})},
                      "roots": _roots(records.values(), env)}}
 
 
