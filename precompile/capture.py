@@ -193,14 +193,23 @@ class Captured:
     digest: str | None = None
     #: The ledger the plugin wrote when the server stopped (``after_ready``: what the first requests compiled).
     stop_ledger: dict[str, Any] | None = None
-    #: How many first requests were sent (:mod:`~jitwarm.precompile.warm_requests`).
+    #: How many first requests were sent (:mod:`~jitwarm.precompile.warm_requests`), and where their answers are.
     warm_requests: int = 0
+    answers: Path | None = None
 
 
 def server_log_path(manifest: Path) -> Path:
     """Where the server's log is kept: beside the manifest, ``server.jsonl`` -> ``server.log``."""
     name = manifest.stem if manifest.suffix != ".log" else manifest.name
     return manifest.with_name(f"{name}.log")
+
+
+def answers_path(manifest: Path) -> Path:
+    """Where the first requests' answers are kept: beside the manifest, ``server.jsonl`` -> ``server.answers.jsonl``.
+
+    What the cold start answered, for a restored node's answers to be compared with (``warm_requests.comparable``).
+    """
+    return manifest.with_name(f"{manifest.stem}.answers.jsonl")
 
 
 def _claim_record_file(manifest: Path) -> Path:
@@ -261,7 +270,8 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
             server.stop()
             _say_failure(server, log)
             raise
-        request_warnings = _send_first_requests(server, url, requests, log)
+        answered = _send_first_requests(server, url, requests, log)
+        request_warnings = [a.failure for a in answered if a.failure]
         request_warnings += _ask_for_stop_ledger(server, room, ledger)
         server.stop()
         stop_request_path(ledger).unlink(missing_ok=True)
@@ -273,6 +283,13 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
         append_records(record, store_beside(room, env, cache))  # Inductor's header outside an sglang's root
         done = _check_stored(room, env, record, cache, ready_s, [*request_warnings, *warnings], report, server_log)
         done.stop_ledger, done.warm_requests = _read_json(stop_path(ledger)), len(requests)
+        if answered:
+            try:
+                warm_requests.write_answers(answers_path(manifest), answered)
+                done.answers = answers_path(manifest)
+            except OSError as exc:
+                print(f"jitwarm: warning: the first requests' answers were not kept: {exc.strerror or exc}: "
+                      f"{answers_path(manifest)}", file=log)
         append_records(record, [capture_record(room.NAME, done.environment)])
         if export:
             done.digest = export_keys(cache, done.keys, export, manifest=record)  # the bundle carries it
@@ -290,8 +307,8 @@ def capture(argv: Sequence[str], manifest: Path, *, cache: Any, timeout_s: float
 
 
 def _send_first_requests(server: ServerProcess, url: str, requests: Sequence[warm_requests.WarmRequest],
-                         log: IO[str]) -> list[str]:
-    """Send the first requests to the ready server; the lines of those it did not answer 2xx (warnings).
+                         log: IO[str]) -> list[warm_requests.Answered]:
+    """Send the first requests to the ready server; what it answered (those not 2xx are warnings).
 
     ServerFailed (the group stopped, its last lines said) when it stops answering or exits.
     """
@@ -300,13 +317,13 @@ def _send_first_requests(server: ServerProcess, url: str, requests: Sequence[war
     print(f"jitwarm: capture: ready; sending {len(requests)} first requests (what the server compiles on first "
           "use)", file=log, flush=True)
     try:
-        failed = warm_requests.send(url, requests)
+        answered = warm_requests.send(url, requests)
     except OSError as exc:
         server.stop()
         _say_failure(server, log)
         raise ServerFailed(f"the server stopped answering the first requests: {exc}") from None
     _check_running(server, "while it answered the first requests")
-    return failed
+    return answered
 
 
 def _ask_for_stop_ledger(server: ServerProcess, room: Any, ledger: Path) -> list[str]:
@@ -428,6 +445,7 @@ def cmd_capture(args: argparse.Namespace, server_argv: list[str] | None) -> int:
                           "sha256": done.digest, "warnings": done.warnings, "log": str(done.log),
                           "environment": done.environment, "unrecorded": done.unrecorded,
                           "warm_requests": done.warm_requests, "compiled_after_ready": after,
+                          "answers": None if done.answers is None else str(done.answers),
                           "next": nxt[-1].strip()}))
         return EXIT_OK
     what = ", ".join(f"{lib} {n}" for lib, n in sorted(done.units.items())) or "none: the start compiled nothing"

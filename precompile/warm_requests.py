@@ -15,6 +15,10 @@ skipped)::
 ``path`` is the server's URL path (``/`` first), ``body`` the JSON it is POSTed; a body without ``model`` gets the
 first model the server's ``/v1/models`` lists. The file is read before the server starts: a bad one is a usage
 error (exit 2), one line.
+
+Capture keeps what the cold start answered (:func:`write_answers`, beside the manifest): a request with
+``"temperature": 0`` is answered alike by any start that computes the same model, so a restored node sent the same
+requests must give the same answers (:func:`comparable`), the check that a restored artifact is the model's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ REQUEST_TIMEOUT_S = 600.0
 _MAX_BYTES = 16 << 20
 #: A server answers HTTP errors with a short JSON body; the most of it said.
 _SAID = 300
+#: The most of an answer that is not JSON kept.
+_MAX_ANSWER = 4096
 
 
 @dataclass(frozen=True)
@@ -113,22 +119,74 @@ def served_model(base: str) -> str | None:
         return None
 
 
-def send(health_url: str, requests: Sequence[WarmRequest]) -> list[str]:
-    """Send ``requests`` one after another to the server whose health endpoint is ``health_url``.
+@dataclass(frozen=True)
+class Answered:
+    """What the server answered one request: its ``status`` and JSON ``answer`` (the text where it is not JSON)."""
 
-    Returns a line per request the server did not answer 2xx (the caller warns); OSError when the server stops
-    answering at all.
+    request: WarmRequest
+    body: dict[str, Any]
+    status: int
+    answer: Any
+
+    @property
+    def failure(self) -> str | None:
+        """The warning line for an answer that is not 2xx, else None."""
+        if 200 <= self.status < 300:
+            return None
+        said = (self.answer if isinstance(self.answer, str) else json.dumps(self.answer)).strip()
+        return (f"warm request {self.request.what} ({self.request.path}) answered HTTP {self.status}: "
+                f"{said.replace(chr(10), ' ')[:_SAID]}")
+
+    def as_json(self) -> dict[str, Any]:
+        """One line of :func:`write_answers`: the request as sent and what it was answered."""
+        return {"what": self.request.what, "path": self.request.path, "body": self.body, "status": self.status,
+                "answer": self.answer}
+
+
+def send(health_url: str, requests: Sequence[WarmRequest]) -> list[Answered]:
+    """Send ``requests`` one after another to the server whose health endpoint is ``health_url``; each answer.
+
+    OSError when the server stops answering at all.
     """
     parts = urllib.parse.urlsplit(health_url)
     base = f"{parts.scheme}://{parts.netloc}"
     model = served_model(base)
-    failed = []
+    answered = []
     for request in requests:
         body = dict(request.body)
         if "model" not in body and model is not None:
             body["model"] = model
         status, answer = _call(f"{base}{request.path}", body)
-        if not 200 <= status < 300:
-            said = answer.decode(errors="replace").strip().replace("\n", " ")[:_SAID]
-            failed.append(f"warm request {request.what} ({request.path}) answered HTTP {status}: {said}")
-    return failed
+        text = answer.decode(errors="replace")
+        try:
+            parsed: Any = json.loads(text)
+        except ValueError:
+            parsed = text[:_MAX_ANSWER]
+        answered.append(Answered(request, body, status, parsed))
+    return answered
+
+
+def write_answers(path: Path, answered: Sequence[Answered]) -> None:
+    """The answers, one JSON object a line (:meth:`Answered.as_json`), written whole; OSError if it cannot."""
+    from jitwarm.cache.files import write_atomic
+
+    text = "".join(json.dumps(a.as_json(), sort_keys=True) + "\n" for a in answered)
+    write_atomic(path, text.encode(), durable=False)
+
+
+def comparable(answer: Any) -> Any:
+    """What two starts of the same model answer alike to a ``temperature`` 0 request.
+
+    Each choice's text, message, logprobs and finish reason, or sglang's native ``/generate`` output ids; not the
+    ids, times and usage that differ per start.
+    """
+    if isinstance(answer, list):
+        return [comparable(a) for a in answer]
+    if not isinstance(answer, dict):
+        return answer
+    if "choices" in answer:
+        return [{k: c.get(k) for k in ("text", "message", "logprobs", "finish_reason")}
+                for c in answer["choices"]]
+    if "output_ids" in answer:
+        return answer["output_ids"]
+    return answer

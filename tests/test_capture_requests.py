@@ -42,6 +42,13 @@ def test_capture_sends_the_first_requests_after_ready_and_captures_what_they_com
     assert out["warm_requests"] == 4 and out["units"] == {"inductor": 2} and out["unrecorded"] == []
     assert out["compiled_after_ready"]["families"]["inductor"] == 1, out["compiled_after_ready"]
     assert "sending 4 first requests" in done.stderr
+    # what the start answered is kept beside the manifest, in the order sent, each with the body as sent
+    kept = [json.loads(line) for line in open(out["answers"])]
+    assert out["answers"] == str(stand_in.manifest.with_name("server.answers.jsonl"))
+    assert [(a["path"], a["body"], a["status"]) for a in kept] == [(r["path"], r["body"], 200) for r in requests]
+    assert [warm_requests.comparable(a["answer"]) for a in kept] == [
+        [{"text": json.dumps(r["body"].get("prompt", r["body"].get("messages"))), "message": None, "logprobs": None,
+          "finish_reason": "length"}] for r in requests]
 
 
 def test_the_ledger_command_says_what_compiled_after_ready_per_family(stand_in, tmp_path):

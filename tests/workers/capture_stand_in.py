@@ -81,7 +81,10 @@ class _Health(BaseHTTPRequestHandler):
             unit = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / FIRST_USE_UNIT
             unit.parent.mkdir(parents=True, exist_ok=True)
             unit.write_bytes(b"the logprobs op's FX graph")
-        self._answer(200 if self.path.startswith("/v1/") else 404, {})
+        # an answer of the request's own, with an id of this answer's (as a server's differs per start)
+        said = {"id": f"{os.getpid()}-{time.monotonic_ns()}",
+                "choices": [{"text": json.dumps(body.get("prompt", body.get("messages"))), "finish_reason": "length"}]}
+        self._answer(200 if self.path.startswith("/v1/") else 404, said)
 
     def _answer(self, status: int, data: object) -> None:
         raw = json.dumps(data).encode()
