@@ -77,6 +77,7 @@ class LedgerReport:
         """``{"v", "pid", "compiled", "families": {name: ...}, "compiled_after_restore": [...]}``."""
         runs, probes, outputs = self.unattributed
         return {"v": VERSION, "pid": os.getpid(), "compiled": self.compiled,
+                "uncached": sum(f.uncached for f in self.families),
                 "families": {f.family: f.as_json() for f in self.families},
                 "unattributed": {"compiler_runs": runs, "compiler_probes": probes, "compiler_outputs": list(outputs)},
                 "compiled_after_restore": [{"family": f.family, "keys": list(f.keys), "present_at_start": f.present}
@@ -139,9 +140,12 @@ class Ledger:
         new = added(self._before, after)
         compiles, probes, outputs = self._since()
         written: dict[str, list[str]] = {}  # by the library whose rules a unit follows: vLLM's tree holds Inductor's
+        rewritten: Counter[str] = Counter()  # those of them a start writes without compiling (Library.rewrites)
         for name, units in new.items():
-            for unit in units:
-                written.setdefault(after[name].library.part(unit).name, []).append(unit)
+            for unit, files in units.items():
+                part = after[name].library.part(unit)
+                written.setdefault(part.name, []).append(unit)
+                rewritten[part.name] += part.rewrites(files)
         counts = []
         for name in kinds.ledger_families():
             signal = self._signals.get(name)
@@ -154,7 +158,7 @@ class Ledger:
                 count = FamilyCount(name, NO_SIGNAL, None, len(units), tuple(sorted(units)), *present)
             count = count or FamilyCount(name, "no signal: not watched in this process", None, 0)
             mine = written.get(name, []) if name in after and after[name].root is not None else None
-            counts.append(count.witnessed(mine, compiles[name], probes[name], outputs.get(name, ())))
+            counts.append(count.witnessed(mine, compiles[name], probes[name], outputs.get(name, ()), rewritten[name]))
         stray = compilers.UNATTRIBUTED
         found, lines = self.elsewhere
         return LedgerReport(tuple(counts), found, lines, (compiles[stray], probes[stray],
@@ -323,7 +327,8 @@ def cmd_ledger(args: argparse.Namespace, plan: object = None) -> int:
         counts = [FamilyCount(name, str(f.get("signal", "")), f.get("served"), int(f["compiled"]),
                               tuple(f.get("keys") or ()), f.get("present_at_start"), f.get("root"), f.get("written"),
                               int(f.get("compiler_runs") or 0), int(f.get("compiler_probes") or 0),
-                              tuple(f.get("compiler_outputs") or ())) for name, f in families.items()]
+                              tuple(f.get("compiler_outputs") or ()), int(f.get("uncached") or 0),
+                              int(f.get("rewritten") or 0)) for name, f in families.items()]
         stray = data.get("unattributed") or {}
         elsewhere = [f"jitwarm: restore: {g['family']}: placed in {g['placed_in']}, this server looks in "
                      f"{g['looks_in']} and found {g['found']} of {g['restored']}"
@@ -352,6 +357,8 @@ def cmd_ledger(args: argparse.Namespace, plan: object = None) -> int:
             firsts = ", ".join(f"{name} {n}" for name, n in (after.get("families") or {}).items() if n)
             print(f"jitwarm: ledger: compiled after ready: {after.get('compiled')}"
                   + (f" ({firsts})" if firsts else ""))
+        uncached = sum(f.uncached for f in report.families)
         print(f"jitwarm: ledger: {args.path}: compiled {compiled} in all"
-              + (f" ({data['phase']})" if data.get("phase") else ""))
+              + (f" ({data['phase']})" if data.get("phase") else "")
+              + (f"; {uncached} not cacheable, done again at every start" if uncached else ""))
     return EXIT_BUILD_FAILED if args.require_zero and compiled else EXIT_OK

@@ -245,6 +245,28 @@ def test_a_compiler_run_is_a_compile_unless_it_only_asks_or_preprocesses(argv, e
     assert classify(argv) == expected
 
 
+@pytest.mark.parametrize(("served", "uncached", "written", "rewritten", "runs", "compiled"), [
+    (12, 12, 12, 12, 0, 0),  # sglang's CPU graphs: 12 served, 12 lowered again and their wrappers; none compiled
+    (2, 0, 2, 2, 0, 0),  # hits that wrote their wrappers anew
+    (0, 1, 3, 3, 0, 2),  # more wrappers than hits and bypasses: the others were written by a compile
+    (2, 0, 3, 2, 0, 1),  # wrappers and a kernel: the kernel compiled
+    (2, 0, 2, 2, 1, 1),  # and a compiler ran: at least that compiled
+    (None, 0, 2, 2, 0, 2),  # no hit signal: no unit is excused
+])
+def test_a_unit_a_start_writes_without_compiling_is_no_compile(served, uncached, written, rewritten, runs, compiled):
+    """A wrapper is written again by a hit and by a graph Inductor's cache does not take: excused up to those."""
+    from jitwarm.kernels.libraries.jit_caches import inductor
+    from jitwarm.kernels.libraries.jit_caches.units import FamilyCount
+
+    units = [f"{n:02}/c{n:02}" for n in range(written)]
+    count = FamilyCount("inductor", "counters", served, 0, uncached=uncached).witnessed(units, runs, 0, (), rewritten)
+    assert (count.compiled, count.written, count.rewritten, count.uncached) == (compiled, written, rewritten, uncached)
+    assert {k: count.as_json()[k] for k in ("rewritten", "uncached")} == {"rewritten": rewritten, "uncached": uncached}
+    assert ("not cacheable" in count.line()) == bool(uncached)
+    assert inductor.wrapper(("ab/cab.py",)) and not inductor.wrapper(("ab/cab.cpp", "ab/cab.py", "ab/cab.so"))
+    assert not inductor.wrapper(("fxgraph/ab/fab/entry",)) and not inductor.wrapper(())
+
+
 def test_the_tap_counts_a_real_compilers_runs_by_the_family_that_started_them(tmp_path):
     """g++ started from a frame of a module named as Inductor's (its package prefix) is Inductor's; one started
     from here is unattributed; a shell's command line is read as its words; the spawn's own errors still raise."""

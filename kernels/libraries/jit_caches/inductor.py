@@ -116,26 +116,33 @@ def _counters() -> dict[str, int]:
 
 
 class Counters:
-    """Inductor's own hit signal: its FX graph cache's hit and miss counters, noted at the ledger's start."""
+    """Inductor's own hit signal: its FX graph cache's counters, noted at the ledger's start.
+
+    A miss compiled a graph. A bypass lowered one the cache does not take (codecache.py ``BypassFxGraphCache``:
+    "mkldnn tensors unpickleable" for sglang's CPU graphs, whose frozen weights Inductor packs for oneDNN): done
+    again at every start, warm or restored, it is counted apart (``uncached``), and its kernels' own witnesses (a
+    ``.so`` written, a compiler run) still count.
+    """
 
     def __init__(self) -> None:
         self.start = _counters()
 
     def count(self, before: Mapping[str, Any], after: Mapping[str, Any],
               new: Mapping[str, Mapping[str, tuple[str, ...]]]) -> FamilyCount:
-        """Hits served, misses compiled, named by the new units' graph keys (vLLM's tree's among them) and code units.
+        """Hits served, misses compiled, bypasses not cacheable; named by the new units' graph keys and code units.
 
-        The code units and precompiled headers written are named too: a hit whose ``.so`` or header is gone builds
-        it again, which the counters do not count.
+        The graph keys are vLLM's tree's too. The code units and precompiled headers written are named: a hit whose
+        ``.so`` or header is gone builds it again, which the counters do not count.
         """
         now = _counters()
-        hits, misses = (now.get(k, 0) - self.start.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+        hits, misses, bypassed = (now.get(k, 0) - self.start.get(k, 0)
+                                  for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"))
         root = after["inductor"].root
         written = {**new.get("inductor", {}), **new.get("vllm_compile", {})}  # Inductor writes into vLLM's tree too
         code = sorted(u for u in new.get("inductor", {}) if u.split("/", 1)[0] not in _WHOLE_FILES)
-        return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss counters", hits, misses,
+        return FamilyCount("inductor", "Inductor's fxgraph_cache_hit/miss/bypass counters", hits, misses,
                            (*(f"fxgraph {k}" for k in graph_keys(written)), *code), len(before["inductor"].units),
-                           str(root) if root else None)
+                           str(root) if root else None, uncached=bypassed)
 
 
 def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
@@ -165,8 +172,18 @@ def seal(refuse: Callable[..., None]) -> tuple[str, Callable[[], bool]] | None:
     return "Inductor compile", replace(compile_fx, "fx_codegen_and_compile", fx_codegen_and_compile)
 
 
+def wrapper(files: tuple[str, ...]) -> bool:
+    """True for a unit of Python alone: a graph's wrapper, named by its text's hash.
+
+    Inductor writes it without compiling where the text is new: for a graph its FX cache serves (output_code.py
+    ``write_to_disk``) and for one its cache does not take, lowered again (sglang's CPU graphs name their weights'
+    addresses in it, new at every start); a compile writes the graph's kernels beside it.
+    """
+    return bool(files) and all(f.endswith(".py") for f in files)
+
+
 # The .so (.gch) last: Inductor builds a group's .cpp (.h) only while it is absent.
 LIBRARY = Library(*named("inductor"), resolve, units, ("torch", "triton", "cxx", "arch"),
                   unit_is_dir=False, is_commit=lambda rel: rel.endswith((".so", ".gch")), signal=Counters,
-                  beside=headers)
+                  beside=headers, rewrites=wrapper)
 name, description, build, check, load = bind(LIBRARY)

@@ -46,13 +46,15 @@ class Library:
     ``parts(unit)`` the library whose rules a unit follows (vLLM's tree holds Inductor's); ``signal()`` its own
     hit signal for the ledger (None: new units count); ``bypassed()``: its compiles go elsewhere here;
     ``beside(environ)``: ``(directory, its units)`` the library fills outside ``root`` whatever its variables say,
-    named as under ``root``, which the ledger counts (Inductor's precompiled headers: codecache.py ``_HEADER_DIR``).
+    named as under ``root``, which the ledger counts (Inductor's precompiled headers: codecache.py ``_HEADER_DIR``);
+    ``rewrites(files)``: a unit the library writes again at a start that compiles nothing, so that a unit written
+    is no compile where a hit or a graph its cache does not take accounts for it (Inductor's Python wrapper).
 
     Failure semantics: ``resolve``, ``is_commit``, ``arch_of``, ``factors_of``, ``node_factors``, ``signal``,
-    ``bypassed`` and ``beside`` never raise; ``units`` and ``settle`` may raise ``OSError``; ``normalize`` and
-    ``localize`` may raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for a file not in the
-    library's format (a restore turns that into ``LoadError``, which quarantines the entry). None runs under a jitwarm
-    lock; a restore calls ``localize`` and ``settle`` under the entry's claim.
+    ``bypassed``, ``beside`` and ``rewrites`` never raise; ``units`` and ``settle`` may raise ``OSError``;
+    ``normalize`` and ``localize`` may raise ``ValueError``, ``KeyError``, ``TypeError`` or ``AttributeError`` for
+    a file not in the library's format (a restore turns that into ``LoadError``, which quarantines the entry). None
+    runs under a jitwarm lock; a restore calls ``localize`` and ``settle`` under the entry's claim.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Library:
     signal: Callable[[], Signal] | None = None
     bypassed: Callable[[], bool] = lambda: False
     beside: Callable[[Mapping[str, str]], tuple[Path, Callable[[Path], Units]] | None] | None = None
+    rewrites: Callable[[tuple[str, ...]], bool] = lambda files: False
 
     def part(self, unit: str) -> Library:
         """The library whose rules ``unit`` follows (:attr:`parts`): how it is listed, stored and restored."""
@@ -220,6 +223,10 @@ class FamilyCount:
     The witnesses beside the library's own signal (:meth:`witnessed`): ``written``, the units the start wrote
     into the library's caches (None: not listed here); ``runs``, the compiler processes it started that compiled;
     ``probes``, those that only answered a question or preprocessed; ``outputs``, what the runs wrote (``-o``).
+    ``uncached``: what the library did again because its cache does not take it (Inductor's FX graph cache bypasses
+    a graph holding mkldnn tensors: sglang's CPU graphs), at every start, warm or restored: nothing a restore could
+    serve, so not counted in ``compiled``. ``rewritten``: the units written that such work or a hit writes again
+    (``Library.rewrites``).
     """
 
     family: str
@@ -233,19 +240,26 @@ class FamilyCount:
     runs: int = 0
     probes: int = 0
     outputs: tuple[str, ...] = ()
+    uncached: int = 0
+    rewritten: int = 0
 
-    def witnessed(self, written: Iterable[str] | None, runs: int, probes: int, outputs: Iterable[str]) -> FamilyCount:
+    def witnessed(self, written: Iterable[str] | None, runs: int, probes: int, outputs: Iterable[str],
+                  rewritten: int = 0) -> FamilyCount:
         """The count with the files' and the processes' witnesses: ``compiled`` is at least each of them.
 
-        Each witness is a lower bound of what compiled: a miss the library counted, a unit it wrote, a compiler it
-        ran. A restored Inductor start hit its FX graph cache and ran g++ for a missing ``.so``: no miss, one unit,
-        one run (the reason this exists).
+        Each witness is a lower bound of what compiled: a miss the library counted, a unit it wrote that nothing
+        else accounts for, a compiler it ran. A restored Inductor start hit its FX graph cache and ran g++ for a
+        missing ``.so``: no miss, one unit, one run (the reason this exists). ``rewritten`` of the units ``written``
+        are ones a start writes without compiling: Inductor writes a graph's Python wrapper where its text is new,
+        for a hit (output_code.py ``write_to_disk``) and for a graph its cache does not take (sglang's CPU graphs name
+        their weights' addresses in it), so up to :attr:`served` plus :attr:`uncached` of them compiled nothing.
         """
         units = None if written is None else sorted(written)
         keys = self.keys or tuple(units or ())
-        compiled = max(self.compiled, len(units or ()), runs)
+        excused = min(rewritten, (self.served or 0) + self.uncached)
+        compiled = max(self.compiled, len(units or ()) - excused, runs)
         return replace(self, compiled=compiled, keys=keys, written=None if units is None else len(units), runs=runs,
-                       probes=probes, outputs=tuple(outputs))
+                       probes=probes, outputs=tuple(outputs), rewritten=rewritten)
 
     def line(self) -> str:
         """``jitwarm: ledger: <family>: served from cache N, compiled now M (<how it was counted>)[: <keys>]``."""
@@ -254,12 +268,15 @@ class FamilyCount:
             how = (f"no hit signal: counted from the new units in {self.root}" if self.root
                    else "no hit signal, and no cache directory here")
         else:
-            counts = f"served from cache {self.served}, compiled now {self.compiled}"
+            counts = f"served from cache {self.served}, compiled now {self.compiled}" + (
+                f", not cacheable {self.uncached} (its cache does not take them: done again at every start, warm or "
+                "restored)" if self.uncached else "")
             how = self.signal + (f"; cache {self.root}" if self.root else "")
         if self.present is not None:
             how += f", {self.present} unit(s) there at start"
         if self.written and self.signal != NO_SIGNAL:  # a family without a signal is counted by them already
-            how += f"; {self.written} unit(s) written"
+            how += f"; {self.written} unit(s) written" + (f", {self.rewritten} of them written again without a "
+                                                          "compile" if self.rewritten else "")
         if self.runs or self.probes:
             how += f"; {self.runs} compiler run(s)" + (f" ({self.probes} probe(s) not counted)" if self.probes else "")
         return f"jitwarm: ledger: {self.family}: {counts} ({how})" + (f": {shown(self.keys)}" if self.keys else "")
@@ -280,7 +297,8 @@ class FamilyCount:
         """The family's JSON object."""
         return {"signal": self.signal, "served": self.served, "compiled": self.compiled, "keys": list(self.keys),
                 "present_at_start": self.present, "root": self.root, "written": self.written,
-                "compiler_runs": self.runs, "compiler_probes": self.probes, "compiler_outputs": list(self.outputs)}
+                "uncached": self.uncached, "rewritten": self.rewritten, "compiler_runs": self.runs,
+                "compiler_probes": self.probes, "compiler_outputs": list(self.outputs)}
 
 
 class Signal(Protocol):
