@@ -245,7 +245,7 @@ def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
 
     _, record = built_once(tmp_path_factory, "vllm-captured", lambda path: server.capture_defaults(vllm_cpu, path))
     assert record["returncode"] == 0, record["stderr"][-4000:]
-    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle")}}
+    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "requests")}}
 
 
 @pytest.fixture(scope="session")
@@ -315,4 +315,4 @@ def sglang_captured(sglang_cpu, tmp_path_factory) -> dict:
 
     _, record = built_once(tmp_path_factory, "sglang-captured", lambda path: server.capture_defaults(sglang_cpu, path))
     assert record["returncode"] == 0, record["stderr"][-4000:]
-    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "log")}}
+    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "log", "requests")}}

@@ -64,8 +64,6 @@ class SglangCpu:
     model: Path
     #: What preparing the set spent installing (the serving set and, first, the wheel set), in seconds.
     install_seconds: float = 0.0
-    #: False: the server without its graphs (no ``--enable-torch-compile``), each step eager.
-    graphs: bool = True
 
     @property
     def python(self) -> Path:
@@ -91,9 +89,8 @@ class SglangCpu:
 
     def serve(self, port: int) -> list[str]:
         """``python -m sglang.launch_server`` of the tiny model on loopback ``port``, ladder 1..:data:`MAX_BS`."""
-        graphs = ("--enable-torch-compile", "--torch-compile-max-bs", str(MAX_BS)) if self.graphs else ()
         return ["python", "-m", "sglang.launch_server", "--model-path", str(self.model), "--port", str(port),
-                *SERVE_FLAGS, *graphs]
+                *SERVE_FLAGS, "--enable-torch-compile", "--torch-compile-max-bs", str(MAX_BS)]
 
     def jitwarm(self, *args: str, env: Mapping[str, str], timeout: float = 1200) -> subprocess.CompletedProcess:
         """``jitwarm ARGS`` run as an operator runs it beside the server (its python, its environment)."""
@@ -139,13 +136,24 @@ def capture_defaults(server: SglangCpu, folder: Path) -> dict[str, str | int]:
     ``stdout``, ``stderr`` and ``returncode`` (the record of conftest's ``sglang_captured``, which
     tests/prebuild.py may make first)."""
     import vllm_cpu
+    from first_answers import write_requests
 
     manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    requests = write_requests(folder / "requests.jsonl", GREEDY)
     proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "1200",
-                          "--json", "--", *server.serve(vllm_cpu.free_port()), env=server.env(folder / "capture-node"))
+                          "--warm-requests", str(requests), "--json", "--", *server.serve(vllm_cpu.free_port()),
+                          env=server.env(folder / "capture-node"))
     return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-            "log": str(folder / "server.log"), "stdout": proc.stdout, "stderr": proc.stderr,
-            "returncode": proc.returncode, "max_bs": MAX_BS}
+            "log": str(folder / "server.log"), "requests": str(requests), "stdout": proc.stdout,
+            "stderr": proc.stderr, "returncode": proc.returncode, "max_bs": MAX_BS}
+
+
+#: The greedy requests capture sends after its default first requests, whose answers a restored start repeats
+#: (tests/first_answers.py): one prompt alone (the size-1 graph), then two in one batch (the size-2 graph), 8
+#: tokens each in sglang's own ``/generate``.
+GREEDY = tuple(("/generate", {"text": texts, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                                 "ignore_eos": True}})
+               for texts in (["Hello, my name is"], ["Hello, my name is", "Once upon a time a server"]))
 
 
 def from_record(record: Mapping[str, object]) -> SglangCpu:

