@@ -297,16 +297,16 @@ def fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     One setting under two of its names (``tp`` and ``tp_size``) is an error too: which would win is not obvious.
     """
     known = {f.name for f in fields(ServingConfig)} - set(_NOT_SETTINGS)
-    values, unknown, given_as = {}, [], {}
+    values, unknown, raw_keys = {}, [], {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         key = aliases().get(key, key)
         if key not in known:
             unknown.append(raw_key)
             continue
-        if key in given_as:
-            raise ConfigError([f"{source}: {given_as[key]!r} and {raw_key!r} both set {key}; give one"])
-        given_as[key] = raw_key
+        if key in raw_keys:
+            raise ConfigError([f"{source}: {raw_keys[key]!r} and {raw_key!r} both set {key}; give one"])
+        raw_keys[key] = raw_key
         if key in ("backends", "targets") and isinstance(value, str):
             value = [value]
         values[key] = tuple(value) if isinstance(value, list) else value

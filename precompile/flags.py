@@ -42,7 +42,7 @@ class FlagParser(argparse.ArgumentParser):
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """The --cuda-graph-config flag's value: the parser the server's own --cuda-graph-config goes through."""
+    """The --graph-config flag's value: the parser sglang's own --cuda-graph-config goes through here."""
     try:
         return servers.json_object(text)
     except ValueError as exc:

@@ -357,3 +357,20 @@ def test_auto_keeps_another_release_s_answer_and_reads_it_back(tmp_path):
     memo.write_text(memo.read_text()[:-20])
     again = plan_with_sglang_release(tmp_path, "9.9.9")
     assert again["rc"] == 2 and "sglang's own ladder functions failed" in again["err"]
+
+
+def test_a_ladder_memo_of_another_format_is_resolved_again(tmp_path):
+    """A memo names its result's keys by its format (the pool is ``max_requests``): one kept in another format is
+    never read as this one's, so a pool under another key cannot be read as no pool."""
+    from jitwarm.cache import settings
+    from jitwarm.precompile.servers import resolution_memo
+
+    answer = {"source": "sglang 9.9.9 (installed)", "shapes": [{"bs": 1, "graph_key": 1, "verify_lens": [1]}],
+              "capture_bs": [1], "max_requests": 8}
+    with settings.override(cache_dir=tmp_path):
+        key = resolution_memo.key("sglang", "9.9.9", {"tp_size": 1})
+        resolution_memo.store(key, answer)
+        assert resolution_memo.load(key) == answer
+        path = resolution_memo.directory() / f"{key}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "format": resolution_memo.FORMAT - 1}))
+        assert resolution_memo.load(key) is None
