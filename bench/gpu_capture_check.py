@@ -27,8 +27,8 @@ from jitwarm.kernels.spec import max_out_rows
 from jitwarm.precompile import CaptureHook, ServingConfig, WarmPlan, capture_ladder, warm
 
 HOOK_WORKER = Path(__file__).resolve().parents[1] / "tests" / "workers" / "hook_worker.py"
-DSPARK = dict(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
-              speculative_num_draft_tokens=6, ragged_verify_mode="compact")
+DSPARK = dict(graph_max_bs=128, max_requests=128, draft_algorithm="DSPARK",
+              draft_tokens=6, ragged_verify_mode="compact")
 D, HQ, HK, ROPE = 128, 16, 1, 64
 
 

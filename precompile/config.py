@@ -17,7 +17,7 @@ from jitwarm.kernels import BUILDABLE, DTYPES, ModelDims, Target, TargetError
 from jitwarm.kernels.backend import refusal as backend_refusal
 from jitwarm.kernels.target import local_gpus
 from jitwarm.precompile import servers
-from jitwarm.precompile.flags import ConfigError, FlagParser, add_serving_flags, split_server_argv
+from jitwarm.precompile.flags import GIVEN_AS, ConfigError, FlagParser, add_serving_flags, aliases, split_server_argv
 
 #: Largest batch size accepted: a million-entry ladder would take minutes and gigabytes to enumerate.
 MAX_BATCH_SIZE = 4096
@@ -34,41 +34,52 @@ def local_gpu_memory_mb() -> int | None:
     return min((gpu.memory_mb for gpu in local_gpus()), default=0) or None
 
 
-# The checked fields by kind, each named by its flag: the kinds in _LIMITS are positive ints up to their limit.
+# The checked fields by kind: the kinds in _LIMITS are positive ints up to their limit.
 _KINDS = {
-    "batch": ("cuda_graph_max_bs_decode",), "bs_list": ("cuda_graph_bs_decode",),
-    "flag": ("disable_cuda_graph", "disable_decode_cuda_graph", "disable_cuda_graph_padding", "enable_dp_attention"),
-    "draft": ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk"),
-    "count": ("max_running_requests", "head_dim", "num_q_heads", "num_kv_heads"),
-    "parallel": ("tp_size", "dp_size", "attn_dp_size"), "memory": ("gpu_memory_mb",),
+    "batch": ("graph_max_bs",), "bs_list": ("graph_bs",),
+    "flag": ("no_graphs", "no_decode_graphs", "no_graph_padding", "dp_attention"),
+    "draft": ("draft_tokens", "draft_steps", "draft_topk"),
+    "count": ("max_requests", "head_dim", "num_q_heads", "num_kv_heads"),
+    "parallel": ("tp", "dp", "attn_dp"), "memory": ("gpu_memory_mb",),
     "text": ("model_path", "model_architecture"),
 }
 _LIMITS = {"batch": MAX_BATCH_SIZE, "count": 1 << 20, "draft": 64, "parallel": 1024, "memory": 16 << 20}
 
 
+#: ServingConfig's fields that say where a value came from, not what the server is: no TOML key or flag sets them.
+_NOT_SETTINGS = ("mode_from_env", "given_as")
+
+
 @dataclass(frozen=True)
 class ServingConfig:
-    """The server settings that decide the capture ladder (sglang's names), plus the model dims and build targets.
+    """The server settings that decide the capture ladder, plus the model dims and build targets.
+
+    The settings carry jitwarm's own names, each the concept every server has in its own words: a room's
+    ``parse_argv`` maps its flags onto them and its ``FIELD_FLAGS`` names its flag back in messages. ``graph_*``: the
+    decode CUDA graphs (the largest batch, the explicit batch sizes, a per-phase JSON, all off, decode off, padding
+    off: every size captured); ``draft_*``: speculative decoding (algorithm, tokens verified per request, steps,
+    top-k); ``max_requests``: the request pool; ``tp``, ``dp``, ``attn_dp``, ``dp_attention``: the parallel
+    layout; ``gpu_memory_mb``: the device memory the server sizes its default from.
 
     None means "not given" (the server's default); ``server_options``: the room's own settings. Construction takes
     the room's defaults and validates: :class:`ConfigError` lists every problem, the server's own rejections too.
     """
 
-    cuda_graph_max_bs_decode: int | None = None
-    cuda_graph_bs_decode: tuple[int, ...] | None = None
-    cuda_graph_config: str | None = None  # a JSON object, kept as canonical JSON text (as server_options)
-    disable_cuda_graph: bool = False
-    disable_decode_cuda_graph: bool = False
-    disable_cuda_graph_padding: bool = False
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    max_running_requests: int | None = None
-    tp_size: int = 1
-    dp_size: int = 1
-    attn_dp_size: int = 1
-    enable_dp_attention: bool = False
+    graph_max_bs: int | None = None
+    graph_bs: tuple[int, ...] | None = None
+    graph_config: str | None = None  # a JSON object, kept as canonical JSON text (as server_options)
+    no_graphs: bool = False
+    no_decode_graphs: bool = False
+    no_graph_padding: bool = False
+    draft_algorithm: str | None = None
+    draft_tokens: int | None = None
+    draft_steps: int | None = None
+    draft_topk: int | None = None
+    max_requests: int | None = None
+    tp: int = 1
+    dp: int = 1
+    attn_dp: int = 1
+    dp_attention: bool = False
     gpu_memory_mb: int | None = None
     ragged_verify_mode: str | None = None
     ladder_source: str = "auto"
@@ -85,6 +96,8 @@ class ServingConfig:
     server: str = servers.DEFAULT
     server_options: str | None = None
     mode_from_env: bool = field(default=False, compare=False, repr=False)
+    #: field -> the jitwarm flag that set it, as typed (messages name it; else :meth:`flag_of` asks the room)
+    given_as: Mapping[str, str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -94,13 +107,13 @@ class ServingConfig:
         problems = _check_types(self)
         if problems:  # report the value problems of the well-typed fields with them, then stop
             self.validate(problems)
-        if self.cuda_graph_bs_decode is not None:
-            set_("cuda_graph_bs_decode", tuple(sorted(set(self.cuda_graph_bs_decode))))
-        for name in ("cuda_graph_config", "server_options"):
+        if self.graph_bs is not None:
+            set_("graph_bs", tuple(sorted(set(self.graph_bs))))
+        for name in ("graph_config", "server_options"):
             if isinstance(getattr(self, name), Mapping):
                 set_(name, json.dumps(getattr(self, name), sort_keys=True))
-        if self.speculative_algorithm is not None:
-            set_("speculative_algorithm", self.speculative_algorithm.upper())
+        if self.draft_algorithm is not None:
+            set_("draft_algorithm", self.draft_algorithm.upper())
         set_("compress_ratios", tuple(sorted(set(self.compress_ratios))))
         set_("backends", tuple(dict.fromkeys(self.backends)))
         set_("targets", tuple(dict.fromkeys(self.targets if self.targets is not None else (local_target(),))))
@@ -145,6 +158,11 @@ class ServingConfig:
         if problems:
             raise ConfigError(problems)
 
+    def flag_of(self, name: str) -> str:
+        """The flag a message names for field ``name``: as typed, else the server's own, else jitwarm's."""
+        own = self.room.FIELD_FLAGS if self.room is not None else {}
+        return (self.given_as or {}).get(name) or own.get(name) or "--" + name.replace("_", "-")
+
     @property
     def model(self) -> ModelDims:
         """The model dims the kernel families specialize on."""
@@ -153,8 +171,8 @@ class ServingConfig:
     def to_json(self) -> dict[str, Any]:
         """Return the config as a JSON-able dict (the keys a TOML file takes; unset ones omitted)."""
         data = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in fields(self) if f.name != "mode_from_env"}
-        for name in ("cuda_graph_config", "server_options"):
+                for f in fields(self) if f.name not in _NOT_SETTINGS}
+        for name in ("graph_config", "server_options"):
             if data[name] is not None:
                 data[name] = json.loads(data[name])
         return {k: v for k, v in data.items() if v is not None}
@@ -185,7 +203,7 @@ def _check_types(cfg: ServingConfig) -> list[str]:
     """Type and range problems of the fields, one message each."""
     problems = []
     for kind, name in ((kind, name) for kind, names in _KINDS.items() for name in names):
-        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        value, flag = getattr(cfg, name), cfg.flag_of(name)
         if value is None:
             continue
         if kind == "text":
@@ -205,7 +223,7 @@ def _check_types(cfg: ServingConfig) -> list[str]:
             problems.append(f"{flag} must be a positive integer, got {value!r}")
         elif value > _LIMITS[kind]:
             problems.append(f"{flag} {value} is larger than any real server (at most {_LIMITS[kind]})")
-    for name, flag in (("speculative_algorithm", "--speculative-algorithm"), ("ragged_verify_mode", "mode"),
+    for name, flag in (("draft_algorithm", cfg.flag_of("draft_algorithm")), ("ragged_verify_mode", "mode"),
                        ("dtype", "--dtype"), ("ladder_source", "--ladder-source"), ("server", "server")):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, str):
@@ -255,12 +273,6 @@ else:  # pragma: no cover
 #: Largest TOML config file read (a real one is a few hundred bytes).
 MAX_CONFIG_BYTES = 1 << 20
 
-# Older jitwarm names that stay as documented aliases of sglang's, and sglang's own aliases.
-ALIASES = {"cuda_graph_max_bs": "cuda_graph_max_bs_decode", "cuda_graph_bs": "cuda_graph_bs_decode", "tp": "tp_size",
-           "tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size",
-           "attention_data_parallel_size": "attn_dp_size", "backend": "backends", "target": "targets"}
-
-
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Return the fields a TOML file (its top level, or its ``[jitwarm]`` table) sets; ConfigError if it cannot."""
     try:
@@ -280,15 +292,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Map config keys (dashes or underscores, aliases) to field names; unknown keys are an error."""
-    known = {f.name for f in fields(ServingConfig)} - {"mode_from_env"}
-    values, unknown = {}, []
+    """Map config keys (dashes or underscores, :func:`.flags.aliases`) to field names; unknown keys are an error.
+
+    One setting under two of its names (``tp`` and ``tp_size``) is an error too: which would win is not obvious.
+    """
+    known = {f.name for f in fields(ServingConfig)} - set(_NOT_SETTINGS)
+    values, unknown, raw_keys = {}, [], {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
-        key = ALIASES.get(key, key)
+        key = aliases().get(key, key)
         if key not in known:
             unknown.append(raw_key)
             continue
+        if key in raw_keys:
+            raise ConfigError([f"{source}: {raw_keys[key]!r} and {raw_key!r} both set {key}; give one"])
+        raw_keys[key] = raw_key
         if key in ("backends", "targets") and isinstance(value, str):
             value = [value]
         values[key] = tuple(value) if isinstance(value, list) else value
@@ -299,7 +317,7 @@ def fields_of(data: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 #: The fields jitwarm's own flags set (every one but the model path, the room and its options).
 _FLAG_FIELDS = tuple(f.name for f in fields(ServingConfig)
-                     if f.name not in ("model_path", "server", "server_options", "mode_from_env"))
+                     if f.name not in ("model_path", "server", "server_options", *_NOT_SETTINGS))
 
 
 def serving_flags_given(ns: argparse.Namespace, server_argv: Sequence[str] | None = None) -> bool:
@@ -320,7 +338,7 @@ def from_namespace(ns: argparse.Namespace, server_argv: Sequence[str] | None = N
         except UsageError as exc:
             raise ConfigError([str(exc)]) from None
     values.update(_fields({name: getattr(ns, name, None) for name in _FLAG_FIELDS}))
-    return ServingConfig(**values)
+    return ServingConfig(**values, given_as=getattr(ns, GIVEN_AS, None))
 
 
 def _fields(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""jitwarm's serving flags (sglang's names): their parser, their values' types, and where the server's line starts."""
+"""jitwarm's serving flags (sglang's as aliases): their parser, their values' types, where the server's line starts."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +42,7 @@ class FlagParser(argparse.ArgumentParser):
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    """The --cuda-graph-config flag's value: the parser the server's own --cuda-graph-config goes through."""
+    """The --graph-config flag's value: the parser sglang's own --cuda-graph-config goes through here."""
     try:
         return servers.json_object(text)
     except ValueError as exc:
@@ -75,8 +76,65 @@ def path_flag(text: str) -> str:
     return text
 
 
+#: Names a flag or a TOML key may use besides a field's own and sglang's: short forms and long parallel sizes.
+_MORE_ALIASES = {"cuda_graph_max_bs": "graph_max_bs", "cuda_graph_bs": "graph_bs", "tensor_parallel_size": "tp",
+                 "data_parallel_size": "dp", "attention_data_parallel_size": "attn_dp", "backend": "backends",
+                 "target": "targets"}
+
+
+@functools.cache
+def aliases() -> dict[str, str]:
+    """Other name -> field, underscores for dashes: sglang's flags and :data:`_MORE_ALIASES`.
+
+    sglang's are its room's ``FIELD_FLAGS``: a config or a script written with sglang's names reads as it is.
+    """
+    own = servers.adapter("sglang").FIELD_FLAGS
+    sglang = {flag.lstrip("-").replace("-", "_"): name for name, flag in own.items()}
+    return {alias: name for alias, name in {**sglang, **_MORE_ALIASES}.items() if alias != name}
+
+
+#: Where :class:`_Setting` keeps the flag that set each setting, on the parsed namespace.
+GIVEN_AS = "_given_as"
+
+
+class _Setting(argparse.Action):
+    """Store a serving setting; one given under two of its names (``--tp`` and ``--tp-size``) is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = vars(namespace).setdefault(GIVEN_AS, {})
+        if given.setdefault(self.dest, option_string) != option_string:
+            raise ConfigError([f"{given[self.dest]} and {option_string} are one setting ({self.dest}); give one"])
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+_SWITCH = {"nargs": 0, "const": True}
+#: jitwarm's serving flags: field -> how its flag reads (each also takes the field's :func:`aliases`, unlisted).
+_SETTINGS: dict[str, dict[str, Any]] = {
+    "graph_max_bs": {"type": _finite_int, "metavar": "N", "help": "largest decode batch captured (default: the "
+                     "server's, from GPU memory and TP size)"},
+    "graph_bs": {"type": _finite_int, "nargs": "+", "metavar": "BS", "help": "explicit decode capture batch sizes"},
+    "graph_config": {"type": _json_object, "metavar": "JSON", "help": "per-phase JSON as sglang's "
+                     "--cuda-graph-config, e.g. '{\"decode\": {\"max_bs\": 64}}' (wins over the flags)"},
+    "no_graphs": _SWITCH, "no_decode_graphs": _SWITCH,
+    "no_graph_padding": {**_SWITCH, "help": "capture every batch size up to the max"},
+    "draft_algorithm": {"metavar": "NAME", "help": "speculative decoding's algorithm, e.g. DSPARK, EAGLE, NGRAM "
+                        "(the speculative ladder needs one)"},
+    "draft_tokens": {"type": _finite_int, "metavar": "N", "help": "tokens verified per request"},
+    "draft_steps": {"type": _finite_int, "metavar": "N",
+                    "help": "EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)"},
+    "draft_topk": {"type": _finite_int, "metavar": "K"},
+    "max_requests": {"type": _finite_int, "metavar": "N",
+                     "help": "request pool size (speculative default 48); cuts the ladder"},
+    "tp": {"type": _finite_int, "metavar": "N", "help": "tensor-parallel size"},
+    "dp": {"type": _finite_int, "metavar": "N", "help": "data-parallel size"},
+    "attn_dp": {"type": _finite_int, "metavar": "N", "help": "attention data-parallel size"},
+    "dp_attention": {**_SWITCH, "help": "with --dp N: the deprecated spelling of --attn-dp N"},
+}
+
+
 #: The title of the group :func:`add_serving_flags` adds (the usage line names it instead of listing its flags).
-SERVING_GROUP = "sglang settings as flags"
+SERVING_GROUP = "serving settings as flags"
 
 
 def add_serving_flags(parser: argparse.ArgumentParser) -> None:
@@ -87,35 +145,17 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument_group("-- SERVER LINE", f"the server's own command line, last, as the server runs it: "
                                                 f"{launchers}")
     g = parser.add_argument_group(
-        f"{SERVING_GROUP} ({version}'s names; without a server line, or --config; vLLM's come from its line only)")
+        f"{SERVING_GROUP} (without a server line, or --config; vLLM's come from its line only)",
+        "sglang's flag names are aliases: --cuda-graph-max-bs-decode (and --cuda-graph-max-bs) for --graph-max-bs, "
+        "--speculative-num-draft-tokens for --draft-tokens, --max-running-requests, --tp-size, ... (docs/sglang.md)")
     g.add_argument("--config", type=path_flag, metavar="FILE.toml", help="read these settings from a TOML file first")
-    g.add_argument("--cuda-graph-max-bs-decode", "--cuda-graph-max-bs", dest="cuda_graph_max_bs_decode",
-                   type=_finite_int, metavar="N",
-                   help="largest decode batch captured (default: sglang's, from GPU memory and TP size); the "
-                        f"--cuda-graph-max-bs alias is jitwarm's only: {version} refuses it after --")
-    g.add_argument("--cuda-graph-bs-decode", "--cuda-graph-bs", dest="cuda_graph_bs_decode", type=_finite_int,
-                   nargs="+", metavar="BS", help="explicit decode capture batch sizes")
-    g.add_argument("--cuda-graph-config", type=_json_object, metavar="JSON",
-                   help="sglang's per-phase JSON, e.g. '{\"decode\": {\"max_bs\": 64}}' (wins over the flags)")
-    for name in ("--disable-cuda-graph", "--disable-decode-cuda-graph"):
-        g.add_argument(name, action="store_true", default=None)
-    g.add_argument("--disable-cuda-graph-padding", action="store_true", default=None,
-                   help="capture every batch size up to the max")
-    g.add_argument("--speculative-algorithm", metavar="NAME",
-                   help="the server's algorithm, e.g. DSPARK, EAGLE, NGRAM (the speculative ladder needs one)")
-    g.add_argument("--speculative-num-draft-tokens", type=_finite_int, metavar="N", help="tokens verified per request")
-    g.add_argument("--speculative-num-steps", type=_finite_int, metavar="N",
-                   help="EAGLE draft steps (with top-k 1, steps + 1 tokens are verified)")
-    g.add_argument("--speculative-eagle-topk", type=_finite_int, metavar="K")
-    g.add_argument("--max-running-requests", type=_finite_int, metavar="N",
-                   help="request pool size (speculative default 48); cuts the ladder")
-    g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=_finite_int, metavar="N")
-    g.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=_finite_int, metavar="N")
-    g.add_argument("--attn-dp-size", type=_finite_int, metavar="N", help="attention data-parallel size")
-    g.add_argument("--enable-dp-attention", action="store_true", default=None,
-                   help="with --dp-size N: the deprecated spelling of --attn-dp-size N")
+    for name, how in _SETTINGS.items():
+        g.add_argument("--" + name.replace("_", "-"), dest=name, action=_Setting, default=None, **how)
+        for alias in (alias for alias, field in aliases().items() if field == name):
+            g.add_argument("--" + alias.replace("_", "-"), dest=name, action=_Setting, default=None,
+                           **{**how, "help": argparse.SUPPRESS})
     g.add_argument("--gpu-memory-mb", type=_finite_int, metavar="MIB",
-                   help="device memory for sglang's default max batch on a box without the GPU "
+                   help="device memory the server's default max batch is taken from, on a box without the GPU "
                         "(default: read from the GPU; an H200 has 143771)")
     g.add_argument("--ragged-verify-mode", metavar="MODE",
                    help="static | cap-accept | compact: what SGLANG_RAGGED_VERIFY_MODE would say (default: that "

@@ -39,14 +39,14 @@ class Ladder:
     capture_bs: tuple[int, ...]
     width: int  # tokens per request (1, or a speculative verify's draft tokens)
     compact: bool
-    max_running_requests: int | None
+    max_requests: int | None  # the request pool the server resolved
     gpu_memory_mb: int | None  # the memory the default max batch was taken from, when it mattered
     disabled: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The resolution as ``jitwarm plan --json`` reports it."""
         return {"source": self.source, "capture_bs": list(self.capture_bs), "width": self.width,
-                "compact": self.compact, "max_running_requests": self.max_running_requests,
+                "compact": self.compact, "max_requests": self.max_requests,
                 "gpu_memory_mb": self.gpu_memory_mb, "disabled": self.disabled}
 
 
@@ -59,9 +59,9 @@ def resolve_ladder(config: ServingConfig) -> Ladder:
     if inputs["gpu_memory_mb"] is None and room.needs_memory(inputs):
         inputs["gpu_memory_mb"] = local_gpu_memory_mb()
         if inputs["gpu_memory_mb"] is None:
+            largest = f" or {room.FIELD_FLAGS['graph_max_bs']} N" if "graph_max_bs" in room.FIELD_FLAGS else ""
             raise ConfigError(["the capture ladder depends on the GPU's memory (the server's default max batch) "
-                               "and there is no GPU here: give --gpu-memory-mb N (an H200 has 143771) or "
-                               "--cuda-graph-max-bs-decode N"])
+                               f"and there is no GPU here: give --gpu-memory-mb N (an H200 has 143771){largest}"])
     try:
         result = room.resolve_ladder(inputs, config.ladder_source)
     except UsageError as exc:
@@ -70,7 +70,7 @@ def resolve_ladder(config: ServingConfig) -> Ladder:
                    for s in result["shapes"])
     return Ladder(source=result["source"], shapes=shapes, capture_bs=tuple(result.get("capture_bs", ())),
                   width=result.get("width", 1), compact=result.get("compact", False),
-                  max_running_requests=result.get("max_running_requests"), gpu_memory_mb=inputs["gpu_memory_mb"],
+                  max_requests=result.get("max_requests"), gpu_memory_mb=inputs["gpu_memory_mb"],
                   disabled=result.get("disabled"))
 
 

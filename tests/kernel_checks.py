@@ -56,14 +56,14 @@ def seeds_for(spec: KernelSpec, layout: VerifyLayout) -> range:
 
 def dspark_config(backend: str, target: str, dtype: str = "bfloat16") -> ServingConfig:
     """The DSpark-128 profile (README.md): 35 shapes, 30 specs per backend, target and dtype."""
-    return ServingConfig(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
-                         speculative_num_draft_tokens=6, ragged_verify_mode="compact", dtype=dtype,
+    return ServingConfig(graph_max_bs=128, max_requests=128, draft_algorithm="DSPARK",
+                         draft_tokens=6, ragged_verify_mode="compact", dtype=dtype,
                          backends=(backend,), targets=(target,))
 
 
 def small_config(backend: str, target: str, dtype: str) -> ServingConfig:
     """A small compact plan (max bs 16, 4 draft tokens, ratios 4 and 8): 22 specs per dtype, 2 of them plan."""
-    return ServingConfig(cuda_graph_max_bs_decode=16, speculative_algorithm="DSPARK", speculative_num_draft_tokens=4,
+    return ServingConfig(graph_max_bs=16, draft_algorithm="DSPARK", draft_tokens=4,
                          ragged_verify_mode="compact",
                          head_dim=64, rope_dim=32, num_q_heads=3, num_kv_heads=1, compress_ratios=(4, 8),
                          dtype=dtype, backends=(backend,), targets=(target,))
@@ -85,7 +85,7 @@ FLOOR = os.environ.get("JITWARM_TEST_FLOOR") == "1"
 
 def floor_config(backend: str, target: str, dtype: str) -> ServingConfig:
     """CI's floor pass (``JITWARM_TEST_FLOOR=1``): every family on the dependency floors, ragged and uniform, fast."""
-    return ServingConfig(cuda_graph_max_bs_decode=4, speculative_algorithm="DSPARK", speculative_num_draft_tokens=3,
+    return ServingConfig(graph_max_bs=4, draft_algorithm="DSPARK", draft_tokens=3,
                          ragged_verify_mode="compact", head_dim=64, rope_dim=32, num_q_heads=3, num_kv_heads=1,
                          compress_ratios=(4,), dtype=dtype, backends=(backend,), targets=(target,))
 

@@ -25,7 +25,7 @@ def test_every_usage_shows_the_server_line_where_the_command_takes_one(name):
         assert "SERVER LINE" not in usage
     else:
         assert usage.rstrip().endswith("[SERVER FLAGS] [-- SERVER LINE]"), usage
-        assert "--cuda-graph-max-bs-decode" not in usage  # the server flags are one word there, listed below
+        assert "--graph-max-bs" not in usage and "--cuda-graph-max-bs-decode" not in usage  # one word there
 
 
 def test_prestart_help_groups_the_server_flags_by_server():
@@ -33,10 +33,12 @@ def test_prestart_help_groups_the_server_flags_by_server():
     sections = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
 
     assert "-- SERVER LINE:" in sections
-    line_section = text[text.index("-- SERVER LINE:"):text.index("sglang settings as flags")]
+    line_section = text[text.index("-- SERVER LINE:"):text.index("serving settings as flags")]
     assert "vllm 0.33.0" in line_section and "sglang 0.5.23" in line_section
-    assert any(s.startswith("sglang settings as flags (sglang 0.5.23's names") for s in sections), sections
-    assert text.index("--cuda-graph-max-bs-decode") > text.index("sglang settings as flags")
+    assert any(s.startswith("serving settings as flags (") for s in sections), sections
+    serving = text[text.index("serving settings as flags"):text.index("model (")]
+    assert "--graph-max-bs N" in serving and "sglang's flag names are aliases: --cuda-graph-max-bs-decode" in serving
+    assert "--speculative-num-steps" not in serving  # an alias is said once, not listed as a flag
     assert len(text.splitlines()) < 126  # it was 126 lines, 23 of them one usage
 
 

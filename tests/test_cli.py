@@ -130,7 +130,7 @@ def test_prune_by_size(cache_copy):
     (["prune"], 2, "prune needs --max-bytes"),
     (["prune", "--max-bytes", "lots"], 2, "invalid size 'lots'"),
     (["export", *TINY, "out.tar"], 5, "is not complete"),
-    (["warm", "--cuda-graph-max-bs", "-1"], 2, "--cuda-graph-max-bs-decode must be a positive integer"),
+    (["warm", "--cuda-graph-max-bs", "-1"], 2, "--cuda-graph-max-bs must be a positive integer"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
 ])
 def test_user_errors_are_one_line_with_exit_code(tmp_path, argv, code, message):

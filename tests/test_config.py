@@ -15,7 +15,9 @@ def run_cli(capsys, argv):
 
 @pytest.mark.parametrize("argv, message", [
     (["--cuda-graph-max-bs-decode", "0"], "--cuda-graph-max-bs-decode must be a positive integer, got 0"),
-    (["--cuda-graph-max-bs", "-4"], "--cuda-graph-max-bs-decode must be a positive integer, got -4"),
+    (["--cuda-graph-max-bs", "-4"], "--cuda-graph-max-bs must be a positive integer, got -4"),  # as typed
+    (["--graph-max-bs", "-4"], "--graph-max-bs must be a positive integer, got -4"),
+    (["--max-requests", "0"], "--max-requests must be a positive integer"),
     (["--cuda-graph-max-bs-decode", "1000000"], "--cuda-graph-max-bs-decode 1000000 is larger than any real"),
     (["--max-running-requests", "0"], "--max-running-requests must be a positive integer"),
     (["--tp-size", "0"], "--tp-size must be a positive integer"),
@@ -41,9 +43,12 @@ def run_cli(capsys, argv):
     (["--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact",
       "--disable-cuda-graph-padding", "--cuda-graph-max-bs-decode", "8"],
      "compact ragged verify (SGLANG_RAGGED_VERIFY_MODE=compact) cannot be used with --disable-cuda-graph-padding"),
-    (["--cuda-graph-bs", "0", "8"], "--cuda-graph-bs-decode needs positive batch sizes up to 4096, got [0]"),
+    (["--cuda-graph-bs", "0", "8"], "--cuda-graph-bs needs positive batch sizes up to 4096, got [0]"),
     (["--cuda-graph-bs-decode", "-8", "8"], "--cuda-graph-bs-decode needs positive batch sizes up to 4096, got [-8]"),
-    (["--cuda-graph-max-bs", "many"], "argument --cuda-graph-max-bs-decode/--cuda-graph-max-bs: invalid"),
+    (["--cuda-graph-max-bs", "many"], "argument --cuda-graph-max-bs: invalid"),
+    (["--tp", "2", "--tp-size", "2"], "--tp and --tp-size are one setting (tp); give one"),
+    (["--disable-cuda-graph-padding", "--no-graph-padding"],
+     "--disable-cuda-graph-padding and --no-graph-padding are one setting (no_graph_padding); give one"),
     (["--cuda-graph-max-bs-decode", "8", "--model-path", "x"], "unrecognized arguments: --model-path x"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
@@ -58,19 +63,19 @@ def test_validation_exits_2_with_one_line(capsys, argv, message):
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        ServingConfig(cuda_graph_max_bs_decode=0, dtype="fp8", rope_dim=3, targets=("cpu",))
+        ServingConfig(graph_max_bs=0, dtype="fp8", rope_dim=3, targets=("cpu",))
     assert len(info.value.problems) == 3
 
 
 def test_mode_from_environment(monkeypatch):
     monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
-    cfg = ServingConfig(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6, targets=("cpu",))
+    cfg = ServingConfig(draft_algorithm="DSPARK", draft_tokens=6, targets=("cpu",))
     assert cfg.ragged_verify_mode == "compact" and cfg.mode_from_env
     # sglang reads the variable only for a ragged-verify algorithm: a bad value elsewhere is ignored, as there
     monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "ragged")
-    assert ServingConfig(cuda_graph_max_bs_decode=8, targets=("cpu",)).ragged_verify_mode == "ragged"
+    assert ServingConfig(graph_max_bs=8, targets=("cpu",)).ragged_verify_mode == "ragged"
     with pytest.raises(ConfigError, match="unknown ragged verify mode 'ragged' \\(from SGLANG_RAGGED_VERIFY_MODE\\)"):
-        ServingConfig(speculative_algorithm="DSPARK", speculative_num_draft_tokens=6, targets=("cpu",))
+        ServingConfig(draft_algorithm="DSPARK", draft_tokens=6, targets=("cpu",))
     assert ServingConfig(ragged_verify_mode="static", targets=("cpu",)).ragged_verify_mode == "static"
 
 
@@ -79,39 +84,39 @@ def test_mode_defaults_to_static():
 
 
 def test_lists_are_normalised():
-    cfg = ServingConfig(cuda_graph_bs_decode=(8, 1, 8, 4), compress_ratios=(128, 4, 4),
+    cfg = ServingConfig(graph_bs=(8, 1, 8, 4), compress_ratios=(128, 4, 4),
                         backends=("triton", "tvm_ffi", "triton"), targets=("sm_90", "cpu", "sm_90"),
-                        speculative_algorithm="dspark", speculative_num_draft_tokens=4)
-    assert cfg.cuda_graph_bs_decode == (1, 4, 8)
+                        draft_algorithm="dspark", draft_tokens=4)
+    assert cfg.graph_bs == (1, 4, 8)
     assert cfg.compress_ratios == (4, 128)
     assert cfg.backends == ("triton", "tvm_ffi")
     assert cfg.targets == ("sm_90", "cpu")
-    assert cfg.speculative_algorithm == "DSPARK"
+    assert cfg.draft_algorithm == "DSPARK"
 
 
 def test_toml_file_and_flags_override_it(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text(textwrap.dedent("""
         cuda-graph-max-bs = 64
-        speculative_algorithm = "DSPARK"
-        speculative_num_draft_tokens = 4
+        draft_algorithm = "DSPARK"
+        draft_tokens = 4
         ragged-verify-mode = "compact"
         compress_ratios = [8]
         target = "sm_90"
     """))
     from_file = ServingConfig.from_args(["--config", str(path)])
-    assert (from_file.cuda_graph_max_bs_decode, from_file.speculative_num_draft_tokens) == (64, 4)
+    assert (from_file.graph_max_bs, from_file.draft_tokens) == (64, 4)
     assert from_file.ragged_verify_mode == "compact" and from_file.compress_ratios == (8,)
     assert from_file.targets == ("sm_90",)
     merged = ServingConfig.from_args(["--config", str(path), "--cuda-graph-max-bs-decode", "32", "--target", "cpu"])
-    assert merged.cuda_graph_max_bs_decode == 32 and merged.targets == ("cpu",)
-    assert merged.speculative_num_draft_tokens == 4
+    assert merged.graph_max_bs == 32 and merged.targets == ("cpu",)
+    assert merged.draft_tokens == 4
 
 
 def test_toml_to_json_round_trip(tmp_path):
-    cfg = ServingConfig(cuda_graph_max_bs_decode=96, speculative_algorithm="DSPARK", speculative_num_draft_tokens=3,
+    cfg = ServingConfig(graph_max_bs=96, draft_algorithm="DSPARK", draft_tokens=3,
                         ragged_verify_mode="compact", targets=("cpu", "sm_100"), backends=("tvm_ffi", "triton"),
-                        cuda_graph_config={"decode": {"max_bs": 64}}, tp_size=2)
+                        graph_config={"decode": {"max_bs": 64}}, tp=2)
     lines = []
     for k, v in cfg.to_json().items():
         text = json.dumps(v)
@@ -119,6 +124,70 @@ def test_toml_to_json_round_trip(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("\n".join(lines))
     assert ServingConfig.from_toml(path) == cfg
+
+
+#: Every serving setting, under jitwarm's names and sglang's (the aliases a config written for sglang uses).
+NEUTRAL = {"graph_bs": [4, 1], "graph_config": {"decode": {"max_bs": 64}}, "no_graph_padding": True,
+           "draft_algorithm": "EAGLE", "draft_tokens": 4, "draft_steps": 3, "draft_topk": 1, "max_requests": 64,
+           "tp": 4, "dp": 2, "attn_dp": 1, "dp_attention": True, "no_graphs": False, "no_decode_graphs": False}
+SGLANG = {"cuda_graph_bs_decode": [4, 1], "cuda_graph_config": {"decode": {"max_bs": 64}},
+          "disable_cuda_graph_padding": True, "speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": 4,
+          "speculative_num_steps": 3, "speculative_eagle_topk": 1, "max_running_requests": 64, "tp_size": 4,
+          "dp_size": 2, "attn_dp_size": 1, "enable_dp_attention": True, "disable_cuda_graph": False,
+          "disable_decode_cuda_graph": False}
+
+
+def _toml(settings):
+    return "".join(f"{k} = {json.dumps(v) if not isinstance(v, dict) else '{ decode = { max_bs = 64 } }'}\n"
+                   for k, v in {**settings, "targets": ["cpu"]}.items())
+
+
+def _flags(settings):
+    argv = ["--target", "cpu"]
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif value is not False:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
+def test_sglang_names_are_aliases_of_jitwarm_s_own(tmp_path):
+    """A TOML file and jitwarm's flags with sglang's names give the config jitwarm's names give, setting for
+    setting; the plan reads each as the same graph (``--cuda-graph-max-bs-decode`` is the 64 of the JSON's)."""
+    from jitwarm.precompile import servers
+
+    assert set(NEUTRAL) <= set(ServingConfig.__dataclass_fields__)
+    sglang_flags = {flag[2:].replace("-", "_") for flag in servers.adapter("sglang").FIELD_FLAGS.values()}
+    assert sglang_flags == {*SGLANG, "cuda_graph_max_bs_decode", "model_path"}  # every sglang name is tried
+    neutral, sglang = tmp_path / "neutral.toml", tmp_path / "sglang.toml"
+    neutral.write_text(_toml(NEUTRAL))
+    sglang.write_text(_toml(SGLANG))
+    want = ServingConfig.from_toml(neutral)
+    assert want.tp == 4 and want.draft_steps == 3 and want.graph_bs == (1, 4) and want.dp_attention
+    assert ServingConfig.from_toml(sglang) == want
+    assert ServingConfig.from_args(_flags(SGLANG)) == ServingConfig.from_args(_flags(NEUTRAL)) == want
+    assert ServingConfig.from_args(["--target", "cpu", "--tensor-parallel-size", "4"]).tp == 4
+    assert ServingConfig.from_args(["--target", "cpu", "--cuda-graph-max-bs-decode", "8"]) == ServingConfig(
+        graph_max_bs=8, targets=("cpu",))
+
+
+@pytest.mark.parametrize("content, message", [
+    ("tp = 2\ntp_size = 2\n", "'tp' and 'tp_size' both set tp; give one"),
+    ("tp-size = 2\ntp_size = 2\n", "'tp-size' and 'tp_size' both set tp; give one"),
+    ("draft_tokens = 4\nspeculative-num-draft-tokens = 4\n",
+     "'draft_tokens' and 'speculative-num-draft-tokens' both set draft_tokens; give one"),
+    ("[jitwarm]\ncuda_graph_max_bs = 8\ncuda_graph_max_bs_decode = 8\n",
+     "'cuda_graph_max_bs' and 'cuda_graph_max_bs_decode' both set graph_max_bs; give one"),
+])
+def test_a_setting_under_two_names_is_exit_2(capsys, tmp_path, content, message):
+    path = tmp_path / "twice.toml"
+    path.write_text(content)
+    code, out, err = run_cli(capsys, ["plan", "--config", str(path), "--target", "cpu"])
+    assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err
 
 
 @pytest.mark.parametrize("content, message", [
@@ -207,7 +276,7 @@ def test_the_ladder_is_resolved_once_per_config(monkeypatch):
     real = rules.resolve
     monkeypatch.setattr(rules, "resolve", lambda inputs: calls.append(1) or real(inputs))
     rules._builtin.cache_clear()  # earlier tests of this process resolved some of these inputs already
-    cfg = ServingConfig(cuda_graph_max_bs_decode=96, max_running_requests=96, targets=("cpu",),
+    cfg = ServingConfig(graph_max_bs=96, max_requests=96, targets=("cpu",),
                         ladder_source="builtin")
     WarmPlan.build(cfg)
     assert len(calls) == 1

@@ -9,8 +9,8 @@ from jitwarm.precompile import ServingConfig, WarmPlan, capture_batch_sizes, cap
 from jitwarm.precompile.cli import main
 
 # The DSpark-128 profile: 35 graphs, 30 specs (a request pool of 128; sglang's speculative default is 48).
-DSPARK = dict(cuda_graph_max_bs_decode=128, max_running_requests=128, speculative_algorithm="DSPARK",
-              speculative_num_draft_tokens=6, ragged_verify_mode="compact")
+DSPARK = dict(graph_max_bs=128, max_requests=128, draft_algorithm="DSPARK",
+              draft_tokens=6, ragged_verify_mode="compact")
 DSPARK_FLAGS = ["--cuda-graph-max-bs-decode", "128", "--max-running-requests", "128", "--speculative-algorithm",
                 "DSPARK", "--speculative-num-draft-tokens", "6", "--ragged-verify-mode", "compact", "--target", "cpu"]
 
@@ -51,42 +51,42 @@ def test_every_compact_layout_conserves_tokens():
 
 def test_speculative_ladder_for_max_bs_80():
     expected = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 81, 8)]
-    cfg = config(cuda_graph_max_bs_decode=80, max_running_requests=80, speculative_algorithm="EAGLE",
-                 speculative_num_steps=5, speculative_eagle_topk=1)
+    cfg = config(graph_max_bs=80, max_requests=80, draft_algorithm="EAGLE",
+                 draft_steps=5, draft_topk=1)
     assert capture_batch_sizes(cfg) == expected
 
 
 def test_plain_ladder_without_an_algorithm():
     expected = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, 601, 32), 600]
-    assert capture_batch_sizes(config(cuda_graph_max_bs_decode=600)) == expected
+    assert capture_batch_sizes(config(graph_max_bs=600)) == expected
     # draft tokens alone do not switch sglang to the speculative ladder
-    assert capture_batch_sizes(config(cuda_graph_max_bs_decode=600, speculative_num_draft_tokens=6)) == expected
-    assert all(s.layout.verify_lens == (1,) * s.bs for s in capture_shapes(config(cuda_graph_max_bs_decode=64)))
+    assert capture_batch_sizes(config(graph_max_bs=600, draft_tokens=6)) == expected
+    assert all(s.layout.verify_lens == (1,) * s.bs for s in capture_shapes(config(graph_max_bs=64)))
 
 
 def test_max_bs_is_appended_when_off_the_ladder():
-    cfg = config(cuda_graph_max_bs_decode=100, max_running_requests=100, speculative_algorithm="EAGLE",
-                 speculative_num_steps=1, speculative_eagle_topk=1)
+    cfg = config(graph_max_bs=100, max_requests=100, draft_algorithm="EAGLE",
+                 draft_steps=1, draft_topk=1)
     assert capture_batch_sizes(cfg)[-3:] == [88, 96, 100]
 
 
 def test_no_padding_ladder_and_explicit_list():
-    assert capture_batch_sizes(config(cuda_graph_max_bs_decode=12, disable_cuda_graph_padding=True)) == list(
+    assert capture_batch_sizes(config(graph_max_bs=12, no_graph_padding=True)) == list(
         range(1, 13))
-    assert capture_batch_sizes(config(cuda_graph_bs_decode=(16, 2, 2, 7))) == [2, 7, 16]
+    assert capture_batch_sizes(config(graph_bs=(16, 2, 2, 7))) == [2, 7, 16]
     older_alias = ServingConfig.from_mapping({"cuda-graph-bs": [16, 2, 2, 7], "target": "cpu"})
     assert capture_batch_sizes(older_alias) == [2, 7, 16]
 
 
 def test_max_running_requests_cuts_the_ladder_and_is_appended():
-    sizes = capture_batch_sizes(config(cuda_graph_max_bs_decode=128, max_running_requests=50,
-                                       speculative_algorithm="DSPARK", speculative_num_draft_tokens=6))
+    sizes = capture_batch_sizes(config(graph_max_bs=128, max_requests=50,
+                                       draft_algorithm="DSPARK", draft_tokens=6))
     assert max(sizes) == 50 and 48 in sizes and 52 not in sizes
 
 
 def test_speculative_default_of_48_running_requests():
-    shapes = capture_shapes(config(cuda_graph_max_bs_decode=128, speculative_algorithm="DSPARK",
-                                   speculative_num_draft_tokens=6, ragged_verify_mode="compact"))
+    shapes = capture_shapes(config(graph_max_bs=128, draft_algorithm="DSPARK",
+                                   draft_tokens=6, ragged_verify_mode="compact"))
     assert len(shapes) == 23 and shapes[0].bs == 48
     assert shapes[0].layout.verify_lens == (6,) * 48 and shapes[0].graph_key == 288
 
@@ -357,3 +357,20 @@ def test_auto_keeps_another_release_s_answer_and_reads_it_back(tmp_path):
     memo.write_text(memo.read_text()[:-20])
     again = plan_with_sglang_release(tmp_path, "9.9.9")
     assert again["rc"] == 2 and "sglang's own ladder functions failed" in again["err"]
+
+
+def test_a_ladder_memo_of_another_format_is_resolved_again(tmp_path):
+    """A memo names its result's keys by its format (the pool is ``max_requests``): one kept in another format is
+    never read as this one's, so a pool under another key cannot be read as no pool."""
+    from jitwarm.cache import settings
+    from jitwarm.precompile.servers import resolution_memo
+
+    answer = {"source": "sglang 9.9.9 (installed)", "shapes": [{"bs": 1, "graph_key": 1, "verify_lens": [1]}],
+              "capture_bs": [1], "max_requests": 8}
+    with settings.override(cache_dir=tmp_path):
+        key = resolution_memo.key("sglang", "9.9.9", {"tp_size": 1})
+        resolution_memo.store(key, answer)
+        assert resolution_memo.load(key) == answer
+        path = resolution_memo.directory() / f"{key}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "format": resolution_memo.FORMAT - 1}))
+        assert resolution_memo.load(key) is None

@@ -7,6 +7,7 @@ restore, the seal). A new room that misses a name, or answers with the wrong sha
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -68,7 +69,12 @@ def test_each_adapter_function_answers_on_a_real_command_line(name, tmp_path):
     assert room.recognises(argv) and not any(room.recognises(line) for line in others)
     assert servers.adapter_for(argv) is room
     fields = room.parse_argv(argv)
-    assert isinstance(fields, dict) and fields.get("tp_size") == 2, fields
+    assert isinstance(fields, dict) and fields.get("tp") == 2, fields
+    # jitwarm's own names: every key a ServingConfig field, and each field's flag the server's own
+    settings = {f.name for f in dataclasses.fields(ServingConfig)} - {"mode_from_env", "given_as"}
+    assert set(fields) <= settings, sorted(set(fields) - settings)
+    assert set(room.FIELD_FLAGS) <= settings and all(flag.startswith("-") for flag in room.FIELD_FLAGS.values())
+    assert {"tp", "model_path"} <= set(fields) and room.FIELD_FLAGS["tp"] in argv
     config = ServingConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}, server=name,
                            gpu_memory_mb=80 * 1024)
     assert isinstance(room.defaults(config), dict)
@@ -108,6 +114,7 @@ PLUGIN, PLUGIN_GROUP = "jitwarm.precompile.servers.fakeserve.plugin:register", "
 PLUGINS_ENV, DEFAULT_PORT, HEALTH = "FAKESERVE_PLUGINS", 9000, "/ready"
 LADDER_SOURCES = ("auto", "builtin")
 OPTIONS = {}
+FIELD_FLAGS = {"graph_max_bs": "--max-batch", "tp": "--tp", "model_path": "--model"}
 CACHE_VARIABLES = ("FAKESERVE_CACHE",)
 SEALED = TAP = None
 CAPTURE_ENV: dict = {}
@@ -121,12 +128,13 @@ def recognises(argv):
 
 def parse_argv(argv):
     words, fields = list(argv[1:] if recognises(argv) else argv), {}
-    flags = {"--max-batch": "cuda_graph_max_bs_decode", "--tp": "tp_size"}
+    flags = {flag: name for name, flag in FIELD_FLAGS.items()}
     while words:
         flag = words.pop(0)
         if flag not in flags or not words:
             raise UsageError(f"fakeserve refuses {flag}")
-        fields[flags[flag]] = int(words.pop(0))
+        value = words.pop(0)
+        fields[flags[flag]] = value if flag == "--model" else int(value)
     return fields
 
 
@@ -139,7 +147,7 @@ def check(config, *, resolve):
 
 
 def ladder_inputs(config):
-    return {"max_bs": config.cuda_graph_max_bs_decode or 4, "gpu_memory_mb": config.gpu_memory_mb}
+    return {"max_bs": config.graph_max_bs or 4, "gpu_memory_mb": config.gpu_memory_mb}
 
 
 def needs_memory(inputs):
@@ -179,7 +187,7 @@ def fake_server(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, name, module)
     module.__spec__.loader.exec_module(module)
     monkeypatch.setattr(servers, "ROOMS", (*servers.ROOMS, "fakeserve"))  # the one registry line
-    ARGV["fakeserve"] = ["fakeserve", "--max-batch", "16", "--tp", "2"]
+    ARGV["fakeserve"] = ["fakeserve", "--model", "org/model", "--max-batch", "16", "--tp", "2"]
     yield module
     del ARGV["fakeserve"]
 
@@ -198,6 +206,15 @@ def test_a_fake_server_is_one_room_and_one_line(fake_server, tmp_path, capsys):
     assert plan["ladder"]["capture_bs"] == [1, 2, 4, 8], plan["ladder"]
     assert main(["plan", "--", "fakeserve", "--bad", "1"]) == 2
     assert "fakeserve refuses --bad" in capsys.readouterr().err
+    # its flags land on jitwarm's names, which jitwarm's own flags set too; a message names the flag it was given as
+    from jitwarm.precompile.servers.sglang.fields import SGLANG_NAMES
+
+    assert not set(fake_server.parse_argv(ARGV["fakeserve"])) & set(SGLANG_NAMES.values()) - {"model_path"}
+    assert not any(name in FAKE_SERVER for name in set(SGLANG_NAMES.values()) - {"model_path"})
+    assert main(["plan", "--json", "--graph-max-bs", "4", "--", "fakeserve", "--max-batch", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["ladder"]["capture_bs"] == [1, 2, 4]
+    assert main(["plan", "--", "fakeserve", "--max-batch", "0"]) == 2
+    assert "--max-batch must be a positive integer, got 0" in capsys.readouterr().err
     root = tmp_path / "private"
     root.mkdir()
     env, _ = capture_node.private_env(fake_server, {"FAKESERVE_CACHE": str(tmp_path / "callers")}, root)

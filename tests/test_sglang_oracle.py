@@ -212,7 +212,7 @@ def named_error(native, name: str) -> str:
 
 def test_dspark_compact_without_running_limit_stops_at_the_speculative_default(native):
     out = named(native, "dspark6_compact_128")
-    assert out["max_running_requests"] == 48 and out["decode_max_bs"] == 128 and out["decode_bs"] == SPEC_LADDER_128
+    assert out["max_requests"] == 48 and out["decode_max_bs"] == 128 and out["decode_bs"] == SPEC_LADDER_128
     assert len(out["shapes"]) == 23 and out["compact"] and out["width"] == 6
     largest = out["shapes"][0]
     assert largest == {"bs": 48, "graph_key": 288, "verify_lens": [6] * 48}
@@ -232,7 +232,7 @@ def test_default_max_bs_follows_memory_and_tp(native):
     assert named(native, "h100_tp2")["decode_max_bs"] == 256
     assert named(native, "unknown_memory")["decode_max_bs"] == 160
     tp4 = named(native, "h200_tp4")
-    assert tp4["capture_bs"][-1] == 512 and tp4["max_running_requests"] is None
+    assert tp4["capture_bs"][-1] == 512 and tp4["max_requests"] is None
 
 
 def test_attention_dp_aligns_to_attention_tp(native):
@@ -273,14 +273,14 @@ def test_cpu_graph_runner_ladder_is_capped_by_torch_compile_max_bs(native):
 def test_draft_tokens_without_an_algorithm_give_the_plain_ladder(native):
     out = named(native, "draft_tokens_without_algorithm")
     assert out["decode_bs"] == PLAIN_LADDER_128 and out["width"] == 1 and not out["compact"]
-    assert out["max_running_requests"] is None and out["shapes"][0] == {"bs": 128, "graph_key": 128,
-                                                                        "verify_lens": [1] * 128}
+    assert out["max_requests"] is None and out["shapes"][0] == {"bs": 128, "graph_key": 128,
+                                                                "verify_lens": [1] * 128}
 
 
 def test_algorithm_names_and_running_defaults(native):
-    assert named(native, "nextn_lowercase")["max_running_requests"] == 48  # NEXTN is EAGLE
+    assert named(native, "nextn_lowercase")["max_requests"] == 48  # NEXTN is EAGLE
     uno = named(native, "uno_no_running_default")  # _handle_uno sets no max_running_requests default
-    assert uno["max_running_requests"] is None and uno["capture_bs"][-1] == 256
+    assert uno["max_requests"] is None and uno["capture_bs"][-1] == 256
     assert "Unknown speculative algorithm name: MEDUSA" in named_error(native, "unknown_algorithm")
     assert "SGLANG_RAGGED_VERIFY_MODE='Compact'" in named_error(native, "bad_mode_with_eagle")
     assert named(native, "bad_mode_without_algorithm")["decode_max_bs"] == 160  # never read without one

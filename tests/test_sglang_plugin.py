@@ -339,3 +339,15 @@ def test_plan_mode_plans_the_families_of_the_model_the_runner_was_given(monkeypa
     assert sglang_plugin._around_model_runner_init(init, runner, model_config, 0.8, 0, 0, server_args) == "constructed"
     plan = sglang_plugin._plan.plan
     assert len(plan.specs) == specs and plan.families.architecture == (architectures or [None])[0]
+
+
+def test_plan_mode_ignores_a_capture_key_of_the_file_under_either_name(tmp_path, caplog):
+    """The server's own arguments decide the capture: a JITWARM_CONFIG key that sets one, by jitwarm's name or by
+    sglang's alias, is dropped with a warning naming the setting."""
+    from jitwarm.precompile.servers.sglang import plugin as sglang_plugin
+
+    (tmp_path / "jitwarm.toml").write_text("cuda_graph_max_bs_decode = 8\ngraph_bs = [1]\ntp-size = 2\nhead_dim = 64\n")
+    with caplog.at_level("WARNING", logger=sglang_plugin.log.name):
+        mode = sglang_plugin._Plan(str(tmp_path / "jitwarm.toml"))
+    assert mode.error is None and mode.fields == {"head_dim": 64}
+    assert "sets graph_bs, graph_max_bs, tp: ignored" in caplog.text

@@ -95,7 +95,7 @@ ARGV_CASES = [
     ["--model", "m", "--cudagraph-capture-sizes", "8", "-cc.cudagraph_capture_sizes=[8]"],
     ["--model", "m", "--spec-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 3}'],
 ]
-ARGV_DEFAULTS = {"model_path": None, "max_num_seqs": None, "max_num_batched_tokens": None, "tp_size": 1,
+ARGV_DEFAULTS = {"model_path": None, "max_num_seqs": None, "max_num_batched_tokens": None, "tensor_parallel_size": 1,
                  "optimization_level": 2, "enforce_eager": False, "performance_mode": "balanced",
                  "enable_chunked_prefill": None, "max_model_len": None, "cudagraph_mode": None,
                  "cudagraph_capture_sizes": None, "max_cudagraph_capture_size": None, "num_speculative_tokens": 0}

@@ -91,7 +91,7 @@ ARGV = ["VLLM_USE_V2_MODEL_RUNNER=0", "vllm", "serve", "Qwen/Qwen3-8B", "--max_n
 
 def test_the_command_line_is_read_as_vllm_reads_it():
     assert argv.parse_server_argv(ARGV) == {
-        "model_runner": "v1", "model_path": "Qwen/Qwen3-8B", "max_num_seqs": 128, "tp_size": 2,
+        "model_runner": "v1", "model_path": "Qwen/Qwen3-8B", "max_num_seqs": 128, "tensor_parallel_size": 2,
         "optimization_level": 3, "cudagraph_mode": "FULL_DECODE_ONLY", "num_speculative_tokens": 3,
         "max_model_len": 32768, "cudagraph_capture_sizes": [1, 2, 4], "enforce_eager": True}
     api = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model=/m", "--max-num-batched-tokens=4096",
@@ -104,9 +104,26 @@ def test_the_room_is_chosen_from_the_launcher_and_maps_its_fields():
     assert argv.is_server_command(["vllm", "serve", "m"]) and not argv.is_server_command(["sglang", "serve", "m"])
     assert servers.adapter_for(["vllm", "serve", "m"]).NAME == "vllm"
     assert fields.parse_argv(["vllm", "serve", "m", "--max-num-seqs", "8", "--spec-tokens", "2"]) == {
-        "model_path": "m", "max_running_requests": 8, "server_options": {"num_speculative_tokens": 2}}
+        "model_path": "m", "max_requests": 8, "server_options": {"num_speculative_tokens": 2}}
     assert fields.target_capability(["sm_100a"]) == 100 and fields.target_capability(["cpu", "sm_90"]) == 90
     assert fields.target_capability(["sm_90", "sm_100"]) is None
+    assert fields.parse_argv(["vllm", "serve", "m", "-tp", "2"]) == {"model_path": "m", "tp": 2}
+
+
+@pytest.mark.parametrize("given", [["--graph-max-bs", "8"], ["--cuda-graph-max-bs-decode", "8"],
+                                   ["--draft-tokens", "3"], ["--speculative-num-draft-tokens", "3"]])
+def test_a_setting_vllm_has_not_is_refused_naming_the_flag_as_given(capsys, given):
+    from jitwarm.precompile.cli import main
+
+    assert main(["plan", "--target", "cpu", *given, "--", "vllm", "serve", "m"]) == 2
+    assert f"{given[0]} is not a vLLM setting" in capsys.readouterr().err
+
+
+def test_a_bad_value_names_vllm_s_own_flag(capsys):
+    from jitwarm.precompile.cli import main
+
+    assert main(["plan", "--target", "cpu", "--", "vllm", "serve", "m", "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs must be a positive integer, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [
@@ -135,7 +152,7 @@ def test_jitwarm_plan_reads_a_vllm_line_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["ladder"]["source"] == f"built-in rules of vLLM {VERSION}"
-    assert plan["ladder"]["max_running_requests"] == 32
+    assert plan["ladder"]["max_requests"] == 32
     keys = [s["key"] for s in plan["shapes"]]
     assert keys[0] == "PIECEWISE num_tokens=64 num_reqs=None" and keys[-1] == "FULL num_tokens=1 num_reqs=1 uniform=1"
     assert plan["families"]["skipped"] and plan["specs"] == []  # a Llama runs none of jitwarm's families

@@ -57,6 +57,8 @@ class ServerAdapter(Protocol):
     HEALTH: str  #: the path that answers 200 once the server serves
     LADDER_SOURCES: tuple[str, ...]  #: ``--ladder-source`` values: ``auto``, ``builtin`` and the server's own
     OPTIONS: Mapping[str, str]  #: room-only settings (``server_options`` keys) -> their flag, for messages
+    #: the ServingConfig fields :meth:`parse_argv` sets -> the server's own flag for each, for messages
+    FIELD_FLAGS: Mapping[str, str]
     #: the server's own cache root variable first, then those beside it it reads for the caches it moves or owns
     CACHE_VARIABLES: tuple[str, ...]
     SEALED: str | None  #: what :meth:`seal` seals, as the plugin's line names it (None: nothing of its own)
@@ -71,7 +73,11 @@ class ServerAdapter(Protocol):
         """True when ``argv`` starts (after any ``NAME=value`` words) with this server's launcher; never raises."""
 
     def parse_argv(self, argv: Sequence[str]) -> dict[str, Any]:
-        """The ServingConfig fields a command line (launcher optional) sets; UsageError for one the server refuses."""
+        """The ServingConfig fields a command line (launcher optional) sets; UsageError for one the server refuses.
+
+        Its keys are ServingConfig's field names (jitwarm's own, never another server's flags), ``server_options``
+        holding the room's own settings (:attr:`OPTIONS`).
+        """
 
     def defaults(self, config: Any) -> dict[str, Any]:
         """Values for the fields ``config`` left unset that the server takes from elsewhere (its environment)."""
@@ -89,7 +95,7 @@ class ServerAdapter(Protocol):
         """The graphs the server captures for ``inputs``, from ``source``; UsageError for refused settings.
 
         ``{"source", "shapes": [{"bs", "graph_key", "verify_lens"}, ...] largest first, "capture_bs", "width",
-        "compact", "max_running_requests", "disabled"}``.
+        "compact", "max_requests", "disabled"}``.
         """
 
     def model_families(self, families: tuple[str, ...], model_path: str | None,

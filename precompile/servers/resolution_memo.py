@@ -16,8 +16,8 @@ from typing import Any
 
 from jitwarm.cache import files, settings
 
-#: Format of a memo file; a memo of another format is ignored.
-FORMAT = 1
+#: Format of a memo file, its result's keys among it (the pool is ``max_requests``); another format is ignored.
+FORMAT = 2
 #: Largest memo read or written (a 4096-graph ladder without padding is about 1 MiB).
 MAX_BYTES = 4 << 20
 

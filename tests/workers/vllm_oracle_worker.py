@@ -25,7 +25,7 @@ def vllm_reads(parser, args: list[str]) -> dict:
         return {"error": f"argparse exit {exc.code}"}
     cc = ns.compilation_config
     out = {"model_path": ns.model, "max_num_seqs": ns.max_num_seqs, "max_num_batched_tokens": ns.max_num_batched_tokens,
-           "tp_size": ns.tensor_parallel_size, "optimization_level": int(ns.optimization_level),
+           "tensor_parallel_size": ns.tensor_parallel_size, "optimization_level": int(ns.optimization_level),
            "enforce_eager": bool(ns.enforce_eager), "performance_mode": ns.performance_mode,
            "enable_chunked_prefill": ns.enable_chunked_prefill, "max_model_len": ns.max_model_len,
            "cudagraph_mode": cc.cudagraph_mode.name if cc.cudagraph_mode is not None else None}

@@ -40,7 +40,7 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCausalLMN
 
 model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
 __getattr__ = lazy_functions(__name__, {
-    "recognises": "argv", "parse_argv": "argv:parse_server_argv", "defaults": "fields", "check": "fields",
+    "recognises": "argv", "parse_argv": "fields", "FIELD_FLAGS": "fields", "defaults": "fields", "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "rules:depends_on_memory", "resolve_ladder": "native",
     "seal": "loader", "cache_dirs": "caches", "CACHE_VARIABLES": "caches", "unloadable": "caches"})
 

@@ -119,7 +119,7 @@ def _resolve(cfg: dict[str, Any]) -> dict[str, Any]:
         if compact:  # the keys are the runner's token buckets (:402-406, :699-702)
             assert sorted(s["graph_key"] for s in shapes) == DecodeCudaGraphRunner._build_ragged_verify_token_buckets(
                 graphs)
-        return {"source": OWN.source(), "max_running_requests": max_running, "decode_max_bs": decode.max_bs,
+        return {"source": OWN.source(), "max_requests": max_running, "decode_max_bs": decode.max_bs,
                 "decode_bs": list(decode.bs), "capture_bs": capture_bs, "width": width, "compact": compact,
                 "shapes": shapes}
 
@@ -140,7 +140,7 @@ def _resolve_cpu(cfg: Mapping[str, Any]) -> dict[str, Any]:
     max_running = get_schedule().max_running_requests
     pool = _pool_size(KVCacheConfigurator, max_running, get_parallel().attn_dp_size, cfg["kv_capacity"], decode.bs)
     capture_bs = get_batch_sizes_to_capture(SimpleNamespace(req_to_token_pool=SimpleNamespace(size=pool)))
-    return {"source": OWN.source(), "max_running_requests": max_running, "decode_max_bs": max(decode.bs),
+    return {"source": OWN.source(), "max_requests": max_running, "decode_max_bs": max(decode.bs),
             "decode_bs": list(decode.bs), "capture_bs": capture_bs, "width": 1, "compact": False,
             "shapes": [{"bs": bs, "graph_key": bs, "verify_lens": [1] * bs} for bs in reversed(capture_bs)]}
 

@@ -19,7 +19,7 @@ from typing import Any
 from jitwarm.cache import settings
 from jitwarm.precompile.servers import plugins
 from jitwarm.precompile.servers.sglang import NAME
-from jitwarm.precompile.servers.sglang.fields import SERVER_ARGS_FIELDS
+from jitwarm.precompile.servers.sglang.fields import SGLANG_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class _Plan(plugins.PlanMode):
     """sglang's plan mode: the device drained and the TP ranks met through the current backend's own objects."""
 
     log = log
-    server_keys = SERVER_ARGS_FIELDS | {"ragged_verify_mode"}
+    server_keys = frozenset(SGLANG_NAMES) | {"ragged_verify_mode"}
     decides = "the server's own arguments (and SGLANG_RAGGED_VERIFY_MODE) decide"
     backend: Any = None
 
@@ -280,7 +280,7 @@ def _hookable(path: str) -> bool:
 
 def _server_fields(server_args: Any, architecture: str | None) -> dict[str, Any]:
     """The ServingConfig fields of ``server_args`` (its raw capture settings, as given) and the architecture."""
-    given = {name: getattr(server_args, name, None) for name in SERVER_ARGS_FIELDS}
+    given = {name: getattr(server_args, sglang, None) for name, sglang in SGLANG_NAMES.items()}
     if not isinstance(given["model_path"], str):
         given["model_path"] = None
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}

@@ -32,8 +32,8 @@ INPUT_KEYS: Mapping[str, Any] = {
 OPTION_KEYS = ("device", "enable_torch_compile", "torch_compile_max_bs")
 TORCH_COMPILE_MAX_BS = 32
 
-#: Inputs that are not ServingConfig fields: the device memory, the environment, the KV pool a server profiles at
-#: start-up, the room's own settings.
+#: Inputs that are not ServerArgs fields: the device memory, the environment, the KV pool a server profiles at
+#: start-up; and the room's own settings, which :mod:`.native` passes apart.
 NOT_FIELDS = ("gpu_memory_mb", "ragged_verify_mode", "kv_capacity", *OPTION_KEYS)
 #: The variable sglang reads the verify mode from, and its values (srt/speculative/ragged_verify.py:19-27).
 VERIFY_MODE_ENV = "SGLANG_RAGGED_VERIFY_MODE"
@@ -73,11 +73,11 @@ def normalize_algorithm(name: str | None) -> str | None:
 def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return the decode graphs sglang ``VERSION`` captures for these raw settings (:data:`INPUT_KEYS`).
 
-    The answer: ``source``, ``max_running_requests``, ``decode_max_bs`` and ``decode_bs`` (the resolved
-    ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width`` (tokens per request),
-    ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per graph, largest first); with decode
-    graphs disabled ``{"source", "disabled": <why>, "shapes": []}``. :class:`ResolutionError` for a combination
-    sglang rejects.
+    The answer: ``source``, ``max_requests`` (the resolved ``max_running_requests``), ``decode_max_bs`` and
+    ``decode_bs`` (the resolved ``cuda_graph_config.decode``), ``capture_bs`` (after the runner's cut), ``width``
+    (tokens per request), ``compact`` and ``shapes`` (``{"bs", "graph_key", "verify_lens"}`` per graph, largest
+    first); with decode graphs disabled ``{"source", "disabled": <why>, "shapes": []}``. :class:`ResolutionError`
+    for a combination sglang rejects.
     """
     cfg = {**INPUT_KEYS, **inputs}
     algorithm = normalize_algorithm(cfg["speculative_algorithm"])
@@ -115,7 +115,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
         # decode_cuda_graph_runner.py:408-418
         raise ResolutionError("compact ragged verify (SGLANG_RAGGED_VERIFY_MODE=compact) cannot be used with "
                               "--disable-cuda-graph-padding: sglang rejects it")
-    return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max_bs,
+    return {"source": SOURCE, "max_requests": max_running, "decode_max_bs": max_bs,
             "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": compact,
             "shapes": graph_shapes(capture_bs, width, compact)}
 
@@ -147,7 +147,7 @@ def _resolve_cpu(cfg: Mapping[str, Any], algorithm: str | None, attn_dp: int) ->
         raise ResolutionError(f"no CPU graph batch size is within the request pool of {pool} (sglang asserts on "
                               "an empty ladder: cpu_graph_runner.py:148)")
     width = _draft_tokens(cfg, algorithm) if algorithm is not None else 1
-    return {"source": SOURCE, "max_running_requests": max_running, "decode_max_bs": max(bs_list),
+    return {"source": SOURCE, "max_requests": max_running, "decode_max_bs": max(bs_list),
             "decode_bs": bs_list, "capture_bs": capture_bs, "width": width, "compact": False,
             "shapes": graph_shapes(capture_bs, width, False)}
 

@@ -50,7 +50,8 @@ DSV4_ARCHITECTURES = frozenset({"DeepseekV4ForCausalLM", "DeepseekV4ForCondition
 
 model_families = functools.partial(model.model_families, dsv4=DSV4_ARCHITECTURES)
 __getattr__ = lazy_functions(__name__, {
-    "recognises": "argv:is_server_command", "parse_argv": "fields", "defaults": "fields", "check": "fields",
+    "recognises": "argv:is_server_command", "parse_argv": "fields", "FIELD_FLAGS": "fields", "defaults": "fields",
+    "check": "fields",
     "ladder_inputs": "fields", "needs_memory": "fields", "resolve_ladder": "native", "cache_dirs": "caches",
     "CACHE_VARIABLES": "caches", "unloadable": "caches"})
 

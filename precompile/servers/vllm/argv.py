@@ -29,7 +29,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--enable-chunked-prefill": ("enable_chunked_prefill", "true"),
     "--no-enable-chunked-prefill": ("enable_chunked_prefill", "false"),
     "--spec-tokens": ("num_speculative_tokens", "int"), "--model": ("model_path", "str"),
-    "--tensor-parallel-size": ("tp_size", "int"), "-tp": ("tp_size", "int"),
+    "--tensor-parallel-size": ("tensor_parallel_size", "int"), "-tp": ("tensor_parallel_size", "int"),
     "--compilation-config": ("compilation_config", "json"), "-cc": ("compilation_config", "json"),
     "--speculative-config": ("speculative_config", "json"), "-sc": ("speculative_config", "json"),
 }
@@ -63,9 +63,9 @@ def parse_server_argv(argv: Sequence[str]) -> dict[str, Any]:
     """Return the capture settings of a vLLM command line (launcher optional) as raw inputs for :mod:`.rules`.
 
     The :data:`.rules.INPUT_KEYS` the line sets (a leading ``VLLM_USE_V2_MODEL_RUNNER=0`` the V1 runner, a leading
-    ``VLLM_TARGET_DEVICE=cpu`` the CPU platform), ``model_path`` and ``tp_size``. :class:`ServerArgvError` for a
-    launcher that is not vLLM's, a capture flag without its value or with a bad one, a second positional argument,
-    or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
+    ``VLLM_TARGET_DEVICE=cpu`` the CPU platform), ``model_path`` and ``tensor_parallel_size``.
+    :class:`ServerArgvError` for a launcher that is not vLLM's, a capture flag without its value or with a bad one,
+    a second positional argument, or a setting the rules do not mirror (LoRA, DBO, a ``--config`` file).
     """
     values: dict[str, Any] = {}
     env, args = command_line.split_env(argv)

@@ -1,7 +1,7 @@
 """What ServingConfig's fields mean to vLLM: the command line into fields, their checks, the ladder's inputs.
 
-``max_running_requests`` is ``--max-num-seqs``; every other vLLM setting is a ``server_options`` key
-(:data:`.OPTIONS`), among them stand-ins for what vLLM reads from the device and the model:
+``max_requests`` is ``--max-num-seqs``, ``tp`` ``--tensor-parallel-size``; every other vLLM setting is a
+``server_options`` key (:data:`.OPTIONS`), among them stand-ins for what vLLM reads from the device and the model:
 ``device_capability`` (90 Hopper, 100 data-center Blackwell; else from a single ``--target sm_XY``) and
 ``attention_cudagraph_support`` (``AttentionCGSupport``, default ``ALWAYS``).
 """
@@ -18,11 +18,13 @@ from jitwarm.precompile.servers import differs_by_memory, json_object, refusals
 from jitwarm.precompile.servers.vllm import rules
 from jitwarm.precompile.servers.vllm.argv import parse_server_argv
 
-#: ServingConfig fields that mean nothing to vLLM (sglang's flags): set, they are a problem, not silently dropped.
-SGLANG_ONLY = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config", "disable_cuda_graph",
-               "disable_decode_cuda_graph", "disable_cuda_graph_padding", "speculative_algorithm",
-               "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk", "ragged_verify_mode")
-_FIELD_OF = {"max_num_seqs": "max_running_requests", "tp_size": "tp_size", "model_path": "model_path"}
+#: ServingConfig fields no vLLM setting means: set, they are a problem, not silently dropped. (vLLM's capture sizes
+#: and speculative tokens count tokens, not requests or verified tokens: ``server_options``, not graph_* or draft_*.)
+NOT_VLLM = ("graph_max_bs", "graph_bs", "graph_config", "no_graphs", "no_decode_graphs", "no_graph_padding",
+            "draft_algorithm", "draft_tokens", "draft_steps", "draft_topk", "ragged_verify_mode")
+#: The flag a vLLM user types for each field (messages name it); :func:`parse_argv` maps each onto its field.
+FIELD_FLAGS = {"max_requests": "--max-num-seqs", "tp": "--tensor-parallel-size", "model_path": "--model"}
+_FIELD_OF = {"max_num_seqs": "max_requests", "tensor_parallel_size": "tp", "model_path": "model_path"}
 _SM = re.compile(r"sm_(\d+)(\d)[af]?")
 #: Device memory samples (MiB) per capability, to tell whether the graphs depend on the memory.
 _MEMORY_SAMPLES = (40 * 1024, 80 * 1024, 141 * 1024, 180 * 1024)
@@ -66,9 +68,9 @@ def on_cpu_platform() -> bool:
 
 
 def check(config: Any, *, resolve: bool) -> list[str]:
-    """Problems vLLM would find in ``config``: sglang's flags set, what its rules refuse."""
-    problems = [f"{name} is an sglang setting; a vLLM server line does not take it" for name in SGLANG_ONLY
-                if getattr(config, name, None) not in (None, False)]
+    """Problems vLLM would find in ``config``: a setting it has not (:data:`NOT_VLLM`), what its rules refuse."""
+    problems = [f"{config.flag_of(name)} is not a vLLM setting; a vLLM server line does not take it"
+                for name in NOT_VLLM if getattr(config, name, None) not in (None, False)]
     if resolve and not problems:  # the config has checked server_options' keys against OPTIONS
         problems += refusals(rules.resolve, ladder_inputs(config), rules.reads_device)
     return problems
@@ -80,7 +82,7 @@ def ladder_inputs(config: Any) -> dict[str, Any]:
     if not isinstance(options, dict):  # the config reports a server_options that is not an object
         options = {}
     inputs = {**rules.INPUT_KEYS, **{k: v for k, v in options.items() if k in rules.INPUT_KEYS},
-              "max_num_seqs": config.max_running_requests, "gpu_memory_mb": config.gpu_memory_mb}
+              "max_num_seqs": config.max_requests, "gpu_memory_mb": config.gpu_memory_mb}
     if inputs["device_capability"] is None:
         inputs["device_capability"] = target_capability(config.targets or ())
     return inputs

@@ -41,7 +41,7 @@ class _Plan(plugins.PlanMode):
     """vLLM's plan mode: the capture settings from the runner's ``vllm_config``, drained as the plain drain is."""
 
     log = log
-    server_keys = frozenset({"max_running_requests", "tp_size", "gpu_memory_mb", "server", "server_options",
+    server_keys = frozenset({"max_requests", "tp", "gpu_memory_mb", "server", "server_options",
                              "model_path", "model_architecture"})
     decides = "the server's own vllm_config decides"
 
@@ -297,8 +297,8 @@ def _server_fields(vllm_config: Any, runner: type) -> dict[str, Any]:
                "model_runner": "v2" if runner.__module__.startswith("vllm.v1.worker.gpu.") else "v1"}
     if not options["cudagraph_capture_sizes"]:
         options.update(cudagraph_mode="NONE", cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
-    return {"server": "vllm", "ladder_source": "builtin", "max_running_requests": scheduler.max_num_seqs,
-            "tp_size": getattr(vllm_config.parallel_config, "tensor_parallel_size", 1), "server_options": options,
+    return {"server": "vllm", "ladder_source": "builtin", "max_requests": scheduler.max_num_seqs,
+            "tp": getattr(vllm_config.parallel_config, "tensor_parallel_size", 1), "server_options": options,
             "model_architecture": architectures[0] if architectures else None}
 
 

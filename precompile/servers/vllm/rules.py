@@ -84,7 +84,7 @@ def resolve(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def answer(source: str, max_num_seqs: int | None, max_num_tokens: int | None, q: int) -> dict[str, Any]:
     """A resolution that captures no graph yet, for these limits (the fields every answer has)."""
-    return {"source": source, "max_num_seqs": max_num_seqs, "max_running_requests": max_num_seqs,
+    return {"source": source, "max_num_seqs": max_num_seqs, "max_requests": max_num_seqs,
             "max_num_batched_tokens": max_num_tokens, "width": q, "compact": False, "cudagraph_mode": "NONE",
             "capture_sizes": [], "max_capture_size": 0, "shapes": [], "capture_bs": []}
 
