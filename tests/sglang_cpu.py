@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,16 +159,6 @@ def from_record(record: Mapping[str, object]) -> SglangCpu:
     """The :class:`SglangCpu` of :func:`prepare`'s record."""
     fields = {name: Path(str(value)) for name, value in record.items() if name != "install_seconds"}
     return SglangCpu(**fields, install_seconds=float(record.get("install_seconds", 0.0)))  # type: ignore[arg-type]
-
-
-def generate(port: int, texts: list[str], tokens: int = 8) -> list[list[int]]:
-    """``texts`` generated greedily in one request (a batch of ``len(texts)``): each one's output token ids."""
-    body = json.dumps({"text": texts, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
-                                                          "ignore_eos": True}}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
-                                     headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310 - loopback
-        return [answer["output_ids"] for answer in json.loads(response.read())]
 
 
 def graph_sizes(log: str) -> list[list[int]]:
