@@ -40,6 +40,8 @@ def pytest_configure(config):
     nor a selection (``-m``, ``-k``) were given: a run of a few tests makes only the sets they ask for.
     ``JITWARM_TEST_PREBUILD=0`` turns it off.
     """
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist hands out the files as collected (ordered below)
+        config.option.loadscopereorder = False
     if hasattr(config, "workerinput") or config.args_source == pytest.Config.ArgsSource.ARGS:
         return
     if config.option.markexpr or config.option.keyword:  # a selection (CI's floor pass: -m floor)
@@ -71,6 +73,24 @@ def pytest_unconfigure(config):
 
 
 _PREBUILD = pytest.StashKey[subprocess.Popen]()
+
+#: Files of one or two tests that hold a cold server start of their own (no capture of the run's): pytest-xdist
+#: hands out the files with the most tests first, so these would run last, alone on one core while the other has
+#: finished; they go after the :data:`EARLY_AFTER` largest files instead (the server's set is made by then).
+EARLY = ("tests/test_real_capture.py",)
+EARLY_AFTER = 8
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most tests first, as pytest-xdist orders them, with :data:`EARLY` after the largest."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(files, key=lambda name: -len(files[name]))
+    early = [name for name in order if name in EARLY]
+    order = [name for name in order if name not in EARLY]
+    order[EARLY_AFTER:EARLY_AFTER] = early
+    items[:] = [item for name in order for item in files[name]]
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], dict]) -> tuple[Path, dict]:
