@@ -263,9 +263,7 @@ def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
     """
     import vllm_cpu as server
 
-    _, record = built_once(tmp_path_factory, "vllm-captured", lambda path: server.capture_defaults(vllm_cpu, path))
-    assert record["returncode"] == 0, record["stderr"][-4000:]
-    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "requests")}}
+    return _captured(tmp_path_factory, "vllm-captured", lambda path: server.capture_defaults(vllm_cpu, path))
 
 
 @pytest.fixture(scope="session")
@@ -275,10 +273,20 @@ def vllm_captured_headers_on(vllm_cpu, tmp_path_factory) -> dict:
     capture's ``stdout``, ``stderr`` and ``returncode``."""
     import vllm_cpu as server
 
-    _, record = built_once(tmp_path_factory, "vllm-captured-headers-on",
-                           lambda path: server.capture_headers_on(vllm_cpu, path))
+    return _captured(tmp_path_factory, "vllm-captured-headers-on",
+                     lambda path: server.capture_headers_on(vllm_cpu, path))
+
+
+def _captured(tmp_path_factory, name: str, capture: Callable[[Path], dict]) -> dict:
+    """The record of a real server's capture made once per run (:func:`built_once`), its paths as paths; a capture
+    that failed fails the test with the end of what it said."""
+    _, record = built_once(tmp_path_factory, name, capture)
     assert record["returncode"] == 0, record["stderr"][-4000:]
-    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle")}}
+    return {**record, **{k: Path(v) for k, v in record.items() if k in _CAPTURE_PATHS}}
+
+
+#: The paths in a capture's record (tests/vllm_cpu.py, tests/sglang_cpu.py ``capture_*``).
+_CAPTURE_PATHS = ("first", "manifest", "bundle", "log", "requests")
 
 
 @pytest.fixture(scope="session")
@@ -346,6 +354,4 @@ def sglang_captured(sglang_cpu, tmp_path_factory) -> dict:
     ``stderr`` and ``returncode``."""
     import sglang_cpu as server
 
-    _, record = built_once(tmp_path_factory, "sglang-captured", lambda path: server.capture_defaults(sglang_cpu, path))
-    assert record["returncode"] == 0, record["stderr"][-4000:]
-    return {**record, **{k: Path(record[k]) for k in ("first", "manifest", "bundle", "log", "requests")}}
+    return _captured(tmp_path_factory, "sglang-captured", lambda path: server.capture_defaults(sglang_cpu, path))

@@ -174,19 +174,15 @@ def prepare(folder: Path) -> dict[str, str]:
 
 
 def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
-    """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on) on a node in ``folder``:
-    the node (``first``), the ``manifest``, the ``bundle``, and the capture's ``stdout``, ``stderr`` and
-    ``returncode`` (the record of conftest's ``vllm_captured``, which tests/prebuild.py may make first)."""
+    """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on) on a node in ``folder``,
+    sending :data:`GREEDY` after the default first requests: :func:`_capture`'s record with the ``requests`` file
+    (conftest's ``vllm_captured``, which tests/prebuild.py may make first)."""
     from first_answers import write_requests
 
     env = server.env(folder / "capture-node")
     env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
-    manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
     requests = write_requests(folder / "requests.jsonl", GREEDY)
-    proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                          "--warm-requests", str(requests), "--json", "--", *server.serve(free_port()), env=env)
-    return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-            "requests": str(requests), "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+    return {**_capture(server, folder, env, "--warm-requests", str(requests)), "requests": str(requests)}
 
 
 #: Inductor's precompiled headers on: torch's default, which capture keeps where the line sets it.
@@ -195,12 +191,17 @@ HEADERS_ON = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
 
 def capture_headers_on(server: VllmCpu, folder: Path) -> dict[str, str | int]:
     """One ``jitwarm capture --export`` of the real vLLM with Inductor's precompiled headers on (and vLLM's AOT
-    compile off, :meth:`VllmCpu.env`), on a node in ``folder``: the record of conftest's ``vllm_captured_headers_on``
-    (tests/test_real_ledger.py's, which loses the header), which tests/prebuild.py may make first."""
+    compile off, :meth:`VllmCpu.env`): :func:`_capture`'s record (conftest's ``vllm_captured_headers_on``,
+    tests/test_real_ledger.py's, which loses the header; tests/prebuild.py may make it first)."""
+    return _capture(server, folder, server.env(folder / "capture-node", **HEADERS_ON))
+
+
+def _capture(server: VllmCpu, folder: Path, env: Mapping[str, str], *flags: str) -> dict[str, str | int]:
+    """``jitwarm capture --export ... FLAGS`` of the real vLLM in ``env`` on the node ``folder/capture-node``: the
+    node (``first``), the ``manifest``, the ``bundle``, and the capture's ``stdout``, ``stderr`` and ``returncode``."""
     manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
     proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                          "--json", "--", *server.serve(free_port()), env=server.env(folder / "capture-node",
-                                                                                    **HEADERS_ON))
+                          *flags, "--json", "--", *server.serve(free_port()), env=env)
     return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
             "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
 
