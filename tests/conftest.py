@@ -259,22 +259,12 @@ def vllm_captured(vllm_cpu, tmp_path_factory) -> dict:
     """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on), once per run: the node it
     ran on (``first``), its ``manifest`` and ``bundle``, and the capture's ``stdout``, ``stderr`` and ``returncode``.
 
-    tests/test_real_server.py and tests/test_real_pod.py restore the same capture: a cold start each saved.
+    tests/test_real_server.py, tests/test_real_pod.py and tests/test_real_ledger.py restore the same capture: a cold
+    start each saved.
     """
     import vllm_cpu as server
 
     return _captured(tmp_path_factory, "vllm-captured", lambda path: server.capture_defaults(vllm_cpu, path))
-
-
-@pytest.fixture(scope="session")
-def vllm_captured_headers_on(vllm_cpu, tmp_path_factory) -> dict:
-    """One ``jitwarm capture --export`` of the real vLLM with Inductor's precompiled headers on, once per run
-    (tests/test_real_ledger.py's): the node it ran on (``first``), its ``manifest`` and ``bundle``, and the
-    capture's ``stdout``, ``stderr`` and ``returncode``."""
-    import vllm_cpu as server
-
-    return _captured(tmp_path_factory, "vllm-captured-headers-on",
-                     lambda path: server.capture_headers_on(vllm_cpu, path))
 
 
 def _captured(tmp_path_factory, name: str, capture: Callable[[Path], dict]) -> dict:

@@ -71,8 +71,6 @@ def _server_captures(base: Path) -> None:
     if "skip" not in prepared:
         sglang = sglang_cpu.from_record(prepared)
         once(base, "sglang-captured", lambda path: sglang_cpu.capture_defaults(sglang, path))
-    if vllm is not None:  # the suite's last real test restores it: made here, its cold start is off the run's end
-        once(base, "vllm-captured-headers-on", lambda path: vllm_cpu.capture_headers_on(vllm, path))
 
 
 def main(base: Path | None) -> int:

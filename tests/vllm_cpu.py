@@ -49,6 +49,8 @@ BROKEN = ("torchvision", "torchcodec", "torchaudio")
 MARKER = ".jitwarm-complete"
 #: The server's flags every test uses: loopback, a short context, the dtype the CPU attention supports.
 SERVE_FLAGS = ("--host", "127.0.0.1", "--max-model-len", "512", "--dtype", "bfloat16")
+#: vLLM's own log lines: its AOT artifact loaded (``compilation/decorators.py:320``), or its load failed (``:334``).
+LOADED, LOAD_FAILED = "Directly load AOT compilation from path ", "Compiling model again"
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,16 @@ class VllmCpu:
         """``jitwarm ARGS`` run as an operator runs it in the server's image (its python, its environment)."""
         return subprocess.run([str(self.python), "-m", "jitwarm", *args], env=dict(env), capture_output=True,
                               text=True, timeout=timeout, check=False)
+
+
+class Defaults(VllmCpu):
+    """The server set on vLLM's defaults: ``VllmCpu.env`` turns AOT compile off, this one leaves vLLM's default."""
+
+    def env(self, node: Path, **extra: str) -> dict[str, str]:
+        values = super().env(node, **extra)
+        if "VLLM_USE_AOT_COMPILE" not in extra:
+            del values["VLLM_USE_AOT_COMPILE"]
+        return values
 
 
 def rpc_dir(node: Path) -> Path:
@@ -183,17 +195,6 @@ def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
     env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
     requests = write_requests(folder / "requests.jsonl", GREEDY)
     return {**_capture(server, folder, env, "--warm-requests", str(requests)), "requests": str(requests)}
-
-
-#: Inductor's precompiled headers on: torch's default, which capture keeps where the line sets it.
-HEADERS_ON = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1"}
-
-
-def capture_headers_on(server: VllmCpu, folder: Path) -> dict[str, str | int]:
-    """One ``jitwarm capture --export`` of the real vLLM with Inductor's precompiled headers on (and vLLM's AOT
-    compile off, :meth:`VllmCpu.env`): :func:`_capture`'s record (conftest's ``vllm_captured_headers_on``,
-    tests/test_real_ledger.py's, which loses the header; tests/prebuild.py may make it first)."""
-    return _capture(server, folder, server.env(folder / "capture-node", **HEADERS_ON))
 
 
 def _capture(server: VllmCpu, folder: Path, env: Mapping[str, str], *flags: str) -> dict[str, str | int]:
