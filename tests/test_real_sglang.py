@@ -12,13 +12,14 @@ One module fixture runs the operator's flow, each step a real process, on the on
    them (kept beside the manifest): the restored graphs compute the cold start's tokens;
 3. the same node started with one size more (``--torch-compile-max-bs 3``): exactly size 3 compiles, and
    jitwarm's plugin names it during the capture, a warning by default (the start serves); and a second restored
-   node started so under ``JITWARM_STRICT=1``: an error (the start stops).
+   node started so under ``JITWARM_STRICT=1``: an error, the start stopped at the first kernel, before writing it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -103,7 +104,8 @@ def flow(sglang_cpu, sglang_captured, tmp_path_factory):
             "ledger": at_ready, "answers": got,
             "cold_answers": kept(json.loads(sglang_captured["stdout"])["answers"]), "ready_s": ready_s, "log": log,
             "witness": witness.read_text().splitlines() if witness.is_file() else [],
-            "strict_code": strict_code, "strict_log": strict_log, "warned": warned, "warn_log": warn_log}
+            "strict_code": strict_code, "strict_log": strict_log, "strict_node": strict_node, "warned": warned,
+            "warn_log": warn_log}
 
 
 def sglang_cpu_gate_only() -> str:
@@ -199,6 +201,10 @@ def test_a_compile_in_a_restored_capture_is_an_error_under_strict(flow, sglang_c
     log = flow["strict_log"]
     assert server_set.graph_sizes(log) == [plan_ladder(sglang_cpu, "--torch-compile-max-bs", "3")]
     assert "CompileDuringCaptureError" in log and NAMED in log, log[-3000:]
+    # stopped at the first kernel the restore lacked, before it was written: not after the batch size compiled
+    assert "; 1 such)" in log and "compiled during sglang's CPU graph capture" not in log, log[-3000:]
+    kernel = re.search(r"Inductor C\+\+ kernel (\S+) would be compiled", log).group(1)
+    assert not list(flow["strict_node"].rglob(kernel)), kernel
 
 
 def test_a_compile_in_a_restored_capture_is_a_warning_by_default(flow):

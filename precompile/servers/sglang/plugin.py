@@ -148,25 +148,44 @@ def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -
 
     Compiling is what a CPU graph's capture does (``torch.compile``), so only a node the restore filled (its
     receipt in the jitwarm cache root) should compile nothing: there each new C++ kernel is a warning, refused
-    under ``JITWARM_STRICT=1`` (the start stops, naming it).
+    under ``JITWARM_STRICT=1`` (the start stops at that kernel, naming it).
     """
     from jitwarm.precompile import guard
 
     named: list[str] = []
-    with guard.capture_guard(), _restored_seal(named):
+    strict = settings.is_strict()
+    with guard.capture_guard(), _restored_seal(named, strict) as sealed, _errors_raised(sealed and strict):
         graph = original(runner, *args, **kwargs)
-    if named and settings.is_strict():
-        # Raised here, not inside the compile: sglang sets torch._dynamo.config.suppress_errors with
-        # --enable-torch-compile (srt/layers/attention/flashinfer_backend.py:71-73), which turns an error inside
-        # the compile into a silent eager fallback.
-        from jitwarm.kernels.dispatch import CompileDuringCaptureError
-
-        raise CompileDuringCaptureError(named[0], f" (sglang's CPU graph capture on a restored node: {_WHY}; "
-                                        f"{len(named)} such)", hint="Capture the server's line with this ladder "
-                                        "(the same --torch-compile-max-bs) and restore that bundle.")
+    if named and strict:  # refused in the compile; a refusal something swallowed all the same stops the start here
+        raise _refusal(named)
     if _recorder is not None:  # as after a CUDA graph: a stopped server runs no atexit
         _recorder.capture()
     return graph
+
+
+def _refusal(named: list[str]) -> Exception:
+    from jitwarm.kernels.dispatch import CompileDuringCaptureError
+
+    return CompileDuringCaptureError(named[0], f" (sglang's CPU graph capture on a restored node: {_WHY}; "
+                                     f"{len(named)} such)", hint="Capture the server's line with this ladder "
+                                     "(the same --torch-compile-max-bs) and restore that bundle.")
+
+
+@contextlib.contextmanager
+def _errors_raised(refusing: bool) -> Iterator[None]:
+    """Where the seal refuses: torch._dynamo's ``suppress_errors`` off for the block.
+
+    sglang sets it with --enable-torch-compile (srt/layers/attention/flashinfer_backend.py:71-73), which turns an
+    error inside a compile into a silent eager fallback: a refusal raised inside the compile then came back only
+    after the whole batch size had compiled (12 graphs of the test model, 37 s on a 2-core box). Off, the refusal
+    stops the start at the first kernel the restore lacks.
+    """
+    config = sys.modules.get("torch._dynamo.config")
+    if not refusing or config is None:
+        yield
+        return
+    with config.patch(suppress_errors=False):
+        yield
 
 
 def _restored() -> bool:
@@ -177,8 +196,10 @@ def _restored() -> bool:
 
 
 @contextlib.contextmanager
-def _restored_seal(named: list[str]) -> Iterator[None]:
-    """On a restored node, each new Inductor C++ kernel written during the block is warned and added to ``named``.
+def _restored_seal(named: list[str], strict: bool = False) -> Iterator[bool]:
+    """On a restored node, each new Inductor C++ kernel written in the block is named (``named``): warned, or refused.
+
+    Refused under ``strict``, before it is written. Yields whether the seal is armed.
 
     Not each Inductor lowering: sglang's CPU runner freezes the weights into its graphs (``freezing=True``,
     cpu_graph_runner.py:125), and Inductor lowers such a graph again at every start, warm or restored, writing a
@@ -186,7 +207,7 @@ def _restored_seal(named: list[str]) -> Iterator[None]:
     compiled. A kernel source the cache lacks (``codecache.write`` of a ``.cpp`` not there) is a compile.
     """
     if "torch" not in sys.modules or not _restored():
-        yield
+        yield False
         return
     # torch.compile imports Inductor at the first compile, inside the first (largest) graph's capture: the
     # module the compile will import, imported now, so that graph is watched too.
@@ -196,7 +217,7 @@ def _restored_seal(named: list[str]) -> Iterator[None]:
         plugins.failed(log, "arming the CPU capture seal", exc)
         codecache = None
     if not callable(getattr(codecache, "write", None)):
-        yield
+        yield False
         return
     from jitwarm.kernels.tap import replace
 
@@ -210,6 +231,8 @@ def _restored_seal(named: list[str]) -> Iterator[None]:
             if not os.path.exists(path):  # noqa: PTH110 - Inductor's own test (codecache.write)
                 what = f"Inductor C++ kernel {os.path.basename(path)}"  # noqa: PTH119
                 named.append(what)
+                if strict:
+                    raise _refusal(named)
                 log.warning("jitwarm: %s compiled during sglang's CPU graph capture on a restored node: %s; "
                             "JITWARM_STRICT=1 refuses it", what, _WHY)
         return original(content, extension, extra, hash_type, specified_dir, key)
@@ -221,7 +244,7 @@ def _restored_seal(named: list[str]) -> Iterator[None]:
         plugins.failed(log, "arming the CPU capture seal", exc)
         undo = None
     try:
-        yield
+        yield undo is not None
     finally:
         if undo is not None:
             undo()
