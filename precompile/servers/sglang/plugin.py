@@ -164,6 +164,7 @@ def _around_cpu_capture(original: Any, runner: Any, *args: Any, **kwargs: Any) -
 
 
 def _refusal(named: list[str]) -> Exception:
+    """The error that stops a restored node's strict start: the first kernel named, and how many so far."""
     from jitwarm.kernels.dispatch import CompileDuringCaptureError
 
     return CompileDuringCaptureError(named[0], f" (sglang's CPU graph capture on a restored node: {_WHY}; "
