@@ -197,7 +197,7 @@ def _restored() -> bool:
 
 
 @contextlib.contextmanager
-def _restored_seal(named: list[str], strict: bool = False) -> Iterator[bool]:
+def _restored_seal(named: list[str], strict: bool) -> Iterator[bool]:
     """On a restored node, each new Inductor C++ kernel written in the block is named (``named``): warned, or refused.
 
     Refused under ``strict``, before it is written. Yields whether the seal is armed.
