@@ -63,7 +63,6 @@ def _server_captures(base: Path) -> None:
     tests, and the tests that restore it find it made instead of starting it on one worker while the other waits.
     """
     _, prepared = once(base, "vllm-cpu", or_skip(vllm_cpu.prepare))
-    vllm = None
     if "skip" not in prepared:
         vllm = vllm_cpu.VllmCpu(**{name: Path(value) for name, value in prepared.items()})
         once(base, "vllm-captured", lambda path: vllm_cpu.capture_defaults(vllm, path))

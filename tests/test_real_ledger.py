@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import vllm_cpu as server
@@ -34,6 +35,20 @@ WITNESS = """#!/bin/bash
 printf '%s\\n' "$*" >> "$JITWARM_TEST_WITNESS"
 PATH="${PATH#"${0%/*}:"}" exec -a g++ g++ "$@"
 """
+
+
+def witnessed(tmp: Path, path: str) -> tuple[Path, dict[str, str]]:
+    """:data:`WITNESS` as ``g++`` first on ``path`` (a ``PATH`` value): its log, and the variables a start takes."""
+    log, bin_dir = tmp / "witness.log", tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "g++").write_text(WITNESS)
+    (bin_dir / "g++").chmod(0o755)
+    return log, {"JITWARM_TEST_WITNESS": str(log), "PATH": os.pathsep.join([str(bin_dir), path])}
+
+
+def seen(log: Path) -> list[str]:
+    """The witness's calls, one a line (none where it never ran)."""
+    return log.read_text().splitlines() if log.is_file() else []
 
 
 def compiles(witness: list[str]) -> list[str]:
@@ -52,7 +67,7 @@ def lost(vllm_cpu, vllm_captured, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_ledger")
     node = tmp / "fresh-node"
     manifest, bundle = vllm_captured["manifest"], vllm_captured["bundle"]
-    defaults = server.Defaults(vllm_cpu.venv, vllm_cpu.overlay, vllm_cpu.model)  # as the documented pod runs it
+    defaults = server.on_defaults(vllm_cpu)  # as the documented pod runs it
     env = defaults.env(node)
     prestart = vllm_cpu.jitwarm("prestart", "--manifest", str(manifest), "--bundle", str(bundle), "--offline",
                                 env=env)
@@ -63,13 +78,9 @@ def lost(vllm_cpu, vllm_captured, tmp_path_factory):
     so.unlink()
     status = vllm_cpu.jitwarm("status", "--manifest", str(manifest), env=env)
     verify = vllm_cpu.jitwarm("verify", "--manifest", str(manifest), "--json", env=env)
-    witness, bin_dir = tmp / "witness.log", tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "g++").write_text(WITNESS)
-    (bin_dir / "g++").chmod(0o755)
+    witness, witnessing = witnessed(tmp, env["PATH"])
     ledger = node / "ledger.json"
-    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
-                        PATH=os.pathsep.join([str(bin_dir), env["PATH"]])) as (port, _):
+    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger), **witnessing) as (port, _):
         answer = server.complete(port, vllm_cpu.model)
         warm_requests.send(f"http://127.0.0.1:{port}/health", warm_requests.DEFAULT)
         stop_request_path(ledger).touch()
@@ -77,7 +88,7 @@ def lost(vllm_cpu, vllm_captured, tmp_path_factory):
         since_start = json.loads(stop_path(ledger).read_text())
     gate = vllm_cpu.jitwarm("ledger", str(ledger), "--require-zero", env=env)
     return {"node": node, "so": so, "ledger": since_start, "answer": answer, "gate": gate,
-           "witness": witness.read_text().splitlines() if witness.is_file() else [], "status": status,
+           "witness": seen(witness), "status": status,
            "status_before": status_before, "verify": verify, "log": (node / "server.log").read_text(errors="replace")}
 
 

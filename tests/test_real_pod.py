@@ -44,9 +44,7 @@ def documented_pod() -> dict:
 def image_env(vllm_cpu, own: Path, **extra: str) -> dict[str, str]:
     """The image's environment on a node whose own caches are ``own``: vLLM's defaults (AOT compile on), as the
     documented pod runs it."""
-    env = vllm_cpu.env(own, **extra)
-    env.pop("VLLM_USE_AOT_COMPILE", None)
-    return env
+    return server.on_defaults(vllm_cpu).env(own, **extra)
 
 
 def container_env(container: dict, own: Path, shared: Path, vllm_cpu) -> dict[str, str]:

@@ -22,7 +22,6 @@ Nothing is faked here: no GPU is involved, the CPU platform captures no CUDA gra
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import pytest
 import vllm_cpu as server
 from compiled_files import compiled, files_under
 from first_answers import compared, kept
-from test_real_ledger import WITNESS
+from test_real_ledger import seen, witnessed
 from workers.capture_harness import wait_for
 
 from jitwarm.precompile import warm_requests
@@ -47,7 +46,7 @@ def cache_files(node: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def flow(vllm_cpu, vllm_captured, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real_server")
-    defaults = server.Defaults(vllm_cpu.venv, vllm_cpu.overlay, vllm_cpu.model)
+    defaults = server.on_defaults(vllm_cpu)
     node = tmp / "fresh-node"
     first, manifest, bundle = vllm_captured["first"], vllm_captured["manifest"], vllm_captured["bundle"]
 
@@ -67,13 +66,9 @@ def flow(vllm_cpu, vllm_captured, tmp_path_factory):
     assert bare.returncode == 0, bare.stderr
     made = sorted(str(p.relative_to(tmp / "bare-node")) for p in (tmp / "bare-node").rglob("*"))
     before = cache_files(node)
-    ledger, witness, bin_dir = node / "ledger.json", tmp / "witness.log", tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "g++").write_text(WITNESS)
-    (bin_dir / "g++").chmod(0o755)
-    path = os.pathsep.join([str(bin_dir), defaults.env(node)["PATH"]])
-    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger), JITWARM_TEST_WITNESS=str(witness),
-                        PATH=path) as (port, ready_s):
+    ledger = node / "ledger.json"
+    witness, witnessing = witnessed(tmp, defaults.env(node)["PATH"])
+    with server.serving(defaults, node, JITWARM_LEDGER=str(ledger), **witnessing) as (port, ready_s):
         at_ready = cache_files(node)
         answer = server.complete(port, defaults.model)
         # what capture sent: vLLM compiles its logprobs op at first use (v1/sample/ops/logprobs.py:10)
@@ -88,7 +83,7 @@ def flow(vllm_cpu, vllm_captured, tmp_path_factory):
             "prestart": json.loads(restored.stdout), "prestart_err": restored.stderr, "other": other, "made": made,
             "before": before, "at_ready": at_ready, "after": after, "ledger": json.loads(ledger.read_text()),
             "stop_ledger": stop_ledger, "answer": answer, "answered": answered,
-            "witness": witness.read_text().splitlines() if witness.is_file() else [], "ready_s": ready_s,
+            "witness": seen(witness), "ready_s": ready_s,
             "log": log}
 
 

@@ -29,7 +29,7 @@ import sglang_cpu as server_set
 import vllm_cpu
 from compiled_files import compiled, files_under
 from first_answers import compared, kept
-from test_real_ledger import WITNESS, compiles
+from test_real_ledger import compiles, seen, witnessed
 
 from jitwarm.precompile import warm_requests
 from jitwarm.precompile.capture import ServerProcess
@@ -77,14 +77,9 @@ def flow(sglang_cpu, sglang_captured, tmp_path_factory):
                                   str(sglang_captured["bundle"]), "--offline", "--json", env=env)
     assert restored.returncode == 0, restored.stderr
     before = cache_files(node)
-    witness, bin_dir = tmp / "witness.log", tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "g++").write_text(WITNESS)
-    (bin_dir / "g++").chmod(0o755)
+    witness, witnessing = witnessed(tmp, env["PATH"])
     ledger = node / "ledger.json"
-    with vllm_cpu.serving(sglang_cpu, node, timeout=1200, JITWARM_LEDGER=str(ledger),
-                          JITWARM_TEST_WITNESS=str(witness),
-                          PATH=os.pathsep.join([str(bin_dir), env["PATH"]])) as (port, ready_s):
+    with vllm_cpu.serving(sglang_cpu, node, timeout=1200, JITWARM_LEDGER=str(ledger), **witnessing) as (port, ready_s):
         at_ready, ready_files = json.loads(ledger.read_text()), cache_files(node)
         got = first_requests(port, sglang_captured)
         after = cache_files(node)
@@ -103,7 +98,7 @@ def flow(sglang_cpu, sglang_captured, tmp_path_factory):
             "after": after,
             "ledger": at_ready, "answers": got,
             "cold_answers": kept(json.loads(sglang_captured["stdout"])["answers"]), "ready_s": ready_s, "log": log,
-            "witness": witness.read_text().splitlines() if witness.is_file() else [],
+            "witness": seen(witness),
             "strict_code": strict_code, "strict_log": strict_log, "strict_node": strict_node, "warned": warned,
             "warn_log": warn_log}
 

@@ -104,6 +104,11 @@ class Defaults(VllmCpu):
         return values
 
 
+def on_defaults(server: VllmCpu) -> Defaults:
+    """``server`` on vLLM's defaults (AOT compile on), as capture and the documented pod run it."""
+    return Defaults(server.venv, server.overlay, server.model)
+
+
 def rpc_dir(node: Path) -> Path:
     """A short folder for the server's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``, default ``TMPDIR``), removed at exit.
 
@@ -187,24 +192,18 @@ def prepare(folder: Path) -> dict[str, str]:
 
 def capture_defaults(server: VllmCpu, folder: Path) -> dict[str, str | int]:
     """One ``jitwarm capture --export`` of the real vLLM on its defaults (AOT compile on) on a node in ``folder``,
-    sending :data:`GREEDY` after the default first requests: :func:`_capture`'s record with the ``requests`` file
-    (conftest's ``vllm_captured``, which tests/prebuild.py may make first)."""
+    sending :data:`GREEDY` after the default first requests: the node (``first``), the ``manifest``, the
+    ``bundle``, the ``requests`` file, and the capture's ``stdout``, ``stderr`` and ``returncode`` (conftest's
+    ``vllm_captured``, which tests/prebuild.py may make first)."""
     from first_answers import write_requests
 
-    env = server.env(folder / "capture-node")
-    env.pop("VLLM_USE_AOT_COMPILE")  # vLLM's default: on with torch >= 2.10
-    requests = write_requests(folder / "requests.jsonl", GREEDY)
-    return {**_capture(server, folder, env, "--warm-requests", str(requests)), "requests": str(requests)}
-
-
-def _capture(server: VllmCpu, folder: Path, env: Mapping[str, str], *flags: str) -> dict[str, str | int]:
-    """``jitwarm capture --export ... FLAGS`` of the real vLLM in ``env`` on the node ``folder/capture-node``: the
-    node (``first``), the ``manifest``, the ``bundle``, and the capture's ``stdout``, ``stderr`` and ``returncode``."""
+    env = on_defaults(server).env(folder / "capture-node")
     manifest, bundle = folder / "server.jsonl", folder / "kernels.tar"
+    requests = write_requests(folder / "requests.jsonl", GREEDY)
     proc = server.jitwarm("capture", "--manifest", str(manifest), "--export", str(bundle), "--timeout", "900",
-                          *flags, "--json", "--", *server.serve(free_port()), env=env)
+                          "--warm-requests", str(requests), "--json", "--", *server.serve(free_port()), env=env)
     return {"first": str(folder / "capture-node"), "manifest": str(manifest), "bundle": str(bundle),
-            "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
+            "requests": str(requests), "stdout": proc.stdout, "stderr": proc.stderr, "returncode": proc.returncode}
 
 
 #: The greedy requests capture sends after its default first requests, whose answers a restored start repeats
